@@ -1,0 +1,3 @@
+//! hprt-hsdp: device mesh, placements, sharded parameters and gradient reduction.
+//!
+//! Empty until the HSDP issue lands.

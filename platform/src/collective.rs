@@ -1,0 +1,308 @@
+//! What a collective does, described once for every backend.
+
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{BackendKind, Error, ErrorKind, Result};
+
+/// One collective operation over a communicator of `world` ranks. `R` names a place in device
+/// memory: a [`crate::BufRef`] above the backend layer, the backend's own memory object below it.
+///
+/// Counts are in elements of `dtype`; the byte sizes each rank's buffers must hold are given by
+/// [`Collective::send_bytes`] and [`Collective::recv_bytes`].
+#[derive(Clone, Debug)]
+pub enum Collective<R> {
+    /// `recv = op(send of every rank)`, `count` elements; `send` and `recv` may be the same place.
+    AllReduce {
+        send: R,
+        recv: R,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    },
+    /// Rank r's `count` elements land at `recv[r * count..]` on every rank (one output buffer).
+    AllGather {
+        send: R,
+        recv: R,
+        count: usize,
+        dtype: DType,
+    },
+    /// `send` holds `world * count` elements; rank r receives `op` over every rank's block r.
+    ReduceScatter {
+        send: R,
+        recv: R,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    },
+    /// In place: `root`'s `count` elements replace `buf` on every rank.
+    Broadcast {
+        buf: R,
+        count: usize,
+        dtype: DType,
+        root: usize,
+    },
+    /// Block q of rank r's `send` (`count` elements) lands in block r of rank q's `recv`.
+    AllToAll {
+        send: R,
+        recv: R,
+        count: usize,
+        dtype: DType,
+    },
+    /// All-to-all with per-peer counts and element displacements.
+    AllToAllV {
+        send: R,
+        recv: R,
+        send_counts: Vec<usize>,
+        send_displs: Vec<usize>,
+        recv_counts: Vec<usize>,
+        recv_displs: Vec<usize>,
+        dtype: DType,
+    },
+    /// Point-to-point send of `count` elements to `peer`, matched in order with its `Recv`.
+    Send {
+        send: R,
+        count: usize,
+        dtype: DType,
+        peer: usize,
+    },
+    Recv {
+        recv: R,
+        count: usize,
+        dtype: DType,
+        peer: usize,
+    },
+    /// Completes on every rank once every rank reached it.
+    Barrier,
+}
+
+impl<R> Collective<R> {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Collective::AllReduce { .. } => "all_reduce",
+            Collective::AllGather { .. } => "all_gather",
+            Collective::ReduceScatter { .. } => "reduce_scatter",
+            Collective::Broadcast { .. } => "broadcast",
+            Collective::AllToAll { .. } => "all_to_all",
+            Collective::AllToAllV { .. } => "all_to_all_v",
+            Collective::Send { .. } => "send",
+            Collective::Recv { .. } => "recv",
+            Collective::Barrier => "barrier",
+        }
+    }
+
+    pub fn dtype(&self) -> Option<DType> {
+        match self {
+            Collective::AllReduce { dtype, .. }
+            | Collective::AllGather { dtype, .. }
+            | Collective::ReduceScatter { dtype, .. }
+            | Collective::Broadcast { dtype, .. }
+            | Collective::AllToAll { dtype, .. }
+            | Collective::AllToAllV { dtype, .. }
+            | Collective::Send { dtype, .. }
+            | Collective::Recv { dtype, .. } => Some(*dtype),
+            Collective::Barrier => None,
+        }
+    }
+
+    /// The memory places, each with the byte extent the operation reads or writes there.
+    pub fn places(&self, world: usize) -> Vec<(&R, usize)> {
+        let sz = self.dtype().map_or(0, DType::size);
+        match self {
+            Collective::AllReduce {
+                send, recv, count, ..
+            } => {
+                vec![(send, count * sz), (recv, count * sz)]
+            }
+            Collective::AllGather {
+                send, recv, count, ..
+            } => {
+                vec![(send, count * sz), (recv, world * count * sz)]
+            }
+            Collective::ReduceScatter {
+                send, recv, count, ..
+            } => {
+                vec![(send, world * count * sz), (recv, count * sz)]
+            }
+            Collective::Broadcast { buf, count, .. } => vec![(buf, count * sz)],
+            Collective::AllToAll {
+                send, recv, count, ..
+            } => {
+                vec![(send, world * count * sz), (recv, world * count * sz)]
+            }
+            Collective::AllToAllV {
+                send,
+                recv,
+                send_counts,
+                send_displs,
+                recv_counts,
+                recv_displs,
+                ..
+            } => vec![
+                (send, extent(send_counts, send_displs) * sz),
+                (recv, extent(recv_counts, recv_displs) * sz),
+            ],
+            Collective::Send { send, count, .. } => vec![(send, count * sz)],
+            Collective::Recv { recv, count, .. } => vec![(recv, count * sz)],
+            Collective::Barrier => vec![],
+        }
+    }
+
+    /// Checks what one rank can check alone: peers, roots and count vectors against the world size.
+    pub fn validate(&self, backend: BackendKind, rank: usize, world: usize) -> Result<()> {
+        let bad = |msg: String| {
+            Err(Error::new(
+                ErrorKind::InvalidValue,
+                backend,
+                self.name(),
+                msg,
+            ))
+        };
+        match self {
+            Collective::Broadcast { root, .. } if *root >= world => {
+                bad(format!("root {root} is not a rank of a world of {world}"))
+            }
+            Collective::Send { peer, .. } | Collective::Recv { peer, .. } if *peer >= world => {
+                bad(format!("peer {peer} is not a rank of a world of {world}"))
+            }
+            Collective::AllToAllV {
+                send_counts,
+                send_displs,
+                recv_counts,
+                recv_displs,
+                ..
+            } => {
+                for (name, v) in [
+                    ("send_counts", send_counts),
+                    ("send_displs", send_displs),
+                    ("recv_counts", recv_counts),
+                    ("recv_displs", recv_displs),
+                ] {
+                    if v.len() != world {
+                        return bad(format!(
+                            "{name} has {} entries for a world of {world}",
+                            v.len()
+                        ));
+                    }
+                }
+                let _ = rank;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The same operation over other memory places.
+    pub fn try_map<S>(self, mut f: impl FnMut(R) -> Result<S>) -> Result<Collective<S>> {
+        Ok(match self {
+            Collective::AllReduce {
+                send,
+                recv,
+                count,
+                dtype,
+                op,
+            } => Collective::AllReduce {
+                send: f(send)?,
+                recv: f(recv)?,
+                count,
+                dtype,
+                op,
+            },
+            Collective::AllGather {
+                send,
+                recv,
+                count,
+                dtype,
+            } => Collective::AllGather {
+                send: f(send)?,
+                recv: f(recv)?,
+                count,
+                dtype,
+            },
+            Collective::ReduceScatter {
+                send,
+                recv,
+                count,
+                dtype,
+                op,
+            } => Collective::ReduceScatter {
+                send: f(send)?,
+                recv: f(recv)?,
+                count,
+                dtype,
+                op,
+            },
+            Collective::Broadcast {
+                buf,
+                count,
+                dtype,
+                root,
+            } => Collective::Broadcast {
+                buf: f(buf)?,
+                count,
+                dtype,
+                root,
+            },
+            Collective::AllToAll {
+                send,
+                recv,
+                count,
+                dtype,
+            } => Collective::AllToAll {
+                send: f(send)?,
+                recv: f(recv)?,
+                count,
+                dtype,
+            },
+            Collective::AllToAllV {
+                send,
+                recv,
+                send_counts,
+                send_displs,
+                recv_counts,
+                recv_displs,
+                dtype,
+            } => Collective::AllToAllV {
+                send: f(send)?,
+                recv: f(recv)?,
+                send_counts,
+                send_displs,
+                recv_counts,
+                recv_displs,
+                dtype,
+            },
+            Collective::Send {
+                send,
+                count,
+                dtype,
+                peer,
+            } => Collective::Send {
+                send: f(send)?,
+                count,
+                dtype,
+                peer,
+            },
+            Collective::Recv {
+                recv,
+                count,
+                dtype,
+                peer,
+            } => Collective::Recv {
+                recv: f(recv)?,
+                count,
+                dtype,
+                peer,
+            },
+            Collective::Barrier => Collective::Barrier,
+        })
+    }
+}
+
+/// Elements spanned by blocks at `displs` of `counts` elements (0 when every block is empty).
+fn extent(counts: &[usize], displs: &[usize]) -> usize {
+    counts
+        .iter()
+        .zip(displs)
+        .filter(|(c, _)| **c > 0)
+        .map(|(c, d)| c + d)
+        .max()
+        .unwrap_or(0)
+}

@@ -1,0 +1,409 @@
+//! The dyn layer: every [`Backend`] is a [`Platform`]. Neutral handles are resolved to backend
+//! objects here, after the checks that need no driver.
+
+use crate::backend::{Backend, Loc, Place};
+use crate::collective::Collective;
+use crate::error::{BackendKind, Error, ErrorKind, Result};
+use crate::handle::{
+    copy_kind, BufRef, BufferHandle, BufferState, Communicator, DeviceBuffer, Event, Mem,
+    ObjectHandle, Owner, PinnedBuffer, RawStream, ReleaseFn, Stream, UniqueId,
+};
+use crate::info::PlatformInfo;
+use crate::memory::{MemInfo, MemoryStats};
+use crate::platform::Platform;
+
+fn owner<B: Backend>(b: &B) -> Owner {
+    Owner {
+        platform: b.instance(),
+        backend: b.kind(),
+    }
+}
+
+fn stream_obj<B: Backend>(b: &B, s: &Stream, op: &'static str) -> Result<B::Stream> {
+    s.handle.get(owner(b), op)
+}
+
+fn event_obj<B: Backend>(b: &B, e: &Event, op: &'static str) -> Result<B::Event> {
+    e.handle.get(owner(b), op)
+}
+
+fn buffer_state(mem: Option<ErasedMem>, len: usize, ptr: usize, borrowed: bool) -> BufferState {
+    BufferState {
+        mem,
+        len,
+        ptr,
+        freed: false,
+        borrowed,
+    }
+}
+type ErasedMem = Box<dyn std::any::Any + Send + Sync>;
+
+fn loc<B: Backend>(
+    b: &B,
+    m: &Mem<'_>,
+    op: &'static str,
+    offset: usize,
+    bytes: usize,
+) -> Result<Option<Loc<B>>> {
+    Ok(match m {
+        Mem::Device(d) => d
+            .handle
+            .mem_for::<B::DeviceMemory>(owner(b), op, offset, bytes)?
+            .map(|x| Loc::Device(x, offset)),
+        Mem::Pinned(p) => p
+            .handle
+            .mem_for::<B::PinnedMemory>(owner(b), op, offset, bytes)?
+            .map(|x| Loc::Pinned(x, offset)),
+    })
+}
+
+/// Rejects overlapping send/recv ranges except the in-place layouts each collective defines.
+fn check_overlap<B: Backend>(
+    b: &B,
+    op: &Collective<BufRef<'_>>,
+    rank: usize,
+    world: usize,
+) -> Result<()> {
+    let places = op.places(world);
+    if places.len() != 2 {
+        return Ok(());
+    }
+    let ((s, sb), (r, rb)) = (places[0], places[1]);
+    if !s.buf.same_as(r.buf) || sb == 0 || rb == 0 {
+        return Ok(());
+    }
+    let disjoint = s.offset + sb <= r.offset || r.offset + rb <= s.offset;
+    let in_place = match op {
+        Collective::AllReduce { .. } => s.offset == r.offset,
+        Collective::AllGather { .. } => s.offset == r.offset + rank * sb,
+        Collective::ReduceScatter { .. } => r.offset == s.offset + rank * rb,
+        _ => false,
+    };
+    if disjoint || in_place {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::InvalidValue,
+        b.kind(),
+        op.name(),
+        "send and recv overlap in a way this collective does not support in place",
+    ))
+}
+
+impl<B: Backend> Platform for B {
+    fn backend(&self) -> BackendKind {
+        self.kind()
+    }
+    fn info(&self) -> PlatformInfo {
+        Backend::info(self)
+    }
+
+    fn device_count(&self) -> usize {
+        Backend::device_count(self)
+    }
+    fn set_device(&self, ordinal: usize) -> Result<()> {
+        Backend::set_device(self, ordinal)
+    }
+    fn current_device(&self) -> usize {
+        Backend::current_device(self)
+    }
+    fn mem_info(&self) -> Result<MemInfo> {
+        Backend::mem_info(self)
+    }
+    fn memory_stats(&self) -> MemoryStats {
+        Backend::memory_stats(self)
+    }
+    fn reset_peak_memory(&self) {
+        Backend::reset_peak_memory(self)
+    }
+
+    fn create_stream(&self) -> Result<Stream> {
+        let (obj, raw) = Backend::create_stream(self)?;
+        Ok(Stream {
+            handle: ObjectHandle::new(owner(self), "stream", obj),
+            raw,
+            external: false,
+        })
+    }
+    unsafe fn wrap_external_stream(&self, raw: RawStream) -> Result<Stream> {
+        let obj = Backend::wrap_stream(self, raw)?;
+        Ok(Stream {
+            handle: ObjectHandle::new(owner(self), "stream", obj),
+            raw,
+            external: true,
+        })
+    }
+    fn destroy_stream(&self, stream: &Stream) -> Result<()> {
+        let obj = stream
+            .handle
+            .take::<B::Stream>(owner(self), "destroy_stream")?;
+        Backend::destroy_stream(self, obj)
+    }
+    fn synchronize_stream(&self, stream: &Stream) -> Result<()> {
+        Backend::synchronize_stream(self, &stream_obj(self, stream, "synchronize_stream")?)
+    }
+    fn query_stream(&self, stream: &Stream) -> Result<bool> {
+        Backend::query_stream(self, &stream_obj(self, stream, "query_stream")?)
+    }
+    fn synchronize_device(&self) -> Result<()> {
+        Backend::synchronize_device(self)
+    }
+
+    fn create_event(&self, timing: bool) -> Result<Event> {
+        let obj = Backend::create_event(self, timing)?;
+        Ok(Event {
+            handle: ObjectHandle::new(owner(self), "event", obj),
+            timing,
+        })
+    }
+    fn destroy_event(&self, event: &Event) -> Result<()> {
+        let obj = event
+            .handle
+            .take::<B::Event>(owner(self), "destroy_event")?;
+        Backend::destroy_event(self, obj)
+    }
+    fn record_event(&self, event: &Event, stream: &Stream) -> Result<()> {
+        let e = event_obj(self, event, "record_event")?;
+        Backend::record_event(self, &e, &stream_obj(self, stream, "record_event")?)
+    }
+    fn stream_wait_event(&self, stream: &Stream, event: &Event) -> Result<()> {
+        let e = event_obj(self, event, "stream_wait_event")?;
+        Backend::stream_wait_event(self, &stream_obj(self, stream, "stream_wait_event")?, &e)
+    }
+    fn query_event(&self, event: &Event) -> Result<bool> {
+        Backend::query_event(self, &event_obj(self, event, "query_event")?)
+    }
+    fn synchronize_event(&self, event: &Event) -> Result<()> {
+        Backend::synchronize_event(self, &event_obj(self, event, "synchronize_event")?)
+    }
+    fn event_elapsed_ms(&self, start: &Event, end: &Event) -> Result<f32> {
+        for e in [start, end] {
+            if !e.timing {
+                return Err(Error::new(
+                    ErrorKind::InvalidValue,
+                    self.kind(),
+                    "event_elapsed_ms",
+                    "the event was created without timing",
+                ));
+            }
+        }
+        let s = event_obj(self, start, "event_elapsed_ms")?;
+        Backend::event_elapsed_ms(self, &s, &event_obj(self, end, "event_elapsed_ms")?)
+    }
+
+    fn alloc_device(&self, bytes: usize) -> Result<DeviceBuffer> {
+        let state = if bytes == 0 {
+            buffer_state(None, 0, 0, false)
+        } else {
+            let (mem, ptr) = Backend::alloc_device(self, bytes)?;
+            buffer_state(Some(Box::new(mem)), bytes, ptr, false)
+        };
+        Ok(DeviceBuffer {
+            handle: BufferHandle::new(owner(self), "device buffer", state),
+        })
+    }
+    unsafe fn wrap_device_memory(
+        &self,
+        ptr: usize,
+        bytes: usize,
+        release: Option<ReleaseFn>,
+    ) -> Result<DeviceBuffer> {
+        if ptr == 0 && bytes > 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidValue,
+                self.kind(),
+                "wrap_device_memory",
+                "null pointer",
+            ));
+        }
+        let mem = Backend::wrap_device_memory(self, ptr, bytes, release)?;
+        Ok(DeviceBuffer {
+            handle: BufferHandle::new(
+                owner(self),
+                "device buffer",
+                buffer_state(Some(Box::new(mem)), bytes, ptr, true),
+            ),
+        })
+    }
+    fn free_device(&self, buf: &DeviceBuffer) -> Result<()> {
+        let mut st = buf.handle.state(owner(self), "free_device")?;
+        st.freed = true;
+        st.len = 0;
+        st.ptr = 0;
+        drop(st.mem.take());
+        Ok(())
+    }
+    fn resize_device(&self, buf: &DeviceBuffer, bytes: usize) -> Result<()> {
+        let mut st = buf.handle.state(owner(self), "resize_device")?;
+        if st.borrowed {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                self.kind(),
+                "resize_device",
+                "borrowed memory belongs to its framework and cannot be resized by hprt",
+            ));
+        }
+        if bytes == st.len {
+            return Ok(());
+        }
+        // Allocate before releasing so a failure leaves the buffer as it was.
+        let next = if bytes == 0 {
+            None
+        } else {
+            Some(Backend::alloc_device(self, bytes)?)
+        };
+        drop(st.mem.take());
+        match next {
+            Some((mem, ptr)) => {
+                st.mem = Some(Box::new(mem));
+                st.ptr = ptr;
+            }
+            None => st.ptr = 0,
+        }
+        st.len = bytes;
+        Ok(())
+    }
+    fn alloc_pinned(&self, bytes: usize) -> Result<PinnedBuffer> {
+        let state = if bytes == 0 {
+            buffer_state(None, 0, 0, false)
+        } else {
+            let (mem, ptr) = Backend::alloc_pinned(self, bytes)?;
+            buffer_state(Some(Box::new(mem)), bytes, ptr, false)
+        };
+        Ok(PinnedBuffer {
+            handle: BufferHandle::new(owner(self), "pinned buffer", state),
+        })
+    }
+    fn free_pinned(&self, buf: &PinnedBuffer) -> Result<()> {
+        let mut st = buf.handle.state(owner(self), "free_pinned")?;
+        st.freed = true;
+        st.len = 0;
+        st.ptr = 0;
+        drop(st.mem.take());
+        Ok(())
+    }
+
+    fn copy_async(
+        &self,
+        dst: Mem<'_>,
+        dst_offset: usize,
+        src: Mem<'_>,
+        src_offset: usize,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        const OP: &str = "copy_async";
+        let s = stream_obj(self, stream, OP)?;
+        let d = loc(self, &dst, OP, dst_offset, bytes)?;
+        let r = loc(self, &src, OP, src_offset, bytes)?;
+        match (d, r) {
+            (Some(d), Some(r)) => Backend::copy(self, copy_kind(&dst, &src), d, r, bytes, &s),
+            // Bounds checks passed with no storage: the copy is empty.
+            _ => Ok(()),
+        }
+    }
+    fn memset_async(
+        &self,
+        dst: &DeviceBuffer,
+        offset: usize,
+        value: u8,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        const OP: &str = "memset_async";
+        let s = stream_obj(self, stream, OP)?;
+        match dst
+            .handle
+            .mem_for::<B::DeviceMemory>(owner(self), OP, offset, bytes)?
+        {
+            Some(m) if bytes > 0 => Backend::memset(self, (m, offset), value, bytes, &s),
+            _ => Ok(()),
+        }
+    }
+
+    fn unique_id(&self) -> Result<UniqueId> {
+        Backend::unique_id(self)
+    }
+    fn comm_init(&self, id: &UniqueId, rank: usize, world: usize) -> Result<Communicator> {
+        if world == 0 || rank >= world {
+            return Err(Error::new(
+                ErrorKind::InvalidValue,
+                self.kind(),
+                "comm_init",
+                format!("rank {rank} is not a rank of a world of {world}"),
+            ));
+        }
+        let obj = Backend::comm_init(self, id, rank, world)?;
+        Ok(Communicator {
+            handle: ObjectHandle::new(owner(self), "communicator", obj),
+            rank,
+            world,
+        })
+    }
+    fn comm_split(
+        &self,
+        comm: &Communicator,
+        rank_lists: &[Vec<usize>],
+    ) -> Result<Option<Communicator>> {
+        const OP: &str = "comm_split";
+        let mut seen = vec![false; comm.world];
+        for &r in rank_lists.iter().flatten() {
+            if r >= comm.world || std::mem::replace(&mut seen[r], true) {
+                return Err(Error::new(
+                    ErrorKind::InvalidValue,
+                    self.kind(),
+                    OP,
+                    format!(
+                        "rank lists must hold distinct ranks below {}: {rank_lists:?}",
+                        comm.world
+                    ),
+                ));
+            }
+        }
+        let parent = comm.handle.get::<B::Comm>(owner(self), OP)?;
+        Ok(
+            Backend::comm_split(self, &parent, rank_lists)?.map(|(obj, rank, world)| {
+                Communicator {
+                    handle: ObjectHandle::new(owner(self), "communicator", obj),
+                    rank,
+                    world,
+                }
+            }),
+        )
+    }
+    fn destroy_comm(&self, comm: &Communicator) -> Result<()> {
+        let obj = comm.handle.take::<B::Comm>(owner(self), "destroy_comm")?;
+        Backend::destroy_comm(self, obj)
+    }
+    fn collective(
+        &self,
+        comm: &Communicator,
+        op: Collective<BufRef<'_>>,
+        stream: &Stream,
+    ) -> Result<()> {
+        let name = op.name();
+        let (rank, world) = (comm.rank, comm.world);
+        let c = comm.handle.get::<B::Comm>(owner(self), name)?;
+        let s = stream_obj(self, stream, name)?;
+        op.validate(self.kind(), rank, world)?;
+        check_overlap(self, &op, rank, world)?;
+        let sizes: Vec<usize> = op.places(world).iter().map(|p| p.1).collect();
+        let mut i = 0;
+        let resolved = op.try_map(|r: BufRef<'_>| -> Result<Option<Place<B::DeviceMemory>>> {
+            let bytes = sizes[i];
+            i += 1;
+            let m = r
+                .buf
+                .handle
+                .mem_for::<B::DeviceMemory>(owner(self), name, r.offset, bytes)?;
+            Ok(m.filter(|_| bytes > 0).map(|m| (m, r.offset)))
+        })?;
+        Backend::collective(self, &c, resolved, &s)
+    }
+    fn group_start(&self) -> Result<()> {
+        Backend::group_start(self)
+    }
+    fn group_end(&self) -> Result<()> {
+        Backend::group_end(self)
+    }
+}

@@ -1,0 +1,465 @@
+//! Backend-neutral handles: what modules above `platform` hold instead of driver types.
+//!
+//! Every handle is a cheap clone of one shared slot. Destroying or freeing through any clone
+//! empties the slot, so every later use through any clone is a typed `InvalidHandle` error instead
+//! of undefined behaviour — the same contract the C ABI exposes. Dropping the last clone releases
+//! the backend object.
+
+use std::any::Any;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::error::{BackendKind, Error, ErrorKind, Result};
+
+type Erased = Box<dyn Any + Send + Sync>;
+
+/// Which platform value a handle belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Owner {
+    pub platform: u64,
+    pub backend: BackendKind,
+}
+
+struct Slot<S> {
+    owner: Owner,
+    what: &'static str,
+    state: Mutex<S>,
+}
+
+impl<S> Slot<S> {
+    fn lock(&self) -> MutexGuard<'_, S> {
+        // A panic while holding the lock cannot leave a slot half-written: every writer replaces
+        // whole fields, so a poisoned lock is still consistent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn check_owner(&self, owner: Owner, op: &'static str) -> Result<()> {
+        if self.owner == owner {
+            return Ok(());
+        }
+        let msg = if self.owner.backend != owner.backend {
+            format!(
+                "this {} belongs to the {} backend, not {}",
+                self.what, self.owner.backend, owner.backend
+            )
+        } else {
+            format!("this {} belongs to another platform value", self.what)
+        };
+        Err(Error::new(ErrorKind::InvalidHandle, owner.backend, op, msg))
+    }
+}
+
+fn downcast<T: Clone + 'static>(value: &Erased) -> T {
+    value
+        .downcast_ref::<T>()
+        .expect("a slot holds the object type of the backend that made it")
+        .clone()
+}
+
+fn destroyed(owner: Owner, op: &'static str, what: &str) -> Error {
+    Error::new(
+        ErrorKind::InvalidHandle,
+        owner.backend,
+        op,
+        format!("the {what} was already destroyed or freed"),
+    )
+}
+
+/// A handle to one backend object that can be destroyed explicitly (streams, events, communicators).
+#[derive(Clone)]
+pub(crate) struct ObjectHandle(Arc<Slot<Option<Erased>>>);
+
+impl ObjectHandle {
+    pub(crate) fn new<T: Send + Sync + 'static>(owner: Owner, what: &'static str, obj: T) -> Self {
+        ObjectHandle(Arc::new(Slot {
+            owner,
+            what,
+            state: Mutex::new(Some(Box::new(obj))),
+        }))
+    }
+
+    pub(crate) fn get<T: Clone + 'static>(&self, owner: Owner, op: &'static str) -> Result<T> {
+        self.0.check_owner(owner, op)?;
+        match &*self.0.lock() {
+            Some(v) => Ok(downcast(v)),
+            None => Err(destroyed(owner, op, self.0.what)),
+        }
+    }
+
+    pub(crate) fn take<T: 'static>(&self, owner: Owner, op: &'static str) -> Result<T> {
+        self.0.check_owner(owner, op)?;
+        match self.0.lock().take() {
+            Some(v) => Ok(*v.downcast::<T>().expect("slot holds its backend's type")),
+            None => Err(destroyed(owner, op, self.0.what)),
+        }
+    }
+
+    pub(crate) fn is_live(&self) -> bool {
+        self.0.lock().is_some()
+    }
+
+    fn same(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// The raw driver handle of a stream: a `CUstream` or `aclrtStream` pointer, or the cpu backend's
+/// stream number. Pass it to frameworks, or wrap one from a framework with
+/// [`crate::Platform::wrap_external_stream`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RawStream(pub usize);
+
+/// An ordered queue of device work.
+#[derive(Clone)]
+pub struct Stream {
+    pub(crate) handle: ObjectHandle,
+    pub(crate) raw: RawStream,
+    pub(crate) external: bool,
+}
+
+impl Stream {
+    /// The driver handle (see [`RawStream`]).
+    pub fn raw(&self) -> RawStream {
+        self.raw
+    }
+    /// Whether this stream wraps one owned by someone else (destroying it leaves theirs alone).
+    pub fn is_external(&self) -> bool {
+        self.external
+    }
+    pub fn is_live(&self) -> bool {
+        self.handle.is_live()
+    }
+    /// Whether two handles name the same stream object.
+    pub fn same_as(&self, other: &Stream) -> bool {
+        self.handle.same(&other.handle)
+    }
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stream({:#x})", self.raw.0)
+    }
+}
+
+/// A completion mark recorded on a stream.
+#[derive(Clone)]
+pub struct Event {
+    pub(crate) handle: ObjectHandle,
+    pub(crate) timing: bool,
+}
+
+impl Event {
+    /// Whether [`crate::Platform::event_elapsed_ms`] may be used with this event.
+    pub fn has_timing(&self) -> bool {
+        self.timing
+    }
+    pub fn is_live(&self) -> bool {
+        self.handle.is_live()
+    }
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Event(timing: {})", self.timing)
+    }
+}
+
+/// Bytes produced by rank 0 and handed to every rank by the caller's own rendezvous
+/// (`ncclUniqueId`, `HcclRootInfo`, or the cpu backend's rendezvous key).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct UniqueId(pub Vec<u8>);
+
+/// One rank's membership in a group of ranks that run collectives together.
+#[derive(Clone)]
+pub struct Communicator {
+    pub(crate) handle: ObjectHandle,
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+}
+
+impl Communicator {
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn world(&self) -> usize {
+        self.world
+    }
+    pub fn is_live(&self) -> bool {
+        self.handle.is_live()
+    }
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Communicator(rank {} of {})", self.rank, self.world)
+    }
+}
+
+/// Called once when borrowed device memory is no longer referenced by hprt (the last handle is
+/// dropped or freed and every queued operation on it has finished).
+pub type ReleaseFn = Box<dyn FnOnce() + Send>;
+
+pub(crate) struct BufferState {
+    /// `None` while the storage is released (size 0) or after `free`.
+    pub mem: Option<Erased>,
+    pub len: usize,
+    /// Device pointer for device buffers, host address for pinned buffers; 0 when released.
+    pub ptr: usize,
+    pub freed: bool,
+    pub borrowed: bool,
+}
+
+#[derive(Clone)]
+pub(crate) struct BufferHandle(Arc<Slot<BufferState>>);
+
+impl BufferHandle {
+    pub(crate) fn new(owner: Owner, what: &'static str, state: BufferState) -> Self {
+        BufferHandle(Arc::new(Slot {
+            owner,
+            what,
+            state: Mutex::new(state),
+        }))
+    }
+
+    /// The locked state after the ownership and liveness checks every operation makes.
+    pub(crate) fn state(
+        &self,
+        owner: Owner,
+        op: &'static str,
+    ) -> Result<MutexGuard<'_, BufferState>> {
+        self.0.check_owner(owner, op)?;
+        let st = self.0.lock();
+        if st.freed {
+            return Err(destroyed(owner, op, self.0.what));
+        }
+        Ok(st)
+    }
+
+    /// The backend memory object behind `offset..offset + bytes`, after a bounds check.
+    pub(crate) fn mem_for<T: Clone + 'static>(
+        &self,
+        owner: Owner,
+        op: &'static str,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<Option<T>> {
+        let st = self.state(owner, op)?;
+        check_range(owner.backend, op, self.0.what, offset, bytes, st.len)?;
+        Ok(st.mem.as_ref().map(downcast))
+    }
+
+    fn unlocked(&self) -> MutexGuard<'_, BufferState> {
+        self.0.lock()
+    }
+
+    fn same(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+pub(crate) fn check_range(
+    backend: BackendKind,
+    op: &'static str,
+    what: &str,
+    offset: usize,
+    bytes: usize,
+    len: usize,
+) -> Result<()> {
+    match offset.checked_add(bytes) {
+        Some(end) if end <= len => Ok(()),
+        _ => Err(Error::new(
+            ErrorKind::OutOfRange,
+            backend,
+            op,
+            format!("bytes {offset}..{offset}+{bytes} lie outside the {len}-byte {what}"),
+        )),
+    }
+}
+
+/// Device memory: allocated by a platform, or borrowed from a framework.
+///
+/// The storage can be released while the handle lives ([`crate::Platform::resize_device`] to 0)
+/// and re-acquired later, the pattern activation swap relies on.
+#[derive(Clone)]
+pub struct DeviceBuffer {
+    pub(crate) handle: BufferHandle,
+}
+
+impl DeviceBuffer {
+    /// Current size in bytes (0 while released).
+    pub fn len(&self) -> usize {
+        self.handle.unlocked().len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The raw device pointer (0 while released or freed), for handing to a framework or kernel.
+    pub fn device_ptr(&self) -> usize {
+        self.handle.unlocked().ptr
+    }
+    /// Whether the memory is borrowed (see [`crate::Platform::wrap_device_memory`]).
+    pub fn is_borrowed(&self) -> bool {
+        self.handle.unlocked().borrowed
+    }
+    pub fn is_freed(&self) -> bool {
+        self.handle.unlocked().freed
+    }
+    /// Whether two handles name the same buffer.
+    pub fn same_as(&self, other: &DeviceBuffer) -> bool {
+        self.handle.same(&other.handle)
+    }
+    /// This buffer starting `offset` bytes in, for collectives and copies.
+    pub fn at(&self, offset: usize) -> BufRef<'_> {
+        BufRef { buf: self, offset }
+    }
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = self.handle.unlocked();
+        write!(f, "DeviceBuffer({} bytes at {:#x})", st.len, st.ptr)
+    }
+}
+
+/// A device buffer and a byte offset into it.
+#[derive(Clone, Copy, Debug)]
+pub struct BufRef<'a> {
+    pub buf: &'a DeviceBuffer,
+    pub offset: usize,
+}
+
+impl<'a> From<&'a DeviceBuffer> for BufRef<'a> {
+    fn from(buf: &'a DeviceBuffer) -> Self {
+        BufRef { buf, offset: 0 }
+    }
+}
+
+/// Page-locked host memory: the host end of every asynchronous device copy.
+///
+/// The host may read and write it directly, but only after synchronizing with the work that
+/// touches it, exactly as with a GPU: an unsynchronized read sees unspecified bytes.
+#[derive(Clone)]
+pub struct PinnedBuffer {
+    pub(crate) handle: BufferHandle,
+}
+
+impl PinnedBuffer {
+    pub fn len(&self) -> usize {
+        self.handle.unlocked().len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn is_freed(&self) -> bool {
+        self.handle.unlocked().freed
+    }
+    pub fn same_as(&self, other: &PinnedBuffer) -> bool {
+        self.handle.same(&other.handle)
+    }
+
+    fn host_range(
+        &self,
+        op: &'static str,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<MutexGuard<'_, BufferState>> {
+        let st = self.handle.unlocked();
+        let backend = self.handle.0.owner.backend;
+        if st.freed {
+            return Err(destroyed(self.handle.0.owner, op, "pinned buffer"));
+        }
+        check_range(backend, op, "pinned buffer", offset, bytes, st.len)?;
+        Ok(st)
+    }
+
+    /// Copies `out.len()` bytes starting at `offset` out of the buffer.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        let st = self.host_range("pinned_read", offset, out.len())?;
+        if !out.is_empty() {
+            // SAFETY: the range was checked against the live allocation, which the held lock
+            // keeps from being freed; device-side writers are the caller's to synchronize with.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (st.ptr as *const u8).add(offset),
+                    out.as_mut_ptr(),
+                    out.len(),
+                )
+            };
+        }
+        Ok(())
+    }
+
+    /// Copies `data` into the buffer starting at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        let st = self.host_range("pinned_write", offset, data.len())?;
+        if !data.is_empty() {
+            // SAFETY: as in `read`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    data.as_ptr(),
+                    (st.ptr as *mut u8).add(offset),
+                    data.len(),
+                )
+            };
+        }
+        Ok(())
+    }
+
+    /// The whole buffer as a new vector.
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; self.len()];
+        self.read(0, &mut v)?;
+        Ok(v)
+    }
+
+    /// The host address, for zero-copy use by frameworks (null once freed).
+    ///
+    /// # Safety
+    /// The pointer is valid for [`PinnedBuffer::len`] bytes until the buffer is freed or its last
+    /// handle dropped; accesses must be synchronized with device work on the buffer.
+    pub unsafe fn as_ptr(&self) -> *mut u8 {
+        self.handle.unlocked().ptr as *mut u8
+    }
+}
+
+impl std::fmt::Debug for PinnedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PinnedBuffer({} bytes)", self.len())
+    }
+}
+
+/// One end of a copy.
+#[derive(Clone, Copy, Debug)]
+pub enum Mem<'a> {
+    Device(&'a DeviceBuffer),
+    Pinned(&'a PinnedBuffer),
+}
+
+impl<'a> From<&'a DeviceBuffer> for Mem<'a> {
+    fn from(b: &'a DeviceBuffer) -> Self {
+        Mem::Device(b)
+    }
+}
+
+impl<'a> From<&'a PinnedBuffer> for Mem<'a> {
+    fn from(b: &'a PinnedBuffer) -> Self {
+        Mem::Pinned(b)
+    }
+}
+
+/// The direction of a copy, named as drivers name them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyKind {
+    HostToDevice,
+    DeviceToHost,
+    DeviceToDevice,
+    HostToHost,
+}
+
+pub(crate) fn copy_kind(dst: &Mem<'_>, src: &Mem<'_>) -> CopyKind {
+    match (src, dst) {
+        (Mem::Pinned(_), Mem::Device(_)) => CopyKind::HostToDevice,
+        (Mem::Device(_), Mem::Pinned(_)) => CopyKind::DeviceToHost,
+        (Mem::Device(_), Mem::Device(_)) => CopyKind::DeviceToDevice,
+        (Mem::Pinned(_), Mem::Pinned(_)) => CopyKind::HostToHost,
+    }
+}

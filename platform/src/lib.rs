@@ -1,0 +1,39 @@
+//! hprt-platform: one interface to CUDA, Ascend and the cpu reference backend.
+//!
+//! - [`Platform`] — the object-safe trait modules above program against; [`get_platform`] picks
+//!   one at run time from `HP_PLATFORM` (`cpu` | `cuda` | `npu`; unset = auto-detect).
+//! - Handles: [`Stream`], [`Event`], [`DeviceBuffer`], [`PinnedBuffer`], [`Communicator`] —
+//!   backend-neutral, cheap to clone, typed errors after destroy.
+//! - [`Collective`], [`DType`], [`ReduceOp`] — what collectives do, for every backend.
+//! - [`Backend`] — the static per-backend trait; every `Backend` is a `Platform` (`dispatch`).
+//! - [`cpu`] — the reference backend: streams are worker threads, device memory has a capacity,
+//!   ranks are threads, and `HP_CPU_JITTER` makes missing waits visible.
+//! - [`Error`] — the crate's one error: backend, operation, status code and name, message.
+
+mod backend;
+mod collective;
+pub mod cpu;
+mod dispatch;
+mod dtype;
+mod error;
+mod handle;
+mod info;
+mod memory;
+mod platform;
+mod select;
+
+pub use backend::{Backend, Loc, Place};
+pub use collective::Collective;
+pub use cpu::{CpuBackend, CpuConfig};
+pub use dtype::{DType, ReduceOp};
+pub use error::{BackendKind, Error, ErrorKind, Result};
+pub use handle::{
+    BufRef, Communicator, CopyKind, DeviceBuffer, Event, Mem, PinnedBuffer, RawStream, ReleaseFn,
+    Stream, UniqueId,
+};
+pub use info::{DeviceInfo, LibraryProbe, PlatformInfo};
+pub use memory::{MemInfo, MemoryCounter, MemoryStats};
+pub use platform::Platform;
+pub use select::{
+    get_platform, platform_selection_reason, select_platform, PlatformRequest, Selection,
+};

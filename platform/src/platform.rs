@@ -1,0 +1,255 @@
+//! The object-safe `Platform` trait: what swap, compress, hsdp and the bindings program against.
+
+use crate::collective::Collective;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{BackendKind, Result};
+use crate::handle::{
+    BufRef, Communicator, DeviceBuffer, Event, Mem, PinnedBuffer, RawStream, ReleaseFn, Stream,
+    UniqueId,
+};
+use crate::info::PlatformInfo;
+use crate::memory::{MemInfo, MemoryStats};
+
+/// One backend, chosen at run time (see [`crate::get_platform`]).
+///
+/// Everything that moves data is asynchronous and ordered by the stream it is issued on: the call
+/// returns once the work is queued. Errors of queued work surface at the next synchronization
+/// of that stream (or of an event recorded after it).
+pub trait Platform: Send + Sync {
+    fn backend(&self) -> BackendKind;
+    fn info(&self) -> PlatformInfo;
+
+    // --- devices -------------------------------------------------------------------------
+    fn device_count(&self) -> usize;
+    /// Makes `ordinal` the calling thread's current device (streams and memory go there).
+    fn set_device(&self, ordinal: usize) -> Result<()>;
+    fn current_device(&self) -> usize;
+    fn mem_info(&self) -> Result<MemInfo>;
+    fn memory_stats(&self) -> MemoryStats;
+    fn reset_peak_memory(&self);
+
+    // --- streams -------------------------------------------------------------------------
+    fn create_stream(&self) -> Result<Stream>;
+    /// Wraps a stream owned by someone else (a framework's current stream) without taking
+    /// ownership: destroying the wrapper leaves the stream alone.
+    ///
+    /// # Safety
+    /// `raw` must name a live stream of this backend for as long as the wrapper is used.
+    unsafe fn wrap_external_stream(&self, raw: RawStream) -> Result<Stream>;
+    /// Destroys the stream; queued work still completes. Later use of any clone is an error.
+    fn destroy_stream(&self, stream: &Stream) -> Result<()>;
+    /// Blocks until all work queued on `stream` completed; reports the first error it hit.
+    fn synchronize_stream(&self, stream: &Stream) -> Result<()>;
+    /// Whether all work queued on `stream` completed.
+    fn query_stream(&self, stream: &Stream) -> Result<bool>;
+    /// Blocks until all work on every stream of this platform completed.
+    fn synchronize_device(&self) -> Result<()>;
+
+    // --- events --------------------------------------------------------------------------
+    /// `timing` enables [`Platform::event_elapsed_ms`].
+    fn create_event(&self, timing: bool) -> Result<Event>;
+    fn destroy_event(&self, event: &Event) -> Result<()>;
+    /// Marks the point in `stream` reached by the work queued so far.
+    fn record_event(&self, event: &Event, stream: &Stream) -> Result<()>;
+    /// Work queued on `stream` after this call waits for the event's last recorded point.
+    fn stream_wait_event(&self, stream: &Stream, event: &Event) -> Result<()>;
+    /// Whether the last recorded point was reached (true for a never-recorded event).
+    fn query_event(&self, event: &Event) -> Result<bool>;
+    fn synchronize_event(&self, event: &Event) -> Result<()>;
+    /// Milliseconds between two completed timing events.
+    fn event_elapsed_ms(&self, start: &Event, end: &Event) -> Result<f32>;
+
+    // --- memory --------------------------------------------------------------------------
+    /// Device memory on the current device; `bytes == 0` gives a buffer without storage.
+    fn alloc_device(&self, bytes: usize) -> Result<DeviceBuffer>;
+    /// Borrows device memory owned by someone else (a framework tensor). hprt never frees it;
+    /// `release` runs once nothing in hprt references it any more.
+    ///
+    /// # Safety
+    /// `ptr..ptr + bytes` must be device memory of this backend, valid until `release` runs.
+    unsafe fn wrap_device_memory(
+        &self,
+        ptr: usize,
+        bytes: usize,
+        release: Option<ReleaseFn>,
+    ) -> Result<DeviceBuffer>;
+    /// Frees the storage now (queued work on it still completes); later use is an error.
+    fn free_device(&self, buf: &DeviceBuffer) -> Result<()>;
+    /// Resizes the storage, keeping the handle: 0 releases the bytes, a size on a released buffer
+    /// re-acquires them. Contents are not preserved unless the size is unchanged. On failure the
+    /// buffer keeps what it had.
+    fn resize_device(&self, buf: &DeviceBuffer, bytes: usize) -> Result<()>;
+    fn alloc_pinned(&self, bytes: usize) -> Result<PinnedBuffer>;
+    fn free_pinned(&self, buf: &PinnedBuffer) -> Result<()>;
+
+    // --- data movement -------------------------------------------------------------------
+    /// Enqueues a copy of `bytes` from `src[src_offset..]` to `dst[dst_offset..]`; the kind
+    /// (H2D, D2H, D2D, H2H) follows from the two ends.
+    fn copy_async(
+        &self,
+        dst: Mem<'_>,
+        dst_offset: usize,
+        src: Mem<'_>,
+        src_offset: usize,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Result<()>;
+    fn memset_async(
+        &self,
+        dst: &DeviceBuffer,
+        offset: usize,
+        value: u8,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Result<()>;
+
+    // --- collectives ---------------------------------------------------------------------
+    /// A new rendezvous key; rank 0 makes it and hands it to the others.
+    fn unique_id(&self) -> Result<UniqueId>;
+    /// Joins a communicator; blocks until all `world` ranks joined (or the backend's timeout).
+    fn comm_init(&self, id: &UniqueId, rank: usize, world: usize) -> Result<Communicator>;
+    /// Collective over `comm` (every rank calls it with the same disjoint rank lists): the
+    /// communicator of the list holding this rank, or `None` when no list holds it.
+    fn comm_split(
+        &self,
+        comm: &Communicator,
+        rank_lists: &[Vec<usize>],
+    ) -> Result<Option<Communicator>>;
+    fn destroy_comm(&self, comm: &Communicator) -> Result<()>;
+    /// Enqueues one collective on `stream`.
+    fn collective(
+        &self,
+        comm: &Communicator,
+        op: Collective<BufRef<'_>>,
+        stream: &Stream,
+    ) -> Result<()>;
+    /// Collectives issued by this thread until `group_end` are launched together (needed for
+    /// send/recv pairs that would otherwise wait on each other).
+    fn group_start(&self) -> Result<()>;
+    fn group_end(&self) -> Result<()>;
+
+    // --- conveniences built on the above -------------------------------------------------
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce(
+        &self,
+        send: BufRef<'_>,
+        recv: BufRef<'_>,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        comm: &Communicator,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.collective(
+            comm,
+            Collective::AllReduce {
+                send,
+                recv,
+                count,
+                dtype,
+                op,
+            },
+            stream,
+        )
+    }
+
+    /// `count` elements per rank into one buffer of `world * count` elements.
+    fn all_gather(
+        &self,
+        send: BufRef<'_>,
+        recv: BufRef<'_>,
+        count: usize,
+        dtype: DType,
+        comm: &Communicator,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.collective(
+            comm,
+            Collective::AllGather {
+                send,
+                recv,
+                count,
+                dtype,
+            },
+            stream,
+        )
+    }
+
+    /// `count` is the number of elements each rank receives.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter(
+        &self,
+        send: BufRef<'_>,
+        recv: BufRef<'_>,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        comm: &Communicator,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.collective(
+            comm,
+            Collective::ReduceScatter {
+                send,
+                recv,
+                count,
+                dtype,
+                op,
+            },
+            stream,
+        )
+    }
+
+    fn broadcast(
+        &self,
+        buf: BufRef<'_>,
+        count: usize,
+        dtype: DType,
+        root: usize,
+        comm: &Communicator,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.collective(
+            comm,
+            Collective::Broadcast {
+                buf,
+                count,
+                dtype,
+                root,
+            },
+            stream,
+        )
+    }
+
+    fn barrier(&self, comm: &Communicator, stream: &Stream) -> Result<()> {
+        self.collective(comm, Collective::Barrier, stream)
+    }
+
+    /// Copies `data` into device memory and waits for it (stages through pinned memory).
+    fn write_device_sync(
+        &self,
+        dst: &DeviceBuffer,
+        offset: usize,
+        data: &[u8],
+        stream: &Stream,
+    ) -> Result<()> {
+        let staging = self.alloc_pinned(data.len())?;
+        staging.write(0, data)?;
+        self.copy_async(dst.into(), offset, (&staging).into(), 0, data.len(), stream)?;
+        self.synchronize_stream(stream)
+    }
+
+    /// Copies device bytes into `out` once the work queued on `stream` before it completed.
+    fn read_device_sync(
+        &self,
+        src: &DeviceBuffer,
+        offset: usize,
+        out: &mut [u8],
+        stream: &Stream,
+    ) -> Result<()> {
+        let staging = self.alloc_pinned(out.len())?;
+        self.copy_async((&staging).into(), 0, src.into(), offset, out.len(), stream)?;
+        self.synchronize_stream(stream)?;
+        staging.read(0, out)
+    }
+}

@@ -1,0 +1,148 @@
+//! Run-time backend selection: `HP_PLATFORM`, auto-detection, and the process-wide platform.
+
+use std::sync::OnceLock;
+
+use crate::cpu::CpuBackend;
+use crate::error::{BackendKind, Error, ErrorKind, Result};
+use crate::platform::Platform;
+
+/// What `HP_PLATFORM` asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlatformRequest {
+    Auto,
+    Forced(BackendKind),
+}
+
+impl PlatformRequest {
+    /// Parses a value of `HP_PLATFORM` (`None`, empty or `auto` = auto-detect).
+    pub fn parse(value: Option<&str>) -> Result<Self> {
+        let v = value
+            .map(|v| v.trim().to_ascii_lowercase())
+            .unwrap_or_default();
+        if v.is_empty() || v == "auto" {
+            return Ok(PlatformRequest::Auto);
+        }
+        BackendKind::ALL
+            .into_iter()
+            .find(|k| k.name() == v)
+            .map(PlatformRequest::Forced)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidValue,
+                    BackendKind::Cpu,
+                    "get_platform",
+                    format!("HP_PLATFORM={v:?} is not a backend; valid values: cpu, cuda, npu (or unset / auto to detect)"),
+                )
+            })
+    }
+
+    pub fn from_env() -> Result<Self> {
+        Self::parse(std::env::var("HP_PLATFORM").ok().as_deref())
+    }
+}
+
+/// A selected platform and the reason it was chosen (what `hprt info` prints).
+pub struct Selection {
+    pub platform: Box<dyn Platform>,
+    pub reason: String,
+}
+
+/// Why a backend cannot be used in this build, or `None` when it can be tried.
+fn not_built(kind: BackendKind) -> Option<String> {
+    match kind {
+        BackendKind::Cpu => None,
+        BackendKind::Cuda => Some(
+            "the cuda backend is not built into this hprt yet (it needs the cudarc-based backend); \
+             unset HP_PLATFORM or set HP_PLATFORM=cpu"
+                .into(),
+        ),
+        BackendKind::Npu => Some(
+            "the npu backend is not built into this hprt yet (it needs hprt-sys and the ACL/HCCL \
+             loader); unset HP_PLATFORM or set HP_PLATFORM=cpu"
+                .into(),
+        ),
+    }
+}
+
+fn open(kind: BackendKind) -> Result<Box<dyn Platform>> {
+    if let Some(why) = not_built(kind) {
+        return Err(Error::new(
+            ErrorKind::Unavailable,
+            kind,
+            "get_platform",
+            why,
+        ));
+    }
+    match kind {
+        BackendKind::Cpu => Ok(Box::new(CpuBackend::from_env()?)),
+        BackendKind::Cuda | BackendKind::Npu => unreachable!("not_built covers {kind}"),
+    }
+}
+
+/// Builds the platform `request` names (a new value each call; see [`get_platform`] for the
+/// process-wide one).
+pub fn select_platform(request: PlatformRequest) -> Result<Selection> {
+    match request {
+        PlatformRequest::Forced(kind) => {
+            let platform = open(kind)?;
+            tracing::info!(backend = %kind, "platform forced by HP_PLATFORM");
+            Ok(Selection {
+                platform,
+                reason: format!("HP_PLATFORM={kind}"),
+            })
+        }
+        PlatformRequest::Auto => {
+            let mut skipped = Vec::new();
+            for kind in [BackendKind::Cuda, BackendKind::Npu] {
+                match open(kind) {
+                    Ok(platform) => {
+                        let reason = format!("auto-detected {kind}");
+                        tracing::info!(backend = %kind, "platform auto-detected");
+                        return Ok(Selection { platform, reason });
+                    }
+                    Err(e) => {
+                        tracing::info!(backend = %kind, reason = %e.message, "backend skipped");
+                        skipped.push(format!("{kind}: {}", e.message));
+                    }
+                }
+            }
+            let platform = open(BackendKind::Cpu)?;
+            tracing::info!(
+                backend = "cpu",
+                "no accelerator backend available; using cpu"
+            );
+            Ok(Selection {
+                platform,
+                reason: format!(
+                    "auto: no accelerator backend available ({})",
+                    skipped.join("; ")
+                ),
+            })
+        }
+    }
+}
+
+static PLATFORM: OnceLock<Result<(&'static dyn Platform, String)>> = OnceLock::new();
+
+fn init() -> &'static Result<(&'static dyn Platform, String)> {
+    PLATFORM.get_or_init(|| {
+        let s = select_platform(PlatformRequest::from_env()?)?;
+        Ok((Box::leak(s.platform), s.reason))
+    })
+}
+
+/// The process-wide platform, chosen once from `HP_PLATFORM` (see the crate docs).
+///
+/// The platform is a singleton because drivers are (one CUDA context, one `aclInit` per process);
+/// tests that need their own cpu platform create a [`CpuBackend`] value instead.
+pub fn get_platform() -> Result<&'static dyn Platform> {
+    init().as_ref().map(|(p, _)| *p).map_err(Clone::clone)
+}
+
+/// Why [`get_platform`] chose what it chose.
+pub fn platform_selection_reason() -> Result<&'static str> {
+    init()
+        .as_ref()
+        .map(|(_, r)| r.as_str())
+        .map_err(Clone::clone)
+}
