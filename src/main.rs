@@ -1,1 +1,166 @@
-fn main() {}
+//! The `hprt` command: what the selected platform is, whether it conforms, how fast it is.
+
+mod bench;
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use hprt::platform::{get_platform, platform_selection_reason};
+
+#[derive(Parser)]
+#[command(
+    name = "hprt",
+    version,
+    about = "hyper-parallel runtime: platform info, conformance, benchmarks"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show the selected platform and why, its devices, memory and settings.
+    Info,
+    /// Run the backend-conformance suite on the selected platform and print a table.
+    Conformance {
+        /// Run only cases whose name or group contains this text.
+        #[arg(long)]
+        filter: Option<String>,
+    },
+    /// Benchmark the selected platform against in-run baselines; prints a Markdown table.
+    Bench {
+        /// Also write the table to this file.
+        #[arg(long)]
+        output: Option<std::path::PathBuf>,
+        /// Largest copy size in MiB (the sweep runs from 4 KiB up to it).
+        #[arg(long, default_value_t = 256)]
+        max_mib: usize,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("HP_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Cli::parse()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("hprt: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.command {
+        Command::Info => info(),
+        Command::Conformance { filter } => conformance(filter.as_deref()),
+        Command::Bench { output, max_mib } => {
+            let table = bench::run(get_platform()?, max_mib << 20)?;
+            print!("{table}");
+            if let Some(path) = output {
+                std::fs::write(&path, &table)?;
+                eprintln!("wrote {}", path.display());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn human(bytes: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
+
+fn info() -> Result<ExitCode> {
+    let platform = get_platform()?;
+    let info = platform.info();
+    println!("platform: {}", info.backend);
+    println!("selected: {}", platform_selection_reason()?);
+    println!("driver:   {}", info.driver);
+    println!("devices:  {}", info.devices.len());
+    for d in &info.devices {
+        println!("  [{}] {} ({})", d.ordinal, d.name, human(d.total_memory));
+    }
+    let mem = platform.mem_info()?;
+    println!(
+        "memory:   {} free of {} on device {}",
+        human(mem.free),
+        human(mem.total),
+        platform.current_device()
+    );
+    if info.libraries.is_empty() {
+        println!("libraries searched: none (this backend loads no driver library)");
+    } else {
+        println!("libraries searched:");
+        for l in &info.libraries {
+            println!(
+                "  {} {}",
+                if l.found { "found  " } else { "missing" },
+                l.path
+            );
+        }
+    }
+    println!("settings:");
+    for (k, v) in &info.settings {
+        println!("  {k} = {v}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn conformance(filter: Option<&str>) -> Result<ExitCode> {
+    let platform = get_platform()?;
+    println!(
+        "conformance on {} ({})\n",
+        platform.backend(),
+        platform_selection_reason()?
+    );
+    let outcomes = hprt_conformance::run_cases(platform, filter);
+    let width = outcomes
+        .iter()
+        .map(|o| o.name.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    println!(
+        "{:<width$}  {:<10}  {:<6}  {:>9}",
+        "case", "group", "result", "time"
+    );
+    println!("{}", "-".repeat(width + 33));
+    for o in &outcomes {
+        let result = if o.passed { "pass" } else { "FAIL" };
+        let ms = o.duration.as_secs_f64() * 1e3;
+        println!(
+            "{:<width$}  {:<10}  {:<6}  {:>7.1}ms",
+            o.name, o.group, result, ms
+        );
+        if !o.passed {
+            for line in o.detail.lines() {
+                println!("{:<width$}    {line}", "");
+            }
+        }
+    }
+    let failed = outcomes.iter().filter(|o| !o.passed).count();
+    println!(
+        "\n{} cases, {} passed, {failed} failed",
+        outcomes.len(),
+        outcomes.len() - failed
+    );
+    Ok(if failed == 0 && !outcomes.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

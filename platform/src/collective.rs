@@ -106,27 +106,30 @@ impl<R> Collective<R> {
     /// The memory places, each with the byte extent the operation reads or writes there.
     pub fn places(&self, world: usize) -> Vec<(&R, usize)> {
         let sz = self.dtype().map_or(0, DType::size);
+        // Saturating: an absurd count becomes a size no buffer holds, so the bounds check refuses
+        // it instead of a wrapped product passing it.
+        let span = |blocks: usize, count: usize| blocks.saturating_mul(count).saturating_mul(sz);
         match self {
             Collective::AllReduce {
                 send, recv, count, ..
             } => {
-                vec![(send, count * sz), (recv, count * sz)]
+                vec![(send, span(1, *count)), (recv, span(1, *count))]
             }
             Collective::AllGather {
                 send, recv, count, ..
             } => {
-                vec![(send, count * sz), (recv, world * count * sz)]
+                vec![(send, span(1, *count)), (recv, span(world, *count))]
             }
             Collective::ReduceScatter {
                 send, recv, count, ..
             } => {
-                vec![(send, world * count * sz), (recv, count * sz)]
+                vec![(send, span(world, *count)), (recv, span(1, *count))]
             }
-            Collective::Broadcast { buf, count, .. } => vec![(buf, count * sz)],
+            Collective::Broadcast { buf, count, .. } => vec![(buf, span(1, *count))],
             Collective::AllToAll {
                 send, recv, count, ..
             } => {
-                vec![(send, world * count * sz), (recv, world * count * sz)]
+                vec![(send, span(world, *count)), (recv, span(world, *count))]
             }
             Collective::AllToAllV {
                 send,
@@ -137,11 +140,11 @@ impl<R> Collective<R> {
                 recv_displs,
                 ..
             } => vec![
-                (send, extent(send_counts, send_displs) * sz),
-                (recv, extent(recv_counts, recv_displs) * sz),
+                (send, span(1, extent(send_counts, send_displs))),
+                (recv, span(1, extent(recv_counts, recv_displs))),
             ],
-            Collective::Send { send, count, .. } => vec![(send, count * sz)],
-            Collective::Recv { recv, count, .. } => vec![(recv, count * sz)],
+            Collective::Send { send, count, .. } => vec![(send, span(1, *count))],
+            Collective::Recv { recv, count, .. } => vec![(recv, span(1, *count))],
             Collective::Barrier => vec![],
         }
     }
@@ -302,7 +305,7 @@ fn extent(counts: &[usize], displs: &[usize]) -> usize {
         .iter()
         .zip(displs)
         .filter(|(c, _)| **c > 0)
-        .map(|(c, d)| c + d)
+        .map(|(c, d)| c.saturating_add(*d))
         .max()
         .unwrap_or(0)
 }

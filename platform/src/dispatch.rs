@@ -72,11 +72,13 @@ fn check_overlap<B: Backend>(
     if !s.buf.same_as(r.buf) || sb == 0 || rb == 0 {
         return Ok(());
     }
-    let disjoint = s.offset + sb <= r.offset || r.offset + rb <= s.offset;
+    // Saturating: sizes past any buffer are refused by the bounds check that follows.
+    let end = |offset: usize, bytes: usize| offset.saturating_add(bytes);
+    let disjoint = end(s.offset, sb) <= r.offset || end(r.offset, rb) <= s.offset;
     let in_place = match op {
         Collective::AllReduce { .. } => s.offset == r.offset,
-        Collective::AllGather { .. } => s.offset == r.offset + rank * sb,
-        Collective::ReduceScatter { .. } => r.offset == s.offset + rank * rb,
+        Collective::AllGather { .. } => s.offset == end(r.offset, rank.saturating_mul(sb)),
+        Collective::ReduceScatter { .. } => r.offset == end(s.offset, rank.saturating_mul(rb)),
         _ => false,
     };
     if disjoint || in_place {

@@ -51,15 +51,11 @@ pub struct Selection {
 fn not_built(kind: BackendKind) -> Option<String> {
     match kind {
         BackendKind::Cpu => None,
-        BackendKind::Cuda => Some(
-            "the cuda backend is not built into this hprt yet (it needs the cudarc-based backend); \
-             unset HP_PLATFORM or set HP_PLATFORM=cpu"
-                .into(),
-        ),
+        BackendKind::Cuda => {
+            Some("not built into this hprt yet (the cudarc-based backend is missing)".into())
+        }
         BackendKind::Npu => Some(
-            "the npu backend is not built into this hprt yet (it needs hprt-sys and the ACL/HCCL \
-             loader); unset HP_PLATFORM or set HP_PLATFORM=cpu"
-                .into(),
+            "not built into this hprt yet (hprt-sys and the ACL/HCCL loader are missing)".into(),
         ),
     }
 }
@@ -101,8 +97,9 @@ pub fn select_platform(request: PlatformRequest) -> Result<Selection> {
                         return Ok(Selection { platform, reason });
                     }
                     Err(e) => {
-                        tracing::info!(backend = %kind, reason = %e.message, "backend skipped");
-                        skipped.push(format!("{kind}: {}", e.message));
+                        let why = not_built(kind).unwrap_or(e.message);
+                        tracing::info!(backend = %kind, reason = %why, "backend skipped");
+                        skipped.push(format!("{kind} {why}"));
                     }
                 }
             }

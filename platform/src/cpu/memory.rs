@@ -44,13 +44,12 @@ impl CpuMem {
     ) -> Result<MemRef> {
         counter.reserve(BackendKind::Cpu, op, len)?;
         // calloc-backed (alignment 16) so large blocks arrive as lazily zeroed pages; aligned by hand.
-        let layout = Layout::from_size_align(len + ALIGN, 16).map_err(|e| {
-            counter.release(len);
-            Error::new(ErrorKind::InvalidValue, BackendKind::Cpu, op, e.to_string())
-        })?;
-        // SAFETY: the layout has non-zero size.
-        let base = unsafe { alloc::alloc_zeroed(layout) };
-        if base.is_null() {
+        let layout = len
+            .checked_add(ALIGN)
+            .and_then(|n| Layout::from_size_align(n, 16).ok());
+        // SAFETY: a layout, when there is one, has non-zero size.
+        let base = layout.map_or(std::ptr::null_mut(), |l| unsafe { alloc::alloc_zeroed(l) });
+        let (Some(layout), false) = (layout, base.is_null()) else {
             counter.release(len);
             return Err(Error::new(
                 ErrorKind::OutOfMemory,
@@ -58,7 +57,7 @@ impl CpuMem {
                 op,
                 format!("the host allocator refused {len} bytes"),
             ));
-        }
+        };
         let ptr = (base as usize).next_multiple_of(ALIGN);
         Ok(Arc::new(CpuMem {
             ptr,

@@ -1,0 +1,341 @@
+//! `hprt bench`: the selected platform against baselines measured in the same run.
+//!
+//! Every figure is a ratio to something measured seconds earlier on the same machine (a plain
+//! `memcpy`, a bare channel send), so numbers stay comparable across machines; the table names
+//! the machine and the platform it ran on.
+
+use std::fmt::Write as _;
+use std::hint::black_box;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Result};
+use hprt::platform::{
+    BackendKind, DType, DeviceBuffer, Mem, PinnedBuffer, Platform, ReduceOp, Stream,
+};
+
+const TRIALS: usize = 3;
+
+/// Best (shortest) of `TRIALS` runs of `f`, each returning the time it measured itself.
+fn best(mut f: impl FnMut() -> Result<Duration>) -> Result<Duration> {
+    let mut best = Duration::MAX;
+    for _ in 0..TRIALS {
+        best = best.min(f()?);
+    }
+    Ok(best)
+}
+
+fn reps_for(bytes: usize) -> usize {
+    ((256usize << 20) / bytes).clamp(5, 20_000)
+}
+
+fn gbps(bytes: usize, t: Duration) -> f64 {
+    bytes as f64 / t.as_secs_f64() / 1e9
+}
+
+fn size_name(bytes: usize) -> String {
+    if bytes >= 1 << 20 {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{} KiB", bytes >> 10)
+    }
+}
+
+/// A plain single-threaded memcpy of `bytes`, `reps` times, between buffers touched beforehand.
+fn memcpy_time(bytes: usize, reps: usize) -> Duration {
+    let src = vec![0x5au8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let t = Instant::now();
+    for _ in 0..reps {
+        dst.copy_from_slice(black_box(&src));
+        black_box(&mut dst);
+    }
+    t.elapsed()
+}
+
+fn stream_copy_time(
+    p: &dyn Platform,
+    dst: Mem<'_>,
+    src: Mem<'_>,
+    bytes: usize,
+    reps: usize,
+    s: &Stream,
+) -> Result<Duration> {
+    p.copy_async(dst, 0, src, 0, bytes, s)?; // warm: first touch of the destination pages
+    p.synchronize_stream(s)?;
+    let t = Instant::now();
+    for _ in 0..reps {
+        p.copy_async(dst, 0, src, 0, bytes, s)?;
+    }
+    p.synchronize_stream(s)?;
+    Ok(t.elapsed())
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("model name")
+                    .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+            })
+        })
+        .unwrap_or_else(|| "unknown cpu".into());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    format!("{cpu}, {cores} cores")
+}
+
+pub fn run(p: &dyn Platform, max_bytes: usize) -> Result<String> {
+    let mut out = String::new();
+    let info = p.info();
+    writeln!(out, "### `hprt bench` on the {} platform", info.backend)?;
+    writeln!(out)?;
+    writeln!(out, "- machine: {}", machine())?;
+    writeln!(out, "- platform: {} ({})", info.backend, info.driver)?;
+    writeln!(
+        out,
+        "- every ratio compares with a baseline measured in the same run; best of {TRIALS} trials"
+    )?;
+    writeln!(out)?;
+    copies(p, max_bytes, &mut out)?;
+    enqueue_overhead(p, &mut out)?;
+    collectives(p, max_bytes, &mut out)?;
+    Ok(out)
+}
+
+fn copies(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<()> {
+    writeln!(out, "#### Stream copies vs plain memcpy (ratio = memcpy time / stream time; goal >= 0.9 from 4 MiB)")?;
+    writeln!(out)?;
+    writeln!(
+        out,
+        "| size | memcpy GB/s | H2D GB/s | ratio | D2H GB/s | ratio | D2D GB/s | ratio |"
+    )?;
+    writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    let s = p.create_stream()?;
+    let mut size = 4usize << 10;
+    while size <= max_bytes {
+        let reps = reps_for(size);
+        let host: PinnedBuffer = p.alloc_pinned(size)?;
+        let a: DeviceBuffer = p.alloc_device(size)?;
+        let b: DeviceBuffer = p.alloc_device(size)?;
+        let base = best(|| Ok(memcpy_time(size, reps)))?;
+        let h2d = best(|| stream_copy_time(p, (&a).into(), (&host).into(), size, reps, &s))?;
+        let d2h = best(|| stream_copy_time(p, (&host).into(), (&a).into(), size, reps, &s))?;
+        let d2d = best(|| stream_copy_time(p, (&b).into(), (&a).into(), size, reps, &s))?;
+        let total = size * reps;
+        let r = |t: Duration| base.as_secs_f64() / t.as_secs_f64();
+        writeln!(
+            out,
+            "| {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            size_name(size),
+            gbps(total, base),
+            gbps(total, h2d),
+            r(h2d),
+            gbps(total, d2h),
+            r(d2h),
+            gbps(total, d2d),
+            r(d2d)
+        )?;
+        size *= 4;
+    }
+    p.destroy_stream(&s)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+fn enqueue_overhead(p: &dyn Platform, out: &mut String) -> Result<()> {
+    const N: usize = 100_000;
+    writeln!(out, "#### Enqueue overhead per operation (goal <= 2 us; baseline: a bare mpsc send of a boxed job)")?;
+    writeln!(out)?;
+    writeln!(
+        out,
+        "| operation | enqueue us/op | enqueue + complete us/op | ratio to bare send |"
+    )?;
+    writeln!(out, "|---|---:|---:|---:|")?;
+    let bare = best(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
+        let worker = std::thread::spawn(move || {
+            while let Ok(job) = rx.recv() {
+                job();
+            }
+        });
+        let t = Instant::now();
+        for i in 0..N {
+            tx.send(Box::new(move || {
+                black_box(i);
+            }))
+            .map_err(|_| anyhow::anyhow!("bare channel closed"))?;
+        }
+        let e = t.elapsed();
+        drop(tx);
+        worker
+            .join()
+            .map_err(|_| anyhow::anyhow!("worker panicked"))?;
+        Ok(e)
+    })?;
+    let per = |t: Duration| t.as_secs_f64() * 1e6 / N as f64;
+    writeln!(
+        out,
+        "| bare mpsc send (baseline) | {:.3} | - | 1.00 |",
+        per(bare)
+    )?;
+    let s = p.create_stream()?;
+    let dev = p.alloc_device(4096)?;
+    let dev2 = p.alloc_device(4096)?;
+    let ev = p.create_event(false)?;
+    let ops: [(&str, &dyn Fn() -> hprt::Result<()>); 3] = [
+        ("memset 64 B", &|| p.memset_async(&dev, 0, 1, 64, &s)),
+        ("copy D2D 64 B", &|| {
+            p.copy_async((&dev2).into(), 0, (&dev).into(), 0, 64, &s)
+        }),
+        ("record_event", &|| p.record_event(&ev, &s)),
+    ];
+    for (name, op) in ops {
+        let mut enqueue = Duration::MAX;
+        let mut total = Duration::MAX;
+        for _ in 0..TRIALS {
+            let t = Instant::now();
+            for _ in 0..N {
+                op()?;
+            }
+            let e = t.elapsed();
+            p.synchronize_stream(&s)?;
+            enqueue = enqueue.min(e);
+            total = total.min(t.elapsed());
+        }
+        writeln!(
+            out,
+            "| {name} | {:.3} | {:.3} | {:.2} |",
+            per(enqueue),
+            per(total),
+            per(enqueue) / per(bare)
+        )?;
+    }
+    p.destroy_stream(&s)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+/// One rank's timing of `iters` collectives of `bytes` (f32) after a warm-up.
+fn rank_loop(
+    p: &dyn Platform,
+    id: &hprt::platform::UniqueId,
+    rank: usize,
+    world: usize,
+    bytes: usize,
+    gather: bool,
+    go: &Barrier,
+) -> Result<Duration> {
+    if p.device_count() >= world && p.backend() != BackendKind::Cpu {
+        p.set_device(rank)?;
+    }
+    let comm = p.comm_init(id, rank, world)?;
+    let s = p.create_stream()?;
+    let count = bytes / 4;
+    let (send, recv) = if gather {
+        (p.alloc_device(bytes / world)?, p.alloc_device(bytes)?)
+    } else {
+        (p.alloc_device(bytes)?, p.alloc_device(bytes)?)
+    };
+    let iters = ((256usize << 20) / bytes).clamp(3, 50);
+    let issue = || -> hprt::Result<()> {
+        if gather {
+            p.all_gather(
+                (&send).into(),
+                (&recv).into(),
+                count / world,
+                DType::F32,
+                &comm,
+                &s,
+            )
+        } else {
+            p.all_reduce(
+                (&send).into(),
+                (&recv).into(),
+                count,
+                DType::F32,
+                ReduceOp::Sum,
+                &comm,
+                &s,
+            )
+        }
+    };
+    let mut best = Duration::MAX;
+    issue()?;
+    p.synchronize_stream(&s)?;
+    for _ in 0..TRIALS {
+        go.wait();
+        let t = Instant::now();
+        for _ in 0..iters {
+            issue()?;
+        }
+        p.synchronize_stream(&s)?;
+        go.wait();
+        best = best.min(t.elapsed() / iters as u32);
+    }
+    p.destroy_stream(&s)?;
+    p.destroy_comm(&comm)?;
+    Ok(best)
+}
+
+fn collectives(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<()> {
+    let world = if p.backend() == BackendKind::Cpu {
+        4
+    } else {
+        p.device_count().min(4)
+    };
+    writeln!(
+        out,
+        "#### {world}-rank collectives vs memcpy bandwidth (f32 sum; bus bandwidth as nccl-tests defines it; goal >= 0.5)"
+    )?;
+    writeln!(out)?;
+    writeln!(
+        out,
+        "| collective | size | memcpy GB/s | algbw GB/s | busbw GB/s | busbw / memcpy |"
+    )?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|")?;
+    for gather in [false, true] {
+        for bytes in [1usize << 20, 16 << 20, 64 << 20] {
+            if bytes > max_bytes {
+                continue;
+            }
+            ensure!(bytes % (4 * world) == 0, "size must split evenly");
+            let id = p.unique_id()?;
+            let go = Arc::new(Barrier::new(world));
+            let times: Vec<Duration> = std::thread::scope(|sc| {
+                let handles: Vec<_> = (0..world)
+                    .map(|rank| {
+                        let (id, go) = (&id, Arc::clone(&go));
+                        sc.spawn(move || rank_loop(p, id, rank, world, bytes, gather, &go))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().map_err(|_| anyhow::anyhow!("rank panicked"))?)
+                    .collect::<Result<_>>()
+            })?;
+            let t = times.into_iter().max().unwrap_or_default();
+            let base = best(|| Ok(memcpy_time(bytes, 5) / 5))?;
+            let n = world as f64;
+            let factor = if gather {
+                (n - 1.0) / n
+            } else {
+                2.0 * (n - 1.0) / n
+            };
+            let alg = gbps(bytes, t);
+            let bus = alg * factor;
+            let name = if gather { "all_gather" } else { "all_reduce" };
+            writeln!(
+                out,
+                "| {name} | {} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                size_name(bytes),
+                gbps(bytes, base),
+                alg,
+                bus,
+                bus / gbps(bytes, base)
+            )?;
+        }
+    }
+    writeln!(out)?;
+    Ok(())
+}

@@ -1,0 +1,21 @@
+//! hprt — hyper-parallel runtime: the native layer under large-model training frameworks.
+//!
+//! This facade re-exports the workspace's crates; the `hprt` binary (`hprt info`,
+//! `hprt conformance`, `hprt bench`) lives beside it.
+//!
+//! - [`platform`] — the `Platform` trait, handles, and the cpu / cuda / npu backends.
+//! - [`swap`] — activation swap to pinned host memory (arrives with its issue).
+//! - [`compress`] — lossless activation compression (arrives with its issue).
+//! - [`hsdp`] — sharded parameters and gradient reduction (arrives with its issue).
+
+pub use hprt_compress as compress;
+pub use hprt_hsdp as hsdp;
+pub use hprt_platform as platform;
+pub use hprt_swap as swap;
+
+pub use hprt_platform::{get_platform, BackendKind, DType, Error, Platform, ReduceOp, Result};
+
+/// The README's Rust examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

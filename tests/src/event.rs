@@ -1,0 +1,254 @@
+//! event: never-recorded events, record/synchronize/query, re-recording, timing and its errors,
+//! and deterministic "not yet" states behind a collective gate.
+
+use std::sync::mpsc;
+
+use anyhow::{anyhow, ensure, Context, Result};
+use hprt_platform::{ErrorKind, Platform};
+
+use crate::util::{check_bytes, expect_kind, panic_message, pattern, pinned_with};
+
+pub(crate) fn never_recorded(p: &dyn Platform) -> Result<()> {
+    let s = p.create_stream()?;
+    for timing in [false, true] {
+        let e = p.create_event(timing)?;
+        ensure!(
+            e.has_timing() == timing,
+            "has_timing is {} for create_event({timing})",
+            e.has_timing()
+        );
+        ensure!(
+            p.query_event(&e)?,
+            "query_event is false for a never-recorded event (timing {timing})"
+        );
+        p.synchronize_event(&e).with_context(|| {
+            format!("synchronize_event on a never-recorded event (timing {timing})")
+        })?;
+        // Waiting on it is a no-op: later work still runs.
+        p.stream_wait_event(&s, &e)?;
+        let d = p.alloc_device(64)?;
+        p.memset_async(&d, 0, 3, 64, &s)?;
+        p.synchronize_stream(&s)
+            .context("synchronize after waiting on a never-recorded event")?;
+        p.destroy_event(&e)?;
+    }
+    p.destroy_stream(&s)?;
+    Ok(())
+}
+
+pub(crate) fn record_synchronize_query(p: &dyn Platform) -> Result<()> {
+    const N: usize = 1 << 20;
+    let s = p.create_stream()?;
+    let data = pattern(80, N);
+    let src = pinned_with(p, &data)?;
+    let dev = p.alloc_device(N)?;
+    let out = p.alloc_pinned(N)?;
+    let e = p.create_event(false)?;
+    p.copy_async((&dev).into(), 0, (&src).into(), 0, N, &s)?;
+    p.copy_async((&out).into(), 0, (&dev).into(), 0, N, &s)?;
+    p.record_event(&e, &s)?;
+    p.query_event(&e)
+        .context("query_event right after record")?;
+    p.synchronize_event(&e)?;
+    ensure!(
+        p.query_event(&e)?,
+        "query_event is false after synchronize_event"
+    );
+    check_bytes(
+        "download before the event, read after synchronize_event",
+        &data,
+        &out.to_vec()?,
+    )?;
+    p.destroy_event(&e)?;
+    p.destroy_stream(&s)?;
+    Ok(())
+}
+
+/// A wait targets the event's latest record: B waits on an event A recorded twice and must see
+/// the work queued before the second record.
+pub(crate) fn rerecord_waits_for_latest(p: &dyn Platform) -> Result<()> {
+    const N: usize = 2 << 20;
+    let a = p.create_stream()?;
+    let b = p.create_stream()?;
+    let (x, y) = (pattern(81, N), pattern(82, N));
+    let (px, py) = (pinned_with(p, &x)?, pinned_with(p, &y)?);
+    let (dx, dy) = (p.alloc_device(N)?, p.alloc_device(N)?);
+    let (ox, oy) = (p.alloc_pinned(N)?, p.alloc_pinned(N)?);
+    let e = p.create_event(false)?;
+    p.copy_async((&dx).into(), 0, (&px).into(), 0, N, &a)?;
+    p.record_event(&e, &a)?;
+    p.copy_async((&dy).into(), 0, (&py).into(), 0, N, &a)?;
+    p.record_event(&e, &a)?;
+    p.stream_wait_event(&b, &e)?;
+    p.copy_async((&ox).into(), 0, (&dx).into(), 0, N, &b)?;
+    p.copy_async((&oy).into(), 0, (&dy).into(), 0, N, &b)?;
+    p.synchronize_stream(&b)?;
+    check_bytes("upload before the first record", &x, &ox.to_vec()?)?;
+    check_bytes("upload before the second record", &y, &oy.to_vec()?)?;
+    p.synchronize_event(&e)?;
+    ensure!(
+        p.query_event(&e)?,
+        "query_event false after synchronize_event"
+    );
+    p.destroy_stream(&a)?;
+    p.destroy_stream(&b)?;
+    Ok(())
+}
+
+pub(crate) fn elapsed_time(p: &dyn Platform) -> Result<()> {
+    const N: usize = 1 << 20;
+    let s = p.create_stream()?;
+    let start = p.create_event(true)?;
+    let end = p.create_event(true)?;
+    let d = p.alloc_device(N)?;
+    let h = p.alloc_pinned(N)?;
+    p.record_event(&start, &s)?;
+    for i in 0..8 {
+        p.memset_async(&d, 0, i, N, &s)?;
+        p.copy_async((&h).into(), 0, (&d).into(), 0, N, &s)?;
+    }
+    p.record_event(&end, &s)?;
+    p.synchronize_event(&end)?;
+    p.synchronize_event(&start)?;
+    let ms = p.event_elapsed_ms(&start, &end)?;
+    ensure!(
+        ms.is_finite() && ms >= 0.0,
+        "elapsed time between start and end is {ms} ms"
+    );
+    ensure!(
+        ms < 60_000.0,
+        "elapsed time {ms} ms is implausible for 16 MiB of work"
+    );
+    let same = p.event_elapsed_ms(&end, &end)?;
+    ensure!(
+        same.abs() < 1e-3,
+        "elapsed time from an event to itself is {same} ms"
+    );
+    p.destroy_event(&start)?;
+    p.destroy_event(&end)?;
+    p.destroy_stream(&s)?;
+    Ok(())
+}
+
+pub(crate) fn elapsed_without_timing(p: &dyn Platform) -> Result<()> {
+    let s = p.create_stream()?;
+    let plain = p.create_event(false)?;
+    let timed = p.create_event(true)?;
+    p.record_event(&plain, &s)?;
+    p.record_event(&timed, &s)?;
+    p.synchronize_stream(&s)?;
+    expect_kind(
+        p.event_elapsed_ms(&plain, &timed),
+        ErrorKind::InvalidValue,
+        "elapsed_ms from an event created with timing=false",
+    )?;
+    expect_kind(
+        p.event_elapsed_ms(&timed, &plain),
+        ErrorKind::InvalidValue,
+        "elapsed_ms to an event created with timing=false",
+    )?;
+    p.destroy_stream(&s)?;
+    Ok(())
+}
+
+pub(crate) fn elapsed_not_ready(p: &dyn Platform) -> Result<()> {
+    let s = p.create_stream()?;
+    let a = p.create_event(true)?;
+    let b = p.create_event(true)?;
+    expect_kind(
+        p.event_elapsed_ms(&a, &b),
+        ErrorKind::NotReady,
+        "elapsed_ms between two never-recorded events",
+    )?;
+    p.record_event(&a, &s)?;
+    p.synchronize_event(&a)?;
+    expect_kind(
+        p.event_elapsed_ms(&a, &b),
+        ErrorKind::NotReady,
+        "elapsed_ms to a never-recorded event",
+    )?;
+    expect_kind(
+        p.event_elapsed_ms(&b, &a),
+        ErrorKind::NotReady,
+        "elapsed_ms from a never-recorded event",
+    )?;
+    p.destroy_stream(&s)?;
+    Ok(())
+}
+
+/// A two-rank barrier whose second rank is held back by the host keeps stream S busy, so the
+/// pending states can be checked deterministically: the event after the barrier is not reached,
+/// elapsed time is NotReady, S and a stream waiting on the event are busy. Then the gate opens.
+pub(crate) fn pending_while_gated(p: &dyn Platform) -> Result<()> {
+    let id = p.unique_id()?;
+    let (open_tx, open_rx) = mpsc::channel::<()>();
+    let id = &id;
+    std::thread::scope(|scope| {
+        let peer = scope.spawn(move || -> Result<()> {
+            let comm = p.comm_init(id, 1, 2).context("rank 1 comm_init")?;
+            let s = p.create_stream()?;
+            // Held until rank 0 checked the pending states (or gave up).
+            let _ = open_rx.recv();
+            p.barrier(&comm, &s)?;
+            p.synchronize_stream(&s).context("rank 1 barrier")?;
+            p.destroy_stream(&s)?;
+            p.destroy_comm(&comm)?;
+            Ok(())
+        });
+        let mut open_tx = Some(open_tx);
+        let mine = (|| -> Result<()> {
+            let comm = p.comm_init(id, 0, 2).context("rank 0 comm_init")?;
+            let s = p.create_stream()?;
+            let t = p.create_stream()?;
+            let start = p.create_event(true)?;
+            let end = p.create_event(true)?;
+            let d = p.alloc_device(256)?;
+            p.record_event(&start, &s)?;
+            p.barrier(&comm, &s)?;
+            p.record_event(&end, &s)?;
+            p.stream_wait_event(&t, &end)?;
+            p.memset_async(&d, 0, 9, 256, &t)?;
+            let gated = (|| -> Result<()> {
+                ensure!(
+                    !p.query_event(&end)?,
+                    "query_event is true for an event behind a barrier a peer has not reached"
+                );
+                expect_kind(
+                    p.event_elapsed_ms(&start, &end),
+                    ErrorKind::NotReady,
+                    "elapsed_ms to an event behind an open barrier",
+                )?;
+                ensure!(
+                    !p.query_stream(&s)?,
+                    "query_stream is true while the stream waits in a barrier"
+                );
+                ensure!(
+                    !p.query_stream(&t)?,
+                    "query_stream is true for a stream waiting on a pending event"
+                );
+                Ok(())
+            })();
+            if let Some(tx) = open_tx.take() {
+                let _ = tx.send(());
+            }
+            p.synchronize_stream(&s).context("rank 0 barrier")?;
+            p.synchronize_stream(&t)?;
+            ensure!(
+                p.query_event(&end)?,
+                "query_event false after the barrier completed"
+            );
+            let ms = p.event_elapsed_ms(&start, &end)?;
+            ensure!(ms >= 0.0, "elapsed time across the barrier is {ms} ms");
+            p.destroy_stream(&s)?;
+            p.destroy_stream(&t)?;
+            p.destroy_comm(&comm)?;
+            gated
+        })();
+        drop(open_tx);
+        let theirs = peer
+            .join()
+            .map_err(|e| anyhow!("rank 1 panicked: {}", panic_message(&*e)))?;
+        mine.context("rank 0")?;
+        theirs.context("rank 1")
+    })
+}
