@@ -121,41 +121,79 @@ pub(crate) unsafe fn reduce(
 }
 
 unsafe fn reduce_t<T: Elem>(op: ReduceOp, inputs: &[*const u8], outputs: &[*mut u8], elems: usize) {
+    // One monomorphic loop per operator, so the combine step inlines and vectorizes.
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => reduce_with::<T>(
+            |a, b| T::combine(ReduceOp::Sum, a, b),
+            op,
+            inputs,
+            outputs,
+            elems,
+        ),
+        ReduceOp::Prod => reduce_with::<T>(
+            |a, b| T::combine(ReduceOp::Prod, a, b),
+            op,
+            inputs,
+            outputs,
+            elems,
+        ),
+        ReduceOp::Max => reduce_with::<T>(
+            |a, b| T::combine(ReduceOp::Max, a, b),
+            op,
+            inputs,
+            outputs,
+            elems,
+        ),
+        ReduceOp::Min => reduce_with::<T>(
+            |a, b| T::combine(ReduceOp::Min, a, b),
+            op,
+            inputs,
+            outputs,
+            elems,
+        ),
+    }
+}
+
+#[inline(always)]
+unsafe fn reduce_with<T: Elem>(
+    combine: impl Fn(T::Acc, T::Acc) -> T::Acc,
+    op: ReduceOp,
+    inputs: &[*const u8],
+    outputs: &[*mut u8],
+    elems: usize,
+) {
     let size = std::mem::size_of::<T>();
-    let mut tmp = vec![T::default(); BLOCK.min(elems)];
     let mut acc = vec![T::Acc::default(); BLOCK.min(elems)];
+    let mut out = vec![T::default(); BLOCK.min(elems)];
+    let ranks = inputs.len();
     let mut start = 0;
     while start < elems {
         let n = BLOCK.min(elems - start);
         let byte_off = start * size;
         for (i, &input) in inputs.iter().enumerate() {
-            // Copy into an aligned block first: user offsets need not be element-aligned.
-            std::ptr::copy_nonoverlapping(
-                input.add(byte_off),
-                tmp.as_mut_ptr().cast::<u8>(),
-                n * size,
-            );
+            // Unaligned reads: user offsets need not be element-aligned.
+            let src = input.add(byte_off).cast::<T>();
             if i == 0 {
-                for (a, t) in acc[..n].iter_mut().zip(&tmp[..n]) {
-                    *a = t.widen();
+                for (k, a) in acc[..n].iter_mut().enumerate() {
+                    *a = src.add(k).read_unaligned().widen();
                 }
             } else {
-                for (a, t) in acc[..n].iter_mut().zip(&tmp[..n]) {
-                    *a = T::combine(op, *a, t.widen());
+                for (k, a) in acc[..n].iter_mut().enumerate() {
+                    *a = combine(*a, src.add(k).read_unaligned().widen());
                 }
             }
         }
-        let ranks = inputs.len();
-        for (t, a) in tmp[..n].iter_mut().zip(&acc[..n]) {
-            let v = if op == ReduceOp::Avg {
-                T::divide(*a, ranks)
-            } else {
-                *a
-            };
-            *t = T::narrow(v);
+        if op == ReduceOp::Avg {
+            for (o, a) in out[..n].iter_mut().zip(&acc[..n]) {
+                *o = T::narrow(T::divide(*a, ranks));
+            }
+        } else {
+            for (o, a) in out[..n].iter_mut().zip(&acc[..n]) {
+                *o = T::narrow(*a);
+            }
         }
-        for &out in outputs {
-            std::ptr::copy_nonoverlapping(tmp.as_ptr().cast::<u8>(), out.add(byte_off), n * size);
+        for &dst in outputs {
+            std::ptr::copy_nonoverlapping(out.as_ptr().cast::<u8>(), dst.add(byte_off), n * size);
         }
         start += n;
     }
