@@ -128,36 +128,8 @@ fn conformance(filter: Option<&str>) -> Result<ExitCode> {
         platform_selection_reason()?
     );
     let outcomes = hprt_conformance::run_cases(platform, filter);
-    let width = outcomes
-        .iter()
-        .map(|o| o.name.len())
-        .max()
-        .unwrap_or(4)
-        .max(4);
-    println!(
-        "{:<width$}  {:<10}  {:<6}  {:>9}",
-        "case", "group", "result", "time"
-    );
-    println!("{}", "-".repeat(width + 33));
-    for o in &outcomes {
-        let result = if o.passed { "pass" } else { "FAIL" };
-        let ms = o.duration.as_secs_f64() * 1e3;
-        println!(
-            "{:<width$}  {:<10}  {:<6}  {:>7.1}ms",
-            o.name, o.group, result, ms
-        );
-        if !o.passed {
-            for line in o.detail.lines() {
-                println!("{:<width$}    {line}", "");
-            }
-        }
-    }
+    print!("{}", hprt_conformance::report(&outcomes));
     let failed = outcomes.iter().filter(|o| !o.passed).count();
-    println!(
-        "\n{} cases, {} passed, {failed} failed",
-        outcomes.len(),
-        outcomes.len() - failed
-    );
     Ok(if failed == 0 && !outcomes.is_empty() {
         ExitCode::SUCCESS
     } else {

@@ -237,6 +237,40 @@ pub fn run_cases(platform: &dyn Platform, filter: Option<&str>) -> Vec<Outcome> 
         .collect()
 }
 
+/// A pass/fail table of `outcomes`, failure details indented under their case, and a summary line.
+pub fn report(outcomes: &[Outcome]) -> String {
+    let width = outcomes
+        .iter()
+        .map(|o| o.name.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    let mut s = format!(
+        "{:<width$}  {:<10}  {:<6}  {:>9}\n",
+        "case", "group", "result", "time"
+    );
+    s += &"-".repeat(width + 33);
+    s.push('\n');
+    for o in outcomes {
+        let result = if o.passed { "pass" } else { "FAIL" };
+        let ms = o.duration.as_secs_f64() * 1e3;
+        s += &format!(
+            "{:<width$}  {:<10}  {result:<6}  {ms:>7.1}ms\n",
+            o.name, o.group
+        );
+        for line in o.detail.lines() {
+            s += &format!("{:<width$}    {line}\n", "");
+        }
+    }
+    let failed = outcomes.iter().filter(|o| !o.passed).count();
+    s += &format!(
+        "\n{} cases, {} passed, {failed} failed\n",
+        outcomes.len(),
+        outcomes.len() - failed
+    );
+    s
+}
+
 fn run_case(platform: &dyn Platform, case: &Case) -> Outcome {
     let start = Instant::now();
     let result = catch_unwind(AssertUnwindSafe(|| (case.run)(platform)));

@@ -3,32 +3,11 @@
 
 use std::sync::Mutex;
 
-use hprt_conformance::{run_cases, Outcome};
+use hprt_conformance::{report, run_cases, Outcome};
 
 /// The groups share one process-wide platform; memory accounting cases compare deltas, so the
 /// groups run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
-
-fn table(outcomes: &[Outcome]) -> String {
-    let width = outcomes
-        .iter()
-        .map(|o| o.name.len())
-        .max()
-        .unwrap_or(4)
-        .max(4);
-    let mut s = String::new();
-    for o in outcomes {
-        s += &format!(
-            "{:<width$}  {:<10}  {:<4}  {:>8.1?}  {}\n",
-            o.name,
-            o.group,
-            if o.passed { "ok" } else { "FAIL" },
-            o.duration,
-            o.detail
-        );
-    }
-    s
-}
 
 fn run_group(group: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
@@ -38,13 +17,18 @@ fn run_group(group: &str) {
         outcomes.iter().any(|o| o.group == group),
         "no case of group {group} ran"
     );
-    eprintln!("{} on {}:\n{}", group, platform.backend(), table(&outcomes));
+    eprintln!(
+        "{} on {}:\n{}",
+        group,
+        platform.backend(),
+        report(&outcomes)
+    );
     let failed: Vec<Outcome> = outcomes.into_iter().filter(|o| !o.passed).collect();
     assert!(
         failed.is_empty(),
         "{} case(s) failed:\n{}",
         failed.len(),
-        table(&failed)
+        report(&failed)
     );
 }
 
