@@ -150,7 +150,7 @@ impl<R> Collective<R> {
     }
 
     /// Checks what one rank can check alone: peers, roots and count vectors against the world size.
-    pub fn validate(&self, backend: BackendKind, rank: usize, world: usize) -> Result<()> {
+    pub fn validate(&self, backend: BackendKind, world: usize) -> Result<()> {
         let bad = |msg: String| {
             Err(Error::new(
                 ErrorKind::InvalidValue,
@@ -186,7 +186,6 @@ impl<R> Collective<R> {
                         ));
                     }
                 }
-                let _ = rank;
                 Ok(())
             }
             _ => Ok(()),

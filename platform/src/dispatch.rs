@@ -387,7 +387,7 @@ impl<B: Backend> Platform for B {
         let (rank, world) = (comm.rank, comm.world);
         let c = comm.handle.get::<B::Comm>(owner(self), name)?;
         let s = stream_obj(self, stream, name)?;
-        op.validate(self.kind(), rank, world)?;
+        op.validate(self.kind(), world)?;
         check_overlap(self, &op, rank, world)?;
         let sizes: Vec<usize> = op.places(world).iter().map(|p| p.1).collect();
         let mut i = 0;

@@ -416,7 +416,7 @@ impl Backend for CpuBackend {
 
     fn copy(
         &self,
-        kind: CopyKind,
+        _kind: CopyKind, // every kind is a host memmove here
         dst: Loc<Self>,
         src: Loc<Self>,
         bytes: usize,
@@ -426,7 +426,6 @@ impl Backend for CpuBackend {
             Loc::Device(d, doff) | Loc::Pinned(d, doff),
             Loc::Device(s, soff) | Loc::Pinned(s, soff),
         ) = (dst, src);
-        let _ = kind; // every kind is a host memmove here
         stream.core.enqueue(
             "copy_async",
             Box::new(move |_: &StreamCore| {
