@@ -1,4 +1,40 @@
 //! hprt-sys: raw FFI for the Ascend ACL runtime and HCCL.
 //!
-//! Empty until the Ascend backend issue lands: the in-tree C header, the bindgen output and the
-//! libloading function tables arrive with it. Nothing here pretends to work before then.
+//! - `include/hprt_ascend.h` — our own header of the subset hprt uses, written from the public
+//!   CANN API; [`types`], [`AclApi`] and [`HcclApi`] are bindgen's output for it (committed under
+//!   `src/generated/`, checked for drift by `tests/bindgen_drift.rs`).
+//! - [`load`] — finds and opens `libascendcl.so` and `libhccl.so` with libloading, in the
+//!   documented search order, and checks every required symbol; optional symbols stay `Err` in
+//!   the tables and are probed before use.
+//! - [`acl_error_name`], [`hccl_result_name`] — every status code of the header by name.
+
+#![allow(non_camel_case_types, non_snake_case, non_upper_case_globals)]
+
+mod loader;
+mod status;
+
+/// Types and constants of `hprt_ascend.h`.
+#[rustfmt::skip]
+#[allow(dead_code, clippy::all)]
+pub mod types {
+    include!("generated/types.rs");
+}
+
+#[rustfmt::skip]
+#[allow(dead_code, clippy::all)]
+mod acl {
+    use super::types::*;
+    include!("generated/acl.rs");
+}
+
+#[rustfmt::skip]
+#[allow(dead_code, clippy::all)]
+mod hccl {
+    use super::types::*;
+    include!("generated/hccl.rs");
+}
+
+pub use acl::AclApi;
+pub use hccl::HcclApi;
+pub use loader::{load, load_with, Ascend, Candidate, LoadError, SearchEnv, OPTIONAL_SYMBOLS};
+pub use status::{acl_error_name, hccl_result_name};
