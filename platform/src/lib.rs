@@ -8,6 +8,7 @@
 //! - [`Backend`] — the static per-backend trait; every `Backend` is a `Platform` (`dispatch`).
 //! - [`cpu`] — the reference backend: streams are worker threads, device memory has a capacity,
 //!   ranks are threads, and `HP_CPU_JITTER` makes missing waits visible.
+//! - [`npu`] — Ascend ACL + HCCL through `hprt-sys` (verified against the emulator in `tests/`).
 //! - [`Error`] — the crate's one error: backend, operation, status code and name, message.
 
 mod backend;
@@ -19,6 +20,7 @@ mod error;
 mod handle;
 mod info;
 mod memory;
+pub mod npu;
 mod platform;
 mod select;
 
@@ -33,6 +35,7 @@ pub use handle::{
 };
 pub use info::{DeviceInfo, LibraryProbe, PlatformInfo};
 pub use memory::{MemInfo, MemoryCounter, MemoryStats};
+pub use npu::NpuBackend;
 pub use platform::Platform;
 pub use select::{
     get_platform, platform_selection_reason, select_platform, PlatformRequest, Selection,

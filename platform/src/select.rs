@@ -4,6 +4,7 @@ use std::sync::OnceLock;
 
 use crate::cpu::CpuBackend;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
+use crate::npu::NpuBackend;
 use crate::platform::Platform;
 
 /// What `HP_PLATFORM` asked for.
@@ -71,7 +72,8 @@ fn open(kind: BackendKind) -> Result<Box<dyn Platform>> {
     }
     match kind {
         BackendKind::Cpu => Ok(Box::new(CpuBackend::from_env()?)),
-        BackendKind::Cuda | BackendKind::Npu => unreachable!("not_built covers {kind}"),
+        BackendKind::Npu => Ok(Box::new(NpuBackend::open()?)),
+        BackendKind::Cuda => unreachable!("not_built covers {kind}"),
     }
 }
 

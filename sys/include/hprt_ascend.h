@@ -96,6 +96,8 @@ aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count)
 aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count,
                           aclrtStream stream);
 aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free, size_t *total);
+/* Optional (deprecated in newer releases): the ACL interface version, for `hprt info`. */
+aclError aclrtGetVersion(int32_t *majorVersion, int32_t *minorVersion, int32_t *patchVersion);
 /* Host functions on a stream: a thread bound with aclrtSubscribeReport runs them from
  * aclrtProcessReport; ACL_CALLBACK_BLOCK holds the stream until the function returns. */
 aclError aclrtSubscribeReport(uint64_t threadId, aclrtStream stream);

@@ -145,6 +145,14 @@ pub struct AclApi {
         ) -> aclError,
         ::libloading::Error,
     >,
+    pub aclrtGetVersion: Result<
+        unsafe extern "C" fn(
+            majorVersion: *mut i32,
+            minorVersion: *mut i32,
+            patchVersion: *mut i32,
+        ) -> aclError,
+        ::libloading::Error,
+    >,
     pub aclrtSubscribeReport: Result<
         unsafe extern "C" fn(threadId: u64, stream: aclrtStream) -> aclError,
         ::libloading::Error,
@@ -220,6 +228,7 @@ impl AclApi {
         let aclrtMemset = __library.get(b"aclrtMemset\0").map(|sym| *sym);
         let aclrtMemsetAsync = __library.get(b"aclrtMemsetAsync\0").map(|sym| *sym);
         let aclrtGetMemInfo = __library.get(b"aclrtGetMemInfo\0").map(|sym| *sym);
+        let aclrtGetVersion = __library.get(b"aclrtGetVersion\0").map(|sym| *sym);
         let aclrtSubscribeReport = __library
             .get(b"aclrtSubscribeReport\0")
             .map(|sym| *sym);
@@ -258,6 +267,7 @@ impl AclApi {
             aclrtMemset,
             aclrtMemsetAsync,
             aclrtGetMemInfo,
+            aclrtGetVersion,
             aclrtSubscribeReport,
             aclrtUnSubscribeReport,
             aclrtLaunchCallback,
@@ -462,6 +472,19 @@ impl AclApi {
             .aclrtGetMemInfo
             .as_ref()
             .expect("Expected function, got error."))(attr, free, total)
+    }
+    pub unsafe fn aclrtGetVersion(
+        &self,
+        majorVersion: *mut i32,
+        minorVersion: *mut i32,
+        patchVersion: *mut i32,
+    ) -> aclError {
+        (self
+            .aclrtGetVersion
+            .as_ref()
+            .expect(
+                "Expected function, got error.",
+            ))(majorVersion, minorVersion, patchVersion)
     }
     pub unsafe fn aclrtSubscribeReport(
         &self,

@@ -1,0 +1,1241 @@
+//! The npu backend: Ascend ACL runtime + HCCL, loaded at run time through `hprt-sys`.
+//!
+//! Verified against the ACL/HCCL emulator in `tests/ascend-emulator` only, until it runs on
+//! real Ascend hardware. Coexists with torch_npu: if `aclInit` reports "repeat initialize",
+//! someone else owns ACL and hprt never calls `aclFinalize`.
+
+mod check;
+mod host_fn;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+
+use half::{bf16, f16};
+use hprt_sys::types::{
+    aclrtEventRecordedStatus, aclrtMemAttr, aclrtMemMallocPolicy, aclrtMemcpyKind, HcclDataType,
+    HcclReduceOp, HcclRootInfo, ACL_ERROR_REPEAT_INITIALIZE, ACL_EVENT_SYNC, ACL_EVENT_TIME_LINE,
+};
+use hprt_sys::{Ascend, SearchEnv, OPTIONAL_SYMBOLS};
+
+use crate::backend::{Backend, Loc, Place};
+use crate::collective::Collective;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{BackendKind, ErrorKind, Result};
+use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
+use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
+use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
+use check::{acl, hccl, npu_err};
+use host_fn::Reporter;
+
+const ROOT_INFO_BYTES: usize = std::mem::size_of::<HcclRootInfo>();
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// (platform instance → device bound on this thread with `aclrtSetDevice`).
+    static BOUND: RefCell<HashMap<u64, i32>> = RefCell::new(HashMap::new());
+}
+
+/// What every object of one npu platform value shares.
+struct Shared {
+    api: Arc<Ascend>,
+    instance: u64,
+    owns_acl: bool,
+    devices: Vec<Arc<MemoryCounter>>,
+    pinned: Arc<MemoryCounter>,
+    streams: Mutex<HashMap<usize, Weak<StreamObj>>>,
+    reporter: OnceLock<Option<Reporter>>,
+    /// Pinned staging buffers for the host scale step of `Avg`, by size, returned after use.
+    staging: Mutex<HashMap<usize, Vec<usize>>>,
+}
+
+impl Shared {
+    /// Binds the calling thread to its device (ACL keeps the device per thread).
+    fn bind(&self) -> Result<i32> {
+        if let Some(d) = BOUND.with(|b| b.borrow().get(&self.instance).copied()) {
+            return Ok(d);
+        }
+        // SAFETY: plain ACL call.
+        acl(unsafe { self.api.acl.aclrtSetDevice(0) }, "aclrtSetDevice")?;
+        BOUND.with(|b| b.borrow_mut().insert(self.instance, 0));
+        Ok(0)
+    }
+
+    fn reporter(&self) -> Option<&Reporter> {
+        self.reporter
+            .get_or_init(|| {
+                if !host_fn::available(&self.api) {
+                    return None;
+                }
+                Reporter::start(Arc::clone(&self.api), 0)
+                    .inspect_err(
+                        |e| tracing::warn!(error = %e, "npu host-function thread unavailable"),
+                    )
+                    .ok()
+            })
+            .as_ref()
+    }
+
+    /// Waits for every live stream (as `cudaFree` does), so memory is never freed under queued
+    /// work. Uses events, so no stream's pending error is consumed here.
+    fn quiesce(&self) {
+        let live: Vec<Arc<StreamObj>> = lock(&self.streams)
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        let api = &self.api.acl;
+        for s in live {
+            let mut ev = std::ptr::null_mut();
+            // SAFETY: plain ACL calls on live handles.
+            unsafe {
+                if api.aclrtCreateEventWithFlag(&mut ev, ACL_EVENT_SYNC) == 0 {
+                    if api.aclrtRecordEvent(ev, s.raw as _) == 0 {
+                        api.aclrtSynchronizeEvent(ev);
+                    }
+                    api.aclrtDestroyEvent(ev);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        for (_, bufs) in lock(&self.staging).drain() {
+            for p in bufs {
+                // SAFETY: pool buffers came from aclrtMallocHost and are no longer referenced.
+                unsafe { self.api.acl.aclrtFreeHost(p as _) };
+            }
+        }
+        if self.owns_acl {
+            // SAFETY: hprt initialised ACL and nothing of this platform is left.
+            unsafe { self.api.acl.aclFinalize() };
+        }
+    }
+}
+
+/// An ACL stream.
+pub struct StreamObj {
+    shared: Arc<Shared>,
+    raw: usize,
+    owned: bool,
+    subscribed: bool,
+}
+
+impl Drop for StreamObj {
+    fn drop(&mut self) {
+        lock(&self.shared.streams).remove(&self.raw);
+        if self.subscribed {
+            if let Some(r) = self.shared.reporter() {
+                let _ = r.unsubscribe(self.raw);
+            }
+        }
+        if self.owned && self.shared.bind().is_ok() {
+            // SAFETY: we created this stream; ACL lets queued work finish.
+            let _ = acl(
+                unsafe { self.shared.api.acl.aclrtDestroyStream(self.raw as _) },
+                "aclrtDestroyStream",
+            );
+        }
+    }
+}
+
+/// An ACL event, with whether it was ever recorded (ACL does not say).
+pub struct EventObj {
+    shared: Arc<Shared>,
+    raw: usize,
+    timing: bool,
+    recorded: AtomicBool,
+}
+
+impl Drop for EventObj {
+    fn drop(&mut self) {
+        if self.shared.bind().is_ok() {
+            // SAFETY: we created this event.
+            unsafe { self.shared.api.acl.aclrtDestroyEvent(self.raw as _) };
+        }
+    }
+}
+
+enum Origin {
+    Device(usize),
+    Pinned,
+    Borrowed(Mutex<Option<ReleaseFn>>),
+}
+
+/// Device, pinned or borrowed memory.
+pub struct MemObj {
+    shared: Arc<Shared>,
+    ptr: usize,
+    len: usize,
+    origin: Origin,
+}
+
+impl Drop for MemObj {
+    fn drop(&mut self) {
+        self.shared.quiesce();
+        let api = &self.shared.api.acl;
+        match &mut self.origin {
+            Origin::Device(d) => {
+                // SAFETY: allocated by aclrtMalloc; no queued work uses it (quiesce).
+                let _ = acl(unsafe { api.aclrtFree(self.ptr as _) }, "aclrtFree");
+                self.shared.devices[*d].release(self.len);
+            }
+            Origin::Pinned => {
+                // SAFETY: allocated by aclrtMallocHost.
+                let _ = acl(unsafe { api.aclrtFreeHost(self.ptr as _) }, "aclrtFreeHost");
+                self.shared.pinned.release(self.len);
+            }
+            Origin::Borrowed(release) => {
+                if let Some(f) = release.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+                    f();
+                }
+            }
+        }
+    }
+}
+
+/// An HCCL communicator, with a scratch word for barriers.
+pub struct CommObj {
+    shared: Arc<Shared>,
+    raw: usize,
+    rank: usize,
+    world: usize,
+    scratch: Arc<MemObj>,
+}
+
+impl Drop for CommObj {
+    fn drop(&mut self) {
+        // SAFETY: we created this communicator.
+        let _ = hccl(
+            unsafe { self.shared.api.hccl.HcclCommDestroy(self.raw as _) }.0 as i32,
+            "HcclCommDestroy",
+        );
+    }
+}
+
+/// The npu backend (see the module docs).
+pub struct NpuBackend {
+    shared: Arc<Shared>,
+    device_count: usize,
+}
+
+fn hccl_dtype(d: DType) -> HcclDataType {
+    HcclDataType(match d {
+        DType::I8 => 0,
+        DType::I32 => 2,
+        DType::F16 => 3,
+        DType::F32 => 4,
+        DType::I64 => 5,
+        DType::U8 => 7,
+        DType::F64 => 10,
+        DType::BF16 => 11,
+    })
+}
+
+fn hccl_op(op: ReduceOp) -> HcclReduceOp {
+    HcclReduceOp(match op {
+        ReduceOp::Sum | ReduceOp::Avg => 0,
+        ReduceOp::Prod => 1,
+        ReduceOp::Max => 2,
+        ReduceOp::Min => 3,
+    })
+}
+
+fn memcpy_kind(k: CopyKind) -> aclrtMemcpyKind {
+    aclrtMemcpyKind(match k {
+        CopyKind::HostToHost => 0,
+        CopyKind::HostToDevice => 1,
+        CopyKind::DeviceToHost => 2,
+        CopyKind::DeviceToDevice => 3,
+    })
+}
+
+/// Divides `count` elements at `ptr` (host memory) by `n`, rounding once per element.
+///
+/// # Safety
+/// `ptr` must address `count` elements of `dtype`, not touched by anyone else meanwhile.
+unsafe fn divide_in_place(ptr: usize, count: usize, dtype: DType, n: usize) {
+    unsafe fn each<T: Copy>(ptr: usize, count: usize, f: impl Fn(T) -> T) {
+        let p = ptr as *mut T;
+        for i in 0..count {
+            p.add(i).write_unaligned(f(p.add(i).read_unaligned()));
+        }
+    }
+    match dtype {
+        DType::F32 => each::<f32>(ptr, count, |x| x / n as f32),
+        DType::F64 => each::<f64>(ptr, count, |x| x / n as f64),
+        DType::F16 => each::<f16>(ptr, count, |x| f16::from_f32(x.to_f32() / n as f32)),
+        DType::BF16 => each::<bf16>(ptr, count, |x| bf16::from_f32(x.to_f32() / n as f32)),
+        DType::I8 => each::<i8>(ptr, count, |x| (i64::from(x) / n as i64) as i8),
+        DType::U8 => each::<u8>(ptr, count, |x| (u64::from(x) / n as u64) as u8),
+        DType::I32 => each::<i32>(ptr, count, |x| (i64::from(x) / n as i64) as i32),
+        DType::I64 => each::<i64>(ptr, count, |x| (i128::from(x) / n as i128) as i64),
+    }
+}
+
+impl NpuBackend {
+    /// Loads ACL and HCCL, initialises ACL (or adopts someone else's initialisation), and
+    /// counts devices. Every failure is a typed `Unavailable` error saying what is missing.
+    pub fn open() -> Result<Self> {
+        Self::open_with(&SearchEnv::from_process())
+    }
+
+    /// [`NpuBackend::open`] with the library search settings given explicitly.
+    pub fn open_with(env: &SearchEnv) -> Result<Self> {
+        let api = hprt_sys::load_with(env)
+            .map_err(|e| npu_err(ErrorKind::Unavailable, "load", e.to_string()))?;
+        Self::with_api(api)
+    }
+
+    fn with_api(api: Ascend) -> Result<Self> {
+        let api = Arc::new(api);
+        // SAFETY: aclInit with no config file.
+        let code = unsafe { api.acl.aclInit(std::ptr::null()) };
+        let owns_acl = code != ACL_ERROR_REPEAT_INITIALIZE as i32;
+        if owns_acl {
+            acl(code, "aclInit")?;
+        } else {
+            tracing::info!(
+                "ACL already initialised by another component; hprt will not finalize it"
+            );
+        }
+        let finalize = |e| {
+            if owns_acl {
+                // SAFETY: undo our own initialisation on the way out.
+                unsafe { api.acl.aclFinalize() };
+            }
+            e
+        };
+        let mut count = 0u32;
+        // SAFETY: plain ACL call.
+        acl(
+            unsafe { api.acl.aclrtGetDeviceCount(&mut count) },
+            "aclrtGetDeviceCount",
+        )
+        .map_err(finalize)?;
+        if count == 0 {
+            return Err(finalize(npu_err(
+                ErrorKind::Unavailable,
+                "open",
+                "ACL reports no NPU device",
+            )));
+        }
+        let shared = Arc::new(Shared {
+            instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
+            owns_acl,
+            devices: (0..count)
+                .map(|_| Arc::new(MemoryCounter::new(None)))
+                .collect(),
+            pinned: Arc::new(MemoryCounter::new(None)),
+            streams: Mutex::new(HashMap::new()),
+            reporter: OnceLock::new(),
+            staging: Mutex::new(HashMap::new()),
+            api,
+        });
+        Ok(NpuBackend {
+            shared,
+            device_count: count as usize,
+        })
+    }
+
+    fn api(&self) -> &Ascend {
+        &self.shared.api
+    }
+
+    fn stream_obj(&self, raw: usize, owned: bool) -> Arc<StreamObj> {
+        let subscribed = self
+            .shared
+            .reporter()
+            .is_some_and(|r| r.subscribe(raw).is_ok());
+        let s = Arc::new(StreamObj {
+            shared: Arc::clone(&self.shared),
+            raw,
+            owned,
+            subscribed,
+        });
+        lock(&self.shared.streams).insert(raw, Arc::downgrade(&s));
+        s
+    }
+
+    fn take_staging(&self, bytes: usize) -> Result<usize> {
+        if let Some(p) = lock(&self.shared.staging)
+            .get_mut(&bytes)
+            .and_then(Vec::pop)
+        {
+            return Ok(p);
+        }
+        let mut p = std::ptr::null_mut();
+        // SAFETY: plain ACL call.
+        acl(
+            unsafe { self.api().acl.aclrtMallocHost(&mut p, bytes) },
+            "aclrtMallocHost",
+        )?;
+        Ok(p as usize)
+    }
+
+    /// `buf = buf / n` on the stream: D2H into pinned staging, divide in a blocking host
+    /// function, H2D back, then return the staging buffer — all in stream order.
+    fn divide_on_stream(
+        &self,
+        place: &Place<Arc<MemObj>>,
+        count: usize,
+        dtype: DType,
+        n: usize,
+        stream: &StreamObj,
+    ) -> Result<()> {
+        const OP: &str = "all_reduce(avg)";
+        let bytes = count * dtype.size();
+        if bytes == 0 || n == 1 {
+            return Ok(());
+        }
+        if !stream.subscribed {
+            let missing: Vec<&str> = OPTIONAL_SYMBOLS
+                .iter()
+                .copied()
+                .filter(|s| s.starts_with("aclrt") && *s != "aclrtGetVersion")
+                .collect();
+            return Err(npu_err(
+                ErrorKind::Unsupported,
+                OP,
+                format!("avg needs a host-function step on the stream ({missing:?}), unavailable on this stream or ACL build"),
+            ));
+        }
+        let (mem, off) = place;
+        let dev = mem.ptr + off;
+        let staging = self.take_staging(bytes)?;
+        let api = self.api();
+        let s = stream.raw as *mut c_void;
+        // SAFETY: both ranges are live for `bytes` (bounds-checked; staging is ours until returned).
+        acl(
+            unsafe {
+                api.acl.aclrtMemcpyAsync(
+                    staging as _,
+                    bytes,
+                    dev as _,
+                    bytes,
+                    memcpy_kind(CopyKind::DeviceToHost),
+                    s,
+                )
+            },
+            "aclrtMemcpyAsync",
+        )?;
+        host_fn::launch(
+            api,
+            stream.raw,
+            true,
+            Box::new(move || unsafe { divide_in_place(staging, count, dtype, n) }),
+        )?;
+        acl(
+            unsafe {
+                api.acl.aclrtMemcpyAsync(
+                    dev as _,
+                    mem.len - off,
+                    staging as _,
+                    bytes,
+                    memcpy_kind(CopyKind::HostToDevice),
+                    s,
+                )
+            },
+            "aclrtMemcpyAsync",
+        )?;
+        let shared = Arc::clone(&self.shared);
+        let keep = Arc::clone(mem);
+        host_fn::launch(
+            api,
+            stream.raw,
+            false,
+            Box::new(move || {
+                drop(keep);
+                lock(&shared.staging)
+                    .entry(bytes)
+                    .or_default()
+                    .push(staging);
+            }),
+        )
+    }
+
+    fn new_comm(&self, raw: usize, rank: usize, world: usize) -> Result<Arc<CommObj>> {
+        let scratch = Backend::alloc_device(self, 4)?.0;
+        Ok(Arc::new(CommObj {
+            shared: Arc::clone(&self.shared),
+            raw,
+            rank,
+            world,
+            scratch,
+        }))
+    }
+}
+
+fn ptr(place: &Option<Place<Arc<MemObj>>>) -> *mut c_void {
+    place
+        .as_ref()
+        .map_or(std::ptr::null_mut(), |(m, o)| (m.ptr + o) as *mut c_void)
+}
+
+impl Backend for NpuBackend {
+    type Stream = Arc<StreamObj>;
+    type Event = Arc<EventObj>;
+    type DeviceMemory = Arc<MemObj>;
+    type PinnedMemory = Arc<MemObj>;
+    type Comm = Arc<CommObj>;
+
+    fn kind(&self) -> BackendKind {
+        BackendKind::Npu
+    }
+    fn instance(&self) -> u64 {
+        self.shared.instance
+    }
+    fn info(&self) -> PlatformInfo {
+        let api = self.api();
+        let version = if api.acl.aclrtGetVersion.is_ok() {
+            let (mut a, mut b, mut c) = (0, 0, 0);
+            // SAFETY: plain ACL call.
+            match unsafe { api.acl.aclrtGetVersion(&mut a, &mut b, &mut c) } {
+                0 => format!("ACL interface {a}.{b}.{c}"),
+                code => format!("ACL interface version unknown (aclrtGetVersion returned {code})"),
+            }
+        } else {
+            "ACL interface version unknown (aclrtGetVersion not exported)".to_string()
+        };
+        let mut libraries: Vec<LibraryProbe> = api
+            .searched
+            .iter()
+            .map(|c| LibraryProbe {
+                path: format!("{} ({})", c.path.display(), c.source),
+                found: c.found,
+            })
+            .collect();
+        libraries.dedup_by(|a, b| a.path == b.path);
+        let optional: Vec<String> = OPTIONAL_SYMBOLS
+            .iter()
+            .map(|s| {
+                let present = match *s {
+                    "aclrtGetVersion" => api.acl.aclrtGetVersion.is_ok(),
+                    "HcclGroupStart" => api.hccl.HcclGroupStart.is_ok(),
+                    "HcclGroupEnd" => api.hccl.HcclGroupEnd.is_ok(),
+                    _ => host_fn::available(api),
+                };
+                format!("{s}: {}", if present { "present" } else { "absent" })
+            })
+            .collect();
+        PlatformInfo {
+            backend: BackendKind::Npu,
+            devices: (0..self.device_count)
+                .map(|ordinal| DeviceInfo {
+                    ordinal,
+                    name: format!("Ascend NPU {ordinal}"),
+                    total_memory: 0,
+                })
+                .collect(),
+            driver: format!(
+                "{version}; libascendcl: {}; libhccl: {}",
+                api.acl_path.display(),
+                api.hccl_path.display()
+            ),
+            libraries,
+            settings: vec![
+                (
+                    "aclInit".into(),
+                    if self.shared.owns_acl {
+                        "by hprt (finalized when the platform is dropped)".into()
+                    } else {
+                        "by another component (torch_npu?); hprt never calls aclFinalize".into()
+                    },
+                ),
+                ("optional symbols".into(), optional.join(", ")),
+            ],
+        }
+    }
+
+    fn device_count(&self) -> usize {
+        self.device_count
+    }
+    fn set_device(&self, ordinal: usize) -> Result<()> {
+        if ordinal >= self.device_count {
+            return Err(npu_err(
+                ErrorKind::InvalidValue,
+                "set_device",
+                format!(
+                    "device {ordinal} does not exist ({} devices)",
+                    self.device_count
+                ),
+            ));
+        }
+        // SAFETY: plain ACL call.
+        acl(
+            unsafe { self.api().acl.aclrtSetDevice(ordinal as i32) },
+            "aclrtSetDevice",
+        )?;
+        BOUND.with(|b| b.borrow_mut().insert(self.shared.instance, ordinal as i32));
+        Ok(())
+    }
+    fn current_device(&self) -> usize {
+        BOUND.with(|b| b.borrow().get(&self.shared.instance).copied().unwrap_or(0)) as usize
+    }
+    fn mem_info(&self) -> Result<MemInfo> {
+        self.shared.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: plain ACL call.
+        acl(
+            unsafe {
+                self.api()
+                    .acl
+                    .aclrtGetMemInfo(aclrtMemAttr(1), &mut free, &mut total)
+            },
+            "aclrtGetMemInfo",
+        )?;
+        Ok(MemInfo { free, total })
+    }
+    fn memory_stats(&self) -> MemoryStats {
+        let d = &self.shared.devices[Backend::current_device(self)];
+        let p = &self.shared.pinned;
+        MemoryStats {
+            device_current: d.current(),
+            device_peak: d.peak(),
+            device_allocations: d.allocations(),
+            pinned_current: p.current(),
+            pinned_peak: p.peak(),
+            pinned_allocations: p.allocations(),
+        }
+    }
+    fn reset_peak_memory(&self) {
+        self.shared.devices[Backend::current_device(self)].reset_peak();
+        self.shared.pinned.reset_peak();
+    }
+
+    fn create_stream(&self) -> Result<(Arc<StreamObj>, RawStream)> {
+        self.shared.bind()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: plain ACL call.
+        acl(
+            unsafe { self.api().acl.aclrtCreateStream(&mut raw) },
+            "aclrtCreateStream",
+        )?;
+        Ok((self.stream_obj(raw as usize, true), RawStream(raw as usize)))
+    }
+    unsafe fn wrap_stream(&self, raw: RawStream) -> Result<Arc<StreamObj>> {
+        if raw.0 == 0 {
+            return Err(npu_err(
+                ErrorKind::InvalidValue,
+                "wrap_external_stream",
+                "null aclrtStream",
+            ));
+        }
+        Ok(self.stream_obj(raw.0, false))
+    }
+    fn destroy_stream(&self, stream: Arc<StreamObj>) -> Result<()> {
+        drop(stream);
+        Ok(())
+    }
+    fn synchronize_stream(&self, stream: &Arc<StreamObj>) -> Result<()> {
+        self.shared.bind()?;
+        // SAFETY: live stream.
+        acl(
+            unsafe { self.api().acl.aclrtSynchronizeStream(stream.raw as _) },
+            "aclrtSynchronizeStream",
+        )
+    }
+    fn query_stream(&self, stream: &Arc<StreamObj>) -> Result<bool> {
+        // The subset has no stream query: record a private event and ask it.
+        let e = Backend::create_event(self, false)?;
+        Backend::record_event(self, &e, stream)?;
+        Backend::query_event(self, &e)
+    }
+    fn synchronize_device(&self) -> Result<()> {
+        let live: Vec<Arc<StreamObj>> = lock(&self.shared.streams)
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        let mut first = Ok(());
+        for s in live {
+            if let Err(e) = Backend::synchronize_stream(self, &s) {
+                first = first.and(Err(e));
+            }
+        }
+        first
+    }
+
+    fn create_event(&self, timing: bool) -> Result<Arc<EventObj>> {
+        self.shared.bind()?;
+        let mut raw = std::ptr::null_mut();
+        let flags = if timing {
+            ACL_EVENT_SYNC | ACL_EVENT_TIME_LINE
+        } else {
+            ACL_EVENT_SYNC
+        };
+        // SAFETY: plain ACL call.
+        acl(
+            unsafe { self.api().acl.aclrtCreateEventWithFlag(&mut raw, flags) },
+            "aclrtCreateEventWithFlag",
+        )?;
+        Ok(Arc::new(EventObj {
+            shared: Arc::clone(&self.shared),
+            raw: raw as usize,
+            timing,
+            recorded: AtomicBool::new(false),
+        }))
+    }
+    fn destroy_event(&self, event: Arc<EventObj>) -> Result<()> {
+        drop(event);
+        Ok(())
+    }
+    fn record_event(&self, event: &Arc<EventObj>, stream: &Arc<StreamObj>) -> Result<()> {
+        self.shared.bind()?;
+        // SAFETY: live handles.
+        acl(
+            unsafe {
+                self.api()
+                    .acl
+                    .aclrtRecordEvent(event.raw as _, stream.raw as _)
+            },
+            "aclrtRecordEvent",
+        )?;
+        event.recorded.store(true, Ordering::Release);
+        Ok(())
+    }
+    fn stream_wait_event(&self, stream: &Arc<StreamObj>, event: &Arc<EventObj>) -> Result<()> {
+        if !event.recorded.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.shared.bind()?;
+        // SAFETY: live handles.
+        acl(
+            unsafe {
+                self.api()
+                    .acl
+                    .aclrtStreamWaitEvent(stream.raw as _, event.raw as _)
+            },
+            "aclrtStreamWaitEvent",
+        )
+    }
+    fn query_event(&self, event: &Arc<EventObj>) -> Result<bool> {
+        if !event.recorded.load(Ordering::Acquire) {
+            return Ok(true);
+        }
+        self.shared.bind()?;
+        let mut status = aclrtEventRecordedStatus(0);
+        // SAFETY: live handle.
+        acl(
+            unsafe {
+                self.api()
+                    .acl
+                    .aclrtQueryEventStatus(event.raw as _, &mut status)
+            },
+            "aclrtQueryEventStatus",
+        )?;
+        Ok(status.0 == 1)
+    }
+    fn synchronize_event(&self, event: &Arc<EventObj>) -> Result<()> {
+        if !event.recorded.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.shared.bind()?;
+        // SAFETY: live handle.
+        acl(
+            unsafe { self.api().acl.aclrtSynchronizeEvent(event.raw as _) },
+            "aclrtSynchronizeEvent",
+        )
+    }
+    fn event_elapsed_ms(&self, start: &Arc<EventObj>, end: &Arc<EventObj>) -> Result<f32> {
+        for (e, what) in [(start, "start"), (end, "end")] {
+            debug_assert!(e.timing);
+            if !e.recorded.load(Ordering::Acquire) || !Backend::query_event(self, e)? {
+                return Err(npu_err(
+                    ErrorKind::NotReady,
+                    "event_elapsed_ms",
+                    format!("the {what} event has not completed its last record"),
+                ));
+            }
+        }
+        let mut ms = 0f32;
+        // SAFETY: live handles.
+        acl(
+            unsafe {
+                self.api()
+                    .acl
+                    .aclrtEventElapsedTime(&mut ms, start.raw as _, end.raw as _)
+            },
+            "aclrtEventElapsedTime",
+        )?;
+        Ok(ms)
+    }
+
+    fn alloc_device(&self, bytes: usize) -> Result<(Arc<MemObj>, usize)> {
+        let device = self.shared.bind()? as usize;
+        let mut p = std::ptr::null_mut();
+        // SAFETY: plain ACL call.
+        acl(
+            unsafe {
+                self.api()
+                    .acl
+                    .aclrtMalloc(&mut p, bytes, aclrtMemMallocPolicy(0))
+            },
+            "aclrtMalloc",
+        )?;
+        self.shared.devices[device].reserve(BackendKind::Npu, "aclrtMalloc", bytes)?;
+        let m = Arc::new(MemObj {
+            shared: Arc::clone(&self.shared),
+            ptr: p as usize,
+            len: bytes,
+            origin: Origin::Device(device),
+        });
+        Ok((m, p as usize))
+    }
+    unsafe fn wrap_device_memory(
+        &self,
+        ptr: usize,
+        bytes: usize,
+        release: Option<ReleaseFn>,
+    ) -> Result<Arc<MemObj>> {
+        Ok(Arc::new(MemObj {
+            shared: Arc::clone(&self.shared),
+            ptr,
+            len: bytes,
+            origin: Origin::Borrowed(Mutex::new(release)),
+        }))
+    }
+    fn alloc_pinned(&self, bytes: usize) -> Result<(Arc<MemObj>, usize)> {
+        self.shared.bind()?;
+        let mut p = std::ptr::null_mut();
+        // SAFETY: plain ACL call.
+        acl(
+            unsafe { self.api().acl.aclrtMallocHost(&mut p, bytes) },
+            "aclrtMallocHost",
+        )?;
+        self.shared
+            .pinned
+            .reserve(BackendKind::Npu, "aclrtMallocHost", bytes)?;
+        let m = Arc::new(MemObj {
+            shared: Arc::clone(&self.shared),
+            ptr: p as usize,
+            len: bytes,
+            origin: Origin::Pinned,
+        });
+        Ok((m, p as usize))
+    }
+
+    fn copy(
+        &self,
+        kind: CopyKind,
+        dst: Loc<Self>,
+        src: Loc<Self>,
+        bytes: usize,
+        stream: &Arc<StreamObj>,
+    ) -> Result<()> {
+        let (
+            Loc::Device(d, doff) | Loc::Pinned(d, doff),
+            Loc::Device(s, soff) | Loc::Pinned(s, soff),
+        ) = (dst, src);
+        self.shared.bind()?;
+        // SAFETY: ranges bounds-checked by the caller; destMax is what remains of the destination.
+        acl(
+            unsafe {
+                self.api().acl.aclrtMemcpyAsync(
+                    (d.ptr + doff) as _,
+                    d.len - doff,
+                    (s.ptr + soff) as _,
+                    bytes,
+                    memcpy_kind(kind),
+                    stream.raw as _,
+                )
+            },
+            "aclrtMemcpyAsync",
+        )
+    }
+    fn memset(
+        &self,
+        (d, off): Place<Arc<MemObj>>,
+        value: u8,
+        bytes: usize,
+        stream: &Arc<StreamObj>,
+    ) -> Result<()> {
+        self.shared.bind()?;
+        // SAFETY: as in `copy`.
+        acl(
+            unsafe {
+                self.api().acl.aclrtMemsetAsync(
+                    (d.ptr + off) as _,
+                    d.len - off,
+                    i32::from(value),
+                    bytes,
+                    stream.raw as _,
+                )
+            },
+            "aclrtMemsetAsync",
+        )
+    }
+
+    fn unique_id(&self) -> Result<UniqueId> {
+        self.shared.bind()?;
+        let mut info = HcclRootInfo {
+            internal: [0; ROOT_INFO_BYTES],
+        };
+        // SAFETY: plain HCCL call into a correctly sized struct.
+        hccl(
+            unsafe { self.api().hccl.HcclGetRootInfo(&mut info) }.0 as i32,
+            "HcclGetRootInfo",
+        )?;
+        Ok(UniqueId(info.internal.iter().map(|&c| c as u8).collect()))
+    }
+    fn comm_init(&self, id: &UniqueId, rank: usize, world: usize) -> Result<Arc<CommObj>> {
+        if id.0.len() != ROOT_INFO_BYTES {
+            return Err(npu_err(
+                ErrorKind::InvalidValue,
+                "comm_init",
+                format!(
+                    "an HcclRootInfo has {ROOT_INFO_BYTES} bytes, not {}",
+                    id.0.len()
+                ),
+            ));
+        }
+        self.shared.bind()?;
+        let mut info = HcclRootInfo {
+            internal: [0; ROOT_INFO_BYTES],
+        };
+        for (d, s) in info.internal.iter_mut().zip(&id.0) {
+            *d = *s as _;
+        }
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: plain HCCL call; blocks until every rank joined.
+        hccl(
+            unsafe {
+                self.api()
+                    .hccl
+                    .HcclCommInitRootInfo(world as u32, &info, rank as u32, &mut comm)
+            }
+            .0 as i32,
+            "HcclCommInitRootInfo",
+        )?;
+        self.new_comm(comm as usize, rank, world)
+    }
+    fn comm_split(
+        &self,
+        comm: &Arc<CommObj>,
+        rank_lists: &[Vec<usize>],
+    ) -> Result<Option<(Arc<CommObj>, usize, usize)>> {
+        // Each list's first rank makes a root info; one all-gather over the parent hands every
+        // rank its leader's, with a digest of the lists so disagreeing ranks are caught.
+        let world = comm.world;
+        let block = ROOT_INFO_BYTES + 8;
+        let digest = {
+            use std::hash::{DefaultHasher, Hash, Hasher};
+            let mut h = DefaultHasher::new();
+            rank_lists.hash(&mut h);
+            h.finish()
+        };
+        let mut rank_here = None;
+        let mut mine = vec![0u8; block];
+        let stream = Backend::create_stream(self)?.0;
+        let parent_rank = comm.rank;
+        for list in rank_lists {
+            if let Some(i) = list.iter().position(|&r| r == parent_rank) {
+                rank_here = Some((list.clone(), i));
+            }
+        }
+        if let Some((_, 0)) = &rank_here {
+            mine[..ROOT_INFO_BYTES].copy_from_slice(&Backend::unique_id(self)?.0);
+        }
+        mine[ROOT_INFO_BYTES..].copy_from_slice(&digest.to_le_bytes());
+        let gathered = self.host_all_gather(comm, &mine, &stream)?;
+        for r in 0..world {
+            if gathered[r * block + ROOT_INFO_BYTES..(r + 1) * block] != digest.to_le_bytes() {
+                return Err(npu_err(
+                    ErrorKind::Mismatch,
+                    "comm_split",
+                    format!("rank {r} passed different rank lists than rank {parent_rank}"),
+                ));
+            }
+        }
+        let Some((list, index)) = rank_here else {
+            return Ok(None);
+        };
+        let leader = list[0];
+        let id = UniqueId(gathered[leader * block..leader * block + ROOT_INFO_BYTES].to_vec());
+        let sub = Backend::comm_init(self, &id, index, list.len())?;
+        Ok(Some((sub, index, list.len())))
+    }
+    fn destroy_comm(&self, comm: Arc<CommObj>) -> Result<()> {
+        drop(comm);
+        Ok(())
+    }
+    fn collective(
+        &self,
+        comm: &Arc<CommObj>,
+        op: Collective<Option<Place<Arc<MemObj>>>>,
+        stream: &Arc<StreamObj>,
+    ) -> Result<()> {
+        self.shared.bind()?;
+        let h = &self.api().hccl;
+        let (c, s) = (comm.raw as *mut c_void, stream.raw as *mut c_void);
+        // SAFETY (every call below): places were bounds-checked for the extent HCCL touches;
+        // handles are live; HCCL only queues the work on `s`.
+        let (code, name) = unsafe {
+            match &op {
+                Collective::AllReduce {
+                    send,
+                    recv,
+                    count,
+                    dtype,
+                    op,
+                } => (
+                    h.HcclAllReduce(
+                        ptr(send),
+                        ptr(recv),
+                        *count as u64,
+                        hccl_dtype(*dtype),
+                        hccl_op(*op),
+                        c,
+                        s,
+                    ),
+                    "HcclAllReduce",
+                ),
+                Collective::ReduceScatter {
+                    send,
+                    recv,
+                    count,
+                    dtype,
+                    op,
+                } => (
+                    h.HcclReduceScatter(
+                        ptr(send),
+                        ptr(recv),
+                        *count as u64,
+                        hccl_dtype(*dtype),
+                        hccl_op(*op),
+                        c,
+                        s,
+                    ),
+                    "HcclReduceScatter",
+                ),
+                Collective::AllGather {
+                    send,
+                    recv,
+                    count,
+                    dtype,
+                } => (
+                    h.HcclAllGather(
+                        ptr(send),
+                        ptr(recv),
+                        *count as u64,
+                        hccl_dtype(*dtype),
+                        c,
+                        s,
+                    ),
+                    "HcclAllGather",
+                ),
+                Collective::Broadcast {
+                    buf,
+                    count,
+                    dtype,
+                    root,
+                } => (
+                    h.HcclBroadcast(
+                        ptr(buf),
+                        *count as u64,
+                        hccl_dtype(*dtype),
+                        *root as u32,
+                        c,
+                        s,
+                    ),
+                    "HcclBroadcast",
+                ),
+                Collective::AllToAll {
+                    send,
+                    recv,
+                    count,
+                    dtype,
+                } => {
+                    let dt = hccl_dtype(*dtype);
+                    (
+                        h.HcclAlltoAll(
+                            ptr(send),
+                            *count as u64,
+                            dt,
+                            ptr(recv),
+                            *count as u64,
+                            dt,
+                            c,
+                            s,
+                        ),
+                        "HcclAlltoAll",
+                    )
+                }
+                Collective::AllToAllV {
+                    send,
+                    recv,
+                    send_counts,
+                    send_displs,
+                    recv_counts,
+                    recv_displs,
+                    dtype,
+                } => {
+                    let v = |x: &[usize]| x.iter().map(|&n| n as u64).collect::<Vec<u64>>();
+                    let (sc, sd, rc, rd) = (
+                        v(send_counts),
+                        v(send_displs),
+                        v(recv_counts),
+                        v(recv_displs),
+                    );
+                    let dt = hccl_dtype(*dtype);
+                    (
+                        h.HcclAlltoAllV(
+                            ptr(send),
+                            sc.as_ptr().cast(),
+                            sd.as_ptr().cast(),
+                            dt,
+                            ptr(recv),
+                            rc.as_ptr().cast(),
+                            rd.as_ptr().cast(),
+                            dt,
+                            c,
+                            s,
+                        ),
+                        "HcclAlltoAllV",
+                    )
+                }
+                Collective::Send {
+                    send,
+                    count,
+                    dtype,
+                    peer,
+                } => (
+                    h.HcclSend(
+                        ptr(send),
+                        *count as u64,
+                        hccl_dtype(*dtype),
+                        *peer as u32,
+                        c,
+                        s,
+                    ),
+                    "HcclSend",
+                ),
+                Collective::Recv {
+                    recv,
+                    count,
+                    dtype,
+                    peer,
+                } => (
+                    h.HcclRecv(
+                        ptr(recv),
+                        *count as u64,
+                        hccl_dtype(*dtype),
+                        *peer as u32,
+                        c,
+                        s,
+                    ),
+                    "HcclRecv",
+                ),
+                Collective::Barrier => {
+                    // The subset has no HcclBarrier: an all-reduce of one word completes only once
+                    // every rank reached it.
+                    let w = comm.scratch.ptr as *mut c_void;
+                    (
+                        h.HcclAllReduce(w, w, 1, HcclDataType(2), HcclReduceOp(0), c, s),
+                        "HcclAllReduce",
+                    )
+                }
+            }
+        };
+        hccl(code.0 as i32, name)?;
+        match op {
+            Collective::AllReduce {
+                recv: Some(recv),
+                count,
+                dtype,
+                op: ReduceOp::Avg,
+                ..
+            }
+            | Collective::ReduceScatter {
+                recv: Some(recv),
+                count,
+                dtype,
+                op: ReduceOp::Avg,
+                ..
+            } => self.divide_on_stream(&recv, count, dtype, comm.world, stream),
+            _ => Ok(()),
+        }
+    }
+    fn group_start(&self) -> Result<()> {
+        let h = &self.api().hccl;
+        if h.HcclGroupStart.is_err() {
+            return Err(npu_err(
+                ErrorKind::Unsupported,
+                "group_start",
+                "this HCCL does not export HcclGroupStart",
+            ));
+        }
+        // SAFETY: plain HCCL call.
+        hccl(unsafe { h.HcclGroupStart() }.0 as i32, "HcclGroupStart")
+    }
+    fn group_end(&self) -> Result<()> {
+        let h = &self.api().hccl;
+        if h.HcclGroupEnd.is_err() {
+            return Err(npu_err(
+                ErrorKind::Unsupported,
+                "group_end",
+                "this HCCL does not export HcclGroupEnd",
+            ));
+        }
+        // SAFETY: plain HCCL call.
+        hccl(unsafe { h.HcclGroupEnd() }.0 as i32, "HcclGroupEnd")
+    }
+}
+
+impl NpuBackend {
+    /// All-gathers `mine` (the same length on every rank) through device memory; returns every
+    /// rank's bytes in rank order. Blocks.
+    fn host_all_gather(
+        &self,
+        comm: &Arc<CommObj>,
+        mine: &[u8],
+        stream: &Arc<StreamObj>,
+    ) -> Result<Vec<u8>> {
+        let n = mine.len();
+        let (send, _) = Backend::alloc_device(self, n)?;
+        let (recv, _) = Backend::alloc_device(self, n * comm.world)?;
+        let api = &self.api().acl;
+        // SAFETY: sizes match the allocations; synchronous copies from/to host vectors.
+        acl(
+            unsafe {
+                api.aclrtMemcpy(
+                    send.ptr as _,
+                    n,
+                    mine.as_ptr().cast(),
+                    n,
+                    memcpy_kind(CopyKind::HostToDevice),
+                )
+            },
+            "aclrtMemcpy",
+        )?;
+        let op = Collective::AllGather {
+            send: Some((Arc::clone(&send), 0)),
+            recv: Some((Arc::clone(&recv), 0)),
+            count: n,
+            dtype: DType::U8,
+        };
+        Backend::collective(self, comm, op, stream)?;
+        Backend::synchronize_stream(self, stream)?;
+        let mut out = vec![0u8; n * comm.world];
+        acl(
+            unsafe {
+                api.aclrtMemcpy(
+                    out.as_mut_ptr().cast(),
+                    out.len(),
+                    recv.ptr as _,
+                    out.len(),
+                    memcpy_kind(CopyKind::DeviceToHost),
+                )
+            },
+            "aclrtMemcpy",
+        )?;
+        Ok(out)
+    }
+}
