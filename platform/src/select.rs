@@ -51,13 +51,10 @@ pub struct Selection {
 /// Why a backend cannot be used in this build, or `None` when it can be tried.
 fn not_built(kind: BackendKind) -> Option<String> {
     match kind {
-        BackendKind::Cpu => None,
+        BackendKind::Cpu | BackendKind::Npu => None,
         BackendKind::Cuda => {
             Some("not built into this hprt yet (the cudarc-based backend is missing)".into())
         }
-        BackendKind::Npu => Some(
-            "not built into this hprt yet (hprt-sys and the ACL/HCCL loader are missing)".into(),
-        ),
     }
 }
 

@@ -61,6 +61,12 @@ typedef enum aclrtEventRecordedStatus {
     ACL_EVENT_RECORDED_STATUS_COMPLETE = 1,
 } aclrtEventRecordedStatus;
 
+typedef enum aclrtStreamStatus {
+    ACL_STREAM_STATUS_COMPLETE = 0,
+    ACL_STREAM_STATUS_NOT_READY = 1,
+    ACL_STREAM_STATUS_RESERVED = 0xFFFF,
+} aclrtStreamStatus;
+
 typedef enum aclrtCallbackBlockType {
     ACL_CALLBACK_NO_BLOCK = 0,
     ACL_CALLBACK_BLOCK = 1,
@@ -77,6 +83,8 @@ aclError aclrtGetDeviceCount(uint32_t *count);
 aclError aclrtCreateStream(aclrtStream *stream);
 aclError aclrtDestroyStream(aclrtStream stream);
 aclError aclrtSynchronizeStream(aclrtStream stream);
+/* Optional (newer releases): whether every task queued on the stream completed. */
+aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status);
 aclError aclrtCreateEvent(aclrtEvent *event);
 aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag);
 aclError aclrtDestroyEvent(aclrtEvent event);

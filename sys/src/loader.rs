@@ -125,6 +125,7 @@ pub struct Ascend {
 /// Symbols present only in some CANN releases; the backend works (with less) without them.
 pub const OPTIONAL_SYMBOLS: &[&str] = &[
     "aclrtGetVersion",
+    "aclrtStreamQuery",
     "aclrtSubscribeReport",
     "aclrtUnSubscribeReport",
     "aclrtLaunchCallback",

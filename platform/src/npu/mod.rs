@@ -15,8 +15,9 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use half::{bf16, f16};
 use hprt_sys::types::{
-    aclrtEventRecordedStatus, aclrtMemAttr, aclrtMemMallocPolicy, aclrtMemcpyKind, HcclDataType,
-    HcclReduceOp, HcclRootInfo, ACL_ERROR_REPEAT_INITIALIZE, ACL_EVENT_SYNC, ACL_EVENT_TIME_LINE,
+    aclrtEventRecordedStatus, aclrtMemAttr, aclrtMemMallocPolicy, aclrtMemcpyKind,
+    aclrtStreamStatus, HcclDataType, HcclReduceOp, HcclRootInfo, ACL_ERROR_REPEAT_INITIALIZE,
+    ACL_EVENT_SYNC, ACL_EVENT_TIME_LINE,
 };
 use hprt_sys::{Ascend, SearchEnv, OPTIONAL_SYMBOLS};
 
@@ -400,7 +401,7 @@ impl NpuBackend {
             let missing: Vec<&str> = OPTIONAL_SYMBOLS
                 .iter()
                 .copied()
-                .filter(|s| s.starts_with("aclrt") && *s != "aclrtGetVersion")
+                .filter(|s| s.contains("Report") || s.contains("Callback"))
                 .collect();
             return Err(npu_err(
                 ErrorKind::Unsupported,
@@ -519,6 +520,7 @@ impl Backend for NpuBackend {
             .map(|s| {
                 let present = match *s {
                     "aclrtGetVersion" => api.acl.aclrtGetVersion.is_ok(),
+                    "aclrtStreamQuery" => api.acl.aclrtStreamQuery.is_ok(),
                     "HcclGroupStart" => api.hccl.HcclGroupStart.is_ok(),
                     "HcclGroupEnd" => api.hccl.HcclGroupEnd.is_ok(),
                     _ => host_fn::available(api),
@@ -644,7 +646,22 @@ impl Backend for NpuBackend {
         )
     }
     fn query_stream(&self, stream: &Arc<StreamObj>) -> Result<bool> {
-        // The subset has no stream query: record a private event and ask it.
+        if self.api().acl.aclrtStreamQuery.is_ok() {
+            self.shared.bind()?;
+            let mut status = aclrtStreamStatus(0xFFFF);
+            // SAFETY: live stream.
+            acl(
+                unsafe {
+                    self.api()
+                        .acl
+                        .aclrtStreamQuery(stream.raw as _, &mut status)
+                },
+                "aclrtStreamQuery",
+            )?;
+            return Ok(status == aclrtStreamStatus::ACL_STREAM_STATUS_COMPLETE);
+        }
+        // Older ACL: record a private event and ask it. It may still say "busy" for a moment on
+        // a stream that is idle, until the mark itself has run.
         let e = Backend::create_event(self, false)?;
         Backend::record_event(self, &e, stream)?;
         Backend::query_event(self, &e)

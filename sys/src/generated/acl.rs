@@ -35,6 +35,13 @@ pub struct AclApi {
         unsafe extern "C" fn(stream: aclrtStream) -> aclError,
         ::libloading::Error,
     >,
+    pub aclrtStreamQuery: Result<
+        unsafe extern "C" fn(
+            stream: aclrtStream,
+            status: *mut aclrtStreamStatus,
+        ) -> aclError,
+        ::libloading::Error,
+    >,
     pub aclrtCreateEvent: Result<
         unsafe extern "C" fn(event: *mut aclrtEvent) -> aclError,
         ::libloading::Error,
@@ -201,6 +208,7 @@ impl AclApi {
         let aclrtSynchronizeStream = __library
             .get(b"aclrtSynchronizeStream\0")
             .map(|sym| *sym);
+        let aclrtStreamQuery = __library.get(b"aclrtStreamQuery\0").map(|sym| *sym);
         let aclrtCreateEvent = __library.get(b"aclrtCreateEvent\0").map(|sym| *sym);
         let aclrtCreateEventWithFlag = __library
             .get(b"aclrtCreateEventWithFlag\0")
@@ -250,6 +258,7 @@ impl AclApi {
             aclrtCreateStream,
             aclrtDestroyStream,
             aclrtSynchronizeStream,
+            aclrtStreamQuery,
             aclrtCreateEvent,
             aclrtCreateEventWithFlag,
             aclrtDestroyEvent,
@@ -312,6 +321,16 @@ impl AclApi {
             .aclrtSynchronizeStream
             .as_ref()
             .expect("Expected function, got error."))(stream)
+    }
+    pub unsafe fn aclrtStreamQuery(
+        &self,
+        stream: aclrtStream,
+        status: *mut aclrtStreamStatus,
+    ) -> aclError {
+        (self
+            .aclrtStreamQuery
+            .as_ref()
+            .expect("Expected function, got error."))(stream, status)
     }
     pub unsafe fn aclrtCreateEvent(&self, event: *mut aclrtEvent) -> aclError {
         (self.aclrtCreateEvent.as_ref().expect("Expected function, got error."))(event)

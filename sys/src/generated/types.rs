@@ -53,6 +53,14 @@ impl aclrtEventRecordedStatus {
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct aclrtEventRecordedStatus(pub ::std::os::raw::c_uint);
+impl aclrtStreamStatus {
+    pub const ACL_STREAM_STATUS_COMPLETE: aclrtStreamStatus = aclrtStreamStatus(0);
+    pub const ACL_STREAM_STATUS_NOT_READY: aclrtStreamStatus = aclrtStreamStatus(1);
+    pub const ACL_STREAM_STATUS_RESERVED: aclrtStreamStatus = aclrtStreamStatus(65535);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct aclrtStreamStatus(pub ::std::os::raw::c_uint);
 impl aclrtCallbackBlockType {
     pub const ACL_CALLBACK_NO_BLOCK: aclrtCallbackBlockType = aclrtCallbackBlockType(0);
     pub const ACL_CALLBACK_BLOCK: aclrtCallbackBlockType = aclrtCallbackBlockType(1);
