@@ -54,7 +54,7 @@ struct Shared {
     streams: Mutex<HashMap<usize, Weak<StreamObj>>>,
     reporter: OnceLock<Option<Reporter>>,
     /// Pinned staging buffers for the host scale step of `Avg`, by size, returned after use.
-    staging: Mutex<HashMap<usize, Vec<usize>>>,
+    staging: Arc<Mutex<HashMap<usize, Vec<usize>>>>,
 }
 
 impl Shared {
@@ -82,28 +82,6 @@ impl Shared {
                     .ok()
             })
             .as_ref()
-    }
-
-    /// Waits for every live stream (as `cudaFree` does), so memory is never freed under queued
-    /// work. Uses events, so no stream's pending error is consumed here.
-    fn quiesce(&self) {
-        let live: Vec<Arc<StreamObj>> = lock(&self.streams)
-            .values()
-            .filter_map(Weak::upgrade)
-            .collect();
-        let api = &self.api.acl;
-        for s in live {
-            let mut ev = std::ptr::null_mut();
-            // SAFETY: plain ACL calls on live handles.
-            unsafe {
-                if api.aclrtCreateEventWithFlag(&mut ev, ACL_EVENT_SYNC) == 0 {
-                    if api.aclrtRecordEvent(ev, s.raw as _) == 0 {
-                        api.aclrtSynchronizeEvent(ev);
-                    }
-                    api.aclrtDestroyEvent(ev);
-                }
-            }
-        }
     }
 }
 
@@ -177,15 +155,63 @@ pub struct MemObj {
     ptr: usize,
     len: usize,
     origin: Origin,
+    /// (stream, event) per stream that queued work on this memory; the event is re-recorded
+    /// after each such operation, so waiting for it covers all of them (streams are FIFO).
+    uses: Mutex<Vec<(usize, usize)>>,
+}
+
+impl MemObj {
+    fn new(shared: &Arc<Shared>, ptr: usize, len: usize, origin: Origin) -> Arc<MemObj> {
+        Arc::new(MemObj {
+            shared: Arc::clone(shared),
+            ptr,
+            len,
+            origin,
+            uses: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Notes that work just queued on `stream` uses this memory.
+    fn used_on(&self, stream: &StreamObj) -> Result<()> {
+        let api = &self.shared.api.acl;
+        let mut uses = lock(&self.uses);
+        let event = match uses.iter().find(|(s, _)| *s == stream.raw) {
+            Some(&(_, e)) => e,
+            None => {
+                let mut e = std::ptr::null_mut();
+                // SAFETY: plain ACL call.
+                acl(
+                    unsafe { api.aclrtCreateEventWithFlag(&mut e, ACL_EVENT_SYNC) },
+                    "aclrtCreateEventWithFlag",
+                )?;
+                uses.push((stream.raw, e as usize));
+                e as usize
+            }
+        };
+        // SAFETY: live handles.
+        acl(
+            unsafe { api.aclrtRecordEvent(event as _, stream.raw as _) },
+            "aclrtRecordEvent",
+        )
+    }
 }
 
 impl Drop for MemObj {
     fn drop(&mut self) {
-        self.shared.quiesce();
         let api = &self.shared.api.acl;
+        if self.shared.bind().is_ok() {
+            // Memory is never freed (or handed back) under queued work, as cudaFree guarantees.
+            for (_, e) in lock(&self.uses).drain(..) {
+                // SAFETY: events this object created.
+                unsafe {
+                    api.aclrtSynchronizeEvent(e as _);
+                    api.aclrtDestroyEvent(e as _);
+                }
+            }
+        }
         match &mut self.origin {
             Origin::Device(d) => {
-                // SAFETY: allocated by aclrtMalloc; no queued work uses it (quiesce).
+                // SAFETY: allocated by aclrtMalloc; no queued work uses it any more.
                 let _ = acl(unsafe { api.aclrtFree(self.ptr as _) }, "aclrtFree");
                 self.shared.devices[*d].release(self.len);
             }
@@ -338,7 +364,7 @@ impl NpuBackend {
             pinned: Arc::new(MemoryCounter::new(None)),
             streams: Mutex::new(HashMap::new()),
             reporter: OnceLock::new(),
-            staging: Mutex::new(HashMap::new()),
+            staging: Arc::new(Mutex::new(HashMap::new())),
             api,
         });
         Ok(NpuBackend {
@@ -447,19 +473,15 @@ impl NpuBackend {
             },
             "aclrtMemcpyAsync",
         )?;
-        let shared = Arc::clone(&self.shared);
-        let keep = Arc::clone(mem);
+        mem.used_on(stream)?;
+        // Only the pool travels into the callback: the report thread must never hold the last
+        // reference to `Shared`, whose drop joins that thread.
+        let pool = Arc::clone(&self.shared.staging);
         host_fn::launch(
             api,
             stream.raw,
             false,
-            Box::new(move || {
-                drop(keep);
-                lock(&shared.staging)
-                    .entry(bytes)
-                    .or_default()
-                    .push(staging);
-            }),
+            Box::new(move || lock(&pool).entry(bytes).or_default().push(staging)),
         )
     }
 
@@ -798,12 +820,7 @@ impl Backend for NpuBackend {
             "aclrtMalloc",
         )?;
         self.shared.devices[device].reserve(BackendKind::Npu, "aclrtMalloc", bytes)?;
-        let m = Arc::new(MemObj {
-            shared: Arc::clone(&self.shared),
-            ptr: p as usize,
-            len: bytes,
-            origin: Origin::Device(device),
-        });
+        let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Device(device));
         Ok((m, p as usize))
     }
     unsafe fn wrap_device_memory(
@@ -812,12 +829,12 @@ impl Backend for NpuBackend {
         bytes: usize,
         release: Option<ReleaseFn>,
     ) -> Result<Arc<MemObj>> {
-        Ok(Arc::new(MemObj {
-            shared: Arc::clone(&self.shared),
+        Ok(MemObj::new(
+            &self.shared,
             ptr,
-            len: bytes,
-            origin: Origin::Borrowed(Mutex::new(release)),
-        }))
+            bytes,
+            Origin::Borrowed(Mutex::new(release)),
+        ))
     }
     fn alloc_pinned(&self, bytes: usize) -> Result<(Arc<MemObj>, usize)> {
         self.shared.bind()?;
@@ -830,12 +847,7 @@ impl Backend for NpuBackend {
         self.shared
             .pinned
             .reserve(BackendKind::Npu, "aclrtMallocHost", bytes)?;
-        let m = Arc::new(MemObj {
-            shared: Arc::clone(&self.shared),
-            ptr: p as usize,
-            len: bytes,
-            origin: Origin::Pinned,
-        });
+        let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Pinned);
         Ok((m, p as usize))
     }
 
@@ -865,7 +877,9 @@ impl Backend for NpuBackend {
                 )
             },
             "aclrtMemcpyAsync",
-        )
+        )?;
+        d.used_on(stream)?;
+        s.used_on(stream)
     }
     fn memset(
         &self,
@@ -887,7 +901,8 @@ impl Backend for NpuBackend {
                 )
             },
             "aclrtMemsetAsync",
-        )
+        )?;
+        d.used_on(stream)
     }
 
     fn unique_id(&self) -> Result<UniqueId> {
@@ -1162,6 +1177,14 @@ impl Backend for NpuBackend {
             }
         };
         hccl(code.0 as i32, name)?;
+        for (place, _) in op.places(comm.world) {
+            if let Some((m, _)) = place {
+                m.used_on(stream)?;
+            }
+        }
+        if matches!(op, Collective::Barrier) {
+            comm.scratch.used_on(stream)?;
+        }
         match op {
             Collective::AllReduce {
                 recv: Some(recv),
