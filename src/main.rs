@@ -92,7 +92,12 @@ fn info() -> Result<ExitCode> {
     println!("driver:   {}", info.driver);
     println!("devices:  {}", info.devices.len());
     for d in &info.devices {
-        println!("  [{}] {} ({})", d.ordinal, d.name, human(d.total_memory));
+        let total = if d.total_memory == 0 {
+            "memory not reported".into()
+        } else {
+            human(d.total_memory)
+        };
+        println!("  [{}] {} ({total})", d.ordinal, d.name);
     }
     let mem = platform.mem_info()?;
     println!(

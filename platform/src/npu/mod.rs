@@ -60,12 +60,13 @@ struct Shared {
 impl Shared {
     /// Binds the calling thread to its device (ACL keeps the device per thread).
     fn bind(&self) -> Result<i32> {
-        if let Some(d) = BOUND.with(|b| b.borrow().get(&self.instance).copied()) {
+        // `try_with`: handles may be dropped while this thread's locals are being torn down.
+        if let Ok(Some(d)) = BOUND.try_with(|b| b.borrow().get(&self.instance).copied()) {
             return Ok(d);
         }
         // SAFETY: plain ACL call.
         acl(unsafe { self.api.acl.aclrtSetDevice(0) }, "aclrtSetDevice")?;
-        BOUND.with(|b| b.borrow_mut().insert(self.instance, 0));
+        let _ = BOUND.try_with(|b| b.borrow_mut().insert(self.instance, 0));
         Ok(0)
     }
 
@@ -556,7 +557,12 @@ impl Backend for NpuBackend {
                 .map(|ordinal| DeviceInfo {
                     ordinal,
                     name: format!("Ascend NPU {ordinal}"),
-                    total_memory: 0,
+                    // ACL reports memory for the calling thread's device only.
+                    total_memory: if ordinal == Backend::current_device(self) {
+                        Backend::mem_info(self).map_or(0, |m| m.total)
+                    } else {
+                        0
+                    },
                 })
                 .collect(),
             driver: format!(
