@@ -1,0 +1,402 @@
+//! The npu backend against the Ascend emulator (`tests/ascend-emulator`, built by
+//! `cargo build -p hprt-ascend-emulator`, which `cargo test --workspace` does): loading, optional
+//! symbols, ACL ownership, fault injection on every call class, and leaks.
+//!
+//! The emulator's state is process-global, so these tests take one lock.
+
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+
+use hprt_platform::{DType, ErrorKind, NpuBackend, Platform, ReduceOp};
+use hprt_sys::SearchEnv;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The emulator library next to this test binary (target/<profile>/).
+fn emulator() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>");
+    let lib = dir.join("libhprt_ascend_emulator.so");
+    assert!(
+        lib.is_file(),
+        "{} is missing: build it with `cargo build -p hprt-ascend-emulator` (cargo test --workspace does)",
+        lib.display()
+    );
+    lib
+}
+
+fn explicit() -> SearchEnv {
+    SearchEnv {
+        acl_lib: Some(emulator()),
+        hccl_lib: Some(emulator()),
+        ..Default::default()
+    }
+}
+
+#[repr(C)]
+#[derive(Default, Debug, Clone, Copy, PartialEq)]
+struct Stats {
+    init_calls: u64,
+    finalize_calls: u64,
+    live_device_allocations: u64,
+    live_device_bytes: u64,
+    live_host_allocations: u64,
+    live_streams: u64,
+    live_events: u64,
+    live_comms: u64,
+}
+
+/// The emulator's test-only exports.
+struct Emu(libloading::Library);
+
+impl Emu {
+    fn open() -> Emu {
+        // SAFETY: the emulator library, already loaded by the backend (same handle).
+        Emu(unsafe { libloading::Library::new(emulator()) }.expect("open emulator"))
+    }
+    fn stats(&self) -> Stats {
+        let mut s = Stats::default();
+        // SAFETY: the export's documented signature.
+        unsafe {
+            let f: libloading::Symbol<unsafe extern "C" fn(*mut Stats) -> i32> =
+                self.0.get(b"hprtEmuGetStats\0").unwrap();
+            assert_eq!(f(&mut s), 0);
+        }
+        s
+    }
+    fn faults(&self, spec: &str) {
+        let c = std::ffi::CString::new(spec).unwrap();
+        // SAFETY: the export's documented signature.
+        unsafe {
+            let f: libloading::Symbol<unsafe extern "C" fn(*const std::ffi::c_char) -> i32> =
+                self.0.get(b"hprtEmuSetFaults\0").unwrap();
+            assert_eq!(f(c.as_ptr()), 0, "fault spec {spec:?}");
+        }
+    }
+}
+
+fn live(s: &Stats) -> [u64; 5] {
+    [
+        s.live_device_allocations,
+        s.live_host_allocations,
+        s.live_streams,
+        s.live_events,
+        s.live_comms,
+    ]
+}
+
+#[test]
+fn loads_from_an_explicit_path_and_reports_it() {
+    let _g = serial();
+    let p = NpuBackend::open_with(&explicit()).expect("npu backend on the emulator");
+    let info = Platform::info(&p);
+    assert_eq!(info.backend, hprt_platform::BackendKind::Npu);
+    assert!(
+        info.driver.contains("libhprt_ascend_emulator.so"),
+        "{}",
+        info.driver
+    );
+    assert!(
+        info.libraries
+            .iter()
+            .any(|l| l.found && l.path.contains("HP_ACL_LIB")),
+        "{:?}",
+        info.libraries
+    );
+    assert!(!info.devices.is_empty());
+}
+
+#[test]
+fn loads_through_the_toolkit_directory() {
+    let _g = serial();
+    let root = std::env::temp_dir().join(format!("hprt-npu-toolkit-{}", std::process::id()));
+    let lib64 = root.join("lib64");
+    std::fs::create_dir_all(&lib64).unwrap();
+    for name in ["libascendcl.so", "libhccl.so"] {
+        let link = lib64.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(emulator(), &link).unwrap();
+    }
+    let env = SearchEnv {
+        toolkit_home: Some(root.clone()),
+        ..Default::default()
+    };
+    let p = NpuBackend::open_with(&env).expect("found through ASCEND_TOOLKIT_HOME");
+    let info = Platform::info(&p);
+    assert!(
+        info.libraries
+            .iter()
+            .any(|l| l.found && l.path.contains("ASCEND_TOOLKIT_HOME")),
+        "{:?}",
+        info.libraries
+    );
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+#[test]
+fn a_missing_library_is_a_typed_unavailable_error() {
+    let missing = SearchEnv {
+        acl_lib: Some("/nonexistent/libascendcl.so".into()),
+        ..Default::default()
+    };
+    let e = NpuBackend::open_with(&missing)
+        .err()
+        .expect("no library there");
+    assert_eq!(e.kind(), ErrorKind::Unavailable);
+    assert!(
+        e.message.contains("/nonexistent/libascendcl.so") && e.message.contains("HP_ACL_LIB"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_library_without_the_acl_symbols_names_the_missing_one() {
+    let libc = [
+        "/lib/x86_64-linux-gnu/libc.so.6",
+        "/usr/lib/x86_64-linux-gnu/libc.so.6",
+        "/lib64/libc.so.6",
+    ]
+    .into_iter()
+    .map(PathBuf::from)
+    .find(|p| p.is_file())
+    .expect("a libc to load");
+    let env = SearchEnv {
+        acl_lib: Some(libc.clone()),
+        hccl_lib: Some(emulator()),
+        ..Default::default()
+    };
+    let e = NpuBackend::open_with(&env).err().expect("libc is not ACL");
+    assert_eq!(e.kind(), ErrorKind::Unavailable);
+    assert!(
+        e.message.contains("required symbol aclInit") && e.message.contains(libc.to_str().unwrap()),
+        "{e}"
+    );
+}
+
+#[test]
+fn an_absent_optional_symbol_is_reported_not_fatal() {
+    let _g = serial();
+    // The emulator does not export aclrtGetVersion (optional in CANN); the backend still opens.
+    let p = NpuBackend::open_with(&explicit()).unwrap();
+    let info = Platform::info(&p);
+    assert!(info.driver.contains("version unknown"), "{}", info.driver);
+    let optional = info
+        .settings
+        .iter()
+        .find(|(k, _)| k == "optional symbols")
+        .unwrap();
+    assert!(
+        optional.1.contains("aclrtGetVersion: absent"),
+        "{optional:?}"
+    );
+    assert!(
+        optional.1.contains("HcclGroupStart: present"),
+        "{optional:?}"
+    );
+}
+
+#[test]
+fn acl_initialised_by_someone_else_is_never_finalized() {
+    let _g = serial();
+    let emu = Emu::open();
+    let owner = NpuBackend::open_with(&explicit()).unwrap();
+    let before = emu.stats();
+    // ACL is initialised now, as torch_npu would have done: this value must adopt it.
+    let guest = NpuBackend::open_with(&explicit()).unwrap();
+    assert!(Platform::info(&guest)
+        .settings
+        .iter()
+        .any(|(k, v)| k == "aclInit" && v.contains("another component")));
+    drop(guest);
+    assert_eq!(
+        emu.stats().finalize_calls,
+        before.finalize_calls,
+        "a guest finalized ACL"
+    );
+    drop(owner);
+    assert_eq!(
+        emu.stats().finalize_calls,
+        before.finalize_calls + 1,
+        "the owner did not finalize ACL"
+    );
+}
+
+/// Every call class's error path: the injected code comes back typed and named, and nothing
+/// the failed call touched leaks.
+#[test]
+fn injected_faults_become_typed_named_errors_without_leaks() {
+    let _g = serial();
+    let emu = Emu::open();
+    let p = NpuBackend::open_with(&explicit()).unwrap();
+    let s = p.create_stream().unwrap();
+    let baseline = live(&emu.stats());
+    type Case = (
+        &'static str,
+        ErrorKind,
+        &'static str,
+        fn(&dyn Platform, &hprt_platform::Stream) -> hprt_platform::Result<()>,
+    );
+    let cases: &[Case] = &[
+        (
+            "aclrtMalloc:1:207001",
+            ErrorKind::OutOfMemory,
+            "ACL_ERROR_RT_MEMORY_ALLOCATION",
+            |p, _| p.alloc_device(64).map(drop),
+        ),
+        (
+            "aclrtMallocHost:1:207001",
+            ErrorKind::OutOfMemory,
+            "ACL_ERROR_RT_MEMORY_ALLOCATION",
+            |p, _| p.alloc_pinned(64).map(drop),
+        ),
+        (
+            "aclrtCreateStream:1:507000",
+            ErrorKind::Internal,
+            "ACL_ERROR_RT_INTERNAL_ERROR",
+            |p, _| p.create_stream().map(drop),
+        ),
+        (
+            "aclrtCreateEventWithFlag:1:100000",
+            ErrorKind::InvalidValue,
+            "ACL_ERROR_INVALID_PARAM",
+            |p, _| p.create_event(true).map(drop),
+        ),
+        (
+            "aclrtRecordEvent:1:507000",
+            ErrorKind::Internal,
+            "ACL_ERROR_RT_INTERNAL_ERROR",
+            |p, s| {
+                let e = p.create_event(false)?;
+                p.record_event(&e, s)
+            },
+        ),
+        (
+            "aclrtMemcpyAsync:1:107000",
+            ErrorKind::InvalidValue,
+            "ACL_ERROR_RT_PARAM_INVALID",
+            |p, s| {
+                let d = p.alloc_device(64)?;
+                let h = p.alloc_pinned(64)?;
+                p.copy_async((&d).into(), 0, (&h).into(), 0, 64, s)
+            },
+        ),
+        (
+            "aclrtMemsetAsync:1:507000",
+            ErrorKind::Internal,
+            "ACL_ERROR_RT_INTERNAL_ERROR",
+            |p, s| {
+                let d = p.alloc_device(64)?;
+                p.memset_async(&d, 0, 1, 64, s)
+            },
+        ),
+        (
+            "aclrtSynchronizeStream:1:507000",
+            ErrorKind::Internal,
+            "ACL_ERROR_RT_INTERNAL_ERROR",
+            |p, s| p.synchronize_stream(s),
+        ),
+        (
+            "HcclGetRootInfo:1:7",
+            ErrorKind::Internal,
+            "HCCL_E_UNAVAIL",
+            |p, _| p.unique_id().map(drop),
+        ),
+        (
+            "HcclCommInitRootInfo:1:9",
+            ErrorKind::Timeout,
+            "HCCL_E_TIMEOUT",
+            |p, _| {
+                let id = p.unique_id()?;
+                p.comm_init(&id, 0, 1).map(drop)
+            },
+        ),
+        (
+            "HcclAllReduce:1:9",
+            ErrorKind::Timeout,
+            "HCCL_E_TIMEOUT",
+            |p, s| {
+                let id = p.unique_id()?;
+                let c = p.comm_init(&id, 0, 1)?;
+                let d = p.alloc_device(64)?;
+                p.all_reduce(
+                    (&d).into(),
+                    (&d).into(),
+                    16,
+                    DType::F32,
+                    ReduceOp::Sum,
+                    &c,
+                    s,
+                )
+            },
+        ),
+        (
+            "HcclAllGather:1:3",
+            ErrorKind::OutOfMemory,
+            "HCCL_E_MEMORY",
+            |p, s| {
+                let id = p.unique_id()?;
+                let c = p.comm_init(&id, 0, 1)?;
+                let d = p.alloc_device(64)?;
+                p.all_gather((&d).into(), (&d).into(), 16, DType::F32, &c, s)
+            },
+        ),
+    ];
+    for (spec, kind, name, call) in cases {
+        emu.faults(spec);
+        let e = call(&p, &s)
+            .err()
+            .unwrap_or_else(|| panic!("{spec}: the injected fault did not surface"));
+        assert_eq!(
+            (e.kind(), e.code_name.as_ref()),
+            (*kind, *name),
+            "{spec}: {e}"
+        );
+        emu.faults("");
+        p.synchronize_stream(&s).unwrap();
+        assert_eq!(live(&emu.stats()), baseline, "{spec}: leaked");
+    }
+}
+
+#[test]
+fn avg_runs_as_sum_then_a_scale_on_the_stream() {
+    let _g = serial();
+    let p = NpuBackend::open_with(&explicit()).unwrap();
+    let id = p.unique_id().unwrap();
+    let world = 3;
+    let pr = &p;
+    std::thread::scope(|sc| {
+        for rank in 0..world {
+            let id = &id;
+            sc.spawn(move || {
+                let c = pr.comm_init(id, rank, world).unwrap();
+                let s = pr.create_stream().unwrap();
+                let d = pr.alloc_device(16).unwrap();
+                let v: Vec<u8> = [3.0f32 * (rank as f32 + 1.0); 4]
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect();
+                pr.write_device_sync(&d, 0, &v, &s).unwrap();
+                pr.all_reduce(
+                    (&d).into(),
+                    (&d).into(),
+                    4,
+                    DType::F32,
+                    ReduceOp::Avg,
+                    &c,
+                    &s,
+                )
+                .unwrap();
+                let mut out = [0u8; 16];
+                pr.read_device_sync(&d, 0, &mut out, &s).unwrap();
+                assert_eq!(f32::from_le_bytes(out[..4].try_into().unwrap()), 6.0);
+            });
+        }
+    });
+}
