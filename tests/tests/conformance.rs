@@ -13,7 +13,11 @@ fn run_group(group: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let platform = hprt_platform::get_platform().expect("get_platform");
     if let Ok(forced) = std::env::var("HP_PLATFORM") {
-        assert_eq!(platform.backend().name(), forced.trim(), "HP_PLATFORM was not honoured");
+        assert_eq!(
+            platform.backend().name(),
+            forced.trim(),
+            "HP_PLATFORM was not honoured"
+        );
     }
     let outcomes = run_cases(platform, Some(group));
     assert!(
