@@ -1009,6 +1009,8 @@ fn hccl_call_time_validation() {
         assert_eq!(HcclAlltoAll(d, 1, F32, null(), 1, F32, comm, s), HCCL_E_PTR);
         // A rank may send to itself inside a group.
         let half = (d as usize + 32) as *mut c_void;
+        // Work still queued on `s` (the calls above) must not land after the host-side memset.
+        assert_eq!(sync(s), 0);
         assert_eq!(aclrtMemset(d, 64, 0x11, 32), 0);
         assert_eq!(HcclGroupStart(), 0);
         assert_eq!(HcclSend(d, 8, F32, 0, comm, s), 0);
