@@ -1,5 +1,5 @@
 //! The npu backend against the Ascend emulator (`tests/ascend-emulator`, built by
-//! `cargo build -p hprt-ascend-emulator`, which `cargo test --workspace` does): loading, optional
+//! `cargo build -p hprt-ascend-emulator`, which `scripts/test` runs first): loading, optional
 //! symbols, ACL ownership, fault injection on every call class, and leaks.
 //!
 //! The emulator's state is process-global, so these tests take one lock.
@@ -26,7 +26,7 @@ fn emulator() -> PathBuf {
     let lib = dir.join("libhprt_ascend_emulator.so");
     assert!(
         lib.is_file(),
-        "{} is missing: build it with `cargo build -p hprt-ascend-emulator` (cargo test --workspace does)",
+        "{} is missing: build it with `cargo build -p hprt-ascend-emulator` (scripts/test does)",
         lib.display()
     );
     lib
