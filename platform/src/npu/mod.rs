@@ -31,6 +31,14 @@ use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
 use check::{acl, hccl, npu_err};
 use host_fn::Reporter;
 
+/// Calls an ACL function of `$api` (an `Ascend`) and checks its status, naming the function in
+/// the error. The call is `unsafe`: each use carries the SAFETY reasoning for its arguments.
+macro_rules! acl_call {
+    ($api:expr, $f:ident($($arg:expr),* $(,)?)) => {
+        acl(unsafe { $api.acl.$f($($arg),*) }, stringify!($f))
+    };
+}
+
 const ROOT_INFO_BYTES: usize = std::mem::size_of::<HcclRootInfo>();
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -119,10 +127,7 @@ impl Drop for StreamObj {
         }
         if self.owned && self.shared.bind().is_ok() {
             // SAFETY: we created this stream; ACL lets queued work finish.
-            let _ = acl(
-                unsafe { self.shared.api.acl.aclrtDestroyStream(self.raw as _) },
-                "aclrtDestroyStream",
-            );
+            let _ = acl_call!(self.shared.api, aclrtDestroyStream(self.raw as _));
         }
     }
 }
@@ -174,26 +179,20 @@ impl MemObj {
 
     /// Notes that work just queued on `stream` uses this memory.
     fn used_on(&self, stream: &StreamObj) -> Result<()> {
-        let api = &self.shared.api.acl;
+        let api = &self.shared.api;
         let mut uses = lock(&self.uses);
         let event = match uses.iter().find(|(s, _)| *s == stream.raw) {
             Some(&(_, e)) => e,
             None => {
                 let mut e = std::ptr::null_mut();
                 // SAFETY: plain ACL call.
-                acl(
-                    unsafe { api.aclrtCreateEventWithFlag(&mut e, ACL_EVENT_SYNC) },
-                    "aclrtCreateEventWithFlag",
-                )?;
+                acl_call!(api, aclrtCreateEventWithFlag(&mut e, ACL_EVENT_SYNC))?;
                 uses.push((stream.raw, e as usize));
                 e as usize
             }
         };
         // SAFETY: live handles.
-        acl(
-            unsafe { api.aclrtRecordEvent(event as _, stream.raw as _) },
-            "aclrtRecordEvent",
-        )
+        acl_call!(api, aclrtRecordEvent(event as _, stream.raw as _))
     }
 }
 
@@ -344,11 +343,7 @@ impl NpuBackend {
         };
         let mut count = 0u32;
         // SAFETY: plain ACL call.
-        acl(
-            unsafe { api.acl.aclrtGetDeviceCount(&mut count) },
-            "aclrtGetDeviceCount",
-        )
-        .map_err(finalize)?;
+        acl_call!(api, aclrtGetDeviceCount(&mut count)).map_err(finalize)?;
         if count == 0 {
             return Err(finalize(npu_err(
                 ErrorKind::Unavailable,
@@ -402,10 +397,7 @@ impl NpuBackend {
         }
         let mut p = std::ptr::null_mut();
         // SAFETY: plain ACL call.
-        acl(
-            unsafe { self.api().acl.aclrtMallocHost(&mut p, bytes) },
-            "aclrtMallocHost",
-        )?;
+        acl_call!(self.api(), aclrtMallocHost(&mut p, bytes))?;
         Ok(p as usize)
     }
 
@@ -442,18 +434,16 @@ impl NpuBackend {
         let api = self.api();
         let s = stream.raw as *mut c_void;
         // SAFETY: both ranges are live for `bytes` (bounds-checked; staging is ours until returned).
-        acl(
-            unsafe {
-                api.acl.aclrtMemcpyAsync(
-                    staging as _,
-                    bytes,
-                    dev as _,
-                    bytes,
-                    memcpy_kind(CopyKind::DeviceToHost),
-                    s,
-                )
-            },
-            "aclrtMemcpyAsync",
+        acl_call!(
+            api,
+            aclrtMemcpyAsync(
+                staging as _,
+                bytes,
+                dev as _,
+                bytes,
+                memcpy_kind(CopyKind::DeviceToHost),
+                s,
+            )
         )?;
         host_fn::launch(
             api,
@@ -461,18 +451,16 @@ impl NpuBackend {
             true,
             Box::new(move || unsafe { divide_in_place(staging, count, dtype, n) }),
         )?;
-        acl(
-            unsafe {
-                api.acl.aclrtMemcpyAsync(
-                    dev as _,
-                    mem.len - off,
-                    staging as _,
-                    bytes,
-                    memcpy_kind(CopyKind::HostToDevice),
-                    s,
-                )
-            },
-            "aclrtMemcpyAsync",
+        acl_call!(
+            api,
+            aclrtMemcpyAsync(
+                dev as _,
+                mem.len - off,
+                staging as _,
+                bytes,
+                memcpy_kind(CopyKind::HostToDevice),
+                s,
+            )
         )?;
         mem.used_on(stream)?;
         // Only the pool travels into the callback: the report thread must never hold the last
@@ -600,10 +588,7 @@ impl Backend for NpuBackend {
             ));
         }
         // SAFETY: plain ACL call.
-        acl(
-            unsafe { self.api().acl.aclrtSetDevice(ordinal as i32) },
-            "aclrtSetDevice",
-        )?;
+        acl_call!(self.api(), aclrtSetDevice(ordinal as i32))?;
         BOUND.with(|b| b.borrow_mut().insert(self.shared.instance, ordinal as i32));
         Ok(())
     }
@@ -614,13 +599,9 @@ impl Backend for NpuBackend {
         self.shared.bind()?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: plain ACL call.
-        acl(
-            unsafe {
-                self.api()
-                    .acl
-                    .aclrtGetMemInfo(aclrtMemAttr(1), &mut free, &mut total)
-            },
-            "aclrtGetMemInfo",
+        acl_call!(
+            self.api(),
+            aclrtGetMemInfo(aclrtMemAttr(1), &mut free, &mut total)
         )?;
         Ok(MemInfo { free, total })
     }
@@ -645,10 +626,7 @@ impl Backend for NpuBackend {
         self.shared.bind()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: plain ACL call.
-        acl(
-            unsafe { self.api().acl.aclrtCreateStream(&mut raw) },
-            "aclrtCreateStream",
-        )?;
+        acl_call!(self.api(), aclrtCreateStream(&mut raw))?;
         Ok((self.stream_obj(raw as usize, true), RawStream(raw as usize)))
     }
     unsafe fn wrap_stream(&self, raw: RawStream) -> Result<Arc<StreamObj>> {
@@ -668,24 +646,14 @@ impl Backend for NpuBackend {
     fn synchronize_stream(&self, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind()?;
         // SAFETY: live stream.
-        acl(
-            unsafe { self.api().acl.aclrtSynchronizeStream(stream.raw as _) },
-            "aclrtSynchronizeStream",
-        )
+        acl_call!(self.api(), aclrtSynchronizeStream(stream.raw as _))
     }
     fn query_stream(&self, stream: &Arc<StreamObj>) -> Result<bool> {
         if self.api().acl.aclrtStreamQuery.is_ok() {
             self.shared.bind()?;
             let mut status = aclrtStreamStatus(0xFFFF);
             // SAFETY: live stream.
-            acl(
-                unsafe {
-                    self.api()
-                        .acl
-                        .aclrtStreamQuery(stream.raw as _, &mut status)
-                },
-                "aclrtStreamQuery",
-            )?;
+            acl_call!(self.api(), aclrtStreamQuery(stream.raw as _, &mut status))?;
             return Ok(status == aclrtStreamStatus::ACL_STREAM_STATUS_COMPLETE);
         }
         // Older ACL: record a private event and ask it. It may still say "busy" for a moment on
@@ -717,10 +685,7 @@ impl Backend for NpuBackend {
             ACL_EVENT_SYNC
         };
         // SAFETY: plain ACL call.
-        acl(
-            unsafe { self.api().acl.aclrtCreateEventWithFlag(&mut raw, flags) },
-            "aclrtCreateEventWithFlag",
-        )?;
+        acl_call!(self.api(), aclrtCreateEventWithFlag(&mut raw, flags))?;
         Ok(Arc::new(EventObj {
             shared: Arc::clone(&self.shared),
             raw: raw as usize,
@@ -735,13 +700,9 @@ impl Backend for NpuBackend {
     fn record_event(&self, event: &Arc<EventObj>, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind()?;
         // SAFETY: live handles.
-        acl(
-            unsafe {
-                self.api()
-                    .acl
-                    .aclrtRecordEvent(event.raw as _, stream.raw as _)
-            },
-            "aclrtRecordEvent",
+        acl_call!(
+            self.api(),
+            aclrtRecordEvent(event.raw as _, stream.raw as _)
         )?;
         event.recorded.store(true, Ordering::Release);
         Ok(())
@@ -752,13 +713,9 @@ impl Backend for NpuBackend {
         }
         self.shared.bind()?;
         // SAFETY: live handles.
-        acl(
-            unsafe {
-                self.api()
-                    .acl
-                    .aclrtStreamWaitEvent(stream.raw as _, event.raw as _)
-            },
-            "aclrtStreamWaitEvent",
+        acl_call!(
+            self.api(),
+            aclrtStreamWaitEvent(stream.raw as _, event.raw as _)
         )
     }
     fn query_event(&self, event: &Arc<EventObj>) -> Result<bool> {
@@ -768,13 +725,9 @@ impl Backend for NpuBackend {
         self.shared.bind()?;
         let mut status = aclrtEventRecordedStatus(0);
         // SAFETY: live handle.
-        acl(
-            unsafe {
-                self.api()
-                    .acl
-                    .aclrtQueryEventStatus(event.raw as _, &mut status)
-            },
-            "aclrtQueryEventStatus",
+        acl_call!(
+            self.api(),
+            aclrtQueryEventStatus(event.raw as _, &mut status)
         )?;
         Ok(status.0 == 1)
     }
@@ -784,10 +737,7 @@ impl Backend for NpuBackend {
         }
         self.shared.bind()?;
         // SAFETY: live handle.
-        acl(
-            unsafe { self.api().acl.aclrtSynchronizeEvent(event.raw as _) },
-            "aclrtSynchronizeEvent",
-        )
+        acl_call!(self.api(), aclrtSynchronizeEvent(event.raw as _))
     }
     fn event_elapsed_ms(&self, start: &Arc<EventObj>, end: &Arc<EventObj>) -> Result<f32> {
         for (e, what) in [(start, "start"), (end, "end")] {
@@ -802,13 +752,9 @@ impl Backend for NpuBackend {
         }
         let mut ms = 0f32;
         // SAFETY: live handles.
-        acl(
-            unsafe {
-                self.api()
-                    .acl
-                    .aclrtEventElapsedTime(&mut ms, start.raw as _, end.raw as _)
-            },
-            "aclrtEventElapsedTime",
+        acl_call!(
+            self.api(),
+            aclrtEventElapsedTime(&mut ms, start.raw as _, end.raw as _)
         )?;
         Ok(ms)
     }
@@ -817,13 +763,9 @@ impl Backend for NpuBackend {
         let device = self.shared.bind()? as usize;
         let mut p = std::ptr::null_mut();
         // SAFETY: plain ACL call.
-        acl(
-            unsafe {
-                self.api()
-                    .acl
-                    .aclrtMalloc(&mut p, bytes, aclrtMemMallocPolicy(0))
-            },
-            "aclrtMalloc",
+        acl_call!(
+            self.api(),
+            aclrtMalloc(&mut p, bytes, aclrtMemMallocPolicy(0))
         )?;
         self.shared.devices[device].reserve(BackendKind::Npu, "aclrtMalloc", bytes)?;
         let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Device(device));
@@ -846,10 +788,7 @@ impl Backend for NpuBackend {
         self.shared.bind()?;
         let mut p = std::ptr::null_mut();
         // SAFETY: plain ACL call.
-        acl(
-            unsafe { self.api().acl.aclrtMallocHost(&mut p, bytes) },
-            "aclrtMallocHost",
-        )?;
+        acl_call!(self.api(), aclrtMallocHost(&mut p, bytes))?;
         self.shared
             .pinned
             .reserve(BackendKind::Npu, "aclrtMallocHost", bytes)?;
@@ -871,18 +810,16 @@ impl Backend for NpuBackend {
         ) = (dst, src);
         self.shared.bind()?;
         // SAFETY: ranges bounds-checked by the caller; destMax is what remains of the destination.
-        acl(
-            unsafe {
-                self.api().acl.aclrtMemcpyAsync(
-                    (d.ptr + doff) as _,
-                    d.len - doff,
-                    (s.ptr + soff) as _,
-                    bytes,
-                    memcpy_kind(kind),
-                    stream.raw as _,
-                )
-            },
-            "aclrtMemcpyAsync",
+        acl_call!(
+            self.api(),
+            aclrtMemcpyAsync(
+                (d.ptr + doff) as _,
+                d.len - doff,
+                (s.ptr + soff) as _,
+                bytes,
+                memcpy_kind(kind),
+                stream.raw as _,
+            )
         )?;
         d.used_on(stream)?;
         s.used_on(stream)
@@ -896,17 +833,15 @@ impl Backend for NpuBackend {
     ) -> Result<()> {
         self.shared.bind()?;
         // SAFETY: as in `copy`.
-        acl(
-            unsafe {
-                self.api().acl.aclrtMemsetAsync(
-                    (d.ptr + off) as _,
-                    d.len - off,
-                    i32::from(value),
-                    bytes,
-                    stream.raw as _,
-                )
-            },
-            "aclrtMemsetAsync",
+        acl_call!(
+            self.api(),
+            aclrtMemsetAsync(
+                (d.ptr + off) as _,
+                d.len - off,
+                i32::from(value),
+                bytes,
+                stream.raw as _,
+            )
         )?;
         d.used_on(stream)
     }
@@ -1247,19 +1182,17 @@ impl NpuBackend {
         let n = mine.len();
         let (send, _) = Backend::alloc_device(self, n)?;
         let (recv, _) = Backend::alloc_device(self, n * comm.world)?;
-        let api = &self.api().acl;
+        let api = self.api();
         // SAFETY: sizes match the allocations; synchronous copies from/to host vectors.
-        acl(
-            unsafe {
-                api.aclrtMemcpy(
-                    send.ptr as _,
-                    n,
-                    mine.as_ptr().cast(),
-                    n,
-                    memcpy_kind(CopyKind::HostToDevice),
-                )
-            },
-            "aclrtMemcpy",
+        acl_call!(
+            api,
+            aclrtMemcpy(
+                send.ptr as _,
+                n,
+                mine.as_ptr().cast(),
+                n,
+                memcpy_kind(CopyKind::HostToDevice)
+            )
         )?;
         let op = Collective::AllGather {
             send: Some((Arc::clone(&send), 0)),
@@ -1270,17 +1203,17 @@ impl NpuBackend {
         Backend::collective(self, comm, op, stream)?;
         Backend::synchronize_stream(self, stream)?;
         let mut out = vec![0u8; n * comm.world];
-        acl(
-            unsafe {
-                api.aclrtMemcpy(
-                    out.as_mut_ptr().cast(),
-                    out.len(),
-                    recv.ptr as _,
-                    out.len(),
-                    memcpy_kind(CopyKind::DeviceToHost),
-                )
-            },
-            "aclrtMemcpy",
+        let bytes = out.len();
+        // SAFETY: as above.
+        acl_call!(
+            api,
+            aclrtMemcpy(
+                out.as_mut_ptr().cast(),
+                bytes,
+                recv.ptr as _,
+                bytes,
+                memcpy_kind(CopyKind::DeviceToHost)
+            )
         )?;
         Ok(out)
     }
