@@ -761,16 +761,13 @@ impl Backend for NpuBackend {
 
     fn alloc_device(&self, bytes: usize) -> Result<(Arc<MemObj>, usize)> {
         let device = self.shared.bind()? as usize;
-        let counter = &self.shared.devices[device];
-        // Account first, so a refused reservation never strands driver memory.
-        counter.reserve(BackendKind::Npu, "aclrtMalloc", bytes)?;
         let mut p = std::ptr::null_mut();
         // SAFETY: plain ACL call.
         acl_call!(
             self.api(),
             aclrtMalloc(&mut p, bytes, aclrtMemMallocPolicy(0))
-        )
-        .inspect_err(|_| counter.release(bytes))?;
+        )?;
+        self.shared.devices[device].reserve(BackendKind::Npu, "aclrtMalloc", bytes)?;
         let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Device(device));
         Ok((m, p as usize))
     }
@@ -789,12 +786,12 @@ impl Backend for NpuBackend {
     }
     fn alloc_pinned(&self, bytes: usize) -> Result<(Arc<MemObj>, usize)> {
         self.shared.bind()?;
-        let counter = &self.shared.pinned;
-        counter.reserve(BackendKind::Npu, "aclrtMallocHost", bytes)?;
         let mut p = std::ptr::null_mut();
         // SAFETY: plain ACL call.
-        acl_call!(self.api(), aclrtMallocHost(&mut p, bytes))
-            .inspect_err(|_| counter.release(bytes))?;
+        acl_call!(self.api(), aclrtMallocHost(&mut p, bytes))?;
+        self.shared
+            .pinned
+            .reserve(BackendKind::Npu, "aclrtMallocHost", bytes)?;
         let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Pinned);
         Ok((m, p as usize))
     }
