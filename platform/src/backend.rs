@@ -9,6 +9,7 @@ use crate::collective::Collective;
 use crate::error::{BackendKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
 use crate::info::PlatformInfo;
+use crate::kernel::{HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryStats};
 
 /// A place in a backend's memory: an object and a byte offset into it.
@@ -88,6 +89,16 @@ pub trait Backend: Send + Sync + 'static {
         bytes: usize,
         stream: &Self::Stream,
     ) -> Result<()>;
+
+    /// Enqueues an elementwise kernel whose places were bounds- and overlap-checked by the
+    /// caller; `count > 0`.
+    fn kernel(
+        &self,
+        kernel: Kernel<Place<Self::DeviceMemory>>,
+        stream: &Self::Stream,
+    ) -> Result<()>;
+    /// Enqueues a host closure in stream order.
+    fn host_fn(&self, stream: &Self::Stream, f: HostFn) -> Result<()>;
 
     fn unique_id(&self) -> Result<UniqueId>;
     /// Joins the communicator named by `id`; blocks until all `world` ranks joined.

@@ -9,6 +9,7 @@ use crate::handle::{
     ObjectHandle, Owner, PinnedBuffer, RawStream, ReleaseFn, Stream, UniqueId,
 };
 use crate::info::PlatformInfo;
+use crate::kernel::{Access, HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryStats};
 use crate::platform::Platform;
 
@@ -55,6 +56,34 @@ fn loc<B: Backend>(
             .mem_for::<B::PinnedMemory>(owner(b), op, offset, bytes)?
             .map(|x| Loc::Pinned(x, offset)),
     })
+}
+
+/// A written range may share bytes with another place only when both are the same range start
+/// (in place); anything else would make the result depend on the order elements are visited.
+fn check_kernel_overlap<B: Backend>(b: &B, k: &Kernel<BufRef<'_>>) -> Result<()> {
+    let places = k.places();
+    for (i, (w, wbytes, wa)) in places.iter().enumerate() {
+        if *wa == Access::Read {
+            continue;
+        }
+        for (j, (o, obytes, _)) in places.iter().enumerate() {
+            if i == j || !w.buf.same_as(o.buf) || w.offset == o.offset {
+                continue;
+            }
+            if w.offset < o.offset + obytes && o.offset < w.offset + wbytes {
+                return Err(Error::new(
+                    ErrorKind::InvalidValue,
+                    b.kind(),
+                    k.name(),
+                    format!(
+                        "bytes {}..+{} overlap bytes {}..+{} of the same buffer other than in place",
+                        w.offset, wbytes, o.offset, obytes
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Rejects overlapping send/recv ranges except the in-place layouts each collective defines.
@@ -321,6 +350,44 @@ impl<B: Backend> Platform for B {
             Some(m) if bytes > 0 => Backend::memset(self, (m, offset), value, bytes, &s),
             _ => Ok(()),
         }
+    }
+
+    fn launch_kernel(&self, kernel: Kernel<BufRef<'_>>, stream: &Stream) -> Result<()> {
+        let name = kernel.name();
+        let s = stream_obj(self, stream, name)?;
+        kernel.validate(self.kind())?;
+        check_kernel_overlap(self, &kernel)?;
+        let sizes: Vec<usize> = kernel.places().iter().map(|p| p.1).collect();
+        let mut i = 0;
+        let resolved =
+            kernel.try_map(|r: BufRef<'_>| -> Result<Option<Place<B::DeviceMemory>>> {
+                let bytes = sizes[i];
+                i += 1;
+                let m =
+                    r.buf
+                        .handle
+                        .mem_for::<B::DeviceMemory>(owner(self), name, r.offset, bytes)?;
+                Ok(m.map(|m| (m, r.offset)))
+            })?;
+        if kernel.count() == 0 {
+            return Ok(());
+        }
+        // Every place of a non-empty kernel has bytes, so each resolved to memory.
+        let resolved = resolved.try_map(|p| {
+            p.ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Internal,
+                    self.kind(),
+                    name,
+                    "a non-empty place has no memory",
+                )
+            })
+        })?;
+        Backend::kernel(self, resolved, &s)
+    }
+    fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()> {
+        let s = stream_obj(self, stream, "launch_host_fn")?;
+        Backend::host_fn(self, &s, f)
     }
 
     fn unique_id(&self) -> Result<UniqueId> {

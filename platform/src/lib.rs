@@ -19,6 +19,7 @@ mod dtype;
 mod error;
 mod handle;
 mod info;
+mod kernel;
 mod memory;
 pub mod npu;
 mod platform;
@@ -34,6 +35,7 @@ pub use handle::{
     Stream, UniqueId,
 };
 pub use info::{DeviceInfo, LibraryProbe, PlatformInfo};
+pub use kernel::{Access, HostFn, Kernel};
 pub use memory::{MemInfo, MemoryCounter, MemoryStats};
 pub use npu::NpuBackend;
 pub use platform::Platform;

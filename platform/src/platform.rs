@@ -8,6 +8,7 @@ use crate::handle::{
     UniqueId,
 };
 use crate::info::PlatformInfo;
+use crate::kernel::{HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryStats};
 
 /// One backend, chosen at run time (see [`crate::get_platform`]).
@@ -102,6 +103,15 @@ pub trait Platform: Send + Sync {
         bytes: usize,
         stream: &Stream,
     ) -> Result<()>;
+
+    // --- compute -------------------------------------------------------------------------
+    /// Enqueues an elementwise kernel (casts, fills, scaling, accumulation; see [`Kernel`] for
+    /// the exact semantics, identical on every backend). A written range may overlap a read
+    /// range only in place (same buffer and offset).
+    fn launch_kernel(&self, kernel: Kernel<BufRef<'_>>, stream: &Stream) -> Result<()>;
+    /// Runs `f` on a host thread in stream order, like `cuLaunchHostFunc`: after the work queued
+    /// on `stream` before it and before the work queued after it. `f` must not wait on `stream`.
+    fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()>;
 
     // --- collectives ---------------------------------------------------------------------
     /// A new rendezvous key; rank 0 makes it and hands it to the others.

@@ -2,7 +2,7 @@
 //!
 //! Every case is written against the [`Platform`] trait only, so the same suite runs on the cpu
 //! reference backend, on CUDA and on the Ascend emulator. Cases are grouped (`memory`, `copy`,
-//! `stream`, `event`, `interop`, `collective`, `error`, `stress`); [`run_cases`] runs a filtered
+//! `stream`, `event`, `interop`, `collective`, `kernel`, `error`, `stress`); [`run_cases`] runs a filtered
 //! selection and turns failures and panics into [`Outcome`]s instead of aborting.
 //!
 //! Cases must be correct under the cpu backend's jitter mode (`HP_CPU_JITTER`), which delays stream
@@ -18,6 +18,7 @@ mod copy;
 mod errors;
 mod event;
 mod interop;
+mod kernel;
 mod memory;
 pub mod reference;
 mod stream;
@@ -45,13 +46,14 @@ pub struct Outcome {
 }
 
 /// The groups, in the order [`cases`] lists them.
-pub const GROUPS: [&str; 8] = [
+pub const GROUPS: [&str; 9] = [
     "memory",
     "copy",
     "stream",
     "event",
     "interop",
     "collective",
+    "kernel",
     "error",
     "stress",
 ];
@@ -188,6 +190,25 @@ static CASES: &[Case] = &[
     case!("collective", "zero_count", collective::zero_count),
     case!("collective", "chained", collective::chained),
     case!("collective", "comm_split", collective::comm_split),
+    // kernel
+    case!(
+        "kernel",
+        "cast_to_half_formats",
+        kernel::cast_to_half_formats
+    ),
+    case!(
+        "kernel",
+        "cast_widen_and_to_integers",
+        kernel::cast_widen_and_to_integers
+    ),
+    case!("kernel", "fill_scale_axpy", kernel::fill_scale_axpy),
+    case!("kernel", "stream_ordered", kernel::stream_ordered),
+    case!(
+        "kernel",
+        "host_fn_in_stream_order",
+        kernel::host_fn_in_stream_order
+    ),
+    case!("kernel", "kernel_bad_arguments", kernel::bad_arguments),
     // error
     case!("error", "use_after_free", errors::use_after_free),
     case!("error", "out_of_range", errors::out_of_range),

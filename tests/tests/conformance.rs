@@ -75,6 +75,11 @@ fn error() {
 }
 
 #[test]
+fn kernel() {
+    run_group("kernel");
+}
+
+#[test]
 fn stress() {
     run_group("stress");
 }

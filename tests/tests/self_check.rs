@@ -3,9 +3,9 @@
 
 use hprt_conformance::run_cases;
 use hprt_platform::{
-    BackendKind, BufRef, Collective, Communicator, CpuBackend, CpuConfig, DeviceBuffer, Event, Mem,
-    MemInfo, MemoryStats, PinnedBuffer, Platform, PlatformInfo, RawStream, ReduceOp, ReleaseFn,
-    Result, Stream, UniqueId,
+    BackendKind, BufRef, Collective, Communicator, CpuBackend, CpuConfig, DeviceBuffer, Event,
+    HostFn, Kernel, Mem, MemInfo, MemoryStats, PinnedBuffer, Platform, PlatformInfo, RawStream,
+    ReduceOp, ReleaseFn, Result, Stream, UniqueId,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -26,6 +26,10 @@ enum Fault {
     NegativeElapsed,
     /// broadcast always uses root 0.
     BroadcastRootZero,
+    /// Scale kernels are dropped.
+    ScaleSkipped,
+    /// Host functions run at once on the caller's thread, not in stream order.
+    HostFnImmediate,
     /// Destroyed-stream operations are silently accepted by skipping destroy.
     DestroyIsNoop,
 }
@@ -179,6 +183,19 @@ impl Platform for Faulty {
         };
         Platform::memset_async(&self.inner, dst, offset, value, bytes, stream)
     }
+    fn launch_kernel(&self, kernel: Kernel<BufRef<'_>>, stream: &Stream) -> Result<()> {
+        if self.fault == Fault::ScaleSkipped && matches!(kernel, Kernel::Scale { .. }) {
+            return Ok(());
+        }
+        Platform::launch_kernel(&self.inner, kernel, stream)
+    }
+    fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()> {
+        if self.fault == Fault::HostFnImmediate {
+            f();
+            return Ok(());
+        }
+        Platform::launch_host_fn(&self.inner, stream, f)
+    }
     fn unique_id(&self) -> Result<UniqueId> {
         Platform::unique_id(&self.inner)
     }
@@ -285,6 +302,28 @@ fn missing_waits_are_caught() {
         Some(7),
         "rerecord",
         &["rerecord_waits_for_latest"],
+    );
+}
+
+#[test]
+fn broken_kernels_and_host_functions_are_caught() {
+    detects(
+        Fault::ScaleSkipped,
+        None,
+        "kernel",
+        &["fill_scale_axpy", "stream_ordered"],
+    );
+    detects(
+        Fault::HostFnImmediate,
+        Some(9),
+        "host_fn",
+        &["host_fn_in_stream_order"],
+    );
+    detects(
+        Fault::NoWait,
+        Some(10),
+        "stream_ordered",
+        &["stream_ordered"],
     );
 }
 

@@ -21,6 +21,7 @@ use crate::collective::Collective;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
 use crate::info::{DeviceInfo, PlatformInfo};
+use crate::kernel::{run_on_host, HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
 
 use comm::{CommMember, CommShared, CpuComm, Issued};
@@ -449,6 +450,38 @@ impl Backend for CpuBackend {
                 // SAFETY: as in `copy`.
                 unsafe { std::ptr::write_bytes(d.at(off), value, bytes) };
                 Ok(())
+            }),
+        )?;
+        Ok(())
+    }
+
+    fn kernel(&self, kernel: Kernel<Place<MemRef>>, stream: &CpuStream) -> Result<()> {
+        let name = kernel.name();
+        stream.core.enqueue(
+            name,
+            Box::new(move |_: &StreamCore| {
+                let ptrs = kernel.clone().try_map(|(m, off)| Ok(m.at(off)))?;
+                // SAFETY: places were bounds- and overlap-checked by the dispatch layer, and
+                // the `MemRef`s in `kernel` keep the memory alive until the kernel ran.
+                unsafe { run_on_host(&ptrs) };
+                drop(kernel);
+                Ok(())
+            }),
+        )?;
+        Ok(())
+    }
+    fn host_fn(&self, stream: &CpuStream, f: HostFn) -> Result<()> {
+        stream.core.enqueue(
+            "launch_host_fn",
+            Box::new(move |_: &StreamCore| {
+                // A panicking closure must not take the stream's worker thread down with it.
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|_| {
+                    cpu_err(
+                        ErrorKind::Internal,
+                        "launch_host_fn",
+                        "the host function panicked".to_string(),
+                    )
+                })
             }),
         )?;
         Ok(())

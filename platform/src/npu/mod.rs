@@ -24,9 +24,10 @@ use hprt_sys::{Ascend, SearchEnv, OPTIONAL_SYMBOLS};
 use crate::backend::{Backend, Loc, Place};
 use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
-use crate::error::{BackendKind, ErrorKind, Result};
+use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
 use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
+use crate::kernel::{run_on_host, Access, HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
 use check::{acl, hccl, npu_err};
 use host_fn::Reporter;
@@ -401,8 +402,7 @@ impl NpuBackend {
         Ok(p as usize)
     }
 
-    /// `buf = buf / n` on the stream: D2H into pinned staging, divide in a blocking host
-    /// function, H2D back, then return the staging buffer — all in stream order.
+    /// `buf = buf / n` on the stream (the scale step of `Avg`).
     fn divide_on_stream(
         &self,
         place: &Place<Arc<MemObj>>,
@@ -411,58 +411,86 @@ impl NpuBackend {
         n: usize,
         stream: &StreamObj,
     ) -> Result<()> {
-        const OP: &str = "all_reduce(avg)";
         let bytes = count * dtype.size();
         if bytes == 0 || n == 1 {
             return Ok(());
         }
+        self.host_step(
+            "all_reduce(avg)",
+            vec![(place.clone(), bytes, Access::ReadWrite)],
+            stream,
+            // SAFETY: the staging copy holds `count` elements of `dtype`.
+            move |staged| unsafe { divide_in_place(staged[0], count, dtype, n) },
+        )
+    }
+
+    /// Device compute this ACL subset has no kernel for, done on the host in stream order:
+    /// each place is copied D2H into pinned staging (unless only written), `compute` runs on the
+    /// staging copies in a blocking host function, written places are copied back H2D, and the
+    /// staging buffers return to the pool once the stream passed them.
+    fn host_step(
+        &self,
+        op: &'static str,
+        places: Vec<(Place<Arc<MemObj>>, usize, Access)>,
+        stream: &StreamObj,
+        compute: impl FnOnce(&[usize]) + Send + 'static,
+    ) -> Result<()> {
         if !stream.subscribed {
-            let missing: Vec<&str> = OPTIONAL_SYMBOLS
-                .iter()
-                .copied()
-                .filter(|s| s.contains("Report") || s.contains("Callback"))
-                .collect();
-            return Err(npu_err(
-                ErrorKind::Unsupported,
-                OP,
-                format!("avg needs a host-function step on the stream ({missing:?}), unavailable on this stream or ACL build"),
-            ));
+            return Err(host_fn_unsupported(op));
         }
-        let (mem, off) = place;
-        let dev = mem.ptr + off;
-        let staging = self.take_staging(bytes)?;
         let api = self.api();
         let s = stream.raw as *mut c_void;
-        // SAFETY: both ranges are live for `bytes` (bounds-checked; staging is ours until returned).
-        acl_call!(
-            api,
-            aclrtMemcpyAsync(
-                staging as _,
-                bytes,
-                dev as _,
-                bytes,
-                memcpy_kind(CopyKind::DeviceToHost),
-                s,
-            )
-        )?;
-        host_fn::launch(
-            api,
-            stream.raw,
-            true,
-            Box::new(move || unsafe { divide_in_place(staging, count, dtype, n) }),
-        )?;
-        acl_call!(
-            api,
-            aclrtMemcpyAsync(
-                dev as _,
-                mem.len - off,
-                staging as _,
-                bytes,
-                memcpy_kind(CopyKind::HostToDevice),
-                s,
-            )
-        )?;
-        mem.used_on(stream)?;
+        let mut staged = Vec::with_capacity(places.len());
+        let give_back = |staged: &[(usize, usize)]| {
+            let mut pool = lock(&self.shared.staging);
+            for &(p, b) in staged {
+                pool.entry(b).or_default().push(p);
+            }
+        };
+        for ((_, _), bytes, _) in &places {
+            match self.take_staging(*bytes) {
+                Ok(p) => staged.push((p, *bytes)),
+                Err(e) => {
+                    give_back(&staged);
+                    return Err(e);
+                }
+            }
+        }
+        for (((mem, off), bytes, access), &(st, _)) in places.iter().zip(&staged) {
+            if *access != Access::Write {
+                // SAFETY: the device range is live and bounds-checked; staging is ours.
+                acl_call!(
+                    api,
+                    aclrtMemcpyAsync(
+                        st as _,
+                        *bytes,
+                        (mem.ptr + off) as _,
+                        *bytes,
+                        memcpy_kind(CopyKind::DeviceToHost),
+                        s,
+                    )
+                )?;
+            }
+        }
+        let ptrs: Vec<usize> = staged.iter().map(|&(p, _)| p).collect();
+        host_fn::launch(api, stream.raw, true, Box::new(move || compute(&ptrs)))?;
+        for (((mem, off), bytes, access), &(st, _)) in places.iter().zip(&staged) {
+            if *access != Access::Read {
+                // SAFETY: as above.
+                acl_call!(
+                    api,
+                    aclrtMemcpyAsync(
+                        (mem.ptr + off) as _,
+                        mem.len - off,
+                        st as _,
+                        *bytes,
+                        memcpy_kind(CopyKind::HostToDevice),
+                        s,
+                    )
+                )?;
+            }
+            mem.used_on(stream)?;
+        }
         // Only the pool travels into the callback: the report thread must never hold the last
         // reference to `Shared`, whose drop joins that thread.
         let pool = Arc::clone(&self.shared.staging);
@@ -470,7 +498,12 @@ impl NpuBackend {
             api,
             stream.raw,
             false,
-            Box::new(move || lock(&pool).entry(bytes).or_default().push(staging)),
+            Box::new(move || {
+                let mut pool = lock(&pool);
+                for (p, b) in staged {
+                    pool.entry(b).or_default().push(p);
+                }
+            }),
         )
     }
 
@@ -484,6 +517,19 @@ impl NpuBackend {
             scratch,
         }))
     }
+}
+
+fn host_fn_unsupported(op: &'static str) -> Error {
+    let missing: Vec<&str> = OPTIONAL_SYMBOLS
+        .iter()
+        .copied()
+        .filter(|s| s.contains("Report") || s.contains("Callback"))
+        .collect();
+    npu_err(
+        ErrorKind::Unsupported,
+        op,
+        format!("{op} needs a host-function step on the stream ({missing:?}), unavailable on this stream or ACL build"),
+    )
 }
 
 fn ptr(place: &Option<Place<Arc<MemObj>>>) -> *mut c_void {
@@ -844,6 +890,37 @@ impl Backend for NpuBackend {
             )
         )?;
         d.used_on(stream)
+    }
+
+    fn kernel(&self, kernel: Kernel<Place<Arc<MemObj>>>, stream: &Arc<StreamObj>) -> Result<()> {
+        // The ACL subset hprt loads has no elementwise operators, so kernels run on the host.
+        let places = kernel
+            .places()
+            .into_iter()
+            .map(|(p, bytes, access)| (p.clone(), bytes, access))
+            .collect();
+        let name = kernel.name();
+        let shape = kernel.try_map(|_| Ok(()))?;
+        self.host_step(name, places, stream, move |staged| {
+            // `host_step` stages one buffer per place, in the order of `places()`.
+            let mut next = staged.iter();
+            let on_staging = shape.try_map(|()| {
+                next.next()
+                    .map(|&p| p as *mut u8)
+                    .ok_or_else(|| npu_err(ErrorKind::Internal, name, "staging missing"))
+            });
+            if let Ok(k) = on_staging {
+                // SAFETY: each staging buffer holds its place's bytes; in-place kernels got
+                // separate staging copies of the same bytes, which `run_on_host` allows.
+                unsafe { run_on_host(&k) };
+            }
+        })
+    }
+    fn host_fn(&self, stream: &Arc<StreamObj>, f: HostFn) -> Result<()> {
+        if !stream.subscribed {
+            return Err(host_fn_unsupported("launch_host_fn"));
+        }
+        host_fn::launch(self.api(), stream.raw, true, f)
     }
 
     fn unique_id(&self) -> Result<UniqueId> {

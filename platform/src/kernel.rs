@@ -1,0 +1,542 @@
+//! Elementwise device kernels and host functions on streams.
+//!
+//! The modules above `platform` need a little device compute of their own: dtype casts for mixed
+//! precision, gradient accumulation with conversion, gradient scaling and fills. [`Kernel`] is
+//! that set, one definition for every backend, so a cast gives the same bits on cpu, npu and cuda.
+//!
+//! Semantics, element by element:
+//! - `Cast`: equal dtypes copy the bits (NaN payloads included). Float to float rounds to nearest
+//!   even, correctly (no double rounding through f32). Float to integer follows Rust `as`
+//!   (toward zero, saturating, NaN to 0). Integer to float rounds to nearest (exact below 2^53).
+//!   Integer to integer wraps like Rust `as`.
+//! - `Fill`: `value` converted to the dtype like a cast from f64.
+//! - `Scale` and `Axpy`: float dtypes only (others are `Unsupported`); the arithmetic is done in
+//!   f64 and rounded to the destination dtype like a cast.
+
+use crate::dtype::DType;
+use crate::error::{BackendKind, Error, ErrorKind, Result};
+
+/// A host closure run in stream order (after everything queued before it, before everything
+/// queued after it), like `cuLaunchHostFunc`. It must not call back into the platform's stream
+/// functions for the same stream.
+pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
+
+/// One elementwise kernel over `count` elements; `B` is a place in device memory (a
+/// [`crate::BufRef`] for callers).
+#[derive(Clone, Copy, Debug)]
+pub enum Kernel<B> {
+    /// `dst[i] = value` converted to `dtype`.
+    Fill {
+        dst: B,
+        dtype: DType,
+        count: usize,
+        value: f64,
+    },
+    /// `dst[i] = src[i]` converted from `src_dtype` to `dst_dtype`.
+    Cast {
+        src: B,
+        src_dtype: DType,
+        dst: B,
+        dst_dtype: DType,
+        count: usize,
+    },
+    /// `buf[i] = buf[i] * factor`.
+    Scale {
+        buf: B,
+        dtype: DType,
+        count: usize,
+        factor: f64,
+    },
+    /// `dst[i] = dst[i] + alpha * src[i]`, `src` converted to `dst_dtype`.
+    Axpy {
+        src: B,
+        src_dtype: DType,
+        dst: B,
+        dst_dtype: DType,
+        count: usize,
+        alpha: f64,
+    },
+}
+
+/// How a kernel uses one of its places.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    Write,
+    ReadWrite,
+}
+
+impl<B> Kernel<B> {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Kernel::Fill { .. } => "kernel(fill)",
+            Kernel::Cast { .. } => "kernel(cast)",
+            Kernel::Scale { .. } => "kernel(scale)",
+            Kernel::Axpy { .. } => "kernel(axpy)",
+        }
+    }
+
+    pub fn count(&self) -> usize {
+        match *self {
+            Kernel::Fill { count, .. }
+            | Kernel::Cast { count, .. }
+            | Kernel::Scale { count, .. }
+            | Kernel::Axpy { count, .. } => count,
+        }
+    }
+
+    /// Every place the kernel touches, with its size in bytes and how it is used; inputs first.
+    pub fn places(&self) -> Vec<(&B, usize, Access)> {
+        let n = self.count();
+        match self {
+            Kernel::Fill { dst, dtype, .. } => vec![(dst, n * dtype.size(), Access::Write)],
+            Kernel::Cast {
+                src,
+                src_dtype,
+                dst,
+                dst_dtype,
+                ..
+            } => vec![
+                (src, n * src_dtype.size(), Access::Read),
+                (dst, n * dst_dtype.size(), Access::Write),
+            ],
+            Kernel::Scale { buf, dtype, .. } => vec![(buf, n * dtype.size(), Access::ReadWrite)],
+            Kernel::Axpy {
+                src,
+                src_dtype,
+                dst,
+                dst_dtype,
+                ..
+            } => vec![
+                (src, n * src_dtype.size(), Access::Read),
+                (dst, n * dst_dtype.size(), Access::ReadWrite),
+            ],
+        }
+    }
+
+    /// The same kernel over other places (in the order of [`Kernel::places`]).
+    pub fn try_map<C>(self, mut f: impl FnMut(B) -> Result<C>) -> Result<Kernel<C>> {
+        Ok(match self {
+            Kernel::Fill {
+                dst,
+                dtype,
+                count,
+                value,
+            } => Kernel::Fill {
+                dst: f(dst)?,
+                dtype,
+                count,
+                value,
+            },
+            Kernel::Cast {
+                src,
+                src_dtype,
+                dst,
+                dst_dtype,
+                count,
+            } => Kernel::Cast {
+                src: f(src)?,
+                src_dtype,
+                dst: f(dst)?,
+                dst_dtype,
+                count,
+            },
+            Kernel::Scale {
+                buf,
+                dtype,
+                count,
+                factor,
+            } => Kernel::Scale {
+                buf: f(buf)?,
+                dtype,
+                count,
+                factor,
+            },
+            Kernel::Axpy {
+                src,
+                src_dtype,
+                dst,
+                dst_dtype,
+                count,
+                alpha,
+            } => Kernel::Axpy {
+                src: f(src)?,
+                src_dtype,
+                dst: f(dst)?,
+                dst_dtype,
+                count,
+                alpha,
+            },
+        })
+    }
+
+    /// Rejects dtype combinations the kernel does not define and byte sizes that overflow.
+    pub(crate) fn validate(&self, backend: BackendKind) -> Result<()> {
+        let name = self.name();
+        let err = |kind, msg: String| Err(Error::new(kind, backend, name, msg));
+        let widest = match self {
+            Kernel::Cast {
+                src_dtype,
+                dst_dtype,
+                ..
+            }
+            | Kernel::Axpy {
+                src_dtype,
+                dst_dtype,
+                ..
+            } => src_dtype.size().max(dst_dtype.size()),
+            Kernel::Fill { dtype, .. } | Kernel::Scale { dtype, .. } => dtype.size(),
+        };
+        if self.count().checked_mul(widest).is_none() {
+            return err(
+                ErrorKind::InvalidValue,
+                format!("{} elements overflow a byte size", self.count()),
+            );
+        }
+        match self {
+            Kernel::Scale { dtype, .. } if !dtype.is_float() => err(
+                ErrorKind::Unsupported,
+                format!("scale is defined for float dtypes, not {dtype}"),
+            ),
+            Kernel::Axpy {
+                src_dtype,
+                dst_dtype,
+                ..
+            } if !src_dtype.is_float() || !dst_dtype.is_float() => err(
+                ErrorKind::Unsupported,
+                format!("axpy is defined for float dtypes, not {src_dtype} -> {dst_dtype}"),
+            ),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Runs a kernel on host-addressable memory: the cpu backend's device memory, or the staging
+/// copies a host fallback made.
+///
+/// # Safety
+/// Each pointer must be valid for the bytes [`Kernel::places`] gives it, and a written range may
+/// overlap a read range only when both start at the same address (in place).
+pub(crate) unsafe fn run_on_host(kernel: &Kernel<*mut u8>) {
+    match *kernel {
+        Kernel::Fill {
+            dst,
+            dtype,
+            count,
+            value,
+        } => {
+            let v = Value::F(value);
+            for i in 0..count {
+                // SAFETY: i < count and dst covers count elements (caller's contract).
+                unsafe { store(dst, dtype, i, v) };
+            }
+        }
+        Kernel::Cast {
+            src,
+            src_dtype,
+            dst,
+            dst_dtype,
+            count,
+        } => {
+            if src_dtype == dst_dtype {
+                // SAFETY: both cover count elements; `copy` allows the in-place case.
+                unsafe { std::ptr::copy(src, dst, count * src_dtype.size()) };
+                return;
+            }
+            for i in 0..count {
+                // SAFETY: as above, element by element.
+                unsafe { store(dst, dst_dtype, i, load(src, src_dtype, i)) };
+            }
+        }
+        Kernel::Scale {
+            buf,
+            dtype,
+            count,
+            factor,
+        } => {
+            for i in 0..count {
+                // SAFETY: as above.
+                unsafe {
+                    let x = load(buf, dtype, i).as_f64();
+                    store(buf, dtype, i, Value::F(x * factor));
+                }
+            }
+        }
+        Kernel::Axpy {
+            src,
+            src_dtype,
+            dst,
+            dst_dtype,
+            count,
+            alpha,
+        } => {
+            for i in 0..count {
+                // SAFETY: as above.
+                unsafe {
+                    let s = load(src, src_dtype, i).as_f64();
+                    let d = load(dst, dst_dtype, i).as_f64();
+                    store(dst, dst_dtype, i, Value::F(d + alpha * s));
+                }
+            }
+        }
+    }
+}
+
+/// One element, widened without loss: floats to f64, integers to i64.
+#[derive(Clone, Copy)]
+enum Value {
+    F(f64),
+    I(i64),
+}
+
+impl Value {
+    fn as_f64(self) -> f64 {
+        match self {
+            Value::F(x) => x,
+            Value::I(i) => i as f64,
+        }
+    }
+}
+
+unsafe fn load(p: *const u8, dtype: DType, i: usize) -> Value {
+    // SAFETY (all arms): the caller guarantees element i is in bounds; reads are unaligned-safe.
+    unsafe {
+        match dtype {
+            DType::F32 => Value::F(p.cast::<f32>().add(i).read_unaligned() as f64),
+            DType::F64 => Value::F(p.cast::<f64>().add(i).read_unaligned()),
+            DType::F16 => {
+                Value::F(half::f16::from_bits(p.cast::<u16>().add(i).read_unaligned()).to_f64())
+            }
+            DType::BF16 => {
+                Value::F(half::bf16::from_bits(p.cast::<u16>().add(i).read_unaligned()).to_f64())
+            }
+            DType::I8 => Value::I(p.cast::<i8>().add(i).read() as i64),
+            DType::U8 => Value::I(p.add(i).read() as i64),
+            DType::I32 => Value::I(p.cast::<i32>().add(i).read_unaligned() as i64),
+            DType::I64 => Value::I(p.cast::<i64>().add(i).read_unaligned()),
+        }
+    }
+}
+
+unsafe fn store(p: *mut u8, dtype: DType, i: usize, v: Value) {
+    // SAFETY (all arms): the caller guarantees element i is in bounds; writes are unaligned-safe.
+    unsafe {
+        match (dtype, v) {
+            (DType::F32, Value::F(x)) => p.cast::<f32>().add(i).write_unaligned(x as f32),
+            (DType::F32, Value::I(n)) => p.cast::<f32>().add(i).write_unaligned(n as f32),
+            (DType::F64, v) => p.cast::<f64>().add(i).write_unaligned(v.as_f64()),
+            (DType::F16, v) => p
+                .cast::<u16>()
+                .add(i)
+                .write_unaligned(f64_to_f16_bits(v.as_f64())),
+            (DType::BF16, v) => p
+                .cast::<u16>()
+                .add(i)
+                .write_unaligned(f64_to_bf16_bits(v.as_f64())),
+            (DType::I8, Value::F(x)) => p.cast::<i8>().add(i).write(x as i8),
+            (DType::I8, Value::I(n)) => p.cast::<i8>().add(i).write(n as i8),
+            (DType::U8, Value::F(x)) => p.add(i).write(x as u8),
+            (DType::U8, Value::I(n)) => p.add(i).write(n as u8),
+            (DType::I32, Value::F(x)) => p.cast::<i32>().add(i).write_unaligned(x as i32),
+            (DType::I32, Value::I(n)) => p.cast::<i32>().add(i).write_unaligned(n as i32),
+            (DType::I64, Value::F(x)) => p.cast::<i64>().add(i).write_unaligned(x as i64),
+            (DType::I64, Value::I(n)) => p.cast::<i64>().add(i).write_unaligned(n),
+        }
+    }
+}
+
+/// f64 to f32 rounding to odd: the f32 toward zero, with its last bit set when inexact. A
+/// second rounding from it to a format with at least two fewer mantissa bits is then correct,
+/// which `x as f32` followed by a half-precision rounding is not (ties would round twice).
+fn f64_to_f32_round_to_odd(x: f64) -> f32 {
+    let nearest = x as f32;
+    if nearest.is_nan() || nearest as f64 == x {
+        return nearest;
+    }
+    let toward_zero = if (nearest as f64).abs() > x.abs() {
+        // One step toward zero: the magnitude's bit pattern is ordered like the magnitude.
+        f32::from_bits(nearest.to_bits() - 1)
+    } else {
+        nearest
+    };
+    f32::from_bits(toward_zero.to_bits() | 1)
+}
+
+fn f64_to_bf16_bits(x: f64) -> u16 {
+    half::bf16::from_f32(f64_to_f32_round_to_odd(x)).to_bits()
+}
+
+fn f64_to_f16_bits(x: f64) -> u16 {
+    half::f16::from_f32(f64_to_f32_round_to_odd(x)).to_bits()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reference: the representable neighbours of x and a tie rule, computed exactly in f64.
+    fn nearest_even(x: f64, candidates: &[(u16, f64)]) -> u16 {
+        let mut best = candidates[0];
+        for &c in &candidates[1..] {
+            let (db, dc) = ((best.1 - x).abs(), (c.1 - x).abs());
+            if dc < db || (dc == db && c.0 % 2 == 0) {
+                best = c;
+            }
+        }
+        best.0
+    }
+
+    #[test]
+    fn f64_to_bf16_rounds_ties_once() {
+        // 1 + 2^-8 is exactly halfway between bf16 1.0 and 1 + 2^-7: ties to even (1.0).
+        // 2^-40 above the tie must round up, but `x as f32` drops the 2^-40 and lands on the
+        // tie, which a second rounding then sends to even (down).
+        let above_tie = 1.0 + 2f64.powi(-8) + 2f64.powi(-40);
+        assert_eq!(
+            f64_to_bf16_bits(above_tie),
+            half::bf16::from_f32(1.0078125).to_bits()
+        );
+        assert_eq!(
+            f64_to_bf16_bits(1.0 + 2f64.powi(-8)),
+            half::bf16::ONE.to_bits()
+        );
+        // Just above a tie after a plain `as f32` rounding collapses it onto the tie.
+        let x = 1.0 + 2f64.powi(-8) + 2f64.powi(-30);
+        let lo = half::bf16::ONE;
+        let hi = half::bf16::from_bits(lo.to_bits() + 1);
+        let want = nearest_even(
+            x,
+            &[(lo.to_bits(), lo.to_f64()), (hi.to_bits(), hi.to_f64())],
+        );
+        assert_eq!(f64_to_bf16_bits(x), want);
+    }
+
+    /// The result must be the nearest of the library's estimate and its two neighbours.
+    fn check_nearest(x: f64, got: u16, estimate: u16, to_f64: fn(u16) -> f64) {
+        let cands: Vec<(u16, f64)> = [estimate.wrapping_sub(1), estimate, estimate.wrapping_add(1)]
+            .into_iter()
+            .map(|b| (b, to_f64(b)))
+            .filter(|c| c.1.is_finite() && c.1.signum() == x.signum())
+            .collect();
+        if !cands.is_empty() {
+            assert_eq!(got, nearest_even(x, &cands), "x={x:e}");
+        }
+    }
+
+    #[test]
+    fn f64_to_half_matches_an_exact_reference_on_many_values() {
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..20_000 {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let x = f64::from_bits(s) % 60000.0;
+            if !x.is_finite() {
+                continue;
+            }
+            check_nearest(
+                x,
+                f64_to_f16_bits(x),
+                half::f16::from_f64(x).to_bits(),
+                |b| half::f16::from_bits(b).to_f64(),
+            );
+            check_nearest(
+                x,
+                f64_to_bf16_bits(x),
+                half::bf16::from_f64(x).to_bits(),
+                |b| half::bf16::from_bits(b).to_f64(),
+            );
+        }
+    }
+
+    #[test]
+    fn host_kernels_follow_the_documented_semantics() {
+        let mut a = [1.5f32, -2.0, f32::NAN, 3.0];
+        let mut b = [0u16; 4];
+        unsafe {
+            run_on_host(&Kernel::Cast {
+                src: a.as_mut_ptr().cast(),
+                src_dtype: DType::F32,
+                dst: b.as_mut_ptr().cast(),
+                dst_dtype: DType::BF16,
+                count: 4,
+            })
+        };
+        assert_eq!(half::bf16::from_bits(b[0]).to_f32(), 1.5);
+        assert!(half::bf16::from_bits(b[2]).is_nan());
+        let mut i = [0i32; 4];
+        unsafe {
+            run_on_host(&Kernel::Cast {
+                src: a.as_mut_ptr().cast(),
+                src_dtype: DType::F32,
+                dst: i.as_mut_ptr().cast(),
+                dst_dtype: DType::I32,
+                count: 4,
+            })
+        };
+        assert_eq!(i, [1, -2, 0, 3]);
+        unsafe {
+            run_on_host(&Kernel::Axpy {
+                src: b.as_mut_ptr().cast(),
+                src_dtype: DType::BF16,
+                dst: a.as_mut_ptr().cast(),
+                dst_dtype: DType::F32,
+                count: 2,
+                alpha: 2.0,
+            });
+            run_on_host(&Kernel::Scale {
+                buf: a.as_mut_ptr().cast(),
+                dtype: DType::F32,
+                count: 1,
+                factor: 0.5,
+            });
+            run_on_host(&Kernel::Fill {
+                dst: a.as_mut_ptr().add(3).cast(),
+                dtype: DType::F32,
+                count: 1,
+                value: -7.25,
+            });
+        }
+        assert_eq!(a[0], 2.25);
+        assert_eq!(a[1], -6.0);
+        assert_eq!(a[3], -7.25);
+        let nan_bits = 0x7fc0_1234u32;
+        let src = [f32::from_bits(nan_bits)];
+        let mut dst = [0f32];
+        unsafe {
+            run_on_host(&Kernel::Cast {
+                src: src.as_ptr() as *mut u8,
+                src_dtype: DType::F32,
+                dst: dst.as_mut_ptr().cast(),
+                dst_dtype: DType::F32,
+                count: 1,
+            })
+        };
+        assert_eq!(dst[0].to_bits(), nan_bits, "equal dtypes copy bits");
+    }
+
+    #[test]
+    fn scale_and_axpy_reject_integers() {
+        let k = Kernel::Scale {
+            buf: (),
+            dtype: DType::I32,
+            count: 1,
+            factor: 2.0,
+        };
+        assert_eq!(
+            k.validate(BackendKind::Cpu).unwrap_err().kind,
+            ErrorKind::Unsupported
+        );
+        let k = Kernel::Cast {
+            src: (),
+            src_dtype: DType::I64,
+            dst: (),
+            dst_dtype: DType::F64,
+            count: usize::MAX / 4,
+        };
+        assert_eq!(
+            k.validate(BackendKind::Cpu).unwrap_err().kind,
+            ErrorKind::InvalidValue
+        );
+    }
+}
