@@ -1,5 +1,39 @@
 //! hprt-swap: activation swap between device and pinned host memory, written once against
 //! `hprt_platform::Platform`.
 //!
-//! Empty until the swap issue lands (state machine, pinned pool, layer-group, keyed and chunked
-//! pipeline front ends).
+//! One engine, three front ends:
+//! - [`SwapTensor`] / [`DeviceTensor`] — one saved value and its state machine
+//!   (device → d2h → host → h2d → device, or non-tensor pass-through).
+//! - [`PinnedPool`] — pinned host blocks reused by size, bounded by a host budget.
+//! - [`SwapEngine`] — batched offload/reload on the engine's copy streams, with every wait the
+//!   invariants need (offload after the producer, release after the copy, use after the reload).
+//! - [`SwapManager`] — layer-group swap with forward/backward hooks (hyper_parallel, seed 000).
+//! - [`KeyedSwap`] — (layer, index)-keyed pack/unpack with proportional prefetch (seed 001).
+//! - [`PipelineOffload`] — chunked pipeline offload with groups, delays, warm-up and a summary
+//!   (Megatron, seed 002).
+//! - [`sim`] — a simulated N-layer step driven through each front end (tests, benchmark);
+//!   [`bench()`] — the swap rows of `hprt bench`.
+
+mod bench;
+mod engine;
+mod error;
+mod keyed;
+mod layer_group;
+mod pipeline;
+mod pool;
+pub mod sim;
+mod tensor;
+
+pub use bench::bench;
+#[doc(hidden)]
+pub use engine::Faults;
+pub use engine::{EngineConfig, EngineStats, SwapEngine};
+pub use error::{Result, SwapError, SwapState};
+pub use keyed::{
+    proportional_slice, KeyedSwap, ModuleTag, Packed, SwapContext, SwapPredicate, TensorKey,
+    TensorKeyManager,
+};
+pub use layer_group::{LayerId, SavedRef, SwapManager};
+pub use pipeline::{offload_summary_table, ChunkId, OffloadTag, PipelineConfig, PipelineOffload};
+pub use pool::{PinnedBlock, PinnedPool, PoolConfig, PoolStats};
+pub use tensor::{DeviceTensor, Saved, SwapTensor, VersionCounter};

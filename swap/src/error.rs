@@ -1,0 +1,93 @@
+//! The one error type of `hprt-swap`.
+
+use std::fmt;
+
+/// Where a [`crate::SwapTensor`] is in its life cycle (see [`crate::SwapTensor`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SwapState {
+    /// The bytes live on the device (the initial state of a device tensor).
+    Device,
+    /// A device-to-host copy was queued; the device bytes are still held.
+    D2h,
+    /// The copy completed and the device bytes were released; only the host copy exists.
+    Host,
+    /// A host-to-device copy was queued into re-acquired device storage.
+    H2d,
+    /// Not a device tensor: passed through untouched.
+    NonTensor,
+}
+
+impl SwapState {
+    pub fn name(self) -> &'static str {
+        match self {
+            SwapState::Device => "device",
+            SwapState::D2h => "d2h",
+            SwapState::Host => "host",
+            SwapState::H2d => "h2d",
+            SwapState::NonTensor => "non_tensor",
+        }
+    }
+}
+
+impl fmt::Display for SwapState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Everything that can go wrong in swap.
+#[derive(Debug, thiserror::Error)]
+pub enum SwapError {
+    /// A platform call failed (device out of memory on reload, a destroyed handle, …).
+    #[error(transparent)]
+    Platform(#[from] hprt_platform::Error),
+    /// An operation was asked of a tensor in a state it does not accept.
+    #[error("{operation} needs a tensor in state {expected}, this one is in state {actual}")]
+    WrongState {
+        operation: &'static str,
+        expected: &'static str,
+        actual: SwapState,
+    },
+    /// The framework changed the tensor (its version counter moved) after it was offloaded, so
+    /// the host copy no longer matches what autograd saved.
+    #[error("the tensor was modified after it was offloaded: version {saved} at offload, {current} at reload")]
+    ModifiedSinceOffload { saved: u64, current: u64 },
+    /// Someone resized the storage after it was offloaded.
+    #[error("the storage was resized after offload: expected 0 or {expected} bytes, found {actual}")]
+    StorageResized { expected: usize, actual: usize },
+    /// A tensor description does not fit its storage.
+    #[error("invalid tensor: {0}")]
+    InvalidTensor(String),
+    /// The pinned pool would grow past its configured host budget.
+    #[error("pinned host budget exceeded: {requested} more bytes asked, {held} of {budget} bytes held")]
+    HostBudgetExceeded {
+        requested: usize,
+        held: usize,
+        budget: usize,
+    },
+    /// A layer, key, chunk or tag this front end does not know.
+    #[error("unknown {what}: {id}")]
+    Unknown { what: &'static str, id: String },
+    /// Front-end calls out of the order the schedule needs (e.g. a group commit without a start).
+    #[error("{0}")]
+    Order(String),
+}
+
+impl SwapError {
+    pub(crate) fn unknown(what: &'static str, id: impl fmt::Display) -> Self {
+        SwapError::Unknown {
+            what,
+            id: id.to_string(),
+        }
+    }
+
+    /// The platform error kind, when this is a platform error.
+    pub fn platform_kind(&self) -> Option<hprt_platform::ErrorKind> {
+        match self {
+            SwapError::Platform(e) => Some(e.kind()),
+            _ => None,
+        }
+    }
+}
+
+pub type Result<T, E = SwapError> = std::result::Result<T, E>;

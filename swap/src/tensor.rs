@@ -1,0 +1,245 @@
+//! What a framework hands to swap: a device tensor description, and the [`SwapTensor`] that
+//! tracks one saved value through device → d2h → host → h2d → device.
+
+use std::any::Any;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use hprt_platform::{DType, DeviceBuffer, Event};
+
+use crate::error::{Result, SwapError, SwapState};
+use crate::pool::PinnedBlock;
+
+/// A framework's in-place modification counter (torch's `tensor._version`), shared between the
+/// framework and swap: the framework bumps it on every in-place write, swap compares it between
+/// offload and reload.
+#[derive(Clone, Debug, Default)]
+pub struct VersionCounter(Arc<AtomicU64>);
+
+impl VersionCounter {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+    /// Notes one in-place modification.
+    pub fn bump(&self) {
+        self.0.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// A device tensor as a framework describes it: `len` bytes at `offset` in `storage`.
+///
+/// A tensor covering its whole storage swaps the storage; a view (a smaller range) copies only
+/// its own bytes. As in the seeds, offloading a view still releases the whole storage, and
+/// reloading re-acquires the whole storage and restores the view's bytes only: bytes of the
+/// storage outside every saved view are unspecified after reload.
+///
+/// ```
+/// use std::sync::Arc;
+/// use hprt_platform::{CpuBackend, CpuConfig, DType, Platform};
+/// use hprt_swap::DeviceTensor;
+///
+/// let p = CpuBackend::new(CpuConfig::default());
+/// let storage = p.alloc_device(4096).unwrap();
+/// let whole = DeviceTensor::whole(storage.clone(), DType::F32, vec![1024]);
+/// let view = DeviceTensor::view(storage, 1024, DType::F32, vec![16, 16]).unwrap();
+/// assert!(!whole.is_view() && view.is_view());
+/// assert_eq!(view.len, 1024);
+/// ```
+#[derive(Clone, Debug)]
+pub struct DeviceTensor {
+    pub storage: DeviceBuffer,
+    /// Byte offset of the first element in `storage`.
+    pub offset: usize,
+    /// Bytes of the tensor (`numel * dtype.size()`).
+    pub len: usize,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub version: VersionCounter,
+    /// A trainable parameter (or a view of one): never swapped by the keyed front end.
+    pub is_parameter: bool,
+}
+
+impl DeviceTensor {
+    /// A tensor spanning all of `storage`.
+    pub fn whole(storage: DeviceBuffer, dtype: DType, shape: Vec<usize>) -> Self {
+        let len = storage.len();
+        DeviceTensor {
+            storage,
+            offset: 0,
+            len,
+            dtype,
+            shape,
+            version: VersionCounter::new(),
+            is_parameter: false,
+        }
+    }
+
+    /// A view of `shape` starting `offset` bytes into `storage`.
+    pub fn view(
+        storage: DeviceBuffer,
+        offset: usize,
+        dtype: DType,
+        shape: Vec<usize>,
+    ) -> Result<Self> {
+        let len = shape
+            .iter()
+            .try_fold(dtype.size(), |acc, d| acc.checked_mul(*d))
+            .ok_or_else(|| SwapError::InvalidTensor(format!("shape {shape:?} overflows")))?;
+        let t = DeviceTensor {
+            storage,
+            offset,
+            len,
+            dtype,
+            shape,
+            version: VersionCounter::new(),
+            is_parameter: false,
+        };
+        t.check_fits()?;
+        Ok(t)
+    }
+
+    pub fn numel(&self) -> usize {
+        self.len / self.dtype.size()
+    }
+
+    /// Whether the tensor covers less than its whole storage.
+    pub fn is_view(&self) -> bool {
+        self.offset != 0 || self.len != self.storage.len()
+    }
+
+    fn check_fits(&self) -> Result<()> {
+        let storage = self.storage.len();
+        match self.offset.checked_add(self.len) {
+            Some(end) if end <= storage => Ok(()),
+            _ => Err(SwapError::InvalidTensor(format!(
+                "bytes {}..+{} lie outside the {storage}-byte storage",
+                self.offset, self.len
+            ))),
+        }
+    }
+}
+
+/// A value autograd saved: a device tensor (swappable) or anything else (passed through).
+#[derive(Clone)]
+pub enum Saved {
+    Tensor(DeviceTensor),
+    Other(Arc<dyn Any + Send + Sync>),
+}
+
+impl Saved {
+    pub fn tensor(&self) -> Option<&DeviceTensor> {
+        match self {
+            Saved::Tensor(t) => Some(t),
+            Saved::Other(_) => None,
+        }
+    }
+}
+
+impl std::fmt::Debug for Saved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Saved::Tensor(t) => t.fmt(f),
+            Saved::Other(_) => f.write_str("Saved::Other(..)"),
+        }
+    }
+}
+
+/// The completion mark of one batch of copies, shared by every tensor of the batch.
+pub(crate) type Fence = Arc<Event>;
+
+/// One saved value and where its bytes are.
+///
+/// States: `device → d2h` (offload queued) `→ host` (copy completed, device bytes released)
+/// `→ h2d` (storage re-acquired, reload queued) `→ device`; a non-tensor value stays in
+/// `non_tensor`. Transitions are made by [`crate::SwapEngine`]; asking for the value in any state
+/// but `device`/`non_tensor` is a [`SwapError::WrongState`].
+///
+/// ```
+/// use std::sync::Arc;
+/// use hprt_swap::{Saved, SwapState, SwapTensor};
+///
+/// let t = SwapTensor::new(Saved::Other(Arc::new(3.5f32))).unwrap();
+/// assert_eq!(t.state(), SwapState::NonTensor);
+/// assert!(t.get().is_ok());
+/// ```
+pub struct SwapTensor {
+    pub(crate) saved: Saved,
+    pub(crate) state: SwapState,
+    /// The storage's size when saved: what a reload re-acquires.
+    pub(crate) storage_len: usize,
+    pub(crate) version_at_offload: u64,
+    pub(crate) host: Option<PinnedBlock>,
+    pub(crate) d2h: Option<Fence>,
+    pub(crate) h2d: Option<Fence>,
+}
+
+impl SwapTensor {
+    /// Tracks `saved`; a device tensor must fit its storage.
+    pub fn new(saved: Saved) -> Result<Self> {
+        let (state, storage_len) = match &saved {
+            Saved::Tensor(t) => {
+                t.check_fits()?;
+                (SwapState::Device, t.storage.len())
+            }
+            Saved::Other(_) => (SwapState::NonTensor, 0),
+        };
+        Ok(SwapTensor {
+            saved,
+            state,
+            storage_len,
+            version_at_offload: 0,
+            host: None,
+            d2h: None,
+            h2d: None,
+        })
+    }
+
+    pub fn state(&self) -> SwapState {
+        self.state
+    }
+
+    /// The saved value; only while it is usable (`device` or `non_tensor`).
+    pub fn get(&self) -> Result<&Saved> {
+        match self.state {
+            SwapState::Device | SwapState::NonTensor => Ok(&self.saved),
+            actual => Err(SwapError::WrongState {
+                operation: "get",
+                expected: "device or non_tensor",
+                actual,
+            }),
+        }
+    }
+
+    /// The saved value, consuming the tracker; only while it is usable.
+    pub fn into_saved(self) -> Result<Saved> {
+        self.get()?;
+        Ok(self.saved)
+    }
+
+    /// The tensor description whatever the state (for bookkeeping, not for reading bytes).
+    pub fn describe(&self) -> Option<&DeviceTensor> {
+        self.saved.tensor()
+    }
+
+    /// Bytes this tensor moves per direction (0 for a non-tensor value).
+    pub fn swap_bytes(&self) -> usize {
+        self.saved.tensor().map_or(0, |t| t.len)
+    }
+
+    pub(crate) fn wrong(&self, operation: &'static str, expected: &'static str) -> SwapError {
+        SwapError::WrongState {
+            operation,
+            expected,
+            actual: self.state,
+        }
+    }
+}
+
+impl std::fmt::Debug for SwapTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SwapTensor(state: {}, {:?})", self.state, self.saved)
+    }
+}
