@@ -311,6 +311,15 @@ impl KeyedSwap {
         t.into_saved()
     }
 
+    /// Ends an iteration: waits for queued copies, drops tensors never unpacked, and starts a
+    /// new iteration of the pinned pool.
+    pub fn end_iteration(&mut self) -> Result<()> {
+        self.engine.synchronize()?;
+        self.tensors.clear();
+        self.engine.pool().reset();
+        Ok(())
+    }
+
     /// Tensors packed and not yet unpacked.
     pub fn pending(&self) -> usize {
         self.tensors.len()

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use hprt_platform::{Platform, Stream};
 
 use crate::engine::{EngineConfig, Faults, SwapEngine};
-use crate::error::{Result, SwapError};
+use crate::error::{Result, SwapError, SwapState};
 use crate::pool::PoolConfig;
 use crate::tensor::{Saved, SwapTensor};
 
@@ -196,20 +196,25 @@ impl SwapManager {
         if next.is_some() {
             // Normally prefetched at the next layer's backward_pre; loaded here if that failed
             // or the schedule skipped it (both calls skip what is already loading).
-            let group = &mut self.layers[layer.0].saved;
-            self.engine.finish_offload(group.iter_mut())?;
-            self.engine.start_reload(group.iter_mut(), compute)?;
+            self.launch_load(layer, compute)?;
         }
         if let Some(prev) = prev {
-            let group = &mut self.layers[prev.0].saved;
-            self.engine.finish_offload(group.iter_mut())?;
-            self.engine.start_reload(group.iter_mut(), compute)?;
+            self.launch_load(prev, compute)?;
         }
         if next.is_some() {
             let group = &mut self.layers[layer.0].saved;
             self.engine.finish_reload(group.iter_mut(), compute)?;
         }
         Ok(())
+    }
+
+    /// Starts reloading the layer's group; an offload still queued is waited for first, and
+    /// values already reloading are left alone.
+    fn launch_load(&mut self, layer: LayerId, compute: &Stream) -> Result<()> {
+        let group = &mut self.layers[layer.0].saved;
+        let in_flight = group.iter_mut().filter(|t| t.state() == SwapState::D2h);
+        self.engine.finish_offload(in_flight)?;
+        self.engine.start_reload(group.iter_mut(), compute)
     }
 
     /// The layer's backward was queued.

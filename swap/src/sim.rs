@@ -209,7 +209,11 @@ impl Driver {
                 m.end_iteration()?;
                 Some(stats)
             }
-            Driver::Keyed(k, _) => Some(k.engine().pool_stats()),
+            Driver::Keyed(k, _) => {
+                let stats = k.engine().pool_stats();
+                k.end_iteration()?;
+                Some(stats)
+            }
             Driver::Pipeline(o) => {
                 let stats = o.engine().pool_stats();
                 if iteration == 0 {
@@ -294,9 +298,12 @@ pub fn simulate(platform: &Arc<dyn Platform>, front: FrontEnd, cfg: &SimConfig) 
                 p.memset_async(s, 0, !(layer as u8), s.len(), &compute)?;
             }
             drop(values);
-            // The framework drops the layer's activations once its backward is queued.
+            // The framework drops the layer's activations once its backward is queued, and
+            // paces its host with the device per layer: the platform counts freed bytes until
+            // the queued work on them ran, so a host far ahead would show as device memory.
             p.free_device(&a)?;
             p.free_device(&b)?;
+            p.synchronize_stream(&compute)?;
         }
         p.synchronize_stream(&compute)?;
         let got = readback.to_vec()?;
