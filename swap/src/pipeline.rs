@@ -481,6 +481,7 @@ impl PipelineOffload {
     /// chunk stay on the device, and each iteration's offloaded bytes become the summary.
     pub fn post_warmup(&mut self) {
         self.warmed_up = true;
+        self.iteration_bytes.clear();
     }
 
     pub fn is_warmed_up(&self) -> bool {
