@@ -7,6 +7,11 @@
 //! - [`swap`] — activation swap to pinned host memory (arrives with its issue).
 //! - [`compress`] — lossless activation compression (arrives with its issue).
 //! - [`hsdp`] — sharded parameters and gradient reduction (arrives with its issue).
+//! - [`ffi`] — the C ABI (`include/hprt.h`), built into `libhprt.so` / `libhprt.a`.
+
+// C entry points mirror the Platform calls argument for argument.
+#[allow(clippy::too_many_arguments)]
+pub mod ffi;
 
 pub use hprt_compress as compress;
 pub use hprt_hsdp as hsdp;

@@ -1,0 +1,978 @@
+//! C entry points of the platform layer: selection, streams, events, memory, copies,
+//! collectives.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::OnceLock;
+
+use hprt_platform::{
+    select_platform, BackendKind, Communicator, DType, DeviceBuffer, Event, PinnedBuffer, Platform,
+    PlatformRequest, RawStream, ReduceOp, Stream, UniqueId,
+};
+
+use super::{arg, guard, out, FfiError, FfiResult, HprtStatus};
+
+/// A platform: the process-wide one (`hprt_platform_get`) or one opened for the caller
+/// (`hprt_platform_open`, released with `hprt_platform_close`).
+pub struct HprtPlatform {
+    platform: PlatformRef,
+}
+
+enum PlatformRef {
+    Global(&'static dyn Platform),
+    Owned(Box<dyn Platform>),
+}
+
+impl HprtPlatform {
+    pub(crate) fn get(&self) -> &dyn Platform {
+        match &self.platform {
+            PlatformRef::Global(p) => *p,
+            PlatformRef::Owned(p) => p.as_ref(),
+        }
+    }
+}
+
+/// A stream (owned, or a wrapped framework stream).
+pub struct HprtStream(pub(crate) Stream);
+/// An event.
+pub struct HprtEvent(pub(crate) Event);
+/// Device memory (allocated by hprt, or a wrapped framework allocation).
+pub struct HprtDeviceBuffer(pub(crate) DeviceBuffer);
+/// Page-locked host memory.
+pub struct HprtPinnedBuffer(pub(crate) PinnedBuffer);
+/// A communicator: one rank of a world.
+pub struct HprtComm(pub(crate) Communicator);
+
+/// Element types (pass them as `int32_t`; other values are rejected).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HprtDtype {
+    F32 = 0,
+    F16 = 1,
+    Bf16 = 2,
+    F64 = 3,
+    I8 = 4,
+    U8 = 5,
+    I32 = 6,
+    I64 = 7,
+}
+
+/// A `HprtDtype` value from C, checked (an out-of-range integer is an error, not UB).
+fn dtype_arg(v: i32) -> FfiResult<DType> {
+    use HprtDtype as D;
+    let all = [
+        D::F32,
+        D::F16,
+        D::Bf16,
+        D::F64,
+        D::I8,
+        D::U8,
+        D::I32,
+        D::I64,
+    ];
+    all.into_iter()
+        .find(|d| *d as i32 == v)
+        .map(DType::from)
+        .ok_or_else(|| FfiError::invalid(format!("{v} is not an HprtDtype")))
+}
+
+/// A `HprtReduceOp` value from C, checked.
+fn op_arg(v: i32) -> FfiResult<ReduceOp> {
+    use HprtReduceOp as O;
+    [O::Sum, O::Avg, O::Max, O::Min, O::Prod]
+        .into_iter()
+        .find(|o| *o as i32 == v)
+        .map(ReduceOp::from)
+        .ok_or_else(|| FfiError::invalid(format!("{v} is not an HprtReduceOp")))
+}
+
+impl From<HprtDtype> for DType {
+    fn from(d: HprtDtype) -> Self {
+        match d {
+            HprtDtype::F32 => DType::F32,
+            HprtDtype::F16 => DType::F16,
+            HprtDtype::Bf16 => DType::BF16,
+            HprtDtype::F64 => DType::F64,
+            HprtDtype::I8 => DType::I8,
+            HprtDtype::U8 => DType::U8,
+            HprtDtype::I32 => DType::I32,
+            HprtDtype::I64 => DType::I64,
+        }
+    }
+}
+
+/// Reduction operators (see `ReduceOp` for their exact semantics; passed as `int32_t`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HprtReduceOp {
+    Sum = 0,
+    Avg = 1,
+    Max = 2,
+    Min = 3,
+    Prod = 4,
+}
+
+impl From<HprtReduceOp> for ReduceOp {
+    fn from(o: HprtReduceOp) -> Self {
+        match o {
+            HprtReduceOp::Sum => ReduceOp::Sum,
+            HprtReduceOp::Avg => ReduceOp::Avg,
+            HprtReduceOp::Max => ReduceOp::Max,
+            HprtReduceOp::Min => ReduceOp::Min,
+            HprtReduceOp::Prod => ReduceOp::Prod,
+        }
+    }
+}
+
+/// Device and pinned memory accounting of a platform, in bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HprtMemoryStats {
+    pub device_current: usize,
+    pub device_peak: usize,
+    pub device_allocations: usize,
+    pub pinned_current: usize,
+    pub pinned_peak: usize,
+    pub pinned_allocations: usize,
+}
+
+/// Longest unique id `hprt_unique_id` produces, in bytes.
+pub const HPRT_UNIQUE_ID_MAX_BYTES: usize = 4096;
+
+fn into_raw<T>(value: T) -> *mut T {
+    Box::into_raw(Box::new(value))
+}
+
+/// Takes back an object made by `into_raw`.
+///
+/// # Safety
+/// `p` must be null or come from `into_raw::<T>` and not have been released.
+unsafe fn take<T>(p: *mut T, what: &str) -> FfiResult<Box<T>> {
+    if p.is_null() {
+        return Err(FfiError::null(what));
+    }
+    // SAFETY: the caller's contract.
+    Ok(unsafe { Box::from_raw(p) })
+}
+
+// --- platform --------------------------------------------------------------------------------
+
+/// The process-wide platform chosen by `HP_PLATFORM` (cpu, cuda, npu or auto), made on first use.
+/// Never close it.
+///
+/// # Safety
+/// `out` must be valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_platform_get(out_platform: *mut *const HprtPlatform) -> HprtStatus {
+    static GLOBAL: OnceLock<HprtPlatform> = OnceLock::new();
+    guard("hprt_platform_get", || {
+        let p = hprt_platform::get_platform()?;
+        let h = GLOBAL.get_or_init(|| HprtPlatform {
+            platform: PlatformRef::Global(p),
+        });
+        // SAFETY: the caller's contract.
+        unsafe { out(out_platform, "out_platform", h as *const HprtPlatform) }
+    })
+}
+
+/// A new platform value: `request` is "cpu", "cuda", "npu", "auto", or null for `HP_PLATFORM`.
+/// Release it with `hprt_platform_close` after every object made from it.
+///
+/// # Safety
+/// `request` must be null or a NUL-terminated string; `out_platform` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_platform_open(
+    request: *const c_char,
+    out_platform: *mut *mut HprtPlatform,
+) -> HprtStatus {
+    guard("hprt_platform_open", || {
+        let req = if request.is_null() {
+            PlatformRequest::from_env()?
+        } else {
+            // SAFETY: non-null, NUL-terminated by the caller's contract.
+            let s = unsafe { CStr::from_ptr(request) }
+                .to_str()
+                .map_err(|_| FfiError::invalid("request is not UTF-8"))?;
+            PlatformRequest::parse(Some(s))?
+        };
+        let sel = select_platform(req)?;
+        let h = into_raw(HprtPlatform {
+            platform: PlatformRef::Owned(sel.platform),
+        });
+        // SAFETY: the caller's contract.
+        unsafe { out(out_platform, "out_platform", h) }.inspect_err(|_| {
+            // SAFETY: made just above and not handed out.
+            drop(unsafe { Box::from_raw(h) });
+        })
+    })
+}
+
+/// Releases a platform from `hprt_platform_open` (the process-wide one is refused).
+///
+/// # Safety
+/// `platform` must come from `hprt_platform_open` and not be used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_platform_close(platform: *mut HprtPlatform) -> HprtStatus {
+    guard("hprt_platform_close", || {
+        // SAFETY: checked for null; the caller's contract otherwise.
+        let p = unsafe { arg(platform, "platform") }?;
+        if matches!(p.platform, PlatformRef::Global(_)) {
+            return Err(FfiError::invalid(
+                "the process-wide platform (hprt_platform_get) cannot be closed",
+            ));
+        }
+        // SAFETY: an owned platform made by hprt_platform_open.
+        drop(unsafe { take(platform, "platform") }?);
+        Ok(())
+    })
+}
+
+/// The backend's name: "cpu", "cuda" or "npu" (a static string).
+///
+/// # Safety
+/// `platform` must be live; `out_name` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_platform_backend_name(
+    platform: *const HprtPlatform,
+    out_name: *mut *const c_char,
+) -> HprtStatus {
+    guard("hprt_platform_backend_name", || {
+        // SAFETY: the caller's contract.
+        let p = unsafe { arg(platform, "platform") }?.get();
+        let name: &'static CStr = match p.backend() {
+            BackendKind::Cpu => c"cpu",
+            BackendKind::Cuda => c"cuda",
+            BackendKind::Npu => c"npu",
+        };
+        // SAFETY: the caller's contract.
+        unsafe { out(out_name, "out_name", name.as_ptr()) }
+    })
+}
+
+/// Current and peak device and pinned bytes.
+///
+/// # Safety
+/// `platform` must be live; `out_stats` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_platform_memory_stats(
+    platform: *const HprtPlatform,
+    out_stats: *mut HprtMemoryStats,
+) -> HprtStatus {
+    guard("hprt_platform_memory_stats", || {
+        // SAFETY: the caller's contract.
+        let s = unsafe { arg(platform, "platform") }?.get().memory_stats();
+        let c = HprtMemoryStats {
+            device_current: s.device_current,
+            device_peak: s.device_peak,
+            device_allocations: s.device_allocations,
+            pinned_current: s.pinned_current,
+            pinned_peak: s.pinned_peak,
+            pinned_allocations: s.pinned_allocations,
+        };
+        // SAFETY: the caller's contract.
+        unsafe { out(out_stats, "out_stats", c) }
+    })
+}
+
+// --- streams and events ----------------------------------------------------------------------
+
+/// # Safety
+/// `platform` live; `out_stream` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_stream_create(
+    platform: *const HprtPlatform,
+    out_stream: *mut *mut HprtStream,
+) -> HprtStatus {
+    guard("hprt_stream_create", || {
+        // SAFETY: the caller's contract.
+        let s = unsafe { arg(platform, "platform") }?
+            .get()
+            .create_stream()?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_stream, "out_stream", into_raw(HprtStream(s))) }
+    })
+}
+
+/// Wraps a framework's stream (`CUstream`, `aclrtStream`, or a cpu stream's raw id) without
+/// owning it; `hprt_stream_destroy` then only releases hprt's handle.
+///
+/// # Safety
+/// `raw` must be a live stream of this platform's backend for as long as the handle is used.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_stream_wrap(
+    platform: *const HprtPlatform,
+    raw: usize,
+    out_stream: *mut *mut HprtStream,
+) -> HprtStatus {
+    guard("hprt_stream_wrap", || {
+        // SAFETY: the caller's contract (a live raw stream).
+        let s = unsafe {
+            arg(platform, "platform")?
+                .get()
+                .wrap_external_stream(RawStream(raw))
+        }?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_stream, "out_stream", into_raw(HprtStream(s))) }
+    })
+}
+
+/// The driver's stream handle (what `hprt_stream_wrap` takes).
+///
+/// # Safety
+/// `stream` live; `out_raw` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_stream_raw(
+    stream: *const HprtStream,
+    out_raw: *mut usize,
+) -> HprtStatus {
+    guard("hprt_stream_raw", || {
+        // SAFETY: the caller's contract.
+        let s = unsafe { arg(stream, "stream") }?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_raw, "out_raw", s.0.raw().0) }
+    })
+}
+
+/// Destroys the stream (after its queued work) and releases the handle.
+///
+/// # Safety
+/// `stream` from `hprt_stream_create`/`_wrap` of `platform`, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_stream_destroy(
+    platform: *const HprtPlatform,
+    stream: *mut HprtStream,
+) -> HprtStatus {
+    guard("hprt_stream_destroy", || {
+        // SAFETY: the caller's contract.
+        let p = unsafe { arg(platform, "platform") }?.get();
+        // SAFETY: the caller's contract.
+        let s = unsafe { take(stream, "stream") }?;
+        p.destroy_stream(&s.0)?;
+        Ok(())
+    })
+}
+
+/// Blocks until the stream's queued work finished; returns its first asynchronous error.
+///
+/// # Safety
+/// Both live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_stream_synchronize(
+    platform: *const HprtPlatform,
+    stream: *const HprtStream,
+) -> HprtStatus {
+    guard("hprt_stream_synchronize", || {
+        // SAFETY: the caller's contract.
+        let (p, s) = unsafe { (arg(platform, "platform")?, arg(stream, "stream")?) };
+        p.get().synchronize_stream(&s.0)?;
+        Ok(())
+    })
+}
+
+/// # Safety
+/// `platform` live; `out_event` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_event_create(
+    platform: *const HprtPlatform,
+    timing: bool,
+    out_event: *mut *mut HprtEvent,
+) -> HprtStatus {
+    guard("hprt_event_create", || {
+        // SAFETY: the caller's contract.
+        let e = unsafe { arg(platform, "platform") }?
+            .get()
+            .create_event(timing)?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_event, "out_event", into_raw(HprtEvent(e))) }
+    })
+}
+
+/// # Safety
+/// `event` from `hprt_event_create` of `platform`, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_event_destroy(
+    platform: *const HprtPlatform,
+    event: *mut HprtEvent,
+) -> HprtStatus {
+    guard("hprt_event_destroy", || {
+        // SAFETY: the caller's contract.
+        let p = unsafe { arg(platform, "platform") }?.get();
+        // SAFETY: the caller's contract.
+        let e = unsafe { take(event, "event") }?;
+        p.destroy_event(&e.0)?;
+        Ok(())
+    })
+}
+
+/// Records `event` at the current end of `stream`.
+///
+/// # Safety
+/// All live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_event_record(
+    platform: *const HprtPlatform,
+    event: *const HprtEvent,
+    stream: *const HprtStream,
+) -> HprtStatus {
+    guard("hprt_event_record", || {
+        // SAFETY: the caller's contract.
+        let (p, e, s) = unsafe {
+            (
+                arg(platform, "platform")?,
+                arg(event, "event")?,
+                arg(stream, "stream")?,
+            )
+        };
+        p.get().record_event(&e.0, &s.0)?;
+        Ok(())
+    })
+}
+
+/// Makes `stream` wait (on the device, without blocking the host) for `event`.
+///
+/// # Safety
+/// All live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_stream_wait_event(
+    platform: *const HprtPlatform,
+    stream: *const HprtStream,
+    event: *const HprtEvent,
+) -> HprtStatus {
+    guard("hprt_stream_wait_event", || {
+        // SAFETY: the caller's contract.
+        let (p, e, s) = unsafe {
+            (
+                arg(platform, "platform")?,
+                arg(event, "event")?,
+                arg(stream, "stream")?,
+            )
+        };
+        p.get().stream_wait_event(&s.0, &e.0)?;
+        Ok(())
+    })
+}
+
+/// Blocks the host until `event` completed.
+///
+/// # Safety
+/// Both live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_event_synchronize(
+    platform: *const HprtPlatform,
+    event: *const HprtEvent,
+) -> HprtStatus {
+    guard("hprt_event_synchronize", || {
+        // SAFETY: the caller's contract.
+        let (p, e) = unsafe { (arg(platform, "platform")?, arg(event, "event")?) };
+        p.get().synchronize_event(&e.0)?;
+        Ok(())
+    })
+}
+
+/// Milliseconds between two completed timing events.
+///
+/// # Safety
+/// All live; `out_ms` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_event_elapsed_ms(
+    platform: *const HprtPlatform,
+    start: *const HprtEvent,
+    end: *const HprtEvent,
+    out_ms: *mut f32,
+) -> HprtStatus {
+    guard("hprt_event_elapsed_ms", || {
+        // SAFETY: the caller's contract.
+        let (p, a, b) = unsafe {
+            (
+                arg(platform, "platform")?,
+                arg(start, "start")?,
+                arg(end, "end")?,
+            )
+        };
+        let ms = p.get().event_elapsed_ms(&a.0, &b.0)?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_ms, "out_ms", ms) }
+    })
+}
+
+// --- memory ----------------------------------------------------------------------------------
+
+/// # Safety
+/// `platform` live; `out_buffer` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_device_alloc(
+    platform: *const HprtPlatform,
+    bytes: usize,
+    out_buffer: *mut *mut HprtDeviceBuffer,
+) -> HprtStatus {
+    guard("hprt_device_alloc", || {
+        // SAFETY: the caller's contract.
+        let b = unsafe { arg(platform, "platform") }?
+            .get()
+            .alloc_device(bytes)?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_buffer, "out_buffer", into_raw(HprtDeviceBuffer(b))) }
+    })
+}
+
+/// A framework's device allocation used in place. `release(user)` runs once after the last
+/// use hprt queued on it finished (pass null to manage its lifetime yourself).
+///
+/// # Safety
+/// `ptr..ptr+bytes` must be device memory of this backend, valid until `release` runs (or, with
+/// no `release`, until the handle is freed and its queued work finished).
+#[no_mangle]
+pub unsafe extern "C" fn hprt_device_wrap(
+    platform: *const HprtPlatform,
+    ptr: usize,
+    bytes: usize,
+    release: Option<unsafe extern "C" fn(user: *mut c_void)>,
+    user: *mut c_void,
+    out_buffer: *mut *mut HprtDeviceBuffer,
+) -> HprtStatus {
+    struct User(*mut c_void);
+    // SAFETY: the C caller hands `user` to hprt for the one release call, on any thread.
+    unsafe impl Send for User {}
+    guard("hprt_device_wrap", || {
+        // SAFETY: the caller's contract.
+        let p = unsafe { arg(platform, "platform") }?.get();
+        let user = User(user);
+        let release: Option<hprt_platform::ReleaseFn> = release.map(|f| {
+            Box::new(move || {
+                let u = user;
+                // SAFETY: the caller's contract: `f` accepts its `user` once.
+                unsafe { f(u.0) }
+            }) as hprt_platform::ReleaseFn
+        });
+        // SAFETY: the caller's contract.
+        let b = unsafe { p.wrap_device_memory(ptr, bytes, release) }?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_buffer, "out_buffer", into_raw(HprtDeviceBuffer(b))) }
+    })
+}
+
+/// Frees (or, for wrapped memory, releases) the buffer after its queued work and releases the
+/// handle.
+///
+/// # Safety
+/// `buffer` from `hprt_device_alloc`/`_wrap` of `platform`, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_device_free(
+    platform: *const HprtPlatform,
+    buffer: *mut HprtDeviceBuffer,
+) -> HprtStatus {
+    guard("hprt_device_free", || {
+        // SAFETY: the caller's contract.
+        let p = unsafe { arg(platform, "platform") }?.get();
+        // SAFETY: the caller's contract.
+        let b = unsafe { take(buffer, "buffer") }?;
+        p.free_device(&b.0)?;
+        Ok(())
+    })
+}
+
+/// The buffer's device address and size.
+///
+/// # Safety
+/// `buffer` live; out-pointers valid for writing (either may be null).
+#[no_mangle]
+pub unsafe extern "C" fn hprt_device_info(
+    buffer: *const HprtDeviceBuffer,
+    out_ptr: *mut usize,
+    out_bytes: *mut usize,
+) -> HprtStatus {
+    guard("hprt_device_info", || {
+        // SAFETY: the caller's contract.
+        let b = unsafe { arg(buffer, "buffer") }?;
+        if !out_ptr.is_null() {
+            // SAFETY: non-null, valid by contract.
+            unsafe { out_ptr.write(b.0.device_ptr()) };
+        }
+        if !out_bytes.is_null() {
+            // SAFETY: as above.
+            unsafe { out_bytes.write(b.0.len()) };
+        }
+        Ok(())
+    })
+}
+
+/// # Safety
+/// `platform` live; `out_buffer` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pinned_alloc(
+    platform: *const HprtPlatform,
+    bytes: usize,
+    out_buffer: *mut *mut HprtPinnedBuffer,
+) -> HprtStatus {
+    guard("hprt_pinned_alloc", || {
+        // SAFETY: the caller's contract.
+        let b = unsafe { arg(platform, "platform") }?
+            .get()
+            .alloc_pinned(bytes)?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_buffer, "out_buffer", into_raw(HprtPinnedBuffer(b))) }
+    })
+}
+
+/// # Safety
+/// `buffer` from `hprt_pinned_alloc` of `platform`, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pinned_free(
+    platform: *const HprtPlatform,
+    buffer: *mut HprtPinnedBuffer,
+) -> HprtStatus {
+    guard("hprt_pinned_free", || {
+        // SAFETY: the caller's contract.
+        let p = unsafe { arg(platform, "platform") }?.get();
+        // SAFETY: the caller's contract.
+        let b = unsafe { take(buffer, "buffer") }?;
+        p.free_pinned(&b.0)?;
+        Ok(())
+    })
+}
+
+/// The pinned buffer's host address and size. The host may read or write it only after
+/// synchronizing with the work that touches it.
+///
+/// # Safety
+/// `buffer` live; out-pointers valid for writing (either may be null).
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pinned_info(
+    buffer: *const HprtPinnedBuffer,
+    out_ptr: *mut *mut c_void,
+    out_bytes: *mut usize,
+) -> HprtStatus {
+    guard("hprt_pinned_info", || {
+        // SAFETY: the caller's contract.
+        let b = unsafe { arg(buffer, "buffer") }?;
+        if !out_ptr.is_null() {
+            // SAFETY: non-null, valid by contract.
+            unsafe { out_ptr.write(b.0.as_ptr().cast()) };
+        }
+        if !out_bytes.is_null() {
+            // SAFETY: as above.
+            unsafe { out_bytes.write(b.0.len()) };
+        }
+        Ok(())
+    })
+}
+
+// --- data movement ---------------------------------------------------------------------------
+
+/// One end of a copy: exactly one of `device` and `pinned` is non-null.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct HprtMemRef {
+    pub device: *const HprtDeviceBuffer,
+    pub pinned: *const HprtPinnedBuffer,
+    pub offset: usize,
+}
+
+fn mem<'a>(r: &HprtMemRef, what: &str) -> FfiResult<hprt_platform::Mem<'a>> {
+    match (r.device.is_null(), r.pinned.is_null()) {
+        // SAFETY: non-null handles are live by the caller's contract.
+        (false, true) => Ok(hprt_platform::Mem::Device(unsafe { &(*r.device).0 })),
+        (true, false) => Ok(hprt_platform::Mem::Pinned(unsafe { &(*r.pinned).0 })),
+        _ => Err(FfiError::invalid(format!(
+            "{what}: exactly one of device and pinned must be set"
+        ))),
+    }
+}
+
+/// Enqueues a copy of `bytes` on `stream` (H2D, D2H, D2D or H2H, from the two ends).
+///
+/// # Safety
+/// All handles live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_copy_async(
+    platform: *const HprtPlatform,
+    dst: HprtMemRef,
+    src: HprtMemRef,
+    bytes: usize,
+    stream: *const HprtStream,
+) -> HprtStatus {
+    guard("hprt_copy_async", || {
+        // SAFETY: the caller's contract.
+        let (p, s) = unsafe { (arg(platform, "platform")?, arg(stream, "stream")?) };
+        let (d, r) = (mem(&dst, "dst")?, mem(&src, "src")?);
+        p.get()
+            .copy_async(d, dst.offset, r, src.offset, bytes, &s.0)?;
+        Ok(())
+    })
+}
+
+/// Enqueues `buffer[offset..offset+bytes] = value`.
+///
+/// # Safety
+/// All handles live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_memset_async(
+    platform: *const HprtPlatform,
+    buffer: *const HprtDeviceBuffer,
+    offset: usize,
+    value: u8,
+    bytes: usize,
+    stream: *const HprtStream,
+) -> HprtStatus {
+    guard("hprt_memset_async", || {
+        // SAFETY: the caller's contract.
+        let (p, b, s) = unsafe {
+            (
+                arg(platform, "platform")?,
+                arg(buffer, "buffer")?,
+                arg(stream, "stream")?,
+            )
+        };
+        p.get().memset_async(&b.0, offset, value, bytes, &s.0)?;
+        Ok(())
+    })
+}
+
+// --- collectives -----------------------------------------------------------------------------
+
+/// Makes a rendezvous id on rank 0: `*out_len` bytes written to `out_id` (capacity
+/// `capacity`, at most `HPRT_UNIQUE_ID_MAX_BYTES`); hand them to every rank's `hprt_comm_init`.
+///
+/// # Safety
+/// `out_id` valid for `capacity` bytes; `out_len` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_unique_id(
+    platform: *const HprtPlatform,
+    out_id: *mut u8,
+    capacity: usize,
+    out_len: *mut usize,
+) -> HprtStatus {
+    guard("hprt_unique_id", || {
+        // SAFETY: the caller's contract.
+        let id = unsafe { arg(platform, "platform") }?.get().unique_id()?;
+        if out_id.is_null() {
+            return Err(FfiError::null("out_id"));
+        }
+        if id.0.len() > capacity {
+            return Err(FfiError::invalid(format!(
+                "the unique id needs {} bytes, the buffer has {capacity}",
+                id.0.len()
+            )));
+        }
+        // SAFETY: `out_id` holds `capacity >= len` bytes by contract.
+        unsafe { std::ptr::copy_nonoverlapping(id.0.as_ptr(), out_id, id.0.len()) };
+        // SAFETY: the caller's contract.
+        unsafe { out(out_len, "out_len", id.0.len()) }
+    })
+}
+
+/// Joins rank `rank` of a world of `world`; blocks until every rank joined.
+///
+/// # Safety
+/// `id` valid for `id_len` bytes; `out_comm` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_comm_init(
+    platform: *const HprtPlatform,
+    id: *const u8,
+    id_len: usize,
+    rank: usize,
+    world: usize,
+    out_comm: *mut *mut HprtComm,
+) -> HprtStatus {
+    guard("hprt_comm_init", || {
+        // SAFETY: the caller's contract.
+        let p = unsafe { arg(platform, "platform") }?.get();
+        if id.is_null() {
+            return Err(FfiError::null("id"));
+        }
+        // SAFETY: `id` holds `id_len` bytes by contract.
+        let id = UniqueId(unsafe { std::slice::from_raw_parts(id, id_len) }.to_vec());
+        let c = p.comm_init(&id, rank, world)?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_comm, "out_comm", into_raw(HprtComm(c))) }
+    })
+}
+
+/// # Safety
+/// `comm` from `hprt_comm_init` of `platform`, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_comm_destroy(
+    platform: *const HprtPlatform,
+    comm: *mut HprtComm,
+) -> HprtStatus {
+    guard("hprt_comm_destroy", || {
+        // SAFETY: the caller's contract.
+        let p = unsafe { arg(platform, "platform") }?.get();
+        // SAFETY: the caller's contract.
+        let c = unsafe { take(comm, "comm") }?;
+        p.destroy_comm(&c.0)?;
+        Ok(())
+    })
+}
+
+/// The arguments every collective entry point resolves first.
+///
+/// # Safety
+/// All pointers null or live.
+unsafe fn collective_args<'a>(
+    platform: *const HprtPlatform,
+    comm: *const HprtComm,
+    stream: *const HprtStream,
+) -> FfiResult<(&'a dyn Platform, &'a Communicator, &'a Stream)> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        Ok((
+            arg(platform, "platform")?.get(),
+            &arg(comm, "comm")?.0,
+            &arg(stream, "stream")?.0,
+        ))
+    }
+}
+
+/// # Safety
+/// All handles live.
+unsafe fn device<'a>(b: *const HprtDeviceBuffer, what: &str) -> FfiResult<&'a DeviceBuffer> {
+    // SAFETY: the caller's contract.
+    Ok(&unsafe { arg(b, what) }?.0)
+}
+
+/// `recv[i] = op over ranks of send[i]` for `count` elements (in place when both are the same
+/// buffer and offset).
+///
+/// # Safety
+/// All handles live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_all_reduce(
+    platform: *const HprtPlatform,
+    comm: *const HprtComm,
+    send: *const HprtDeviceBuffer,
+    send_offset: usize,
+    recv: *const HprtDeviceBuffer,
+    recv_offset: usize,
+    count: usize,
+    dtype: i32,
+    op: i32,
+    stream: *const HprtStream,
+) -> HprtStatus {
+    guard("hprt_all_reduce", || {
+        // SAFETY: the caller's contract.
+        let (p, c, s) = unsafe { collective_args(platform, comm, stream) }?;
+        // SAFETY: the caller's contract.
+        let (a, b) = unsafe { (device(send, "send")?, device(recv, "recv")?) };
+        p.all_reduce(
+            a.at(send_offset),
+            b.at(recv_offset),
+            count,
+            dtype_arg(dtype)?,
+            op_arg(op)?,
+            c,
+            s,
+        )?;
+        Ok(())
+    })
+}
+
+/// Every rank's `count` elements, concatenated in rank order into `recv`.
+///
+/// # Safety
+/// All handles live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_all_gather(
+    platform: *const HprtPlatform,
+    comm: *const HprtComm,
+    send: *const HprtDeviceBuffer,
+    send_offset: usize,
+    recv: *const HprtDeviceBuffer,
+    recv_offset: usize,
+    count: usize,
+    dtype: i32,
+    stream: *const HprtStream,
+) -> HprtStatus {
+    guard("hprt_all_gather", || {
+        // SAFETY: the caller's contract.
+        let (p, c, s) = unsafe { collective_args(platform, comm, stream) }?;
+        // SAFETY: the caller's contract.
+        let (a, b) = unsafe { (device(send, "send")?, device(recv, "recv")?) };
+        p.all_gather(
+            a.at(send_offset),
+            b.at(recv_offset),
+            count,
+            dtype_arg(dtype)?,
+            c,
+            s,
+        )?;
+        Ok(())
+    })
+}
+
+/// Reduces `world * count` elements and leaves rank r's `count`-element block in `recv`.
+///
+/// # Safety
+/// All handles live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_reduce_scatter(
+    platform: *const HprtPlatform,
+    comm: *const HprtComm,
+    send: *const HprtDeviceBuffer,
+    send_offset: usize,
+    recv: *const HprtDeviceBuffer,
+    recv_offset: usize,
+    count: usize,
+    dtype: i32,
+    op: i32,
+    stream: *const HprtStream,
+) -> HprtStatus {
+    guard("hprt_reduce_scatter", || {
+        // SAFETY: the caller's contract.
+        let (p, c, s) = unsafe { collective_args(platform, comm, stream) }?;
+        // SAFETY: the caller's contract.
+        let (a, b) = unsafe { (device(send, "send")?, device(recv, "recv")?) };
+        p.reduce_scatter(
+            a.at(send_offset),
+            b.at(recv_offset),
+            count,
+            dtype_arg(dtype)?,
+            op_arg(op)?,
+            c,
+            s,
+        )?;
+        Ok(())
+    })
+}
+
+/// Copies `root`'s `count` elements into every rank's buffer, in place.
+///
+/// # Safety
+/// All handles live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_broadcast(
+    platform: *const HprtPlatform,
+    comm: *const HprtComm,
+    buffer: *const HprtDeviceBuffer,
+    offset: usize,
+    count: usize,
+    dtype: i32,
+    root: usize,
+    stream: *const HprtStream,
+) -> HprtStatus {
+    guard("hprt_broadcast", || {
+        // SAFETY: the caller's contract.
+        let (p, c, s) = unsafe { collective_args(platform, comm, stream) }?;
+        // SAFETY: the caller's contract.
+        let b = unsafe { device(buffer, "buffer") }?;
+        p.broadcast(b.at(offset), count, dtype_arg(dtype)?, root, c, s)?;
+        Ok(())
+    })
+}
+
+/// Completes on `stream` once every rank reached it.
+///
+/// # Safety
+/// All handles live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_barrier(
+    platform: *const HprtPlatform,
+    comm: *const HprtComm,
+    stream: *const HprtStream,
+) -> HprtStatus {
+    guard("hprt_barrier", || {
+        // SAFETY: the caller's contract.
+        let (p, c, s) = unsafe { collective_args(platform, comm, stream) }?;
+        p.barrier(c, s)?;
+        Ok(())
+    })
+}

@@ -1,0 +1,189 @@
+//! The C ABI from Rust, through the same `extern "C"` functions a C program links: status codes,
+//! the thread-local message, panics stopped at the boundary, and data really moving.
+
+use std::ffi::CStr;
+use std::ptr;
+
+use hprt::ffi::*;
+
+fn last_error() -> String {
+    // SAFETY: hprt_last_error_message never returns null and the string lives until the next
+    // failing call on this thread.
+    unsafe { CStr::from_ptr(hprt_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn ok(status: HprtStatus) {
+    assert_eq!(status, HprtStatus::Ok, "{}", last_error());
+}
+
+fn open_cpu() -> *mut HprtPlatform {
+    let mut p = ptr::null_mut();
+    // SAFETY: a NUL-terminated request and a valid out-pointer.
+    ok(unsafe { hprt_platform_open(c"cpu".as_ptr(), &mut p) });
+    p
+}
+
+#[test]
+fn a_panic_becomes_a_status_and_a_message() {
+    assert_eq!(hprt_debug_forced_panic(), HprtStatus::ErrorPanic);
+    let msg = last_error();
+    assert!(msg.contains("hprt_debug_forced_panic"), "{msg}");
+    // The thread keeps working after the caught panic.
+    let p = open_cpu();
+    // SAFETY: `p` is live and closed once.
+    ok(unsafe { hprt_platform_close(p) });
+}
+
+#[test]
+fn bad_arguments_are_typed_errors() {
+    let mut out = ptr::null_mut();
+    // SAFETY: null request (HP_PLATFORM) is allowed; a bogus name is an error, not UB.
+    let s = unsafe { hprt_platform_open(c"gpu9000".as_ptr(), &mut out) };
+    assert_eq!(s, HprtStatus::ErrorInvalidValue);
+    assert!(last_error().contains("gpu9000"), "{}", last_error());
+    assert!(out.is_null(), "out-pointers are written only on success");
+
+    let p = open_cpu();
+    // SAFETY: null out-pointer and null handles must be reported, not dereferenced.
+    unsafe {
+        assert_eq!(
+            hprt_stream_create(p, ptr::null_mut()),
+            HprtStatus::ErrorNullArgument
+        );
+        assert_eq!(
+            hprt_stream_synchronize(p, ptr::null()),
+            HprtStatus::ErrorNullArgument
+        );
+        let mut b = ptr::null_mut();
+        ok(hprt_device_alloc(p, 64, &mut b));
+        let mut s = ptr::null_mut();
+        ok(hprt_stream_create(p, &mut s));
+        let mut comm = ptr::null_mut();
+        let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
+        let mut len = 0;
+        ok(hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len));
+        ok(hprt_comm_init(p, id.as_ptr(), len, 0, 1, &mut comm));
+        // 42 is no HprtDtype: rejected before anything is queued.
+        let st = hprt_all_reduce(p, comm, b, 0, b, 0, 4, 42, HprtReduceOp::Sum as i32, s);
+        assert_eq!(st, HprtStatus::ErrorInvalidValue);
+        assert!(last_error().contains("42"), "{}", last_error());
+        // Past the end of the buffer: the platform's own typed error comes through.
+        let st = hprt_all_reduce(
+            p,
+            comm,
+            b,
+            0,
+            b,
+            0,
+            17,
+            HprtDtype::F32 as i32,
+            HprtReduceOp::Sum as i32,
+            s,
+        );
+        assert_eq!(st, HprtStatus::ErrorOutOfRange, "{}", last_error());
+        let name = CStr::from_ptr(hprt_status_name(st as i32));
+        assert_eq!(name.to_str().unwrap(), "HPRT_STATUS_ERROR_OUT_OF_RANGE");
+        assert_eq!(
+            CStr::from_ptr(hprt_status_name(999)).to_str().unwrap(),
+            "HPRT_STATUS_UNKNOWN"
+        );
+        ok(hprt_comm_destroy(p, comm));
+        ok(hprt_device_free(p, b));
+        ok(hprt_stream_destroy(p, s));
+        ok(hprt_platform_close(p));
+    }
+}
+
+#[test]
+fn messages_are_per_thread() {
+    // SAFETY: null out-pointer is reported.
+    let s = unsafe { hprt_platform_open(c"cpu".as_ptr(), ptr::null_mut()) };
+    assert_eq!(s, HprtStatus::ErrorNullArgument);
+    let here = last_error();
+    let there = std::thread::spawn(last_error).join().unwrap();
+    assert!(here.contains("out_platform"), "{here}");
+    assert_eq!(there, "", "another thread's message leaked");
+}
+
+#[test]
+fn copies_and_an_all_reduce_across_threads() {
+    let p = open_cpu();
+    let world = 3usize;
+    let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
+    let mut len = 0;
+    // SAFETY: `id` has the capacity passed.
+    ok(unsafe { hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len) });
+    let pa = p as usize;
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let p = pa as *const HprtPlatform;
+                let n = 1000usize;
+                // SAFETY: every handle below is made here, used while live and released once.
+                unsafe {
+                    let (mut s, mut comm, mut dev, mut host) = (
+                        ptr::null_mut(),
+                        ptr::null_mut(),
+                        ptr::null_mut(),
+                        ptr::null_mut(),
+                    );
+                    ok(hprt_stream_create(p, &mut s));
+                    ok(hprt_comm_init(p, id.as_ptr(), len, rank, world, &mut comm));
+                    ok(hprt_device_alloc(p, 4 * n, &mut dev));
+                    ok(hprt_pinned_alloc(p, 4 * n, &mut host));
+                    let mut hp = ptr::null_mut();
+                    ok(hprt_pinned_info(host, &mut hp, ptr::null_mut()));
+                    let vals = std::slice::from_raw_parts_mut(hp.cast::<f32>(), n);
+                    for (i, v) in vals.iter_mut().enumerate() {
+                        *v = (rank * n + i) as f32;
+                    }
+                    let d = HprtMemRef {
+                        device: dev,
+                        pinned: ptr::null(),
+                        offset: 0,
+                    };
+                    let h = HprtMemRef {
+                        device: ptr::null(),
+                        pinned: host,
+                        offset: 0,
+                    };
+                    ok(hprt_copy_async(p, d, h, 4 * n, s));
+                    ok(hprt_all_reduce(
+                        p,
+                        comm,
+                        dev,
+                        0,
+                        dev,
+                        0,
+                        n,
+                        HprtDtype::F32 as i32,
+                        HprtReduceOp::Sum as i32,
+                        s,
+                    ));
+                    ok(hprt_copy_async(p, h, d, 4 * n, s));
+                    ok(hprt_stream_synchronize(p, s));
+                    for (i, v) in vals.iter().enumerate() {
+                        let want: usize = (0..world).map(|r| r * n + i).sum();
+                        assert_eq!(*v, want as f32, "rank {rank} element {i}");
+                    }
+                    ok(hprt_comm_destroy(p, comm));
+                    ok(hprt_device_free(p, dev));
+                    ok(hprt_pinned_free(p, host));
+                    ok(hprt_stream_destroy(p, s));
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let mut stats = HprtMemoryStats::default();
+    // SAFETY: live platform, valid out-pointer.
+    ok(unsafe { hprt_platform_memory_stats(p, &mut stats) });
+    assert_eq!(stats.device_current, 0, "every buffer was freed");
+    assert!(stats.device_peak >= 3 * 4000);
+    // SAFETY: closed once, after every object made from it.
+    ok(unsafe { hprt_platform_close(p) });
+}
