@@ -1,3 +1,10 @@
 //! hprt-compress: lossless activation compression (codec, cost model, planner, layer manager).
-//!
-//! Empty until the compression issue lands.
+
+pub mod bench;
+pub mod codec;
+pub mod data;
+mod error;
+pub mod format;
+
+pub use error::{CompressError, Result};
+pub use format::CodecDType;

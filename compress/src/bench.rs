@@ -1,0 +1,264 @@
+//! The codec benchmark: single-core encode/decode throughput against the goals (2 GB/s encode,
+//! 3 GB/s decode on bf16) and against zstd level 1 on the same bytes in the same run, and the
+//! coded size against the order-0 entropy bound of the coded symbols, per data kind.
+
+use std::fmt::Write as _;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use crate::codec::{self, DecodeOptions, EncodeOptions};
+use crate::data::{generate, DataKind};
+use crate::error::{CompressError, Result};
+use crate::format::{CodecDType, HEADER_LEN};
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    /// Elements per tensor.
+    pub numel: usize,
+    pub dtypes: Vec<CodecDType>,
+    pub kinds: Vec<DataKind>,
+    /// Each figure is the best of this many runs.
+    pub trials: usize,
+    pub chunk_elems: usize,
+    /// Threads for the extra multi-threaded row (0 or 1: no such row).
+    pub threads: usize,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            numel: 16 << 20,
+            dtypes: CodecDType::ALL.to_vec(),
+            kinds: DataKind::ALL.to_vec(),
+            trials: 5,
+            chunk_elems: crate::format::DEFAULT_CHUNK_ELEMS,
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+/// One measured (dtype, data kind).
+#[derive(Clone, Debug)]
+pub struct BenchRow {
+    pub dtype: CodecDType,
+    pub kind: DataKind,
+    pub raw_bytes: usize,
+    pub coded_bytes: usize,
+    /// Sum over chunks of the order-0 entropy of the chunk's symbols, in bytes.
+    pub symbol_entropy_bytes: f64,
+    /// Bytes of the raw mantissa bits.
+    pub mantissa_bytes: usize,
+    /// Bytes a per-chunk canonical Huffman code of the symbols would take (the alternative coder).
+    pub huffman_symbol_bytes: f64,
+    pub encode_gbps: f64,
+    pub decode_gbps: f64,
+    pub decode_unverified_gbps: f64,
+    pub zstd_bytes: usize,
+    pub zstd_encode_gbps: f64,
+    pub zstd_decode_gbps: f64,
+}
+
+impl BenchRow {
+    pub fn ratio(&self) -> f64 {
+        self.raw_bytes as f64 / self.coded_bytes as f64
+    }
+    pub fn zstd_ratio(&self) -> f64 {
+        self.raw_bytes as f64 / self.zstd_bytes as f64
+    }
+    /// Entropy bound of the whole encoding: coded symbols at their entropy plus raw mantissas.
+    pub fn bound_bytes(&self) -> f64 {
+        self.symbol_entropy_bytes + self.mantissa_bytes as f64
+    }
+    /// Bytes spent on the symbols (everything but the mantissas: tables, states, header
+    /// included) over their entropy, minus one. `None` when there is no entropy to compare to.
+    pub fn symbol_overhead(&self) -> Option<f64> {
+        (self.symbol_entropy_bytes > 64.0).then(|| {
+            (self.coded_bytes as f64 - self.mantissa_bytes as f64) / self.symbol_entropy_bytes - 1.0
+        })
+    }
+}
+
+fn best(trials: usize, mut f: impl FnMut() -> Result<Duration>) -> Result<Duration> {
+    let mut b = Duration::MAX;
+    for _ in 0..trials.max(1) {
+        b = b.min(f()?);
+    }
+    Ok(b)
+}
+
+fn gbps(bytes: usize, t: Duration) -> f64 {
+    bytes as f64 / t.as_secs_f64().max(1e-9) / 1e9
+}
+
+fn zstd_err(e: std::io::Error) -> CompressError {
+    CompressError::Io {
+        context: "zstd".into(),
+        source: e,
+    }
+}
+
+/// Measures one (dtype, kind) on one core.
+pub fn measure(dtype: CodecDType, kind: DataKind, opts: &BenchOptions) -> Result<BenchRow> {
+    let data = generate(kind, dtype, opts.numel, 42);
+    let enc_opts = EncodeOptions {
+        chunk_elems: opts.chunk_elems,
+        threads: 1,
+        ..Default::default()
+    };
+    let mut coded = Vec::new();
+    codec::encode_into(dtype, &data, &enc_opts, &mut coded)?;
+    let enc = best(opts.trials, || {
+        let t = Instant::now();
+        codec::encode_into(dtype, black_box(&data), &enc_opts, &mut coded)?;
+        Ok(t.elapsed())
+    })?;
+    let mut back = vec![0u8; data.len()];
+    let mut dec_time = |verify| {
+        let o = DecodeOptions { threads: 1, verify };
+        best(opts.trials, || {
+            let t = Instant::now();
+            codec::decode_into(black_box(&coded), &mut back, &o)?;
+            Ok(t.elapsed())
+        })
+    };
+    let dec = dec_time(true)?;
+    let dec_unverified = dec_time(false)?;
+    if back != data {
+        return Err(CompressError::InvalidState(format!(
+            "{dtype} {} did not round-trip",
+            kind.name()
+        )));
+    }
+    let symbols = codec::chunk_symbols(dtype, &data, opts.chunk_elems);
+    let symbol_entropy_bytes = symbols.iter().map(|c| c.entropy_bits).sum::<f64>() / 8.0;
+    let mantissa_bytes = symbols
+        .iter()
+        .map(|c| (c.numel * dtype.mantissa_bits() as usize).div_ceil(8))
+        .sum();
+    let huffman_symbol_bytes = codec::huffman_bits(dtype, &data, opts.chunk_elems) / 8.0;
+
+    let mut z = zstd::bulk::Compressor::new(1).map_err(zstd_err)?;
+    let mut zout = Vec::with_capacity(zstd::zstd_safe::compress_bound(data.len()));
+    let zenc = best(opts.trials, || {
+        zout.clear();
+        let t = Instant::now();
+        z.compress_to_buffer(black_box(&data[..]), &mut zout)
+            .map_err(zstd_err)?;
+        Ok(t.elapsed())
+    })?;
+    let mut zd = zstd::bulk::Decompressor::new().map_err(zstd_err)?;
+    let mut zback = Vec::with_capacity(data.len());
+    let zdec = best(opts.trials, || {
+        zback.clear();
+        let t = Instant::now();
+        zd.decompress_to_buffer(black_box(&zout[..]), &mut zback)
+            .map_err(zstd_err)?;
+        Ok(t.elapsed())
+    })?;
+    if zback != data {
+        return Err(CompressError::InvalidState("zstd did not round-trip".into()));
+    }
+    Ok(BenchRow {
+        dtype,
+        kind,
+        raw_bytes: data.len(),
+        coded_bytes: coded.len(),
+        symbol_entropy_bytes,
+        mantissa_bytes,
+        huffman_symbol_bytes,
+        encode_gbps: gbps(data.len(), enc),
+        decode_gbps: gbps(data.len(), dec),
+        decode_unverified_gbps: gbps(data.len(), dec_unverified),
+        zstd_bytes: zout.len(),
+        zstd_encode_gbps: gbps(data.len(), zenc),
+        zstd_decode_gbps: gbps(data.len(), zdec),
+    })
+}
+
+/// Multi-threaded encode and decode GB/s of one tensor.
+pub fn measure_threads(
+    dtype: CodecDType,
+    kind: DataKind,
+    opts: &BenchOptions,
+) -> Result<(f64, f64)> {
+    let data = generate(kind, dtype, opts.numel, 42);
+    let eo = EncodeOptions {
+        chunk_elems: opts.chunk_elems,
+        threads: opts.threads,
+        ..Default::default()
+    };
+    let mut coded = Vec::new();
+    let enc = best(opts.trials, || {
+        let t = Instant::now();
+        codec::encode_into(dtype, &data, &eo, &mut coded)?;
+        Ok(t.elapsed())
+    })?;
+    let mut back = vec![0u8; data.len()];
+    let dopts = DecodeOptions {
+        threads: opts.threads,
+        verify: true,
+    };
+    let dec = best(opts.trials, || {
+        let t = Instant::now();
+        codec::decode_into(&coded, &mut back, &dopts)?;
+        Ok(t.elapsed())
+    })?;
+    Ok((gbps(data.len(), enc), gbps(data.len(), dec)))
+}
+
+/// Runs the benchmark and returns Markdown: one table row per (dtype, kind).
+pub fn bench(opts: &BenchOptions) -> Result<String> {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "Codec, one core, {} elements per tensor, chunks of {} elements, best of {} \
+         (goals on bf16: encode >= 2 GB/s, decode >= 3 GB/s; size within 1% of the symbol entropy).\n",
+        opts.numel, opts.chunk_elems, opts.trials
+    );
+    let _ = writeln!(
+        s,
+        "| dtype | data | ratio | zstd-1 ratio | size / bound | symbols / entropy | huffman / entropy | encode GB/s | decode GB/s (no verify) | zstd-1 enc GB/s | zstd-1 dec GB/s |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
+    for &dtype in &opts.dtypes {
+        for &kind in &opts.kinds {
+            let r = measure(dtype, kind, opts)?;
+            let pct = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{:+.2}%", v * 100.0));
+            let huff = (r.symbol_entropy_bytes > 64.0)
+                .then(|| r.huffman_symbol_bytes / r.symbol_entropy_bytes - 1.0);
+            let _ = writeln!(
+                s,
+                "| {} | {} | {:.3} | {:.3} | {} | {} | {} | {:.2} | {:.2} ({:.2}) | {:.2} | {:.2} |",
+                dtype,
+                kind.name(),
+                r.ratio(),
+                r.zstd_ratio(),
+                if r.bound_bytes() > (HEADER_LEN as f64) {
+                    format!("{:.4}", r.coded_bytes as f64 / r.bound_bytes())
+                } else {
+                    "-".into()
+                },
+                pct(r.symbol_overhead()),
+                pct(huff),
+                r.encode_gbps,
+                r.decode_gbps,
+                r.decode_unverified_gbps,
+                r.zstd_encode_gbps,
+                r.zstd_decode_gbps,
+            );
+        }
+    }
+    if opts.threads > 1 {
+        let _ = writeln!(s);
+        for &dtype in &opts.dtypes {
+            let (e, d) = measure_threads(dtype, DataKind::Gaussian, opts)?;
+            let _ = writeln!(
+                s,
+                "{} threads, {dtype} gaussian: encode {e:.2} GB/s, decode {d:.2} GB/s",
+                opts.threads
+            );
+        }
+    }
+    Ok(s)
+}

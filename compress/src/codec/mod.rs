@@ -1,0 +1,439 @@
+//! The CPU codec: split each element into a sign+exponent symbol (rANS-coded per chunk with
+//! eight interleaved states) and raw mantissa bits; chunks encode and decode independently,
+//! on as many threads as asked.
+//!
+//! ```
+//! use hprt_compress::codec::{decode, encode, EncodeOptions};
+//! use hprt_compress::CodecDType;
+//!
+//! let values: Vec<u8> = (0..4096u32)
+//!     .flat_map(|i| ((i as f32 * 0.01).sin() as f32).to_le_bytes())
+//!     .collect();
+//! let packed = encode(CodecDType::F32, &values, &EncodeOptions::default())?;
+//! assert!(packed.len() < values.len());
+//! let back = decode(&packed)?;
+//! assert_eq!(back.data, values);
+//! # Ok::<(), hprt_compress::CompressError>(())
+//! ```
+
+mod chunk;
+mod rans;
+mod split;
+
+pub use rans::entropy_bits;
+
+use crate::error::{CompressError, Result};
+use crate::format::{
+    self, parse_prefix, ChunkEntry, CodecDType, Header, Prefix, CHUNK_ALIGN, CHUNK_ENTRY_LEN,
+    DEFAULT_CHUNK_ELEMS, DEFAULT_PROB_BITS, HEADER_LEN, MAX_CHUNK_ELEMS, PROB_BITS_RANGE,
+};
+use split::{BF16, F16, F32};
+
+macro_rules! with_elem {
+    ($dtype:expr, $e:ident => $body:expr) => {
+        match $dtype {
+            CodecDType::F32 => {
+                type $e = F32;
+                $body
+            }
+            CodecDType::F16 => {
+                type $e = F16;
+                $body
+            }
+            CodecDType::BF16 => {
+                type $e = BF16;
+                $body
+            }
+        }
+    };
+}
+
+fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// How to encode.
+#[derive(Clone, Debug)]
+pub struct EncodeOptions {
+    /// Elements per chunk (a multiple of 8, at most 2^24).
+    pub chunk_elems: usize,
+    /// Probability resolution of the rANS tables (9..=14 bits).
+    pub prob_bits: u32,
+    /// Worker threads (1 = encode on the calling thread).
+    pub threads: usize,
+}
+
+impl Default for EncodeOptions {
+    fn default() -> Self {
+        EncodeOptions {
+            chunk_elems: DEFAULT_CHUNK_ELEMS,
+            prob_bits: DEFAULT_PROB_BITS,
+            threads: default_threads(),
+        }
+    }
+}
+
+impl EncodeOptions {
+    /// The defaults on one thread.
+    pub fn single_threaded() -> Self {
+        EncodeOptions {
+            threads: 1,
+            ..Default::default()
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.chunk_elems == 0
+            || self.chunk_elems % CHUNK_ALIGN != 0
+            || self.chunk_elems > MAX_CHUNK_ELEMS
+        {
+            return Err(CompressError::InvalidArgument(format!(
+                "chunk size {} is not a positive multiple of {CHUNK_ALIGN} up to {MAX_CHUNK_ELEMS}",
+                self.chunk_elems
+            )));
+        }
+        if !PROB_BITS_RANGE.contains(&self.prob_bits) {
+            return Err(CompressError::InvalidArgument(format!(
+                "probability resolution {} is outside {PROB_BITS_RANGE:?}",
+                self.prob_bits
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// How to decode.
+#[derive(Clone, Debug)]
+pub struct DecodeOptions {
+    pub threads: usize,
+    /// Check every chunk's checksum (on by default; off only to measure the coder alone).
+    pub verify: bool,
+}
+
+impl Default for DecodeOptions {
+    fn default() -> Self {
+        DecodeOptions {
+            threads: default_threads(),
+            verify: true,
+        }
+    }
+}
+
+impl DecodeOptions {
+    pub fn single_threaded() -> Self {
+        DecodeOptions {
+            threads: 1,
+            ..Default::default()
+        }
+    }
+}
+
+/// A decoded tensor: its element type and little-endian bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decoded {
+    pub dtype: CodecDType,
+    pub numel: usize,
+    pub data: Vec<u8>,
+}
+
+/// The largest encoding `encode` can produce for this input (see [`format::max_encoded_len`]).
+pub fn max_encoded_len(dtype: CodecDType, numel: usize, opts: &EncodeOptions) -> usize {
+    format::max_encoded_len(dtype, numel, opts.chunk_elems)
+}
+
+/// Encodes `data` (little-endian elements of `dtype`) into a new vector.
+pub fn encode(dtype: CodecDType, data: &[u8], opts: &EncodeOptions) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    encode_into(dtype, data, opts, &mut out)?;
+    Ok(out)
+}
+
+/// Encodes `data` into `out` (replacing its contents); never longer than [`max_encoded_len`].
+pub fn encode_into(
+    dtype: CodecDType,
+    data: &[u8],
+    opts: &EncodeOptions,
+    out: &mut Vec<u8>,
+) -> Result<()> {
+    opts.validate()?;
+    if data.len() % dtype.size() != 0 {
+        return Err(CompressError::InvalidArgument(format!(
+            "{} bytes is not a whole number of {dtype} elements",
+            data.len()
+        )));
+    }
+    let numel = data.len() / dtype.size();
+    let mut header = Header {
+        dtype,
+        prob_bits: opts.prob_bits,
+        chunk_elems: opts.chunk_elems,
+        numel,
+        payload_len: 0,
+    };
+    let n_chunks = header.chunk_count();
+    let prefix_len = header.prefix_len();
+    let chunk_bytes = opts.chunk_elems * dtype.size();
+    out.clear();
+    out.reserve(prefix_len + data.len() / 2);
+    out.resize(prefix_len, 0);
+    let threads = opts.threads.clamp(1, n_chunks.max(1));
+    let entries: Vec<ChunkEntry> = with_elem!(dtype, E => {
+        if threads == 1 {
+            let mut scratch = chunk::Scratch::default();
+            data.chunks(chunk_bytes)
+                .map(|c| chunk::encode::<E>(c, opts.prob_bits, out, &mut scratch))
+                .collect()
+        } else {
+            let per = n_chunks.div_ceil(threads);
+            let parts: Vec<(Vec<u8>, Vec<ChunkEntry>)> = std::thread::scope(|s| {
+                let handles: Vec<_> = data
+                    .chunks(per * chunk_bytes)
+                    .map(|range| {
+                        s.spawn(move || {
+                            let mut scratch = chunk::Scratch::default();
+                            let mut buf = Vec::with_capacity(range.len() * 3 / 4);
+                            let entries = range
+                                .chunks(chunk_bytes)
+                                .map(|c| chunk::encode::<E>(c, opts.prob_bits, &mut buf, &mut scratch))
+                                .collect();
+                            (buf, entries)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("codec worker panicked"))
+                    .collect()
+            });
+            let mut entries = Vec::with_capacity(n_chunks);
+            for (buf, e) in parts {
+                out.extend_from_slice(&buf);
+                entries.extend(e);
+            }
+            entries
+        }
+    });
+    header.payload_len = out.len() - prefix_len;
+    header.write(&mut out[..HEADER_LEN]);
+    for (i, e) in entries.iter().enumerate() {
+        let at = HEADER_LEN + i * CHUNK_ENTRY_LEN;
+        e.write(&mut out[at..at + CHUNK_ENTRY_LEN]);
+    }
+    format::seal(&mut out[..prefix_len]);
+    Ok(())
+}
+
+/// Decodes an encoding into a new vector.
+pub fn decode(bytes: &[u8]) -> Result<Decoded> {
+    decode_with(bytes, &DecodeOptions::default())
+}
+
+pub fn decode_with(bytes: &[u8], opts: &DecodeOptions) -> Result<Decoded> {
+    let prefix = parse_prefix(bytes)?;
+    let h = prefix.header;
+    let mut data = vec![0u8; h.numel * h.dtype.size()];
+    decode_prefixed(bytes, &prefix, &mut data, opts)?;
+    Ok(Decoded {
+        dtype: h.dtype,
+        numel: h.numel,
+        data,
+    })
+}
+
+/// Decodes into `out`, which must be exactly `numel * dtype size` bytes; returns the header.
+pub fn decode_into(bytes: &[u8], out: &mut [u8], opts: &DecodeOptions) -> Result<Header> {
+    let prefix = parse_prefix(bytes)?;
+    decode_prefixed(bytes, &prefix, out, opts)?;
+    Ok(prefix.header)
+}
+
+/// Parses and checks header and chunk table without decoding (see [`Prefix`]).
+pub fn inspect(bytes: &[u8]) -> Result<Prefix> {
+    parse_prefix(bytes)
+}
+
+fn decode_prefixed(
+    bytes: &[u8],
+    prefix: &Prefix,
+    out: &mut [u8],
+    opts: &DecodeOptions,
+) -> Result<()> {
+    let h = prefix.header;
+    let want = h.numel * h.dtype.size();
+    if out.len() != want {
+        return Err(CompressError::InvalidArgument(format!(
+            "output is {} bytes, the encoding holds {want}",
+            out.len()
+        )));
+    }
+    let chunk_bytes = h.chunk_elems * h.dtype.size();
+    let n_chunks = prefix.chunks.len();
+    let threads = opts.threads.clamp(1, n_chunks.max(1));
+    let one = |i: usize, dst: &mut [u8], scratch: &mut chunk::DecodeScratch| -> Result<()> {
+        let e = &prefix.chunks[i];
+        let at = prefix.offsets[i];
+        let payload = &bytes[at..at + e.len];
+        with_elem!(h.dtype, E => chunk::decode::<E>(e, payload, h.prob_bits, dst, at, opts.verify, scratch))
+    };
+    if threads == 1 {
+        let mut scratch = chunk::DecodeScratch::new();
+        for (i, dst) in out.chunks_mut(chunk_bytes).enumerate() {
+            one(i, dst, &mut scratch)?;
+        }
+        return Ok(());
+    }
+    let per = n_chunks.div_ceil(threads);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = out
+            .chunks_mut(per * chunk_bytes)
+            .enumerate()
+            .map(|(t, range)| {
+                let one = &one;
+                s.spawn(move || {
+                    let mut scratch = chunk::DecodeScratch::new();
+                    for (k, dst) in range.chunks_mut(chunk_bytes).enumerate() {
+                        one(t * per + k, dst, &mut scratch)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("codec worker panicked"))
+            .collect::<Result<Vec<()>>>()
+    })?;
+    Ok(())
+}
+
+/// Per-chunk symbol statistics of raw data, for reports: what the coder is measured against.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChunkSymbols {
+    pub numel: usize,
+    /// Distinct sign+exponent symbols in the chunk.
+    pub distinct: usize,
+    /// Order-0 entropy of the chunk's symbols, in bits for all of them.
+    pub entropy_bits: f64,
+}
+
+/// Symbol statistics of each chunk `encode` would make of `data`.
+pub fn chunk_symbols(dtype: CodecDType, data: &[u8], chunk_elems: usize) -> Vec<ChunkSymbols> {
+    let chunk_bytes = chunk_elems.max(1) * dtype.size();
+    data.chunks(chunk_bytes)
+        .map(|c| {
+            let h = with_elem!(dtype, E => chunk::histogram::<E>(c));
+            ChunkSymbols {
+                numel: c.len() / dtype.size(),
+                distinct: h.iter().filter(|&&x| x > 0).count(),
+                entropy_bits: entropy_bits(&h),
+            }
+        })
+        .collect()
+}
+
+/// Bits a canonical Huffman code of each chunk's symbols would take (for the coder choice
+/// reported by the benchmark; the format itself uses rANS).
+pub fn huffman_bits(dtype: CodecDType, data: &[u8], chunk_elems: usize) -> f64 {
+    let chunk_bytes = chunk_elems.max(1) * dtype.size();
+    data.chunks(chunk_bytes)
+        .map(|c| {
+            let h = with_elem!(dtype, E => chunk::histogram::<E>(c));
+            huffman_cost(&h)
+        })
+        .sum()
+}
+
+/// Total bits of an optimal prefix code (Huffman's algorithm on the counts).
+fn huffman_cost(counts: &[u32]) -> f64 {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let mut heap: BinaryHeap<Reverse<u64>> = counts
+        .iter()
+        .filter(|&&c| c > 0)
+        .map(|&c| Reverse(c as u64))
+        .collect();
+    if heap.len() == 1 {
+        return heap.pop().map_or(0.0, |Reverse(c)| c as f64);
+    }
+    // The total cost equals the sum of all merged weights.
+    let mut total = 0u64;
+    while heap.len() > 1 {
+        let Reverse(a) = heap.pop().expect("two items");
+        let Reverse(b) = heap.pop().expect("two items");
+        total += a + b;
+        heap.push(Reverse(a + b));
+    }
+    total as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bf16_ramp(n: usize) -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| {
+                let f = ((i as f32) * 0.37).sin() * 3.0;
+                ((f.to_bits() >> 16) as u16).to_le_bytes()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn round_trips_every_mode_and_tail_length() {
+        let opts = |threads| EncodeOptions {
+            chunk_elems: 64,
+            prob_bits: 12,
+            threads,
+        };
+        for n in [0, 1, 7, 8, 9, 63, 64, 65, 1000] {
+            let data = bf16_ramp(n);
+            for threads in [1, 3] {
+                let enc = encode(CodecDType::BF16, &data, &opts(threads)).unwrap();
+                assert!(enc.len() <= max_encoded_len(CodecDType::BF16, n, &opts(1)));
+                assert_eq!(decode(&enc).unwrap().data, data, "n = {n}");
+            }
+        }
+        let constant: Vec<u8> = [0x12u8, 0x3f].repeat(1000);
+        let enc = encode(CodecDType::BF16, &constant, &opts(1)).unwrap();
+        let p = inspect(&enc).unwrap();
+        assert!(p.chunks.iter().all(|c| c.mode == format::ChunkMode::Constant));
+        assert_eq!(decode(&enc).unwrap().data, constant);
+        // One exponent, varying mantissas.
+        let single: Vec<u8> = (0..1000u16).flat_map(|i| (0x3f80 | (i % 128)).to_le_bytes()).collect();
+        let enc = encode(CodecDType::BF16, &single, &opts(1)).unwrap();
+        assert_eq!(inspect(&enc).unwrap().chunks[0].mode, format::ChunkMode::SingleSymbol);
+        assert_eq!(decode(&enc).unwrap().data, single);
+    }
+
+    #[test]
+    fn rejects_partial_elements_and_bad_options() {
+        let o = EncodeOptions::single_threaded();
+        assert!(encode(CodecDType::F32, &[0u8; 6], &o).is_err());
+        let bad = EncodeOptions {
+            chunk_elems: 12,
+            ..o.clone()
+        };
+        assert!(encode(CodecDType::F32, &[0u8; 64], &bad).is_err());
+        let bad = EncodeOptions { prob_bits: 16, ..o };
+        assert!(encode(CodecDType::F32, &[0u8; 64], &bad).is_err());
+    }
+
+    #[test]
+    fn huffman_cost_matches_a_known_code() {
+        // Counts 1,1,2,4: code lengths 3,3,2,1 -> 3+3+4+4 = 14 bits.
+        assert_eq!(huffman_cost(&[1, 1, 2, 4]), 14.0);
+        assert_eq!(huffman_cost(&[5]), 5.0);
+    }
+}
+
+#[doc(hidden)]
+pub fn __phase_times(data: &[u8]) -> (f64, f64) {
+    let t = std::time::Instant::now();
+    let h = chunk::histogram::<BF16>(std::hint::black_box(data));
+    std::hint::black_box(h);
+    let a = t.elapsed().as_secs_f64();
+    let t = std::time::Instant::now();
+    std::hint::black_box(format::checksum(std::hint::black_box(data)));
+    (a, t.elapsed().as_secs_f64())
+}

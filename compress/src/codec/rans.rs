@@ -1,0 +1,349 @@
+//! rANS with 32-bit states and 16-bit renormalization (states live in `[2^15, 2^31)`), encoder
+//! divisions replaced by exact reciprocals, and the compact frequency-table serialization.
+
+use crate::error::{CompressError, Result};
+
+/// Lower bound of a normalized state.
+pub(crate) const RANS_L: u32 = 1 << 15;
+
+/// Quantizes symbol counts to frequencies summing to `1 << prob_bits`, every present symbol
+/// at least 1, choosing each +1/-1 step where it costs the fewest coded bits.
+///
+/// At least two symbols must be present (one symbol is coded by the single-symbol mode).
+pub(crate) fn normalize(counts: &[u32], prob_bits: u32) -> Vec<u32> {
+    let m = 1u64 << prob_bits;
+    let total: u64 = counts.iter().map(|&c| c as u64).sum();
+    let mut freq: Vec<u32> = counts
+        .iter()
+        .map(|&c| {
+            if c == 0 {
+                0
+            } else {
+                ((c as u64 * m + total / 2) / total).max(1) as u32
+            }
+        })
+        .collect();
+    let present: Vec<usize> = (0..counts.len()).filter(|&s| counts[s] > 0).collect();
+    let mut sum: i64 = freq.iter().map(|&f| f as i64).sum();
+    while sum != m as i64 {
+        if sum > m as i64 {
+            // Take one from the symbol whose code grows the least.
+            let best = present
+                .iter()
+                .copied()
+                .filter(|&s| freq[s] > 1)
+                .min_by(|&a, &b| {
+                    let ca = counts[a] as f64 * (freq[a] as f64 / (freq[a] - 1) as f64).ln();
+                    let cb = counts[b] as f64 * (freq[b] as f64 / (freq[b] - 1) as f64).ln();
+                    ca.total_cmp(&cb)
+                })
+                .expect("sum exceeds the total only while some frequency exceeds 1");
+            freq[best] -= 1;
+            sum -= 1;
+        } else {
+            let best = present
+                .iter()
+                .copied()
+                .max_by(|&a, &b| {
+                    let ga = counts[a] as f64 * ((freq[a] + 1) as f64 / freq[a] as f64).ln();
+                    let gb = counts[b] as f64 * ((freq[b] + 1) as f64 / freq[b] as f64).ln();
+                    ga.total_cmp(&gb)
+                })
+                .expect("a present symbol exists");
+            freq[best] += 1;
+            sum += 1;
+        }
+    }
+    freq
+}
+
+/// Bits the coded symbols will take with these frequencies (the rANS cost to within a word).
+pub(crate) fn coded_bits(counts: &[u32], freq: &[u32], prob_bits: u32) -> f64 {
+    counts
+        .iter()
+        .zip(freq)
+        .filter(|(&c, _)| c > 0)
+        .map(|(&c, &f)| c as f64 * (prob_bits as f64 - (f as f64).log2()))
+        .sum()
+}
+
+/// Order-0 entropy of the counts, in bits for all of them.
+pub fn entropy_bits(counts: &[u32]) -> f64 {
+    let total: f64 = counts.iter().map(|&c| c as f64).sum();
+    if total == 0.0 {
+        return 0.0;
+    }
+    counts
+        .iter()
+        .filter(|&&c| c > 0)
+        .map(|&c| {
+            let c = c as f64;
+            c * (total / c).log2()
+        })
+        .sum()
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u32) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn get_varint(b: &[u8], pos: &mut usize, base: usize) -> Result<u32> {
+    let mut v = 0u32;
+    for shift in (0..35).step_by(7) {
+        let byte = *b
+            .get(*pos)
+            .ok_or_else(|| CompressError::corrupt(base + *pos, "frequency table truncated"))?;
+        *pos += 1;
+        if shift == 28 && byte > 0x0f {
+            return Err(CompressError::corrupt(base + *pos - 1, "varint overflows 32 bits"));
+        }
+        v |= ((byte & 0x7f) as u32) << shift;
+        if byte & 0x80 == 0 {
+            return Ok(v);
+        }
+    }
+    Err(CompressError::corrupt(base + *pos, "varint too long"))
+}
+
+/// Appends the table: `u16` count of present symbols, then per present symbol in increasing
+/// order the gap to the previous present symbol and `freq - 1`, both LEB128.
+pub(crate) fn write_table(freq: &[u32], out: &mut Vec<u8>) {
+    let present = freq.iter().filter(|&&f| f > 0).count() as u16;
+    out.extend_from_slice(&present.to_le_bytes());
+    let mut next = 0usize;
+    for (s, &f) in freq.iter().enumerate() {
+        if f > 0 {
+            put_varint(out, (s - next) as u32);
+            put_varint(out, f - 1);
+            next = s + 1;
+        }
+    }
+}
+
+/// Parses a table for an alphabet of `alphabet` symbols; returns frequencies and bytes read.
+/// `base` is the absolute offset of `b`, for error messages.
+pub(crate) fn read_table(
+    b: &[u8],
+    alphabet: usize,
+    prob_bits: u32,
+    base: usize,
+) -> Result<(Vec<u32>, usize)> {
+    if b.len() < 2 {
+        return Err(CompressError::corrupt(base, "frequency table truncated"));
+    }
+    let present = u16::from_le_bytes([b[0], b[1]]) as usize;
+    if present < 2 || present > alphabet {
+        return Err(CompressError::corrupt(
+            base,
+            format!("{present} coded symbols (expected 2..={alphabet})"),
+        ));
+    }
+    let m = 1u64 << prob_bits;
+    let mut freq = vec![0u32; alphabet];
+    let mut pos = 2;
+    let mut next = 0usize;
+    let mut sum = 0u64;
+    for _ in 0..present {
+        let gap = get_varint(b, &mut pos, base)? as usize;
+        let s = next
+            .checked_add(gap)
+            .filter(|&s| s < alphabet)
+            .ok_or_else(|| CompressError::corrupt(base + pos, "symbol outside the alphabet"))?;
+        let f = get_varint(b, &mut pos, base)? as u64 + 1;
+        sum += f;
+        if sum > m {
+            return Err(CompressError::corrupt(base + pos, "frequencies exceed the total"));
+        }
+        freq[s] = f as u32;
+        next = s + 1;
+    }
+    if sum != m {
+        return Err(CompressError::corrupt(
+            base + pos,
+            format!("frequencies sum to {sum}, not {m}"),
+        ));
+    }
+    Ok((freq, pos))
+}
+
+/// Encoder constants of one symbol.
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(16))]
+pub(crate) struct EncSym {
+    pub x_max: u32,
+    pub rcp: u32,
+    pub bias: u32,
+    pub cmpl: u16,
+    pub shift: u16,
+}
+
+/// Encoder constants for every symbol of the largest alphabet (9 bits).
+pub(crate) type EncTable = [EncSym; 512];
+
+pub(crate) fn enc_table(freq: &[u32], prob_bits: u32) -> EncTable {
+    let m = 1u32 << prob_bits;
+    let mut cum = 0u32;
+    let mut t = [EncSym::default(); 512];
+    for (slot, &f) in t.iter_mut().zip(freq) {
+        *slot = {
+            let e = if f == 0 {
+                EncSym::default()
+            } else if f == 1 {
+                EncSym {
+                    x_max: ((RANS_L >> prob_bits) << 16) * f,
+                    rcp: u32::MAX,
+                    bias: cum + m - 1,
+                    cmpl: (m - f) as u16,
+                    shift: 0,
+                }
+            } else {
+                let shift = 32 - (f - 1).leading_zeros(); // ceil(log2 f)
+                EncSym {
+                    x_max: ((RANS_L >> prob_bits) << 16) * f,
+                    rcp: (((1u64 << (shift + 31)) + f as u64 - 1) / f as u64) as u32,
+                    bias: cum,
+                    cmpl: (m - f) as u16,
+                    shift: (shift - 1) as u16,
+                }
+            };
+            cum += f;
+            e
+        };
+    }
+    t
+}
+
+/// Encodes one symbol into `x`, first emitting 16 bits as word `*pos` of `words` (little-endian
+/// byte pairs) when needed. `words` must have room for one more word (a symbol emits at most one).
+#[inline(always)]
+pub(crate) fn put(x: &mut u32, e: &EncSym, words: &mut [u8], pos: &mut usize) {
+    let mut v = *x;
+    let emit = v >= e.x_max;
+    let at = *pos * 2;
+    words[at..at + 2].copy_from_slice(&(v as u16).to_le_bytes());
+    *pos += emit as usize;
+    v = if emit { v >> 16 } else { v };
+    let q = (((v as u64 * e.rcp as u64) >> 32) as u32) >> e.shift;
+    *x = v + e.bias + q * e.cmpl as u32;
+}
+
+/// Decoder entry of one slot of the `1 << prob_bits` table.
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(8))]
+pub(crate) struct DecSlot {
+    pub freq: u16,
+    /// `slot - cumulative frequency of the symbol`.
+    pub bias: u16,
+    pub sym: u16,
+}
+
+/// Slots of the largest decoding table (`1 << 14`); smaller tables use a prefix.
+pub(crate) const MAX_SLOTS: usize = 1 << 14;
+
+/// A decoding table of [`MAX_SLOTS`] entries, so masked indices need no bounds checks.
+pub(crate) type DecTable = [DecSlot; MAX_SLOTS];
+
+pub(crate) fn new_dec_table() -> Box<DecTable> {
+    vec![DecSlot::default(); MAX_SLOTS]
+        .into_boxed_slice()
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("the vector has MAX_SLOTS entries"))
+}
+
+/// Fills the first `1 << prob_bits` slots of `t` from validated frequencies.
+pub(crate) fn fill_dec_table(t: &mut DecTable, freq: &[u32]) {
+    let mut slot = 0usize;
+    for (s, &f) in freq.iter().enumerate() {
+        for k in 0..f as usize {
+            t[slot] = DecSlot {
+                freq: f as u16,
+                bias: k as u16,
+                sym: s as u16,
+            };
+            slot += 1;
+        }
+    }
+}
+
+/// Decodes one symbol from `x`, then refills it from `words[*pos - 1]` when it fell below
+/// [`RANS_L`]. Corrupt input cannot read out of bounds: past the first word `*pos` wraps and
+/// every later read sees 0, which the caller detects (`*pos` never returns to exactly 0).
+#[inline(always)]
+pub(crate) fn get(x: &mut u32, table: &DecTable, prob_bits: u32, words: &[u8], pos: &mut usize) -> u16 {
+    let mask = (1u32 << prob_bits) - 1;
+    let v = *x;
+    let d = table[(v & mask) as usize & (MAX_SLOTS - 1)];
+    let v = (d.freq as u32)
+        .wrapping_mul(v >> prob_bits)
+        .wrapping_add(d.bias as u32);
+    let refill = v < RANS_L;
+    *pos = pos.wrapping_sub(refill as usize);
+    let at = pos.wrapping_mul(2);
+    let w = match words.get(at..at.wrapping_add(2)) {
+        Some(b) => u16::from_le_bytes([b[0], b[1]]) as u32,
+        None => 0,
+    };
+    *x = if refill { (v << 16) | w } else { v };
+    d.sym
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalized_frequencies_sum_exactly_and_keep_every_symbol() {
+        for counts in [
+            vec![1u32, 1_000_000, 0, 3],
+            vec![5; 512],
+            vec![1, 1],
+            vec![0, 7, 0, 0, 9, 1, 1, 1, 1, 100],
+        ] {
+            for pb in [9, 12, 14] {
+                let f = normalize(&counts, pb);
+                assert_eq!(f.iter().map(|&x| x as u64).sum::<u64>(), 1 << pb);
+                for (c, x) in counts.iter().zip(&f) {
+                    assert_eq!(*c > 0, *x > 0);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tables_round_trip_and_corrupt_tables_are_rejected() {
+        let counts = [0u32, 7, 0, 0, 9, 1, 1, 1, 1, 100, 0, 0, 0, 0, 0, 0];
+        let f = normalize(&counts, 12);
+        let mut b = Vec::new();
+        write_table(&f, &mut b);
+        let (g, used) = read_table(&b, 16, 12, 0).unwrap();
+        assert_eq!((g, used), (f.clone(), b.len()));
+        assert!(read_table(&b, 8, 12, 0).is_err(), "symbol 9 is outside 8 symbols");
+        assert!(read_table(&b, 16, 13, 0).is_err(), "sum is for 12 bits");
+        assert!(read_table(&b[..b.len() - 1], 16, 12, 0).is_err());
+    }
+
+    #[test]
+    fn reciprocal_encoder_inverts_the_decoder() {
+        let counts = [3u32, 1, 50, 0, 700, 2];
+        let pb = 12;
+        let f = normalize(&counts, pb);
+        let enc = enc_table(&f, pb);
+        let mut dec = new_dec_table();
+        fill_dec_table(&mut dec, &f);
+        let syms: Vec<usize> = (0..5000).map(|i| [0, 1, 2, 4, 5, 4, 4, 2][i % 8]).collect();
+        let mut words = vec![0u8; 2 * syms.len() + 2];
+        let (mut x, mut pos) = (RANS_L, 0);
+        for &s in syms.iter().rev() {
+            put(&mut x, &enc[s], &mut words, &mut pos);
+        }
+        let bytes = &words[..2 * pos];
+        for &s in &syms {
+            assert_eq!(get(&mut x, &dec, pb, bytes, &mut pos) as usize, s);
+        }
+        assert_eq!((x, pos), (RANS_L, 0));
+    }
+}
