@@ -1,6 +1,7 @@
 //! The copy engine every front end drives: batched offload / reload of [`SwapTensor`]s on the
 //! engine's own copy streams, with the stream waits and host synchronizations that make it safe.
 
+use std::ops::Deref;
 use std::sync::Arc;
 
 use hprt_platform::{Platform, Stream};
@@ -8,6 +9,42 @@ use hprt_platform::{Platform, Stream};
 use crate::error::{Result, SwapError, SwapState};
 use crate::pool::{PinnedPool, PoolConfig, PoolStats};
 use crate::tensor::{Fence, SwapTensor};
+
+/// The platform an engine runs on: shared (`Arc`) or the process-wide one from
+/// `hprt_platform::get_platform()` (`&'static`).
+#[derive(Clone)]
+pub enum PlatformHandle {
+    Shared(Arc<dyn Platform>),
+    Static(&'static dyn Platform),
+}
+
+impl Deref for PlatformHandle {
+    type Target = dyn Platform;
+    fn deref(&self) -> &(dyn Platform + 'static) {
+        match self {
+            PlatformHandle::Shared(p) => p.as_ref(),
+            PlatformHandle::Static(p) => *p,
+        }
+    }
+}
+
+impl From<Arc<dyn Platform>> for PlatformHandle {
+    fn from(p: Arc<dyn Platform>) -> Self {
+        PlatformHandle::Shared(p)
+    }
+}
+
+impl From<&Arc<dyn Platform>> for PlatformHandle {
+    fn from(p: &Arc<dyn Platform>) -> Self {
+        PlatformHandle::Shared(Arc::clone(p))
+    }
+}
+
+impl From<&'static dyn Platform> for PlatformHandle {
+    fn from(p: &'static dyn Platform) -> Self {
+        PlatformHandle::Static(p)
+    }
+}
 
 /// Settings of a [`SwapEngine`].
 #[derive(Clone, Debug, Default)]
@@ -76,7 +113,7 @@ pub struct EngineStats {
 /// assert_eq!(back, vec![7u8; 1024]);
 /// ```
 pub struct SwapEngine {
-    platform: Arc<dyn Platform>,
+    platform: PlatformHandle,
     d2h: Stream,
     h2d: Stream,
     pool: PinnedPool,
@@ -99,14 +136,15 @@ impl Waited {
 }
 
 impl SwapEngine {
-    pub fn new(platform: Arc<dyn Platform>, config: EngineConfig) -> Result<Self> {
+    pub fn new(platform: impl Into<PlatformHandle>, config: EngineConfig) -> Result<Self> {
+        let platform = platform.into();
         let d2h = platform.create_stream()?;
         let h2d = if config.single_copy_stream {
             d2h.clone()
         } else {
             platform.create_stream()?
         };
-        let pool = PinnedPool::new(Arc::clone(&platform), config.pool);
+        let pool = PinnedPool::new(platform.clone(), config.pool);
         Ok(SwapEngine {
             platform,
             d2h,
@@ -117,7 +155,7 @@ impl SwapEngine {
         })
     }
 
-    pub fn platform(&self) -> &Arc<dyn Platform> {
+    pub fn platform(&self) -> &PlatformHandle {
         &self.platform
     }
     /// The stream offloads run on.

@@ -4,11 +4,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
-use std::sync::Arc;
 
-use hprt_platform::{Platform, Stream};
+use hprt_platform::Stream;
 
-use crate::engine::{EngineConfig, Faults, SwapEngine};
+use crate::engine::{EngineConfig, Faults, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError, SwapState};
 use crate::pool::PoolConfig;
 use crate::tensor::{DeviceTensor, Saved, SwapTensor};
@@ -156,11 +155,11 @@ pub struct KeyedSwap {
 }
 
 impl KeyedSwap {
-    pub fn new(platform: Arc<dyn Platform>) -> Result<Self> {
+    pub fn new(platform: impl Into<PlatformHandle>) -> Result<Self> {
         Self::with_pool(platform, PoolConfig::default())
     }
 
-    pub fn with_pool(platform: Arc<dyn Platform>, pool: PoolConfig) -> Result<Self> {
+    pub fn with_pool(platform: impl Into<PlatformHandle>, pool: PoolConfig) -> Result<Self> {
         let config = EngineConfig {
             single_copy_stream: false,
             pool,

@@ -1,11 +1,10 @@
 //! Layer-group swap (seed 000): each layer's saved tensors form a group; linked layers offload
 //! after their forward and prefetch their predecessor before their backward, on one copy stream.
 
-use std::sync::Arc;
 
-use hprt_platform::{Platform, Stream};
+use hprt_platform::Stream;
 
-use crate::engine::{EngineConfig, Faults, SwapEngine};
+use crate::engine::{EngineConfig, Faults, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError, SwapState};
 use crate::pool::PoolConfig;
 use crate::tensor::{Saved, SwapTensor};
@@ -87,11 +86,11 @@ pub struct SwapManager {
 
 impl SwapManager {
     /// A manager with its own copy stream and an unbounded pinned pool.
-    pub fn new(platform: Arc<dyn Platform>) -> Result<Self> {
+    pub fn new(platform: impl Into<PlatformHandle>) -> Result<Self> {
         Self::with_pool(platform, PoolConfig::default())
     }
 
-    pub fn with_pool(platform: Arc<dyn Platform>, pool: PoolConfig) -> Result<Self> {
+    pub fn with_pool(platform: impl Into<PlatformHandle>, pool: PoolConfig) -> Result<Self> {
         let config = EngineConfig {
             single_copy_stream: true,
             pool,

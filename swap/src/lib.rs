@@ -27,7 +27,7 @@ mod tensor;
 pub use bench::bench;
 #[doc(hidden)]
 pub use engine::Faults;
-pub use engine::{EngineConfig, EngineStats, SwapEngine};
+pub use engine::{EngineConfig, EngineStats, PlatformHandle, SwapEngine};
 pub use error::{Result, SwapError, SwapState};
 pub use keyed::{
     proportional_slice, KeyedSwap, ModuleTag, Packed, SwapContext, SwapPredicate, TensorKey,

@@ -3,11 +3,10 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt::Write as _;
-use std::sync::Arc;
 
-use hprt_platform::{DeviceBuffer, Platform, Stream};
+use hprt_platform::{DeviceBuffer, Stream};
 
-use crate::engine::{EngineConfig, Faults, SwapEngine};
+use crate::engine::{EngineConfig, Faults, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError, SwapState};
 use crate::pool::PoolConfig;
 use crate::tensor::{DeviceTensor, Saved, SwapTensor};
@@ -135,7 +134,7 @@ pub struct PipelineOffload {
 }
 
 impl PipelineOffload {
-    pub fn new(platform: Arc<dyn Platform>, config: PipelineConfig) -> Result<Self> {
+    pub fn new(platform: impl Into<PlatformHandle>, config: PipelineConfig) -> Result<Self> {
         if config.max_inflight_offloads == 0 {
             return Err(SwapError::Order(
                 "max_inflight_offloads must be at least 1".into(),
@@ -355,7 +354,7 @@ impl PipelineOffload {
     }
 
     fn finish_offload(&mut self, id: ChunkId, g: usize) -> Result<()> {
-        let platform = Arc::clone(self.engine.platform());
+        let platform = self.engine.platform().clone();
         let group = &mut chunk_in(&mut self.chunks, id)?.groups[g];
         self.engine.finish_offload(group.tensors.iter_mut())?;
         for buf in group.forced_release.drain(..) {

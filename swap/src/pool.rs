@@ -3,8 +3,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use hprt_platform::{PinnedBuffer, Platform};
+use hprt_platform::PinnedBuffer;
 
+use crate::engine::PlatformHandle;
 use crate::error::{Result, SwapError};
 use crate::tensor::Fence;
 
@@ -38,7 +39,7 @@ struct Idle {
 }
 
 struct PoolInner {
-    platform: Arc<dyn Platform>,
+    platform: PlatformHandle,
     budget: Option<usize>,
     idle: HashMap<usize, Vec<Idle>>,
     idle_bytes: usize,
@@ -63,7 +64,7 @@ fn lock(m: &Mutex<PoolInner>) -> MutexGuard<'_, PoolInner> {
 /// use hprt_platform::{CpuBackend, CpuConfig};
 /// use hprt_swap::{PinnedPool, PoolConfig};
 ///
-/// let pool = PinnedPool::new(Arc::new(CpuBackend::new(CpuConfig::default())),
+/// let pool = PinnedPool::new(hprt_swap::PlatformHandle::Shared(Arc::new(CpuBackend::new(CpuConfig::default()))),
 ///                            PoolConfig { host_budget: Some(1 << 20) });
 /// drop(pool.acquire(4096).unwrap());
 /// let again = pool.acquire(4096).unwrap(); // the same block, no allocation
@@ -121,7 +122,8 @@ impl Drop for PinnedBlock {
 }
 
 impl PinnedPool {
-    pub fn new(platform: Arc<dyn Platform>, config: PoolConfig) -> Self {
+    pub fn new(platform: impl Into<PlatformHandle>, config: PoolConfig) -> Self {
+        let platform = platform.into();
         PinnedPool {
             inner: Arc::new(Mutex::new(PoolInner {
                 platform,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use hprt_platform::{DType, DeviceBuffer, Platform, Stream};
 
-use crate::engine::Faults;
+use crate::engine::{Faults, PlatformHandle};
 use crate::error::{Result, SwapError};
 use crate::keyed::{KeyedSwap, Packed, SwapContext};
 use crate::layer_group::{LayerId, SavedRef, SwapManager};
@@ -107,11 +107,11 @@ enum Driver {
 }
 
 impl Driver {
-    fn new(p: &Arc<dyn Platform>, front: FrontEnd, layers: usize, faults: Faults) -> Result<Self> {
+    fn new(p: &PlatformHandle, front: FrontEnd, layers: usize, faults: Faults) -> Result<Self> {
         Ok(match front {
             FrontEnd::NoSwap => Driver::NoSwap,
             FrontEnd::LayerGroup => {
-                let mut m = SwapManager::new(Arc::clone(p))?;
+                let mut m = SwapManager::new(p.clone())?;
                 m.set_faults(faults);
                 let ids: Vec<LayerId> = (0..layers).map(|_| m.new_layer()).collect();
                 for w in ids.windows(2) {
@@ -120,7 +120,7 @@ impl Driver {
                 Driver::LayerGroup(m, ids)
             }
             FrontEnd::Keyed => {
-                let mut k = KeyedSwap::new(Arc::clone(p))?;
+                let mut k = KeyedSwap::new(p.clone())?;
                 k.set_faults(faults);
                 let ctx = (0..layers).map(|_| k.register_layer("model.layer.*")).collect();
                 Driver::Keyed(k, ctx)
@@ -130,7 +130,7 @@ impl Driver {
                     min_tensor_elems: 1,
                     ..PipelineConfig::default()
                 };
-                let mut o = PipelineOffload::new(Arc::clone(p), cfg)?;
+                let mut o = PipelineOffload::new(p.clone(), cfg)?;
                 o.set_faults(faults);
                 Driver::Pipeline(o)
             }
@@ -227,8 +227,13 @@ impl Driver {
 }
 
 /// Runs `cfg.iterations` simulated steps through `front` on `platform` and checks every byte.
-pub fn simulate(platform: &Arc<dyn Platform>, front: FrontEnd, cfg: &SimConfig) -> Result<SimReport> {
-    let p = platform.as_ref();
+pub fn simulate(
+    platform: impl Into<PlatformHandle>,
+    front: FrontEnd,
+    cfg: &SimConfig,
+) -> Result<SimReport> {
+    let platform = platform.into();
+    let p: &dyn Platform = &*platform;
     let tb = cfg.tensor_bytes;
     if tb < 2 || cfg.layers == 0 {
         return Err(SwapError::Order(
@@ -243,7 +248,7 @@ pub fn simulate(platform: &Arc<dyn Platform>, front: FrontEnd, cfg: &SimConfig) 
         0 => None,
         n => Some(p.alloc_device(n)?),
     };
-    let mut driver = Driver::new(platform, front, cfg.layers, cfg.faults)?;
+    let mut driver = Driver::new(&platform, front, cfg.layers, cfg.faults)?;
     let start = Instant::now();
     p.synchronize_device()?;
     p.reset_peak_memory();
