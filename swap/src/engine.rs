@@ -106,7 +106,7 @@ pub struct EngineStats {
 /// engine.offload([&mut t], &compute).unwrap();
 /// engine.finish_offload([&mut t]).unwrap();
 /// assert_eq!((t.state(), buf.len()), (SwapState::Host, 0)); // device bytes released
-/// engine.start_reload([&mut t], &compute).unwrap();
+/// engine.start_reload([&mut t]).unwrap();
 /// engine.finish_reload([&mut t], &compute).unwrap();
 /// let mut back = vec![0u8; 1024];
 /// p.read_device_sync(&buf, 0, &mut back, &compute).unwrap();
@@ -117,6 +117,9 @@ pub struct SwapEngine {
     d2h: Stream,
     h2d: Stream,
     pool: PinnedPool,
+    /// Reused for every cross-stream ordering mark: a stream wait binds to the record made just
+    /// before it, so re-recording later does not move an earlier wait.
+    mark: hprt_platform::Event,
     faults: Faults,
     stats: EngineStats,
 }
@@ -145,11 +148,13 @@ impl SwapEngine {
             platform.create_stream()?
         };
         let pool = PinnedPool::new(platform.clone(), config.pool);
+        let mark = platform.create_event(false)?;
         Ok(SwapEngine {
             platform,
             d2h,
             h2d,
             pool,
+            mark,
             faults: Faults::default(),
             stats: EngineStats::default(),
         })
@@ -181,14 +186,13 @@ impl SwapEngine {
         self.faults = faults;
     }
 
-    /// A fresh event recorded on `on`, which `waiter` then waits for: work queued on `waiter`
-    /// from now on runs after the work queued on `on` so far.
+    /// Work queued on `waiter` from now on runs after the work queued on `on` so far.
     fn order_after(&self, waiter: &Stream, on: &Stream, skip: bool) -> Result<()> {
-        let mark = self.platform.create_event(false)?;
-        self.platform.record_event(&mark, on)?;
-        if !skip {
-            self.platform.stream_wait_event(waiter, &mark)?;
+        if skip {
+            return Ok(());
         }
+        self.platform.record_event(&self.mark, on)?;
+        self.platform.stream_wait_event(waiter, &self.mark)?;
         Ok(())
     }
 
@@ -276,9 +280,7 @@ impl SwapEngine {
             match t.state {
                 SwapState::D2h => {}
                 SwapState::NonTensor | SwapState::Host => continue,
-                SwapState::Device | SwapState::H2d => {
-                    return Err(t.wrong("finish_offload", "d2h"))
-                }
+                SwapState::Device | SwapState::H2d => return Err(t.wrong("finish_offload", "d2h")),
             }
             let fence = t.d2h.as_ref().expect("d2h state holds its fence");
             if synced.first_time(fence) {
@@ -302,9 +304,7 @@ impl SwapEngine {
             match t.state {
                 SwapState::D2h => {}
                 SwapState::NonTensor | SwapState::Device => continue,
-                SwapState::Host | SwapState::H2d => {
-                    return Err(t.wrong("cancel_offload", "d2h"))
-                }
+                SwapState::Host | SwapState::H2d => return Err(t.wrong("cancel_offload", "d2h")),
             }
             t.host = None;
             t.d2h = None;
@@ -314,24 +314,22 @@ impl SwapEngine {
     }
 
     /// Re-acquires the device storage of the tensors in state `host` and queues pinned → device
-    /// copies after the work queued on `compute` so far. A tensor changed since its offload is an
+    /// copies on the reload stream. A tensor changed since its offload is an
     /// error; a failed re-acquisition (device out of memory) leaves that tensor and the rest in
     /// `host` with their host copies, so the call can be retried. Tensors in `h2d`/`device` are
     /// skipped; `d2h` (offload not finished) is an error.
     pub fn start_reload<'a>(
         &mut self,
         tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
-        compute: &Stream,
     ) -> Result<()> {
         let mut fence = None;
-        let outcome = self.reload_into(tensors, compute, &mut fence);
+        let outcome = self.reload_into(tensors, &mut fence);
         self.seal(fence, &self.h2d, outcome)
     }
 
     fn reload_into<'a>(
         &mut self,
         tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
-        compute: &Stream,
         fence: &mut Option<Fence>,
     ) -> Result<()> {
         for t in tensors {
@@ -349,7 +347,9 @@ impl SwapEngine {
                 });
             }
             match tensor.storage.len() {
-                0 => self.platform.resize_device(&tensor.storage, t.storage_len)?,
+                0 => self
+                    .platform
+                    .resize_device(&tensor.storage, t.storage_len)?,
                 n if n == t.storage_len => {} // another saved view of it was reloaded first
                 actual => {
                     return Err(SwapError::StorageResized {
@@ -358,12 +358,12 @@ impl SwapEngine {
                     })
                 }
             }
+            // No wait for the compute stream here (the seeds need one because their caching
+            // allocator may hand back memory compute work still uses; a platform never hands
+            // back memory under queued work), so a prefetch overlaps the compute before it.
             let f = match fence {
                 Some(f) => Arc::clone(f),
                 None => {
-                    // The new storage must not be written before compute work queued so far
-                    // (which may still use memory the allocator handed back) has run.
-                    self.order_after(&self.h2d, compute, false)?;
                     let f = self.new_fence()?;
                     *fence = Some(Arc::clone(&f));
                     f

@@ -53,13 +53,17 @@ pub enum SwapError {
     #[error("the tensor was modified after it was offloaded: version {saved} at offload, {current} at reload")]
     ModifiedSinceOffload { saved: u64, current: u64 },
     /// Someone resized the storage after it was offloaded.
-    #[error("the storage was resized after offload: expected 0 or {expected} bytes, found {actual}")]
+    #[error(
+        "the storage was resized after offload: expected 0 or {expected} bytes, found {actual}"
+    )]
     StorageResized { expected: usize, actual: usize },
     /// A tensor description does not fit its storage.
     #[error("invalid tensor: {0}")]
     InvalidTensor(String),
     /// The pinned pool would grow past its configured host budget.
-    #[error("pinned host budget exceeded: {requested} more bytes asked, {held} of {budget} bytes held")]
+    #[error(
+        "pinned host budget exceeded: {requested} more bytes asked, {held} of {budget} bytes held"
+    )]
     HostBudgetExceeded {
         requested: usize,
         held: usize,

@@ -253,7 +253,10 @@ impl KeyedSwap {
         let (key, previous_done) = self.keys.next_key(ctx.layer);
         if previous_done {
             let prev = ctx.layer - 1;
-            let group = self.tensors.range_mut((prev, 0)..(prev + 1, 0)).map(|(_, t)| t);
+            let group = self
+                .tensors
+                .range_mut((prev, 0)..(prev + 1, 0))
+                .map(|(_, t)| t);
             self.engine.finish_offload(group)?;
         }
         let mut t = SwapTensor::new(value)?;
@@ -291,7 +294,7 @@ impl KeyedSwap {
         match t.state() {
             // Its layer was never released (no later layer saved anything): bytes never left.
             SwapState::D2h => self.engine.cancel_offload([&mut *t])?,
-            SwapState::Host => self.engine.start_reload([&mut *t], compute)?,
+            SwapState::Host => self.engine.start_reload([&mut *t])?,
             _ => {}
         }
         self.engine.finish_reload([&mut *t], compute)?;
@@ -301,7 +304,7 @@ impl KeyedSwap {
                 if let Some(p) = self.tensors.get_mut(&k) {
                     // A prefetch that fails (device out of memory) leaves the tensor on the host;
                     // its own unpack reloads it, or reports the error, later.
-                    if let Err(e) = self.engine.start_reload([p], compute) {
+                    if let Err(e) = self.engine.start_reload([p]) {
                         tracing::debug!(?k, error = %e, "prefetch deferred");
                     }
                 }

@@ -1,7 +1,6 @@
 //! Layer-group swap (seed 000): each layer's saved tensors form a group; linked layers offload
 //! after their forward and prefetch their predecessor before their backward, on one copy stream.
 
-
 use hprt_platform::Stream;
 
 use crate::engine::{EngineConfig, Faults, PlatformHandle, SwapEngine};
@@ -195,10 +194,10 @@ impl SwapManager {
         if next.is_some() {
             // Normally prefetched at the next layer's backward_pre; loaded here if that failed
             // or the schedule skipped it (both calls skip what is already loading).
-            self.launch_load(layer, compute)?;
+            self.launch_load(layer)?;
         }
         if let Some(prev) = prev {
-            self.launch_load(prev, compute)?;
+            self.launch_load(prev)?;
         }
         if next.is_some() {
             let group = &mut self.layers[layer.0].saved;
@@ -209,11 +208,11 @@ impl SwapManager {
 
     /// Starts reloading the layer's group; an offload still queued is waited for first, and
     /// values already reloading are left alone.
-    fn launch_load(&mut self, layer: LayerId, compute: &Stream) -> Result<()> {
+    fn launch_load(&mut self, layer: LayerId) -> Result<()> {
         let group = &mut self.layers[layer.0].saved;
         let in_flight = group.iter_mut().filter(|t| t.state() == SwapState::D2h);
         self.engine.finish_offload(in_flight)?;
-        self.engine.start_reload(group.iter_mut(), compute)
+        self.engine.start_reload(group.iter_mut())
     }
 
     /// The layer's backward was queued.

@@ -111,7 +111,7 @@ fn chunk_in(chunks: &mut [Option<Chunk>], id: ChunkId) -> Result<&mut Chunk> {
 /// off.group_commit(&s, Vec::new(), false).unwrap();
 /// off.backward_group_begin("attn", &s).unwrap();
 /// assert!(off.get(&tag, &s).is_ok());
-/// off.backward_group_end(&s).unwrap();
+/// off.backward_group_end().unwrap();
 /// off.reset().unwrap();
 /// ```
 pub struct PipelineOffload {
@@ -365,7 +365,7 @@ impl PipelineOffload {
 
     /// Brings group `g` of `id` on its way back: an offload still queued is taken back without
     /// copying (its device bytes were never released), a finished one is reloaded.
-    fn start_group_reload(&mut self, id: ChunkId, g: usize, compute: &Stream) -> Result<()> {
+    fn start_group_reload(&mut self, id: ChunkId, g: usize) -> Result<()> {
         if let Some(pos) = self.inflight.iter().position(|x| *x == (id, g)) {
             self.inflight.remove(pos);
             let group = &mut chunk_in(&mut self.chunks, id)?.groups[g];
@@ -375,7 +375,7 @@ impl PipelineOffload {
         }
         self.delayed.retain(|x| *x != (id, g));
         let group = &mut chunk_in(&mut self.chunks, id)?.groups[g];
-        self.engine.start_reload(group.tensors.iter_mut(), compute)
+        self.engine.start_reload(group.tensors.iter_mut())
     }
 
     fn backward_chunk(&mut self) -> Result<ChunkId> {
@@ -406,7 +406,7 @@ impl PipelineOffload {
                 chunk.groups[g].name
             )));
         }
-        self.start_group_reload(id, g, compute)?;
+        self.start_group_reload(id, g)?;
         let group = &mut chunk_in(&mut self.chunks, id)?.groups[g];
         self.engine.finish_reload(group.tensors.iter_mut(), compute)
     }
@@ -430,7 +430,7 @@ impl PipelineOffload {
             .ok_or_else(|| SwapError::unknown("offload tag", format!("{tag:?}")))?
             .state();
         if matches!(state, SwapState::D2h | SwapState::Host) {
-            self.start_group_reload(chunk, group, compute)?;
+            self.start_group_reload(chunk, group)?;
         }
         let t = &mut chunk_in(&mut self.chunks, chunk)?.groups[group].tensors[index];
         self.engine.finish_reload([&mut *t], compute)?;
@@ -439,7 +439,7 @@ impl PipelineOffload {
 
     /// The current backward group finished: the next group of the chunk starts reloading, or,
     /// after the chunk's first group, the next chunk's last offloaded group does.
-    pub fn backward_group_end(&mut self, compute: &Stream) -> Result<()> {
+    pub fn backward_group_end(&mut self) -> Result<()> {
         let id = self
             .backward
             .ok_or_else(|| SwapError::Order("backward_group_end without a begin".into()))?;
@@ -449,7 +449,7 @@ impl PipelineOffload {
             .ok_or_else(|| SwapError::Order("backward_group_end without a begin".into()))?;
         chunk.backward_next = g.checked_sub(1);
         if let Some(next) = chunk.backward_next {
-            return self.start_group_reload(id, next, compute);
+            return self.start_group_reload(id, next);
         }
         // The chunk is done: its values were handed out, its host blocks go back to the pool.
         self.chunks[id.0] = None;
@@ -457,9 +457,13 @@ impl PipelineOffload {
         let Some(&next_chunk) = self.backward_queue.front() else {
             return Ok(());
         };
-        let last = self.chunk(next_chunk)?.groups.iter().rposition(|g| g.launched);
+        let last = self
+            .chunk(next_chunk)?
+            .groups
+            .iter()
+            .rposition(|g| g.launched);
         match last {
-            Some(g) => self.start_group_reload(next_chunk, g, compute),
+            Some(g) => self.start_group_reload(next_chunk, g),
             None => Ok(()),
         }
     }

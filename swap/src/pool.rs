@@ -88,7 +88,9 @@ pub struct PinnedBlock {
 
 impl PinnedBlock {
     pub fn buffer(&self) -> &PinnedBuffer {
-        self.buf.as_ref().expect("a block holds its buffer until dropped")
+        self.buf
+            .as_ref()
+            .expect("a block holds its buffer until dropped")
     }
     pub fn len(&self) -> usize {
         self.len

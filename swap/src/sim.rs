@@ -88,7 +88,9 @@ fn fill_random(seed: u64, out: &mut [u8]) {
 }
 
 fn fnv(hash: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(hash, |h, b| (h ^ *b as u64).wrapping_mul(0x100_0000_01b3))
+    bytes
+        .iter()
+        .fold(hash, |h, b| (h ^ *b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
 /// The saved-value handles of one layer, as each front end hands them out.
@@ -122,7 +124,9 @@ impl Driver {
             FrontEnd::Keyed => {
                 let mut k = KeyedSwap::new(p.clone())?;
                 k.set_faults(faults);
-                let ctx = (0..layers).map(|_| k.register_layer("model.layer.*")).collect();
+                let ctx = (0..layers)
+                    .map(|_| k.register_layer("model.layer.*"))
+                    .collect();
                 Driver::Keyed(k, ctx)
             }
             FrontEnd::Pipeline => {
@@ -149,7 +153,10 @@ impl Driver {
             Driver::NoSwap => Handles::Plain(values),
             Driver::LayerGroup(m, ids) => {
                 m.forward_pre(ids[layer])?;
-                let refs = values.into_iter().map(|v| m.save(v)).collect::<Result<_>>()?;
+                let refs = values
+                    .into_iter()
+                    .map(|v| m.save(v))
+                    .collect::<Result<_>>()?;
                 m.forward_post(ids[layer], s)?;
                 Handles::Group(refs)
             }
@@ -161,7 +168,10 @@ impl Driver {
             ),
             Driver::Pipeline(o) => {
                 o.group_start(&format!("layer{layer}"))?;
-                let tags = values.into_iter().map(|v| o.save(v)).collect::<Result<_>>()?;
+                let tags = values
+                    .into_iter()
+                    .map(|v| o.save(v))
+                    .collect::<Result<_>>()?;
                 o.group_commit(s, Vec::new(), false)?;
                 Handles::Pipeline(tags)
             }
@@ -194,7 +204,7 @@ impl Driver {
             (Driver::Pipeline(o), Handles::Pipeline(tags)) => {
                 o.backward_group_begin(&format!("layer{layer}"), s)?;
                 let v = tags.iter().map(|t| o.get(t, s)).collect::<Result<_>>()?;
-                o.backward_group_end(s)?;
+                o.backward_group_end()?;
                 Ok(v)
             }
             _ => unreachable!("handles come from the same driver"),
@@ -256,7 +266,10 @@ pub fn simulate(
     let mut pool = PoolStats::default();
     for iteration in 0..cfg.iterations {
         let mut src_bytes = vec![0u8; per_layer_src * cfg.layers];
-        fill_random(cfg.seed.wrapping_mul(1000).wrapping_add(iteration as u64), &mut src_bytes);
+        fill_random(
+            cfg.seed.wrapping_mul(1000).wrapping_add(iteration as u64),
+            &mut src_bytes,
+        );
         let src = p.alloc_pinned(src_bytes.len())?;
         src.write(0, &src_bytes)?;
         let readback = p.alloc_pinned(readback_per_layer * cfg.layers)?;
@@ -288,13 +301,21 @@ pub fn simulate(
             for v in &values {
                 match v {
                     Saved::Tensor(t) => {
-                        p.copy_async((&readback).into(), at, (&t.storage).into(), t.offset, t.len, &compute)?;
+                        p.copy_async(
+                            (&readback).into(),
+                            at,
+                            (&t.storage).into(),
+                            t.offset,
+                            t.len,
+                            &compute,
+                        )?;
                         at += t.len;
                     }
                     Saved::Other(x) => {
                         if x.downcast_ref::<usize>() != Some(&layer) {
                             mismatched += 1;
-                            first_mismatch.get_or_insert(format!("layer {layer}: non-tensor value changed"));
+                            first_mismatch
+                                .get_or_insert(format!("layer {layer}: non-tensor value changed"));
                         }
                     }
                 }

@@ -27,7 +27,9 @@ fn fixture(device_memory: usize, jitter: Option<u64>) -> Fixture {
 }
 
 fn filled(f: &Fixture, bytes: usize, seed: u8) -> (DeviceBuffer, Vec<u8>) {
-    let data: Vec<u8> = (0..bytes).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect();
+    let data: Vec<u8> = (0..bytes)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect();
     let buf = f.p.alloc_device(bytes).unwrap();
     f.p.write_device_sync(&buf, 0, &data, &f.s).unwrap();
     (buf, data)
@@ -59,11 +61,15 @@ fn full_cycle_restores_bytes_and_releases_device_memory_between() {
     let before = f.p.memory_stats().device_current;
     f.engine.offload([&mut t], &f.s).unwrap();
     assert_eq!(t.state(), SwapState::D2h);
-    assert_eq!(buf.len(), 4096, "device bytes are kept until the copy is known complete");
+    assert_eq!(
+        buf.len(),
+        4096,
+        "device bytes are kept until the copy is known complete"
+    );
     f.engine.finish_offload([&mut t]).unwrap();
     assert_eq!(t.state(), SwapState::Host);
     assert_eq!(f.p.memory_stats().device_current, before - 4096);
-    f.engine.start_reload([&mut t], &f.s).unwrap();
+    f.engine.start_reload([&mut t]).unwrap();
     assert_eq!(t.state(), SwapState::H2d);
     f.engine.finish_reload([&mut t], &f.s).unwrap();
     assert_eq!(t.state(), SwapState::Device);
@@ -77,21 +83,51 @@ fn calls_in_the_wrong_state_are_typed_errors() {
     let mut f = fixture(1 << 20, None);
     let (buf, _) = filled(&f, 1024, 2);
     let mut t = whole(&buf);
-    assert_eq!(wrong_state(f.engine.finish_offload([&mut t])), SwapState::Device);
+    assert_eq!(
+        wrong_state(f.engine.finish_offload([&mut t])),
+        SwapState::Device
+    );
     // Already at the target: a no-op, as the seed's wait_load on a loaded tensor.
     f.engine.finish_reload([&mut t], &f.s).unwrap();
     f.engine.offload([&mut t], &f.s).unwrap();
-    assert!(matches!(t.get(), Err(SwapError::WrongState { actual: SwapState::D2h, .. })));
+    assert!(matches!(
+        t.get(),
+        Err(SwapError::WrongState {
+            actual: SwapState::D2h,
+            ..
+        })
+    ));
     // A reload may not start before the offload finished.
-    assert_eq!(wrong_state(f.engine.start_reload([&mut t], &f.s)), SwapState::D2h);
-    assert_eq!(wrong_state(f.engine.finish_reload([&mut t], &f.s)), SwapState::D2h);
+    assert_eq!(wrong_state(f.engine.start_reload([&mut t])), SwapState::D2h);
+    assert_eq!(
+        wrong_state(f.engine.finish_reload([&mut t], &f.s)),
+        SwapState::D2h
+    );
     f.engine.finish_offload([&mut t]).unwrap();
-    assert!(matches!(t.get(), Err(SwapError::WrongState { actual: SwapState::Host, .. })));
-    assert_eq!(wrong_state(f.engine.finish_reload([&mut t], &f.s)), SwapState::Host);
-    assert_eq!(wrong_state(f.engine.cancel_offload([&mut t])), SwapState::Host);
-    f.engine.start_reload([&mut t], &f.s).unwrap();
-    assert_eq!(wrong_state(f.engine.offload([&mut t], &f.s)), SwapState::H2d);
-    assert_eq!(wrong_state(f.engine.finish_offload([&mut t])), SwapState::H2d);
+    assert!(matches!(
+        t.get(),
+        Err(SwapError::WrongState {
+            actual: SwapState::Host,
+            ..
+        })
+    ));
+    assert_eq!(
+        wrong_state(f.engine.finish_reload([&mut t], &f.s)),
+        SwapState::Host
+    );
+    assert_eq!(
+        wrong_state(f.engine.cancel_offload([&mut t])),
+        SwapState::Host
+    );
+    f.engine.start_reload([&mut t]).unwrap();
+    assert_eq!(
+        wrong_state(f.engine.offload([&mut t], &f.s)),
+        SwapState::H2d
+    );
+    assert_eq!(
+        wrong_state(f.engine.finish_offload([&mut t])),
+        SwapState::H2d
+    );
     f.engine.finish_reload([&mut t], &f.s).unwrap();
     assert!(t.get().is_ok());
 }
@@ -102,10 +138,12 @@ fn non_tensor_values_pass_through_every_call() {
     let mut t = SwapTensor::new(Saved::Other(Arc::new("scale".to_string()))).unwrap();
     f.engine.offload([&mut t], &f.s).unwrap();
     f.engine.finish_offload([&mut t]).unwrap();
-    f.engine.start_reload([&mut t], &f.s).unwrap();
+    f.engine.start_reload([&mut t]).unwrap();
     f.engine.finish_reload([&mut t], &f.s).unwrap();
     assert_eq!(t.state(), SwapState::NonTensor);
-    let Saved::Other(v) = t.get().unwrap() else { panic!("not a tensor") };
+    let Saved::Other(v) = t.get().unwrap() else {
+        panic!("not a tensor")
+    };
     assert_eq!(v.downcast_ref::<String>().unwrap(), "scale");
     assert_eq!(f.engine.stats().offloaded_tensors, 0);
 }
@@ -119,8 +157,17 @@ fn a_tensor_modified_after_offload_is_refused_at_reload() {
     f.engine.offload([&mut t], &f.s).unwrap();
     f.engine.finish_offload([&mut t]).unwrap();
     version.bump();
-    let e = f.engine.start_reload([&mut t], &f.s).unwrap_err();
-    assert!(matches!(e, SwapError::ModifiedSinceOffload { saved: 0, current: 1 }), "{e}");
+    let e = f.engine.start_reload([&mut t]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            SwapError::ModifiedSinceOffload {
+                saved: 0,
+                current: 1
+            }
+        ),
+        "{e}"
+    );
     assert_eq!(t.state(), SwapState::Host);
 }
 
@@ -132,8 +179,17 @@ fn a_storage_resized_after_offload_is_refused_at_reload() {
     f.engine.offload([&mut t], &f.s).unwrap();
     f.engine.finish_offload([&mut t]).unwrap();
     f.p.resize_device(&buf, 100).unwrap();
-    let e = f.engine.start_reload([&mut t], &f.s).unwrap_err();
-    assert!(matches!(e, SwapError::StorageResized { expected: 512, actual: 100 }), "{e}");
+    let e = f.engine.start_reload([&mut t]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            SwapError::StorageResized {
+                expected: 512,
+                actual: 100
+            }
+        ),
+        "{e}"
+    );
 }
 
 #[test]
@@ -147,8 +203,12 @@ fn views_copy_only_their_bytes_and_share_the_restored_storage() {
     f.engine.offload(ts.iter_mut(), &f.s).unwrap();
     f.engine.finish_offload(ts.iter_mut()).unwrap();
     assert_eq!(buf.len(), 0);
-    assert_eq!(f.engine.pool_stats().bytes_held, 256 + 256, "only the views' bytes were copied");
-    f.engine.start_reload(ts.iter_mut(), &f.s).unwrap();
+    assert_eq!(
+        f.engine.pool_stats().bytes_held,
+        256 + 256,
+        "only the views' bytes were copied"
+    );
+    f.engine.start_reload(ts.iter_mut()).unwrap();
     f.engine.finish_reload(ts.iter_mut(), &f.s).unwrap();
     assert_eq!(buf.len(), 4096, "the whole storage is re-acquired");
     assert_eq!(read(&f, &buf, 256, 256), data[256..512]);
@@ -165,11 +225,14 @@ fn reload_out_of_device_memory_keeps_the_host_copy_and_can_be_retried() {
     f.engine.finish_offload(ts.iter_mut()).unwrap();
     // Something else took the memory meanwhile: room for one of the two.
     let filler = f.p.alloc_device(40 << 10).unwrap();
-    let e = f.engine.start_reload(ts.iter_mut(), &f.s).unwrap_err();
+    let e = f.engine.start_reload(ts.iter_mut()).unwrap_err();
     assert_eq!(e.platform_kind(), Some(ErrorKind::OutOfMemory), "{e}");
-    assert_eq!([ts[0].state(), ts[1].state()], [SwapState::H2d, SwapState::Host]);
+    assert_eq!(
+        [ts[0].state(), ts[1].state()],
+        [SwapState::H2d, SwapState::Host]
+    );
     f.p.free_device(&filler).unwrap();
-    f.engine.start_reload(ts.iter_mut(), &f.s).unwrap();
+    f.engine.start_reload(ts.iter_mut()).unwrap();
     f.engine.finish_reload(ts.iter_mut(), &f.s).unwrap();
     assert_eq!(read(&f, &a, 0, 16 << 10), da);
     assert_eq!(read(&f, &b, 0, 16 << 10), db);
@@ -191,14 +254,32 @@ fn cancel_offload_keeps_the_device_bytes() {
 #[test]
 fn pool_reuses_by_size_accounts_and_enforces_its_budget() {
     let p: Arc<dyn Platform> = Arc::new(CpuBackend::new(CpuConfig::default()));
-    let pool = PinnedPool::new(Arc::clone(&p), PoolConfig { host_budget: Some(10_000) });
+    let pool = PinnedPool::new(
+        Arc::clone(&p),
+        PoolConfig {
+            host_budget: Some(10_000),
+        },
+    );
     let a = pool.acquire(4000).unwrap();
     let b = pool.acquire(4000).unwrap();
     let e = pool.acquire(4000).err().expect("past the budget");
-    assert!(matches!(e, SwapError::HostBudgetExceeded { requested: 4000, held: 8000, budget: 10_000 }), "{e}");
+    assert!(
+        matches!(
+            e,
+            SwapError::HostBudgetExceeded {
+                requested: 4000,
+                held: 8000,
+                budget: 10_000
+            }
+        ),
+        "{e}"
+    );
     drop(a);
     let s = pool.stats();
-    assert_eq!((s.bytes_held, s.bytes_in_use, s.high_water), (8000, 4000, 8000));
+    assert_eq!(
+        (s.bytes_held, s.bytes_in_use, s.high_water),
+        (8000, 4000, 8000)
+    );
     let a = pool.acquire(4000).unwrap(); // hit
     drop((a, b));
     // A new size evicts idle blocks to stay within the budget.
@@ -219,7 +300,12 @@ fn pool_reuses_by_size_accounts_and_enforces_its_budget() {
 fn engine_offload_past_the_host_budget_is_a_typed_error() {
     let p: Arc<dyn Platform> = Arc::new(CpuBackend::new(CpuConfig::default()));
     let s = p.create_stream().unwrap();
-    let config = EngineConfig { pool: PoolConfig { host_budget: Some(1000) }, ..Default::default() };
+    let config = EngineConfig {
+        pool: PoolConfig {
+            host_budget: Some(1000),
+        },
+        ..Default::default()
+    };
     let mut engine = SwapEngine::new(Arc::clone(&p), config).unwrap();
     let buf = p.alloc_device(2000).unwrap();
     let mut t = whole(&buf);
@@ -240,7 +326,7 @@ fn reuse_round(jitter: u64, faults: Faults) -> bool {
     let mut ta = whole(&a);
     f.engine.offload([&mut ta], &f.s).unwrap();
     f.engine.finish_offload([&mut ta]).unwrap();
-    f.engine.start_reload([&mut ta], &f.s).unwrap();
+    f.engine.start_reload([&mut ta]).unwrap();
     drop(ta);
     let mut tb = whole(&b);
     f.engine.offload([&mut tb], &f.s).unwrap();
@@ -254,7 +340,10 @@ fn a_recycled_pinned_block_waits_for_its_last_reload() {
     for seed in 0..20 {
         assert!(reuse_round(seed, Faults::default()), "jitter seed {seed}");
     }
-    let faulty = Faults { skip_pinned_reuse_wait: true, ..Faults::default() };
+    let faulty = Faults {
+        skip_pinned_reuse_wait: true,
+        ..Faults::default()
+    };
     assert!(
         (0..20).any(|seed| !reuse_round(seed, faulty)),
         "removing the pinned-reuse wait went unnoticed"

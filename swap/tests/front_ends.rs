@@ -31,7 +31,8 @@ fn tensor(p: &Arc<dyn Platform>, s: &Stream, bytes: usize, fill: u8) -> (DeviceB
 fn bytes_of(p: &Arc<dyn Platform>, s: &Stream, v: &Saved) -> Vec<u8> {
     let t = v.tensor().unwrap();
     let mut out = vec![0; t.len];
-    p.read_device_sync(&t.storage, t.offset, &mut out, s).unwrap();
+    p.read_device_sync(&t.storage, t.offset, &mut out, s)
+        .unwrap();
     out
 }
 
@@ -54,7 +55,13 @@ fn linking_is_idempotent_and_first_link_wins() {
     m.forward_pre(b).unwrap();
     m.forward_post(b, &s).unwrap(); // b's prev is a: a released
     assert_eq!(buf.len(), 0);
-    assert!(matches!(m.get(r), Err(SwapError::WrongState { actual: SwapState::Host, .. })));
+    assert!(matches!(
+        m.get(r),
+        Err(SwapError::WrongState {
+            actual: SwapState::Host,
+            ..
+        })
+    ));
 }
 
 #[test]
@@ -103,13 +110,19 @@ fn layer_group_reload_out_of_memory_can_be_retried() {
 fn unknown_layers_and_saves_outside_a_layer_are_errors() {
     let (p, _) = cpu(1 << 20);
     let mut m = SwapManager::new(Arc::clone(&p)).unwrap();
-    assert!(matches!(m.save(Saved::Other(Arc::new(1u8))), Err(SwapError::Order(_))));
+    assert!(matches!(
+        m.save(Saved::Other(Arc::new(1u8))),
+        Err(SwapError::Order(_))
+    ));
     let mut other = SwapManager::new(p).unwrap();
     let foreign = {
         other.new_layer();
         other.new_layer()
     };
-    assert!(matches!(m.forward_pre(foreign), Err(SwapError::Unknown { .. })));
+    assert!(matches!(
+        m.forward_pre(foreign),
+        Err(SwapError::Unknown { .. })
+    ));
 }
 
 // --- keyed (seed 001) ---------------------------------------------------------------------
@@ -171,11 +184,16 @@ fn module_tags_match_with_wildcards_and_count_layers_per_tag() {
     k.add_tag("model.layer.*");
     k.add_tag("model.layer.*.mlp.experts.1.up_proj");
     let l0 = k.register_module("model.layer.0").unwrap();
-    let e0 = k.register_module("model.layer.3.mlp.experts.1.up_proj").unwrap();
+    let e0 = k
+        .register_module("model.layer.3.mlp.experts.1.up_proj")
+        .unwrap();
     let l1 = k.register_module("model.layer.1").unwrap();
     assert_eq!((l0.layer, l1.layer, e0.layer), (0, 1, 0));
     assert_eq!((k.layer_count(&l0), k.layer_count(&e0)), (2, 1));
-    assert!(matches!(k.register_module("decoder.block.0"), Err(SwapError::Unknown { .. })));
+    assert!(matches!(
+        k.register_module("decoder.block.0"),
+        Err(SwapError::Unknown { .. })
+    ));
 }
 
 #[test]
@@ -190,25 +208,43 @@ fn keyed_eligibility_parameters_empty_small_and_predicate() {
     if let Saved::Tensor(t) = &mut param {
         t.is_parameter = true;
     }
-    let empty = Saved::Tensor(DeviceTensor::whole(p.alloc_device(0).unwrap(), DType::U8, vec![0]));
-    let f32 = Saved::Tensor(DeviceTensor::whole(p.alloc_device(256).unwrap(), DType::F32, vec![64]));
+    let empty = Saved::Tensor(DeviceTensor::whole(
+        p.alloc_device(0).unwrap(),
+        DType::U8,
+        vec![0],
+    ));
+    let f32 = Saved::Tensor(DeviceTensor::whole(
+        p.alloc_device(256).unwrap(),
+        DType::F32,
+        vec![64],
+    ));
     for v in [small, param, empty, f32, Saved::Other(Arc::new(()))] {
         assert!(matches!(k.pack(&ctx[0], v, &s).unwrap(), Packed::Kept(_)));
     }
     let (buf, ok) = tensor(&p, &s, 256, 2);
-    assert!(matches!(k.pack(&ctx[0], ok, &s).unwrap(), Packed::Swapped((0, 0))));
+    assert!(matches!(
+        k.pack(&ctx[0], ok, &s).unwrap(),
+        Packed::Swapped((0, 0))
+    ));
     assert_eq!(buf.len(), 256, "released only when the next layer saves");
     let (_, next) = tensor(&p, &s, 256, 3);
     let last = k.pack(&ctx[1], next, &s).unwrap();
     assert_eq!(buf.len(), 0, "the previous layer was released");
-    assert_eq!(k.engine().stats().offloaded_tensors, 1, "the last layer is not offloaded");
+    assert_eq!(
+        k.engine().stats().offloaded_tensors,
+        1,
+        "the last layer is not offloaded"
+    );
     let back = k.unpack(last, &s).unwrap();
     assert_eq!(bytes_of(&p, &s, &back), vec![3; 256]);
     // Its unpack prefetched layer 0's tensor.
     assert_eq!(k.engine().stats().reloaded_tensors, 1);
     let back = k.unpack(Packed::Swapped((0, 0)), &s).unwrap();
     assert_eq!(bytes_of(&p, &s, &back), vec![2; 256]);
-    assert!(matches!(k.unpack(Packed::Swapped((0, 0)), &s), Err(SwapError::Unknown { .. })));
+    assert!(matches!(
+        k.unpack(Packed::Swapped((0, 0)), &s),
+        Err(SwapError::Unknown { .. })
+    ));
 }
 
 #[test]
@@ -228,7 +264,10 @@ fn keyed_layer_never_released_is_taken_back_without_a_copy() {
 // --- chunked pipeline (seed 002) ----------------------------------------------------------
 
 fn pipeline(p: &Arc<dyn Platform>, min_elems: usize) -> PipelineOffload {
-    let cfg = PipelineConfig { min_tensor_elems: min_elems, ..PipelineConfig::default() };
+    let cfg = PipelineConfig {
+        min_tensor_elems: min_elems,
+        ..PipelineConfig::default()
+    };
     PipelineOffload::new(Arc::clone(p), cfg).unwrap()
 }
 
@@ -296,8 +335,11 @@ fn backward_chunk(
 ) {
     for (g, (_, tag)) in saved.iter().enumerate().rev() {
         o.backward_group_begin(&format!("g{g}"), s).unwrap();
-        assert_eq!(bytes_of(p, s, &o.get(tag, s).unwrap()), vec![fill + g as u8; 4096]);
-        o.backward_group_end(s).unwrap();
+        assert_eq!(
+            bytes_of(p, s, &o.get(tag, s).unwrap()),
+            vec![fill + g as u8; 4096]
+        );
+        o.backward_group_end().unwrap();
     }
 }
 
@@ -310,12 +352,18 @@ fn virtual_pipeline_chunks_run_backward_last_stage_first() {
     let mb1s0 = forward_chunk(&mut o, &p, &s, (2, 0), 3, 30);
     let mb1s1 = forward_chunk(&mut o, &p, &s, (2, 1), 3, 40);
     // Backward must visit mb0 stage 1, mb0 stage 0, mb1 stage 1, mb1 stage 0.
-    assert!(matches!(o.backward_group_begin("g0", &s), Err(SwapError::Order(_))));
+    assert!(matches!(
+        o.backward_group_begin("g0", &s),
+        Err(SwapError::Order(_))
+    ));
     backward_chunk(&mut o, &p, &s, &mb0s1, 20);
     backward_chunk(&mut o, &p, &s, &mb0s0, 10);
     backward_chunk(&mut o, &p, &s, &mb1s1, 40);
     backward_chunk(&mut o, &p, &s, &mb1s0, 30);
-    assert!(matches!(o.backward_group_begin("g0", &s), Err(SwapError::Order(_))));
+    assert!(matches!(
+        o.backward_group_begin("g0", &s),
+        Err(SwapError::Order(_))
+    ));
     assert!(o.init_chunk(2, Some(2)).is_err());
 }
 
@@ -363,12 +411,23 @@ fn warmup_enables_keep_last_margin_and_the_summary() {
     let mut o = pipeline(&p, 1);
     let saved = forward_chunk(&mut o, &p, &s, (1, 0), 3, 1);
     backward_chunk(&mut o, &p, &s, &saved, 1);
-    assert_eq!(o.engine().stats().offloaded_tensors, 3, "warm-up offloads every group");
+    assert_eq!(
+        o.engine().stats().offloaded_tensors,
+        3,
+        "warm-up offloads every group"
+    );
     o.post_warmup();
     o.reset().unwrap();
-    assert!(o.offload_summary_bytes().is_empty(), "the warm-up iteration is not summarized");
+    assert!(
+        o.offload_summary_bytes().is_empty(),
+        "the warm-up iteration is not summarized"
+    );
     let saved = forward_chunk(&mut o, &p, &s, (1, 0), 3, 1);
-    assert_eq!(o.engine().stats().offloaded_tensors, 5, "the last group stays on the device");
+    assert_eq!(
+        o.engine().stats().offloaded_tensors,
+        5,
+        "the last group stays on the device"
+    );
     assert_eq!(saved[2].0.len(), 4096);
     backward_chunk(&mut o, &p, &s, &saved, 1);
     o.reset().unwrap();

@@ -29,13 +29,21 @@ fn every_front_end_returns_every_saved_byte() {
         ..SimConfig::default()
     };
     let baseline = run(FrontEnd::NoSwap, &cfg, None);
-    assert_eq!(baseline.mismatched_tensors, 0, "{:?}", baseline.first_mismatch);
+    assert_eq!(
+        baseline.mismatched_tensors, 0,
+        "{:?}",
+        baseline.first_mismatch
+    );
     for front in FrontEnd::SWAPPING {
         let r = run(front, &cfg, None);
         assert_eq!(r.mismatched_tensors, 0, "{front:?}: {:?}", r.first_mismatch);
         assert_eq!(r.digest, baseline.digest, "{front:?}");
         // The second iteration reused the first one's pinned blocks.
-        assert!(r.pool.hits > 0 && r.pool.misses == 0, "{front:?}: {:?}", r.pool);
+        assert!(
+            r.pool.hits > 0 && r.pool.misses == 0,
+            "{front:?}: {:?}",
+            r.pool
+        );
     }
 }
 
@@ -75,7 +83,10 @@ fn sixteen_layers_identical_results_and_lower_peak_than_no_swap() {
     for front in FrontEnd::SWAPPING {
         let r = run(front, &cfg, None);
         assert_eq!(r.mismatched_tensors, 0, "{front:?}: {:?}", r.first_mismatch);
-        assert_eq!(r.digest, none.digest, "{front:?}: results differ from no swap");
+        assert_eq!(
+            r.digest, none.digest,
+            "{front:?}: results differ from no swap"
+        );
         assert!(
             none.device_peak > r.device_peak,
             "{front:?}: peak none {} <= swap {}",
@@ -94,7 +105,10 @@ fn jitter_twenty_seeds_every_front_end() {
     };
     for seed in 0..SEEDS {
         for front in FrontEnd::SWAPPING {
-            let cfg = SimConfig { seed, ..cfg.clone() };
+            let cfg = SimConfig {
+                seed,
+                ..cfg.clone()
+            };
             let r = run(front, &cfg, Some(seed));
             assert_eq!(
                 r.mismatched_tensors, 0,
@@ -115,7 +129,14 @@ fn fault_shows_up(front: FrontEnd, faults: Faults) -> Option<String> {
         ..SimConfig::default()
     };
     (0..SEEDS).find_map(|seed| {
-        let r = run(front, &SimConfig { seed, ..cfg.clone() }, Some(seed));
+        let r = run(
+            front,
+            &SimConfig {
+                seed,
+                ..cfg.clone()
+            },
+            Some(seed),
+        );
         r.first_mismatch
     })
 }
@@ -128,7 +149,10 @@ fn offload_without_waiting_for_the_producer_saves_wrong_bytes() {
     };
     for front in FrontEnd::SWAPPING {
         let seen = fault_shows_up(front, faults);
-        assert!(seen.is_some(), "{front:?}: removing the producer wait went unnoticed");
+        assert!(
+            seen.is_some(),
+            "{front:?}: removing the producer wait went unnoticed"
+        );
     }
 }
 
@@ -140,6 +164,9 @@ fn using_a_tensor_without_waiting_for_its_reload_reads_wrong_bytes() {
     };
     for front in FrontEnd::SWAPPING {
         let seen = fault_shows_up(front, faults);
-        assert!(seen.is_some(), "{front:?}: removing the reload wait went unnoticed");
+        assert!(
+            seen.is_some(),
+            "{front:?}: removing the reload wait went unnoticed"
+        );
     }
 }
