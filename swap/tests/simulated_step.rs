@@ -18,7 +18,7 @@ fn cpu(jitter: Option<u64>) -> Arc<dyn Platform> {
 }
 
 fn run(front: FrontEnd, cfg: &SimConfig, jitter: Option<u64>) -> SimReport {
-    simulate(&cpu(jitter), front, cfg).unwrap_or_else(|e| panic!("{front:?}: {e}"))
+    simulate(cpu(jitter), front, cfg).unwrap_or_else(|e| panic!("{front:?}: {e}"))
 }
 
 #[test]
