@@ -1,0 +1,363 @@
+//! The codec on a [`Platform`] stream, for device tensors of any backend.
+//!
+//! [`DeviceCodec`] is what a device implementation (CUDA kernels through NVRTC, CANN encode ops)
+//! provides; it must produce the bytes of `FORMAT.md`, identical to the CPU codec. This build has
+//! one implementation, [`HostCodec`], which every backend gets: in stream order it copies the
+//! tensor to pinned memory, encodes on host threads inside a host function
+//! ([`Platform::launch_host_fn`]), and copies the result back. No device kernels exist yet, so
+//! [`codec_for`] returns it on every platform.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use hprt_compress::device::{codec_for, CompressedTensor};
+//! use hprt_compress::CodecDType;
+//! use hprt_platform::{CpuBackend, CpuConfig, Platform};
+//!
+//! let p: Arc<dyn Platform> = Arc::new(CpuBackend::new(CpuConfig::default()));
+//! let s = p.create_stream()?;
+//! let data: Vec<u8> = (0..4096u32).flat_map(|i| ((i % 100) as f32 * 0.5).to_le_bytes()).collect();
+//! let src = p.alloc_device(data.len())?;
+//! p.write_device_sync(&src, 0, &data, &s)?;
+//!
+//! let codec = codec_for(p.as_ref());
+//! let scratch = p.alloc_device(codec.max_encoded_len(CodecDType::F32, 4096))?;
+//! let pending = codec.encode_async(p.as_ref(), src.at(0), CodecDType::F32, 4096, &scratch, &s)?;
+//! let packed: CompressedTensor = pending.finish(p.as_ref(), &s)?;
+//! assert!(packed.byte_len() < data.len());
+//!
+//! let dst = p.alloc_device(data.len())?;
+//! codec.decode_async(p.as_ref(), &packed, dst.at(0), &s)?.finish(p.as_ref())?;
+//! let mut back = vec![0u8; data.len()];
+//! p.read_device_sync(&dst, 0, &mut back, &s)?;
+//! assert_eq!(back, data);
+//! # Ok::<(), hprt_compress::CompressError>(())
+//! ```
+
+use std::sync::{Arc, Mutex};
+
+use hprt_platform::{BufRef, DeviceBuffer, Event, Mem, PinnedBuffer, Platform, Stream};
+
+use crate::codec::{self, DecodeOptions, EncodeOptions};
+use crate::error::{CompressError, Result};
+use crate::format::CodecDType;
+
+/// A compressed tensor in device memory: `byte_len` bytes of `FORMAT.md` at the start of `buf`.
+#[derive(Clone, Debug)]
+pub struct CompressedTensor {
+    buf: DeviceBuffer,
+    len: usize,
+    dtype: CodecDType,
+    numel: usize,
+}
+
+impl CompressedTensor {
+    /// Wraps device bytes that hold an encoding of `numel` elements of `dtype` (for example
+    /// after a swap engine brought them back). Decoding checks them; nothing is trusted.
+    pub fn from_device_bytes(
+        buf: DeviceBuffer,
+        len: usize,
+        dtype: CodecDType,
+        numel: usize,
+    ) -> Result<Self> {
+        if len > buf.len() {
+            return Err(CompressError::InvalidArgument(format!(
+                "{len} compressed bytes do not fit the {}-byte buffer",
+                buf.len()
+            )));
+        }
+        Ok(CompressedTensor {
+            buf,
+            len,
+            dtype,
+            numel,
+        })
+    }
+    pub fn dtype(&self) -> CodecDType {
+        self.dtype
+    }
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+    /// Bytes of the original tensor.
+    pub fn original_len(&self) -> usize {
+        self.numel * self.dtype.size()
+    }
+    /// Original bytes over compressed bytes.
+    pub fn ratio(&self) -> f64 {
+        self.original_len() as f64 / self.len.max(1) as f64
+    }
+}
+
+/// What a swap engine needs to offload a compressed tensor and bring it back: the device
+/// buffer holding the bytes and how many of them matter. Offloading `byte_len()` bytes instead
+/// of the original tensor is the point of compress-then-swap.
+pub trait SwapPayload {
+    /// The device buffer to copy from (and, after a reload, into).
+    fn device_buffer(&self) -> &DeviceBuffer;
+    /// Bytes at the start of the buffer that must be moved.
+    fn byte_len(&self) -> usize;
+}
+
+impl SwapPayload for CompressedTensor {
+    fn device_buffer(&self) -> &DeviceBuffer {
+        &self.buf
+    }
+    fn byte_len(&self) -> usize {
+        self.len
+    }
+}
+
+/// The codec on a platform stream. Implementations must write exactly the bytes of the CPU
+/// codec (`FORMAT.md`), so an encoding made on one backend decodes on any other.
+pub trait DeviceCodec: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// Bytes a scratch buffer for [`DeviceCodec::encode_async`] must have.
+    fn max_encoded_len(&self, dtype: CodecDType, numel: usize) -> usize;
+    /// Enqueues the encoding of `numel` elements at `src` into `scratch` on `stream`. The
+    /// result is known once [`PendingEncode::finish`] returned.
+    fn encode_async(
+        &self,
+        platform: &dyn Platform,
+        src: BufRef<'_>,
+        dtype: CodecDType,
+        numel: usize,
+        scratch: &DeviceBuffer,
+        stream: &Stream,
+    ) -> Result<PendingEncode>;
+    /// Enqueues the decoding of `src` into `dst` (which must hold the original bytes).
+    fn decode_async(
+        &self,
+        platform: &dyn Platform,
+        src: &CompressedTensor,
+        dst: BufRef<'_>,
+        stream: &Stream,
+    ) -> Result<PendingDecode>;
+}
+
+/// The device codec for `platform`. No backend has device kernels in this build, so every
+/// backend gets the [`HostCodec`].
+pub fn codec_for(_platform: &dyn Platform) -> Arc<dyn DeviceCodec> {
+    Arc::new(HostCodec::default())
+}
+
+type Slot<T> = Arc<Mutex<Option<Result<T>>>>;
+
+fn take_slot<T>(slot: &Slot<T>, what: &str) -> Result<T> {
+    slot.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()
+        .unwrap_or_else(|| {
+            Err(CompressError::InvalidState(format!(
+                "the {what} host step did not run (its stream reported no error)"
+            )))
+        })
+}
+
+/// An encoding queued on a stream.
+#[must_use = "an encoding is only usable after finish()"]
+pub struct PendingEncode {
+    scratch: DeviceBuffer,
+    done: Event,
+    len: Slot<usize>,
+    dtype: CodecDType,
+    numel: usize,
+    // Held until the stream passed them.
+    _staging: Vec<PinnedBuffer>,
+}
+
+impl PendingEncode {
+    /// Waits for the encoding (only it, not the rest of the stream) and returns its length.
+    pub fn wait_len(&self, platform: &dyn Platform) -> Result<usize> {
+        platform.synchronize_event(&self.done)?;
+        let mut slot = self.len.lock().unwrap_or_else(|p| p.into_inner());
+        match slot.as_ref() {
+            Some(Ok(n)) => Ok(*n),
+            Some(Err(_)) => Err(slot.take().expect("checked").expect_err("checked")),
+            None => Err(CompressError::InvalidState(
+                "the encode host step did not run".into(),
+            )),
+        }
+    }
+
+    /// Waits, then copies the encoding into a buffer of exactly its length (enqueued on
+    /// `stream`), so the scratch buffer can be reused.
+    pub fn finish(self, platform: &dyn Platform, stream: &Stream) -> Result<CompressedTensor> {
+        let len = self.wait_len(platform)?;
+        let buf = platform.alloc_device(len)?;
+        platform.copy_async(
+            Mem::Device(&buf),
+            0,
+            Mem::Device(&self.scratch),
+            0,
+            len,
+            stream,
+        )?;
+        Ok(CompressedTensor {
+            buf,
+            len,
+            dtype: self.dtype,
+            numel: self.numel,
+        })
+    }
+
+    /// Waits and keeps the encoding in the scratch buffer itself.
+    pub fn finish_in_place(self, platform: &dyn Platform) -> Result<CompressedTensor> {
+        let len = self.wait_len(platform)?;
+        Ok(CompressedTensor {
+            buf: self.scratch,
+            len,
+            dtype: self.dtype,
+            numel: self.numel,
+        })
+    }
+}
+
+/// A decoding queued on a stream.
+#[must_use = "a decoding's errors are only seen by finish()"]
+pub struct PendingDecode {
+    done: Event,
+    result: Slot<()>,
+    _staging: Vec<PinnedBuffer>,
+}
+
+impl PendingDecode {
+    /// Waits for the decoding and reports a corrupt input.
+    pub fn finish(self, platform: &dyn Platform) -> Result<()> {
+        platform.synchronize_event(&self.done)?;
+        take_slot(&self.result, "decode")
+    }
+}
+
+/// The host fallback every backend has: D2H into pinned memory, encode or decode in a host
+/// function in stream order, H2D back. The caller's thread never blocks.
+#[derive(Clone, Debug)]
+pub struct HostCodec {
+    pub encode: EncodeOptions,
+    pub decode: DecodeOptions,
+}
+
+impl Default for HostCodec {
+    fn default() -> Self {
+        HostCodec {
+            encode: EncodeOptions::default(),
+            decode: DecodeOptions::default(),
+        }
+    }
+}
+
+impl DeviceCodec for HostCodec {
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    fn max_encoded_len(&self, dtype: CodecDType, numel: usize) -> usize {
+        codec::max_encoded_len(dtype, numel, &self.encode)
+    }
+
+    fn encode_async(
+        &self,
+        p: &dyn Platform,
+        src: BufRef<'_>,
+        dtype: CodecDType,
+        numel: usize,
+        scratch: &DeviceBuffer,
+        stream: &Stream,
+    ) -> Result<PendingEncode> {
+        let bytes = numel * dtype.size();
+        let max = self.max_encoded_len(dtype, numel);
+        if scratch.len() < max {
+            return Err(CompressError::InvalidArgument(format!(
+                "scratch buffer of {} bytes is below the worst case of {max}",
+                scratch.len()
+            )));
+        }
+        let input = p.alloc_pinned(bytes)?;
+        let output = p.alloc_pinned(max)?;
+        p.copy_async(
+            Mem::Pinned(&input),
+            0,
+            Mem::Device(src.buf),
+            src.offset,
+            bytes,
+            stream,
+        )?;
+        let len: Slot<usize> = Arc::new(Mutex::new(None));
+        let (inp, out, slot, opts) = (input.clone(), output.clone(), len.clone(), self.encode.clone());
+        p.launch_host_fn(
+            stream,
+            Box::new(move || {
+                let r = (|| {
+                    let raw = inp.to_vec()?;
+                    let enc = codec::encode(dtype, &raw, &opts)?;
+                    out.write(0, &enc)?;
+                    Ok(enc.len())
+                })();
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            }),
+        )?;
+        // The length is not known when this is queued: the worst case is copied.
+        p.copy_async(Mem::Device(scratch), 0, Mem::Pinned(&output), 0, max, stream)?;
+        let done = p.create_event(false)?;
+        p.record_event(&done, stream)?;
+        Ok(PendingEncode {
+            scratch: scratch.clone(),
+            done,
+            len,
+            dtype,
+            numel,
+            _staging: vec![input, output],
+        })
+    }
+
+    fn decode_async(
+        &self,
+        p: &dyn Platform,
+        src: &CompressedTensor,
+        dst: BufRef<'_>,
+        stream: &Stream,
+    ) -> Result<PendingDecode> {
+        let bytes = src.original_len();
+        let input = p.alloc_pinned(src.len)?;
+        let output = p.alloc_pinned(bytes)?;
+        p.copy_async(Mem::Pinned(&input), 0, Mem::Device(&src.buf), 0, src.len, stream)?;
+        let result: Slot<()> = Arc::new(Mutex::new(None));
+        let (inp, out, slot, opts) = (input.clone(), output.clone(), result.clone(), self.decode.clone());
+        let (dtype, numel) = (src.dtype, src.numel);
+        p.launch_host_fn(
+            stream,
+            Box::new(move || {
+                let r = (|| {
+                    let enc = inp.to_vec()?;
+                    let d = codec::decode_with(&enc, &opts)?;
+                    if d.dtype != dtype || d.numel != numel {
+                        return Err(CompressError::corrupt(
+                            0,
+                            format!(
+                                "holds {} {} elements, expected {numel} {dtype}",
+                                d.numel, d.dtype
+                            ),
+                        ));
+                    }
+                    out.write(0, &d.data)?;
+                    Ok(())
+                })();
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            }),
+        )?;
+        p.copy_async(
+            Mem::Device(dst.buf),
+            dst.offset,
+            Mem::Pinned(&output),
+            0,
+            bytes,
+            stream,
+        )?;
+        let done = p.create_event(false)?;
+        p.record_event(&done, stream)?;
+        Ok(PendingDecode {
+            done,
+            result,
+            _staging: vec![input, output],
+        })
+    }
+}

@@ -1,0 +1,611 @@
+//! The per-layer activation manager (seed 003): saved tensors are registered per layer; during
+//! each asynchronous operator's window the previous layer's tensors that fit are encoded on a
+//! side stream and their originals freed; in backward the next layer's tensors are decoded in
+//! the window; whatever is still compressed when its layer's backward starts is recovered
+//! synchronously.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use hprt_compress::cost::{CostModel, CostTable, Op};
+//! use hprt_compress::data::{generate, DataKind};
+//! use hprt_compress::manager::{ActivationManager, ManagerConfig, SavedTensor};
+//! use hprt_compress::planner::LayerId;
+//! use hprt_compress::CodecDType;
+//! use hprt_platform::{CpuBackend, CpuConfig, DType, Platform};
+//!
+//! let p: Arc<dyn Platform> = Arc::new(CpuBackend::new(CpuConfig::default()));
+//! let compute = p.create_stream()?;
+//! let mut table = CostTable::default();
+//! (table.encode_gbps, table.decode_gbps) = (1.0, 1.0);
+//! let config = ManagerConfig::new(CostModel::from_table(table));
+//! let mut m = ActivationManager::new(p.clone(), compute.clone(), config)?;
+//!
+//! let data = generate(DataKind::Gelu, CodecDType::BF16, 1 << 16, 1);
+//! let buf = p.alloc_device(data.len())?;
+//! p.write_device_sync(&buf, 0, &data, &compute)?;
+//! m.forward_start(LayerId(0))?;
+//! let key = m.save(LayerId(0), SavedTensor { buf, dtype: DType::BF16, numel: 1 << 16 })?.unwrap();
+//! m.forward_start(LayerId(1))?;
+//! m.begin_window(&Op::Fixed(Duration::from_millis(10)))?; // encodes layer 0's tensor
+//! m.end_window()?;                                        // ... and frees the original
+//! assert!(m.is_compressed(key));
+//!
+//! m.backward_start(LayerId(1))?;
+//! m.backward_start(LayerId(0))?; // recovered here
+//! let back = m.take(key)?;
+//! let mut bytes = vec![0u8; data.len()];
+//! p.read_device_sync(&back, 0, &mut bytes, &compute)?;
+//! assert_eq!(bytes, data);
+//! # Ok::<(), hprt_compress::CompressError>(())
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hprt_platform::{DType, DeviceBuffer, Event, Platform, Stream};
+
+use crate::cost::{CostModel, Op};
+use crate::device::{codec_for, CompressedTensor, DeviceCodec, PendingDecode, PendingEncode};
+use crate::error::{CompressError, Result};
+use crate::format::CodecDType;
+use crate::planner::{fit_window, LayerId, LayerOrder};
+
+/// A tensor saved for backward: the first `numel` elements of `buf`.
+#[derive(Clone, Debug)]
+pub struct SavedTensor {
+    pub buf: DeviceBuffer,
+    pub dtype: DType,
+    pub numel: usize,
+}
+
+impl SavedTensor {
+    pub fn bytes(&self) -> usize {
+        self.numel * self.dtype.size()
+    }
+}
+
+type Predicate = Arc<dyn Fn(&SavedTensor) -> bool + Send + Sync>;
+
+/// Which saved tensors are managed: codec dtypes, a minimum size, and custom predicates (all
+/// must accept).
+#[derive(Clone)]
+pub struct TensorFilter {
+    pub dtypes: Vec<CodecDType>,
+    pub min_numel: usize,
+    predicates: Vec<Predicate>,
+}
+
+impl Default for TensorFilter {
+    /// Every codec dtype, at least 32768 elements (below that the launch costs more than it
+    /// saves; MindSpeed uses the same floor).
+    fn default() -> Self {
+        TensorFilter {
+            dtypes: CodecDType::ALL.to_vec(),
+            min_numel: 32768,
+            predicates: Vec::new(),
+        }
+    }
+}
+
+impl TensorFilter {
+    pub fn with_predicate(mut self, f: impl Fn(&SavedTensor) -> bool + Send + Sync + 'static) -> Self {
+        self.predicates.push(Arc::new(f));
+        self
+    }
+    pub fn accepts(&self, t: &SavedTensor) -> bool {
+        CodecDType::try_from(t.dtype).is_ok_and(|d| self.dtypes.contains(&d))
+            && t.numel >= self.min_numel
+            && self.predicates.iter().all(|p| p(t))
+    }
+}
+
+impl std::fmt::Debug for TensorFilter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorFilter")
+            .field("dtypes", &self.dtypes)
+            .field("min_numel", &self.min_numel)
+            .field("predicates", &self.predicates.len())
+            .finish()
+    }
+}
+
+/// Settings of a manager.
+#[derive(Clone, Debug)]
+pub struct ManagerConfig {
+    pub filter: TensorFilter,
+    pub cost: CostModel,
+    /// The device codec; `None` = [`codec_for`] the platform.
+    pub codec: Option<Arc<dyn DeviceCodec>>,
+}
+
+impl std::fmt::Debug for dyn DeviceCodec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceCodec({})", self.name())
+    }
+}
+
+impl ManagerConfig {
+    pub fn new(cost: CostModel) -> Self {
+        ManagerConfig {
+            filter: TensorFilter::default(),
+            cost,
+            codec: None,
+        }
+    }
+}
+
+/// Names one registered tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TensorKey {
+    pub layer: LayerId,
+    pub index: usize,
+}
+
+/// Compression figures of one layer, summed over steps.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LayerStats {
+    /// Tensors registered.
+    pub saved: usize,
+    /// Tensors encoded in a window.
+    pub compressed: usize,
+    /// Original and compressed bytes of the encoded tensors.
+    pub original_bytes: usize,
+    pub compressed_bytes: usize,
+    /// Tensors decoded in a backward window, and synchronously at the layer's backward start.
+    pub decoded_in_window: usize,
+    pub recovered_sync: usize,
+}
+
+impl LayerStats {
+    pub fn ratio(&self) -> f64 {
+        self.original_bytes as f64 / self.compressed_bytes.max(1) as f64
+    }
+}
+
+/// One operator window: what was predicted and (once resolved) measured, and what ran in it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WindowRecord {
+    pub op: String,
+    pub predicted: Option<Duration>,
+    /// The operator's time on the compute stream, from events around it.
+    pub measured: Option<Duration>,
+    pub encoded: usize,
+    pub decoded: usize,
+    pub bytes: usize,
+}
+
+enum State {
+    Normal,
+    Compressed(CompressedTensor),
+}
+
+struct Entry {
+    index: usize,
+    tensor: SavedTensor,
+    /// The buffer's size when registered: what to re-acquire before decoding.
+    alloc_len: usize,
+    state: State,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Phase {
+    Forward,
+    Backward,
+}
+
+enum Work {
+    Encode(LayerId, Vec<(usize, PendingEncode, DeviceBuffer)>),
+    Decode(LayerId, Vec<(usize, PendingDecode)>),
+}
+
+struct OpenWindow {
+    record: usize,
+    start: Event,
+    work: Option<Work>,
+}
+
+/// The manager: one per model replica, driven by the framework's hooks.
+pub struct ActivationManager {
+    p: Arc<dyn Platform>,
+    codec: Arc<dyn DeviceCodec>,
+    cost: CostModel,
+    filter: TensorFilter,
+    compute: Stream,
+    side: Stream,
+    fwd: LayerOrder,
+    bwd: LayerOrder,
+    phase: Option<Phase>,
+    layers: HashMap<LayerId, Vec<Entry>>,
+    next_index: usize,
+    pool: HashMap<(usize, CodecDType), Vec<DeviceBuffer>>,
+    pool_allocations: usize,
+    window: Option<OpenWindow>,
+    pending_events: Vec<(usize, Event, Event)>,
+    records: Vec<WindowRecord>,
+    stats: BTreeMap<LayerId, LayerStats>,
+}
+
+impl ActivationManager {
+    /// A manager whose operators run on `compute`; it creates its own side stream.
+    pub fn new(p: Arc<dyn Platform>, compute: Stream, config: ManagerConfig) -> Result<Self> {
+        let side = p.create_stream()?;
+        let codec = config.codec.unwrap_or_else(|| codec_for(p.as_ref()));
+        Ok(ActivationManager {
+            p,
+            codec,
+            cost: config.cost,
+            filter: config.filter,
+            compute,
+            side,
+            fwd: LayerOrder::default(),
+            bwd: LayerOrder::default(),
+            phase: None,
+            layers: HashMap::new(),
+            next_index: 0,
+            pool: HashMap::new(),
+            pool_allocations: 0,
+            window: None,
+            pending_events: Vec::new(),
+            records: Vec::new(),
+            stats: BTreeMap::new(),
+        })
+    }
+
+    fn no_window(&self, what: &str) -> Result<()> {
+        if self.window.is_some() {
+            return Err(CompressError::InvalidState(format!(
+                "{what} while an operator window is open"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The layer's forward begins (the seed's `pack_start`). Its tensors of the previous step
+    /// must all have been taken.
+    pub fn forward_start(&mut self, layer: LayerId) -> Result<()> {
+        self.no_window("forward_start")?;
+        if self.layers.get(&layer).is_some_and(|v| !v.is_empty()) {
+            return Err(CompressError::InvalidState(format!(
+                "layer {} still holds {} tensors from the previous step",
+                layer.0,
+                self.layers[&layer].len()
+            )));
+        }
+        self.fwd.enter(layer);
+        self.phase = Some(Phase::Forward);
+        Ok(())
+    }
+
+    /// Registers a tensor saved by `layer`; `None` when the filter leaves it to the caller.
+    pub fn save(&mut self, layer: LayerId, tensor: SavedTensor) -> Result<Option<TensorKey>> {
+        if tensor.buf.len() < tensor.bytes() {
+            return Err(CompressError::InvalidArgument(format!(
+                "a {}-byte buffer cannot hold {} {} elements",
+                tensor.buf.len(),
+                tensor.numel,
+                tensor.dtype
+            )));
+        }
+        if !self.filter.accepts(&tensor) {
+            return Ok(None);
+        }
+        let index = self.next_index;
+        self.next_index += 1;
+        let alloc_len = tensor.buf.len();
+        self.layers.entry(layer).or_default().push(Entry {
+            index,
+            tensor,
+            alloc_len,
+            state: State::Normal,
+        });
+        self.stats.entry(layer).or_default().saved += 1;
+        Ok(Some(TensorKey { layer, index }))
+    }
+
+    /// The layer's backward begins (the seed's `unpack_start`): its tensors still compressed
+    /// are decoded now, synchronously.
+    pub fn backward_start(&mut self, layer: LayerId) -> Result<()> {
+        self.no_window("backward_start")?;
+        self.bwd.enter(layer);
+        self.phase = Some(Phase::Backward);
+        let idx: Vec<usize> = self
+            .layers
+            .get(&layer)
+            .map(|v| {
+                v.iter()
+                    .filter(|e| matches!(e.state, State::Compressed(_)))
+                    .map(|e| e.index)
+                    .collect()
+            })
+            .unwrap_or_default();
+        for i in idx {
+            self.recover(layer, i)?;
+        }
+        Ok(())
+    }
+
+    fn entry_mut(&mut self, layer: LayerId, index: usize) -> Result<&mut Entry> {
+        self.layers
+            .get_mut(&layer)
+            .and_then(|v| v.iter_mut().find(|e| e.index == index))
+            .ok_or_else(|| {
+                CompressError::InvalidState(format!(
+                    "no tensor {index} registered in layer {}",
+                    layer.0
+                ))
+            })
+    }
+
+    /// Decodes one compressed tensor back into its own buffer and waits.
+    fn recover(&mut self, layer: LayerId, index: usize) -> Result<()> {
+        let (p, codec, side) = (self.p.clone(), self.codec.clone(), self.side.clone());
+        let compute = self.compute.clone();
+        let e = self.entry_mut(layer, index)?;
+        let State::Compressed(ct) = &e.state else {
+            return Ok(());
+        };
+        p.resize_device(&e.tensor.buf, e.alloc_len)?;
+        // Nothing on the side stream may run before the compute stream reached this point.
+        let ready = p.create_event(false)?;
+        p.record_event(&ready, &compute)?;
+        p.stream_wait_event(&side, &ready)?;
+        codec
+            .decode_async(p.as_ref(), ct, e.tensor.buf.at(0), &side)?
+            .finish(p.as_ref())?;
+        e.state = State::Normal;
+        let done = p.create_event(false)?;
+        p.record_event(&done, &side)?;
+        p.stream_wait_event(&self.compute, &done)?;
+        self.stats.entry(layer).or_default().recovered_sync += 1;
+        Ok(())
+    }
+
+    /// Hands a tensor back for backward (the seed's `pop`), decoding it first if needed; the
+    /// manager forgets it.
+    pub fn take(&mut self, key: TensorKey) -> Result<DeviceBuffer> {
+        self.no_window("take")?;
+        self.recover(key.layer, key.index)?;
+        let v = self.layers.get_mut(&key.layer).ok_or_else(|| {
+            CompressError::InvalidState(format!("no tensors registered in layer {}", key.layer.0))
+        })?;
+        let pos = v
+            .iter()
+            .position(|e| e.index == key.index)
+            .ok_or_else(|| CompressError::InvalidState(format!("tensor {key:?} is not registered")))?;
+        Ok(v.remove(pos).tensor.buf)
+    }
+
+    /// Whether the tensor is currently held compressed.
+    pub fn is_compressed(&self, key: TensorKey) -> bool {
+        self.layers
+            .get(&key.layer)
+            .and_then(|v| v.iter().find(|e| e.index == key.index))
+            .is_some_and(|e| matches!(e.state, State::Compressed(_)))
+    }
+
+    /// Before an asynchronous operator is enqueued on the compute stream: predicts its
+    /// duration and starts encoding (forward) or decoding (backward) what fits.
+    pub fn begin_window(&mut self, op: &Op) -> Result<()> {
+        self.no_window("begin_window")?;
+        let predicted = match self.cost.predict(op) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                tracing::debug!("no codec work in the window of {}: {e}", op.name());
+                None
+            }
+        };
+        let start = self.p.create_event(true)?;
+        self.p.record_event(&start, &self.compute)?;
+        let record = self.records.len();
+        self.records.push(WindowRecord {
+            op: op.name(),
+            predicted,
+            measured: None,
+            encoded: 0,
+            decoded: 0,
+            bytes: 0,
+        });
+        // Open first, so an error below still leaves a window end_window can close.
+        self.window = Some(OpenWindow {
+            record,
+            start: start.clone(),
+            work: None,
+        });
+        let Some(window) = predicted else {
+            return Ok(());
+        };
+        // The side stream starts where the compute stream is now.
+        self.p.stream_wait_event(&self.side, &start)?;
+        let work = match self.phase {
+            Some(Phase::Forward) => self.plan_encode(window)?,
+            Some(Phase::Backward) => self.plan_decode(window)?,
+            None => None,
+        };
+        if let Some(w) = self.window.as_mut() {
+            w.work = work;
+        }
+        Ok(())
+    }
+
+    fn plan_encode(&mut self, window: Duration) -> Result<Option<Work>> {
+        let Some(layer) = self.fwd.current().and_then(|c| self.fwd.prev(c)) else {
+            return Ok(None);
+        };
+        let Some(entries) = self.layers.get(&layer) else {
+            return Ok(None);
+        };
+        let candidates: Vec<(usize, usize)> = entries
+            .iter()
+            .filter(|e| matches!(e.state, State::Normal))
+            .map(|e| (e.index, e.tensor.bytes()))
+            .collect();
+        let budget = self.cost.encodable_numel(window, CodecDType::BF16) * 2;
+        let plan = fit_window(&candidates, budget);
+        let mut items = Vec::new();
+        for index in plan {
+            let t = self.entry_mut(layer, index)?.tensor.clone();
+            let dtype = CodecDType::try_from(t.dtype)?;
+            let scratch = self.scratch(t.numel, dtype)?;
+            let pending = self.codec.encode_async(
+                self.p.as_ref(),
+                t.buf.at(0),
+                dtype,
+                t.numel,
+                &scratch,
+                &self.side,
+            )?;
+            items.push((index, pending, scratch));
+        }
+        Ok(Some(Work::Encode(layer, items)))
+    }
+
+    fn plan_decode(&mut self, window: Duration) -> Result<Option<Work>> {
+        let Some(layer) = self.bwd.current().and_then(|c| self.bwd.next(c)) else {
+            return Ok(None);
+        };
+        let Some(entries) = self.layers.get(&layer) else {
+            return Ok(None);
+        };
+        let candidates: Vec<(usize, usize)> = entries
+            .iter()
+            .filter(|e| matches!(e.state, State::Compressed(_)))
+            .map(|e| (e.index, e.tensor.bytes()))
+            .collect();
+        let budget = self.cost.decodable_numel(window, CodecDType::BF16) * 2;
+        let mut items = Vec::new();
+        for index in fit_window(&candidates, budget) {
+            let (p, codec, side) = (self.p.clone(), self.codec.clone(), self.side.clone());
+            let e = self.entry_mut(layer, index)?;
+            let State::Compressed(ct) = &e.state else {
+                continue;
+            };
+            // Out of memory: leave it compressed; backward_start recovers it later.
+            if let Err(err) = p.resize_device(&e.tensor.buf, e.alloc_len) {
+                tracing::debug!("cannot re-acquire a tensor of layer {}: {err}", layer.0);
+                break;
+            }
+            let pending = codec.decode_async(p.as_ref(), ct, e.tensor.buf.at(0), &side)?;
+            items.push((index, pending));
+        }
+        Ok(Some(Work::Decode(layer, items)))
+    }
+
+    /// A scratch buffer for encodings of (numel, dtype), reused across windows and steps.
+    fn scratch(&mut self, numel: usize, dtype: CodecDType) -> Result<DeviceBuffer> {
+        if let Some(b) = self.pool.get_mut(&(numel, dtype)).and_then(|v| v.pop()) {
+            return Ok(b);
+        }
+        self.pool_allocations += 1;
+        Ok(self
+            .p
+            .alloc_device(self.codec.max_encoded_len(dtype, numel))?)
+    }
+
+    /// After the operator was enqueued: the compute stream waits for the codec work, encoded
+    /// originals are freed (their compressed bytes kept) and decoded tensors become usable.
+    pub fn end_window(&mut self) -> Result<()> {
+        let Some(w) = self.window.take() else {
+            return Err(CompressError::InvalidState("end_window without begin_window".into()));
+        };
+        let end = self.p.create_event(true)?;
+        self.p.record_event(&end, &self.compute)?;
+        self.pending_events.push((w.record, w.start, end));
+        let side_done = self.p.create_event(false)?;
+        self.p.record_event(&side_done, &self.side)?;
+        self.p.stream_wait_event(&self.compute, &side_done)?;
+        match w.work {
+            None => {}
+            Some(Work::Encode(layer, items)) => {
+                for (index, pending, scratch) in items {
+                    let ct = pending.finish(self.p.as_ref(), &self.side)?;
+                    let key = (ct.numel(), ct.dtype());
+                    self.pool.entry(key).or_default().push(scratch);
+                    let (orig, packed) = (ct.original_len(), crate::device::SwapPayload::byte_len(&ct));
+                    let p = self.p.clone();
+                    let e = self.entry_mut(layer, index)?;
+                    p.resize_device(&e.tensor.buf, 0)?;
+                    e.state = State::Compressed(ct);
+                    let s = self.stats.entry(layer).or_default();
+                    s.compressed += 1;
+                    s.original_bytes += orig;
+                    s.compressed_bytes += packed;
+                    let r = &mut self.records[w.record];
+                    r.encoded += 1;
+                    r.bytes += orig;
+                }
+            }
+            Some(Work::Decode(layer, items)) => {
+                let mut first_err = None;
+                for (index, pending) in items {
+                    let r = pending.finish(self.p.as_ref());
+                    let e = self.entry_mut(layer, index)?;
+                    match r {
+                        Ok(()) => {
+                            let bytes = e.tensor.bytes();
+                            e.state = State::Normal;
+                            self.stats.entry(layer).or_default().decoded_in_window += 1;
+                            let rec = &mut self.records[w.record];
+                            rec.decoded += 1;
+                            rec.bytes += bytes;
+                        }
+                        Err(err) => {
+                            first_err.get_or_insert(err);
+                        }
+                    }
+                }
+                if let Some(err) = first_err {
+                    return Err(err);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs `op` (whatever the closure enqueues on the compute stream) inside a window.
+    pub fn window<R>(&mut self, op: &Op, f: impl FnOnce() -> R) -> Result<R> {
+        self.begin_window(op)?;
+        let r = f();
+        self.end_window()?;
+        Ok(r)
+    }
+
+    /// Per-layer statistics (layers in id order).
+    pub fn layer_stats(&self) -> Vec<(LayerId, LayerStats)> {
+        self.stats.iter().map(|(l, s)| (*l, *s)).collect()
+    }
+
+    /// Windows so far, with the measured duration of each operator (waits for the ones not
+    /// yet resolved).
+    pub fn window_records(&mut self) -> Result<Vec<WindowRecord>> {
+        for (i, start, end) in self.pending_events.drain(..) {
+            self.p.synchronize_event(&end)?;
+            let ms = self.p.event_elapsed_ms(&start, &end)?;
+            self.records[i].measured = Some(Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3));
+        }
+        Ok(self.records.clone())
+    }
+
+    /// Scratch buffers ever allocated (the rest of the windows reused them).
+    pub fn scratch_allocations(&self) -> usize {
+        self.pool_allocations
+    }
+
+    /// The learned forward and backward layer orders.
+    pub fn layer_orders(&self) -> (&[LayerId], &[LayerId]) {
+        (self.fwd.order(), self.bwd.order())
+    }
+
+    pub fn cost_model(&self) -> &CostModel {
+        &self.cost
+    }
+}
+
+impl Drop for ActivationManager {
+    fn drop(&mut self) {
+        // Queued side-stream work references buffers this manager owns.
+        let _ = self.p.synchronize_stream(&self.side);
+        let _ = self.p.destroy_stream(&self.side);
+    }
+}
