@@ -159,14 +159,16 @@ impl<'p> GroupCache<'p> {
         })
     }
 
-    /// This rank's group along `axes` of `mesh` (collective over the world).
+    /// This rank's group along `axes` of `mesh` (collective over the world; for a sub-mesh
+    /// the split covers its whole root mesh, see
+    /// [`DeviceMesh::global_split_rank_lists_for_axes`]).
     pub fn group_along(
         &self,
         name: &str,
         mesh: &DeviceMesh,
         axes: &[usize],
     ) -> Result<ProcessGroup> {
-        let lists = mesh.split_rank_lists_for_axes(axes)?;
+        let lists = mesh.global_split_rank_lists_for_axes(axes)?;
         self.group(name, &lists)
     }
 }

@@ -7,14 +7,35 @@
 //!   cached by sorted rank list; a group of one rank is the explicit no-op group.
 //! - [`placement`] — [`Placement`] (`Shard`, `Replicate`, `Partial`), [`DataParallelMesh`]
 //!   (FSDP / HSDP / DDP), [`SpmdLayout`] and the layout-driven [`GroupInfos`].
+//! - [`policy`] — [`MixedPrecisionPolicy`] and [`OffloadPolicy`].
+//! - [`param`] — [`ShardedParam`]: padded shards, `unshard` (async all-gather, prefetch,
+//!   [`UnshardHandle`]), `wait_for_unshard`, `shard`; [`ShardGeometry`] for `Shard(dim)` layouts.
+//! - [`grad`] — gradient accumulation, reduce-scatter + all-reduce ([`ReduceOptions`]) and the
+//!   ordered [`GradQueue`].
+//! - [`bench`] — all-gather / reduce-scatter through hsdp against the direct collective.
 //! - [`error`] — [`HsdpError`], the crate's one error.
+//!
+//! Ranks are whatever the platform's communicators connect (threads of one process on the cpu
+//! backend); each rank builds one [`GroupCache`] over its world communicator and its parameters
+//! in the same order as every other rank.
 
+pub mod bench;
 pub mod error;
+pub mod grad;
 pub mod group;
 pub mod mesh;
+pub mod param;
 pub mod placement;
+pub mod policy;
 
+pub use bench::bench;
 pub use error::{HsdpError, Result};
+pub use grad::{GradInput, GradQueue, ReduceOptions};
 pub use group::{GroupCache, ProcessGroup};
 pub use mesh::DeviceMesh;
+pub use param::{
+    HsdpStreams, ParamConfig, ParamSpec, ParamState, Run, ShardGeometry, ShardRef, ShardedParam,
+    UnshardHandle,
+};
 pub use placement::{DataParallelMesh, DistLayout, GroupInfos, LayoutMode, Placement, SpmdLayout};
+pub use policy::{MixedPrecisionPolicy, OffloadPolicy};

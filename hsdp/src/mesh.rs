@@ -239,6 +239,21 @@ impl DeviceMesh {
             .collect()
     }
 
+    /// The groups along `axes` over the whole root mesh this mesh was cut from (its own
+    /// [`DeviceMesh::split_rank_lists_for_axes`] when it is a root). A sub-mesh only holds the
+    /// ranks of one cut, but a collective split needs every rank's group, and ranks in other
+    /// cuts hold other sub-meshes: the root's lists are the same on all of them.
+    pub fn global_split_rank_lists_for_axes(&self, axes: &[usize]) -> Result<Vec<Vec<usize>>> {
+        self.check_axes(axes)?;
+        match &self.origin {
+            None => self.split_rank_lists_for_axes(axes),
+            Some(o) => {
+                let root_axes: Vec<usize> = axes.iter().map(|&a| o.axes[a]).collect();
+                o.root.split_rank_lists_for_axes(&root_axes)
+            }
+        }
+    }
+
     /// The sub-mesh over `axes` (in that order) through `rank`: what a framework's
     /// `mesh["dp_shard"]` gives. It remembers its root so sub-meshes can be concatenated again.
     pub fn submesh(&self, rank: usize, axes: &[usize]) -> Result<DeviceMesh> {
@@ -522,6 +537,13 @@ mod tests {
         // Overlapping dims, different roots.
         assert!(DeviceMesh::concatenate(&[a.clone(), a.clone()]).is_err());
         let unrelated = DeviceMesh::contiguous(&[2]).unwrap();
+        assert_eq!(
+            root.submesh(5, &[0])
+                .unwrap()
+                .global_split_rank_lists_for_axes(&[0])
+                .unwrap(),
+            root.split_rank_lists_for_axes(&[0]).unwrap()
+        );
         assert!(DeviceMesh::concatenate(&[a, unrelated]).is_err());
         assert!(DeviceMesh::concatenate(&[]).is_err());
     }
