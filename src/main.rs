@@ -12,7 +12,7 @@ use hprt::platform::{get_platform, platform_selection_reason};
 #[command(
     name = "hprt",
     version,
-    about = "hyper-parallel runtime: platform info, conformance, benchmarks"
+    about = "hyper-parallel runtime: platform info, conformance, benchmarks, tensor compression"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -37,6 +37,36 @@ enum Command {
         /// Largest copy size in MiB (the sweep runs from 4 KiB up to it).
         #[arg(long, default_value_t = 256)]
         max_mib: usize,
+    },
+    /// Losslessly compress a raw little-endian tensor file (f32, f16 or bf16).
+    Compress {
+        /// Element type of IN: f32, f16 or bf16.
+        #[arg(long)]
+        dtype: String,
+        /// Worker threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+        #[arg(value_name = "IN")]
+        input: std::path::PathBuf,
+        #[arg(value_name = "OUT")]
+        output: std::path::PathBuf,
+    },
+    /// Restore a file written by `hprt compress` (the dtype is in its header).
+    Decompress {
+        #[arg(long)]
+        threads: Option<usize>,
+        #[arg(value_name = "IN")]
+        input: std::path::PathBuf,
+        #[arg(value_name = "OUT")]
+        output: std::path::PathBuf,
+    },
+    /// Ratio, entropy bound, chunk-table statistics and throughput of raw tensor files
+    /// (against zstd level 1).
+    CodecStats {
+        #[arg(long)]
+        dtype: String,
+        #[arg(required = true, value_name = "FILE")]
+        files: Vec<std::path::PathBuf>,
     },
 }
 
@@ -68,6 +98,41 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 std::fs::write(&path, &table)?;
                 eprintln!("wrote {}", path.display());
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Compress {
+            dtype,
+            threads,
+            input,
+            output,
+        } => {
+            let mut opts = hprt::compress::codec::EncodeOptions::default();
+            if let Some(t) = threads {
+                opts.threads = t;
+            }
+            let dtype = hprt::compress::CodecDType::parse(&dtype)?;
+            let report = hprt::compress::cli::compress_file(dtype, &input, &output, &opts)?;
+            println!("{report}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Decompress {
+            threads,
+            input,
+            output,
+        } => {
+            let mut opts = hprt::compress::codec::DecodeOptions::default();
+            if let Some(t) = threads {
+                opts.threads = t;
+            }
+            let report = hprt::compress::cli::decompress_file(&input, &output, &opts)?;
+            println!("{report}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::CodecStats { dtype, files } => {
+            let dtype = hprt::compress::CodecDType::parse(&dtype)?;
+            let files: Vec<&std::path::Path> = files.iter().map(|f| f.as_path()).collect();
+            let opts = hprt::compress::codec::EncodeOptions::default();
+            print!("{}", hprt::compress::cli::codec_stats(dtype, &files, &opts)?);
             Ok(ExitCode::SUCCESS)
         }
     }

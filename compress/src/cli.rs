@@ -163,3 +163,35 @@ pub fn codec_stats(dtype: CodecDType, files: &[&Path], opts: &EncodeOptions) -> 
     }
     Ok(s)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::{generate, DataKind};
+
+    #[test]
+    fn files_round_trip_and_stats_report_ratio_bound_and_modes() {
+        let dir = std::env::temp_dir().join(format!("hprt-compress-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (raw, packed, back) = (dir.join("a.bf16"), dir.join("a.hprz"), dir.join("a.out"));
+        let data = generate(DataKind::Gaussian, CodecDType::BF16, 20_000, 1);
+        std::fs::write(&raw, &data).unwrap();
+        let opts = EncodeOptions { chunk_elems: 4096, ..Default::default() };
+        let r = compress_file(CodecDType::BF16, &raw, &packed, &opts).unwrap();
+        assert_eq!((r.numel, r.raw_bytes), (20_000, 40_000));
+        assert!(r.compressed_bytes < 30_000);
+        let d = decompress_file(&packed, &back, &DecodeOptions::default()).unwrap();
+        assert_eq!(d.dtype, CodecDType::BF16);
+        assert_eq!(std::fs::read(&back).unwrap(), data);
+        let stats = codec_stats(CodecDType::BF16, &[raw.as_path()], &opts).unwrap();
+        assert!(stats.contains("ratio 1.5"), "{stats}");
+        assert!(stats.contains("5 rans"), "{stats}");
+        assert!(stats.contains("zstd-1"), "{stats}");
+        // Not an encoding; a file that is not whole elements; a missing file.
+        assert!(matches!(decompress_file(&raw, &back, &DecodeOptions::default()), Err(CompressError::Corrupt { .. })));
+        std::fs::write(&raw, [1u8, 2, 3]).unwrap();
+        assert!(compress_file(CodecDType::BF16, &raw, &packed, &opts).is_err());
+        assert!(matches!(compress_file(CodecDType::BF16, &dir.join("none"), &packed, &opts), Err(CompressError::Io { .. })));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
