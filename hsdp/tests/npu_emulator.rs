@@ -1,0 +1,154 @@
+//! A subset of the hsdp cases on the npu backend over the Ascend emulator
+//! (`cargo build -p hprt-ascend-emulator` first): 1-D over 2 ranks, 2-D 2 × 2, mixed precision,
+//! each against the host f64 reference. The emulator's state is process-global, so the cases run
+//! under one lock.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+
+use anyhow::{ensure, Result};
+use common::*;
+use hprt_hsdp::{
+    DataParallelMesh, DeviceMesh, GradInput, MixedPrecisionPolicy, ParamConfig, ParamSpec,
+    Placement, ReduceOptions, ShardedParam,
+};
+use hprt_platform::{DType, NpuBackend, ReduceOp};
+use hprt_sys::SearchEnv;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The emulator library next to this test binary (target/<profile>/).
+fn emulator() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>");
+    let lib = dir.join("libhprt_ascend_emulator.so");
+    assert!(
+        lib.is_file(),
+        "{} is missing: build it with `cargo build -p hprt-ascend-emulator` (scripts/test does)",
+        lib.display()
+    );
+    lib
+}
+
+fn npu() -> NpuBackend {
+    let lib = emulator();
+    NpuBackend::open_with(&SearchEnv {
+        acl_lib: Some(lib.clone()),
+        hccl_lib: Some(lib),
+        ..Default::default()
+    })
+    .expect("the npu backend opens on the emulator")
+}
+
+/// Init, unshard (async), shard, and one gradient reduction, checked against the reference.
+fn case(
+    world: usize,
+    dp: &DataParallelMesh,
+    shape: &[usize],
+    cfg: ParamConfig,
+    op: ReduceOp,
+) -> Result<()> {
+    let p = npu();
+    let numel: usize = shape.iter().product();
+    let full = values(21, numel);
+    let pdt = cfg.mp.param_dtype.unwrap_or(DType::F32);
+    let grads: Vec<Vec<f64>> = (0..world)
+        .map(|r| round_to(pdt, &values(500 + r as u64, numel)))
+        .collect();
+    let div = if op == ReduceOp::Avg {
+        world as f64
+    } else {
+        1.0
+    };
+    let total: Vec<f64> = (0..numel)
+        .map(|i| grads.iter().map(|g| g[i]).sum::<f64>() / div)
+        .collect();
+    run_world(&p, world, |rk| {
+        let src = rk.upload(DType::F32, &full)?;
+        let mut w = ShardedParam::new(
+            &rk.cache,
+            &rk.streams,
+            dp,
+            ParamSpec::new("w", shape, DType::F32),
+            &cfg,
+            (&src).into(),
+        )?;
+        let geom = w.geometry().clone();
+        let shard = rk.read_shard(w.sharded_data(), DType::F32, geom.shard_numel())?;
+        assert_close(
+            "shard",
+            &shard,
+            &expected_shard(&geom, geom.index(), &full),
+            0.0,
+            0.0,
+        )?;
+        let handle = w.unshard(true)?.expect("an all-gather starts");
+        w.wait_for_unshard()?;
+        let got = rk.download(w.unsharded()?, pdt, numel)?;
+        assert_close("gathered", &got, &round_to(pdt, &full), 0.0, 0.0)?;
+        ensure!(handle.is_complete(rk.p)?);
+        w.shard()?;
+        let g = rk.upload(pdt, &grads[rk.rank])?;
+        w.reduce_grad(
+            Some(GradInput {
+                buf: (&g).into(),
+                dtype: pdt,
+            }),
+            ReduceOptions { op, scale: None },
+        )?;
+        let got = rk.read_shard(w.sharded_grad().unwrap(), DType::F32, geom.shard_numel())?;
+        assert_close(
+            "sharded grad",
+            &got,
+            &expected_shard(&geom, geom.index(), &total),
+            1e-6,
+            1e-7,
+        )
+    })
+}
+
+#[test]
+fn fsdp_two_ranks_on_the_emulator() -> Result<()> {
+    let _g = serial();
+    let dp = DataParallelMesh::fsdp(DeviceMesh::contiguous(&[2])?)?;
+    case(2, &dp, &[5, 3], ParamConfig::default(), ReduceOp::Sum)?;
+    let shard1 = ParamConfig {
+        shard: Some(Placement::Shard(1)),
+        ..Default::default()
+    };
+    case(2, &dp, &[2, 5], shard1, ReduceOp::Avg)
+}
+
+#[test]
+fn hsdp_2x2_on_the_emulator() -> Result<()> {
+    let _g = serial();
+    let dp = DataParallelMesh::hsdp(DeviceMesh::contiguous(&[2, 2])?)?;
+    case(4, &dp, &[7, 2], ParamConfig::default(), ReduceOp::Avg)
+}
+
+#[test]
+fn mixed_precision_on_the_emulator() -> Result<()> {
+    let _g = serial();
+    let dp = DataParallelMesh::fsdp(DeviceMesh::contiguous(&[2])?)?;
+    for param_dtype in [DType::BF16, DType::F16] {
+        let cfg = ParamConfig {
+            mp: MixedPrecisionPolicy {
+                param_dtype: Some(param_dtype),
+                reduce_dtype: Some(DType::F32),
+                output_dtype: None,
+            },
+            ..Default::default()
+        };
+        case(2, &dp, &[6, 3], cfg, ReduceOp::Sum)?;
+    }
+    Ok(())
+}
