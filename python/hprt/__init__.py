@@ -1,0 +1,66 @@
+"""hprt: the hyper-parallel runtime from Python.
+
+- Platform layer: ``get_platform()`` (``HP_PLATFORM`` = cpu | cuda | npu), ``cpu_platform()``,
+  ``Platform``, ``Stream``, ``Event``, ``DeviceBuffer``, ``PinnedBuffer``, ``Communicator``.
+- Tensors cross by DLPack (``Platform.from_dlpack(obj)``, ``buffer.view(dtype, shape)``
+  implements ``__dlpack__``) or by raw pointer (``Platform.wrap_device_memory(ptr, nbytes,
+  owner)``, ``Platform.wrap_stream(raw)``).
+- Swap: ``SwapManager`` (layer groups), ``KeyedSwap`` / ``TensorSwapContext`` (keyed
+  pack/unpack), ``PipelineOffload`` (``group_start`` / ``group_commit``), ``FrameworkSwap``
+  (a framework's own tensors; used by ``hprt.torch``).
+- Compression: ``compress`` / ``decompress`` and the activation manager (see ``hprt.compress``
+  names below, present when the extension was built with them).
+- hsdp: ``DeviceMesh``.
+- Errors: ``HprtError`` and its subclasses; ``err.status`` is the backend's status name.
+
+``hprt.torch`` (importable when torch is installed) hooks all of this into autograd.
+"""
+
+from . import _native
+from ._native import *  # noqa: F401,F403  (the extension's public names)
+from ._native import HprtError, KeyedSwap, get_platform
+
+__all__ = [name for name in dir(_native) if not name.startswith("_")] + ["TensorSwapContext"]
+
+
+class TensorSwapContext:
+    """One layer of keyed swap (seed 001): ``TensorSwapContext(module_tag="model.layer.*")``.
+
+    Every context made with the same tag is the next layer under that tag; all contexts share
+    one ``KeyedSwap`` (per platform unless ``swap`` is given). ``pack(value, stream)`` where a
+    value is saved, ``unpack(packed, stream)`` where it is read back; the last layer of a tag
+    keeps its values on the device, earlier ones are offloaded and prefetched proportionally.
+    """
+
+    _shared = {}
+
+    def __init__(self, module_tag="default", swap=None, platform=None, prefetch=True):
+        if swap is None:
+            key = id(platform) if platform is not None else None
+            swap = TensorSwapContext._shared.get(key)
+            if swap is None:
+                swap = KeyedSwap(platform)
+                TensorSwapContext._shared[key] = swap
+        self.swap = swap
+        self.module_tag = module_tag
+        self.prefetch = prefetch
+        self._ctx = swap.register_layer(module_tag)
+
+    @property
+    def layer_idx(self):
+        return self._ctx.layer
+
+    @property
+    def layer_nums(self):
+        return self.swap.layer_count(self._ctx)
+
+    def pack(self, value, stream):
+        return self.swap.pack(self._ctx, value, stream)
+
+    def unpack(self, packed, stream):
+        return self.swap.unpack(packed, stream, self.prefetch)
+
+    @classmethod
+    def reset(cls):
+        """Forgets the shared swaps (and so every tag's layer count)."""
+        cls._shared.clear()

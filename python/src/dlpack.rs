@@ -1,0 +1,221 @@
+//! DLPack both ways, through `dlpark`: hprt memory out as `TensorView` (`__dlpack__`), framework
+//! tensors in as borrowed device memory (`Platform.from_dlpack`).
+
+use std::ffi::c_void;
+
+use dlpark::ffi::{DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned};
+use dlpark::metadata::Dynamic;
+use dlpark::python::{export_dlpack, DlpackExporter, ExportRequest};
+use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
+use hprt_platform::{DType, DeviceBuffer, PinnedBuffer};
+use hprt_swap::PlatformHandle;
+use pyo3::exceptions::PyBufferError;
+use pyo3::prelude::*;
+
+use crate::dtype;
+use crate::error::{invalid, Result};
+use crate::platform::{device_is_host, unsupported, PyPlatform};
+use crate::swap::PyDeviceTensor;
+
+/// What keeps exported memory alive: a handle clone travels inside every DLPack capsule.
+#[derive(Clone)]
+enum Backing {
+    Device(DeviceBuffer),
+    Pinned(PinnedBuffer),
+}
+
+/// A typed, dense, row-major window on hprt memory that numpy and torch can import without a
+/// copy (`numpy.from_dlpack(view)`, `torch.from_dlpack(view)`).
+///
+/// The consumer reads the memory directly: synchronize with the copies that write it first.
+/// Resizing or freeing the buffer while a consumer holds the memory leaves it dangling, exactly
+/// as freeing a framework's storage under a view would; every export re-checks the bounds.
+#[pyclass(name = "TensorView", module = "hprt._native", frozen)]
+pub struct TensorView {
+    backing: Backing,
+    offset: usize,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+impl TensorView {
+    pub(crate) fn of_device(
+        p: &PlatformHandle,
+        b: &DeviceBuffer,
+        dtype: DType,
+        shape: Vec<usize>,
+        offset: usize,
+    ) -> Result<Self> {
+        if !device_is_host(&**p) {
+            return Err(unsupported(format!(
+                "DLPack export of {} device memory: only the cpu backend's device memory is \
+                 host-addressable; copy into a PinnedBuffer and export that",
+                p.backend()
+            )));
+        }
+        let v = TensorView {
+            backing: Backing::Device(b.clone()),
+            offset,
+            dtype,
+            shape,
+        };
+        v.address()?;
+        Ok(v)
+    }
+
+    pub(crate) fn of_pinned(
+        _p: &PlatformHandle,
+        b: &PinnedBuffer,
+        dtype: DType,
+        shape: Vec<usize>,
+        offset: usize,
+    ) -> Result<Self> {
+        let v = TensorView {
+            backing: Backing::Pinned(b.clone()),
+            offset,
+            dtype,
+            shape,
+        };
+        v.address()?;
+        Ok(v)
+    }
+
+    /// The first element's address, after checking the window lies inside the live memory.
+    fn address(&self) -> Result<usize> {
+        let nbytes = dtype::nbytes(self.dtype, &self.shape)?;
+        let (base, len) = match &self.backing {
+            Backing::Device(b) => (b.device_ptr(), b.len()),
+            // SAFETY: only the address is taken; nothing is read or written through it here.
+            Backing::Pinned(b) => (unsafe { b.as_ptr() } as usize, b.len()),
+        };
+        match self.offset.checked_add(nbytes) {
+            Some(end) if end <= len && (base != 0 || nbytes == 0) => Ok(base + self.offset),
+            _ => Err(invalid(format!(
+                "a {nbytes}-byte view at offset {} does not fit the {len}-byte buffer",
+                self.offset
+            ))),
+        }
+    }
+
+    fn managed<M: ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
+        let addr = self.address()?;
+        let shape: Vec<i64> = self.shape.iter().map(|d| *d as i64).collect();
+        let mut init = Dynamic::compact(shape)
+            .initialize_as::<M>(Box::new(self.backing.clone()))
+            .map_err(|e| PyBufferError::new_err(e.to_string()))?;
+        init.set_data(addr as *mut c_void)
+            .set_dtype(dtype::to_dlpack(self.dtype))
+            .set_device(DLDevice::CPU);
+        // SAFETY: `addr..addr + nbytes` was just checked to lie in the live buffer, whose handle
+        // travels in the tensor's context; the metadata is dense row-major with explicit
+        // strides (the `compact` builder) and no flags are asserted.
+        Ok(unsafe { init.finish() })
+    }
+}
+
+impl DlpackExporter for TensorView {
+    fn device(&self) -> DLDevice {
+        DLDevice::CPU
+    }
+    fn flags(&self) -> DlpackFlags {
+        DlpackFlags::empty()
+    }
+    fn prepare_export(&self, _py: Python<'_>, _request: &ExportRequest<'_>) -> PyResult<()> {
+        Ok(())
+    }
+    fn export_legacy(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensor>> {
+        self.managed()
+    }
+    fn export_versioned(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensorVersioned>> {
+        self.managed()
+    }
+}
+
+#[pymethods]
+impl TensorView {
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__(
+        &self,
+        py: Python<'_>,
+        stream: Option<&Bound<'_, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(u32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let stream = stream.filter(|s| !s.is_none());
+        let request = ExportRequest::parse(stream, max_version, dl_device, copy)?;
+        export_dlpack(self, py, request)
+    }
+
+    fn __dlpack_device__(&self) -> (u32, i32) {
+        (DLDeviceType::CPU.0, 0)
+    }
+
+    #[getter]
+    fn shape(&self) -> Vec<usize> {
+        self.shape.clone()
+    }
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.name()
+    }
+    #[getter]
+    fn nbytes(&self) -> Result<usize> {
+        dtype::nbytes(self.dtype, &self.shape)
+    }
+}
+
+/// Wraps what a DLPack producer exports as borrowed device memory; the imported tensor (and so
+/// the producer's storage) lives until hprt releases the memory.
+pub(crate) fn import(
+    platform: &PyPlatform,
+    obj: &Bound<'_, PyAny>,
+    is_parameter: bool,
+) -> Result<PyDeviceTensor> {
+    let imported = dlpark::python::from_dlpack(obj.as_borrowed(), None, None)
+        .map_err(|e| invalid(format!("DLPack import failed: {e}")))?;
+    let t = imported
+        .validate()
+        .map_err(|e| invalid(format!("invalid DLPack tensor: {e}")))?;
+    let device = t.device();
+    let host_tensor = matches!(
+        device.device_type,
+        DLDeviceType::CPU | DLDeviceType::CUDAHOST
+    );
+    if !(host_tensor && device_is_host(&*platform.p)) {
+        return Err(unsupported(format!(
+            "a DLPack tensor on device type {} cannot be wrapped by the {} backend; use \
+             wrap_device_memory(ptr, nbytes, owner) with a pointer of this backend",
+            device.device_type.0,
+            platform.p.backend()
+        )));
+    }
+    let compact = t
+        .is_compact()
+        .map_err(|e| invalid(format!("invalid DLPack strides: {e}")))?;
+    if !compact {
+        return Err(invalid(
+            "only dense row-major tensors can be wrapped; call .contiguous() first",
+        ));
+    }
+    let dtype = dtype::from_dlpack(t.dtype())?;
+    let shape = t
+        .shape()
+        .iter()
+        .map(|d| usize::try_from(*d).map_err(|_| invalid("negative DLPack dimension")))
+        .collect::<Result<Vec<_>>>()?;
+    let nbytes = dtype::nbytes(dtype, &shape)?;
+    let ptr = (t.data_ptr() as usize)
+        .checked_add(t.byte_offset() as usize)
+        .ok_or_else(|| invalid("DLPack data pointer overflows"))?;
+    let release: hprt_platform::ReleaseFn = Box::new(move || drop(imported));
+    // SAFETY: the range is the imported tensor's own (validated dense, `nbytes` long) host
+    // memory, addressable as device memory by the cpu backend; the managed tensor that keeps it
+    // alive moves into the release callback.
+    let storage = unsafe { platform.p.wrap_device_memory(ptr, nbytes, Some(release))? };
+    PyDeviceTensor::from_parts(&platform.p, storage, 0, dtype, shape, is_parameter)
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<TensorView>()
+}

@@ -1,0 +1,82 @@
+//! Element types as Python names them (`"float32"`, `"f32"`, `"bfloat16"`, …) and as DLPack
+//! encodes them.
+
+use dlpark::ffi::{DLDataType, DLDataTypeCode};
+use hprt_platform::{DType, ReduceOp};
+
+use crate::error::{invalid, Result};
+
+/// Parses a dtype name: hprt's own (`f32`), numpy/torch style (`float32`, `torch.float32`).
+pub fn parse(name: &str) -> Result<DType> {
+    let n = name
+        .trim()
+        .trim_start_matches("torch.")
+        .to_ascii_lowercase();
+    Ok(match n.as_str() {
+        "f32" | "float32" | "float" => DType::F32,
+        "f16" | "float16" | "half" => DType::F16,
+        "bf16" | "bfloat16" => DType::BF16,
+        "f64" | "float64" | "double" => DType::F64,
+        "i8" | "int8" => DType::I8,
+        "u8" | "uint8" => DType::U8,
+        "i32" | "int32" | "int" => DType::I32,
+        "i64" | "int64" | "long" => DType::I64,
+        _ => {
+            return Err(invalid(format!(
+                "unknown dtype {name:?}; expected one of f32, f16, bf16, f64, i8, u8, i32, i64 \
+                 (or their numpy/torch names)"
+            )))
+        }
+    })
+}
+
+/// The DLPack descriptor of `dtype`.
+pub fn to_dlpack(dtype: DType) -> DLDataType {
+    let (code, bits) = match dtype {
+        DType::F32 => (DLDataTypeCode::FLOAT, 32),
+        DType::F16 => (DLDataTypeCode::FLOAT, 16),
+        DType::BF16 => (DLDataTypeCode::BFLOAT, 16),
+        DType::F64 => (DLDataTypeCode::FLOAT, 64),
+        DType::I8 => (DLDataTypeCode::INT, 8),
+        DType::U8 => (DLDataTypeCode::UINT, 8),
+        DType::I32 => (DLDataTypeCode::INT, 32),
+        DType::I64 => (DLDataTypeCode::INT, 64),
+    };
+    DLDataType::scalar(code, bits)
+}
+
+/// The hprt dtype of a DLPack descriptor; `bool` tensors travel as bytes.
+pub fn from_dlpack(dt: DLDataType) -> Result<DType> {
+    let scalar = dt.lanes == 1;
+    let found = DType::ALL
+        .into_iter()
+        .find(|d| scalar && to_dlpack(*d).matches(dt));
+    match (found, dt.code, dt.bits) {
+        (Some(d), _, _) => Ok(d),
+        (None, DLDataTypeCode::BOOL, 8) if scalar => Ok(DType::U8),
+        _ => Err(invalid(format!(
+            "DLPack dtype (code {}, {} bits, {} lanes) has no hprt dtype",
+            dt.code.0, dt.bits, dt.lanes
+        ))),
+    }
+}
+
+pub fn parse_reduce_op(name: &str) -> Result<ReduceOp> {
+    let n = name.trim().to_ascii_lowercase();
+    ReduceOp::ALL
+        .into_iter()
+        .find(|op| op.name() == n)
+        .ok_or_else(|| {
+            invalid(format!(
+                "unknown reduce op {name:?}; expected sum, avg, max, min or prod"
+            ))
+        })
+}
+
+/// Bytes of `shape` elements of `dtype`, refusing overflow.
+pub fn nbytes(dtype: DType, shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(dtype.size(), |acc, d| acc.checked_mul(*d))
+        .ok_or_else(|| invalid(format!("shape {shape:?} of {dtype} overflows")))
+}

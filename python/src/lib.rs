@@ -1,0 +1,40 @@
+//! hprt-python: the `hprt._native` extension module behind the `hprt` Python package.
+//!
+//! - [`platform`] — `get_platform()`, `cpu_platform()`, `Platform`, `Stream`, `Event`,
+//!   `DeviceBuffer`, `PinnedBuffer`: the platform layer as Python objects.
+//! - [`dlpack`] — `TensorView` (`__dlpack__` out of hprt memory) and `Platform.from_dlpack`
+//!   (numpy / torch memory in, zero-copy), through `dlpark`.
+//! - [`collective`] — `Communicator`: all-reduce, all-gather, reduce-scatter, broadcast,
+//!   barrier, split.
+//! - [`swap`] — `DeviceTensor` and the three hprt-swap front ends: `SwapManager` (layer
+//!   groups), `KeyedSwap` (keyed pack/unpack), `PipelineOffload` (chunked groups).
+//! - [`offload`] — `FrameworkSwap` / `HostCopy`: swap of a framework's own tensors (what
+//!   `hprt.torch` uses), with accounting of the framework bytes hprt keeps on the device.
+//! - [`hsdp`] — `DeviceMesh`.
+//! - [`error`] — `BindError` and the `HprtError` exception family; every failure becomes one,
+//!   carrying the backend's status name.
+
+pub mod collective;
+pub mod dlpack;
+pub mod dtype;
+pub mod error;
+pub mod hsdp;
+pub mod offload;
+pub mod platform;
+pub mod swap;
+
+pub use error::{BindError, Result};
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    error::register(m)?;
+    platform::register(m)?;
+    dlpack::register(m)?;
+    collective::register(m)?;
+    swap::register(m)?;
+    offload::register(m)?;
+    hsdp::register(m)?;
+    Ok(())
+}

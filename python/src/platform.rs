@@ -1,0 +1,552 @@
+//! `hprt.Platform` and its handles: streams, events, device and pinned buffers.
+//!
+//! Every call that can block on queued device work (synchronizations, destroys, collectives,
+//! rendezvous) releases the GIL, so other Python threads — other ranks, framework threads, and
+//! DLPack deleters that take the GIL — keep running.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hprt_platform::{
+    BackendKind, CpuBackend, CpuConfig, DeviceBuffer, Event, Mem, PinnedBuffer, Platform,
+    PlatformRequest, Stream,
+};
+use hprt_swap::PlatformHandle;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::dlpack::TensorView;
+use crate::dtype;
+use crate::error::{invalid, BindError, Result};
+
+/// A platform: the process-wide one ([`get_platform`]) or a private cpu one ([`cpu_platform`]).
+///
+/// ```python
+/// p = hprt.cpu_platform(device_memory=1 << 20)
+/// s = p.create_stream()
+/// buf = p.alloc_device(1024)
+/// p.write(buf, b"\x01" * 1024, s)
+/// assert p.read(buf, 1024, s) == b"\x01" * 1024
+/// ```
+#[pyclass(name = "Platform", module = "hprt._native", frozen)]
+pub struct PyPlatform {
+    pub(crate) p: PlatformHandle,
+}
+
+/// The process-wide platform chosen by `HP_PLATFORM` (`cpu`, `cuda`, `npu`; unset = detect).
+#[pyfunction]
+pub fn get_platform() -> Result<PyPlatform> {
+    Ok(PyPlatform {
+        p: PlatformHandle::Static(hprt_platform::get_platform()?),
+    })
+}
+
+/// The given platform's handle, or the process-wide platform's.
+pub(crate) fn resolve(platform: Option<&PyPlatform>) -> Result<PlatformHandle> {
+    match platform {
+        Some(p) => Ok(p.p.clone()),
+        None => Ok(PlatformHandle::Static(hprt_platform::get_platform()?)),
+    }
+}
+
+/// Why `get_platform()` chose the backend it chose.
+#[pyfunction]
+pub fn platform_selection_reason() -> Result<String> {
+    Ok(hprt_platform::platform_selection_reason()?.to_owned())
+}
+
+/// A new platform value of the named backend (not the process-wide one).
+#[pyfunction]
+pub fn open_platform(name: &str) -> Result<PyPlatform> {
+    let request = PlatformRequest::parse(Some(name))?;
+    let selection = hprt_platform::select_platform(request)?;
+    Ok(PyPlatform {
+        p: PlatformHandle::Shared(Arc::from(selection.platform)),
+    })
+}
+
+/// A private cpu platform with its own capacity, devices, pinned limit and jitter seed.
+#[pyfunction]
+#[pyo3(signature = (device_memory=None, devices=1, pinned_memory=None, jitter=None, collective_timeout_s=None))]
+pub fn cpu_platform(
+    device_memory: Option<usize>,
+    devices: usize,
+    pinned_memory: Option<usize>,
+    jitter: Option<u64>,
+    collective_timeout_s: Option<f64>,
+) -> Result<PyPlatform> {
+    let mut cfg = CpuConfig::default();
+    if let Some(bytes) = device_memory {
+        cfg.device_memory = bytes;
+    }
+    if devices == 0 {
+        return Err(invalid("a cpu platform needs at least one device"));
+    }
+    cfg.devices = devices;
+    cfg.pinned_memory = pinned_memory;
+    cfg.jitter = jitter;
+    if let Some(s) = collective_timeout_s {
+        cfg.collective_timeout = Duration::try_from_secs_f64(s)
+            .map_err(|_| invalid(format!("collective_timeout_s={s} is not a duration")))?;
+    }
+    Ok(PyPlatform {
+        p: PlatformHandle::Shared(Arc::new(CpuBackend::new(cfg))),
+    })
+}
+
+/// A stream of this platform.
+#[pyclass(name = "Stream", module = "hprt._native", frozen)]
+pub struct PyStream {
+    pub(crate) p: PlatformHandle,
+    pub(crate) s: Stream,
+}
+
+/// A completion mark recorded on a stream.
+#[pyclass(name = "Event", module = "hprt._native", frozen)]
+pub struct PyEvent {
+    pub(crate) p: PlatformHandle,
+    pub(crate) e: Event,
+}
+
+/// Device memory: allocated by hprt, or borrowed from a framework.
+#[pyclass(name = "DeviceBuffer", module = "hprt._native", frozen)]
+pub struct PyDeviceBuffer {
+    pub(crate) p: PlatformHandle,
+    pub(crate) b: DeviceBuffer,
+}
+
+/// Page-locked host memory, the host end of asynchronous copies.
+#[pyclass(name = "PinnedBuffer", module = "hprt._native", frozen)]
+pub struct PyPinnedBuffer {
+    pub(crate) p: PlatformHandle,
+    pub(crate) b: PinnedBuffer,
+}
+
+/// One end of a copy, from either buffer class.
+pub(crate) enum AnyBuf {
+    Device(DeviceBuffer),
+    Pinned(PinnedBuffer),
+}
+
+impl AnyBuf {
+    pub(crate) fn extract(obj: &Bound<'_, PyAny>) -> Result<Self> {
+        if let Ok(d) = obj.cast::<PyDeviceBuffer>() {
+            return Ok(AnyBuf::Device(d.get().b.clone()));
+        }
+        if let Ok(p) = obj.cast::<PyPinnedBuffer>() {
+            return Ok(AnyBuf::Pinned(p.get().b.clone()));
+        }
+        Err(invalid("expected a DeviceBuffer or a PinnedBuffer"))
+    }
+    fn mem(&self) -> Mem<'_> {
+        match self {
+            AnyBuf::Device(b) => Mem::Device(b),
+            AnyBuf::Pinned(b) => Mem::Pinned(b),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            AnyBuf::Device(b) => b.len(),
+            AnyBuf::Pinned(b) => b.len(),
+        }
+    }
+}
+
+impl PyPlatform {
+    pub(crate) fn stream(&self, s: Stream) -> PyStream {
+        PyStream {
+            p: self.p.clone(),
+            s,
+        }
+    }
+    pub(crate) fn device_buffer(&self, b: DeviceBuffer) -> PyDeviceBuffer {
+        PyDeviceBuffer {
+            p: self.p.clone(),
+            b,
+        }
+    }
+}
+
+#[pymethods]
+impl PyPlatform {
+    /// `"cpu"`, `"cuda"` or `"npu"`.
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.p.backend().name()
+    }
+
+    /// Backend, driver, devices and settings, as a dict.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let info = self.p.info();
+        let d = PyDict::new(py);
+        d.set_item("backend", info.backend.name())?;
+        d.set_item("driver", info.driver)?;
+        d.set_item("devices", info.devices.len())?;
+        d.set_item("settings", info.settings)?;
+        Ok(d)
+    }
+
+    fn device_count(&self) -> usize {
+        self.p.device_count()
+    }
+
+    fn set_device(&self, ordinal: usize) -> Result<()> {
+        Ok(self.p.set_device(ordinal)?)
+    }
+
+    fn current_device(&self) -> usize {
+        self.p.current_device()
+    }
+
+    /// `(free, total)` bytes of the current device.
+    fn mem_info(&self) -> Result<(usize, usize)> {
+        let m = self.p.mem_info()?;
+        Ok((m.free, m.total))
+    }
+
+    /// hprt's accounting of device and pinned memory (current, peak, allocations).
+    fn memory_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.p.memory_stats();
+        let d = PyDict::new(py);
+        d.set_item("device_current", s.device_current)?;
+        d.set_item("device_peak", s.device_peak)?;
+        d.set_item("device_allocations", s.device_allocations)?;
+        d.set_item("pinned_current", s.pinned_current)?;
+        d.set_item("pinned_peak", s.pinned_peak)?;
+        d.set_item("pinned_allocations", s.pinned_allocations)?;
+        Ok(d)
+    }
+
+    fn reset_peak_memory(&self) {
+        self.p.reset_peak_memory()
+    }
+
+    fn create_stream(&self) -> Result<PyStream> {
+        Ok(self.stream(self.p.create_stream()?))
+    }
+
+    /// Wraps a framework's stream (`torch.cuda.current_stream().cuda_stream`, an `aclrtStream`
+    /// as an int, or a cpu stream's `raw`) without taking ownership.
+    ///
+    /// The caller promises the stream stays alive while the wrapper is used.
+    fn wrap_stream(&self, raw: usize) -> Result<PyStream> {
+        // SAFETY: the documented contract of this method: `raw` names a live stream of this
+        // backend for as long as the wrapper is used (the backend checks what it can).
+        let s = unsafe { self.p.wrap_external_stream(hprt_platform::RawStream(raw))? };
+        Ok(self.stream(s))
+    }
+
+    /// Blocks until every stream of the platform is idle.
+    fn synchronize(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| self.p.synchronize_device())?)
+    }
+
+    #[pyo3(signature = (timing=false))]
+    fn create_event(&self, timing: bool) -> Result<PyEvent> {
+        Ok(PyEvent {
+            p: self.p.clone(),
+            e: self.p.create_event(timing)?,
+        })
+    }
+
+    fn alloc_device(&self, nbytes: usize) -> Result<PyDeviceBuffer> {
+        Ok(self.device_buffer(self.p.alloc_device(nbytes)?))
+    }
+
+    /// Borrows `nbytes` of device memory at `ptr` (a framework tensor's `data_ptr()`); `owner`
+    /// (e.g. the tensor) is kept alive until hprt no longer references the memory.
+    ///
+    /// The caller promises the memory is device memory of this backend, valid while `owner`
+    /// lives.
+    #[pyo3(signature = (ptr, nbytes, owner=None))]
+    fn wrap_device_memory(
+        &self,
+        ptr: usize,
+        nbytes: usize,
+        owner: Option<Py<PyAny>>,
+    ) -> Result<PyDeviceBuffer> {
+        if ptr == 0 && nbytes > 0 {
+            return Err(invalid("cannot wrap a null pointer"));
+        }
+        let release: Option<hprt_platform::ReleaseFn> =
+            owner.map(|o| Box::new(move || drop(o)) as hprt_platform::ReleaseFn);
+        // SAFETY: the documented contract of this method: the caller vouches for the range,
+        // and `owner` (which keeps it valid) lives until the release callback runs.
+        let b = unsafe { self.p.wrap_device_memory(ptr, nbytes, release)? };
+        Ok(self.device_buffer(b))
+    }
+
+    /// Wraps a DLPack producer's memory (a numpy array, a torch tensor) as a `DeviceTensor`
+    /// without copying. The producer's memory must be addressable by this backend's devices
+    /// (host memory on the cpu backend).
+    #[pyo3(signature = (obj, is_parameter=false))]
+    fn from_dlpack(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        is_parameter: bool,
+    ) -> Result<crate::swap::PyDeviceTensor> {
+        crate::dlpack::import(self, obj, is_parameter)
+    }
+
+    fn alloc_pinned(&self, nbytes: usize) -> Result<PyPinnedBuffer> {
+        Ok(PyPinnedBuffer {
+            p: self.p.clone(),
+            b: self.p.alloc_pinned(nbytes)?,
+        })
+    }
+
+    /// Queues a copy of `nbytes` (default: all of `src` past `src_offset`) on `stream`; the
+    /// direction follows from the buffer kinds.
+    #[pyo3(signature = (dst, src, stream, nbytes=None, dst_offset=0, src_offset=0))]
+    fn copy(
+        &self,
+        dst: &Bound<'_, PyAny>,
+        src: &Bound<'_, PyAny>,
+        stream: &PyStream,
+        nbytes: Option<usize>,
+        dst_offset: usize,
+        src_offset: usize,
+    ) -> Result<()> {
+        let (d, s) = (AnyBuf::extract(dst)?, AnyBuf::extract(src)?);
+        let n = nbytes.unwrap_or_else(|| s.len().saturating_sub(src_offset));
+        Ok(self
+            .p
+            .copy_async(d.mem(), dst_offset, s.mem(), src_offset, n, &stream.s)?)
+    }
+
+    #[pyo3(signature = (dst, value, nbytes, stream, offset=0))]
+    fn memset(
+        &self,
+        dst: &PyDeviceBuffer,
+        value: u8,
+        nbytes: usize,
+        stream: &PyStream,
+        offset: usize,
+    ) -> Result<()> {
+        Ok(self
+            .p
+            .memset_async(&dst.b, offset, value, nbytes, &stream.s)?)
+    }
+
+    /// Copies `data` into device memory at `offset` and waits for it.
+    #[pyo3(signature = (dst, data, stream, offset=0))]
+    fn write(
+        &self,
+        py: Python<'_>,
+        dst: &PyDeviceBuffer,
+        data: &Bound<'_, PyBytes>,
+        stream: &PyStream,
+        offset: usize,
+    ) -> Result<()> {
+        let bytes = data.as_bytes().to_vec();
+        Ok(py.detach(|| self.p.write_device_sync(&dst.b, offset, &bytes, &stream.s))?)
+    }
+
+    /// `nbytes` of device memory at `offset`, after the work queued on `stream` so far.
+    #[pyo3(signature = (src, nbytes, stream, offset=0))]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        src: &PyDeviceBuffer,
+        nbytes: usize,
+        stream: &PyStream,
+        offset: usize,
+    ) -> Result<Bound<'py, PyBytes>> {
+        let mut out = vec![0u8; nbytes];
+        py.detach(|| self.p.read_device_sync(&src.b, offset, &mut out, &stream.s))?;
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// A new rendezvous key (rank 0 makes it, hands it to the other ranks).
+    fn unique_id<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(py, &self.p.unique_id()?.0))
+    }
+
+    /// Joins a communicator of `world` ranks; blocks (without the GIL) until all joined.
+    fn comm_init(
+        &self,
+        py: Python<'_>,
+        unique_id: &Bound<'_, PyBytes>,
+        rank: usize,
+        world: usize,
+    ) -> Result<crate::collective::PyCommunicator> {
+        let id = hprt_platform::UniqueId(unique_id.as_bytes().to_vec());
+        let c = py.detach(|| self.p.comm_init(&id, rank, world))?;
+        Ok(crate::collective::PyCommunicator {
+            p: self.p.clone(),
+            c,
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Platform(backend={:?})", self.p.backend().name())
+    }
+}
+
+#[pymethods]
+impl PyStream {
+    /// The driver handle (`CUstream`, `aclrtStream`, or the cpu stream number) as an int.
+    #[getter]
+    fn raw(&self) -> usize {
+        self.s.raw().0
+    }
+    #[getter]
+    fn is_external(&self) -> bool {
+        self.s.is_external()
+    }
+    fn synchronize(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| self.p.synchronize_stream(&self.s))?)
+    }
+    /// Whether all work queued so far completed.
+    fn query(&self) -> Result<bool> {
+        Ok(self.p.query_stream(&self.s)?)
+    }
+    /// Records `event` (a new one if none) at the work queued so far and returns it.
+    #[pyo3(signature = (event=None))]
+    fn record_event(&self, event: Option<&PyEvent>) -> Result<PyEvent> {
+        let e = match event {
+            Some(e) => e.e.clone(),
+            None => self.p.create_event(false)?,
+        };
+        self.p.record_event(&e, &self.s)?;
+        Ok(PyEvent {
+            p: self.p.clone(),
+            e,
+        })
+    }
+    /// Work queued from now on waits for `event`.
+    fn wait_event(&self, event: &PyEvent) -> Result<()> {
+        Ok(self.p.stream_wait_event(&self.s, &event.e)?)
+    }
+    /// Work queued from now on waits for the work queued on `other` so far.
+    fn wait_stream(&self, other: &PyStream) -> Result<()> {
+        let mark = self.p.create_event(false)?;
+        self.p.record_event(&mark, &other.s)?;
+        Ok(self.p.stream_wait_event(&self.s, &mark)?)
+    }
+    fn destroy(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| self.p.destroy_stream(&self.s))?)
+    }
+    fn __repr__(&self) -> String {
+        format!("{:?}", self.s)
+    }
+}
+
+#[pymethods]
+impl PyEvent {
+    fn record(&self, stream: &PyStream) -> Result<()> {
+        Ok(self.p.record_event(&self.e, &stream.s)?)
+    }
+    fn synchronize(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| self.p.synchronize_event(&self.e))?)
+    }
+    fn query(&self) -> Result<bool> {
+        Ok(self.p.query_event(&self.e)?)
+    }
+    /// Milliseconds from this event to `end` (both created with `timing=True`, both complete).
+    fn elapsed_ms(&self, end: &PyEvent) -> Result<f32> {
+        Ok(self.p.event_elapsed_ms(&self.e, &end.e)?)
+    }
+    fn destroy(&self) -> Result<()> {
+        Ok(self.p.destroy_event(&self.e)?)
+    }
+}
+
+#[pymethods]
+impl PyDeviceBuffer {
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.b.len()
+    }
+    /// The device pointer (0 while released).
+    #[getter]
+    fn ptr(&self) -> usize {
+        self.b.device_ptr()
+    }
+    #[getter]
+    fn is_borrowed(&self) -> bool {
+        self.b.is_borrowed()
+    }
+    #[getter]
+    fn is_freed(&self) -> bool {
+        self.b.is_freed()
+    }
+    /// Resizes the storage keeping the handle: 0 releases the bytes, a size re-acquires them.
+    fn resize(&self, nbytes: usize) -> Result<()> {
+        Ok(self.p.resize_device(&self.b, nbytes)?)
+    }
+    fn free(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| self.p.free_device(&self.b))?)
+    }
+    /// A typed view for DLPack export (`numpy.from_dlpack(buf.view("f32", [n]))`); only where
+    /// device memory is host-addressable (the cpu backend). Synchronize first: a view reads
+    /// whatever the memory holds when the consumer reads it.
+    #[pyo3(signature = (dtype, shape, offset=0))]
+    fn view(&self, dtype: &str, shape: Vec<usize>, offset: usize) -> Result<TensorView> {
+        TensorView::of_device(&self.p, &self.b, dtype::parse(dtype)?, shape, offset)
+    }
+    fn same_as(&self, other: &PyDeviceBuffer) -> bool {
+        self.b.same_as(&other.b)
+    }
+    fn __repr__(&self) -> String {
+        format!("{:?}", self.b)
+    }
+}
+
+#[pymethods]
+impl PyPinnedBuffer {
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.b.len()
+    }
+    /// Bytes of the buffer (valid only after synchronizing with the copies that wrote them).
+    #[pyo3(signature = (offset=0, nbytes=None))]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        offset: usize,
+        nbytes: Option<usize>,
+    ) -> Result<Bound<'py, PyBytes>> {
+        let n = nbytes.unwrap_or_else(|| self.b.len().saturating_sub(offset));
+        let mut out = vec![0u8; n];
+        self.b.read(offset, &mut out)?;
+        Ok(PyBytes::new(py, &out))
+    }
+    #[pyo3(signature = (data, offset=0))]
+    fn write(&self, data: &Bound<'_, PyBytes>, offset: usize) -> Result<()> {
+        Ok(self.b.write(offset, data.as_bytes())?)
+    }
+    fn free(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| self.p.free_pinned(&self.b))?)
+    }
+    /// A typed view for DLPack export (pinned memory is host memory on every backend).
+    #[pyo3(signature = (dtype, shape, offset=0))]
+    fn view(&self, dtype: &str, shape: Vec<usize>, offset: usize) -> Result<TensorView> {
+        TensorView::of_pinned(&self.p, &self.b, dtype::parse(dtype)?, shape, offset)
+    }
+    fn __repr__(&self) -> String {
+        format!("{:?}", self.b)
+    }
+}
+
+/// Whether this backend's device memory is plain host memory (so DLPack can name it `kDLCPU`).
+pub(crate) fn device_is_host(p: &dyn Platform) -> bool {
+    p.backend() == BackendKind::Cpu
+}
+
+pub(crate) fn unsupported(msg: impl Into<String>) -> BindError {
+    BindError::Unsupported(msg.into())
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyPlatform>()?;
+    m.add_class::<PyStream>()?;
+    m.add_class::<PyEvent>()?;
+    m.add_class::<PyDeviceBuffer>()?;
+    m.add_class::<PyPinnedBuffer>()?;
+    m.add_function(wrap_pyfunction!(get_platform, m)?)?;
+    m.add_function(wrap_pyfunction!(platform_selection_reason, m)?)?;
+    m.add_function(wrap_pyfunction!(open_platform, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_platform, m)?)?;
+    Ok(())
+}

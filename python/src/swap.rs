@@ -1,0 +1,580 @@
+//! The three hprt-swap front ends on hprt device memory: `SwapManager` (layer groups, seed 000),
+//! `KeyedSwap` (keyed pack/unpack, seed 001), `PipelineOffload` (chunked groups, seed 002), and
+//! `DeviceTensor`, the tensor description they take.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use hprt_platform::{DType, DeviceBuffer};
+use hprt_swap::{
+    DeviceTensor, KeyedSwap, LayerId, OffloadTag, Packed, PipelineConfig, PipelineOffload,
+    PlatformHandle, PoolConfig, Saved, SavedRef, SwapContext, SwapManager, TensorKey,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::dlpack::TensorView;
+use crate::dtype;
+use crate::error::{invalid, Result};
+use crate::platform::{PyDeviceBuffer, PyPlatform, PyStream};
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Front ends update whole fields under the lock; a panic cannot have left one half-written.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A device tensor as swap sees it: `nbytes` at `offset` in a `DeviceBuffer`, with a dtype, a
+/// shape and a version counter (bump it on in-place writes; a reload refuses a changed tensor).
+///
+/// ```python
+/// buf = p.alloc_device(4096)
+/// t = hprt.DeviceTensor(buf, "f32", [1024])
+/// ```
+#[pyclass(name = "DeviceTensor", module = "hprt._native", frozen)]
+pub struct PyDeviceTensor {
+    pub(crate) p: PlatformHandle,
+    pub(crate) t: DeviceTensor,
+}
+
+impl PyDeviceTensor {
+    pub(crate) fn from_parts(
+        p: &PlatformHandle,
+        storage: DeviceBuffer,
+        offset: usize,
+        dtype: DType,
+        shape: Vec<usize>,
+        is_parameter: bool,
+    ) -> Result<Self> {
+        let mut t = DeviceTensor::view(storage, offset, dtype, shape)?;
+        t.is_parameter = is_parameter;
+        Ok(PyDeviceTensor { p: p.clone(), t })
+    }
+}
+
+#[pymethods]
+impl PyDeviceTensor {
+    #[new]
+    #[pyo3(signature = (buffer, dtype, shape, offset=0, is_parameter=false))]
+    fn new(
+        buffer: &PyDeviceBuffer,
+        dtype: &str,
+        shape: Vec<usize>,
+        offset: usize,
+        is_parameter: bool,
+    ) -> Result<Self> {
+        Self::from_parts(
+            &buffer.p,
+            buffer.b.clone(),
+            offset,
+            dtype::parse(dtype)?,
+            shape,
+            is_parameter,
+        )
+    }
+    #[getter]
+    fn buffer(&self) -> PyDeviceBuffer {
+        PyDeviceBuffer {
+            p: self.p.clone(),
+            b: self.t.storage.clone(),
+        }
+    }
+    #[getter]
+    fn offset(&self) -> usize {
+        self.t.offset
+    }
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.t.len
+    }
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.t.dtype.name()
+    }
+    #[getter]
+    fn shape(&self) -> Vec<usize> {
+        self.t.shape.clone()
+    }
+    #[getter]
+    fn is_parameter(&self) -> bool {
+        self.t.is_parameter
+    }
+    #[getter]
+    fn version(&self) -> u64 {
+        self.t.version.get()
+    }
+    /// Notes an in-place modification (what torch's `_version` counts).
+    fn bump_version(&self) {
+        self.t.version.bump()
+    }
+    /// The tensor as a DLPack-exportable view (cpu backend).
+    fn view(&self) -> Result<TensorView> {
+        TensorView::of_device(
+            &self.p,
+            &self.t.storage,
+            self.t.dtype,
+            self.t.shape.clone(),
+            self.t.offset,
+        )
+    }
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__(
+        &self,
+        py: Python<'_>,
+        stream: Option<&Bound<'_, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(u32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let view = Bound::new(py, self.view()?)?;
+        view.call_method(
+            "__dlpack__",
+            (),
+            Some(&{
+                let kw = PyDict::new(py);
+                kw.set_item("stream", stream)?;
+                kw.set_item("max_version", max_version)?;
+                kw.set_item("dl_device", dl_device)?;
+                kw.set_item("copy", copy)?;
+                kw
+            }),
+        )
+        .map(Bound::unbind)
+    }
+    fn __dlpack_device__(&self) -> (u32, i32) {
+        (dlpark::ffi::DLDeviceType::CPU.0, 0)
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "DeviceTensor(dtype={}, shape={:?}, nbytes={}, offset={})",
+            self.t.dtype, self.t.shape, self.t.len, self.t.offset
+        )
+    }
+}
+
+/// A Python value as swap holds it: hprt tensors swap, anything else passes through.
+fn to_saved(value: &Bound<'_, PyAny>) -> Saved {
+    match value.cast::<PyDeviceTensor>() {
+        Ok(t) => Saved::Tensor(t.get().t.clone()),
+        Err(_) => Saved::Other(Arc::new(value.clone().unbind())),
+    }
+}
+
+fn from_saved(py: Python<'_>, p: &PlatformHandle, saved: Saved) -> Result<Py<PyAny>> {
+    match saved {
+        Saved::Tensor(t) => Ok(Py::new(py, PyDeviceTensor { p: p.clone(), t })?.into_any()),
+        Saved::Other(any) => match any.downcast_ref::<Py<PyAny>>() {
+            Some(obj) => Ok(obj.clone_ref(py)),
+            None => Err(invalid("a saved value that did not come from Python")),
+        },
+    }
+}
+
+fn stats_dict<'py>(
+    py: Python<'py>,
+    engine: &hprt_swap::SwapEngine,
+) -> PyResult<Bound<'py, PyDict>> {
+    let s = engine.stats();
+    let pool = engine.pool_stats();
+    let d = PyDict::new(py);
+    d.set_item("offloaded_tensors", s.offloaded_tensors)?;
+    d.set_item("offloaded_bytes", s.offloaded_bytes)?;
+    d.set_item("reloaded_tensors", s.reloaded_tensors)?;
+    d.set_item("reloaded_bytes", s.reloaded_bytes)?;
+    d.set_item("pinned_bytes_held", pool.bytes_held)?;
+    d.set_item("pinned_bytes_in_use", pool.bytes_in_use)?;
+    d.set_item("pinned_high_water", pool.high_water)?;
+    d.set_item("pool_hits", pool.hits)?;
+    d.set_item("pool_misses", pool.misses)?;
+    Ok(d)
+}
+
+fn pool(host_budget: Option<usize>) -> PoolConfig {
+    PoolConfig { host_budget }
+}
+
+/// Layer-group swap (seed 000): link layers with `set_forward_prefetch_layer(a, b)` and call the
+/// four hook entry points around each layer's forward and backward.
+#[pyclass(name = "SwapManager", module = "hprt._native", frozen)]
+pub struct PySwapManager {
+    p: PlatformHandle,
+    inner: Mutex<(SwapManager, Vec<LayerId>)>,
+}
+
+impl PySwapManager {
+    fn layer(ids: &[LayerId], layer: usize) -> Result<LayerId> {
+        ids.get(layer)
+            .copied()
+            .ok_or_else(|| invalid(format!("unknown layer {layer}")))
+    }
+}
+
+#[pymethods]
+impl PySwapManager {
+    #[new]
+    #[pyo3(signature = (platform=None, host_budget=None))]
+    fn new(platform: Option<&PyPlatform>, host_budget: Option<usize>) -> Result<Self> {
+        let p = crate::platform::resolve(platform)?;
+        let m = SwapManager::with_pool(p.clone(), pool(host_budget))?;
+        Ok(PySwapManager {
+            p: p.clone(),
+            inner: Mutex::new((m, Vec::new())),
+        })
+    }
+    /// A new layer (group); returns its number.
+    fn new_layer(&self) -> usize {
+        let mut g = locked(&self.inner);
+        let id = g.0.new_layer();
+        g.1.push(id);
+        g.1.len() - 1
+    }
+    fn set_forward_prefetch_layer(&self, first: usize, second: usize) -> Result<()> {
+        let mut g = locked(&self.inner);
+        let (a, b) = (Self::layer(&g.1, first)?, Self::layer(&g.1, second)?);
+        Ok(g.0.set_forward_prefetch_layer(a, b)?)
+    }
+    fn forward_pre(&self, layer: usize) -> Result<()> {
+        let mut g = locked(&self.inner);
+        let l = Self::layer(&g.1, layer)?;
+        Ok(g.0.forward_pre(l)?)
+    }
+    /// Adds a value to the current layer's group; returns `(layer, index)` for `get`.
+    fn save(&self, value: &Bound<'_, PyAny>) -> Result<(usize, usize)> {
+        let saved = to_saved(value);
+        let mut g = locked(&self.inner);
+        let r = g.0.save(saved)?;
+        Ok((r.layer.index(), r.index))
+    }
+    fn forward_post(&self, py: Python<'_>, layer: usize, stream: &PyStream) -> Result<()> {
+        py.detach(|| {
+            let mut g = locked(&self.inner);
+            let l = Self::layer(&g.1, layer)?;
+            Ok(g.0.forward_post(l, &stream.s)?)
+        })
+    }
+    fn backward_pre(&self, py: Python<'_>, layer: usize, stream: &PyStream) -> Result<()> {
+        py.detach(|| {
+            let mut g = locked(&self.inner);
+            let l = Self::layer(&g.1, layer)?;
+            Ok(g.0.backward_pre(l, &stream.s)?)
+        })
+    }
+    fn backward_post(&self, layer: usize) -> Result<()> {
+        let mut g = locked(&self.inner);
+        let l = Self::layer(&g.1, layer)?;
+        Ok(g.0.backward_post(l)?)
+    }
+    /// A saved value, once its group is back on the device.
+    fn get(&self, py: Python<'_>, saved: (usize, usize)) -> Result<Py<PyAny>> {
+        let g = locked(&self.inner);
+        let r = SavedRef {
+            layer: Self::layer(&g.1, saved.0)?,
+            index: saved.1,
+        };
+        let v = g.0.get(r)?.clone();
+        drop(g);
+        from_saved(py, &self.p, v)
+    }
+    fn release(&self, py: Python<'_>, layer: usize) -> Result<Vec<Py<PyAny>>> {
+        let mut g = locked(&self.inner);
+        let l = Self::layer(&g.1, layer)?;
+        let values = g.0.release(l)?;
+        drop(g);
+        values
+            .into_iter()
+            .map(|v| from_saved(py, &self.p, v))
+            .collect()
+    }
+    fn end_iteration(&self, py: Python<'_>) -> Result<()> {
+        py.detach(|| Ok(locked(&self.inner).0.end_iteration()?))
+    }
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        stats_dict(py, locked(&self.inner).0.engine())
+    }
+}
+
+/// A layer registered under a module tag (the seed's `TensorSwapContext` position).
+#[pyclass(name = "SwapContext", module = "hprt._native", frozen)]
+pub struct PySwapContext {
+    ctx: SwapContext,
+}
+
+#[pymethods]
+impl PySwapContext {
+    /// The layer's index among the layers of its tag.
+    #[getter]
+    fn layer(&self) -> usize {
+        self.ctx.layer
+    }
+}
+
+/// What `KeyedSwap.pack` returned.
+#[pyclass(name = "Packed", module = "hprt._native", frozen)]
+pub struct PyPacked {
+    kept: Option<Saved>,
+    key: Option<TensorKey>,
+}
+
+#[pymethods]
+impl PyPacked {
+    /// `(layer, index)` when the value was swapped, `None` when it was kept.
+    #[getter]
+    fn key(&self) -> Option<TensorKey> {
+        self.key
+    }
+}
+
+/// Keyed swap (seed 001): `pack` where a value is saved, `unpack` where it is read back.
+#[pyclass(name = "KeyedSwap", module = "hprt._native", frozen)]
+pub struct PyKeyedSwap {
+    p: PlatformHandle,
+    inner: Mutex<KeyedSwap>,
+}
+
+#[pymethods]
+impl PyKeyedSwap {
+    #[new]
+    #[pyo3(signature = (platform=None, min_bytes=0, host_budget=None))]
+    fn new(
+        platform: Option<&PyPlatform>,
+        min_bytes: usize,
+        host_budget: Option<usize>,
+    ) -> Result<Self> {
+        let p = crate::platform::resolve(platform)?;
+        let mut k = KeyedSwap::with_pool(p.clone(), pool(host_budget))?;
+        k.set_min_bytes(min_bytes);
+        Ok(PyKeyedSwap {
+            p: p.clone(),
+            inner: Mutex::new(k),
+        })
+    }
+    /// Registers the next layer under `module_tag` (`*` matches one path component).
+    fn register_layer(&self, module_tag: &str) -> PySwapContext {
+        PySwapContext {
+            ctx: locked(&self.inner).register_layer(module_tag),
+        }
+    }
+    fn add_tag(&self, pattern: &str) {
+        locked(&self.inner).add_tag(pattern)
+    }
+    /// Registers `module` (a dotted path) under the first tag pattern it matches.
+    fn register_module(&self, module: &str) -> Result<PySwapContext> {
+        Ok(PySwapContext {
+            ctx: locked(&self.inner).register_module(module)?,
+        })
+    }
+    fn layer_count(&self, ctx: &PySwapContext) -> usize {
+        locked(&self.inner).layer_count(&ctx.ctx)
+    }
+    /// An extra eligibility test: `predicate(DeviceTensor) -> bool` (`None` removes it). A
+    /// predicate that raises counts as "not eligible"; its exception is reported as unraisable.
+    #[pyo3(signature = (predicate))]
+    fn set_predicate(&self, predicate: Option<Py<PyAny>>) {
+        let p = self.p.clone();
+        let boxed = predicate.map(|f| {
+            Box::new(move |t: &DeviceTensor| {
+                Python::attach(|py| {
+                    let arg = PyDeviceTensor {
+                        p: p.clone(),
+                        t: t.clone(),
+                    };
+                    match f.call1(py, (arg,)).and_then(|r| r.is_truthy(py)) {
+                        Ok(b) => b,
+                        Err(e) => {
+                            e.write_unraisable(py, None);
+                            false
+                        }
+                    }
+                })
+            }) as hprt_swap::SwapPredicate
+        });
+        locked(&self.inner).set_predicate(boxed)
+    }
+    fn pack(
+        &self,
+        py: Python<'_>,
+        ctx: &PySwapContext,
+        value: &Bound<'_, PyAny>,
+        stream: &PyStream,
+    ) -> Result<PyPacked> {
+        let saved = to_saved(value);
+        let packed = py.detach(|| locked(&self.inner).pack(&ctx.ctx, saved, &stream.s))?;
+        Ok(match packed {
+            Packed::Kept(v) => PyPacked {
+                kept: Some(v),
+                key: None,
+            },
+            Packed::Swapped(k) => PyPacked {
+                kept: None,
+                key: Some(k),
+            },
+        })
+    }
+    #[pyo3(signature = (packed, stream, prefetch=true))]
+    fn unpack(
+        &self,
+        py: Python<'_>,
+        packed: &PyPacked,
+        stream: &PyStream,
+        prefetch: bool,
+    ) -> Result<Py<PyAny>> {
+        let p = match (&packed.kept, packed.key) {
+            (Some(v), _) => Packed::Kept(v.clone()),
+            (None, Some(k)) => Packed::Swapped(k),
+            (None, None) => return Err(invalid("an empty Packed value")),
+        };
+        let v = py.detach(|| locked(&self.inner).unpack_with(p, &stream.s, prefetch))?;
+        from_saved(py, &self.p, v)
+    }
+    fn end_iteration(&self, py: Python<'_>) -> Result<()> {
+        py.detach(|| Ok(locked(&self.inner).end_iteration()?))
+    }
+    /// Values packed and not yet unpacked.
+    fn pending(&self) -> usize {
+        locked(&self.inner).pending()
+    }
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        stats_dict(py, locked(&self.inner).engine())
+    }
+}
+
+/// The `(layer - 1)` tensor indices tensor `index` of a `cur`-tensor layer prefetches from a
+/// `prev`-tensor layer.
+#[pyfunction]
+pub fn proportional_slice(index: usize, cur: usize, prev: usize) -> (usize, usize) {
+    let r = hprt_swap::proportional_slice(index, cur, prev);
+    (r.start, r.end)
+}
+
+/// What `PipelineOffload.save` returned.
+#[pyclass(name = "OffloadTag", module = "hprt._native", frozen)]
+pub struct PyOffloadTag {
+    tag: OffloadTag,
+}
+
+#[pymethods]
+impl PyOffloadTag {
+    #[getter]
+    fn offloaded(&self) -> bool {
+        matches!(self.tag, OffloadTag::Offloaded { .. })
+    }
+}
+
+/// Chunked pipeline offload (seed 002): `init_chunk`, then per layer group `group_start`,
+/// `save`…, `group_commit`; in backward `backward_group_begin`, `get`…, `backward_group_end`.
+#[pyclass(name = "PipelineOffload", module = "hprt._native", frozen)]
+pub struct PyPipelineOffload {
+    p: PlatformHandle,
+    inner: Mutex<PipelineOffload>,
+}
+
+#[pymethods]
+impl PyPipelineOffload {
+    #[new]
+    #[pyo3(signature = (platform=None, min_tensor_elems=1024 * 1024, max_inflight_offloads=1, keep_last_groups=1, host_budget=None))]
+    fn new(
+        platform: Option<&PyPlatform>,
+        min_tensor_elems: usize,
+        max_inflight_offloads: usize,
+        keep_last_groups: usize,
+        host_budget: Option<usize>,
+    ) -> Result<Self> {
+        let p = crate::platform::resolve(platform)?;
+        let cfg = PipelineConfig {
+            min_tensor_elems,
+            max_inflight_offloads,
+            keep_last_groups,
+            pool: pool(host_budget),
+        };
+        Ok(PyPipelineOffload {
+            p: p.clone(),
+            inner: Mutex::new(PipelineOffload::new(p.clone(), cfg)?),
+        })
+    }
+    #[pyo3(signature = (vp_size=1, vp_stage=None))]
+    fn init_chunk(&self, vp_size: usize, vp_stage: Option<usize>) -> Result<()> {
+        locked(&self.inner).init_chunk(vp_size, vp_stage)?;
+        Ok(())
+    }
+    fn disable(&self) {
+        locked(&self.inner).disable()
+    }
+    fn enable(&self) {
+        locked(&self.inner).enable()
+    }
+    fn mark_chunk_not_offloadable(&self) -> Result<()> {
+        Ok(locked(&self.inner).mark_chunk_not_offloadable()?)
+    }
+    fn mark_not_offloadable(&self, tensor: &PyDeviceTensor) {
+        locked(&self.inner).mark_not_offloadable(&tensor.t)
+    }
+    fn group_start(&self, name: &str) -> Result<()> {
+        Ok(locked(&self.inner).group_start(name)?)
+    }
+    fn save(&self, value: &Bound<'_, PyAny>) -> Result<PyOffloadTag> {
+        let saved = to_saved(value);
+        Ok(PyOffloadTag {
+            tag: locked(&self.inner).save(saved)?,
+        })
+    }
+    #[pyo3(signature = (stream, forced_release=Vec::new(), delay=false))]
+    fn group_commit(
+        &self,
+        py: Python<'_>,
+        stream: &PyStream,
+        forced_release: Vec<PyRef<'_, PyDeviceBuffer>>,
+        delay: bool,
+    ) -> Result<()> {
+        let bufs: Vec<DeviceBuffer> = forced_release.iter().map(|b| b.b.clone()).collect();
+        py.detach(|| Ok(locked(&self.inner).group_commit(&stream.s, bufs, delay)?))
+    }
+    fn flush_delayed_groups(&self, py: Python<'_>, stream: &PyStream) -> Result<()> {
+        py.detach(|| Ok(locked(&self.inner).flush_delayed_groups(&stream.s)?))
+    }
+    fn backward_group_begin(&self, py: Python<'_>, name: &str, stream: &PyStream) -> Result<()> {
+        py.detach(|| Ok(locked(&self.inner).backward_group_begin(name, &stream.s)?))
+    }
+    fn get(&self, py: Python<'_>, tag: &PyOffloadTag, stream: &PyStream) -> Result<Py<PyAny>> {
+        let v = py.detach(|| locked(&self.inner).get(&tag.tag, &stream.s))?;
+        from_saved(py, &self.p, v)
+    }
+    fn backward_group_end(&self, py: Python<'_>) -> Result<()> {
+        py.detach(|| Ok(locked(&self.inner).backward_group_end()?))
+    }
+    fn record_forward(&self, stream: &PyStream) -> Result<()> {
+        Ok(locked(&self.inner).record_forward(&stream.s)?)
+    }
+    fn record_backward(&self, stream: &PyStream) -> Result<()> {
+        Ok(locked(&self.inner).record_backward(&stream.s)?)
+    }
+    fn post_warmup(&self) {
+        locked(&self.inner).post_warmup()
+    }
+    fn reset(&self, py: Python<'_>) -> Result<()> {
+        py.detach(|| Ok(locked(&self.inner).reset()?))
+    }
+    /// Bytes offloaded per group name in the last iteration after warm-up.
+    fn offload_summary_bytes(&self) -> std::collections::BTreeMap<String, u64> {
+        locked(&self.inner).offload_summary_bytes().clone()
+    }
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        stats_dict(py, locked(&self.inner).engine())
+    }
+}
+
+/// The per-rank, per-group table of offloaded bytes.
+#[pyfunction]
+pub fn offload_summary_table(per_rank: Vec<std::collections::BTreeMap<String, u64>>) -> String {
+    hprt_swap::offload_summary_table(&per_rank)
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyDeviceTensor>()?;
+    m.add_class::<PySwapManager>()?;
+    m.add_class::<PySwapContext>()?;
+    m.add_class::<PyPacked>()?;
+    m.add_class::<PyKeyedSwap>()?;
+    m.add_class::<PyOffloadTag>()?;
+    m.add_class::<PyPipelineOffload>()?;
+    m.add_function(wrap_pyfunction!(proportional_slice, m)?)?;
+    m.add_function(wrap_pyfunction!(offload_summary_table, m)?)?;
+    Ok(())
+}
