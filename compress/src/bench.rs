@@ -157,7 +157,9 @@ pub fn measure(dtype: CodecDType, kind: DataKind, opts: &BenchOptions) -> Result
         Ok(t.elapsed())
     })?;
     if zback != data {
-        return Err(CompressError::InvalidState("zstd did not round-trip".into()));
+        return Err(CompressError::InvalidState(
+            "zstd did not round-trip".into(),
+        ));
     }
     Ok(BenchRow {
         dtype,

@@ -51,7 +51,12 @@ impl std::fmt::Display for FileReport {
 }
 
 /// `hprt compress --dtype D IN OUT`.
-pub fn compress_file(dtype: CodecDType, input: &Path, output: &Path, opts: &EncodeOptions) -> Result<FileReport> {
+pub fn compress_file(
+    dtype: CodecDType,
+    input: &Path,
+    output: &Path,
+    opts: &EncodeOptions,
+) -> Result<FileReport> {
     let raw = read(input)?;
     let t = Instant::now();
     let enc = codec::encode(dtype, &raw, opts)?;
@@ -123,7 +128,13 @@ pub fn codec_stats(dtype: CodecDType, files: &[&Path], opts: &EncodeOptions) -> 
         }
         let lens: Vec<usize> = prefix.chunks.iter().map(|c| c.len).collect();
         let gb = |t: Duration| raw.len() as f64 / t.as_secs_f64().max(1e-9) / 1e9;
-        let _ = writeln!(s, "{}: {} elements of {dtype}, {} bytes", path.display(), raw.len() / dtype.size(), raw.len());
+        let _ = writeln!(
+            s,
+            "{}: {} elements of {dtype}, {} bytes",
+            path.display(),
+            raw.len() / dtype.size(),
+            raw.len()
+        );
         let _ = writeln!(
             s,
             "  compressed {} bytes, ratio {:.4} (zstd-1: {} bytes, ratio {:.4})",
@@ -176,7 +187,10 @@ mod tests {
         let (raw, packed, back) = (dir.join("a.bf16"), dir.join("a.hprz"), dir.join("a.out"));
         let data = generate(DataKind::Gaussian, CodecDType::BF16, 20_000, 1);
         std::fs::write(&raw, &data).unwrap();
-        let opts = EncodeOptions { chunk_elems: 4096, ..Default::default() };
+        let opts = EncodeOptions {
+            chunk_elems: 4096,
+            ..Default::default()
+        };
         let r = compress_file(CodecDType::BF16, &raw, &packed, &opts).unwrap();
         assert_eq!((r.numel, r.raw_bytes), (20_000, 40_000));
         assert!(r.compressed_bytes < 30_000);
@@ -188,10 +202,16 @@ mod tests {
         assert!(stats.contains("5 rans"), "{stats}");
         assert!(stats.contains("zstd-1"), "{stats}");
         // Not an encoding; a file that is not whole elements; a missing file.
-        assert!(matches!(decompress_file(&raw, &back, &DecodeOptions::default()), Err(CompressError::Corrupt { .. })));
+        assert!(matches!(
+            decompress_file(&raw, &back, &DecodeOptions::default()),
+            Err(CompressError::Corrupt { .. })
+        ));
         std::fs::write(&raw, [1u8, 2, 3]).unwrap();
         assert!(compress_file(CodecDType::BF16, &raw, &packed, &opts).is_err());
-        assert!(matches!(compress_file(CodecDType::BF16, &dir.join("none"), &packed, &opts), Err(CompressError::Io { .. })));
+        assert!(matches!(
+            compress_file(CodecDType::BF16, &dir.join("none"), &packed, &opts),
+            Err(CompressError::Io { .. })
+        ));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

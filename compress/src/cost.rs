@@ -126,7 +126,9 @@ impl CostOverrides {
                     .filter(|x| x.is_finite() && *x > 0.0)
                     .map(|x| Some(x * scale))
                     .ok_or_else(|| {
-                        CompressError::InvalidArgument(format!("{name}={v:?} is not a positive number"))
+                        CompressError::InvalidArgument(format!(
+                            "{name}={v:?} is not a positive number"
+                        ))
                     }),
                 _ => Ok(None),
             }
@@ -236,7 +238,11 @@ impl CostModel {
             }
             Op::Collective { kind, bytes, group } if self.overrides.collective_gbps.is_none() => {
                 let rate = *bytes as f64 / secs / 1e9;
-                let e = self.table.collective_gbps.entry((*kind, *group)).or_insert(rate);
+                let e = self
+                    .table
+                    .collective_gbps
+                    .entry((*kind, *group))
+                    .or_insert(rate);
                 *e = 0.5 * (*e + rate);
             }
             _ => {}
@@ -286,11 +292,21 @@ impl CostModel {
 
     /// Elements of `dtype` the codec encodes within `window` (after one launch cost).
     pub fn encodable_numel(&self, window: Duration, dtype: CodecDType) -> usize {
-        capacity(window, self.table.codec_launch, self.table.encode_gbps, dtype)
+        capacity(
+            window,
+            self.table.codec_launch,
+            self.table.encode_gbps,
+            dtype,
+        )
     }
 
     pub fn decodable_numel(&self, window: Duration, dtype: CodecDType) -> usize {
-        capacity(window, self.table.codec_launch, self.table.decode_gbps, dtype)
+        capacity(
+            window,
+            self.table.codec_launch,
+            self.table.decode_gbps,
+            dtype,
+        )
     }
 
     /// Predicted encode time of `numel` elements.
@@ -335,7 +351,9 @@ pub fn measure_codec(p: &dyn Platform, codec: &dyn DeviceCodec, numel: usize) ->
                     .finish_in_place(p)?;
                 let e = t.elapsed();
                 let t = Instant::now();
-                codec.decode_async(p, &packed, dst.at(0), &stream)?.finish(p)?;
+                codec
+                    .decode_async(p, &packed, dst.at(0), &stream)?
+                    .finish(p)?;
                 let d = t.elapsed();
                 best = (best.0.min(e), best.1.min(d));
             }
@@ -346,8 +364,16 @@ pub fn measure_codec(p: &dyn Platform, codec: &dyn DeviceCodec, numel: usize) ->
         let bytes = (numel * dtype.size()) as f64;
         let launch = small_e.min(small_d);
         Ok(CostTable {
-            encode_gbps: bytes / e.saturating_sub(launch).max(Duration::from_nanos(1)).as_secs_f64() / 1e9,
-            decode_gbps: bytes / d.saturating_sub(launch).max(Duration::from_nanos(1)).as_secs_f64() / 1e9,
+            encode_gbps: bytes
+                / e.saturating_sub(launch)
+                    .max(Duration::from_nanos(1))
+                    .as_secs_f64()
+                / 1e9,
+            decode_gbps: bytes
+                / d.saturating_sub(launch)
+                    .max(Duration::from_nanos(1))
+                    .as_secs_f64()
+                / 1e9,
             codec_launch: launch,
             ..Default::default()
         })
@@ -443,7 +469,9 @@ pub fn check_codec_predictions(
             measured: t.elapsed(),
         });
         let t = Instant::now();
-        codec.decode_async(p, &packed, src.at(0), &stream)?.finish(p)?;
+        codec
+            .decode_async(p, &packed, src.at(0), &stream)?
+            .finish(p)?;
         out.push(PredictionCheck {
             what: format!("decode {n} bf16"),
             predicted: model.decode_time(n, dtype),

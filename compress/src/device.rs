@@ -230,19 +230,10 @@ impl PendingDecode {
 
 /// The host fallback every backend has: D2H into pinned memory, encode or decode in a host
 /// function in stream order, H2D back. The caller's thread never blocks.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct HostCodec {
     pub encode: EncodeOptions,
     pub decode: DecodeOptions,
-}
-
-impl Default for HostCodec {
-    fn default() -> Self {
-        HostCodec {
-            encode: EncodeOptions::default(),
-            decode: DecodeOptions::default(),
-        }
-    }
 }
 
 impl DeviceCodec for HostCodec {
@@ -282,7 +273,12 @@ impl DeviceCodec for HostCodec {
             stream,
         )?;
         let len: Slot<usize> = Arc::new(Mutex::new(None));
-        let (inp, out, slot, opts) = (input.clone(), output.clone(), len.clone(), self.encode.clone());
+        let (inp, out, slot, opts) = (
+            input.clone(),
+            output.clone(),
+            len.clone(),
+            self.encode.clone(),
+        );
         p.launch_host_fn(
             stream,
             Box::new(move || {
@@ -296,7 +292,14 @@ impl DeviceCodec for HostCodec {
             }),
         )?;
         // The length is not known when this is queued: the worst case is copied.
-        p.copy_async(Mem::Device(scratch), 0, Mem::Pinned(&output), 0, max, stream)?;
+        p.copy_async(
+            Mem::Device(scratch),
+            0,
+            Mem::Pinned(&output),
+            0,
+            max,
+            stream,
+        )?;
         let done = p.create_event(false)?;
         p.record_event(&done, stream)?;
         Ok(PendingEncode {
@@ -319,9 +322,21 @@ impl DeviceCodec for HostCodec {
         let bytes = src.original_len();
         let input = p.alloc_pinned(src.len)?;
         let output = p.alloc_pinned(bytes)?;
-        p.copy_async(Mem::Pinned(&input), 0, Mem::Device(&src.buf), 0, src.len, stream)?;
+        p.copy_async(
+            Mem::Pinned(&input),
+            0,
+            Mem::Device(&src.buf),
+            0,
+            src.len,
+            stream,
+        )?;
         let result: Slot<()> = Arc::new(Mutex::new(None));
-        let (inp, out, slot, opts) = (input.clone(), output.clone(), result.clone(), self.decode.clone());
+        let (inp, out, slot, opts) = (
+            input.clone(),
+            output.clone(),
+            result.clone(),
+            self.decode.clone(),
+        );
         let (dtype, numel) = (src.dtype, src.numel);
         p.launch_host_fn(
             stream,

@@ -210,7 +210,10 @@ impl Header {
             ));
         }
         if bytes[..4] != MAGIC {
-            return Err(CompressError::corrupt(0, "bad magic (not an hprt encoding)"));
+            return Err(CompressError::corrupt(
+                0,
+                "bad magic (not an hprt encoding)",
+            ));
         }
         let version = u16::from_le_bytes([bytes[4], bytes[5]]);
         if version != VERSION {
@@ -233,7 +236,10 @@ impl Header {
             )));
         }
         if bytes[9..12] != [0, 0, 0] {
-            return Err(CompressError::corrupt(9, "reserved header bytes are not zero"));
+            return Err(CompressError::corrupt(
+                9,
+                "reserved header bytes are not zero",
+            ));
         }
         let chunk_elems = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes")) as usize;
         if chunk_elems == 0 || chunk_elems % CHUNK_ALIGN != 0 || chunk_elems > MAX_CHUNK_ELEMS {
@@ -247,7 +253,9 @@ impl Header {
         let numel = usize::try_from(numel)
             .ok()
             .filter(|n| n.checked_mul(dtype.size()).is_some())
-            .ok_or_else(|| CompressError::corrupt(16, format!("element count {numel} is too large")))?;
+            .ok_or_else(|| {
+                CompressError::corrupt(16, format!("element count {numel} is too large"))
+            })?;
         let payload_len = usize::try_from(payload_len)
             .ok()
             .ok_or_else(|| CompressError::corrupt(24, "payload length is too large"))?;
@@ -281,10 +289,14 @@ impl ChunkEntry {
 
     fn parse(b: &[u8], at: usize) -> Result<ChunkEntry> {
         let len = u32::from_le_bytes(b[..4].try_into().expect("4 bytes")) as usize;
-        let mode = ChunkMode::from_code(b[4])
-            .ok_or_else(|| CompressError::corrupt(at + 4, format!("unknown chunk mode {}", b[4])))?;
+        let mode = ChunkMode::from_code(b[4]).ok_or_else(|| {
+            CompressError::corrupt(at + 4, format!("unknown chunk mode {}", b[4]))
+        })?;
         if b[5..8] != [0, 0, 0] {
-            return Err(CompressError::corrupt(at + 5, "reserved chunk-entry bytes are not zero"));
+            return Err(CompressError::corrupt(
+                at + 5,
+                "reserved chunk-entry bytes are not zero",
+            ));
         }
         let check = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));
         Ok(ChunkEntry { mode, len, check })
@@ -317,7 +329,10 @@ pub fn parse_prefix(bytes: &[u8]) -> Result<Prefix> {
         })?;
     let stored = u64::from_le_bytes(bytes[32..40].try_into().expect("8 bytes"));
     if prefix_checksum(&bytes[..prefix_len]) != stored {
-        return Err(CompressError::corrupt(32, "header/chunk-table checksum mismatch"));
+        return Err(CompressError::corrupt(
+            32,
+            "header/chunk-table checksum mismatch",
+        ));
     }
     let total = header.payload_len.checked_add(prefix_len);
     if total != Some(bytes.len()) {
@@ -344,7 +359,10 @@ pub fn parse_prefix(bytes: &[u8]) -> Result<Prefix> {
         chunks.push(e);
     }
     if off != bytes.len() {
-        return Err(CompressError::corrupt(off, "chunk lengths do not add up to the payload length"));
+        return Err(CompressError::corrupt(
+            off,
+            "chunk lengths do not add up to the payload length",
+        ));
     }
     Ok(Prefix {
         header,
@@ -444,10 +462,16 @@ mod tests {
         assert_eq!(Header::parse(&b).unwrap(), h);
         let mut bad = b;
         bad[0] = b'X';
-        assert!(matches!(Header::parse(&bad), Err(CompressError::Corrupt { .. })));
+        assert!(matches!(
+            Header::parse(&bad),
+            Err(CompressError::Corrupt { .. })
+        ));
         let mut bad = b;
         bad[4] = 9;
-        assert!(matches!(Header::parse(&bad), Err(CompressError::UnsupportedFormat(_))));
+        assert!(matches!(
+            Header::parse(&bad),
+            Err(CompressError::UnsupportedFormat(_))
+        ));
         let mut bad = b;
         bad[12] = 3; // chunk size no longer a multiple of 8
         assert!(Header::parse(&bad).is_err());

@@ -90,7 +90,10 @@ impl Default for TensorFilter {
 }
 
 impl TensorFilter {
-    pub fn with_predicate(mut self, f: impl Fn(&SavedTensor) -> bool + Send + Sync + 'static) -> Self {
+    pub fn with_predicate(
+        mut self,
+        f: impl Fn(&SavedTensor) -> bool + Send + Sync + 'static,
+    ) -> Self {
         self.predicates.push(Arc::new(f));
         self
     }
@@ -370,10 +373,9 @@ impl ActivationManager {
         let v = self.layers.get_mut(&key.layer).ok_or_else(|| {
             CompressError::InvalidState(format!("no tensors registered in layer {}", key.layer.0))
         })?;
-        let pos = v
-            .iter()
-            .position(|e| e.index == key.index)
-            .ok_or_else(|| CompressError::InvalidState(format!("tensor {key:?} is not registered")))?;
+        let pos = v.iter().position(|e| e.index == key.index).ok_or_else(|| {
+            CompressError::InvalidState(format!("tensor {key:?} is not registered"))
+        })?;
         Ok(v.remove(pos).tensor.buf)
     }
 
@@ -507,7 +509,9 @@ impl ActivationManager {
     /// originals are freed (their compressed bytes kept) and decoded tensors become usable.
     pub fn end_window(&mut self) -> Result<()> {
         let Some(w) = self.window.take() else {
-            return Err(CompressError::InvalidState("end_window without begin_window".into()));
+            return Err(CompressError::InvalidState(
+                "end_window without begin_window".into(),
+            ));
         };
         let end = self.p.create_event(true)?;
         self.p.record_event(&end, &self.compute)?;
@@ -522,7 +526,8 @@ impl ActivationManager {
                     let ct = pending.finish(self.p.as_ref(), &self.side)?;
                     let key = (ct.numel(), ct.dtype());
                     self.pool.entry(key).or_default().push(scratch);
-                    let (orig, packed) = (ct.original_len(), crate::device::SwapPayload::byte_len(&ct));
+                    let (orig, packed) =
+                        (ct.original_len(), crate::device::SwapPayload::byte_len(&ct));
                     let p = self.p.clone();
                     let e = self.entry_mut(layer, index)?;
                     p.resize_device(&e.tensor.buf, 0)?;

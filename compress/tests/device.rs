@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hprt_compress::cost::{
-    check_codec_predictions, measure_codec, measure_collective, CollectiveKind, CostModel, CostOverrides, Op,
+    check_codec_predictions, measure_codec, measure_collective, CollectiveKind, CostModel,
+    CostOverrides, Op,
 };
 use hprt_compress::data::{generate, DataKind};
 use hprt_compress::device::{codec_for, CompressedTensor, DeviceCodec, HostCodec, SwapPayload};
@@ -26,26 +27,54 @@ fn device_encoding_is_the_cpu_codec_bytes_and_decodes_bit_exact_under_jitter() {
         let p = platform(jitter);
         let s = p.create_stream().unwrap();
         let codec = HostCodec::default();
-        for (dtype, kind) in [(CodecDType::BF16, DataKind::Gelu), (CodecDType::F32, DataKind::Weights), (CodecDType::F16, DataKind::Softmax)] {
+        for (dtype, kind) in [
+            (CodecDType::BF16, DataKind::Gelu),
+            (CodecDType::F32, DataKind::Weights),
+            (CodecDType::F16, DataKind::Softmax),
+        ] {
             let n = 50_000;
             let data = generate(kind, dtype, n, 4);
             let src = p.alloc_device(data.len() + 64).unwrap();
             // Produced asynchronously: a codec that does not wait for it reads stale bytes.
             let staging = p.alloc_pinned(data.len()).unwrap();
             staging.write(0, &data).unwrap();
-            p.copy_async(Mem::Device(&src), 64, Mem::Pinned(&staging), 0, data.len(), &s).unwrap();
+            p.copy_async(
+                Mem::Device(&src),
+                64,
+                Mem::Pinned(&staging),
+                0,
+                data.len(),
+                &s,
+            )
+            .unwrap();
             let scratch = p.alloc_device(codec.max_encoded_len(dtype, n)).unwrap();
-            let ct = codec.encode_async(p.as_ref(), src.at(64), dtype, n, &scratch, &s).unwrap().finish(p.as_ref(), &s).unwrap();
+            let ct = codec
+                .encode_async(p.as_ref(), src.at(64), dtype, n, &scratch, &s)
+                .unwrap()
+                .finish(p.as_ref(), &s)
+                .unwrap();
             let mut bytes = vec![0u8; ct.byte_len()];
-            p.read_device_sync(ct.device_buffer(), 0, &mut bytes, &s).unwrap();
-            assert_eq!(bytes, codec::encode(dtype, &data, &codec.encode).unwrap(), "{dtype}: not the CPU codec's bytes");
+            p.read_device_sync(ct.device_buffer(), 0, &mut bytes, &s)
+                .unwrap();
+            assert_eq!(
+                bytes,
+                codec::encode(dtype, &data, &codec.encode).unwrap(),
+                "{dtype}: not the CPU codec's bytes"
+            );
             // Decode into a buffer that the stream overwrites just before (ordering check).
             let dst = p.alloc_device(data.len()).unwrap();
             p.memset_async(&dst, 0, 0xAB, data.len(), &s).unwrap();
-            codec.decode_async(p.as_ref(), &ct, dst.at(0), &s).unwrap().finish(p.as_ref()).unwrap();
+            codec
+                .decode_async(p.as_ref(), &ct, dst.at(0), &s)
+                .unwrap()
+                .finish(p.as_ref())
+                .unwrap();
             let mut back = vec![0u8; data.len()];
             p.read_device_sync(&dst, 0, &mut back, &s).unwrap();
-            assert!(back == data, "{dtype} jitter {jitter:?}: decoded bytes differ");
+            assert!(
+                back == data,
+                "{dtype} jitter {jitter:?}: decoded bytes differ"
+            );
             assert!(ct.ratio() > 1.1);
         }
     }
@@ -59,17 +88,50 @@ fn corrupt_device_bytes_are_reported_at_finish() {
     let data = generate(DataKind::Gaussian, CodecDType::BF16, 10_000, 1);
     let src = p.alloc_device(data.len()).unwrap();
     p.write_device_sync(&src, 0, &data, &s).unwrap();
-    let scratch = p.alloc_device(codec.max_encoded_len(CodecDType::BF16, 10_000)).unwrap();
-    let ct = codec.encode_async(p.as_ref(), src.at(0), CodecDType::BF16, 10_000, &scratch, &s).unwrap().finish_in_place(p.as_ref()).unwrap();
-    p.memset_async(ct.device_buffer(), 100, 0x55, 8, &s).unwrap();
-    let err = codec.decode_async(p.as_ref(), &ct, src.at(0), &s).unwrap().finish(p.as_ref()).unwrap_err();
+    let scratch = p
+        .alloc_device(codec.max_encoded_len(CodecDType::BF16, 10_000))
+        .unwrap();
+    let ct = codec
+        .encode_async(
+            p.as_ref(),
+            src.at(0),
+            CodecDType::BF16,
+            10_000,
+            &scratch,
+            &s,
+        )
+        .unwrap()
+        .finish_in_place(p.as_ref())
+        .unwrap();
+    p.memset_async(ct.device_buffer(), 100, 0x55, 8, &s)
+        .unwrap();
+    let err = codec
+        .decode_async(p.as_ref(), &ct, src.at(0), &s)
+        .unwrap()
+        .finish(p.as_ref())
+        .unwrap_err();
     assert!(matches!(err, CompressError::Corrupt { .. }), "{err}");
     // A payload declared as another dtype is refused.
-    let wrong = CompressedTensor::from_device_bytes(ct.device_buffer().clone(), ct.byte_len(), CodecDType::F16, 10_000).unwrap();
-    assert!(codec.decode_async(p.as_ref(), &wrong, src.at(0), &s).unwrap().finish(p.as_ref()).is_err());
-    assert!(CompressedTensor::from_device_bytes(src.clone(), src.len() + 1, CodecDType::BF16, 1).is_err());
+    let wrong = CompressedTensor::from_device_bytes(
+        ct.device_buffer().clone(),
+        ct.byte_len(),
+        CodecDType::F16,
+        10_000,
+    )
+    .unwrap();
+    assert!(codec
+        .decode_async(p.as_ref(), &wrong, src.at(0), &s)
+        .unwrap()
+        .finish(p.as_ref())
+        .is_err());
+    assert!(
+        CompressedTensor::from_device_bytes(src.clone(), src.len() + 1, CodecDType::BF16, 1)
+            .is_err()
+    );
     let small = p.alloc_device(16).unwrap();
-    assert!(codec.encode_async(p.as_ref(), src.at(0), CodecDType::BF16, 10_000, &small, &s).is_err());
+    assert!(codec
+        .encode_async(p.as_ref(), src.at(0), CodecDType::BF16, 10_000, &small, &s)
+        .is_err());
 }
 
 /// What a swap engine does with a payload: copy its bytes to pinned memory, release the device
@@ -85,12 +147,30 @@ fn compressed_payload_offloads_and_reloads_through_the_swap_interface() {
         let data = generate(DataKind::LayerNorm, CodecDType::BF16, n, 8);
         let src = p.alloc_device(data.len()).unwrap();
         p.write_device_sync(&src, 0, &data, &s).unwrap();
-        let scratch = p.alloc_device(codec.max_encoded_len(CodecDType::BF16, n)).unwrap();
-        let ct = codec.encode_async(p.as_ref(), src.at(0), CodecDType::BF16, n, &scratch, &s).unwrap().finish(p.as_ref(), &s).unwrap();
+        let scratch = p
+            .alloc_device(codec.max_encoded_len(CodecDType::BF16, n))
+            .unwrap();
+        let ct = codec
+            .encode_async(p.as_ref(), src.at(0), CodecDType::BF16, n, &scratch, &s)
+            .unwrap()
+            .finish(p.as_ref(), &s)
+            .unwrap();
 
-        fn offload(p: &dyn Platform, payload: &dyn SwapPayload, s: &hprt_platform::Stream) -> hprt_platform::PinnedBuffer {
+        fn offload(
+            p: &dyn Platform,
+            payload: &dyn SwapPayload,
+            s: &hprt_platform::Stream,
+        ) -> hprt_platform::PinnedBuffer {
             let host = p.alloc_pinned(payload.byte_len()).unwrap();
-            p.copy_async(Mem::Pinned(&host), 0, Mem::Device(payload.device_buffer()), 0, payload.byte_len(), s).unwrap();
+            p.copy_async(
+                Mem::Pinned(&host),
+                0,
+                Mem::Device(payload.device_buffer()),
+                0,
+                payload.byte_len(),
+                s,
+            )
+            .unwrap();
             let ev = p.create_event(false).unwrap();
             p.record_event(&ev, s).unwrap();
             p.synchronize_event(&ev).unwrap();
@@ -98,13 +178,29 @@ fn compressed_payload_offloads_and_reloads_through_the_swap_interface() {
             host
         }
         let moved = ct.byte_len();
-        assert!(moved * 10 < data.len() * 8, "offloaded {moved} of {} bytes", data.len());
+        assert!(
+            moved * 10 < data.len() * 8,
+            "offloaded {moved} of {} bytes",
+            data.len()
+        );
         let host = offload(p.as_ref(), &ct, &s);
         assert_eq!(ct.device_buffer().len(), 0);
         p.resize_device(ct.device_buffer(), moved).unwrap();
-        p.copy_async(Mem::Device(ct.device_buffer()), 0, Mem::Pinned(&host), 0, moved, &s).unwrap();
+        p.copy_async(
+            Mem::Device(ct.device_buffer()),
+            0,
+            Mem::Pinned(&host),
+            0,
+            moved,
+            &s,
+        )
+        .unwrap();
         let dst = p.alloc_device(data.len()).unwrap();
-        codec.decode_async(p.as_ref(), &ct, dst.at(0), &s).unwrap().finish(p.as_ref()).unwrap();
+        codec
+            .decode_async(p.as_ref(), &ct, dst.at(0), &s)
+            .unwrap()
+            .finish(p.as_ref())
+            .unwrap();
         let mut back = vec![0u8; data.len()];
         p.read_device_sync(&dst, 0, &mut back, &s).unwrap();
         assert!(back == data);
@@ -125,31 +221,79 @@ fn cost_model_is_measured_cached_overridable_and_predicts_codec_time() {
     let fresh = measure_codec(p.as_ref(), codec.as_ref(), 1 << 18).unwrap();
     assert!(fresh.encode_gbps > t.encode_gbps / 20.0 && fresh.encode_gbps < t.encode_gbps * 20.0);
     // Predictions against measurements: within an order of magnitude on a shared machine.
-    let checks = check_codec_predictions(p.as_ref(), codec.as_ref(), &m, &[1 << 18, 1 << 20]).unwrap();
+    let checks =
+        check_codec_predictions(p.as_ref(), codec.as_ref(), &m, &[1 << 18, 1 << 20]).unwrap();
     for c in &checks {
-        eprintln!("{}: predicted {:?}, measured {:?} ({:.2}x)", c.what, c.predicted, c.measured, c.ratio());
+        eprintln!(
+            "{}: predicted {:?}, measured {:?} ({:.2}x)",
+            c.what,
+            c.predicted,
+            c.measured,
+            c.ratio()
+        );
         assert!(c.ratio() > 0.05 && c.ratio() < 20.0, "{c:?}");
     }
     // Overrides win; capacity follows.
     let mut o = m.clone();
-    o.set_overrides(CostOverrides { encode_gbps: Some(4.0), decode_gbps: Some(8.0), matmul_flops: Some(1e12), collective_gbps: None });
+    o.set_overrides(CostOverrides {
+        encode_gbps: Some(4.0),
+        decode_gbps: Some(8.0),
+        matmul_flops: Some(1e12),
+        collective_gbps: None,
+    });
     assert_eq!(o.table().encode_gbps, 4.0);
-    let window = o.predict(&Op::Matmul { m: 512, n: 512, k: 512 }).unwrap();
+    let window = o
+        .predict(&Op::Matmul {
+            m: 512,
+            n: 512,
+            k: 512,
+        })
+        .unwrap();
     assert_eq!(window, Duration::from_secs_f64(2.0 * 512f64.powi(3) / 1e12));
-    let cap = o.encodable_numel(Duration::from_millis(1) + o.table().codec_launch, CodecDType::BF16);
+    let cap = o.encodable_numel(
+        Duration::from_millis(1) + o.table().codec_launch,
+        CodecDType::BF16,
+    );
     assert_eq!(cap, 2_000_000);
-    assert!(matches!(m.predict(&Op::Matmul { m: 1, n: 1, k: 1 }), Err(CompressError::CostUnknown(_))) || m.table().matmul_flops.is_some());
+    assert!(
+        matches!(
+            m.predict(&Op::Matmul { m: 1, n: 1, k: 1 }),
+            Err(CompressError::CostUnknown(_))
+        ) || m.table().matmul_flops.is_some()
+    );
     // Learning from a timed matmul.
     let mut learn = CostModel::from_table(Default::default());
-    learn.observe(&Op::Matmul { m: 100, n: 100, k: 100 }, Duration::from_millis(1));
-    assert_eq!(learn.predict(&Op::Matmul { m: 100, n: 100, k: 100 }).unwrap(), Duration::from_millis(1));
+    learn.observe(
+        &Op::Matmul {
+            m: 100,
+            n: 100,
+            k: 100,
+        },
+        Duration::from_millis(1),
+    );
+    assert_eq!(
+        learn
+            .predict(&Op::Matmul {
+                m: 100,
+                n: 100,
+                k: 100
+            })
+            .unwrap(),
+        Duration::from_millis(1)
+    );
 }
 
 #[test]
 fn collective_bandwidth_is_measured_by_group_size_and_predicts_the_collective() {
     let p = platform(None);
     let mut model = CostModel::from_table(Default::default());
-    assert!(model.predict(&Op::Collective { kind: CollectiveKind::AllGather, bytes: 1 << 20, group: 2 }).is_err());
+    assert!(model
+        .predict(&Op::Collective {
+            kind: CollectiveKind::AllGather,
+            bytes: 1 << 20,
+            group: 2
+        })
+        .is_err());
     for world in [2usize, 4] {
         let id = p.unique_id().unwrap();
         let results: Vec<f64> = std::thread::scope(|sc| {
@@ -159,7 +303,15 @@ fn collective_bandwidth_is_measured_by_group_size_and_predicts_the_collective() 
                     sc.spawn(move || {
                         let comm = p.comm_init(&id, rank, world).unwrap();
                         let s = p.create_stream().unwrap();
-                        measure_collective(p.as_ref(), &comm, &s, CollectiveKind::AllGather, 1 << 20, 3).unwrap()
+                        measure_collective(
+                            p.as_ref(),
+                            &comm,
+                            &s,
+                            CollectiveKind::AllGather,
+                            1 << 20,
+                            3,
+                        )
+                        .unwrap()
                     })
                 })
                 .collect();
@@ -169,7 +321,19 @@ fn collective_bandwidth_is_measured_by_group_size_and_predicts_the_collective() 
         assert!(gbps > 0.0);
         model.set_collective_gbps(CollectiveKind::AllGather, world, gbps);
     }
-    let d2 = model.predict(&Op::Collective { kind: CollectiveKind::AllGather, bytes: 1 << 20, group: 2 }).unwrap();
-    let d3 = model.predict(&Op::Collective { kind: CollectiveKind::AllGather, bytes: 1 << 20, group: 3 }).unwrap();
+    let d2 = model
+        .predict(&Op::Collective {
+            kind: CollectiveKind::AllGather,
+            bytes: 1 << 20,
+            group: 2,
+        })
+        .unwrap();
+    let d3 = model
+        .predict(&Op::Collective {
+            kind: CollectiveKind::AllGather,
+            bytes: 1 << 20,
+            group: 3,
+        })
+        .unwrap();
     assert!(d2 > Duration::ZERO && d3 > Duration::ZERO);
 }

@@ -13,7 +13,11 @@ fn corpus() -> Vec<Vec<u8>> {
     for dtype in CodecDType::ALL {
         for kind in DataKind::ALL {
             let data = generate(kind, dtype, 3000, 1);
-            let opts = EncodeOptions { chunk_elems: 512, prob_bits: 11, threads: 1 };
+            let opts = EncodeOptions {
+                chunk_elems: 512,
+                prob_bits: 11,
+                threads: 1,
+            };
             out.push(encode(dtype, &data, &opts).unwrap());
         }
     }
@@ -61,9 +65,17 @@ fn mutate(rng: &mut SplitMix64, base: &[u8], other: &[u8]) -> Vec<u8> {
 
 #[test]
 fn mutated_encodings_never_panic_the_decoder() {
-    let secs = std::env::var("HP_FUZZ_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(5.0);
+    let secs = std::env::var("HP_FUZZ_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5.0);
     let corpus = corpus();
-    let mut rng = SplitMix64::new(std::env::var("HP_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(7));
+    let mut rng = SplitMix64::new(
+        std::env::var("HP_FUZZ_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(7),
+    );
     let deadline = Instant::now() + Duration::from_secs_f64(secs);
     let (mut runs, mut rejected, mut changed) = (0u64, 0u64, 0u64);
     while Instant::now() < deadline {
@@ -71,10 +83,18 @@ fn mutated_encodings_never_panic_the_decoder() {
         let other = &corpus[(rng.next_u64() as usize) % corpus.len()];
         let m = mutate(&mut rng, base, other);
         let r = std::panic::catch_unwind(|| decode(&m));
-        let r = r.unwrap_or_else(|_| panic!("decoder panicked on {} bytes: {:02x?}", m.len(), &m[..m.len().min(64)]));
+        let r = r.unwrap_or_else(|_| {
+            panic!(
+                "decoder panicked on {} bytes: {:02x?}",
+                m.len(),
+                &m[..m.len().min(64)]
+            )
+        });
         runs += 1;
         match r {
-            Err(CompressError::Corrupt { .. } | CompressError::UnsupportedFormat(_)) => rejected += 1,
+            Err(CompressError::Corrupt { .. } | CompressError::UnsupportedFormat(_)) => {
+                rejected += 1
+            }
             Err(e) => panic!("unexpected error kind: {e}"),
             Ok(d) => {
                 // Accepted: then it must be what some valid encoding of that header decodes to,
@@ -86,7 +106,9 @@ fn mutated_encodings_never_panic_the_decoder() {
             }
         }
     }
-    eprintln!("fuzz: {runs} mutated inputs, {rejected} rejected, {changed} accepted with other contents");
+    eprintln!(
+        "fuzz: {runs} mutated inputs, {rejected} rejected, {changed} accepted with other contents"
+    );
     assert!(runs > 100, "too few runs to mean anything");
     assert!(rejected > runs / 2);
 }
@@ -94,7 +116,16 @@ fn mutated_encodings_never_panic_the_decoder() {
 #[test]
 fn every_single_bit_flip_of_a_small_encoding_is_caught() {
     let data = generate(DataKind::Gelu, CodecDType::BF16, 700, 3);
-    let enc = encode(CodecDType::BF16, &data, &EncodeOptions { chunk_elems: 256, prob_bits: 12, threads: 1 }).unwrap();
+    let enc = encode(
+        CodecDType::BF16,
+        &data,
+        &EncodeOptions {
+            chunk_elems: 256,
+            prob_bits: 12,
+            threads: 1,
+        },
+    )
+    .unwrap();
     for bit in 0..enc.len() * 8 {
         let mut m = enc.clone();
         m[bit / 8] ^= 1 << (bit % 8);
@@ -104,6 +135,9 @@ fn every_single_bit_flip_of_a_small_encoding_is_caught() {
         }
     }
     for len in 0..enc.len() {
-        assert!(decode(&enc[..len]).is_err(), "truncation to {len} bytes accepted");
+        assert!(
+            decode(&enc[..len]).is_err(),
+            "truncation to {len} bytes accepted"
+        );
     }
 }

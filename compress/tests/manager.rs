@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use hprt_compress::cost::{CostModel, CostTable, Op};
 use hprt_compress::data::{generate, DataKind};
-use hprt_compress::manager::{ActivationManager, ManagerConfig, SavedTensor, TensorFilter, TensorKey};
+use hprt_compress::manager::{
+    ActivationManager, ManagerConfig, SavedTensor, TensorFilter, TensorKey,
+};
 use hprt_compress::planner::LayerId;
 use hprt_compress::{CodecDType, CompressError};
 use hprt_platform::{CpuBackend, CpuConfig, DType, DeviceBuffer, Kernel, Mem, Platform, Stream};
@@ -16,21 +18,30 @@ use hprt_platform::{CpuBackend, CpuConfig, DType, DeviceBuffer, Kernel, Mem, Pla
 const LAYERS: u64 = 4;
 
 fn platform(jitter: Option<u64>) -> Arc<dyn Platform> {
-    Arc::new(CpuBackend::new(CpuConfig { device_memory: 512 << 20, jitter, ..Default::default() }))
+    Arc::new(CpuBackend::new(CpuConfig {
+        device_memory: 512 << 20,
+        jitter,
+        ..Default::default()
+    }))
 }
 
 /// Encode/decode at 1 GB/s (bytes of original tensor), so a 1 ms window fits ~1 MB.
 fn model() -> CostModel {
-    let mut t = CostTable::default();
-    t.encode_gbps = 1.0;
-    t.decode_gbps = 1.0;
-    CostModel::from_table(t)
+    CostModel::from_table(CostTable {
+        encode_gbps: 1.0,
+        decode_gbps: 1.0,
+        ..Default::default()
+    })
 }
 
 /// The tensors one layer saves: (kind, dtype, numel).
 fn layer_tensors(layer: u64) -> Vec<(DataKind, CodecDType, usize)> {
     vec![
-        (DataKind::Gelu, CodecDType::BF16, 60_000 + 8 * layer as usize),
+        (
+            DataKind::Gelu,
+            CodecDType::BF16,
+            60_000 + 8 * layer as usize,
+        ),
         (DataKind::Softmax, CodecDType::BF16, 65_536),
         (DataKind::LayerNorm, CodecDType::F32, 40_000),
         (DataKind::Weights, CodecDType::F16, 1000), // below the size filter
@@ -42,13 +53,30 @@ fn produce(p: &dyn Platform, s: &Stream, data: &[u8]) -> DeviceBuffer {
     let buf = p.alloc_device(data.len()).unwrap();
     let staging = p.alloc_pinned(data.len()).unwrap();
     staging.write(0, data).unwrap();
-    p.copy_async(Mem::Device(&buf), 0, Mem::Pinned(&staging), 0, data.len(), s).unwrap();
+    p.copy_async(
+        Mem::Device(&buf),
+        0,
+        Mem::Pinned(&staging),
+        0,
+        data.len(),
+        s,
+    )
+    .unwrap();
     buf
 }
 
 /// Some operator work on the compute stream (the "matmul" of the window).
 fn operator(p: &dyn Platform, s: &Stream, work: &DeviceBuffer) {
-    p.launch_kernel(Kernel::Scale { buf: work.at(0), dtype: DType::F32, count: work.len() / 4, factor: 1.0001 }, s).unwrap();
+    p.launch_kernel(
+        Kernel::Scale {
+            buf: work.at(0),
+            dtype: DType::F32,
+            count: work.len() / 4,
+            factor: 1.0001,
+        },
+        s,
+    )
+    .unwrap();
 }
 
 struct Step {
@@ -56,39 +84,67 @@ struct Step {
     kept: Vec<(LayerId, DeviceBuffer, Vec<u8>)>,
 }
 
-fn run_step(m: &mut ActivationManager, p: &dyn Platform, s: &Stream, work: &DeviceBuffer, window: Duration, step: u64) -> Step {
-    let mut st = Step { saved: vec![], kept: vec![] };
+fn run_step(
+    m: &mut ActivationManager,
+    p: &dyn Platform,
+    s: &Stream,
+    work: &DeviceBuffer,
+    window: Duration,
+    step: u64,
+) -> Step {
+    let mut st = Step {
+        saved: vec![],
+        kept: vec![],
+    };
     for l in 0..LAYERS {
         let layer = LayerId(l);
         m.forward_start(layer).unwrap();
         // The layer's first operator: encodes the previous layer's tensors.
-        m.window(&Op::Fixed(window), || operator(p, s, work)).unwrap();
+        m.window(&Op::Fixed(window), || operator(p, s, work))
+            .unwrap();
         for (i, (kind, dtype, n)) in layer_tensors(l).into_iter().enumerate() {
             let data = generate(kind, dtype, n, step * 100 + l * 10 + i as u64);
             let buf = produce(p, s, &data);
-            let t = SavedTensor { buf: buf.clone(), dtype: dtype.dtype(), numel: n };
+            let t = SavedTensor {
+                buf: buf.clone(),
+                dtype: dtype.dtype(),
+                numel: n,
+            };
             match m.save(layer, t).unwrap() {
                 Some(key) => st.saved.push((layer, key, data)),
                 None => st.kept.push((layer, buf, data)),
             }
         }
-        m.window(&Op::Fixed(window), || operator(p, s, work)).unwrap();
+        m.window(&Op::Fixed(window), || operator(p, s, work))
+            .unwrap();
     }
     st
 }
 
-fn backward(m: &mut ActivationManager, p: &dyn Platform, s: &Stream, work: &DeviceBuffer, window: Duration, st: &Step) {
+fn backward(
+    m: &mut ActivationManager,
+    p: &dyn Platform,
+    s: &Stream,
+    work: &DeviceBuffer,
+    window: Duration,
+    st: &Step,
+) {
     for l in (0..LAYERS).rev() {
         let layer = LayerId(l);
         m.backward_start(layer).unwrap();
         // Decodes the next backward layer (l - 1) in the window.
-        m.window(&Op::Fixed(window), || operator(p, s, work)).unwrap();
+        m.window(&Op::Fixed(window), || operator(p, s, work))
+            .unwrap();
         for (tl, key, data) in st.saved.iter().filter(|(tl, ..)| *tl == layer) {
             assert_eq!(*tl, layer);
             let buf = m.take(*key).unwrap();
             let mut back = vec![0u8; data.len()];
             p.read_device_sync(&buf, 0, &mut back, s).unwrap();
-            assert!(back == *data, "layer {l} tensor {}: not bit-exact", key.index);
+            assert!(
+                back == *data,
+                "layer {l} tensor {}: not bit-exact",
+                key.index
+            );
         }
         for (_, buf, data) in st.kept.iter().filter(|(tl, ..)| *tl == layer) {
             let mut back = vec![0u8; data.len()];
@@ -124,7 +180,10 @@ fn training_steps_are_bit_exact_and_compress_every_layer_but_the_last() {
         );
         assert_eq!(s.saved, 6, "3 tensors pass the filter, 2 steps");
         if layer.0 < LAYERS - 1 {
-            assert_eq!(s.compressed, 6, "a 2 ms window at 1 GB/s fits the whole previous layer");
+            assert_eq!(
+                s.compressed, 6,
+                "a 2 ms window at 1 GB/s fits the whole previous layer"
+            );
             assert!(s.ratio() > 1.2, "ratio {}", s.ratio());
             // The first step learns the backward order, so its backward windows know no next
             // layer and every tensor is recovered at its layer's backward start; in the second
@@ -136,11 +195,18 @@ fn training_steps_are_bit_exact_and_compress_every_layer_but_the_last() {
         }
     }
     // One scratch buffer per (numel, dtype) in flight, reused by every later window and step.
-    assert!(m.scratch_allocations() <= 3 * 3, "{} scratch allocations", m.scratch_allocations());
+    assert!(
+        m.scratch_allocations() <= 3 * 3,
+        "{} scratch allocations",
+        m.scratch_allocations()
+    );
     let records = m.window_records().unwrap();
     assert_eq!(records.len() as u64, 2 * (3 * LAYERS));
     for r in records.iter().filter(|r| r.encoded + r.decoded > 0) {
-        eprintln!("{}: predicted {:?}, measured {:?}, {} enc / {} dec, {} bytes", r.op, r.predicted, r.measured, r.encoded, r.decoded, r.bytes);
+        eprintln!(
+            "{}: predicted {:?}, measured {:?}, {} enc / {} dec, {} bytes",
+            r.op, r.predicted, r.measured, r.encoded, r.decoded, r.bytes
+        );
         assert!(r.measured.is_some());
         assert!(r.bytes <= 2_000_000, "planned more than the window holds");
     }
@@ -176,11 +242,22 @@ fn originals_are_freed_while_compressed() {
     let data = generate(DataKind::Gelu, CodecDType::BF16, n, 2);
     m.forward_start(LayerId(0)).unwrap();
     let buf = produce(p.as_ref(), &s, &data);
-    let key = m.save(LayerId(0), SavedTensor { buf: buf.clone(), dtype: DType::BF16, numel: n }).unwrap().unwrap();
+    let key = m
+        .save(
+            LayerId(0),
+            SavedTensor {
+                buf: buf.clone(),
+                dtype: DType::BF16,
+                numel: n,
+            },
+        )
+        .unwrap()
+        .unwrap();
     p.synchronize_device().unwrap();
     let before = p.memory_stats().device_current;
     m.forward_start(LayerId(1)).unwrap();
-    m.window(&Op::Fixed(Duration::from_millis(5)), || ()).unwrap();
+    m.window(&Op::Fixed(Duration::from_millis(5)), || ())
+        .unwrap();
     assert!(m.is_compressed(key));
     assert_eq!(buf.len(), 0, "original storage released");
     let after = p.memory_stats().device_current;
@@ -188,7 +265,10 @@ fn originals_are_freed_while_compressed() {
     // copy is smaller than it.
     let scratch = hprt_compress::codec::max_encoded_len(CodecDType::BF16, n, &Default::default());
     assert!(after < before + scratch, "before {before}, after {after}");
-    assert!(((after - scratch) as f64) < before as f64 * 0.85, "compressed copy not smaller");
+    assert!(
+        ((after - scratch) as f64) < before as f64 * 0.85,
+        "compressed copy not smaller"
+    );
     m.backward_start(LayerId(1)).unwrap();
     m.backward_start(LayerId(0)).unwrap();
     let back = m.take(key).unwrap();
@@ -208,17 +288,67 @@ fn filters_and_misuse_are_typed() {
     let mut m = ActivationManager::new(p.clone(), s.clone(), cfg).unwrap();
     let b = p.alloc_device(64).unwrap();
     m.forward_start(LayerId(0)).unwrap();
-    assert!(m.save(LayerId(0), SavedTensor { buf: b.clone(), dtype: DType::F32, numel: 15 }).unwrap().is_none());
-    assert!(m.save(LayerId(0), SavedTensor { buf: b.clone(), dtype: DType::I32, numel: 16 }).unwrap().is_none());
-    assert!(matches!(m.save(LayerId(0), SavedTensor { buf: b.clone(), dtype: DType::F32, numel: 32 }), Err(CompressError::InvalidArgument(_))));
-    let key = m.save(LayerId(0), SavedTensor { buf: b.clone(), dtype: DType::F32, numel: 16 }).unwrap().unwrap();
-    assert!(matches!(m.end_window(), Err(CompressError::InvalidState(_))));
-    m.begin_window(&Op::Fixed(Duration::from_millis(1))).unwrap();
-    assert!(matches!(m.begin_window(&Op::Fixed(Duration::ZERO)), Err(CompressError::InvalidState(_))));
+    assert!(m
+        .save(
+            LayerId(0),
+            SavedTensor {
+                buf: b.clone(),
+                dtype: DType::F32,
+                numel: 15
+            }
+        )
+        .unwrap()
+        .is_none());
+    assert!(m
+        .save(
+            LayerId(0),
+            SavedTensor {
+                buf: b.clone(),
+                dtype: DType::I32,
+                numel: 16
+            }
+        )
+        .unwrap()
+        .is_none());
+    assert!(matches!(
+        m.save(
+            LayerId(0),
+            SavedTensor {
+                buf: b.clone(),
+                dtype: DType::F32,
+                numel: 32
+            }
+        ),
+        Err(CompressError::InvalidArgument(_))
+    ));
+    let key = m
+        .save(
+            LayerId(0),
+            SavedTensor {
+                buf: b.clone(),
+                dtype: DType::F32,
+                numel: 16,
+            },
+        )
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        m.end_window(),
+        Err(CompressError::InvalidState(_))
+    ));
+    m.begin_window(&Op::Fixed(Duration::from_millis(1)))
+        .unwrap();
+    assert!(matches!(
+        m.begin_window(&Op::Fixed(Duration::ZERO)),
+        Err(CompressError::InvalidState(_))
+    ));
     assert!(matches!(m.take(key), Err(CompressError::InvalidState(_))));
     m.end_window().unwrap();
     // A layer entered again before its tensors were taken.
-    assert!(matches!(m.forward_start(LayerId(0)), Err(CompressError::InvalidState(_))));
+    assert!(matches!(
+        m.forward_start(LayerId(0)),
+        Err(CompressError::InvalidState(_))
+    ));
     m.take(key).unwrap();
     assert!(m.take(key).is_err());
     m.forward_start(LayerId(0)).unwrap();

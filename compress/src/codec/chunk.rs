@@ -231,7 +231,10 @@ pub(crate) fn decode<E: Elem>(
             expect_len(2 + mlen)?;
             let sym = u16::from_le_bytes([payload[0], payload[1]]) as usize;
             if sym >= E::ALPHABET {
-                return Err(CompressError::corrupt(base, format!("symbol {sym} outside the alphabet")));
+                return Err(CompressError::corrupt(
+                    base,
+                    format!("symbol {sym} outside the alphabet"),
+                ));
             }
             let mant = &payload[2..];
             merge::<E>(out, mant, |_| sym as u16);
@@ -240,12 +243,18 @@ pub(crate) fn decode<E: Elem>(
             let alphabet = E::ALPHABET;
             let (freq, tlen) = rans::read_table(payload, alphabet, prob_bits, base)?;
             let words_start = tlen + mlen;
-            let words_end = payload.len().checked_sub(STATES_LEN).filter(|&e| e >= words_start);
+            let words_end = payload
+                .len()
+                .checked_sub(STATES_LEN)
+                .filter(|&e| e >= words_start);
             let Some(words_end) = words_end else {
                 return Err(CompressError::corrupt(base, "rans chunk truncated"));
             };
             if (words_end - words_start) % 2 != 0 {
-                return Err(CompressError::corrupt(base + words_start, "odd rans word region"));
+                return Err(CompressError::corrupt(
+                    base + words_start,
+                    "odd rans word region",
+                ));
             }
             let mant = &payload[tlen..words_start];
             let words = &payload[words_start..words_end];
@@ -254,11 +263,22 @@ pub(crate) fn decode<E: Elem>(
                 u32::from_le_bytes(payload[at..at + 4].try_into().expect("4 bytes"))
             });
             if x.iter().any(|&s| !(RANS_L..1 << 31).contains(&s)) {
-                return Err(CompressError::corrupt(base + words_end, "rans state out of range"));
+                return Err(CompressError::corrupt(
+                    base + words_end,
+                    "rans state out of range",
+                ));
             }
             rans::fill_dec_table(&mut scratch.table, &freq);
             let mut pos = words.len() / 2;
-            decode_symbols::<E>(out, mant, &scratch.table, prob_bits, words, &mut pos, &mut x);
+            decode_symbols::<E>(
+                out,
+                mant,
+                &scratch.table,
+                prob_bits,
+                words,
+                &mut pos,
+                &mut x,
+            );
             if pos != 0 || x.iter().any(|&s| s != RANS_L) {
                 return Err(CompressError::corrupt(
                     base + words_start,
@@ -268,7 +288,10 @@ pub(crate) fn decode<E: Elem>(
         }
     }
     if verify && checksum(out) != entry.check {
-        return Err(CompressError::corrupt(base, "decoded chunk fails its checksum"));
+        return Err(CompressError::corrupt(
+            base,
+            "decoded chunk fails its checksum",
+        ));
     }
     Ok(())
 }

@@ -397,12 +397,20 @@ mod tests {
         let constant: Vec<u8> = [0x12u8, 0x3f].repeat(1000);
         let enc = encode(CodecDType::BF16, &constant, &opts(1)).unwrap();
         let p = inspect(&enc).unwrap();
-        assert!(p.chunks.iter().all(|c| c.mode == format::ChunkMode::Constant));
+        assert!(p
+            .chunks
+            .iter()
+            .all(|c| c.mode == format::ChunkMode::Constant));
         assert_eq!(decode(&enc).unwrap().data, constant);
         // One exponent, varying mantissas.
-        let single: Vec<u8> = (0..1000u16).flat_map(|i| (0x3f80 | (i % 128)).to_le_bytes()).collect();
+        let single: Vec<u8> = (0..1000u16)
+            .flat_map(|i| (0x3f80 | (i % 128)).to_le_bytes())
+            .collect();
         let enc = encode(CodecDType::BF16, &single, &opts(1)).unwrap();
-        assert_eq!(inspect(&enc).unwrap().chunks[0].mode, format::ChunkMode::SingleSymbol);
+        assert_eq!(
+            inspect(&enc).unwrap().chunks[0].mode,
+            format::ChunkMode::SingleSymbol
+        );
         assert_eq!(decode(&enc).unwrap().data, single);
     }
 
@@ -425,15 +433,4 @@ mod tests {
         assert_eq!(huffman_cost(&[1, 1, 2, 4]), 14.0);
         assert_eq!(huffman_cost(&[5]), 5.0);
     }
-}
-
-#[doc(hidden)]
-pub fn __phase_times(data: &[u8]) -> (f64, f64) {
-    let t = std::time::Instant::now();
-    let h = chunk::histogram::<BF16>(std::hint::black_box(data));
-    std::hint::black_box(h);
-    let a = t.elapsed().as_secs_f64();
-    let t = std::time::Instant::now();
-    std::hint::black_box(format::checksum(std::hint::black_box(data)));
-    (a, t.elapsed().as_secs_f64())
 }

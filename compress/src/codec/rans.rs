@@ -99,7 +99,10 @@ fn get_varint(b: &[u8], pos: &mut usize, base: usize) -> Result<u32> {
             .ok_or_else(|| CompressError::corrupt(base + *pos, "frequency table truncated"))?;
         *pos += 1;
         if shift == 28 && byte > 0x0f {
-            return Err(CompressError::corrupt(base + *pos - 1, "varint overflows 32 bits"));
+            return Err(CompressError::corrupt(
+                base + *pos - 1,
+                "varint overflows 32 bits",
+            ));
         }
         v |= ((byte & 0x7f) as u32) << shift;
         if byte & 0x80 == 0 {
@@ -156,7 +159,10 @@ pub(crate) fn read_table(
         let f = get_varint(b, &mut pos, base)? as u64 + 1;
         sum += f;
         if sum > m {
-            return Err(CompressError::corrupt(base + pos, "frequencies exceed the total"));
+            return Err(CompressError::corrupt(
+                base + pos,
+                "frequencies exceed the total",
+            ));
         }
         freq[s] = f as u32;
         next = s + 1;
@@ -204,7 +210,7 @@ pub(crate) fn enc_table(freq: &[u32], prob_bits: u32) -> EncTable {
                 let shift = 32 - (f - 1).leading_zeros(); // ceil(log2 f)
                 EncSym {
                     x_max: ((RANS_L >> prob_bits) << 16) * f,
-                    rcp: (((1u64 << (shift + 31)) + f as u64 - 1) / f as u64) as u32,
+                    rcp: (1u64 << (shift + 31)).div_ceil(f as u64) as u32,
                     bias: cum,
                     cmpl: (m - f) as u16,
                     shift: (shift - 1) as u16,
@@ -273,7 +279,13 @@ pub(crate) fn fill_dec_table(t: &mut DecTable, freq: &[u32]) {
 /// [`RANS_L`]. Corrupt input cannot read out of bounds: past the first word `*pos` wraps and
 /// every later read sees 0, which the caller detects (`*pos` never returns to exactly 0).
 #[inline(always)]
-pub(crate) fn get(x: &mut u32, table: &DecTable, prob_bits: u32, words: &[u8], pos: &mut usize) -> u16 {
+pub(crate) fn get(
+    x: &mut u32,
+    table: &DecTable,
+    prob_bits: u32,
+    words: &[u8],
+    pos: &mut usize,
+) -> u16 {
     let mask = (1u32 << prob_bits) - 1;
     let v = *x;
     let d = table[(v & mask) as usize & (MAX_SLOTS - 1)];
@@ -321,7 +333,10 @@ mod tests {
         write_table(&f, &mut b);
         let (g, used) = read_table(&b, 16, 12, 0).unwrap();
         assert_eq!((g, used), (f.clone(), b.len()));
-        assert!(read_table(&b, 8, 12, 0).is_err(), "symbol 9 is outside 8 symbols");
+        assert!(
+            read_table(&b, 8, 12, 0).is_err(),
+            "symbol 9 is outside 8 symbols"
+        );
         assert!(read_table(&b, 16, 13, 0).is_err(), "sum is for 12 bits");
         assert!(read_table(&b[..b.len() - 1], 16, 12, 0).is_err());
     }

@@ -140,12 +140,16 @@ mod tests {
     use super::*;
 
     fn round_trip<E: Elem>() {
-        let m: [u32; 8] = std::array::from_fn(|k| (0x5a5a5a5u32.rotate_left(k as u32 * 5)) & E::MANT_MASK);
+        let m: [u32; 8] =
+            std::array::from_fn(|k| (0x5a5a5a5u32.rotate_left(k as u32 * 5)) & E::MANT_MASK);
         let mut out = [0u8; 24];
         pack8::<E>(&m, &mut out);
         assert_eq!(unpack8::<E>(&out), m);
         // The bit stream is element 0 in the lowest bits.
-        assert_eq!(out[0] as u32 & E::MANT_MASK.min(0xff), m[0] & 0xff & E::MANT_MASK);
+        assert_eq!(
+            out[0] as u32 & E::MANT_MASK.min(0xff),
+            m[0] & 0xff & E::MANT_MASK
+        );
         for n in 1..8 {
             let mut t = [0u8; 24];
             pack_tail::<E>(&m[..n], &mut t);
