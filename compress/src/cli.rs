@@ -198,7 +198,7 @@ mod tests {
         assert_eq!(d.dtype, CodecDType::BF16);
         assert_eq!(std::fs::read(&back).unwrap(), data);
         let stats = codec_stats(CodecDType::BF16, &[raw.as_path()], &opts).unwrap();
-        assert!(stats.contains("ratio 1.5"), "{stats}");
+        assert!(stats.contains("ratio 1.4"), "{stats}");
         assert!(stats.contains("5 rans"), "{stats}");
         assert!(stats.contains("zstd-1"), "{stats}");
         // Not an encoding; a file that is not whole elements; a missing file.
