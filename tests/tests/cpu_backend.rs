@@ -629,3 +629,57 @@ fn pinned_request_near_usize_max_is_out_of_memory() {
     );
     assert_eq!(small.map_err(|e| e.to_string()), Ok(4096));
 }
+
+#[test]
+fn freed_device_blocks_are_reused_without_counting_as_allocated() {
+    let p = cpu(CpuConfig {
+        device_memory: 8 << 20,
+        alloc_cache: 4 << 20,
+        ..CpuConfig::default()
+    });
+    let a = p.alloc_device(3 << 20).unwrap();
+    let addr = a.device_ptr();
+    p.free_device(&a).unwrap();
+    assert_eq!(
+        p.memory_stats().device_current,
+        0,
+        "cached bytes are not allocated"
+    );
+    // The same size comes back from the cache (LIFO), and the capacity still holds in full.
+    let b = p.alloc_device(3 << 20).unwrap();
+    assert_eq!(b.device_ptr(), addr, "the freed block was not reused");
+    let c = p.alloc_device(5 << 20).unwrap();
+    assert_eq!(p.memory_stats().device_current, 8 << 20);
+    assert_eq!(kind(p.alloc_device(1)), Some(ErrorKind::OutOfMemory));
+    // resize-to-zero and back (activation swap's pattern) goes through the cache too.
+    p.resize_device(&b, 0).unwrap();
+    p.resize_device(&b, 3 << 20).unwrap();
+    assert_eq!(b.device_ptr(), addr);
+    drop((b, c));
+}
+
+#[test]
+fn the_allocation_cache_can_be_turned_off_and_is_bounded() {
+    for cap in [0, 1 << 20] {
+        let p = cpu(CpuConfig {
+            alloc_cache: cap,
+            ..CpuConfig::default()
+        });
+        // Blocks over the cap are freed, so a later allocation of that size is fresh memory:
+        // fresh cpu memory is zero-filled, a reused block would still hold 0xAB.
+        let s = p.create_stream().unwrap();
+        let a = p.alloc_device(2 << 20).unwrap();
+        p.memset_async(&a, 0, 0xAB, a.len(), &s).unwrap();
+        p.synchronize_stream(&s).unwrap();
+        p.free_device(&a).unwrap();
+        let b = p.alloc_device(2 << 20).unwrap();
+        let mut out = vec![1u8; 64];
+        p.read_device_sync(&b, (1 << 20) + 4096, &mut out, &s)
+            .unwrap();
+        assert_eq!(
+            out,
+            vec![0u8; 64],
+            "cap {cap}: a block over the cap was cached"
+        );
+    }
+}

@@ -1,6 +1,7 @@
 //! cpu "device" and pinned memory: host allocations with their own accounting.
 
 use std::alloc::{self, Layout};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{BackendKind, Error, ErrorKind, Result};
@@ -10,11 +11,76 @@ use crate::memory::MemoryCounter;
 /// Alignment of every allocation, as `cudaMalloc` gives.
 pub(crate) const ALIGN: usize = 256;
 
+/// Freed device blocks kept for reuse, as a GPU framework's caching allocator keeps them:
+/// re-acquiring a storage (activation swap's resize-back) then costs no page faults. Cached
+/// bytes are not "current" in the accounting, and the cache holds at most `cap` bytes.
+pub(crate) struct BlockCache {
+    cap: usize,
+    inner: Mutex<CachedBlocks>,
+}
+
+#[derive(Default)]
+struct CachedBlocks {
+    bytes: usize,
+    by_size: HashMap<usize, Vec<usize>>,
+}
+
+impl BlockCache {
+    pub(crate) fn new(cap: usize) -> Arc<Self> {
+        Arc::new(BlockCache {
+            cap,
+            inner: Mutex::new(CachedBlocks::default()),
+        })
+    }
+
+    fn take(&self, layout: Layout) -> Option<*mut u8> {
+        let mut c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let base = c.by_size.get_mut(&layout.size())?.pop()?;
+        c.bytes -= layout.size();
+        Some(base as *mut u8)
+    }
+
+    /// Keeps the block if it fits under the cap; false means the caller frees it.
+    fn put(&self, base: *mut u8, layout: Layout) -> bool {
+        let mut c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if c.bytes + layout.size() > self.cap {
+            return false;
+        }
+        c.bytes += layout.size();
+        c.by_size
+            .entry(layout.size())
+            .or_default()
+            .push(base as usize);
+        true
+    }
+}
+
+impl Drop for BlockCache {
+    fn drop(&mut self) {
+        let c = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
+        for (&size, blocks) in &c.by_size {
+            for &base in blocks {
+                // SAFETY: every cached block came from `alloc_zeroed` with this size and
+                // `BLOCK_ALIGN`, and is freed once, here.
+                unsafe { alloc::dealloc(base as *mut u8, block_layout(size)) };
+            }
+        }
+    }
+}
+
+const BLOCK_ALIGN: usize = 16;
+
+fn block_layout(size: usize) -> Layout {
+    // `size` was a valid layout size with this alignment when the block was made.
+    Layout::from_size_align(size, BLOCK_ALIGN).unwrap_or(Layout::new::<u8>())
+}
+
 enum Origin {
     Owned {
         base: *mut u8,
         layout: Layout,
         counter: Arc<MemoryCounter>,
+        cache: Option<Arc<BlockCache>>,
     },
     Borrowed {
         release: Mutex<Option<ReleaseFn>>,
@@ -36,19 +102,28 @@ unsafe impl Sync for CpuMem {}
 pub(crate) type MemRef = Arc<CpuMem>;
 
 impl CpuMem {
-    /// Zero-filled, `ALIGN`-aligned memory of `len > 0` bytes, charged to `counter`.
+    /// `ALIGN`-aligned memory of `len > 0` bytes, charged to `counter`: a block from `cache`
+    /// when one of the size is there (its old bytes, as `cudaMalloc` gives no zeroing either),
+    /// else fresh zero-filled memory.
     pub(crate) fn alloc(
         counter: &Arc<MemoryCounter>,
+        cache: Option<&Arc<BlockCache>>,
         op: &'static str,
         len: usize,
     ) -> Result<MemRef> {
         counter.reserve(BackendKind::Cpu, op, len)?;
-        // calloc-backed (alignment 16) so large blocks arrive as lazily zeroed pages; aligned by hand.
+        // calloc-backed so large blocks arrive as lazily zeroed pages; aligned by hand.
         let layout = len
             .checked_add(ALIGN)
-            .and_then(|n| Layout::from_size_align(n, 16).ok());
-        // SAFETY: a layout, when there is one, has non-zero size.
-        let base = layout.map_or(std::ptr::null_mut(), |l| unsafe { alloc::alloc_zeroed(l) });
+            .and_then(|n| Layout::from_size_align(n, BLOCK_ALIGN).ok());
+        let base = match layout {
+            Some(l) => match cache.and_then(|c| c.take(l)) {
+                Some(b) => b,
+                // SAFETY: the layout has non-zero size.
+                None => unsafe { alloc::alloc_zeroed(l) },
+            },
+            None => std::ptr::null_mut(),
+        };
         let (Some(layout), false) = (layout, base.is_null()) else {
             counter.release(len);
             return Err(Error::new(
@@ -66,6 +141,7 @@ impl CpuMem {
                 base,
                 layout,
                 counter: Arc::clone(counter),
+                cache: cache.cloned(),
             },
         }))
     }
@@ -98,9 +174,12 @@ impl Drop for CpuMem {
                 base,
                 layout,
                 counter,
+                cache,
             } => {
-                // SAFETY: `base` came from `alloc_zeroed(layout)` and is freed once, here.
-                unsafe { alloc::dealloc(*base, *layout) };
+                if !cache.as_ref().is_some_and(|c| c.put(*base, *layout)) {
+                    // SAFETY: `base` came from `alloc_zeroed(layout)` and is freed once, here.
+                    unsafe { alloc::dealloc(*base, *layout) };
+                }
                 counter.release(self.len);
             }
             Origin::Borrowed { release } => {

@@ -2,7 +2,8 @@
 //! embedded default.
 //!
 //! "Device" memory is host memory behind a capacity, so out-of-memory and peak accounting are
-//! real; every stream is a worker thread; ranks of a world are threads of one process that share
+//! real; freed blocks are cached for reuse like a GPU framework's caching allocator (and, like
+//! `cudaMalloc`, new allocations are not guaranteed zeroed); every stream is a worker thread; ranks of a world are threads of one process that share
 //! one `CpuBackend` value.
 
 mod comm;
@@ -25,7 +26,7 @@ use crate::kernel::{run_on_host, HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
 
 use comm::{CommMember, CommShared, CpuComm, Issued};
-use memory::{CpuMem, MemRef};
+use memory::{BlockCache, CpuMem, MemRef};
 use stream::{CpuEvent, EventCore, StreamCore, StreamRef};
 
 /// Settings of a cpu platform value. [`CpuConfig::from_env`] reads the `HP_CPU_*` variables.
@@ -41,6 +42,9 @@ pub struct CpuConfig {
     pub jitter: Option<u64>,
     /// How long a rank waits for its peers (`HP_CPU_COLLECTIVE_TIMEOUT_MS`).
     pub collective_timeout: Duration,
+    /// Bytes of freed device blocks kept for reuse, like a GPU framework's caching allocator
+    /// (`HP_CPU_ALLOC_CACHE`; 0 turns it off). Cached bytes do not count as allocated.
+    pub alloc_cache: usize,
 }
 
 impl Default for CpuConfig {
@@ -51,6 +55,7 @@ impl Default for CpuConfig {
             pinned_memory: None,
             jitter: None,
             collective_timeout: Duration::from_secs(120),
+            alloc_cache: 1 << 30,
         }
     }
 }
@@ -126,6 +131,9 @@ impl CpuConfig {
         )? {
             c.collective_timeout = Duration::from_millis(ms);
         }
+        if let Some(v) = env_value("HP_CPU_ALLOC_CACHE", parse_bytes, bytes)? {
+            c.alloc_cache = v;
+        }
         Ok(c)
     }
 }
@@ -167,6 +175,8 @@ pub struct CpuBackend {
     config: CpuConfig,
     instance: u64,
     devices: Vec<Arc<MemoryCounter>>,
+    /// One per device: a block freed on one device is reused only there.
+    caches: Vec<Arc<BlockCache>>,
     pinned: Arc<MemoryCounter>,
     streams: Mutex<HashMap<usize, Weak<StreamCore>>>,
     next_stream: AtomicUsize,
@@ -182,7 +192,11 @@ impl CpuBackend {
         let devices = (0..config.devices.max(1))
             .map(|_| Arc::new(MemoryCounter::new(Some(config.device_memory))))
             .collect();
+        let caches = (0..config.devices.max(1))
+            .map(|_| BlockCache::new(config.alloc_cache))
+            .collect();
         CpuBackend {
+            caches,
             pinned: Arc::new(MemoryCounter::new(config.pinned_memory)),
             devices,
             instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
@@ -397,7 +411,9 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_device(&self, bytes: usize) -> Result<(MemRef, usize)> {
-        let m = CpuMem::alloc(self.device(), "alloc_device", bytes)?;
+        let dev = Backend::current_device(self);
+        let cache = Some(&self.caches[dev]).filter(|_| self.config.alloc_cache > 0);
+        let m = CpuMem::alloc(&self.devices[dev], cache, "alloc_device", bytes)?;
         let ptr = m.ptr();
         Ok((m, ptr))
     }
@@ -410,7 +426,7 @@ impl Backend for CpuBackend {
         Ok(CpuMem::borrowed(ptr, bytes, release))
     }
     fn alloc_pinned(&self, bytes: usize) -> Result<(MemRef, usize)> {
-        let m = CpuMem::alloc(&self.pinned, "alloc_pinned", bytes)?;
+        let m = CpuMem::alloc(&self.pinned, None, "alloc_pinned", bytes)?;
         let ptr = m.ptr();
         Ok((m, ptr))
     }
