@@ -390,3 +390,305 @@ mod tests {
         assert_eq!(grid_for(usize::MAX / 2), 1 << 16);
     }
 }
+
+/// The generated source compiled as host C++ (CUDA's intrinsics given their IEEE meaning) and
+/// run against the host reference, so the device code's semantics are checked without a GPU.
+/// Needs a C++ compiler (`$CXX`, default `c++`), as building this crate already does.
+#[cfg(test)]
+mod host_compiled {
+    use super::*;
+    use crate::kernel::run_on_host;
+
+    const SHIM: &str = r#"
+#include <cstring>
+#include <cfenv>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+struct Dim { unsigned int x; };
+static const Dim blockIdx = {0}, threadIdx = {0}, blockDim = {1}, gridDim = {1};
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline long long __double_as_longlong(double d) { long long u; std::memcpy(&u, &d, 8); return u; }
+static inline double __longlong_as_double(long long u) { double d; std::memcpy(&d, &u, 8); return d; }
+static inline float __double2float_rn(double x) { return (float)x; }
+static inline float __double2float_rz(double x) {
+    int mode = std::fegetround();
+    std::fesetround(FE_TOWARDZERO);
+    volatile double v = x;
+    volatile float r = (float)v;
+    std::fesetround(mode);
+    return r;
+}
+static inline long long __double2ll_rz(double x) { return (long long)x; }
+static inline float __ll2float_rn(long long n) { return (float)n; }
+static inline double __ll2double_rn(long long n) { return (double)n; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __dadd_rn(double a, double b) { return a + b; }
+"#;
+
+    fn compile() -> libloading::Library {
+        let dir = std::env::temp_dir().join(format!("hprt-cuda-kernels-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let src = dir.join("kernels.cpp");
+        let lib = dir.join("libkernels.so");
+        std::fs::write(&src, format!("{SHIM}\n{}", source())).unwrap();
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let out = std::process::Command::new(&cxx)
+            .args(["-std=c++14", "-O1", "-shared", "-fPIC", "-ffp-contract=off"])
+            .args(["-frounding-math", "-Wall", "-Werror", "-o"])
+            .arg(&lib)
+            .arg(&src)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run the C++ compiler {cxx:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "the generated kernel source does not compile:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // SAFETY: a library we just built from our own source.
+        unsafe { libloading::Library::new(&lib) }.unwrap()
+    }
+
+    /// Bytes of `n` elements of `d` full of rounding cases: ties, subnormals, overflow, NaN
+    /// payloads, ±0, integer extremes, and pseudo-random bit patterns.
+    fn inputs(d: DType, n: usize, seed: u64) -> Vec<u8> {
+        let special: Vec<f64> = vec![
+            0.0,
+            -0.0,
+            1.0,
+            1.0 + 2f64.powi(-8),
+            1.0 + 2f64.powi(-8) + 2f64.powi(-40),
+            65504.0,
+            65520.0,
+            1e-7,
+            -6e-8,
+            3.4e38,
+            1e300,
+            -1e-300,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::NAN,
+            -127.5,
+            255.9,
+            -2147483648.7,
+            9.3e18,
+            -9.3e18,
+            2.5,
+            -3.5,
+        ];
+        let mut s = seed | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let mut out = Vec::with_capacity(n * d.size());
+        for i in 0..n {
+            let r = next();
+            let bytes: Vec<u8> = match d {
+                DType::F64 if i < special.len() => special[i].to_le_bytes().to_vec(),
+                DType::F32 if i < special.len() => (special[i] as f32).to_le_bytes().to_vec(),
+                DType::F16 if i < special.len() => {
+                    half::f16::from_f64(special[i]).to_le_bytes().to_vec()
+                }
+                DType::BF16 if i < special.len() => {
+                    half::bf16::from_f64(special[i]).to_le_bytes().to_vec()
+                }
+                // Random floats of moderate size (half of them), random bits otherwise.
+                DType::F64 if r % 2 == 0 => ((r >> 11) as f64 / 2f64.powi(40) - 2000.0)
+                    .to_le_bytes()
+                    .to_vec(),
+                DType::F32 if r % 2 == 0 => (((r >> 40) as f32) / 1024.0 - 4096.0)
+                    .to_le_bytes()
+                    .to_vec(),
+                _ => r.to_le_bytes()[..d.size()].to_vec(),
+            };
+            out.extend_from_slice(&bytes);
+        }
+        out
+    }
+
+    type Fill = unsafe extern "C" fn(*mut u8, u64, f64, i32);
+    type Cast = unsafe extern "C" fn(*const u8, *mut u8, u64, i32);
+    type Axpy = unsafe extern "C" fn(*const u8, *mut u8, u64, f64, i32);
+
+    /// Runs one kernel through the compiled source (at byte offset `skew`, aligned flag set
+    /// accordingly) and through the host reference; returns both results.
+    fn both(lib: &libloading::Library, k: &Kernel<()>, skew: usize) -> (Vec<u8>, Vec<u8>) {
+        let name = kernel_name(k).unwrap();
+        let n = k.count();
+        let (src_dtype, dst_dtype) = match *k {
+            Kernel::Cast {
+                src_dtype,
+                dst_dtype,
+                ..
+            }
+            | Kernel::Axpy {
+                src_dtype,
+                dst_dtype,
+                ..
+            } => (src_dtype, dst_dtype),
+            Kernel::Fill { dtype, .. } | Kernel::Scale { dtype, .. } => (dtype, dtype),
+        };
+        let seed = name
+            .bytes()
+            .fold(7u64, |h, b| h.wrapping_mul(31) ^ b as u64);
+        let mut src = vec![0u8; skew];
+        src.extend(inputs(src_dtype, n, seed));
+        let mut dst = vec![0u8; skew];
+        dst.extend(inputs(dst_dtype, n, seed ^ 0xABCD));
+        let (mut dev_dst, mut host_dst) = (dst.clone(), dst.clone());
+        let aligned = i32::from(skew == 0);
+        let fname = format!("{name}\0");
+        // SAFETY: the signatures are those `source()` generates; buffers hold n elements
+        // after `skew` bytes.
+        unsafe {
+            let (s, d) = (src.as_ptr().add(skew), dev_dst.as_mut_ptr().add(skew));
+            match *k {
+                Kernel::Fill { value, .. } => {
+                    lib.get::<Fill>(fname.as_bytes()).unwrap()(d, n as u64, value, aligned)
+                }
+                Kernel::Scale { factor, .. } => {
+                    lib.get::<Fill>(fname.as_bytes()).unwrap()(d, n as u64, factor, aligned)
+                }
+                Kernel::Cast { .. } => {
+                    lib.get::<Cast>(fname.as_bytes()).unwrap()(s, d, n as u64, aligned)
+                }
+                Kernel::Axpy { alpha, .. } => {
+                    lib.get::<Axpy>(fname.as_bytes()).unwrap()(s, d, n as u64, alpha, aligned)
+                }
+            }
+            let mut src_copy = src.clone();
+            let s = src_copy.as_mut_ptr().add(skew);
+            let d = host_dst.as_mut_ptr().add(skew);
+            let hk = match *k {
+                Kernel::Fill {
+                    dtype,
+                    count,
+                    value,
+                    ..
+                } => Kernel::Fill {
+                    dst: d,
+                    dtype,
+                    count,
+                    value,
+                },
+                Kernel::Scale {
+                    dtype,
+                    count,
+                    factor,
+                    ..
+                } => Kernel::Scale {
+                    buf: d,
+                    dtype,
+                    count,
+                    factor,
+                },
+                Kernel::Cast {
+                    src_dtype,
+                    dst_dtype,
+                    count,
+                    ..
+                } => Kernel::Cast {
+                    src: s,
+                    src_dtype,
+                    dst: d,
+                    dst_dtype,
+                    count,
+                },
+                Kernel::Axpy {
+                    src_dtype,
+                    dst_dtype,
+                    count,
+                    alpha,
+                    ..
+                } => Kernel::Axpy {
+                    src: s,
+                    src_dtype,
+                    dst: d,
+                    dst_dtype,
+                    count,
+                    alpha,
+                },
+            };
+            run_on_host(&hk);
+        }
+        (dev_dst, host_dst)
+    }
+
+    #[test]
+    fn generated_kernels_match_the_host_reference_bit_for_bit() {
+        let lib = compile();
+        let n = 300;
+        let mut kernels = Vec::new();
+        for d in DType::ALL {
+            for value in [
+                0.25,
+                -3.9,
+                1e10,
+                f64::NAN,
+                1.0 + 2f64.powi(-11) + 2f64.powi(-40),
+            ] {
+                kernels.push(Kernel::Fill {
+                    dst: (),
+                    dtype: d,
+                    count: n,
+                    value,
+                });
+            }
+            if d.is_float() {
+                kernels.push(Kernel::Scale {
+                    buf: (),
+                    dtype: d,
+                    count: n,
+                    factor: 1.0 / 3.0,
+                });
+            }
+            for s in DType::ALL.into_iter().filter(|s| *s != d) {
+                kernels.push(Kernel::Cast {
+                    src: (),
+                    src_dtype: s,
+                    dst: (),
+                    dst_dtype: d,
+                    count: n,
+                });
+            }
+            for s in DType::ALL
+                .into_iter()
+                .filter(|s| s.is_float() && d.is_float())
+            {
+                kernels.push(Kernel::Axpy {
+                    src: (),
+                    src_dtype: s,
+                    dst: (),
+                    dst_dtype: d,
+                    count: n,
+                    alpha: -0.1,
+                });
+            }
+        }
+        let mut failures = Vec::new();
+        for k in &kernels {
+            for skew in [0, 1] {
+                let (dev, host) = both(&lib, k, skew);
+                if dev != host {
+                    let name = kernel_name(k).unwrap();
+                    let i = dev.iter().zip(&host).position(|(a, b)| a != b).unwrap();
+                    failures.push(format!(
+                        "{name} (skew {skew}): first differing byte {i}: {:#04x} vs host {:#04x}",
+                        dev[i], host[i]
+                    ));
+                }
+            }
+        }
+        assert!(
+            failures.is_empty(),
+            "{} of {} runs differ:\n{}",
+            failures.len(),
+            kernels.len() * 2,
+            failures.join("\n")
+        );
+    }
+}
