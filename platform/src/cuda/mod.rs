@@ -15,6 +15,7 @@
 //! device on first use and cached; `Avg` reductions use `ncclAvg` (NCCL 2.10+) or a sum followed
 //! by the scale kernel.
 
+mod baseline;
 mod check;
 mod dynlib;
 mod host_fn;

@@ -104,8 +104,11 @@ pub(crate) struct Found {
 /// The outcome of one search: every candidate tried, and the library if one loaded.
 pub(crate) struct Search {
     pub what: &'static str,
+    pub env: &'static str,
+    /// Where the candidates came from (the override variable, or the loader's search).
+    pub source: String,
     pub tried: Vec<LibraryProbe>,
-    /// The loader's reason per failed candidate, for the error message.
+    /// Each failed candidate, with the loader's reason where it says more than "not found".
     pub failures: Vec<String>,
     pub found: Option<Found>,
 }
@@ -114,38 +117,45 @@ impl Search {
     /// A sentence naming the library and every name or path tried (for `Unavailable`).
     pub(crate) fn missing_message(&self) -> String {
         format!(
-            "{} could not be loaded; tried: {}",
+            "{} could not be loaded; tried ({}): {}; set {} to the library's path",
             self.what,
-            self.failures.join("; ")
+            self.source,
+            self.failures.join(", "),
+            self.env
         )
     }
 }
 
 /// Tries the override path if one is set (and nothing else), otherwise each name in order.
 pub(crate) fn search(spec: &LibrarySpec, override_path: Option<&PathBuf>) -> Search {
-    let candidates: Vec<(String, String)> = match override_path {
-        Some(p) => vec![(p.display().to_string(), spec.env.to_string())],
-        None => spec
-            .names
-            .iter()
-            .map(|n| (n.clone(), "dynamic loader search".to_string()))
-            .collect(),
+    let (candidates, source) = match override_path {
+        Some(p) => (vec![p.display().to_string()], spec.env.to_string()),
+        None => {
+            let mut names = spec.names.clone();
+            // cudarc's list repeats some names; trying one twice says nothing new.
+            let mut seen = std::collections::HashSet::new();
+            names.retain(|n| seen.insert(n.clone()));
+            (names, "dynamic loader search".to_string())
+        }
     };
     let mut out = Search {
         what: spec.what,
+        env: spec.env,
+        source,
         tried: Vec::new(),
         failures: Vec::new(),
         found: None,
     };
-    for (candidate, source) in candidates {
+    for candidate in candidates {
         // SAFETY: loading a driver library runs its initialisers; these are the libraries the
         // backend exists to use, opened the way cudarc would open them.
-        match unsafe { Library::new(&candidate) } {
+        let loaded = unsafe { Library::new(&candidate) };
+        out.tried.push(LibraryProbe {
+            path: format!("{candidate} ({})", out.source),
+            found: loaded.is_ok(),
+        });
+        match loaded {
             Ok(lib) => {
-                out.tried.push(LibraryProbe {
-                    path: format!("{candidate} ({source})"),
-                    found: true,
-                });
                 out.found = Some(Found {
                     lib,
                     path: candidate,
@@ -153,11 +163,15 @@ pub(crate) fn search(spec: &LibrarySpec, override_path: Option<&PathBuf>) -> Sea
                 break;
             }
             Err(e) => {
-                out.tried.push(LibraryProbe {
-                    path: format!("{candidate} ({source})"),
-                    found: false,
-                });
-                out.failures.push(format!("{candidate} ({source}: {e})"));
+                let reason = e.to_string();
+                out.failures
+                    .push(if reason.contains("No such file or directory") {
+                        candidate
+                    } else {
+                        // A file that exists but does not load (wrong architecture, a missing
+                        // dependency) is worth its reason.
+                        format!("{candidate} ({reason})")
+                    });
             }
         }
     }
