@@ -151,6 +151,16 @@ fn copies(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<()> {
     Ok(())
 }
 
+/// One size of the cuda copy comparison: `reps` copies timed through hprt and raw.
+struct CopyRow {
+    size: usize,
+    reps: usize,
+    h2d: Duration,
+    raw_h2d: Duration,
+    d2h: Duration,
+    raw_d2h: Duration,
+}
+
 /// CUDA only: hprt's H2D and D2H through its streams from / to its pinned memory against raw
 /// `cuMemcpyAsync` through cudarc on bare driver objects, and both against the link's peak (the
 /// best raw bandwidth of the sweep); then hprt's `record_event` against a raw `cuEventRecord`.
@@ -171,16 +181,23 @@ fn cuda_vs_raw(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<(
         let d2h = best(|| stream_copy_time(p, (&host).into(), (&dev).into(), size, reps, &s))?;
         let raw_h2d = best(|| Ok(raw.raw_copy_time(CopyKind::HostToDevice, size, reps)?))?;
         let raw_d2h = best(|| Ok(raw.raw_copy_time(CopyKind::DeviceToHost, size, reps)?))?;
-        rows.push((size, reps, h2d, raw_h2d, d2h, raw_d2h));
+        rows.push(CopyRow {
+            size,
+            reps,
+            h2d,
+            raw_h2d,
+            d2h,
+            raw_d2h,
+        });
         size *= 4;
     }
     p.destroy_stream(&s)?;
-    let peak = |pick: fn(&(usize, usize, Duration, Duration, Duration, Duration)) -> Duration| {
+    let best_raw = |raw: fn(&CopyRow) -> Duration| {
         rows.iter()
-            .map(|r| gbps(r.0 * r.1, pick(r)))
+            .map(|r| gbps(r.size * r.reps, raw(r)))
             .fold(0.0, f64::max)
     };
-    let (peak_h2d, peak_d2h) = (peak(|r| r.3), peak(|r| r.5));
+    let (peak_h2d, peak_d2h) = (best_raw(|r| r.raw_h2d), best_raw(|r| r.raw_d2h));
     writeln!(
         out,
         "link peak (best raw of the sweep): H2D {peak_h2d:.2} GB/s, D2H {peak_d2h:.2} GB/s"
@@ -188,7 +205,15 @@ fn cuda_vs_raw(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<(
     writeln!(out)?;
     writeln!(out, "| size | H2D hprt GB/s | H2D raw GB/s | ratio | of peak | D2H hprt GB/s | D2H raw GB/s | ratio | of peak |")?;
     writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
-    for (size, reps, h2d, raw_h2d, d2h, raw_d2h) in rows {
+    for CopyRow {
+        size,
+        reps,
+        h2d,
+        raw_h2d,
+        d2h,
+        raw_d2h,
+    } in rows
+    {
         let total = size * reps;
         let ratio = |raw: Duration, ours: Duration| raw.as_secs_f64() / ours.as_secs_f64();
         writeln!(
