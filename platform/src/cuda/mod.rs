@@ -358,7 +358,8 @@ impl Drop for EventObj {
 
 enum Origin {
     Device(usize),
-    Pinned,
+    /// With the device whose context allocated it (freeing needs a current context).
+    Pinned(usize),
     Borrowed(Option<ReleaseFn>),
 }
 
@@ -392,7 +393,11 @@ impl MemObj {
     /// Notes that work just queued on `stream` (whose device is bound) uses this memory.
     fn used_on(&self, stream: &StreamObj) -> Result<()> {
         let mut uses = lock(&self.uses);
-        let event = match uses.iter().find(|u| u.stream == stream.raw) {
+        // Keyed by device too: a stream handle value can come back for another device's stream.
+        let event = match uses
+            .iter()
+            .find(|u| u.stream == stream.raw && u.device == stream.device)
+        {
             Some(u) => u.event,
             None => {
                 let mut e = std::ptr::null_mut();
@@ -446,9 +451,11 @@ impl Drop for MemObj {
                     }
                     shared.devices[d].memory.release(len);
                 }
-                Origin::Pinned => {
-                    // SAFETY: allocated by cuMemHostAlloc.
-                    let _ = cu_call!(cuMemFreeHost(ptr as *mut c_void));
+                Origin::Pinned(d) => {
+                    if shared.bind(d).is_ok() {
+                        // SAFETY: allocated by cuMemHostAlloc; no queued work uses it any more.
+                        let _ = cu_call!(cuMemFreeHost(ptr as *mut c_void));
+                    }
                     shared.pinned.release(len);
                 }
                 Origin::Borrowed(release) => {
@@ -1259,7 +1266,7 @@ impl Backend for CudaBackend {
         ))
     }
     fn alloc_pinned(&self, bytes: usize) -> Result<(Arc<MemObj>, usize)> {
-        self.shared.bind_current()?;
+        let device = self.shared.bind_current()?;
         let mut p = std::ptr::null_mut();
         // SAFETY: plain driver call into a local.
         let r = unsafe { cu::cuMemHostAlloc(&mut p, bytes, CU_MEMHOSTALLOC_PORTABLE) };
@@ -1285,7 +1292,7 @@ impl Backend for CudaBackend {
             unsafe { cu::cuMemFreeHost(p) };
             return Err(e);
         }
-        let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Pinned);
+        let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Pinned(device));
         Ok((m, p as usize))
     }
 
