@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
 use hprt::platform::{
-    BackendKind, DType, DeviceBuffer, Mem, PinnedBuffer, Platform, ReduceOp, Stream,
+    cuda::CudaBackend, BackendKind, CopyKind, DType, DeviceBuffer, Mem, PinnedBuffer, Platform,
+    ReduceOp, Stream,
 };
 
 const TRIALS: usize = 3;
@@ -100,6 +101,9 @@ pub fn run(p: &dyn Platform, max_bytes: usize) -> Result<String> {
     )?;
     writeln!(out)?;
     copies(p, max_bytes, &mut out)?;
+    if p.backend() == BackendKind::Cuda {
+        cuda_vs_raw(p, max_bytes, &mut out)?;
+    }
     enqueue_overhead(p, &mut out)?;
     collectives(p, max_bytes, &mut out)?;
     Ok(out)
@@ -143,6 +147,117 @@ fn copies(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<()> {
         size *= 4;
     }
     p.destroy_stream(&s)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+/// One size of the cuda copy comparison: `reps` copies timed through hprt and raw.
+struct CopyRow {
+    size: usize,
+    reps: usize,
+    h2d: Duration,
+    raw_h2d: Duration,
+    d2h: Duration,
+    raw_d2h: Duration,
+}
+
+/// CUDA only: hprt's H2D and D2H through its streams from / to its pinned memory against raw
+/// `cuMemcpyAsync` through cudarc on bare driver objects, and both against the link's peak (the
+/// best raw bandwidth of the sweep); then hprt's `record_event` against a raw `cuEventRecord`.
+fn cuda_vs_raw(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<()> {
+    // A second handle on the same driver and primary context, for the raw calls.
+    let raw = CudaBackend::open()?;
+    writeln!(out, "#### CUDA: hprt copies vs raw cuMemcpyAsync (ratio = raw time / hprt time; goal >= 0.95 from 4 MiB) and vs the link's peak")?;
+    writeln!(out)?;
+    let s = p.create_stream()?;
+    let mut rows = Vec::new();
+    let mut size = 64usize << 10;
+    while size <= max_bytes {
+        let reps = reps_for(size);
+        let host = p.alloc_pinned(size)?;
+        host.write(0, &vec![0x5a; size])?;
+        let dev = p.alloc_device(size)?;
+        let h2d = best(|| stream_copy_time(p, (&dev).into(), (&host).into(), size, reps, &s))?;
+        let d2h = best(|| stream_copy_time(p, (&host).into(), (&dev).into(), size, reps, &s))?;
+        let raw_h2d = best(|| Ok(raw.raw_copy_time(CopyKind::HostToDevice, size, reps)?))?;
+        let raw_d2h = best(|| Ok(raw.raw_copy_time(CopyKind::DeviceToHost, size, reps)?))?;
+        rows.push(CopyRow {
+            size,
+            reps,
+            h2d,
+            raw_h2d,
+            d2h,
+            raw_d2h,
+        });
+        size *= 4;
+    }
+    p.destroy_stream(&s)?;
+    let best_raw = |raw: fn(&CopyRow) -> Duration| {
+        rows.iter()
+            .map(|r| gbps(r.size * r.reps, raw(r)))
+            .fold(0.0, f64::max)
+    };
+    let (peak_h2d, peak_d2h) = (best_raw(|r| r.raw_h2d), best_raw(|r| r.raw_d2h));
+    writeln!(
+        out,
+        "link peak (best raw of the sweep): H2D {peak_h2d:.2} GB/s, D2H {peak_d2h:.2} GB/s"
+    )?;
+    writeln!(out)?;
+    writeln!(out, "| size | H2D hprt GB/s | H2D raw GB/s | ratio | of peak | D2H hprt GB/s | D2H raw GB/s | ratio | of peak |")?;
+    writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    for CopyRow {
+        size,
+        reps,
+        h2d,
+        raw_h2d,
+        d2h,
+        raw_d2h,
+    } in rows
+    {
+        let total = size * reps;
+        let ratio = |raw: Duration, ours: Duration| raw.as_secs_f64() / ours.as_secs_f64();
+        writeln!(
+            out,
+            "| {} | {:.2} | {:.2} | {:.3} | {:.2} | {:.2} | {:.2} | {:.3} | {:.2} |",
+            size_name(size),
+            gbps(total, h2d),
+            gbps(total, raw_h2d),
+            ratio(raw_h2d, h2d),
+            gbps(total, h2d) / peak_h2d,
+            gbps(total, d2h),
+            gbps(total, raw_d2h),
+            ratio(raw_d2h, d2h),
+            gbps(total, d2h) / peak_d2h,
+        )?;
+    }
+    writeln!(out)?;
+    const N: usize = 100_000;
+    let s = p.create_stream()?;
+    let ev = p.create_event(false)?;
+    let ours = best(|| {
+        let t = Instant::now();
+        for _ in 0..N {
+            p.record_event(&ev, &s)?;
+        }
+        let e = t.elapsed();
+        p.synchronize_stream(&s)?;
+        Ok(e)
+    })?;
+    let bare = best(|| Ok(raw.raw_event_record_time(N)?))?;
+    p.destroy_stream(&s)?;
+    let per = |t: Duration| t.as_secs_f64() * 1e6 / N as f64;
+    writeln!(
+        out,
+        "| event record | hprt us/op | raw cuEventRecord us/op | hprt overhead us/op |"
+    )?;
+    writeln!(out, "|---|---:|---:|---:|")?;
+    writeln!(
+        out,
+        "| record_event (no timing) | {:.3} | {:.3} | {:.3} |",
+        per(ours),
+        per(bare),
+        per(ours) - per(bare)
+    )?;
     writeln!(out)?;
     Ok(())
 }

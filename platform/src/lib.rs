@@ -8,12 +8,16 @@
 //! - [`Backend`] — the static per-backend trait; every `Backend` is a `Platform` (`dispatch`).
 //! - [`cpu`] — the reference backend: streams are worker threads, device memory has a capacity,
 //!   ranks are threads, and `HP_CPU_JITTER` makes missing waits visible.
+//! - [`cuda`] — CUDA driver API through cudarc, NCCL and NVRTC loaded at run time; probed first,
+//!   so machines without CUDA get a typed `Unavailable` error (`HP_CUDA_LIB`, `HP_NCCL_LIB`,
+//!   `HP_NVRTC_LIB` override the library search).
 //! - [`npu`] — Ascend ACL + HCCL through `hprt-sys` (verified against the emulator in `tests/`).
 //! - [`Error`] — the crate's one error: backend, operation, status code and name, message.
 
 mod backend;
 mod collective;
 pub mod cpu;
+pub mod cuda;
 mod dispatch;
 mod dtype;
 mod error;
@@ -28,6 +32,7 @@ mod select;
 pub use backend::{Backend, Loc, Place};
 pub use collective::Collective;
 pub use cpu::{CpuBackend, CpuConfig};
+pub use cuda::CudaBackend;
 pub use dtype::{DType, ReduceOp};
 pub use error::{BackendKind, Error, ErrorKind, Result};
 pub use handle::{

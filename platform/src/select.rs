@@ -3,6 +3,7 @@
 use std::sync::OnceLock;
 
 use crate::cpu::CpuBackend;
+use crate::cuda::CudaBackend;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::npu::NpuBackend;
 use crate::platform::Platform;
@@ -48,29 +49,11 @@ pub struct Selection {
     pub reason: String,
 }
 
-/// Why a backend cannot be used in this build, or `None` when it can be tried.
-fn not_built(kind: BackendKind) -> Option<String> {
-    match kind {
-        BackendKind::Cpu | BackendKind::Npu => None,
-        BackendKind::Cuda => {
-            Some("not built into this hprt yet (the cudarc-based backend is missing)".into())
-        }
-    }
-}
-
 fn open(kind: BackendKind) -> Result<Box<dyn Platform>> {
-    if let Some(why) = not_built(kind) {
-        return Err(Error::new(
-            ErrorKind::Unavailable,
-            kind,
-            "get_platform",
-            why,
-        ));
-    }
     match kind {
         BackendKind::Cpu => Ok(Box::new(CpuBackend::from_env()?)),
+        BackendKind::Cuda => Ok(Box::new(CudaBackend::open()?)),
         BackendKind::Npu => Ok(Box::new(NpuBackend::open()?)),
-        BackendKind::Cuda => unreachable!("not_built covers {kind}"),
     }
 }
 
@@ -96,7 +79,7 @@ pub fn select_platform(request: PlatformRequest) -> Result<Selection> {
                         return Ok(Selection { platform, reason });
                     }
                     Err(e) => {
-                        let why = not_built(kind).unwrap_or(e.message);
+                        let why = e.message;
                         tracing::info!(backend = %kind, reason = %why, "backend skipped");
                         skipped.push(format!("{kind} {why}"));
                     }

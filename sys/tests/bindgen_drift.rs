@@ -37,6 +37,12 @@ fn generate() -> Vec<(&'static str, String)> {
             .generate()
             .expect("bindgen function table")
             .to_string()
+            // bindgen 0.72 writes the libloading 0.8 bound; libloading 0.9 (the one version
+            // the workspace shares with cudarc) takes filenames through `AsFilename`.
+            .replace(
+                "P: AsRef<::std::ffi::OsStr>,",
+                "P: ::libloading::AsFilename,",
+            )
     };
     vec![
         ("types.rs", types.to_string()),

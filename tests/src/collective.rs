@@ -11,10 +11,12 @@ use std::sync::{Barrier, Mutex, OnceLock};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use hprt_platform::{Collective, Communicator, DType, DeviceBuffer, Platform, ReduceOp, Stream};
+use hprt_platform::{
+    BackendKind, Collective, Communicator, DType, DeviceBuffer, Platform, ReduceOp, Stream,
+};
 
 use crate::reference::{self, Expected};
-use crate::util::{check_bytes, download, hash, panic_message, pattern, upload, Arena};
+use crate::util::{check_bytes, download, hash, panic_message, pattern, upload, Arena, Skipped};
 
 /// World sizes every collective runs on.
 pub(crate) const WORLDS: [usize; 5] = [1, 2, 3, 4, 8];
@@ -37,6 +39,13 @@ pub(crate) fn run_world<F>(p: &dyn Platform, world: usize, f: F) -> Result<()>
 where
     F: Fn(&Rank<'_>) -> Result<()> + Sync,
 {
+    if !world_fits(p, world) {
+        return Err(Skipped(format!(
+            "world {world} needs {world} devices, {} present",
+            p.device_count()
+        ))
+        .into());
+    }
     let id = OnceLock::new();
     let id_ready = Barrier::new(world);
     let f = &f;
@@ -96,17 +105,34 @@ where
     }
 }
 
-/// Runs `f` for every world size in `worlds`, collecting the failures of all of them.
+/// Whether `world` ranks fit on `p`. NCCL refuses two ranks of one communicator on the same GPU,
+/// so cuda worlds are bounded by the device count (a single GPU runs world 1 only; the larger
+/// worlds are reported as skipped). Other backends host any number per device.
+pub(crate) fn world_fits(p: &dyn Platform, world: usize) -> bool {
+    p.backend() != BackendKind::Cuda || world <= p.device_count()
+}
+
+/// Runs `f` for every world size in `worlds`, collecting the failures of all of them; the case
+/// is skipped only when every world was.
 fn for_worlds(worlds: &[usize], f: impl Fn(usize) -> Result<()>) -> Result<()> {
-    let errors: Vec<String> = worlds
-        .iter()
-        .filter_map(|&w| f(w).err().map(|e| format!("{e:#}")))
-        .collect();
-    if errors.is_empty() {
-        Ok(())
-    } else {
+    let mut errors = Vec::new();
+    let mut skipped = Vec::new();
+    for &w in worlds {
+        match f(w) {
+            Ok(()) => {}
+            Err(e) => match e.downcast_ref::<Skipped>() {
+                Some(s) => skipped.push(s.0.clone()),
+                None => errors.push(format!("{e:#}")),
+            },
+        }
+    }
+    if !errors.is_empty() {
         bail!("{}", errors.join("\n"))
     }
+    if skipped.len() == worlds.len() {
+        return Err(Skipped(skipped.join("; ")).into());
+    }
+    Ok(())
 }
 
 /// A place in a rank's two buffers.

@@ -180,11 +180,16 @@ pub(crate) fn elapsed_not_ready(p: &dyn Platform) -> Result<()> {
 /// pending states can be checked deterministically: the event after the barrier is not reached,
 /// elapsed time is NotReady, S and a stream waiting on the event are busy. Then the gate opens.
 pub(crate) fn pending_while_gated(p: &dyn Platform) -> Result<()> {
+    if !crate::collective::world_fits(p, 2) {
+        return pending_behind_host_fn(p);
+    }
     let id = p.unique_id()?;
     let (open_tx, open_rx) = mpsc::channel::<()>();
     let id = &id;
     std::thread::scope(|scope| {
         let peer = scope.spawn(move || -> Result<()> {
+            // One device per rank where there are several (NCCL wants distinct GPUs).
+            p.set_device(1 % p.device_count().max(1))?;
             let comm = p.comm_init(id, 1, 2).context("rank 1 comm_init")?;
             let s = p.create_stream()?;
             // Held until rank 0 checked the pending states (or gave up).
@@ -197,6 +202,7 @@ pub(crate) fn pending_while_gated(p: &dyn Platform) -> Result<()> {
         });
         let mut open_tx = Some(open_tx);
         let mine = (|| -> Result<()> {
+            p.set_device(0)?;
             let comm = p.comm_init(id, 0, 2).context("rank 0 comm_init")?;
             let s = p.create_stream()?;
             let t = p.create_stream()?;
@@ -251,4 +257,61 @@ pub(crate) fn pending_while_gated(p: &dyn Platform) -> Result<()> {
         mine.context("rank 0")?;
         theirs.context("rank 1")
     })
+}
+
+/// [`pending_while_gated`] where two ranks do not fit (one GPU under NCCL): the gate is a host
+/// function that blocks its stream until released.
+fn pending_behind_host_fn(p: &dyn Platform) -> Result<()> {
+    let (open_tx, open_rx) = mpsc::channel::<()>();
+    let s = p.create_stream()?;
+    let t = p.create_stream()?;
+    let start = p.create_event(true)?;
+    let end = p.create_event(true)?;
+    let d = p.alloc_device(256)?;
+    p.record_event(&start, &s)?;
+    p.launch_host_fn(
+        &s,
+        Box::new(move || {
+            // Bounded, so a failing case cannot hang the suite.
+            let _ = open_rx.recv_timeout(std::time::Duration::from_secs(30));
+        }),
+    )?;
+    p.record_event(&end, &s)?;
+    p.stream_wait_event(&t, &end)?;
+    p.memset_async(&d, 0, 9, 256, &t)?;
+    let gated = (|| -> Result<()> {
+        ensure!(
+            !p.query_event(&end)?,
+            "query_event is true for an event behind a host function that has not returned"
+        );
+        expect_kind(
+            p.event_elapsed_ms(&start, &end),
+            ErrorKind::NotReady,
+            "elapsed_ms to an event behind a blocked host function",
+        )?;
+        ensure!(
+            !p.query_stream(&s)?,
+            "query_stream is true while the stream waits in a host function"
+        );
+        ensure!(
+            !p.query_stream(&t)?,
+            "query_stream is true for a stream waiting on a pending event"
+        );
+        Ok(())
+    })();
+    drop(open_tx);
+    p.synchronize_stream(&s).context("the gated stream")?;
+    p.synchronize_stream(&t)?;
+    ensure!(
+        p.query_event(&end)?,
+        "query_event false after the host function returned"
+    );
+    let ms = p.event_elapsed_ms(&start, &end)?;
+    ensure!(
+        ms >= 0.0,
+        "elapsed time across the host function is {ms} ms"
+    );
+    p.destroy_stream(&s)?;
+    p.destroy_stream(&t)?;
+    gated
 }

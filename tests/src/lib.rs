@@ -40,6 +40,8 @@ pub struct Outcome {
     pub name: &'static str,
     pub group: &'static str,
     pub passed: bool,
+    /// The case cannot run on this platform (`detail` says why); it counts as not failed.
+    pub skipped: bool,
     /// Empty when the case passed; otherwise the error chain or panic message.
     pub detail: String,
     pub duration: Duration,
@@ -273,7 +275,11 @@ pub fn report(outcomes: &[Outcome]) -> String {
     s += &"-".repeat(width + 33);
     s.push('\n');
     for o in outcomes {
-        let result = if o.passed { "pass" } else { "FAIL" };
+        let result = match (o.passed, o.skipped) {
+            (_, true) => "skip",
+            (true, false) => "pass",
+            (false, false) => "FAIL",
+        };
         let ms = o.duration.as_secs_f64() * 1e3;
         s += &format!(
             "{:<width$}  {:<10}  {result:<6}  {ms:>7.1}ms\n",
@@ -284,10 +290,11 @@ pub fn report(outcomes: &[Outcome]) -> String {
         }
     }
     let failed = outcomes.iter().filter(|o| !o.passed).count();
+    let skipped = outcomes.iter().filter(|o| o.skipped).count();
     s += &format!(
-        "\n{} cases, {} passed, {failed} failed\n",
+        "\n{} cases, {} passed, {skipped} skipped, {failed} failed\n",
         outcomes.len(),
-        outcomes.len() - failed
+        outcomes.len() - failed - skipped
     );
     s
 }
@@ -296,10 +303,12 @@ fn run_case(platform: &dyn Platform, case: &Case) -> Outcome {
     let start = Instant::now();
     let result = catch_unwind(AssertUnwindSafe(|| (case.run)(platform)));
     let duration = start.elapsed();
-    let (passed, detail) = match result {
-        Ok(Ok(())) => (true, String::new()),
-        Ok(Err(e)) => (false, format!("{e:#}")),
+    let (passed, skipped, detail) = match result {
+        Ok(Ok(())) => (true, false, String::new()),
+        Ok(Err(e)) if e.downcast_ref::<util::Skipped>().is_some() => (true, true, e.to_string()),
+        Ok(Err(e)) => (false, false, format!("{e:#}")),
         Err(payload) => (
+            false,
             false,
             format!("panicked: {}", util::panic_message(&*payload)),
         ),
@@ -308,6 +317,7 @@ fn run_case(platform: &dyn Platform, case: &Case) -> Outcome {
         name: case.name,
         group: case.group,
         passed,
+        skipped,
         detail,
         duration,
     }

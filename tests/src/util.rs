@@ -159,3 +159,16 @@ impl Arena {
         self.len + Self::ALIGN
     }
 }
+
+/// A case (or one world of it) that cannot run on this platform, with the reason; reported as
+/// "skip", never as a pass.
+#[derive(Debug)]
+pub(crate) struct Skipped(pub String);
+
+impl std::fmt::Display for Skipped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "skipped: {}", self.0)
+    }
+}
+
+impl std::error::Error for Skipped {}
