@@ -12,6 +12,12 @@ use pyo3::prelude::*;
 pyo3::create_exception!(hprt, HprtError, PyException, "An hprt operation failed.");
 pyo3::create_exception!(
     hprt,
+    CompressError,
+    HprtError,
+    "Compressed bytes are corrupt or of an unsupported format."
+);
+pyo3::create_exception!(
+    hprt,
     OutOfMemoryError,
     HprtError,
     "Device or pinned memory is exhausted."
@@ -56,6 +62,8 @@ pub enum BindError {
     Swap(#[from] hprt_swap::SwapError),
     #[error(transparent)]
     Hsdp(#[from] hprt_hsdp::HsdpError),
+    #[error(transparent)]
+    Compress(#[from] hprt_compress::CompressError),
     /// A Python value that cannot stand for what the call needs (unknown dtype, shape mismatch,
     /// a tensor on a device this platform cannot address, …).
     #[error("HP_ERROR_INVALID_VALUE: {0}")]
@@ -144,6 +152,14 @@ impl BindError {
                 backend: None,
                 operation: None,
             },
+            BindError::Compress(hprt_compress::CompressError::Platform(p)) => platform_facts(p),
+            BindError::Compress(e) => Facts {
+                status: compress_status(e).into(),
+                code: -1,
+                kind: "compress",
+                backend: None,
+                operation: None,
+            },
             BindError::InvalidArgument(_) => Facts {
                 status: ErrorKind::InvalidValue.code_name().into(),
                 code: ErrorKind::InvalidValue.code().into(),
@@ -173,8 +189,25 @@ impl BindError {
                 OutOfMemoryError::type_object(py)
             }
             (BindError::Swap(_), _) => SwapStateError::type_object(py),
+            (BindError::Compress(hprt_compress::CompressError::InvalidArgument(_)), _) => {
+                InvalidValueError::type_object(py)
+            }
+            (BindError::Compress(_), _) => CompressError::type_object(py),
             _ => HprtError::type_object(py),
         }
+    }
+}
+
+fn compress_status(e: &hprt_compress::CompressError) -> &'static str {
+    use hprt_compress::CompressError as C;
+    match e {
+        C::Corrupt { .. } => "HP_COMPRESS_CORRUPT",
+        C::UnsupportedFormat(_) => "HP_COMPRESS_UNSUPPORTED_FORMAT",
+        C::InvalidArgument(_) => "HP_COMPRESS_INVALID_ARGUMENT",
+        C::InvalidState(_) => "HP_COMPRESS_INVALID_STATE",
+        C::CostUnknown(_) => "HP_COMPRESS_COST_UNKNOWN",
+        C::Platform(e) => e.kind.code_name(),
+        C::Io { .. } => "HP_COMPRESS_IO",
     }
 }
 
@@ -235,5 +268,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("UnavailableError", py.get_type::<UnavailableError>())?;
     m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
     m.add("SwapStateError", py.get_type::<SwapStateError>())?;
+    m.add("CompressError", py.get_type::<CompressError>())?;
     Ok(())
 }

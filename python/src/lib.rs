@@ -10,11 +10,14 @@
 //!   groups), `KeyedSwap` (keyed pack/unpack), `PipelineOffload` (chunked groups).
 //! - [`offload`] — `FrameworkSwap` / `HostCopy`: swap of a framework's own tensors (what
 //!   `hprt.torch` uses), with accounting of the framework bytes hprt keeps on the device.
+//! - [`compress`] — `compress` / `decompress` / `decompress_into` / `compressed_info`: the
+//!   hprt-compress lossless codec on host tensors (DLPack) and bytes.
 //! - [`hsdp`] — `DeviceMesh`.
 //! - [`error`] — `BindError` and the `HprtError` exception family; every failure becomes one,
 //!   carrying the backend's status name.
 
 pub mod collective;
+pub mod compress;
 pub mod dlpack;
 pub mod dtype;
 pub mod error;
@@ -33,6 +36,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     platform::register(m)?;
     dlpack::register(m)?;
     collective::register(m)?;
+    compress::register(m)?;
     swap::register(m)?;
     offload::register(m)?;
     hsdp::register(m)?;

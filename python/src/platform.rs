@@ -280,6 +280,7 @@ impl PyPlatform {
     /// without copying. The producer's memory must be addressable by this backend's devices
     /// (host memory on the cpu backend).
     #[pyo3(signature = (obj, is_parameter=false))]
+    #[allow(clippy::wrong_self_convention)] // the Python Array API's name for this operation
     fn from_dlpack(
         &self,
         obj: &Bound<'_, PyAny>,

@@ -1,0 +1,179 @@
+"""The platform layer from Python: buffers, streams, events, DLPack both ways, raw pointers,
+typed exceptions carrying the status name."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import hprt
+
+
+@pytest.fixture()
+def p():
+    return hprt.cpu_platform(device_memory=1 << 20, pinned_memory=1 << 20)
+
+
+def test_get_platform_follows_hp_platform():
+    a, b = hprt.get_platform(), hprt.get_platform()
+    forced = os.environ.get("HP_PLATFORM", "").strip().lower()
+    assert a.backend == b.backend
+    if forced not in ("", "auto"):
+        assert a.backend == forced
+        assert hprt.platform_selection_reason() == f"HP_PLATFORM={forced}"
+    else:
+        assert hprt.platform_selection_reason().startswith("auto")
+
+
+def test_unknown_backend_name_is_a_typed_error():
+    with pytest.raises(hprt.InvalidValueError) as e:
+        hprt.open_platform("tpu")
+    assert e.value.status == "HP_ERROR_INVALID_VALUE" and "tpu" in str(e.value)
+
+
+@pytest.mark.skipif(not os.environ.get("HP_ACL_LIB"), reason="needs the Ascend emulator (HP_ACL_LIB)")
+def test_npu_backend_through_the_emulator():
+    p = hprt.open_platform("npu")
+    assert p.backend == "npu"
+    s = p.create_stream()
+    dev = p.alloc_device(64)
+    p.write(dev, bytes(range(64)), s)
+    assert p.read(dev, 64, s) == bytes(range(64))
+    with pytest.raises(hprt.UnsupportedError):
+        dev.view("u8", [64])  # npu device memory is not host memory
+    pin = p.alloc_pinned(64)
+    p.copy(pin, dev, s)
+    s.synchronize()
+    assert np.from_dlpack(pin.view("u8", [64])).tolist() == list(range(64))
+
+
+def test_copy_round_trip_through_pinned_memory(p):
+    s = p.create_stream()
+    dev = p.alloc_device(256)
+    pin = p.alloc_pinned(256)
+    pin.write(bytes(range(256)))
+    p.copy(dev, pin, s)
+    back = p.alloc_pinned(256)
+    p.copy(back, dev, s)
+    ev = s.record_event()
+    ev.synchronize()
+    assert ev.query()
+    assert back.read() == bytes(range(256))
+
+
+def test_events_order_streams(p):
+    a, b = p.create_stream(), p.create_stream()
+    dev = p.alloc_device(64)
+    p.memset(dev, 7, 64, a)
+    b.wait_event(a.record_event())
+    out = p.alloc_pinned(64)
+    p.copy(out, dev, b)
+    b.synchronize()
+    assert out.read() == b"\x07" * 64
+
+
+def test_memory_accounting_and_out_of_memory(p):
+    p.reset_peak_memory()
+    before = p.memory_stats()["device_current"]
+    buf = p.alloc_device(4096)
+    st = p.memory_stats()
+    assert st["device_current"] == before + 4096 and st["device_peak"] >= before + 4096
+    buf.resize(0)
+    assert p.memory_stats()["device_current"] == before and buf.nbytes == 0
+    buf.resize(4096)
+    assert buf.nbytes == 4096
+    with pytest.raises(hprt.OutOfMemoryError) as e:
+        p.alloc_device(2 << 20)
+    assert e.value.status == "HP_ERROR_OUT_OF_MEMORY"
+    assert "HP_ERROR_OUT_OF_MEMORY" in str(e.value)
+    assert e.value.backend == "cpu" and e.value.operation == "alloc_device"
+    assert isinstance(e.value, hprt.HprtError)
+
+
+def test_use_after_free_is_a_typed_error(p):
+    s = p.create_stream()
+    buf = p.alloc_device(16)
+    buf.free()
+    with pytest.raises(hprt.InvalidHandleError) as e:
+        p.memset(buf, 0, 16, s)
+    assert e.value.status == "HP_ERROR_INVALID_HANDLE"
+    s.destroy()
+    with pytest.raises(hprt.InvalidHandleError):
+        s.synchronize()
+
+
+def test_out_of_range_copy_is_rejected(p):
+    s = p.create_stream()
+    with pytest.raises(hprt.InvalidValueError) as e:
+        p.copy(p.alloc_device(8), p.alloc_pinned(16), s, nbytes=16)
+    assert e.value.status == "HP_ERROR_OUT_OF_RANGE"
+
+
+def test_bad_arguments_raise_not_panic(p):
+    with pytest.raises(hprt.InvalidValueError):
+        p.alloc_device(8).view("complex", [1])
+    with pytest.raises(hprt.InvalidValueError):
+        p.alloc_device(8).view("f32", [4])  # 16 bytes do not fit 8
+    with pytest.raises(hprt.InvalidValueError):
+        hprt.cpu_platform(devices=0)
+
+
+def test_dlpack_export_to_numpy_is_zero_copy(p):
+    s = p.create_stream()
+    buf = p.alloc_device(16)
+    p.write(buf, np.arange(4, dtype=np.float32).tobytes(), s)
+    a = np.from_dlpack(buf.view("f32", [2, 2]))
+    assert a.tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    p.memset(buf, 0, 16, s)
+    s.synchronize()
+    assert not a.any()  # same memory
+
+
+def test_dlpack_export_of_pinned_memory(p):
+    pin = p.alloc_pinned(8)
+    pin.write(np.array([5, 6], dtype=np.int32).tobytes())
+    assert np.from_dlpack(pin.view("int32", [2])).tolist() == [5, 6]
+
+
+def test_dlpack_import_wraps_numpy_memory_and_keeps_it_alive(p):
+    s = p.create_stream()
+    arr = np.arange(8, dtype=np.float64)
+    t = p.from_dlpack(arr)
+    assert (t.dtype, t.shape, t.nbytes) == ("f64", [8], 64) and t.buffer.is_borrowed
+    assert t.buffer.ptr == arr.ctypes.data
+    p.memset(t.buffer, 0, 64, s)
+    s.synchronize()
+    assert not arr.any()
+    del arr
+    assert p.read(t.buffer, 8, s) == b"\x00" * 8  # the import holds the array
+    with pytest.raises(hprt.InvalidValueError):
+        p.from_dlpack(np.ones((4, 4))[:, ::2])  # not dense
+
+
+def test_raw_pointer_wrap_releases_its_owner():
+    p = hprt.cpu_platform(device_memory=1 << 20)
+    released = threading.Event()
+
+    class Owner:
+        def __del__(self):
+            released.set()
+
+    arr = np.zeros(4, dtype=np.uint8)
+    buf = p.wrap_device_memory(arr.ctypes.data, 4, Owner())
+    assert buf.is_borrowed and not released.is_set()
+    with pytest.raises(hprt.UnsupportedError):
+        buf.resize(0)  # framework memory is not hprt's to resize
+    del buf
+    import gc
+
+    gc.collect()
+    p.create_stream()  # a Python call gives the deferred decref a chance to run
+    assert released.wait(5)
+
+
+def test_wrap_stream_shares_the_stream(p):
+    s = p.create_stream()
+    w = p.wrap_stream(s.raw)
+    assert w.is_external and w.raw == s.raw
+    w.synchronize()

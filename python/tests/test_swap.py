@@ -1,0 +1,135 @@
+"""The hprt-swap front ends driven from Python on hprt device memory."""
+
+import numpy as np
+import pytest
+
+import hprt
+
+
+@pytest.fixture()
+def p():
+    return hprt.cpu_platform(device_memory=1 << 20, jitter=3)
+
+
+def tensor(p, s, values):
+    arr = np.asarray(values, dtype=np.float32)
+    buf = p.alloc_device(arr.nbytes)
+    p.write(buf, arr.tobytes(), s)
+    return hprt.DeviceTensor(buf, "f32", list(arr.shape)), arr
+
+
+def read(p, s, t):
+    return np.frombuffer(p.read(t.buffer, t.nbytes, s, t.offset), dtype=np.float32)
+
+
+def test_layer_group_swap_offloads_releases_and_restores(p):
+    s = p.create_stream()
+    m = hprt.SwapManager(p)
+    layers = [m.new_layer() for _ in range(3)]
+    for a, b in zip(layers, layers[1:]):
+        m.set_forward_prefetch_layer(a, b)
+    saved = []
+    for i, layer in enumerate(layers):
+        m.forward_pre(layer)
+        t, arr = tensor(p, s, np.arange(64) + 100 * i)
+        saved.append((m.save(t), t, arr))
+        m.save("not a tensor")
+        m.forward_post(layer, s)
+    # Layers 0 and 1 were offloaded and released once their successor finished forward.
+    assert saved[0][1].buffer.nbytes == 0 and saved[1][1].buffer.nbytes == 0
+    assert saved[2][1].buffer.nbytes == 256
+    with pytest.raises(hprt.SwapStateError) as e:
+        m.get(saved[0][0])
+    assert e.value.status == "HP_SWAP_WRONG_STATE"
+    for layer in reversed(layers):
+        m.backward_pre(layer, s)
+        ref, _, arr = saved[layer]
+        got = m.get(ref)
+        assert np.array_equal(read(p, s, got), arr)
+        assert m.get((layer, 1)) == "not a tensor"
+        m.backward_post(layer)
+    assert m.stats()["offloaded_bytes"] == 2 * 256
+    m.end_iteration()
+
+
+def test_keyed_swap_with_tensor_swap_context(p):
+    s = p.create_stream()
+    swap = hprt.KeyedSwap(p)
+    ctxs = [hprt.TensorSwapContext(module_tag="model.layer.*", swap=swap) for _ in range(3)]
+    assert [c.layer_idx for c in ctxs] == [0, 1, 2] and ctxs[0].layer_nums == 3
+    packed = []
+    for i, c in enumerate(ctxs):
+        for j in range(2):
+            t, arr = tensor(p, s, np.full(32, 10 * i + j))
+            packed.append((c, c.pack(t, s), arr, t))
+    # The last layer is never offloaded; earlier ones were, and layer 0 was released.
+    assert packed[-1][1].key == (2, 1)
+    assert packed[0][3].buffer.nbytes == 0
+    for c, pk, arr, _ in reversed(packed):
+        got = c.unpack(pk, s)
+        assert np.array_equal(read(p, s, got), arr)
+    assert swap.pending() == 0
+    with pytest.raises(hprt.SwapStateError) as e:
+        ctxs[0].unpack(packed[0][1], s)  # unpacked twice
+    assert e.value.status == "HP_SWAP_UNKNOWN"
+
+
+def test_keyed_swap_predicate_and_min_bytes(p):
+    s = p.create_stream()
+    swap = hprt.KeyedSwap(p, min_bytes=128)
+    c0, _ = swap.register_layer("l.*"), swap.register_layer("l.*")
+    small, _ = tensor(p, s, np.zeros(8))
+    assert swap.pack(c0, small, s).key is None  # below min_bytes: kept
+    swap.set_predicate(lambda t: t.shape != [64])
+    big, _ = tensor(p, s, np.zeros(64))
+    assert swap.pack(c0, big, s).key is None  # refused by the predicate
+    other, _ = tensor(p, s, np.zeros(65))
+    assert swap.pack(c0, other, s).key == (0, 0)
+
+
+def test_pipeline_offload_groups(p):
+    s = p.create_stream()
+    off = hprt.PipelineOffload(p, min_tensor_elems=16)
+    off.init_chunk()
+    values = []
+    for name in ["attn", "mlp"]:
+        off.group_start(name)
+        t, arr = tensor(p, s, np.random.default_rng(1).standard_normal(64))
+        values.append((off.save(t), arr))
+        off.group_commit(s)
+    assert values[0][0].offloaded
+    with pytest.raises(hprt.SwapStateError) as e:
+        off.group_commit(s)
+    assert e.value.status == "HP_SWAP_ORDER"
+    for name, (tag, arr) in zip(["mlp", "attn"], reversed(values)):
+        off.backward_group_begin(name, s)
+        assert np.array_equal(read(p, s, off.get(tag, s)), arr)
+        off.backward_group_end()
+    off.reset()
+    assert off.stats()["offloaded_bytes"] >= 256
+
+
+def test_swap_reload_out_of_memory_keeps_host_copy():
+    p = hprt.cpu_platform(device_memory=4096)
+    s = p.create_stream()
+    m = hprt.SwapManager(p)
+    a, b = m.new_layer(), m.new_layer()
+    m.set_forward_prefetch_layer(a, b)
+    m.forward_pre(a)
+    t, arr = tensor(p, s, np.arange(512))  # 2048 bytes
+    ref = m.save(t)
+    m.forward_post(a, s)
+    m.forward_pre(b)
+    m.forward_post(b, s)
+    hog = p.alloc_device(3072)
+    with pytest.raises(hprt.OutOfMemoryError):
+        m.backward_pre(a, s)
+    hog.free()
+    m.backward_pre(a, s)  # retried: the host copy was intact
+    assert np.array_equal(read(p, s, m.get(ref)), arr)
+
+
+def test_proportional_slice_and_summary_table():
+    assert hprt.proportional_slice(1, 2, 4) == (2, 4)
+    table = hprt.offload_summary_table([{"attn": 10}, {"attn": 5, "mlp": 7}])
+    assert "| 1 | 5 | 7 | 12 |" in table
