@@ -691,8 +691,8 @@ mod tests {
                 prop_assert_eq!(g.shard_numel() * group, g.padded_numel());
                 for r in g.runs(k) {
                     prop_assert!(r.shard + r.len <= g.shard_numel());
-                    for i in r.full..r.full + r.len {
-                        seen[i] += 1;
+                    for (i, count) in seen.iter_mut().enumerate().skip(r.full).take(r.len) {
+                        *count += 1;
                         // Element i's index along `dim` falls in shard k's rows.
                         let inner: usize = shape[dim + 1..].iter().product();
                         let row = (i / inner) % shape[dim];

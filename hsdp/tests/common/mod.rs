@@ -201,7 +201,8 @@ pub fn assert_close(what: &str, got: &[f64], expected: &[f64], rtol: f64, atol: 
         );
     }
     for (i, (g, e)) in got.iter().zip(expected).enumerate() {
-        if !((g - e).abs() <= atol + rtol * e.abs()) {
+        let within = (g - e).abs() <= atol + rtol * e.abs();
+        if !within {
             bail!("{what}: element {i} is {g}, expected {e} (rtol {rtol}, atol {atol})");
         }
     }
