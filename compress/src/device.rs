@@ -78,6 +78,14 @@ impl CompressedTensor {
     pub fn numel(&self) -> usize {
         self.numel
     }
+    /// Bytes of the encoding.
+    pub fn byte_len(&self) -> usize {
+        self.len
+    }
+    /// The device buffer whose first [`CompressedTensor::byte_len`] bytes hold the encoding.
+    pub fn device_buffer(&self) -> &DeviceBuffer {
+        &self.buf
+    }
     /// Bytes of the original tensor.
     pub fn original_len(&self) -> usize {
         self.numel * self.dtype.size()
@@ -100,10 +108,10 @@ pub trait SwapPayload {
 
 impl SwapPayload for CompressedTensor {
     fn device_buffer(&self) -> &DeviceBuffer {
-        &self.buf
+        CompressedTensor::device_buffer(self)
     }
     fn byte_len(&self) -> usize {
-        self.len
+        CompressedTensor::byte_len(self)
     }
 }
 

@@ -526,8 +526,7 @@ impl ActivationManager {
                     let ct = pending.finish(self.p.as_ref(), &self.side)?;
                     let key = (ct.numel(), ct.dtype());
                     self.pool.entry(key).or_default().push(scratch);
-                    let (orig, packed) =
-                        (ct.original_len(), crate::device::SwapPayload::byte_len(&ct));
+                    let (orig, packed) = (ct.original_len(), ct.byte_len());
                     let p = self.p.clone();
                     let e = self.entry_mut(layer, index)?;
                     p.resize_device(&e.tensor.buf, 0)?;

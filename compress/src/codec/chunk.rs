@@ -152,7 +152,7 @@ fn encode_symbols<E: Elem>(
     scratch: &mut Scratch,
 ) -> usize {
     let n = src.len() / E::BYTES;
-    let need = 2 * n + STATES_LEN + 2;
+    let need = 2 * n + STATES_LEN + 64;
     if scratch.words.len() < need {
         scratch.words.resize(need, 0);
     }
@@ -178,9 +178,23 @@ fn encode_symbols<E: Elem>(
         let v: [u32; 8] = std::array::from_fn(|k| E::load(&grp[k * E::BYTES..]));
         let m = v.map(|v| v & E::MANT_MASK);
         pack8::<E>(&m, mo);
+        // At most eight words per group: collect them in a fixed window, store it whole and
+        // advance by the count (the buffer has slack for the unused tail).
+        let mut win = [0u8; 16];
+        let mut emitted = 0usize;
         for k in (0..8).rev() {
-            rans::put(&mut x[k], &enc[E::symbol(v[k]) & 511], words, &mut pos);
+            let e = &enc[E::symbol(v[k]) & 511];
+            let mut s = x[k];
+            let emit = s >= e.x_max;
+            let i = emitted & 7;
+            win[2 * i..2 * i + 2].copy_from_slice(&(s as u16).to_le_bytes());
+            emitted += emit as usize;
+            s = if emit { s >> 16 } else { s };
+            let q = (((s as u64 * e.rcp as u64) >> 32) as u32) >> e.shift;
+            x[k] = s + e.bias + q * e.cmpl as u32;
         }
+        words[2 * pos..2 * pos + 16].copy_from_slice(&win);
+        pos += emitted;
     }
     let words_len = 2 * pos;
     for (k, s) in x.iter().enumerate() {
@@ -270,15 +284,21 @@ pub(crate) fn decode<E: Elem>(
             }
             rans::fill_dec_table(&mut scratch.table, &freq);
             let mut pos = words.len() / 2;
-            decode_symbols::<E>(
-                out,
-                mant,
-                &scratch.table,
-                prob_bits,
-                words,
-                &mut pos,
-                &mut x,
-            );
+            let t = &scratch.table;
+            // The resolution as a constant, so masks and shifts are immediates.
+            match prob_bits {
+                9 => decode_symbols::<E, 9>(out, mant, t, words, &mut pos, &mut x),
+                10 => decode_symbols::<E, 10>(out, mant, t, words, &mut pos, &mut x),
+                11 => decode_symbols::<E, 11>(out, mant, t, words, &mut pos, &mut x),
+                12 => decode_symbols::<E, 12>(out, mant, t, words, &mut pos, &mut x),
+                13 => decode_symbols::<E, 13>(out, mant, t, words, &mut pos, &mut x),
+                14 => decode_symbols::<E, 14>(out, mant, t, words, &mut pos, &mut x),
+                _ => {
+                    return Err(CompressError::UnsupportedFormat(format!(
+                        "probability resolution of {prob_bits} bits"
+                    )))
+                }
+            }
             if pos != 0 || x.iter().any(|&s| s != RANS_L) {
                 return Err(CompressError::corrupt(
                     base + words_start,
@@ -297,11 +317,10 @@ pub(crate) fn decode<E: Elem>(
 }
 
 /// The rANS decode loop: lane `k` of each group of eight, mantissas merged as they come.
-fn decode_symbols<E: Elem>(
+fn decode_symbols<E: Elem, const PB: u32>(
     out: &mut [u8],
     mant: &[u8],
     table: &DecTable,
-    prob_bits: u32,
     words: &[u8],
     pos_io: &mut usize,
     x_io: &mut [u32; LANES],
@@ -317,9 +336,33 @@ fn decode_symbols<E: Elem>(
     for (grp, mi) in (&mut groups).zip(mants) {
         let m = unpack8::<E>(mi);
         let mut vals = [0u32; 8];
-        for k in 0..8 {
-            let s = rans::get(&mut x[k], table, prob_bits, words, &mut pos) as u32;
-            vals[k] = (s << E::MANT_BITS) | m[k];
+        // A group refills at most eight words: take them as one bounds-checked window (word
+        // `pos - 1` last) and index it with a count the compiler sees is below 8. Near the
+        // start of the stream, or once a corrupt stream ran past it, words are read one by one.
+        let window = pos
+            .checked_sub(8)
+            .and_then(|p| p.checked_mul(2))
+            .and_then(|at| words.get(at..at + 16));
+        if let Some(win) = window {
+            let win: &[u8; 16] = win.try_into().expect("a 16-byte range");
+            let mut used = 0usize;
+            for k in 0..8 {
+                let v = x[k];
+                let d = table[(v & ((1 << PB) - 1)) as usize & (rans::MAX_SLOTS - 1)];
+                let v = (d.freq as u32) * (v >> PB) + d.bias as u32;
+                let refill = v < RANS_L;
+                let i = 7usize.wrapping_sub(used) & 7;
+                let word = u16::from_le_bytes([win[2 * i], win[2 * i + 1]]) as u32;
+                x[k] = if refill { (v << 16) | word } else { v };
+                used += refill as usize;
+                vals[k] = ((d.sym as u32) << E::MANT_BITS) | m[k];
+            }
+            pos -= used;
+        } else {
+            for k in 0..8 {
+                let s = rans::get(&mut x[k], table, PB, words, &mut pos) as u32;
+                vals[k] = (s << E::MANT_BITS) | m[k];
+            }
         }
         let mut bytes = [0u8; 32];
         for (k, v) in vals.iter().enumerate() {
@@ -332,7 +375,7 @@ fn decode_symbols<E: Elem>(
         let t = rest.len() / E::BYTES;
         let m = unpack_tail::<E>(&mant[full * w..], t);
         for (k, e) in rest.chunks_exact_mut(E::BYTES).enumerate() {
-            let s = rans::get(&mut x[k], table, prob_bits, words, &mut pos) as u32;
+            let s = rans::get(&mut x[k], table, PB, words, &mut pos) as u32;
             E::store((s << E::MANT_BITS) | m[k], e);
         }
     }
