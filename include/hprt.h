@@ -36,6 +36,18 @@ typedef enum HprtStatus {
    should not be used again.
    */
   HPRT_STATUS_ERROR_PANIC = 12,
+  /*
+   A swap call in the wrong state (e.g. reading a tensor that is offloaded).
+   */
+  HPRT_STATUS_ERROR_WRONG_STATE = 13,
+  /*
+   A saved tensor was modified or resized between offload and reload.
+   */
+  HPRT_STATUS_ERROR_MODIFIED_SINCE_OFFLOAD = 14,
+  /*
+   Compressed bytes failed to decode (corrupt, truncated, or of another format version).
+   */
+  HPRT_STATUS_ERROR_CORRUPT_DATA = 15,
 } HprtStatus;
 
 /*
@@ -95,6 +107,11 @@ typedef struct HprtPlatform HprtPlatform;
 typedef struct HprtStream HprtStream;
 
 /*
+ A layer-group swap manager with its own copy stream and pinned pool.
+ */
+typedef struct HprtSwapManager HprtSwapManager;
+
+/*
  Device and pinned memory accounting of a platform, in bytes.
  */
 typedef struct HprtMemoryStats {
@@ -114,6 +131,28 @@ typedef struct HprtMemRef {
   const struct HprtPinnedBuffer *pinned;
   size_t offset;
 } HprtMemRef;
+
+/*
+ Where a saved tensor lives in its manager.
+ */
+typedef struct HprtSavedRef {
+  size_t layer;
+  size_t index;
+} HprtSavedRef;
+
+/*
+ Bytes moved by a swap manager and the state of its pinned pool.
+ */
+typedef struct HprtSwapStats {
+  uint64_t offloaded_tensors;
+  uint64_t offloaded_bytes;
+  uint64_t reloaded_tensors;
+  uint64_t reloaded_bytes;
+  size_t pinned_bytes_held;
+  size_t pinned_high_water;
+  uint64_t pool_hits;
+  uint64_t pool_misses;
+} HprtSwapStats;
 
 #ifdef __cplusplus
 extern "C" {
@@ -478,6 +517,123 @@ enum HprtStatus hprt_broadcast(const struct HprtPlatform *platform,
 enum HprtStatus hprt_barrier(const struct HprtPlatform *platform,
                              const struct HprtComm *comm,
                              const struct HprtStream *stream);
+
+/*
+ A manager on `platform`; `host_budget` bounds its pinned pool in bytes (0 = unbounded).
+ One manager belongs to one thread at a time.
+
+ # Safety
+ `platform` live; `out_manager` valid for writing.
+ */
+enum HprtStatus hprt_swap_manager_create(const struct HprtPlatform *platform,
+                                         size_t host_budget,
+                                         struct HprtSwapManager **out_manager);
+
+/*
+ Synchronizes the manager's copies and releases it (saved values are dropped).
+
+ # Safety
+ `manager` from `hprt_swap_manager_create`, not used afterwards.
+ */
+enum HprtStatus hprt_swap_manager_destroy(struct HprtSwapManager *manager);
+
+/*
+ Registers a layer (module); `*out_layer` is its index for the other calls.
+
+ # Safety
+ `manager` live; `out_layer` valid for writing.
+ */
+enum HprtStatus hprt_swap_new_layer(struct HprtSwapManager *manager, size_t *out_layer);
+
+/*
+ Links `first` → `second` (forward order); idempotent, a layer's first link wins.
+
+ # Safety
+ `manager` live.
+ */
+enum HprtStatus hprt_swap_set_forward_prefetch_layer(struct HprtSwapManager *manager,
+                                                     size_t first,
+                                                     size_t second);
+
+/*
+ Forward pre-hook: `layer` becomes the group `hprt_swap_save` fills.
+
+ # Safety
+ `manager` live.
+ */
+enum HprtStatus hprt_swap_forward_pre(struct HprtSwapManager *manager, size_t layer);
+
+/*
+ Saves `bytes` of `storage` from `offset` (a view of `numel = bytes / dtype size` elements)
+ into the current layer's group. On offload the whole storage's device bytes are released
+ (resized to 0) and re-acquired on reload, as the seed does: read the tensor's new address
+ with `hprt_swap_get` after the layer's backward pre-hook.
+
+ # Safety
+ `manager` and `storage` live; `out_ref` valid for writing.
+ */
+enum HprtStatus hprt_swap_save(struct HprtSwapManager *manager,
+                               const struct HprtDeviceBuffer *storage,
+                               size_t offset,
+                               size_t bytes,
+                               int32_t dtype,
+                               struct HprtSavedRef *out_ref);
+
+/*
+ Forward post-hook: offloads the group on the copy stream (after the work queued on
+ `compute`) if a next layer is linked, and waits for the previous layer's offload.
+
+ # Safety
+ `manager`, `compute` live.
+ */
+enum HprtStatus hprt_swap_forward_post(struct HprtSwapManager *manager,
+                                       size_t layer,
+                                       const struct HprtStream *compute);
+
+/*
+ Backward pre-hook: prefetches the previous layer and makes `compute` wait for this layer's
+ reload.
+
+ # Safety
+ `manager`, `compute` live.
+ */
+enum HprtStatus hprt_swap_backward_pre(struct HprtSwapManager *manager,
+                                       size_t layer,
+                                       const struct HprtStream *compute);
+
+/*
+ Backward post-hook.
+
+ # Safety
+ `manager` live.
+ */
+enum HprtStatus hprt_swap_backward_post(struct HprtSwapManager *manager, size_t layer);
+
+/*
+ The device address of a saved tensor's first byte, once it is back on the device
+ (`HPRT_STATUS_ERROR_WRONG_STATE` while it is offloaded or in flight).
+
+ # Safety
+ `manager` live; `out_ptr` valid for writing.
+ */
+enum HprtStatus hprt_swap_get(struct HprtSwapManager *manager,
+                              struct HprtSavedRef saved,
+                              size_t *out_ptr);
+
+/*
+ Ends the step: synchronizes the copies, drops every group and starts the pool's next
+ iteration.
+
+ # Safety
+ `manager` live.
+ */
+enum HprtStatus hprt_swap_end_iteration(struct HprtSwapManager *manager);
+
+/*
+ # Safety
+ `manager` live; `out_stats` valid for writing.
+ */
+enum HprtStatus hprt_swap_stats(struct HprtSwapManager *manager, struct HprtSwapStats *out_stats);
 
 #ifdef __cplusplus
 }  // extern "C"

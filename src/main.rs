@@ -132,7 +132,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let dtype = hprt::compress::CodecDType::parse(&dtype)?;
             let files: Vec<&std::path::Path> = files.iter().map(|f| f.as_path()).collect();
             let opts = hprt::compress::codec::EncodeOptions::default();
-            print!("{}", hprt::compress::cli::codec_stats(dtype, &files, &opts)?);
+            print!(
+                "{}",
+                hprt::compress::cli::codec_stats(dtype, &files, &opts)?
+            );
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -187,3 +187,113 @@ fn copies_and_an_all_reduce_across_threads() {
     // SAFETY: closed once, after every object made from it.
     ok(unsafe { hprt_platform_close(p) });
 }
+
+#[test]
+fn layer_group_swap_through_the_c_abi() {
+    let p = open_cpu();
+    let layers = 4usize;
+    let bytes = 64 * 1024;
+    // SAFETY: every handle is made here, used while live and released once.
+    unsafe {
+        let (mut s, mut m) = (ptr::null_mut(), ptr::null_mut());
+        ok(hprt_stream_create(p, &mut s));
+        ok(hprt_swap_manager_create(p, 0, &mut m));
+        let mut ids = Vec::new();
+        for _ in 0..layers {
+            let mut l = 0;
+            ok(hprt_swap_new_layer(m, &mut l));
+            ids.push(l);
+        }
+        for w in ids.windows(2) {
+            ok(hprt_swap_set_forward_prefetch_layer(m, w[0], w[1]));
+        }
+        let mut host = ptr::null_mut();
+        ok(hprt_pinned_alloc(p, bytes, &mut host));
+        let mut hp = ptr::null_mut();
+        ok(hprt_pinned_info(host, &mut hp, ptr::null_mut()));
+        let hslice = std::slice::from_raw_parts_mut(hp.cast::<u8>(), bytes);
+        let mut bufs = Vec::new();
+        let mut refs = Vec::new();
+        for (i, &l) in ids.iter().enumerate() {
+            ok(hprt_swap_forward_pre(m, l));
+            let mut b = ptr::null_mut();
+            ok(hprt_device_alloc(p, bytes, &mut b));
+            hslice.fill(i as u8 + 1);
+            let (d, h) = (
+                HprtMemRef {
+                    device: b,
+                    pinned: ptr::null(),
+                    offset: 0,
+                },
+                HprtMemRef {
+                    device: ptr::null(),
+                    pinned: host,
+                    offset: 0,
+                },
+            );
+            ok(hprt_copy_async(p, d, h, bytes, s));
+            ok(hprt_stream_synchronize(p, s));
+            let mut r = HprtSavedRef::default();
+            // Save the second half as a view: only its bytes come back.
+            ok(hprt_swap_save(
+                m,
+                b,
+                bytes / 2,
+                bytes / 2,
+                HprtDtype::U8 as i32,
+                &mut r,
+            ));
+            ok(hprt_swap_forward_post(m, l, s));
+            bufs.push(b);
+            refs.push(r);
+        }
+        // Layer 0 is offloaded and its device bytes released: reading it is a state error.
+        let mut addr = 0;
+        let st = hprt_swap_get(m, refs[0], &mut addr);
+        assert_eq!(st, HprtStatus::ErrorWrongState, "{}", last_error());
+        let mut stats = HprtSwapStats::default();
+        ok(hprt_swap_stats(m, &mut stats));
+        assert_eq!(stats.offloaded_tensors, (layers - 1) as u64);
+        let mut mem = HprtMemoryStats::default();
+        ok(hprt_platform_memory_stats(p, &mut mem));
+        assert!(
+            mem.device_current <= 2 * bytes,
+            "{} bytes still on the device",
+            mem.device_current
+        );
+        for (i, &l) in ids.iter().enumerate().rev() {
+            ok(hprt_swap_backward_pre(m, l, s));
+            ok(hprt_swap_get(m, refs[i], &mut addr));
+            let mut info = 0;
+            ok(hprt_device_info(bufs[i], &mut info, ptr::null_mut()));
+            assert_eq!(addr, info + bytes / 2);
+            let (d, h) = (
+                HprtMemRef {
+                    device: bufs[i],
+                    pinned: ptr::null(),
+                    offset: bytes / 2,
+                },
+                HprtMemRef {
+                    device: ptr::null(),
+                    pinned: host,
+                    offset: 0,
+                },
+            );
+            ok(hprt_copy_async(p, h, d, bytes / 2, s));
+            ok(hprt_stream_synchronize(p, s));
+            assert!(
+                hslice[..bytes / 2].iter().all(|&b| b == i as u8 + 1),
+                "layer {i} came back wrong"
+            );
+            ok(hprt_swap_backward_post(m, l));
+        }
+        ok(hprt_swap_end_iteration(m));
+        ok(hprt_swap_manager_destroy(m));
+        for b in bufs {
+            ok(hprt_device_free(p, b));
+        }
+        ok(hprt_pinned_free(p, host));
+        ok(hprt_stream_destroy(p, s));
+        ok(hprt_platform_close(p));
+    }
+}

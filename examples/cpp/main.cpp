@@ -1,4 +1,5 @@
-// hprt from C++: select a platform, move bytes through pinned memory, all-reduce across threads.
+// hprt from C++: select a platform, move bytes through pinned memory, all-reduce across threads,
+// swap layer activations out and back.
 // Built and run by scripts/test:  examples/cpp/run.sh
 #include <cstdio>
 #include <cstdlib>
@@ -93,6 +94,68 @@ int main() {
   for (size_t r = 0; r < world; ++r)
     if (!ok[r]) return 1;
   std::printf("all_reduce over %zu ranks: ok\n", world);
+
+  // Layer-group swap: three linked layers each save a 1 MiB activation; after the forward only
+  // the last layer's stays on the device, the backward brings every byte back.
+  {
+    const size_t kBytes = 1 << 20, kLayers = 3;
+    HprtStream* compute = nullptr;
+    HprtSwapManager* swap = nullptr;
+    HprtPinnedBuffer* staging = nullptr;
+    CHECK(hprt_stream_create(p, &compute));
+    CHECK(hprt_swap_manager_create(p, /*host_budget=*/0, &swap));
+    CHECK(hprt_pinned_alloc(p, kBytes, &staging));
+    void* sp = nullptr;
+    CHECK(hprt_pinned_info(staging, &sp, nullptr));
+    uint8_t* host = static_cast<uint8_t*>(sp);
+    size_t layer[kLayers];
+    HprtDeviceBuffer* act[kLayers];
+    HprtSavedRef saved[kLayers];
+    for (size_t l = 0; l < kLayers; ++l) CHECK(hprt_swap_new_layer(swap, &layer[l]));
+    for (size_t l = 0; l + 1 < kLayers; ++l)
+      CHECK(hprt_swap_set_forward_prefetch_layer(swap, layer[l], layer[l + 1]));
+    HprtMemoryStats before;
+    CHECK(hprt_platform_memory_stats(p, &before));
+    for (size_t l = 0; l < kLayers; ++l) {  // forward
+      CHECK(hprt_swap_forward_pre(swap, layer[l]));
+      CHECK(hprt_device_alloc(p, kBytes, &act[l]));
+      std::memset(host, int(0x10 + l), kBytes);
+      HprtMemRef d = {act[l], nullptr, 0}, h = {nullptr, staging, 0};
+      CHECK(hprt_copy_async(p, d, h, kBytes, compute));
+      CHECK(hprt_stream_synchronize(p, compute));  // the staging buffer is reused next layer
+      CHECK(hprt_swap_save(swap, act[l], 0, kBytes, HPRT_DTYPE_U8, &saved[l]));
+      CHECK(hprt_swap_forward_post(swap, layer[l], compute));
+    }
+    HprtMemoryStats mid;
+    CHECK(hprt_platform_memory_stats(p, &mid));
+    std::printf("swap: device bytes after forward %zu (without swap: %zu)\n",
+                mid.device_current - before.device_current, kLayers * kBytes);
+    bool swap_ok = mid.device_current - before.device_current < kLayers * kBytes;
+    for (size_t l = kLayers; l-- > 0;) {  // backward
+      CHECK(hprt_swap_backward_pre(swap, layer[l], compute));
+      uintptr_t addr = 0;
+      CHECK(hprt_swap_get(swap, saved[l], &addr));
+      HprtMemRef d = {act[l], nullptr, 0}, h = {nullptr, staging, 0};
+      CHECK(hprt_copy_async(p, h, d, kBytes, compute));
+      CHECK(hprt_stream_synchronize(p, compute));
+      for (size_t i = 0; i < kBytes; ++i)
+        if (host[i] != uint8_t(0x10 + l)) {
+          std::fprintf(stderr, "layer %zu byte %zu came back as %d\n", l, i, host[i]);
+          return 1;
+        }
+      CHECK(hprt_swap_backward_post(swap, layer[l]));
+    }
+    HprtSwapStats st;
+    CHECK(hprt_swap_stats(swap, &st));
+    std::printf("swap: offloaded %llu bytes, reloaded %llu, every byte back: ok\n",
+                (unsigned long long)st.offloaded_bytes, (unsigned long long)st.reloaded_bytes);
+    CHECK(hprt_swap_end_iteration(swap));
+    CHECK(hprt_swap_manager_destroy(swap));
+    for (size_t l = 0; l < kLayers; ++l) CHECK(hprt_device_free(p, act[l]));
+    CHECK(hprt_pinned_free(p, staging));
+    CHECK(hprt_stream_destroy(p, compute));
+    if (!swap_ok || st.offloaded_bytes == 0) return 1;
+  }
 
   HprtMemoryStats m;
   CHECK(hprt_platform_memory_stats(p, &m));

@@ -10,12 +10,14 @@
 //! - no panic crosses the boundary: a panic becomes `HPRT_STATUS_ERROR_PANIC`.
 
 mod platform;
+mod swap;
 
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 pub use platform::*;
+pub use swap::*;
 
 /// Status of every C entry point.
 #[repr(C)]
@@ -37,12 +39,18 @@ pub enum HprtStatus {
     /// hprt panicked; the message says where. The process may continue, the object involved
     /// should not be used again.
     ErrorPanic = 12,
+    /// A swap call in the wrong state (e.g. reading a tensor that is offloaded).
+    ErrorWrongState = 13,
+    /// A saved tensor was modified or resized between offload and reload.
+    ErrorModifiedSinceOffload = 14,
+    /// Compressed bytes failed to decode (corrupt, truncated, or of another format version).
+    ErrorCorruptData = 15,
 }
 
 /// A failure on its way to C: a status and the sentence for `hprt_last_error_message`.
 pub(crate) struct FfiError {
-    status: HprtStatus,
-    message: String,
+    pub(crate) status: HprtStatus,
+    pub(crate) message: String,
 }
 
 impl From<hprt_platform::Error> for FfiError {
@@ -162,6 +170,9 @@ pub extern "C" fn hprt_status_name(status: i32) -> *const c_char {
         S::ErrorInternal,
         S::ErrorNullArgument,
         S::ErrorPanic,
+        S::ErrorWrongState,
+        S::ErrorModifiedSinceOffload,
+        S::ErrorCorruptData,
     ];
     let Some(status) = all.into_iter().find(|s| *s as i32 == status) else {
         return c"HPRT_STATUS_UNKNOWN".as_ptr();
@@ -180,6 +191,9 @@ pub extern "C" fn hprt_status_name(status: i32) -> *const c_char {
         HprtStatus::ErrorInternal => c"HPRT_STATUS_ERROR_INTERNAL",
         HprtStatus::ErrorNullArgument => c"HPRT_STATUS_ERROR_NULL_ARGUMENT",
         HprtStatus::ErrorPanic => c"HPRT_STATUS_ERROR_PANIC",
+        HprtStatus::ErrorWrongState => c"HPRT_STATUS_ERROR_WRONG_STATE",
+        HprtStatus::ErrorModifiedSinceOffload => c"HPRT_STATUS_ERROR_MODIFIED_SINCE_OFFLOAD",
+        HprtStatus::ErrorCorruptData => c"HPRT_STATUS_ERROR_CORRUPT_DATA",
     };
     name.as_ptr()
 }

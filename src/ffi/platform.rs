@@ -2,7 +2,7 @@
 //! collectives.
 
 use std::ffi::{c_char, c_void, CStr};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use hprt_platform::{
     select_platform, BackendKind, Communicator, DType, DeviceBuffer, Event, PinnedBuffer, Platform,
@@ -19,7 +19,7 @@ pub struct HprtPlatform {
 
 enum PlatformRef {
     Global(&'static dyn Platform),
-    Owned(Box<dyn Platform>),
+    Owned(Arc<dyn Platform>),
 }
 
 impl HprtPlatform {
@@ -27,6 +27,15 @@ impl HprtPlatform {
         match &self.platform {
             PlatformRef::Global(p) => *p,
             PlatformRef::Owned(p) => p.as_ref(),
+        }
+    }
+
+    /// A handle the swap/compress/hsdp objects keep: an opened platform stays alive while they
+    /// hold it, even past `hprt_platform_close`.
+    pub(crate) fn handle(&self) -> hprt_swap::PlatformHandle {
+        match &self.platform {
+            PlatformRef::Global(p) => (*p).into(),
+            PlatformRef::Owned(p) => Arc::clone(p).into(),
         }
     }
 }
@@ -57,7 +66,7 @@ pub enum HprtDtype {
 }
 
 /// A `HprtDtype` value from C, checked (an out-of-range integer is an error, not UB).
-fn dtype_arg(v: i32) -> FfiResult<DType> {
+pub(crate) fn dtype_arg(v: i32) -> FfiResult<DType> {
     use HprtDtype as D;
     let all = [
         D::F32,
@@ -138,7 +147,7 @@ pub struct HprtMemoryStats {
 /// Longest unique id `hprt_unique_id` produces, in bytes.
 pub const HPRT_UNIQUE_ID_MAX_BYTES: usize = 4096;
 
-fn into_raw<T>(value: T) -> *mut T {
+pub(crate) fn into_raw<T>(value: T) -> *mut T {
     Box::into_raw(Box::new(value))
 }
 
@@ -146,7 +155,7 @@ fn into_raw<T>(value: T) -> *mut T {
 ///
 /// # Safety
 /// `p` must be null or come from `into_raw::<T>` and not have been released.
-unsafe fn take<T>(p: *mut T, what: &str) -> FfiResult<Box<T>> {
+pub(crate) unsafe fn take<T>(p: *mut T, what: &str) -> FfiResult<Box<T>> {
     if p.is_null() {
         return Err(FfiError::null(what));
     }
@@ -196,7 +205,7 @@ pub unsafe extern "C" fn hprt_platform_open(
         };
         let sel = select_platform(req)?;
         let h = into_raw(HprtPlatform {
-            platform: PlatformRef::Owned(sel.platform),
+            platform: PlatformRef::Owned(Arc::from(sel.platform)),
         });
         // SAFETY: the caller's contract.
         unsafe { out(out_platform, "out_platform", h) }.inspect_err(|_| {
