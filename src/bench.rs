@@ -88,7 +88,11 @@ fn machine() -> String {
     format!("{cpu}, {cores} cores")
 }
 
-pub fn run(p: &dyn Platform, max_bytes: usize) -> Result<String> {
+/// The sections `hprt bench --only` selects from.
+pub const SECTIONS: [&str; 4] = ["platform", "swap", "compress", "hsdp"];
+
+pub fn run(p: &'static dyn Platform, max_bytes: usize, only: &[String]) -> Result<String> {
+    let wanted = |section: &str| only.is_empty() || only.iter().any(|o| o == section);
     let mut out = String::new();
     let info = p.info();
     writeln!(out, "### `hprt bench` on the {} platform", info.backend)?;
@@ -100,12 +104,31 @@ pub fn run(p: &dyn Platform, max_bytes: usize) -> Result<String> {
         "- every ratio compares with a baseline measured in the same run; best of {TRIALS} trials"
     )?;
     writeln!(out)?;
-    copies(p, max_bytes, &mut out)?;
-    if p.backend() == BackendKind::Cuda {
-        cuda_vs_raw(p, max_bytes, &mut out)?;
+    if wanted("platform") {
+        copies(p, max_bytes, &mut out)?;
+        if p.backend() == BackendKind::Cuda {
+            cuda_vs_raw(p, max_bytes, &mut out)?;
+        }
+        enqueue_overhead(p, &mut out)?;
+        collectives(p, max_bytes, &mut out)?;
     }
-    enqueue_overhead(p, &mut out)?;
-    collectives(p, max_bytes, &mut out)?;
+    if wanted("swap") {
+        writeln!(out, "#### swap (`hprt-swap`)\n")?;
+        out += &hprt::swap::bench(p, max_bytes.min(64 << 20))?;
+        writeln!(out)?;
+    }
+    if wanted("compress") {
+        // The codec runs on the host on every backend today (no device codec is built), so
+        // these rows are host CPU figures whatever the platform.
+        writeln!(out, "#### compress (`hprt-compress`, host codec)\n")?;
+        out += &hprt::compress::bench::bench(&hprt::compress::bench::BenchOptions::default())?;
+        writeln!(out)?;
+    }
+    if wanted("hsdp") {
+        writeln!(out, "#### hsdp (`hprt-hsdp`)\n")?;
+        out += &hprt::hsdp::bench(p, max_bytes.min(64 << 20))?;
+        writeln!(out)?;
+    }
     Ok(out)
 }
 

@@ -37,6 +37,9 @@ enum Command {
         /// Largest copy size in MiB (the sweep runs from 4 KiB up to it).
         #[arg(long, default_value_t = 256)]
         max_mib: usize,
+        /// Run only these sections (platform, swap, compress, hsdp); default all.
+        #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(bench::SECTIONS))]
+        only: Vec<String>,
     },
     /// Losslessly compress a raw little-endian tensor file (f32, f16 or bf16).
     Compress {
@@ -91,8 +94,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Info => info(),
         Command::Conformance { filter } => conformance(filter.as_deref()),
-        Command::Bench { output, max_mib } => {
-            let table = bench::run(get_platform()?, max_mib << 20)?;
+        Command::Bench {
+            output,
+            max_mib,
+            only,
+        } => {
+            let table = bench::run(get_platform()?, max_mib << 20, &only)?;
             print!("{table}");
             if let Some(path) = output {
                 std::fs::write(&path, &table)?;
