@@ -142,6 +142,12 @@ pub trait DeviceCodec: Send + Sync {
     ) -> Result<PendingDecode>;
 }
 
+impl std::fmt::Debug for dyn DeviceCodec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceCodec({})", self.name())
+    }
+}
+
 /// The device codec for `platform`. No backend has device kernels in this build, so every
 /// backend gets the [`HostCodec`].
 pub fn codec_for(_platform: &dyn Platform) -> Arc<dyn DeviceCodec> {

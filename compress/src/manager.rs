@@ -123,12 +123,6 @@ pub struct ManagerConfig {
     pub codec: Option<Arc<dyn DeviceCodec>>,
 }
 
-impl std::fmt::Debug for dyn DeviceCodec {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DeviceCodec({})", self.name())
-    }
-}
-
 impl ManagerConfig {
     pub fn new(cost: CostModel) -> Self {
         ManagerConfig {
