@@ -1,9 +1,779 @@
-//! hsdp bindings: `DeviceMesh`, the n-D grid of ranks with named dims.
+//! hsdp bindings: `DeviceMesh`, `DataParallelMesh` (FSDP / HSDP / DDP), `GroupCache` and
+//! `ProcessGroup`, `HsdpStreams`, `MixedPrecisionPolicy`, and `ShardedParam` with its
+//! `UnshardHandle`.
+//!
+//! Ranks are whatever the platform's communicators connect: on the cpu backend, Python threads
+//! that each call `Platform.comm_init`. Each rank builds one `GroupCache` over its world
+//! communicator and its parameters in the same order as every other rank; every call that can
+//! wait for the other ranks (sub-communicator splits) releases the GIL.
 
-use hprt_hsdp::DeviceMesh;
+use std::sync::{Mutex, MutexGuard};
+
+use hprt_hsdp::{
+    DataParallelMesh, DeviceMesh, GradInput, GroupCache, HsdpStreams, MixedPrecisionPolicy,
+    OffloadPolicy, ParamConfig, ParamSpec, ParamState, Placement, ProcessGroup, ReduceOptions,
+    ShardRef, ShardedParam, UnshardHandle,
+};
+use hprt_platform::{DType, DeviceBuffer, Platform};
+use hprt_swap::{DeviceTensor, PlatformHandle};
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
-use crate::error::Result;
+use crate::collective::PyCommunicator;
+use crate::dlpack::TensorView;
+use crate::dtype;
+use crate::error::{invalid, Result};
+use crate::platform::{Anchored, PyEvent, PyPlatform, PyStream};
+use crate::swap::PyDeviceTensor;
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every method updates the parameter through hprt-hsdp's own methods, which leave it
+    // consistent on error; a panic cannot have left it half-written.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn opt_dtype(name: Option<&str>) -> Result<Option<DType>> {
+    name.map(dtype::parse).transpose()
+}
+
+/// A tensor argument: an hprt `DeviceTensor`, or a DLPack producer (numpy array, torch tensor)
+/// whose memory this platform can address, borrowed without a copy.
+fn tensor_arg(p: &PlatformHandle, obj: &Bound<'_, PyAny>) -> Result<DeviceTensor> {
+    if let Ok(t) = obj.cast::<PyDeviceTensor>() {
+        return Ok(t.get().t.clone());
+    }
+    let platform = PyPlatform { p: p.clone() };
+    Ok(crate::dlpack::import(&platform, obj, false)?.t)
+}
+
+/// The data-parallel mesh and the role of its dims: `DataParallelMesh.fsdp(mesh)` (1-D, shard),
+/// `.hsdp(mesh)` (2-D, dim 0 replicates, dim 1 shards) or `.ddp(mesh)` (1-D, replicate).
+#[pyclass(name = "DataParallelMesh", module = "hprt._native", frozen)]
+pub struct PyDataParallelMesh {
+    dp: DataParallelMesh,
+}
+
+#[pymethods]
+impl PyDataParallelMesh {
+    #[staticmethod]
+    fn fsdp(mesh: &PyDeviceMesh) -> Result<Self> {
+        Ok(PyDataParallelMesh {
+            dp: DataParallelMesh::fsdp(mesh.m.clone())?,
+        })
+    }
+    #[staticmethod]
+    fn hsdp(mesh: &PyDeviceMesh) -> Result<Self> {
+        Ok(PyDataParallelMesh {
+            dp: DataParallelMesh::hsdp(mesh.m.clone())?,
+        })
+    }
+    #[staticmethod]
+    fn ddp(mesh: &PyDeviceMesh) -> Result<Self> {
+        Ok(PyDataParallelMesh {
+            dp: DataParallelMesh::ddp(mesh.m.clone())?,
+        })
+    }
+    /// `"fsdp"`, `"hsdp"` or `"ddp"`.
+    #[getter]
+    fn kind(&self) -> &'static str {
+        match (&self.dp, self.dp.replicate_dim()) {
+            (DataParallelMesh::Replicated { .. }, _) => "ddp",
+            (_, Some(_)) => "hsdp",
+            (_, None) => "fsdp",
+        }
+    }
+    #[getter]
+    fn mesh(&self) -> PyDeviceMesh {
+        PyDeviceMesh {
+            m: self.dp.mesh().clone(),
+        }
+    }
+    #[getter]
+    fn shard_size(&self) -> usize {
+        self.dp.shard_size()
+    }
+    #[getter]
+    fn replicate_size(&self) -> usize {
+        self.dp.replicate_size()
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "DataParallelMesh.{}(shape={:?})",
+            self.kind(),
+            self.dp.mesh().shape()
+        )
+    }
+}
+
+/// One rank's membership in a group (its rank within it is its shard index).
+#[pyclass(name = "ProcessGroup", module = "hprt._native", frozen)]
+pub struct PyProcessGroup {
+    p: PlatformHandle,
+    g: ProcessGroup,
+}
+
+#[pymethods]
+impl PyProcessGroup {
+    #[getter]
+    fn name(&self) -> &str {
+        self.g.name()
+    }
+    #[getter]
+    fn size(&self) -> usize {
+        self.g.size()
+    }
+    #[getter]
+    fn rank(&self) -> usize {
+        self.g.rank()
+    }
+    /// The members' global ranks, sorted.
+    #[getter]
+    fn ranks(&self) -> Vec<usize> {
+        self.g.ranks().to_vec()
+    }
+    /// The group of one rank: no communicator, collectives over it are local.
+    #[getter]
+    fn is_noop(&self) -> bool {
+        self.g.is_noop()
+    }
+    /// The group's communicator (`None` for the no-op group).
+    #[getter]
+    fn communicator(&self) -> Option<PyCommunicator> {
+        self.g.communicator().map(|c| PyCommunicator {
+            p: self.p.clone(),
+            c: c.clone(),
+        })
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "ProcessGroup({:?}, ranks={:?})",
+            self.g.name(),
+            self.g.ranks()
+        )
+    }
+}
+
+/// The sub-communicators one rank made, cached by sorted rank list (`GroupCache(world_comm)`).
+/// Every method that may split is collective over the world: all ranks call it in the same
+/// order with the same arguments.
+#[pyclass(name = "GroupCache", module = "hprt._native", frozen)]
+pub struct PyGroupCache {
+    cache: Anchored<GroupCache<'static>>,
+    p: PlatformHandle,
+}
+
+#[pymethods]
+impl PyGroupCache {
+    #[new]
+    fn new(world: &PyCommunicator) -> Result<Self> {
+        let comm = world.c.clone();
+        // SAFETY: the cache keeps the reference inside itself; `ShardedParam`s made from it
+        // anchor the same platform handle (see `PyShardedParam::new`).
+        let cache = unsafe {
+            Anchored::new(world.p.clone(), |p| {
+                Ok::<_, crate::BindError>(GroupCache::new(p, comm))
+            })?
+        };
+        Ok(PyGroupCache {
+            cache,
+            p: world.p.clone(),
+        })
+    }
+    #[getter]
+    fn rank(&self) -> usize {
+        self.cache.get().rank()
+    }
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.cache.get().world_size()
+    }
+    /// How many `comm_split` calls the cache made (cache hits make none).
+    #[getter]
+    fn split_calls(&self) -> usize {
+        self.cache.get().split_calls()
+    }
+    /// The group among `rank_lists` holding this rank (the no-op group when none does or its
+    /// list has one rank). Collective over the world.
+    fn group(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        rank_lists: Vec<Vec<usize>>,
+    ) -> Result<PyProcessGroup> {
+        let g = py.detach(|| self.cache.get().group(name, &rank_lists))?;
+        Ok(PyProcessGroup {
+            p: self.p.clone(),
+            g,
+        })
+    }
+    /// This rank's group along `axes` of `mesh`. Collective over the world.
+    fn group_along(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        mesh: &PyDeviceMesh,
+        axes: Vec<usize>,
+    ) -> Result<PyProcessGroup> {
+        let g = py.detach(|| self.cache.get().group_along(name, &mesh.m, &axes))?;
+        Ok(PyProcessGroup {
+            p: self.p.clone(),
+            g,
+        })
+    }
+}
+
+/// The three streams one rank's parameters use: `compute` (forward, backward, optimizer),
+/// `all_gather` and `reduce`.
+#[pyclass(name = "HsdpStreams", module = "hprt._native", frozen)]
+pub struct PyHsdpStreams {
+    p: PlatformHandle,
+    s: HsdpStreams,
+}
+
+#[pymethods]
+impl PyHsdpStreams {
+    /// New streams of `platform` (the process-wide one by default); `compute` may be an
+    /// existing stream (a framework's, wrapped with `Platform.wrap_stream`).
+    #[new]
+    #[pyo3(signature = (platform=None, compute=None))]
+    fn new(platform: Option<&PyPlatform>, compute: Option<&PyStream>) -> Result<Self> {
+        let p = crate::platform::resolve(platform)?;
+        let s = match compute {
+            Some(c) => HsdpStreams::with_compute(&*p, c.s.clone())?,
+            None => HsdpStreams::new(&*p)?,
+        };
+        Ok(PyHsdpStreams { p, s })
+    }
+    #[getter]
+    fn compute(&self) -> PyStream {
+        self.stream(&self.s.compute)
+    }
+    #[getter]
+    fn all_gather(&self) -> PyStream {
+        self.stream(&self.s.all_gather)
+    }
+    #[getter]
+    fn reduce(&self) -> PyStream {
+        self.stream(&self.s.reduce)
+    }
+}
+
+impl PyHsdpStreams {
+    fn stream(&self, s: &hprt_platform::Stream) -> PyStream {
+        PyStream {
+            p: self.p.clone(),
+            s: s.clone(),
+        }
+    }
+}
+
+/// Which dtypes a sharded parameter communicates and computes in; `None` keeps the stage
+/// before's (the parameter's dtype for `param_dtype`, `param_dtype` for `reduce_dtype`).
+///
+/// ```python
+/// mp = hprt.MixedPrecisionPolicy(param_dtype="bf16", reduce_dtype="f32")
+/// ```
+#[pyclass(name = "MixedPrecisionPolicy", module = "hprt._native", frozen)]
+pub struct PyMixedPrecisionPolicy {
+    mp: MixedPrecisionPolicy,
+}
+
+#[pymethods]
+impl PyMixedPrecisionPolicy {
+    #[new]
+    #[pyo3(signature = (param_dtype=None, reduce_dtype=None, output_dtype=None))]
+    fn new(
+        param_dtype: Option<&str>,
+        reduce_dtype: Option<&str>,
+        output_dtype: Option<&str>,
+    ) -> Result<Self> {
+        Ok(PyMixedPrecisionPolicy {
+            mp: MixedPrecisionPolicy {
+                param_dtype: opt_dtype(param_dtype)?,
+                reduce_dtype: opt_dtype(reduce_dtype)?,
+                output_dtype: opt_dtype(output_dtype)?,
+            },
+        })
+    }
+    #[getter]
+    fn param_dtype(&self) -> Option<&'static str> {
+        self.mp.param_dtype.map(DType::name)
+    }
+    #[getter]
+    fn reduce_dtype(&self) -> Option<&'static str> {
+        self.mp.reduce_dtype.map(DType::name)
+    }
+    #[getter]
+    fn output_dtype(&self) -> Option<&'static str> {
+        self.mp.output_dtype.map(DType::name)
+    }
+    /// `output` cast to the output dtype (a copy when there is none) in new device memory, on
+    /// `stream`.
+    fn cast_output(&self, output: &PyDeviceTensor, stream: &PyStream) -> Result<PyDeviceTensor> {
+        let (p, src) = (&output.p, &output.t);
+        let numel = src.shape.iter().product::<usize>();
+        let dst_dtype = self.mp.output_dtype.unwrap_or(src.dtype);
+        let dst = p.alloc_device(dtype::nbytes(dst_dtype, &src.shape)?)?;
+        self.mp.cast_output(
+            &**p,
+            src.storage.at(src.offset),
+            src.dtype,
+            dst.at(0),
+            numel,
+            &stream.s,
+        )?;
+        PyDeviceTensor::from_parts(p, dst, 0, dst_dtype, src.shape.clone(), false)
+    }
+    fn __repr__(&self) -> String {
+        format!("{:?}", self.mp)
+    }
+}
+
+/// A started all-gather (what `ShardedParam.unshard(async_op=True)` returns); wait for it with
+/// `ShardedParam.wait_for_unshard()`.
+#[pyclass(name = "UnshardHandle", module = "hprt._native", frozen)]
+pub struct PyUnshardHandle {
+    p: PlatformHandle,
+    h: UnshardHandle,
+}
+
+#[pymethods]
+impl PyUnshardHandle {
+    /// Whether the all-gather (and the copies after it) finished.
+    fn is_complete(&self) -> Result<bool> {
+        Ok(self.h.is_complete(&*self.p)?)
+    }
+    /// Recorded on the all-gather stream once the gathered parameter is complete.
+    #[getter]
+    fn event(&self) -> PyEvent {
+        PyEvent {
+            p: self.p.clone(),
+            e: self.h.event().clone(),
+        }
+    }
+}
+
+struct ParamInner {
+    param: Anchored<ShardedParam<'static>>,
+    /// The gradient an issued reduction may still read directly; kept until it was applied.
+    reducing: Option<DeviceBuffer>,
+}
+
+/// One rank's view of a sharded parameter (the seed's `HSDPParam`): FSDP on a 1-D mesh, HSDP on
+/// a 2-D one; uneven dims padded; parameters below `threshold` elements stay replicated.
+///
+/// ```python
+/// cache = hprt.GroupCache(comm)
+/// streams = hprt.HsdpStreams(p)
+/// dp = hprt.DataParallelMesh.fsdp(hprt.DeviceMesh([world]))
+/// w = hprt.ShardedParam(cache, streams, dp, "w", numpy_weight)
+/// h = w.unshard(async_op=True)      # prefetch
+/// w.wait_for_unshard()              # the compute stream orders after the all-gather
+/// full = w.unsharded()              # DeviceTensor of the whole parameter
+/// w.shard()
+/// w.reduce_grad(numpy_grad, op="avg")
+/// g = w.read_sharded_grad()
+/// ```
+#[pyclass(name = "ShardedParam", module = "hprt._native", frozen)]
+pub struct PyShardedParam {
+    p: PlatformHandle,
+    inner: Mutex<ParamInner>,
+}
+
+fn offload_policy(name: &str) -> Result<OffloadPolicy> {
+    match name.trim().to_ascii_lowercase().as_str() {
+        "none" | "device" => Ok(OffloadPolicy::None),
+        "pinned_host" | "pinned" | "cpu" => Ok(OffloadPolicy::PinnedHost),
+        _ => Err(invalid(format!(
+            "unknown offload policy {name:?}; expected \"none\" or \"pinned_host\""
+        ))),
+    }
+}
+
+fn state_name(s: ParamState) -> &'static str {
+    match s {
+        ParamState::Sharded => "sharded",
+        ParamState::Unsharding => "unsharding",
+        ParamState::Unsharded => "unsharded",
+    }
+}
+
+fn reduce_op(name: &str) -> Result<hprt_platform::ReduceOp> {
+    dtype::parse_reduce_op(name)
+}
+
+impl PyShardedParam {
+    fn with<R>(&self, f: impl FnOnce(&ShardedParam<'static>) -> R) -> R {
+        f(locked(&self.inner).param.get())
+    }
+
+    /// A shard-shaped view of `r` (the shard or the sharded gradient).
+    fn shard_view(&self, param: &ShardedParam<'static>, r: ShardRef<'_>) -> Result<TensorView> {
+        let shape = param.geometry().shard_shape();
+        match r {
+            ShardRef::Device(b) => {
+                TensorView::of_device(&self.p, b.buf, param.dtype(), shape, b.offset)
+            }
+            ShardRef::Pinned(h) => TensorView::of_pinned(&self.p, h, param.dtype(), shape, 0),
+        }
+    }
+
+    /// The bytes of `r` once the compute stream's work so far completed.
+    fn read_shard_ref(
+        p: &dyn Platform,
+        param: &ShardedParam<'static>,
+        r: ShardRef<'_>,
+    ) -> Result<Vec<u8>> {
+        let n = param.geometry().shard_numel() * param.dtype().size();
+        let mut out = vec![0u8; n];
+        let cs = &param.streams().compute;
+        match r {
+            ShardRef::Device(b) => p.read_device_sync(b.buf, b.offset, &mut out, cs)?,
+            ShardRef::Pinned(h) => {
+                p.synchronize_stream(cs)?;
+                h.read(0, &mut out)?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[pymethods]
+impl PyShardedParam {
+    /// Shards `full` (the whole local parameter: a `DeviceTensor` or a host DLPack tensor,
+    /// identical on every rank) and keeps this rank's shard. Collective over the cache's world:
+    /// every rank creates its parameters in the same order.
+    ///
+    /// `shard_dim` is the data-parallel `Shard(dim)`; `offload_policy` is `"none"` or
+    /// `"pinned_host"` (the shard and its gradient live in pinned host memory).
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (cache, streams, dp_mesh, name, full, *, shard_dim=0, mp_policy=None, offload_policy="none", threshold=0))]
+    fn new(
+        py: Python<'_>,
+        cache: &PyGroupCache,
+        streams: &PyHsdpStreams,
+        dp_mesh: &PyDataParallelMesh,
+        name: &str,
+        full: &Bound<'_, PyAny>,
+        shard_dim: usize,
+        mp_policy: Option<&PyMixedPrecisionPolicy>,
+        offload_policy: &str,
+        threshold: usize,
+    ) -> Result<Self> {
+        let full = tensor_arg(&cache.p, full)?;
+        let config = ParamConfig {
+            shard: Some(Placement::Shard(shard_dim)),
+            mp: mp_policy.map(|m| m.mp).unwrap_or_default(),
+            offload: self::offload_policy(offload_policy)?,
+            threshold,
+        };
+        let spec = ParamSpec::new(name, &full.shape, full.dtype);
+        let numel_bytes = dtype::nbytes(full.dtype, &full.shape)?;
+        if numel_bytes > full.len {
+            return Err(invalid(format!(
+                "the tensor spans {} bytes, its shape needs {numel_bytes}",
+                full.len
+            )));
+        }
+        let dp = &dp_mesh.dp;
+        let s = &streams.s;
+        let param = py.detach(|| {
+            // SAFETY: the parameter keeps the cache's platform reference inside itself, and
+            // anchors the same handle the cache does.
+            unsafe {
+                Anchored::new(cache.p.clone(), |_| {
+                    ShardedParam::new(
+                        cache.cache.get(),
+                        s,
+                        dp,
+                        spec,
+                        &config,
+                        full.storage.at(full.offset),
+                    )
+                })
+            }
+        })?;
+        Ok(PyShardedParam {
+            p: cache.p.clone(),
+            inner: Mutex::new(ParamInner {
+                param,
+                reducing: None,
+            }),
+        })
+    }
+
+    #[getter]
+    fn name(&self) -> String {
+        self.with(|w| w.name().to_string())
+    }
+    /// `"sharded"`, `"unsharding"` (an all-gather not yet waited for) or `"unsharded"`.
+    #[getter]
+    fn state(&self) -> &'static str {
+        self.with(|w| state_name(w.state()))
+    }
+    /// The dtype of the stored shard and the sharded gradient.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.with(|w| w.dtype().name())
+    }
+    /// The dtype of the all-gather and the unsharded parameter.
+    #[getter]
+    fn param_dtype(&self) -> &'static str {
+        self.with(|w| w.param_dtype().name())
+    }
+    /// The dtype gradients are accumulated and reduced in.
+    #[getter]
+    fn reduce_dtype(&self) -> &'static str {
+        self.with(|w| w.reduce_dtype().name())
+    }
+    #[getter]
+    fn shape(&self) -> Vec<usize> {
+        self.with(|w| w.geometry().shape().to_vec())
+    }
+    /// The shard's shape, padding included.
+    #[getter]
+    fn shard_shape(&self) -> Vec<usize> {
+        self.with(|w| w.geometry().shard_shape())
+    }
+    #[getter]
+    fn shard_dim(&self) -> usize {
+        self.with(|w| w.geometry().dim())
+    }
+    /// Elements of the shard, padding included.
+    #[getter]
+    fn shard_numel(&self) -> usize {
+        self.with(|w| w.geometry().shard_numel())
+    }
+    /// This rank's shard index and the number of shards.
+    #[getter]
+    fn shard_index(&self) -> usize {
+        self.with(|w| w.geometry().index())
+    }
+    #[getter]
+    fn group_size(&self) -> usize {
+        self.with(|w| w.geometry().group_size())
+    }
+    /// Rows of the sharded dim that hold data in shard `k` (the rest is padding).
+    fn valid_rows(&self, k: usize) -> usize {
+        self.with(|w| w.geometry().valid_rows(k))
+    }
+    /// Whether data parallelism shards this parameter (false for DDP and below the threshold).
+    #[getter]
+    fn is_sharded_param(&self) -> bool {
+        self.with(|w| w.is_sharded_param())
+    }
+    /// The global ranks the parameter is gathered from and its gradient reduce-scattered over.
+    #[getter]
+    fn sharded_group_ranks(&self) -> Vec<usize> {
+        self.with(|w| w.groups().sharded.ranks().to_vec())
+    }
+    /// The global ranks the reduce-scattered gradient is all-reduced over (HSDP's replicas).
+    #[getter]
+    fn unsharded_group_ranks(&self) -> Vec<usize> {
+        self.with(|w| w.groups().unsharded.ranks().to_vec())
+    }
+    #[getter]
+    fn offload_policy(&self) -> &'static str {
+        self.with(|w| match w.sharded_data() {
+            ShardRef::Device(_) => "none",
+            ShardRef::Pinned(_) => "pinned_host",
+        })
+    }
+    #[getter]
+    fn reduce_pending(&self) -> bool {
+        self.with(|w| w.reduce_pending())
+    }
+
+    /// Starts the all-gather of the full parameter. With `async_op` it returns an
+    /// `UnshardHandle` to wait on later (prefetch); without, it waits itself (in stream order)
+    /// and returns `None`. A no-op returning `None` while unsharding or unsharded.
+    #[pyo3(signature = (async_op=false))]
+    fn unshard(&self, py: Python<'_>, async_op: bool) -> Result<Option<PyUnshardHandle>> {
+        let h = py.detach(|| locked(&self.inner).param.get_mut().unshard(async_op))?;
+        Ok(h.map(|h| PyUnshardHandle {
+            p: self.p.clone(),
+            h,
+        }))
+    }
+    /// Orders the compute stream after the pending all-gather (the host does not block).
+    fn wait_for_unshard(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| locked(&self.inner).param.get_mut().wait_for_unshard())?)
+    }
+    /// Back to sharded; the gathered storage is released.
+    fn shard(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| locked(&self.inner).param.get_mut().shard())?)
+    }
+    /// The full parameter in `param_dtype`, valid in compute-stream order while unsharded.
+    /// Its memory is released by `shard()`: read it (or export it by DLPack) before that.
+    fn unsharded(&self) -> Result<PyDeviceTensor> {
+        let g = locked(&self.inner);
+        let w = g.param.get();
+        let full = w.unsharded()?;
+        PyDeviceTensor::from_parts(
+            &self.p,
+            full.buf.clone(),
+            full.offset,
+            w.param_dtype(),
+            w.geometry().shape().to_vec(),
+            true,
+        )
+    }
+    /// The bytes of the full parameter once the compute stream's work so far completed.
+    fn read_unsharded<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyBytes>> {
+        let bytes = py.detach(|| -> Result<Vec<u8>> {
+            let g = locked(&self.inner);
+            let w = g.param.get();
+            let full = w.unsharded()?;
+            let mut out = vec![0u8; w.geometry().numel() * w.param_dtype().size()];
+            self.p
+                .read_device_sync(full.buf, full.offset, &mut out, &w.streams().compute)?;
+            Ok(out)
+        })?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// This rank's shard as a DLPack view (`shard_shape`, `dtype`; device memory of the cpu
+    /// backend, or pinned memory under the offload policy). Synchronize the compute stream
+    /// before reading or writing it on the host.
+    fn sharded_data(&self) -> Result<TensorView> {
+        let g = locked(&self.inner);
+        let w = g.param.get();
+        self.shard_view(w, w.sharded_data())
+    }
+    /// The shard's bytes once the compute stream's work so far completed.
+    fn read_sharded<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyBytes>> {
+        let bytes = py.detach(|| {
+            let g = locked(&self.inner);
+            let w = g.param.get();
+            Self::read_shard_ref(&*self.p, w, w.sharded_data())
+        })?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+    /// Replaces the shard (e.g. after an optimizer step on the host), in compute-stream order.
+    fn write_sharded(&self, py: Python<'_>, data: &Bound<'_, PyBytes>) -> Result<()> {
+        let data = data.as_bytes().to_vec();
+        py.detach(|| {
+            let g = locked(&self.inner);
+            let w = g.param.get();
+            let n = w.geometry().shard_numel() * w.dtype().size();
+            if data.len() != n {
+                return Err(invalid(format!(
+                    "the shard holds {n} bytes, {} were given",
+                    data.len()
+                )));
+            }
+            let cs = &w.streams().compute;
+            match w.sharded_data() {
+                ShardRef::Device(b) => self.p.write_device_sync(b.buf, b.offset, &data, cs)?,
+                ShardRef::Pinned(h) => {
+                    self.p.synchronize_stream(cs)?;
+                    h.write(0, &data)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Adds an unsharded gradient (the parameter's full shape, any float dtype) into the one
+    /// accumulated across micro-batches, on the compute stream.
+    fn accumulate_grad(&self, py: Python<'_>, grad: &Bound<'_, PyAny>) -> Result<()> {
+        let g = tensor_arg(&self.p, grad)?;
+        py.detach(|| {
+            let mut inner = locked(&self.inner);
+            inner.param.get_mut().accumulate_grad(GradInput {
+                buf: g.storage.at(g.offset),
+                dtype: g.dtype,
+            })?;
+            Ok(())
+        })
+    }
+
+    /// Reduces the gradient: `grad` (if given) plus whatever was accumulated is
+    /// reduce-scattered over the sharded group (`op` = `"sum"` or `"avg"`), all-reduced over the
+    /// unsharded group, multiplied by `scale`, and accumulated into the sharded gradient. With
+    /// `async_op` it only starts (apply it with `wait_for_reduce()`); `grad` must stay
+    /// untouched until then.
+    #[pyo3(signature = (grad=None, op="avg", scale=None, async_op=false))]
+    fn reduce_grad(
+        &self,
+        py: Python<'_>,
+        grad: Option<&Bound<'_, PyAny>>,
+        op: &str,
+        scale: Option<f64>,
+        async_op: bool,
+    ) -> Result<()> {
+        let g = grad.map(|g| tensor_arg(&self.p, g)).transpose()?;
+        let opts = ReduceOptions {
+            op: reduce_op(op)?,
+            scale,
+        };
+        py.detach(|| {
+            let mut inner = locked(&self.inner);
+            let input = g.as_ref().map(|g| GradInput {
+                buf: g.storage.at(g.offset),
+                dtype: g.dtype,
+            });
+            let w = inner.param.get_mut();
+            w.reduce_grad_async(input, opts)?;
+            if async_op {
+                inner.reducing = g.map(|g| g.storage);
+            } else {
+                w.wait_for_reduce()?;
+            }
+            Ok(())
+        })
+    }
+    /// Orders the compute stream after the pending reduction and accumulates its result into
+    /// the sharded gradient.
+    fn wait_for_reduce(&self, py: Python<'_>) -> Result<()> {
+        py.detach(|| {
+            let mut inner = locked(&self.inner);
+            inner.param.get_mut().wait_for_reduce()?;
+            inner.reducing = None;
+            Ok(())
+        })
+    }
+    /// The sharded gradient as a DLPack view (like `sharded_data()`), `None` before the first
+    /// reduction.
+    fn sharded_grad(&self) -> Result<Option<TensorView>> {
+        let g = locked(&self.inner);
+        let w = g.param.get();
+        w.sharded_grad().map(|r| self.shard_view(w, r)).transpose()
+    }
+    /// The sharded gradient's bytes once the compute stream's work so far completed (`None`
+    /// before the first reduction).
+    fn read_sharded_grad<'py>(&self, py: Python<'py>) -> Result<Option<Bound<'py, PyBytes>>> {
+        let bytes = py.detach(|| {
+            let g = locked(&self.inner);
+            let w = g.param.get();
+            w.sharded_grad()
+                .map(|r| Self::read_shard_ref(&*self.p, w, r))
+                .transpose()
+        })?;
+        Ok(bytes.map(|b| PyBytes::new(py, &b)))
+    }
+    /// Forgets the sharded gradient (the next reduction starts a new one).
+    fn clear_grad(&self) -> Result<()> {
+        Ok(locked(&self.inner).param.get_mut().clear_grad()?)
+    }
+    /// Releases the sharded gradient's storage too.
+    fn free_grad(&self) -> Result<()> {
+        Ok(locked(&self.inner).param.get_mut().free_grad()?)
+    }
+    fn __repr__(&self) -> String {
+        self.with(|w| {
+            format!(
+                "ShardedParam({:?}, shape={:?}, {}, shard {} of {})",
+                w.name(),
+                w.geometry().shape(),
+                state_name(w.state()),
+                w.geometry().index(),
+                w.geometry().group_size()
+            )
+        })
+    }
+}
 
 /// An n-D grid of ranks (`DeviceMesh([2, 4], dim_names=["dp", "fsdp"])`).
 #[pyclass(name = "DeviceMesh", module = "hprt._native", frozen)]
@@ -86,5 +856,12 @@ impl PyDeviceMesh {
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyDeviceMesh>()
+    m.add_class::<PyDeviceMesh>()?;
+    m.add_class::<PyDataParallelMesh>()?;
+    m.add_class::<PyProcessGroup>()?;
+    m.add_class::<PyGroupCache>()?;
+    m.add_class::<PyHsdpStreams>()?;
+    m.add_class::<PyMixedPrecisionPolicy>()?;
+    m.add_class::<PyUnshardHandle>()?;
+    m.add_class::<PyShardedParam>()
 }

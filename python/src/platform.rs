@@ -551,3 +551,236 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_platform, m)?)?;
     Ok(())
 }
+
+/// A value that borrows a platform for `'static`, stored with the handle that keeps that
+/// platform alive. hprt-hsdp's objects borrow their platform (`ShardedParam<'p>`), and a Python
+/// object cannot carry a lifetime; `value` is declared first so it is dropped before `_handle`.
+pub(crate) struct Anchored<T> {
+    value: T,
+    _handle: PlatformHandle,
+}
+
+impl<T> Anchored<T> {
+    /// Builds the value from a `'static` reference to `handle`'s platform.
+    ///
+    /// # Safety
+    /// `build` must not let the reference (or anything holding it) escape except inside the
+    /// returned value, and users of [`Anchored::get`] must not copy it out either: the
+    /// reference is only valid while this `Anchored` lives.
+    pub(crate) unsafe fn new<E>(
+        handle: PlatformHandle,
+        build: impl FnOnce(&'static dyn Platform) -> std::result::Result<T, E>,
+    ) -> std::result::Result<Self, E> {
+        let platform: *const dyn Platform = &*handle;
+        // SAFETY: a `Static` handle is `'static` already; a `Shared` one points into an `Arc`
+        // allocation that never moves and that `_handle` keeps alive until after `value` (and
+        // with it every copy of the reference, per the contract above) is dropped.
+        let platform: &'static dyn Platform = unsafe { &*platform };
+        Ok(Anchored {
+            value: build(platform)?,
+            _handle: handle,
+        })
+    }
+    pub(crate) fn get(&self) -> &T {
+        &self.value
+    }
+    pub(crate) fn get_mut(&mut self) -> &mut T {
+        &mut self.value
+    }
+}
+
+/// The process-wide platform behind an `Arc`, for the APIs that keep one (the activation
+/// manager): every call goes to the `'static` platform, so buffers, streams and events made
+/// through either are the same objects.
+struct ProcessPlatform(&'static dyn Platform);
+
+/// An `Arc<dyn Platform>` for `handle`: its own `Arc`, or the process-wide platform behind one.
+pub(crate) fn shared(handle: &PlatformHandle) -> Arc<dyn Platform> {
+    match handle {
+        PlatformHandle::Shared(p) => Arc::clone(p),
+        PlatformHandle::Static(p) => Arc::new(ProcessPlatform(*p)),
+    }
+}
+
+impl Platform for ProcessPlatform {
+    fn backend(&self) -> BackendKind {
+        self.0.backend()
+    }
+    fn info(&self) -> hprt_platform::PlatformInfo {
+        self.0.info()
+    }
+    fn device_count(&self) -> usize {
+        self.0.device_count()
+    }
+    fn set_device(&self, ordinal: usize) -> hprt_platform::Result<()> {
+        self.0.set_device(ordinal)
+    }
+    fn current_device(&self) -> usize {
+        self.0.current_device()
+    }
+    fn mem_info(&self) -> hprt_platform::Result<hprt_platform::MemInfo> {
+        self.0.mem_info()
+    }
+    fn memory_stats(&self) -> hprt_platform::MemoryStats {
+        self.0.memory_stats()
+    }
+    fn reset_peak_memory(&self) {
+        self.0.reset_peak_memory()
+    }
+    fn create_stream(&self) -> hprt_platform::Result<Stream> {
+        self.0.create_stream()
+    }
+    unsafe fn wrap_external_stream(
+        &self,
+        raw: hprt_platform::RawStream,
+    ) -> hprt_platform::Result<Stream> {
+        // SAFETY: the caller's promise, passed on unchanged.
+        unsafe { self.0.wrap_external_stream(raw) }
+    }
+    fn destroy_stream(&self, stream: &Stream) -> hprt_platform::Result<()> {
+        self.0.destroy_stream(stream)
+    }
+    fn synchronize_stream(&self, stream: &Stream) -> hprt_platform::Result<()> {
+        self.0.synchronize_stream(stream)
+    }
+    fn query_stream(&self, stream: &Stream) -> hprt_platform::Result<bool> {
+        self.0.query_stream(stream)
+    }
+    fn synchronize_device(&self) -> hprt_platform::Result<()> {
+        self.0.synchronize_device()
+    }
+    fn create_event(&self, timing: bool) -> hprt_platform::Result<Event> {
+        self.0.create_event(timing)
+    }
+    fn destroy_event(&self, event: &Event) -> hprt_platform::Result<()> {
+        self.0.destroy_event(event)
+    }
+    fn record_event(&self, event: &Event, stream: &Stream) -> hprt_platform::Result<()> {
+        self.0.record_event(event, stream)
+    }
+    fn stream_wait_event(&self, stream: &Stream, event: &Event) -> hprt_platform::Result<()> {
+        self.0.stream_wait_event(stream, event)
+    }
+    fn query_event(&self, event: &Event) -> hprt_platform::Result<bool> {
+        self.0.query_event(event)
+    }
+    fn synchronize_event(&self, event: &Event) -> hprt_platform::Result<()> {
+        self.0.synchronize_event(event)
+    }
+    fn event_elapsed_ms(&self, start: &Event, end: &Event) -> hprt_platform::Result<f32> {
+        self.0.event_elapsed_ms(start, end)
+    }
+    fn alloc_device(&self, bytes: usize) -> hprt_platform::Result<DeviceBuffer> {
+        self.0.alloc_device(bytes)
+    }
+    unsafe fn wrap_device_memory(
+        &self,
+        ptr: usize,
+        bytes: usize,
+        release: Option<hprt_platform::ReleaseFn>,
+    ) -> hprt_platform::Result<DeviceBuffer> {
+        // SAFETY: the caller's promise, passed on unchanged.
+        unsafe { self.0.wrap_device_memory(ptr, bytes, release) }
+    }
+    fn free_device(&self, buf: &DeviceBuffer) -> hprt_platform::Result<()> {
+        self.0.free_device(buf)
+    }
+    fn resize_device(&self, buf: &DeviceBuffer, bytes: usize) -> hprt_platform::Result<()> {
+        self.0.resize_device(buf, bytes)
+    }
+    fn alloc_pinned(&self, bytes: usize) -> hprt_platform::Result<PinnedBuffer> {
+        self.0.alloc_pinned(bytes)
+    }
+    fn free_pinned(&self, buf: &PinnedBuffer) -> hprt_platform::Result<()> {
+        self.0.free_pinned(buf)
+    }
+    fn copy_async(
+        &self,
+        dst: Mem<'_>,
+        dst_offset: usize,
+        src: Mem<'_>,
+        src_offset: usize,
+        bytes: usize,
+        stream: &Stream,
+    ) -> hprt_platform::Result<()> {
+        self.0
+            .copy_async(dst, dst_offset, src, src_offset, bytes, stream)
+    }
+    fn memset_async(
+        &self,
+        dst: &DeviceBuffer,
+        offset: usize,
+        value: u8,
+        bytes: usize,
+        stream: &Stream,
+    ) -> hprt_platform::Result<()> {
+        self.0.memset_async(dst, offset, value, bytes, stream)
+    }
+    fn launch_kernel(
+        &self,
+        kernel: hprt_platform::Kernel<hprt_platform::BufRef<'_>>,
+        stream: &Stream,
+    ) -> hprt_platform::Result<()> {
+        self.0.launch_kernel(kernel, stream)
+    }
+    fn launch_host_fn(
+        &self,
+        stream: &Stream,
+        f: hprt_platform::HostFn,
+    ) -> hprt_platform::Result<()> {
+        self.0.launch_host_fn(stream, f)
+    }
+    fn unique_id(&self) -> hprt_platform::Result<hprt_platform::UniqueId> {
+        self.0.unique_id()
+    }
+    fn comm_init(
+        &self,
+        id: &hprt_platform::UniqueId,
+        rank: usize,
+        world: usize,
+    ) -> hprt_platform::Result<hprt_platform::Communicator> {
+        self.0.comm_init(id, rank, world)
+    }
+    fn comm_split(
+        &self,
+        comm: &hprt_platform::Communicator,
+        rank_lists: &[Vec<usize>],
+    ) -> hprt_platform::Result<Option<hprt_platform::Communicator>> {
+        self.0.comm_split(comm, rank_lists)
+    }
+    fn destroy_comm(&self, comm: &hprt_platform::Communicator) -> hprt_platform::Result<()> {
+        self.0.destroy_comm(comm)
+    }
+    fn collective(
+        &self,
+        comm: &hprt_platform::Communicator,
+        op: hprt_platform::Collective<hprt_platform::BufRef<'_>>,
+        stream: &Stream,
+    ) -> hprt_platform::Result<()> {
+        self.0.collective(comm, op, stream)
+    }
+    fn group_start(&self) -> hprt_platform::Result<()> {
+        self.0.group_start()
+    }
+    fn group_end(&self) -> hprt_platform::Result<()> {
+        self.0.group_end()
+    }
+    fn write_device_sync(
+        &self,
+        dst: &DeviceBuffer,
+        offset: usize,
+        data: &[u8],
+        stream: &Stream,
+    ) -> hprt_platform::Result<()> {
+        self.0.write_device_sync(dst, offset, data, stream)
+    }
+    fn read_device_sync(
+        &self,
+        src: &DeviceBuffer,
+        offset: usize,
+        out: &mut [u8],
+        stream: &Stream,
+    ) -> hprt_platform::Result<()> {
+        self.0.read_device_sync(src, offset, out, stream)
+    }
+}
