@@ -5,48 +5,17 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
-
 use anyhow::{ensure, Result};
 use common::*;
+use hprt_conformance::emulator::{self, serial};
 use hprt_hsdp::{
     DataParallelMesh, DeviceMesh, GradInput, MixedPrecisionPolicy, ParamConfig, ParamSpec,
     Placement, ReduceOptions, ShardedParam,
 };
 use hprt_platform::{DType, NpuBackend, ReduceOp};
-use hprt_sys::SearchEnv;
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The emulator library next to this test binary (target/<profile>/).
-fn emulator() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target/<profile>");
-    let lib = dir.join("libhprt_ascend_emulator.so");
-    assert!(
-        lib.is_file(),
-        "{} is missing: build it with `cargo build -p hprt-ascend-emulator` (scripts/test does)",
-        lib.display()
-    );
-    lib
-}
 
 fn npu() -> NpuBackend {
-    let lib = emulator();
-    NpuBackend::open_with(&SearchEnv {
-        acl_lib: Some(lib.clone()),
-        hccl_lib: Some(lib),
-        ..Default::default()
-    })
-    .expect("the npu backend opens on the emulator")
+    emulator::open().expect("the npu backend opens on the emulator")
 }
 
 /// Init, unshard (async), shard, and one gradient reduction, checked against the reference.

@@ -2,37 +2,15 @@
 //! built by `cargo build -p hprt-ascend-emulator`, which `scripts/test` and CI run first).
 //! The emulator's state is process-global, so the cases run in one test, one after another.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use hprt_platform::{NpuBackend, Platform};
+use hprt_conformance::emulator;
+use hprt_platform::Platform;
 use hprt_swap::sim::{simulate, FrontEnd, SimConfig};
-use hprt_sys::SearchEnv;
-
-/// The emulator library next to this test binary (target/<profile>/).
-fn emulator() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target/<profile>");
-    let lib = dir.join("libhprt_ascend_emulator.so");
-    assert!(
-        lib.is_file(),
-        "{} is missing: build it with `cargo build -p hprt-ascend-emulator` (scripts/test does)",
-        lib.display()
-    );
-    lib
-}
 
 #[test]
 fn every_front_end_on_the_ascend_emulator() {
-    let env = SearchEnv {
-        acl_lib: Some(emulator()),
-        hccl_lib: Some(emulator()),
-        ..Default::default()
-    };
-    let p: Arc<dyn Platform> = Arc::new(NpuBackend::open_with(&env).expect("npu on the emulator"));
+    let p: Arc<dyn Platform> = Arc::new(emulator::open().expect("npu on the emulator"));
     assert_eq!(p.backend(), hprt_platform::BackendKind::Npu);
     let cfg = SimConfig {
         layers: 6,

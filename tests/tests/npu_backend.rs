@@ -5,40 +5,10 @@
 //! The emulator's state is process-global, so these tests take one lock.
 
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
 
+use hprt_conformance::emulator::{library_path as emulator, search_env as explicit, serial};
 use hprt_platform::{DType, ErrorKind, NpuBackend, Platform, ReduceOp};
 use hprt_sys::SearchEnv;
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The emulator library next to this test binary (target/<profile>/).
-fn emulator() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target/<profile>");
-    let lib = dir.join("libhprt_ascend_emulator.so");
-    assert!(
-        lib.is_file(),
-        "{} is missing: build it with `cargo build -p hprt-ascend-emulator` (scripts/test does)",
-        lib.display()
-    );
-    lib
-}
-
-fn explicit() -> SearchEnv {
-    SearchEnv {
-        acl_lib: Some(emulator()),
-        hccl_lib: Some(emulator()),
-        ..Default::default()
-    }
-}
 
 #[repr(C)]
 #[derive(Default, Debug, Clone, Copy, PartialEq)]
