@@ -8,6 +8,11 @@
 #include <stdint.h>
 
 /*
+ "Not set" for the optional fields of `HprtHsdpParamConfig`.
+ */
+#define HPRT_HSDP_UNSET -1
+
+/*
  Longest unique id `hprt_unique_id` produces, in bytes.
  */
 #define HPRT_UNIQUE_ID_MAX_BYTES 4096
@@ -48,7 +53,43 @@ typedef enum HprtStatus {
    Compressed bytes failed to decode (corrupt, truncated, or of another format version).
    */
   HPRT_STATUS_ERROR_CORRUPT_DATA = 15,
+  /*
+   A caller-provided output buffer is smaller than the result; the message says how many
+   bytes are needed.
+   */
+  HPRT_STATUS_ERROR_BUFFER_TOO_SMALL = 16,
 } HprtStatus;
+
+/*
+ The data-parallel layouts `hprt_hsdp_create` builds (passed as `int32_t`).
+ */
+typedef enum HprtDpMode {
+  /*
+   1-D mesh `{world}`: parameters sharded over every rank.
+   */
+  HPRT_DP_MODE_FSDP = 0,
+  /*
+   2-D mesh `{replicas, shards}`: sharded within a replica, gradients all-reduced across
+   replicas.
+   */
+  HPRT_DP_MODE_HSDP = 1,
+  /*
+   1-D mesh `{world}`: parameters replicated, gradients all-reduced.
+   */
+  HPRT_DP_MODE_DDP = 2,
+} HprtDpMode;
+
+/*
+ Where a sharded parameter is in its lifecycle (`HprtHsdpParamInfo::state`).
+ */
+typedef enum HprtParamState {
+  HPRT_PARAM_STATE_SHARDED = 0,
+  /*
+   An all-gather was started and not yet waited for.
+   */
+  HPRT_PARAM_STATE_UNSHARDING = 1,
+  HPRT_PARAM_STATE_UNSHARDED = 2,
+} HprtParamState;
 
 /*
  Element types (pass them as `int32_t`; other values are rejected).
@@ -91,6 +132,17 @@ typedef struct HprtDeviceBuffer HprtDeviceBuffer;
 typedef struct HprtEvent HprtEvent;
 
 /*
+ One rank's data-parallel context: the mesh, the sub-communicators split from the world
+ communicator, and the all-gather and reduce streams beside the caller's compute stream.
+ */
+typedef struct HprtHsdp HprtHsdp;
+
+/*
+ One rank's sharded parameter.
+ */
+typedef struct HprtHsdpParam HprtHsdpParam;
+
+/*
  Page-locked host memory.
  */
 typedef struct HprtPinnedBuffer HprtPinnedBuffer;
@@ -110,6 +162,111 @@ typedef struct HprtStream HprtStream;
  A layer-group swap manager with its own copy stream and pinned pool.
  */
 typedef struct HprtSwapManager HprtSwapManager;
+
+/*
+ What an encoding holds, read from its (checksummed) header and chunk table.
+ */
+typedef struct HprtCompressedInfo {
+  /*
+   An `HprtDtype`: `HPRT_DTYPE_F32`, `HPRT_DTYPE_F16` or `HPRT_DTYPE_BF16`.
+   */
+  int32_t dtype;
+  size_t numel;
+  /*
+   Bytes the decoded tensor occupies (`numel` times the dtype's size).
+   */
+  size_t original_bytes;
+  /*
+   Bytes of the whole encoding.
+   */
+  size_t compressed_bytes;
+} HprtCompressedInfo;
+
+/*
+ A context's layout and this rank's place in it.
+ */
+typedef struct HprtHsdpInfo {
+  enum HprtDpMode mode;
+  /*
+   This rank in the world communicator, and its size.
+   */
+  size_t rank;
+  size_t world_size;
+  /*
+   Ranks along the replicate dim (1 for FSDP) and along the shard dim (1 for DDP).
+   */
+  size_t replicate_size;
+  size_t shard_size;
+} HprtHsdpInfo;
+
+/*
+ How to shard one parameter; pass null to `hprt_hsdp_param_create` for all defaults.
+ */
+typedef struct HprtHsdpParamConfig {
+  /*
+   The tensor dim data parallelism shards along (`HPRT_HSDP_UNSET`: dim 0).
+   */
+  int32_t shard_dim;
+  /*
+   `HprtDtype` of the all-gather and unsharded parameter (`HPRT_HSDP_UNSET`: the
+   parameter's dtype).
+   */
+  int32_t param_dtype;
+  /*
+   `HprtDtype` gradients are reduced in (`HPRT_HSDP_UNSET`: `param_dtype`).
+   */
+  int32_t reduce_dtype;
+  /*
+   Parameters with fewer elements stay replicated (gradients all-reduced).
+   */
+  size_t threshold;
+  /*
+   Keep the shard and sharded gradient in pinned host memory between uses.
+   */
+  bool offload_to_host;
+} HprtHsdpParamConfig;
+
+/*
+ A shard or sharded gradient: `bytes` at `address`, in device memory or (`host`) pinned host
+ memory. Valid in compute-stream order; host memory is readable after synchronizing it.
+ */
+typedef struct HprtShardView {
+  size_t address;
+  size_t bytes;
+  bool host;
+} HprtShardView;
+
+/*
+ A parameter's sharding: which part of it this rank holds and in which dtypes.
+ */
+typedef struct HprtHsdpParamInfo {
+  enum HprtParamState state;
+  /*
+   Whether data parallelism shards it (false for DDP and below the threshold).
+   */
+  bool is_sharded;
+  size_t numel;
+  size_t shard_dim;
+  /*
+   This rank's shard index and the number of shards.
+   */
+  size_t shard_index;
+  size_t shard_count;
+  /*
+   Rows of `shard_dim` per shard (the dim is padded to `shard_count * rows_per_shard`).
+   */
+  size_t rows_per_shard;
+  /*
+   Elements of this rank's shard, padding included.
+   */
+  size_t shard_numel;
+  /*
+   `HprtDtype`s: stored shard and sharded gradient, all-gather, gradient reduction.
+   */
+  int32_t dtype;
+  int32_t param_dtype;
+  int32_t reduce_dtype;
+} HprtHsdpParamInfo;
 
 /*
  Device and pinned memory accounting of a platform, in bytes.
@@ -175,6 +332,284 @@ const char *hprt_status_name(int32_t status);
  that a panic comes back as `HPRT_STATUS_ERROR_PANIC` instead of unwinding into C.
  */
 enum HprtStatus hprt_debug_forced_panic(void);
+
+/*
+ The largest encoding `numel` elements of `dtype` (F32, F16 or BF16) can take: a buffer of
+ this size always suffices for `hprt_compress` and `hprt_compress_device`.
+
+ # Safety
+ `out_bytes` valid for writing.
+ */
+enum HprtStatus hprt_compress_max_size(int32_t dtype, size_t numel, size_t *out_bytes);
+
+/*
+ Compresses `src_bytes` bytes of little-endian `dtype` elements at `src` (host memory) into
+ `dst` (capacity `dst_capacity`), on the library's worker threads; `*out_len` is the
+ encoding's length. A capacity below that length is `HPRT_STATUS_ERROR_BUFFER_TOO_SMALL`
+ (`hprt_compress_max_size` is always enough).
+
+ # Safety
+ `src` readable for `src_bytes`, `dst` writable for `dst_capacity` bytes, not overlapping;
+ `out_len` valid for writing.
+ */
+enum HprtStatus hprt_compress(int32_t dtype,
+                              const void *src,
+                              size_t src_bytes,
+                              void *dst,
+                              size_t dst_capacity,
+                              size_t *out_len);
+
+/*
+ Reads the header of the `src_len`-byte encoding at `src` (checksum and lengths checked, the
+ payload not decoded). Corrupt or truncated bytes are `HPRT_STATUS_ERROR_CORRUPT_DATA`.
+
+ # Safety
+ `src` readable for `src_len` bytes; `out_info` valid for writing.
+ */
+enum HprtStatus hprt_compressed_info(const void *src,
+                                     size_t src_len,
+                                     struct HprtCompressedInfo *out_info);
+
+/*
+ Decompresses the `src_len`-byte encoding at `src` into `dst` (capacity `dst_capacity`);
+ `*out_bytes` is the decoded length. Every chunk's checksum is verified: corrupt, truncated
+ or foreign bytes are `HPRT_STATUS_ERROR_CORRUPT_DATA`, a capacity below the decoded length
+ `HPRT_STATUS_ERROR_BUFFER_TOO_SMALL`. On failure `dst`'s contents are unspecified.
+
+ # Safety
+ `src` readable for `src_len`, `dst` writable for `dst_capacity` bytes, not overlapping;
+ `out_bytes` valid for writing.
+ */
+enum HprtStatus hprt_decompress(const void *src,
+                                size_t src_len,
+                                void *dst,
+                                size_t dst_capacity,
+                                size_t *out_bytes);
+
+/*
+ Compresses `numel` `dtype` elements of device memory at `src + src_offset` into the start of
+ `dst` through the platform's device codec, ordered after the work queued on `stream`.
+ `dst` must hold `hprt_compress_max_size` bytes. Blocks the calling thread until the
+ encoding finished (its length is known only then); `*out_len` is that length.
+
+ # Safety
+ All handles live; `out_len` valid for writing.
+ */
+enum HprtStatus hprt_compress_device(const struct HprtPlatform *platform,
+                                     const struct HprtDeviceBuffer *src,
+                                     size_t src_offset,
+                                     int32_t dtype,
+                                     size_t numel,
+                                     const struct HprtDeviceBuffer *dst,
+                                     const struct HprtStream *stream,
+                                     size_t *out_len);
+
+/*
+ Decompresses the `src_len`-byte encoding at the start of device buffer `src` into
+ `dst + dst_offset` on `stream` (after its queued work), expecting `numel` elements of
+ `dtype` (anything else is `HPRT_STATUS_ERROR_CORRUPT_DATA`). Blocks the calling thread until
+ the decoding finished so its verdict can be returned; later work on `stream` sees the data.
+ On failure the destination range's contents are unspecified.
+
+ # Safety
+ All handles live.
+ */
+enum HprtStatus hprt_decompress_device(const struct HprtPlatform *platform,
+                                       const struct HprtDeviceBuffer *src,
+                                       size_t src_len,
+                                       int32_t dtype,
+                                       size_t numel,
+                                       const struct HprtDeviceBuffer *dst,
+                                       size_t dst_offset,
+                                       const struct HprtStream *stream);
+
+/*
+ A data-parallel context for this rank of `world` (whose ranks the mesh names): `mode` is an
+ `HprtDpMode`, `mesh_shape` its `mesh_ndim` dims (`{world}` for FSDP and DDP,
+ `{replicas, shards}` for HSDP) covering every rank of `world`. Gathers and reductions are
+ ordered against `compute`, the stream the framework computes on. `world` and `compute` must
+ stay live until the context is destroyed.
+
+ # Safety
+ Handles live; `mesh_shape` readable for `mesh_ndim` elements; `out_hsdp` valid for writing.
+ */
+enum HprtStatus hprt_hsdp_create(const struct HprtPlatform *platform,
+                                 const struct HprtComm *world,
+                                 int32_t mode,
+                                 const size_t *mesh_shape,
+                                 size_t mesh_ndim,
+                                 const struct HprtStream *compute,
+                                 struct HprtHsdp **out_hsdp);
+
+/*
+ The context's mode, mesh sizes and this rank.
+
+ # Safety
+ `hsdp` live; `out_info` valid for writing.
+ */
+enum HprtStatus hprt_hsdp_info(const struct HprtHsdp *hsdp, struct HprtHsdpInfo *out_info);
+
+/*
+ Releases the context and the streams it made (their queued work still completes).
+ `HPRT_STATUS_ERROR_WRONG_STATE` while any of its parameters is alive (the context stays
+ valid then).
+
+ # Safety
+ `hsdp` from `hprt_hsdp_create`, not used afterwards (unless this call failed).
+ */
+enum HprtStatus hprt_hsdp_destroy(struct HprtHsdp *hsdp);
+
+/*
+ Shards a parameter: `full` (at `full_offset`) holds the whole `shape` (`ndim` dims) tensor of
+ `dtype`, identical on every rank and ready in compute-stream order; this rank keeps its
+ shard. `config` may be null (defaults). Collective: every rank of the world makes its
+ parameters in the same order. `full` may be reused once the compute stream passed this call.
+
+ # Safety
+ Handles live; `name` NUL-terminated; `shape` readable for `ndim` elements; `config` null or
+ readable; `out_param` valid for writing.
+ */
+enum HprtStatus hprt_hsdp_param_create(const struct HprtHsdp *hsdp,
+                                       const char *name,
+                                       const size_t *shape,
+                                       size_t ndim,
+                                       int32_t dtype,
+                                       const struct HprtHsdpParamConfig *config,
+                                       const struct HprtDeviceBuffer *full,
+                                       size_t full_offset,
+                                       struct HprtHsdpParam **out_param);
+
+/*
+ Releases a parameter: its shard, gradients and gathered storage (work already queued on
+ them still completes).
+
+ # Safety
+ `param` from `hprt_hsdp_param_create`, not used afterwards.
+ */
+enum HprtStatus hprt_hsdp_param_destroy(struct HprtHsdpParam *param);
+
+/*
+ Starts all-gathering the full parameter on the all-gather stream (after the compute
+ stream's queued work). With `async_op` the compute stream is ordered after it only by
+ `hprt_hsdp_param_wait_for_unshard` (prefetch); without, this call does that itself. A no-op
+ while unsharding or unsharded. Collective over the parameter's shard group.
+
+ # Safety
+ `param` live, used by one thread at a time.
+ */
+enum HprtStatus hprt_hsdp_param_unshard(struct HprtHsdpParam *param, bool async_op);
+
+/*
+ Orders the compute stream after the pending all-gather (the host does not block). A no-op
+ when unsharded; `HPRT_STATUS_ERROR_WRONG_STATE` when no unshard was started.
+
+ # Safety
+ `param` live, used by one thread at a time.
+ */
+enum HprtStatus hprt_hsdp_param_wait_for_unshard(struct HprtHsdpParam *param);
+
+/*
+ The full parameter's device address and bytes (its shape, in the param dtype), valid in
+ compute-stream order until `hprt_hsdp_param_shard`. `HPRT_STATUS_ERROR_WRONG_STATE` unless
+ unsharded and waited for.
+
+ # Safety
+ `param` live; out-pointers valid for writing (either may be null).
+ */
+enum HprtStatus hprt_hsdp_param_unsharded(const struct HprtHsdpParam *param,
+                                          size_t *out_ptr,
+                                          size_t *out_bytes);
+
+/*
+ Back to sharded: releases the gathered storage (after a pending unshard; work queued on it
+ still completes). A no-op when sharded.
+
+ # Safety
+ `param` live, used by one thread at a time.
+ */
+enum HprtStatus hprt_hsdp_param_shard(struct HprtHsdpParam *param);
+
+/*
+ Adds an unsharded gradient (the full parameter shape in `grad_dtype`, at `grad_offset`) to
+ the one accumulated for the next reduction, on the compute stream: micro-batches of a step
+ that reduces once.
+
+ # Safety
+ Handles live; `param` used by one thread at a time.
+ */
+enum HprtStatus hprt_hsdp_param_accumulate_grad(struct HprtHsdpParam *param,
+                                                const struct HprtDeviceBuffer *grad,
+                                                size_t grad_offset,
+                                                int32_t grad_dtype);
+
+/*
+ Reduces the gradient into this rank's sharded gradient: `grad` (may be null when one was
+ accumulated) plus the accumulated one is reduce-scattered over the shard group, all-reduced
+ across replicas, multiplied by `scale` (1.0 for none) and added to the sharded gradient.
+ `op` is `HPRT_REDUCE_OP_SUM` or `HPRT_REDUCE_OP_AVG` (the mean over every rank reduced
+ across). With `async_op` the work runs on the reduce stream and is applied (the compute
+ stream ordered after it) by `hprt_hsdp_param_wait_for_reduce`; `grad` must stay untouched
+ until then. Collective over the parameter's groups.
+
+ # Safety
+ Handles live or `grad` null; `param` used by one thread at a time.
+ */
+enum HprtStatus hprt_hsdp_param_reduce_grad(struct HprtHsdpParam *param,
+                                            const struct HprtDeviceBuffer *grad,
+                                            size_t grad_offset,
+                                            int32_t grad_dtype,
+                                            int32_t op,
+                                            double scale,
+                                            bool async_op);
+
+/*
+ Applies the pending asynchronous reduction into the sharded gradient, ordering the compute
+ stream after it (the host does not block). `HPRT_STATUS_ERROR_WRONG_STATE` when none is
+ pending.
+
+ # Safety
+ `param` live, used by one thread at a time.
+ */
+enum HprtStatus hprt_hsdp_param_wait_for_reduce(struct HprtHsdpParam *param);
+
+/*
+ Forgets the sharded gradient: the next reduction starts a new one (an optimizer step's
+ `zero_grad`).
+
+ # Safety
+ `param` live, used by one thread at a time.
+ */
+enum HprtStatus hprt_hsdp_param_clear_grad(struct HprtHsdpParam *param);
+
+/*
+ This rank's shard (`shard_numel` elements of the parameter's dtype, padding included): what
+ an optimizer updates, in compute-stream order.
+
+ # Safety
+ `param` live; `out_view` valid for writing.
+ */
+enum HprtStatus hprt_hsdp_param_sharded_data(const struct HprtHsdpParam *param,
+                                             struct HprtShardView *out_view);
+
+/*
+ The sharded gradient (the shard's shape and dtype), in compute-stream order.
+ `HPRT_STATUS_ERROR_WRONG_STATE` before the first applied reduction or after
+ `hprt_hsdp_param_clear_grad`.
+
+ # Safety
+ `param` live; `out_view` valid for writing.
+ */
+enum HprtStatus hprt_hsdp_param_sharded_grad(const struct HprtHsdpParam *param,
+                                             struct HprtShardView *out_view);
+
+/*
+ The parameter's state, shard geometry and dtypes.
+
+ # Safety
+ `param` live; `out_info` valid for writing.
+ */
+enum HprtStatus hprt_hsdp_param_info(const struct HprtHsdpParam *param,
+                                     struct HprtHsdpParamInfo *out_info);
 
 /*
  The process-wide platform chosen by `HP_PLATFORM` (cpu, cuda, npu or auto), made on first use.

@@ -9,6 +9,8 @@
 //!   matching `*_destroy`/`*_free`/`*_close`, exactly once;
 //! - no panic crosses the boundary: a panic becomes `HPRT_STATUS_ERROR_PANIC`.
 
+mod compress;
+mod hsdp;
 mod platform;
 mod swap;
 
@@ -16,6 +18,8 @@ use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+pub use compress::*;
+pub use hsdp::*;
 pub use platform::*;
 pub use swap::*;
 
@@ -45,6 +49,9 @@ pub enum HprtStatus {
     ErrorModifiedSinceOffload = 14,
     /// Compressed bytes failed to decode (corrupt, truncated, or of another format version).
     ErrorCorruptData = 15,
+    /// A caller-provided output buffer is smaller than the result; the message says how many
+    /// bytes are needed.
+    ErrorBufferTooSmall = 16,
 }
 
 /// A failure on its way to C: a status and the sentence for `hprt_last_error_message`.
@@ -173,6 +180,7 @@ pub extern "C" fn hprt_status_name(status: i32) -> *const c_char {
         S::ErrorWrongState,
         S::ErrorModifiedSinceOffload,
         S::ErrorCorruptData,
+        S::ErrorBufferTooSmall,
     ];
     let Some(status) = all.into_iter().find(|s| *s as i32 == status) else {
         return c"HPRT_STATUS_UNKNOWN".as_ptr();
@@ -194,6 +202,7 @@ pub extern "C" fn hprt_status_name(status: i32) -> *const c_char {
         HprtStatus::ErrorWrongState => c"HPRT_STATUS_ERROR_WRONG_STATE",
         HprtStatus::ErrorModifiedSinceOffload => c"HPRT_STATUS_ERROR_MODIFIED_SINCE_OFFLOAD",
         HprtStatus::ErrorCorruptData => c"HPRT_STATUS_ERROR_CORRUPT_DATA",
+        HprtStatus::ErrorBufferTooSmall => c"HPRT_STATUS_ERROR_BUFFER_TOO_SMALL",
     };
     name.as_ptr()
 }

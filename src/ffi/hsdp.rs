@@ -1,0 +1,700 @@
+//! C entry points of sharded data parallelism (FSDP, HSDP, DDP): what a framework's
+//! per-parameter hooks call on one rank. Every rank thread makes one `HprtHsdp` over its world
+//! communicator, then its parameters in the same order as every other rank.
+
+use std::ffi::{c_char, CStr};
+use std::sync::Arc;
+
+use hprt_hsdp::{
+    DataParallelMesh, DeviceMesh, GradInput, GroupCache, HsdpError, HsdpStreams,
+    MixedPrecisionPolicy, OffloadPolicy, ParamConfig, ParamSpec, ParamState, Placement,
+    ReduceOptions, ShardRef, ShardedParam,
+};
+use hprt_platform::{DType, Platform, ReduceOp};
+use hprt_swap::PlatformHandle;
+
+use super::platform::{
+    dtype_arg, into_raw, take, HprtComm, HprtDeviceBuffer, HprtDtype, HprtPlatform, HprtReduceOp,
+    HprtStream,
+};
+use super::{arg, guard, out, FfiError, FfiResult, HprtStatus};
+
+impl From<HsdpError> for FfiError {
+    fn from(e: HsdpError) -> Self {
+        let status = match &e {
+            HsdpError::Platform(p) => return p.clone().into(),
+            HsdpError::InvalidState { .. } => HprtStatus::ErrorWrongState,
+            HsdpError::UnsupportedDType { .. } | HsdpError::Unsupported(_) => {
+                HprtStatus::ErrorUnsupported
+            }
+            _ => HprtStatus::ErrorInvalidValue,
+        };
+        FfiError {
+            status,
+            message: e.to_string(),
+        }
+    }
+}
+
+/// The data-parallel layouts `hprt_hsdp_create` builds (passed as `int32_t`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HprtDpMode {
+    /// 1-D mesh `{world}`: parameters sharded over every rank.
+    Fsdp = 0,
+    /// 2-D mesh `{replicas, shards}`: sharded within a replica, gradients all-reduced across
+    /// replicas.
+    Hsdp = 1,
+    /// 1-D mesh `{world}`: parameters replicated, gradients all-reduced.
+    Ddp = 2,
+}
+
+/// "Not set" for the optional fields of `HprtHsdpParamConfig`.
+pub const HPRT_HSDP_UNSET: i32 = -1;
+
+/// How to shard one parameter; pass null to `hprt_hsdp_param_create` for all defaults.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct HprtHsdpParamConfig {
+    /// The tensor dim data parallelism shards along (`HPRT_HSDP_UNSET`: dim 0).
+    pub shard_dim: i32,
+    /// `HprtDtype` of the all-gather and unsharded parameter (`HPRT_HSDP_UNSET`: the
+    /// parameter's dtype).
+    pub param_dtype: i32,
+    /// `HprtDtype` gradients are reduced in (`HPRT_HSDP_UNSET`: `param_dtype`).
+    pub reduce_dtype: i32,
+    /// Parameters with fewer elements stay replicated (gradients all-reduced).
+    pub threshold: usize,
+    /// Keep the shard and sharded gradient in pinned host memory between uses.
+    pub offload_to_host: bool,
+}
+
+impl Default for HprtHsdpParamConfig {
+    fn default() -> Self {
+        HprtHsdpParamConfig {
+            shard_dim: HPRT_HSDP_UNSET,
+            param_dtype: HPRT_HSDP_UNSET,
+            reduce_dtype: HPRT_HSDP_UNSET,
+            threshold: 0,
+            offload_to_host: false,
+        }
+    }
+}
+
+/// Where a sharded parameter is in its lifecycle (`HprtHsdpParamInfo::state`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HprtParamState {
+    Sharded = 0,
+    /// An all-gather was started and not yet waited for.
+    Unsharding = 1,
+    Unsharded = 2,
+}
+
+/// A parameter's sharding: which part of it this rank holds and in which dtypes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct HprtHsdpParamInfo {
+    pub state: HprtParamState,
+    /// Whether data parallelism shards it (false for DDP and below the threshold).
+    pub is_sharded: bool,
+    pub numel: usize,
+    pub shard_dim: usize,
+    /// This rank's shard index and the number of shards.
+    pub shard_index: usize,
+    pub shard_count: usize,
+    /// Rows of `shard_dim` per shard (the dim is padded to `shard_count * rows_per_shard`).
+    pub rows_per_shard: usize,
+    /// Elements of this rank's shard, padding included.
+    pub shard_numel: usize,
+    /// `HprtDtype`s: stored shard and sharded gradient, all-gather, gradient reduction.
+    pub dtype: i32,
+    pub param_dtype: i32,
+    pub reduce_dtype: i32,
+}
+
+/// A context's layout and this rank's place in it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct HprtHsdpInfo {
+    pub mode: HprtDpMode,
+    /// This rank in the world communicator, and its size.
+    pub rank: usize,
+    pub world_size: usize,
+    /// Ranks along the replicate dim (1 for FSDP) and along the shard dim (1 for DDP).
+    pub replicate_size: usize,
+    pub shard_size: usize,
+}
+
+/// A shard or sharded gradient: `bytes` at `address`, in device memory or (`host`) pinned host
+/// memory. Valid in compute-stream order; host memory is readable after synchronizing it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HprtShardView {
+    pub address: usize,
+    pub bytes: usize,
+    pub host: bool,
+}
+
+/// One rank's data-parallel context: the mesh, the sub-communicators split from the world
+/// communicator, and the all-gather and reduce streams beside the caller's compute stream.
+pub struct HprtHsdp {
+    // Field order is drop order: everything borrowing the platform precedes `platform`.
+    cache: GroupCache<'static>,
+    mode: HprtDpMode,
+    dp: DataParallelMesh,
+    streams: HsdpStreams,
+    /// Cloned into every parameter, which runs on `streams`: destroy refuses while any lives.
+    params: Arc<()>,
+    platform: PlatformHandle,
+}
+
+/// One rank's sharded parameter.
+pub struct HprtHsdpParam {
+    param: ShardedParam<'static>,
+    _context: Arc<()>,
+    /// Keeps the platform `param` borrows alive (dropped after it).
+    _platform: PlatformHandle,
+}
+
+/// The platform behind `handle`, for `'static`.
+///
+/// # Safety
+/// The reference must not be used once `handle` and all its clones are gone: every holder keeps
+/// a clone in a field declared (so dropped) after the fields that use the reference. The
+/// pointee never moves: it is a `&'static` or the contents of an `Arc`.
+unsafe fn extend_platform(handle: &PlatformHandle) -> &'static dyn Platform {
+    let p: *const dyn Platform = &**handle;
+    // SAFETY: the function's contract.
+    unsafe { &*p }
+}
+
+fn c_dtype(d: DType) -> i32 {
+    use HprtDtype as D;
+    [
+        D::F32,
+        D::F16,
+        D::Bf16,
+        D::F64,
+        D::I8,
+        D::U8,
+        D::I32,
+        D::I64,
+    ]
+    .into_iter()
+    .find(|c| DType::from(*c) == d)
+    .map_or(HPRT_HSDP_UNSET, |c| c as i32)
+}
+
+fn optional_dtype(v: i32) -> FfiResult<Option<DType>> {
+    if v == HPRT_HSDP_UNSET {
+        Ok(None)
+    } else {
+        dtype_arg(v).map(Some)
+    }
+}
+
+/// # Safety
+/// `p` null or valid for reads of `n` elements.
+unsafe fn shape_arg(p: *const usize, n: usize, what: &str) -> FfiResult<Vec<usize>> {
+    if p.is_null() {
+        return Err(FfiError::null(what));
+    }
+    // SAFETY: the caller's contract.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) }.to_vec())
+}
+
+/// # Safety
+/// `p` null or live, not used by another thread during the call.
+unsafe fn param_mut<'a>(p: *mut HprtHsdpParam) -> FfiResult<&'a mut HprtHsdpParam> {
+    // SAFETY: the caller's contract.
+    unsafe { p.as_mut() }.ok_or_else(|| FfiError::null("param"))
+}
+
+fn view(r: ShardRef<'_>, bytes: usize) -> HprtShardView {
+    match r {
+        ShardRef::Device(b) => HprtShardView {
+            address: b.buf.device_ptr() + b.offset,
+            bytes,
+            host: false,
+        },
+        ShardRef::Pinned(h) => HprtShardView {
+            // SAFETY: only the address is taken; the caller's accesses follow the view's
+            // documented stream-order contract.
+            address: unsafe { h.as_ptr() } as usize,
+            bytes,
+            host: true,
+        },
+    }
+}
+
+/// A data-parallel context for this rank of `world` (whose ranks the mesh names): `mode` is an
+/// `HprtDpMode`, `mesh_shape` its `mesh_ndim` dims (`{world}` for FSDP and DDP,
+/// `{replicas, shards}` for HSDP) covering every rank of `world`. Gathers and reductions are
+/// ordered against `compute`, the stream the framework computes on. `world` and `compute` must
+/// stay live until the context is destroyed.
+///
+/// # Safety
+/// Handles live; `mesh_shape` readable for `mesh_ndim` elements; `out_hsdp` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_create(
+    platform: *const HprtPlatform,
+    world: *const HprtComm,
+    mode: i32,
+    mesh_shape: *const usize,
+    mesh_ndim: usize,
+    compute: *const HprtStream,
+    out_hsdp: *mut *mut HprtHsdp,
+) -> HprtStatus {
+    guard("hprt_hsdp_create", || {
+        // SAFETY: the caller's contract.
+        let (p, c, s, shape) = unsafe {
+            (
+                arg(platform, "platform")?,
+                arg(world, "world")?,
+                arg(compute, "compute")?,
+                shape_arg(mesh_shape, mesh_ndim, "mesh_shape")?,
+            )
+        };
+        if out_hsdp.is_null() {
+            return Err(FfiError::null("out_hsdp"));
+        }
+        let mesh = DeviceMesh::contiguous(&shape)?;
+        if mesh.size() != c.0.world() {
+            return Err(FfiError::invalid(format!(
+                "the mesh {shape:?} holds {} ranks, the world communicator {}",
+                mesh.size(),
+                c.0.world()
+            )));
+        }
+        let mode = [HprtDpMode::Fsdp, HprtDpMode::Hsdp, HprtDpMode::Ddp]
+            .into_iter()
+            .find(|m| *m as i32 == mode)
+            .ok_or_else(|| FfiError::invalid(format!("{mode} is not an HprtDpMode")))?;
+        let dp = match mode {
+            HprtDpMode::Fsdp => DataParallelMesh::fsdp(mesh)?,
+            HprtDpMode::Hsdp => DataParallelMesh::hsdp(mesh)?,
+            HprtDpMode::Ddp => DataParallelMesh::ddp(mesh)?,
+        };
+        let handle = p.handle();
+        // SAFETY: `handle` is stored in the context's last field, after every user.
+        let platform = unsafe { extend_platform(&handle) };
+        let h = HprtHsdp {
+            cache: GroupCache::new(platform, c.0.clone()),
+            mode,
+            dp,
+            streams: HsdpStreams::with_compute(platform, s.0.clone())?,
+            params: Arc::new(()),
+            platform: handle,
+        };
+        // SAFETY: the caller's contract.
+        unsafe { out(out_hsdp, "out_hsdp", into_raw(h)) }
+    })
+}
+
+/// The context's mode, mesh sizes and this rank.
+///
+/// # Safety
+/// `hsdp` live; `out_info` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_info(
+    hsdp: *const HprtHsdp,
+    out_info: *mut HprtHsdpInfo,
+) -> HprtStatus {
+    guard("hprt_hsdp_info", || {
+        // SAFETY: the caller's contract.
+        let h = unsafe { arg(hsdp, "hsdp") }?;
+        let info = HprtHsdpInfo {
+            mode: h.mode,
+            rank: h.cache.rank(),
+            world_size: h.cache.world_size(),
+            replicate_size: h.dp.replicate_size(),
+            shard_size: h.dp.shard_size(),
+        };
+        // SAFETY: the caller's contract.
+        unsafe { out(out_info, "out_info", info) }
+    })
+}
+
+/// Releases the context and the streams it made (their queued work still completes).
+/// `HPRT_STATUS_ERROR_WRONG_STATE` while any of its parameters is alive (the context stays
+/// valid then).
+///
+/// # Safety
+/// `hsdp` from `hprt_hsdp_create`, not used afterwards (unless this call failed).
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_destroy(hsdp: *mut HprtHsdp) -> HprtStatus {
+    guard("hprt_hsdp_destroy", || {
+        // SAFETY: the caller's contract.
+        let live = Arc::strong_count(&unsafe { arg(hsdp, "hsdp") }?.params) - 1;
+        if live > 0 {
+            return Err(FfiError {
+                status: HprtStatus::ErrorWrongState,
+                message: format!("{live} parameters of this context are still alive"),
+            });
+        }
+        // SAFETY: the caller's contract.
+        let h = unsafe { take(hsdp, "hsdp") }?;
+        let p = &*h.platform;
+        p.destroy_stream(&h.streams.all_gather)?;
+        p.destroy_stream(&h.streams.reduce)?;
+        Ok(())
+    })
+}
+
+/// Shards a parameter: `full` (at `full_offset`) holds the whole `shape` (`ndim` dims) tensor of
+/// `dtype`, identical on every rank and ready in compute-stream order; this rank keeps its
+/// shard. `config` may be null (defaults). Collective: every rank of the world makes its
+/// parameters in the same order. `full` may be reused once the compute stream passed this call.
+///
+/// # Safety
+/// Handles live; `name` NUL-terminated; `shape` readable for `ndim` elements; `config` null or
+/// readable; `out_param` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_create(
+    hsdp: *const HprtHsdp,
+    name: *const c_char,
+    shape: *const usize,
+    ndim: usize,
+    dtype: i32,
+    config: *const HprtHsdpParamConfig,
+    full: *const HprtDeviceBuffer,
+    full_offset: usize,
+    out_param: *mut *mut HprtHsdpParam,
+) -> HprtStatus {
+    guard("hprt_hsdp_param_create", || {
+        // SAFETY: the caller's contract.
+        let (h, shape, full) = unsafe {
+            (
+                arg(hsdp, "hsdp")?,
+                shape_arg(shape, ndim, "shape")?,
+                arg(full, "full")?,
+            )
+        };
+        if name.is_null() {
+            return Err(FfiError::null("name"));
+        }
+        // SAFETY: non-null, NUL-terminated by the caller's contract.
+        let name = unsafe { CStr::from_ptr(name) }
+            .to_str()
+            .map_err(|_| FfiError::invalid("name is not UTF-8"))?;
+        if out_param.is_null() {
+            return Err(FfiError::null("out_param"));
+        }
+        // SAFETY: null or readable by the caller's contract.
+        let c = unsafe { config.as_ref() }.copied().unwrap_or_default();
+        let shard = match c.shard_dim {
+            HPRT_HSDP_UNSET => None,
+            d => Some(Placement::Shard(usize::try_from(d).map_err(|_| {
+                FfiError::invalid(format!("shard_dim {d} is negative"))
+            })?)),
+        };
+        let cfg = ParamConfig {
+            shard,
+            mp: MixedPrecisionPolicy {
+                param_dtype: optional_dtype(c.param_dtype)?,
+                reduce_dtype: optional_dtype(c.reduce_dtype)?,
+                output_dtype: None,
+            },
+            offload: if c.offload_to_host {
+                OffloadPolicy::PinnedHost
+            } else {
+                OffloadPolicy::None
+            },
+            threshold: c.threshold,
+        };
+        let spec = ParamSpec::new(name, &shape, dtype_arg(dtype)?);
+        let param = ShardedParam::new(
+            &h.cache,
+            &h.streams,
+            &h.dp,
+            spec,
+            &cfg,
+            full.0.at(full_offset),
+        )?;
+        let p = HprtHsdpParam {
+            param,
+            _context: Arc::clone(&h.params),
+            _platform: h.platform.clone(),
+        };
+        // SAFETY: the caller's contract.
+        unsafe { out(out_param, "out_param", into_raw(p)) }
+    })
+}
+
+/// Releases a parameter: its shard, gradients and gathered storage (work already queued on
+/// them still completes).
+///
+/// # Safety
+/// `param` from `hprt_hsdp_param_create`, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_destroy(param: *mut HprtHsdpParam) -> HprtStatus {
+    guard("hprt_hsdp_param_destroy", || {
+        // SAFETY: the caller's contract.
+        drop(unsafe { take(param, "param") }?);
+        Ok(())
+    })
+}
+
+/// Starts all-gathering the full parameter on the all-gather stream (after the compute
+/// stream's queued work). With `async_op` the compute stream is ordered after it only by
+/// `hprt_hsdp_param_wait_for_unshard` (prefetch); without, this call does that itself. A no-op
+/// while unsharding or unsharded. Collective over the parameter's shard group.
+///
+/// # Safety
+/// `param` live, used by one thread at a time.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_unshard(
+    param: *mut HprtHsdpParam,
+    async_op: bool,
+) -> HprtStatus {
+    guard("hprt_hsdp_param_unshard", || {
+        // SAFETY: the caller's contract.
+        unsafe { param_mut(param) }?.param.unshard(async_op)?;
+        Ok(())
+    })
+}
+
+/// Orders the compute stream after the pending all-gather (the host does not block). A no-op
+/// when unsharded; `HPRT_STATUS_ERROR_WRONG_STATE` when no unshard was started.
+///
+/// # Safety
+/// `param` live, used by one thread at a time.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_wait_for_unshard(param: *mut HprtHsdpParam) -> HprtStatus {
+    guard("hprt_hsdp_param_wait_for_unshard", || {
+        // SAFETY: the caller's contract.
+        unsafe { param_mut(param) }?.param.wait_for_unshard()?;
+        Ok(())
+    })
+}
+
+/// The full parameter's device address and bytes (its shape, in the param dtype), valid in
+/// compute-stream order until `hprt_hsdp_param_shard`. `HPRT_STATUS_ERROR_WRONG_STATE` unless
+/// unsharded and waited for.
+///
+/// # Safety
+/// `param` live; out-pointers valid for writing (either may be null).
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_unsharded(
+    param: *const HprtHsdpParam,
+    out_ptr: *mut usize,
+    out_bytes: *mut usize,
+) -> HprtStatus {
+    guard("hprt_hsdp_param_unsharded", || {
+        // SAFETY: the caller's contract.
+        let w = &unsafe { arg(param, "param") }?.param;
+        let b = w.unsharded()?;
+        if !out_ptr.is_null() {
+            // SAFETY: non-null, valid by contract.
+            unsafe { out_ptr.write(b.buf.device_ptr() + b.offset) };
+        }
+        if !out_bytes.is_null() {
+            // SAFETY: as above.
+            unsafe { out_bytes.write(w.geometry().numel() * w.param_dtype().size()) };
+        }
+        Ok(())
+    })
+}
+
+/// Back to sharded: releases the gathered storage (after a pending unshard; work queued on it
+/// still completes). A no-op when sharded.
+///
+/// # Safety
+/// `param` live, used by one thread at a time.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_shard(param: *mut HprtHsdpParam) -> HprtStatus {
+    guard("hprt_hsdp_param_shard", || {
+        // SAFETY: the caller's contract.
+        unsafe { param_mut(param) }?.param.shard()?;
+        Ok(())
+    })
+}
+
+/// Adds an unsharded gradient (the full parameter shape in `grad_dtype`, at `grad_offset`) to
+/// the one accumulated for the next reduction, on the compute stream: micro-batches of a step
+/// that reduces once.
+///
+/// # Safety
+/// Handles live; `param` used by one thread at a time.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_accumulate_grad(
+    param: *mut HprtHsdpParam,
+    grad: *const HprtDeviceBuffer,
+    grad_offset: usize,
+    grad_dtype: i32,
+) -> HprtStatus {
+    guard("hprt_hsdp_param_accumulate_grad", || {
+        // SAFETY: the caller's contract.
+        let (w, g) = unsafe { (param_mut(param)?, arg(grad, "grad")?) };
+        w.param.accumulate_grad(GradInput {
+            buf: g.0.at(grad_offset),
+            dtype: dtype_arg(grad_dtype)?,
+        })?;
+        Ok(())
+    })
+}
+
+/// Reduces the gradient into this rank's sharded gradient: `grad` (may be null when one was
+/// accumulated) plus the accumulated one is reduce-scattered over the shard group, all-reduced
+/// across replicas, multiplied by `scale` (1.0 for none) and added to the sharded gradient.
+/// `op` is `HPRT_REDUCE_OP_SUM` or `HPRT_REDUCE_OP_AVG` (the mean over every rank reduced
+/// across). With `async_op` the work runs on the reduce stream and is applied (the compute
+/// stream ordered after it) by `hprt_hsdp_param_wait_for_reduce`; `grad` must stay untouched
+/// until then. Collective over the parameter's groups.
+///
+/// # Safety
+/// Handles live or `grad` null; `param` used by one thread at a time.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_reduce_grad(
+    param: *mut HprtHsdpParam,
+    grad: *const HprtDeviceBuffer,
+    grad_offset: usize,
+    grad_dtype: i32,
+    op: i32,
+    scale: f64,
+    async_op: bool,
+) -> HprtStatus {
+    guard("hprt_hsdp_param_reduce_grad", || {
+        // SAFETY: the caller's contract.
+        let w = unsafe { param_mut(param) }?;
+        // SAFETY: null or live by the caller's contract.
+        let grad = match unsafe { grad.as_ref() } {
+            None => None,
+            Some(g) => Some(GradInput {
+                buf: g.0.at(grad_offset),
+                dtype: dtype_arg(grad_dtype)?,
+            }),
+        };
+        let op = match op {
+            o if o == HprtReduceOp::Sum as i32 => ReduceOp::Sum,
+            o if o == HprtReduceOp::Avg as i32 => ReduceOp::Avg,
+            o => {
+                return Err(FfiError::invalid(format!(
+                    "gradients reduce with HPRT_REDUCE_OP_SUM or _AVG, not {o}"
+                )))
+            }
+        };
+        if !scale.is_finite() {
+            return Err(FfiError::invalid(format!("scale {scale} is not finite")));
+        }
+        let opts = ReduceOptions {
+            op,
+            scale: (scale != 1.0).then_some(scale),
+        };
+        if async_op {
+            w.param.reduce_grad_async(grad, opts)?;
+        } else {
+            w.param.reduce_grad(grad, opts)?;
+        }
+        Ok(())
+    })
+}
+
+/// Applies the pending asynchronous reduction into the sharded gradient, ordering the compute
+/// stream after it (the host does not block). `HPRT_STATUS_ERROR_WRONG_STATE` when none is
+/// pending.
+///
+/// # Safety
+/// `param` live, used by one thread at a time.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_wait_for_reduce(param: *mut HprtHsdpParam) -> HprtStatus {
+    guard("hprt_hsdp_param_wait_for_reduce", || {
+        // SAFETY: the caller's contract.
+        unsafe { param_mut(param) }?.param.wait_for_reduce()?;
+        Ok(())
+    })
+}
+
+/// Forgets the sharded gradient: the next reduction starts a new one (an optimizer step's
+/// `zero_grad`).
+///
+/// # Safety
+/// `param` live, used by one thread at a time.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_clear_grad(param: *mut HprtHsdpParam) -> HprtStatus {
+    guard("hprt_hsdp_param_clear_grad", || {
+        // SAFETY: the caller's contract.
+        unsafe { param_mut(param) }?.param.clear_grad()?;
+        Ok(())
+    })
+}
+
+/// This rank's shard (`shard_numel` elements of the parameter's dtype, padding included): what
+/// an optimizer updates, in compute-stream order.
+///
+/// # Safety
+/// `param` live; `out_view` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_sharded_data(
+    param: *const HprtHsdpParam,
+    out_view: *mut HprtShardView,
+) -> HprtStatus {
+    guard("hprt_hsdp_param_sharded_data", || {
+        // SAFETY: the caller's contract.
+        let w = &unsafe { arg(param, "param") }?.param;
+        let bytes = w.geometry().shard_numel() * w.dtype().size();
+        // SAFETY: the caller's contract.
+        unsafe { out(out_view, "out_view", view(w.sharded_data(), bytes)) }
+    })
+}
+
+/// The sharded gradient (the shard's shape and dtype), in compute-stream order.
+/// `HPRT_STATUS_ERROR_WRONG_STATE` before the first applied reduction or after
+/// `hprt_hsdp_param_clear_grad`.
+///
+/// # Safety
+/// `param` live; `out_view` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_sharded_grad(
+    param: *const HprtHsdpParam,
+    out_view: *mut HprtShardView,
+) -> HprtStatus {
+    guard("hprt_hsdp_param_sharded_grad", || {
+        // SAFETY: the caller's contract.
+        let w = &unsafe { arg(param, "param") }?.param;
+        let g = w.sharded_grad().ok_or_else(|| FfiError {
+            status: HprtStatus::ErrorWrongState,
+            message: format!("parameter {:?} has no sharded gradient", w.name()),
+        })?;
+        let bytes = w.geometry().shard_numel() * w.dtype().size();
+        // SAFETY: the caller's contract.
+        unsafe { out(out_view, "out_view", view(g, bytes)) }
+    })
+}
+
+/// The parameter's state, shard geometry and dtypes.
+///
+/// # Safety
+/// `param` live; `out_info` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_info(
+    param: *const HprtHsdpParam,
+    out_info: *mut HprtHsdpParamInfo,
+) -> HprtStatus {
+    guard("hprt_hsdp_param_info", || {
+        // SAFETY: the caller's contract.
+        let w = &unsafe { arg(param, "param") }?.param;
+        let g = w.geometry();
+        let state = match w.state() {
+            ParamState::Sharded => HprtParamState::Sharded,
+            ParamState::Unsharding => HprtParamState::Unsharding,
+            ParamState::Unsharded => HprtParamState::Unsharded,
+        };
+        let info = HprtHsdpParamInfo {
+            state,
+            is_sharded: w.is_sharded_param(),
+            numel: g.numel(),
+            shard_dim: g.dim(),
+            shard_index: g.index(),
+            shard_count: g.group_size(),
+            rows_per_shard: g.chunk(),
+            shard_numel: g.shard_numel(),
+            dtype: c_dtype(w.dtype()),
+            param_dtype: c_dtype(w.param_dtype()),
+            reduce_dtype: c_dtype(w.reduce_dtype()),
+        };
+        // SAFETY: the caller's contract.
+        unsafe { out(out_info, "out_info", info) }
+    })
+}
