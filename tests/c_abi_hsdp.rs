@@ -650,3 +650,83 @@ fn bad_arguments_and_wrong_states_are_typed_errors() {
         }
     });
 }
+
+/// Offload to pinned host memory: the shard and the sharded gradient are host views, readable
+/// after synchronizing the compute stream; micro-batch gradients accumulated before one
+/// reduction count once each.
+#[test]
+fn offloaded_shards_and_accumulated_micro_batches() {
+    let (rows, cols, world) = (5, 2, 2);
+    let n = rows * cols;
+    let full = param_full(n);
+    run_ranks(world, |rk| {
+        let h = rk.hsdp(HprtDpMode::Fsdp, &[world]);
+        // SAFETY: handles made here, used while live, released once; host views are read after
+        // synchronizing the compute stream.
+        unsafe {
+            let src = rk.upload(&bytes(&full));
+            let config = HprtHsdpParamConfig {
+                offload_to_host: true,
+                ..Default::default()
+            };
+            let mut w = ptr::null_mut();
+            let shape = [rows, cols];
+            let f32_ = HprtDtype::F32 as i32;
+            ok(hprt_hsdp_param_create(
+                h,
+                c"w".as_ptr(),
+                shape.as_ptr(),
+                2,
+                f32_,
+                &config,
+                src,
+                0,
+                &mut w,
+            ));
+            let host_view = |v: HprtShardView| {
+                assert!(v.host, "offloaded storage is pinned host memory");
+                ok(hprt_stream_synchronize(rk.p, rk.s));
+                f32s(std::slice::from_raw_parts(v.address as *const u8, v.bytes))
+            };
+            let mut v = HprtShardView::default();
+            ok(hprt_hsdp_param_sharded_data(w, &mut v));
+            let want = rows_shard(&full, rows, cols, world, rk.rank);
+            assert_close("offloaded shard", &host_view(v), &want);
+
+            ok(hprt_hsdp_param_unshard(w, false));
+            let (mut addr, mut len) = (0, 0);
+            ok(hprt_hsdp_param_unsharded(w, &mut addr, &mut len));
+            assert_close("unsharded", &f32s(&rk.download(addr, len)), &full);
+            ok(hprt_hsdp_param_shard(w));
+
+            // Two micro-batches accumulated, then one summed reduction with no new gradient.
+            let g = rk.upload(&bytes(&grad_of(rk.rank, n)));
+            ok(hprt_hsdp_param_accumulate_grad(w, g, 0, f32_));
+            ok(hprt_hsdp_param_accumulate_grad(w, g, 0, f32_));
+            let sum = HprtReduceOp::Sum as i32;
+            ok(hprt_hsdp_param_reduce_grad(
+                w,
+                ptr::null(),
+                0,
+                f32_,
+                sum,
+                1.0,
+                true,
+            ));
+            ok(hprt_hsdp_param_wait_for_reduce(w));
+            let total: Vec<f32> = (0..n)
+                .map(|i| 2.0 * (0..world).map(|r| grad_of(r, n)[i]).sum::<f32>())
+                .collect();
+            ok(hprt_hsdp_param_sharded_grad(w, &mut v));
+            let want = rows_shard(&total, rows, cols, world, rk.rank);
+            assert_close("offloaded grad", &host_view(v), &want);
+
+            ok(hprt_stream_synchronize(rk.p, rk.s));
+            for b in [src, g] {
+                ok(hprt_device_free(rk.p, b));
+            }
+            ok(hprt_hsdp_param_destroy(w));
+            ok(hprt_hsdp_destroy(h));
+        }
+    });
+}
