@@ -12,7 +12,10 @@
 //!   `hprt.torch` uses), with accounting of the framework bytes hprt keeps on the device.
 //! - [`compress`] — `compress` / `decompress` / `decompress_into` / `compressed_info`: the
 //!   hprt-compress lossless codec on host tensors (DLPack) and bytes.
-//! - [`hsdp`] — `DeviceMesh`.
+//! - [`manager`] — `ActivationManager`: hprt-compress's per-layer activation manager (saved
+//!   tensors per layer, operator windows, per-layer ratio statistics).
+//! - [`hsdp`] — `DeviceMesh`, `DataParallelMesh`, `GroupCache`, `HsdpStreams`,
+//!   `MixedPrecisionPolicy`, `ShardedParam`: sharded parameters (FSDP / HSDP).
 //! - [`error`] — `BindError` and the `HprtError` exception family; every failure becomes one,
 //!   carrying the backend's status name.
 
@@ -22,6 +25,7 @@ pub mod dlpack;
 pub mod dtype;
 pub mod error;
 pub mod hsdp;
+pub mod manager;
 pub mod offload;
 pub mod platform;
 pub mod swap;
@@ -40,5 +44,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     swap::register(m)?;
     offload::register(m)?;
     hsdp::register(m)?;
+    manager::register(m)?;
     Ok(())
 }

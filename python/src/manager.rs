@@ -1,0 +1,386 @@
+//! `hprt.ActivationManager`: hprt-compress's per-layer activation manager (seed 003). Saved
+//! tensors are registered per layer; during each operator window the previous layer's tensors
+//! that fit are encoded on a side stream and their device memory released; in backward the
+//! next layer's are decoded in the window, and whatever is still compressed when its layer's
+//! backward starts is recovered synchronously.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use hprt_compress::cost::{CollectiveKind, CostModel, CostOverrides, CostTable, Op};
+use hprt_compress::manager::{ActivationManager, ManagerConfig, SavedTensor, TensorKey};
+use hprt_compress::planner::LayerId;
+use hprt_compress::CodecDType;
+use hprt_platform::DType;
+use hprt_swap::PlatformHandle;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::dtype;
+use crate::error::{invalid, Result};
+use crate::platform::{PyPlatform, PyStream};
+use crate::swap::PyDeviceTensor;
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The manager's methods leave it consistent on error; a panic cannot have left it
+    // half-updated.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct Inner {
+    m: ActivationManager,
+    /// Dtypes and shapes of the registered tensors (the manager keeps element counts only).
+    shapes: HashMap<(u64, usize), (DType, Vec<usize>)>,
+}
+
+/// The activation manager of one model replica, driven by the framework's hooks.
+///
+/// ```python
+/// m = hprt.ActivationManager(stream, platform=p, encode_gbps=1.0, decode_gbps=1.0, min_numel=0)
+/// m.forward_start(0)
+/// key = m.save(0, activation)            # a DeviceTensor or a host DLPack tensor
+/// m.forward_start(1)
+/// with m.window(fixed_ms=5):             # layer 0's tensors are encoded in this window
+///     ...                                # the operator, queued on `stream`
+/// m.backward_start(1); m.backward_start(0)
+/// back = m.take(key)                     # a DeviceTensor with the original bytes
+/// m.layer_stats()[0]["ratio"]
+/// ```
+#[pyclass(name = "ActivationManager", module = "hprt._native", frozen)]
+pub struct PyActivationManager {
+    p: PlatformHandle,
+    compute: hprt_platform::Stream,
+    inner: Mutex<Inner>,
+}
+
+fn op_of(
+    matmul: Option<(usize, usize, usize)>,
+    collective: Option<(String, usize, usize)>,
+    fixed_ms: Option<f64>,
+) -> Result<Op> {
+    let given = matmul.is_some() as u8 + collective.is_some() as u8 + fixed_ms.is_some() as u8;
+    if given != 1 {
+        return Err(invalid(
+            "describe the operator with exactly one of matmul=(m, n, k), \
+             collective=(kind, bytes, group) or fixed_ms=...",
+        ));
+    }
+    if let Some((m, n, k)) = matmul {
+        return Ok(Op::Matmul { m, n, k });
+    }
+    if let Some((kind, bytes, group)) = collective {
+        let kind = match kind.as_str() {
+            "all_gather" => CollectiveKind::AllGather,
+            "all_to_all" => CollectiveKind::AllToAll,
+            other => {
+                return Err(invalid(format!(
+                    "unknown collective {other:?}; expected all_gather or all_to_all"
+                )))
+            }
+        };
+        return Ok(Op::Collective { kind, bytes, group });
+    }
+    let ms = fixed_ms.unwrap_or_default();
+    let d = Duration::try_from_secs_f64(ms / 1e3)
+        .map_err(|_| invalid(format!("fixed_ms={ms} is not a duration")))?;
+    Ok(Op::Fixed(d))
+}
+
+fn key_of((layer, index): (u64, usize)) -> TensorKey {
+    TensorKey {
+        layer: LayerId(layer),
+        index,
+    }
+}
+
+fn ms(d: Option<Duration>) -> Option<f64> {
+    d.map(|d| d.as_secs_f64() * 1e3)
+}
+
+impl PyActivationManager {
+    fn begin(&self, py: Python<'_>, op: Op) -> Result<()> {
+        Ok(py.detach(|| locked(&self.inner).m.begin_window(&op))?)
+    }
+    fn end(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| locked(&self.inner).m.end_window())?)
+    }
+}
+
+#[pymethods]
+impl PyActivationManager {
+    /// A manager whose operators run on `stream`. Codec throughputs are measured on the
+    /// platform at first use (and `HP_COST_*` overrides applied) unless both `encode_gbps` and
+    /// `decode_gbps` are given; `matmul_tflops` and `collective_gbps` let windows of those
+    /// operators be predicted. Tensors of `dtypes` (default f32, f16, bf16) with at least
+    /// `min_numel` elements are managed.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, platform=None, *, encode_gbps=None, decode_gbps=None, matmul_tflops=None, collective_gbps=None, min_numel=32768, dtypes=None))]
+    fn new(
+        py: Python<'_>,
+        stream: &PyStream,
+        platform: Option<&PyPlatform>,
+        encode_gbps: Option<f64>,
+        decode_gbps: Option<f64>,
+        matmul_tflops: Option<f64>,
+        collective_gbps: Option<f64>,
+        min_numel: usize,
+        dtypes: Option<Vec<String>>,
+    ) -> Result<Self> {
+        let p = match platform {
+            Some(p) => p.p.clone(),
+            None => stream.p.clone(),
+        };
+        let shared = crate::platform::shared(&p);
+        let mut overrides = CostOverrides::from_env()?;
+        for (slot, value, scale) in [
+            (&mut overrides.encode_gbps, encode_gbps, 1.0),
+            (&mut overrides.decode_gbps, decode_gbps, 1.0),
+            (&mut overrides.matmul_flops, matmul_tflops, 1e12),
+            (&mut overrides.collective_gbps, collective_gbps, 1.0),
+        ] {
+            if let Some(v) = value {
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(invalid(format!("{v} is not a positive throughput")));
+                }
+                *slot = Some(v * scale);
+            }
+        }
+        let mut cost = if encode_gbps.is_some() && decode_gbps.is_some() {
+            CostModel::from_table(CostTable::default())
+        } else {
+            let codec = hprt_compress::device::codec_for(shared.as_ref());
+            py.detach(|| CostModel::for_platform(shared.as_ref(), codec.as_ref()))?
+        };
+        cost.set_overrides(overrides);
+        let mut config = ManagerConfig::new(cost);
+        config.filter.min_numel = min_numel;
+        if let Some(names) = dtypes {
+            config.filter.dtypes = names
+                .iter()
+                .map(|n| Ok(CodecDType::try_from(dtype::parse(n)?)?))
+                .collect::<Result<_>>()?;
+        }
+        let m = ActivationManager::new(shared, stream.s.clone(), config)?;
+        Ok(PyActivationManager {
+            p,
+            compute: stream.s.clone(),
+            inner: Mutex::new(Inner {
+                m,
+                shapes: HashMap::new(),
+            }),
+        })
+    }
+
+    /// The layer's forward begins; its tensors of the previous step must all have been taken.
+    fn forward_start(&self, layer: u64) -> Result<()> {
+        Ok(locked(&self.inner).m.forward_start(LayerId(layer))?)
+    }
+
+    /// Registers a tensor saved by `layer`; returns its key `(layer, index)`, or `None` when
+    /// the filter leaves it to the caller (wrong dtype, below `min_numel`).
+    ///
+    /// An hprt-allocated `DeviceTensor` at offset 0 is registered as it is (the manager
+    /// releases and re-acquires its memory). Anything else (a borrowed buffer, a numpy array or
+    /// torch tensor by DLPack) is first copied into new device memory on the stream; a DLPack
+    /// source is read before `save` returns.
+    fn save(
+        &self,
+        py: Python<'_>,
+        layer: u64,
+        tensor: &Bound<'_, PyAny>,
+    ) -> Result<Option<(u64, usize)>> {
+        let (t, imported) = match tensor.cast::<PyDeviceTensor>() {
+            Ok(t) => (t.get().t.clone(), false),
+            Err(_) => {
+                let platform = PyPlatform { p: self.p.clone() };
+                (crate::dlpack::import(&platform, tensor, false)?.t, true)
+            }
+        };
+        let numel: usize = t.shape.iter().product();
+        let nbytes = dtype::nbytes(t.dtype, &t.shape)?;
+        let buf = if !t.storage.is_borrowed() && t.offset == 0 {
+            t.storage.clone()
+        } else {
+            py.detach(|| -> Result<_> {
+                let b = self.p.alloc_device(nbytes)?;
+                self.p.copy_async(
+                    (&b).into(),
+                    0,
+                    (&t.storage).into(),
+                    t.offset,
+                    nbytes,
+                    &self.compute,
+                )?;
+                if imported {
+                    // The caller owns that memory again once save returns.
+                    self.p.synchronize_stream(&self.compute)?;
+                }
+                Ok(b)
+            })?
+        };
+        let saved = SavedTensor {
+            buf,
+            dtype: t.dtype,
+            numel,
+        };
+        let mut g = locked(&self.inner);
+        let Some(key) = g.m.save(LayerId(layer), saved)? else {
+            return Ok(None);
+        };
+        let k = (key.layer.0, key.index);
+        g.shapes.insert(k, (t.dtype, t.shape.clone()));
+        Ok(Some(k))
+    }
+
+    /// The layer's backward begins: its tensors still compressed are decoded now.
+    fn backward_start(&self, py: Python<'_>, layer: u64) -> Result<()> {
+        Ok(py.detach(|| locked(&self.inner).m.backward_start(LayerId(layer)))?)
+    }
+
+    /// Hands a registered tensor back (decoding it first if needed) as a `DeviceTensor` of its
+    /// original dtype and shape, valid in stream order; the manager forgets it.
+    fn take(&self, py: Python<'_>, key: (u64, usize)) -> Result<PyDeviceTensor> {
+        let (buf, (dtype, shape)) = py.detach(|| -> Result<_> {
+            let mut g = locked(&self.inner);
+            let buf = g.m.take(key_of(key))?;
+            let meta = g.shapes.remove(&key).ok_or_else(|| {
+                invalid(format!(
+                    "tensor {key:?} was not registered through this binding"
+                ))
+            })?;
+            Ok((buf, meta))
+        })?;
+        PyDeviceTensor::from_parts(&self.p, buf, 0, dtype, shape, false)
+    }
+
+    /// Whether the tensor is currently held compressed.
+    fn is_compressed(&self, key: (u64, usize)) -> bool {
+        locked(&self.inner).m.is_compressed(key_of(key))
+    }
+
+    /// Opens an operator window before the operator is queued on the stream: predicts its
+    /// duration and starts encoding (forward) or decoding (backward) what fits. Exactly one of
+    /// `matmul=(m, n, k)`, `collective=("all_gather" | "all_to_all", bytes, group)`, `fixed_ms`.
+    #[pyo3(signature = (*, matmul=None, collective=None, fixed_ms=None))]
+    fn begin_window(
+        &self,
+        py: Python<'_>,
+        matmul: Option<(usize, usize, usize)>,
+        collective: Option<(String, usize, usize)>,
+        fixed_ms: Option<f64>,
+    ) -> Result<()> {
+        self.begin(py, op_of(matmul, collective, fixed_ms)?)
+    }
+
+    /// Closes the window after the operator was queued: the stream waits for the codec work,
+    /// encoded originals are released, decoded tensors become usable.
+    fn end_window(&self, py: Python<'_>) -> Result<()> {
+        self.end(py)
+    }
+
+    /// `with manager.window(matmul=(m, n, k)): ...` — `begin_window` / `end_window` around a
+    /// block.
+    #[pyo3(signature = (*, matmul=None, collective=None, fixed_ms=None))]
+    fn window(
+        slf: Py<Self>,
+        matmul: Option<(usize, usize, usize)>,
+        collective: Option<(String, usize, usize)>,
+        fixed_ms: Option<f64>,
+    ) -> Result<PyWindow> {
+        Ok(PyWindow {
+            manager: slf,
+            op: op_of(matmul, collective, fixed_ms)?,
+        })
+    }
+
+    /// Per-layer figures, summed over steps: `{layer: {"saved", "compressed", "original_bytes",
+    /// "compressed_bytes", "ratio", "decoded_in_window", "recovered_sync"}}`.
+    fn layer_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (layer, s) in locked(&self.inner).m.layer_stats() {
+            let d = PyDict::new(py);
+            d.set_item("saved", s.saved)?;
+            d.set_item("compressed", s.compressed)?;
+            d.set_item("original_bytes", s.original_bytes)?;
+            d.set_item("compressed_bytes", s.compressed_bytes)?;
+            d.set_item("ratio", s.ratio())?;
+            d.set_item("decoded_in_window", s.decoded_in_window)?;
+            d.set_item("recovered_sync", s.recovered_sync)?;
+            out.set_item(layer.0, d)?;
+        }
+        Ok(out)
+    }
+
+    /// Every window so far: operator, predicted and measured milliseconds, tensors encoded and
+    /// decoded in it, bytes (waits for windows whose operator has not finished).
+    fn window_records<'py>(&self, py: Python<'py>) -> Result<Vec<Bound<'py, PyDict>>> {
+        let records = py.detach(|| locked(&self.inner).m.window_records())?;
+        records
+            .into_iter()
+            .map(|r| {
+                let d = PyDict::new(py);
+                d.set_item("op", r.op)?;
+                d.set_item("predicted_ms", ms(r.predicted))?;
+                d.set_item("measured_ms", ms(r.measured))?;
+                d.set_item("encoded", r.encoded)?;
+                d.set_item("decoded", r.decoded)?;
+                d.set_item("bytes", r.bytes)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// Scratch buffers ever allocated for encodings (later windows reuse them).
+    #[getter]
+    fn scratch_allocations(&self) -> usize {
+        locked(&self.inner).m.scratch_allocations()
+    }
+
+    /// The learned `(forward, backward)` layer orders.
+    #[getter]
+    fn layer_orders(&self) -> (Vec<u64>, Vec<u64>) {
+        let g = locked(&self.inner);
+        let (f, b) = g.m.layer_orders();
+        (
+            f.iter().map(|l| l.0).collect(),
+            b.iter().map(|l| l.0).collect(),
+        )
+    }
+
+    /// The cost model's throughputs: `encode_gbps`, `decode_gbps`, `matmul_tflops` (or None).
+    fn cost<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let g = locked(&self.inner);
+        let t = g.m.cost_model().table();
+        let d = PyDict::new(py);
+        d.set_item("encode_gbps", t.encode_gbps)?;
+        d.set_item("decode_gbps", t.decode_gbps)?;
+        d.set_item("matmul_tflops", t.matmul_flops.map(|f| f / 1e12))?;
+        Ok(d)
+    }
+}
+
+/// An operator window as a context manager (`ActivationManager.window(...)`).
+#[pyclass(name = "ActivationWindow", module = "hprt._native", frozen)]
+pub struct PyWindow {
+    manager: Py<PyActivationManager>,
+    op: Op,
+}
+
+#[pymethods]
+impl PyWindow {
+    fn __enter__(&self, py: Python<'_>) -> Result<()> {
+        self.manager.get().begin(py, self.op.clone())
+    }
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> Result<bool> {
+        self.manager.get().end(py)?;
+        Ok(false)
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyActivationManager>()?;
+    m.add_class::<PyWindow>()
+}

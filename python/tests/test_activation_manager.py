@@ -1,0 +1,161 @@
+"""hprt-compress's activation manager from Python: saved tensors per layer, encoded in operator
+windows and decoded in backward, must come back bit-exact; per-layer statistics count it."""
+
+import numpy as np
+import pytest
+
+import hprt
+
+N = 8192
+
+
+def activations(layer, dtype):
+    rng = np.random.default_rng(layer)
+    x = rng.standard_normal(N).astype(np.float32)
+    x = x * (x > 0)  # relu-like: many zeros, a few exponents
+    out = x.astype(dtype).reshape(64, N // 64)
+    out.flat[:4] = [np.nan, -0.0, np.inf, -np.inf]
+    return out
+
+
+def manager(p, stream, **kw):
+    return hprt.ActivationManager(stream, p, encode_gbps=1.0, decode_gbps=1.0, min_numel=1024, **kw)
+
+
+@pytest.mark.parametrize("jitter", [None, 5])
+def test_layers_round_trip_bit_exact_through_windows(jitter):
+    p = hprt.cpu_platform(device_memory=8 << 20, jitter=jitter)
+    s = p.create_stream()
+    m = manager(p, s)
+    layers, steps = 4, 2
+    for step in range(steps):
+        saved = {}
+        for layer in range(layers):
+            m.forward_start(layer)
+            with m.window(fixed_ms=50):  # encodes the previous layer's tensors
+                pass
+            for i, dt in enumerate([np.float32, np.float16]):
+                x = activations(100 * step + 10 * layer + i, dt)
+                saved[m.save(layer, x)] = x
+        assert all(m.is_compressed(k) for k in saved if k[0] < layers - 1)
+        assert not any(m.is_compressed(k) for k in saved if k[0] == layers - 1)
+        for layer in reversed(range(layers)):
+            m.backward_start(layer)
+            with m.window(fixed_ms=50):  # decodes the next layer in backward order
+                pass
+            for k in [k for k in saved if k[0] == layer]:
+                t = m.take(k)
+                s.synchronize()
+                want = saved[k]
+                assert (t.dtype, t.shape) == (want.dtype.name.replace("float", "f"), list(want.shape))
+                assert np.from_dlpack(t).tobytes() == want.tobytes()
+    stats = m.layer_stats()
+    assert sorted(stats) == list(range(layers))
+    for layer, st in stats.items():
+        assert st["saved"] == 2 * steps
+        if layer < layers - 1:
+            assert st["compressed"] == 2 * steps and st["ratio"] > 1.2, st
+            assert st["compressed_bytes"] < st["original_bytes"]
+            # The backward order is learned in the first step: then every compressed tensor
+            # is recovered when its layer's backward starts; afterwards it is decoded in the
+            # window of the layer before it in backward.
+            assert (st["recovered_sync"], st["decoded_in_window"]) == (2, 2), (layer, st)
+    assert m.layer_orders == ([0, 1, 2, 3], [3, 2, 1, 0])
+    assert m.scratch_allocations == 2  # one per (numel, dtype), reused by later windows
+    records = m.window_records()
+    assert len(records) == 2 * layers * steps and records[1]["encoded"] == 2
+    assert all(r["measured_ms"] is not None for r in records)
+
+
+def test_device_tensors_are_released_while_compressed():
+    p = hprt.cpu_platform(device_memory=8 << 20)
+    s = p.create_stream()
+    m = manager(p, s)
+    x = activations(1, np.float32)
+    buf = p.alloc_device(x.nbytes)
+    p.write(buf, x.tobytes(), s)
+    m.forward_start(0)
+    key = m.save(0, hprt.DeviceTensor(buf, "f32", list(x.shape)))
+    m.forward_start(1)
+    m.begin_window(fixed_ms=50)
+    m.end_window()
+    # The original's storage is released (the handle stays); the encoding is kept instead.
+    assert m.is_compressed(key) and buf.nbytes == 0 and not buf.is_freed
+    m.backward_start(1)
+    m.backward_start(0)  # recovered here, into the same buffer
+    back = m.take(key)
+    assert back.buffer.same_as(buf)
+    assert p.read(buf, x.nbytes, s) == x.tobytes()
+    assert m.layer_stats()[0]["recovered_sync"] == 1
+
+
+def test_small_windows_and_filters_leave_tensors_alone():
+    p = hprt.cpu_platform(device_memory=8 << 20)
+    s = p.create_stream()
+    m = manager(p, s, dtypes=["bf16", "f16"])
+    m.forward_start(0)
+    assert m.save(0, activations(0, np.float32)) is None  # f32 not managed here
+    assert m.save(0, np.zeros(16, np.float16)) is None  # below min_numel
+    key = m.save(0, activations(0, np.float16))
+    m.forward_start(1)
+    with m.window(fixed_ms=1e-6):  # 1 ns: nothing fits
+        pass
+    assert not m.is_compressed(key)
+    # A matmul window cannot be predicted without a matmul throughput: nothing is encoded.
+    with m.window(matmul=(128, 128, 128)):
+        pass
+    assert not m.is_compressed(key)
+    assert m.window_records()[1]["predicted_ms"] is None
+    m2 = manager(p, s, matmul_tflops=1e-6)  # 2 * 128^3 flop at 1 MFLOP/s: 4 s
+    m2.forward_start(0)
+    k2 = m2.save(0, activations(0, np.float32))
+    m2.forward_start(1)
+    with m2.window(matmul=(128, 128, 128)):
+        pass
+    assert m2.is_compressed(k2)
+    assert m2.cost()["matmul_tflops"] == pytest.approx(1e-6)
+
+
+def test_misuse_is_a_typed_error():
+    p = hprt.cpu_platform(device_memory=8 << 20)
+    s = p.create_stream()
+    m = manager(p, s)
+    with pytest.raises(hprt.InvalidValueError):
+        m.begin_window(fixed_ms=1, matmul=(1, 1, 1))
+    with pytest.raises(hprt.HprtError) as e:
+        m.end_window()
+    assert e.value.status == "HP_COMPRESS_INVALID_STATE"
+    m.forward_start(0)
+    key = m.save(0, activations(0, np.float32))
+    m.begin_window(fixed_ms=1)
+    with pytest.raises(hprt.HprtError) as e:
+        m.forward_start(1)
+    assert e.value.status == "HP_COMPRESS_INVALID_STATE"
+    m.end_window()
+    with pytest.raises(hprt.HprtError):
+        m.forward_start(0)  # layer 0 still holds a tensor of this step
+    m.take(key)
+    with pytest.raises(hprt.HprtError):
+        m.take(key)
+    with pytest.raises(hprt.InvalidValueError):
+        hprt.ActivationManager(s, p, encode_gbps=-1.0, decode_gbps=1.0)
+
+
+@pytest.mark.skipif(hprt.get_platform().backend != "cpu", reason="host DLPack tensors need the cpu backend")
+def test_process_wide_platform_with_measured_costs():
+    p = hprt.get_platform()
+    s = p.create_stream()
+    m = hprt.ActivationManager(s, min_numel=1024)  # codec throughput measured here
+    cost = m.cost()
+    assert cost["encode_gbps"] > 0 and cost["decode_gbps"] > 0
+    x = activations(3, np.float16)
+    m.forward_start(0)
+    key = m.save(0, x)
+    m.forward_start(1)
+    with m.window(fixed_ms=1000):
+        pass
+    assert m.is_compressed(key)
+    m.backward_start(0)
+    out = m.take(key)
+    s.synchronize()
+    assert np.from_dlpack(out).tobytes() == x.tobytes()
