@@ -647,6 +647,31 @@ enum HprtStatus hprt_platform_backend_name(const struct HprtPlatform *platform,
                                            const char **out_name);
 
 /*
+ Makes device `ordinal` the calling thread's current device (one rank per GPU: call it on each
+ rank's thread before making streams, buffers or communicators there).
+
+ # Safety
+ `platform` must be live.
+ */
+enum HprtStatus hprt_set_device(const struct HprtPlatform *platform, size_t ordinal);
+
+/*
+ How many devices the platform has.
+
+ # Safety
+ `platform` live; `out_count` valid for writing.
+ */
+enum HprtStatus hprt_device_count(const struct HprtPlatform *platform, size_t *out_count);
+
+/*
+ Blocks until every stream of the platform finished its queued work.
+
+ # Safety
+ `platform` must be live.
+ */
+enum HprtStatus hprt_platform_synchronize(const struct HprtPlatform *platform);
+
+/*
  Current and peak device and pinned bytes.
 
  # Safety

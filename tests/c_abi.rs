@@ -180,8 +180,20 @@ fn copies_and_an_all_reduce_across_threads() {
         h.join().unwrap();
     }
     let mut stats = HprtMemoryStats::default();
-    // SAFETY: live platform, valid out-pointer.
-    ok(unsafe { hprt_platform_memory_stats(p, &mut stats) });
+    let mut devices = 0;
+    // SAFETY: live platform, valid out-pointers; device 0 exists, device `devices` does not.
+    unsafe {
+        ok(hprt_device_count(p, &mut devices));
+        ok(hprt_set_device(p, 0));
+        assert_eq!(
+            hprt_set_device(p, devices),
+            HprtStatus::ErrorInvalidValue,
+            "{}",
+            last_error()
+        );
+        ok(hprt_platform_synchronize(p));
+        ok(hprt_platform_memory_stats(p, &mut stats));
+    }
     assert_eq!(stats.device_current, 0, "every buffer was freed");
     assert!(stats.device_peak >= 3 * 4000);
     // SAFETY: closed once, after every object made from it.

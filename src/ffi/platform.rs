@@ -257,6 +257,57 @@ pub unsafe extern "C" fn hprt_platform_backend_name(
     })
 }
 
+/// Makes device `ordinal` the calling thread's current device (one rank per GPU: call it on each
+/// rank's thread before making streams, buffers or communicators there).
+///
+/// # Safety
+/// `platform` must be live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_set_device(
+    platform: *const HprtPlatform,
+    ordinal: usize,
+) -> HprtStatus {
+    guard("hprt_set_device", || {
+        // SAFETY: the caller's contract.
+        unsafe { arg(platform, "platform") }?
+            .get()
+            .set_device(ordinal)?;
+        Ok(())
+    })
+}
+
+/// How many devices the platform has.
+///
+/// # Safety
+/// `platform` live; `out_count` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_device_count(
+    platform: *const HprtPlatform,
+    out_count: *mut usize,
+) -> HprtStatus {
+    guard("hprt_device_count", || {
+        // SAFETY: the caller's contract.
+        let n = unsafe { arg(platform, "platform") }?.get().device_count();
+        // SAFETY: the caller's contract.
+        unsafe { out(out_count, "out_count", n) }
+    })
+}
+
+/// Blocks until every stream of the platform finished its queued work.
+///
+/// # Safety
+/// `platform` must be live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_platform_synchronize(platform: *const HprtPlatform) -> HprtStatus {
+    guard("hprt_platform_synchronize", || {
+        // SAFETY: the caller's contract.
+        unsafe { arg(platform, "platform") }?
+            .get()
+            .synchronize_device()?;
+        Ok(())
+    })
+}
+
 /// Current and peak device and pinned bytes.
 ///
 /// # Safety
