@@ -8,9 +8,11 @@
 - Swap: ``SwapManager`` (layer groups), ``KeyedSwap`` / ``TensorSwapContext`` (keyed
   pack/unpack), ``PipelineOffload`` (``group_start`` / ``group_commit``), ``FrameworkSwap``
   (a framework's own tensors; used by ``hprt.torch``).
-- Compression: ``compress`` / ``decompress`` and the activation manager (see ``hprt.compress``
-  names below, present when the extension was built with them).
-- hsdp: ``DeviceMesh``.
+- Compression: ``compress`` / ``decompress`` / ``decompress_into`` (the lossless codec) and
+  ``ActivationManager`` (saved tensors per layer, encoded in operator windows, per-layer ratios).
+- hsdp: ``DeviceMesh``, ``DataParallelMesh`` (FSDP / HSDP / DDP), ``GroupCache``,
+  ``HsdpStreams``, ``MixedPrecisionPolicy``, ``ShardedParam`` (shard, async unshard, gradient
+  reduction).
 - Errors: ``HprtError`` and its subclasses; ``err.status`` is the backend's status name.
 
 ``hprt.torch`` (importable when torch is installed) hooks all of this into autograd.

@@ -16,7 +16,12 @@ Front ends, with the seeds' names and semantics:
   ``b``; after a layer's forward its group is offloaded and the previous group's offload waited;
   before a layer's backward the previous group is prefetched and the own group waited.
 - ``keep_saved_tensors()``: the no-swap baseline, counted by the same accounting.
-- ``compress_saved_tensors()``: lossless compression of saved floating-point tensors.
+- ``compress_saved_tensors()``: lossless compression of saved floating-point tensors, in the
+  pack hook.
+- ``ManagedCompression`` (seed 003): saved tensors registered per layer with hprt's
+  ``ActivationManager``; while one layer's forward runs, the previous layer's tensors are encoded
+  on a side stream and their memory released; in backward they are decoded when their layer's
+  backward starts. ``stats()`` gives the per-layer ratios.
 
 ``runtime().stats()`` reports ``device_current`` / ``device_peak`` (bytes of torch memory hprt
 keeps referenced: saved tensors not yet released, plus reloads in flight) and offloaded bytes.
@@ -35,6 +40,7 @@ __all__ = [
     "SwapManager",
     "keep_saved_tensors",
     "compress_saved_tensors",
+    "ManagedCompression",
     "is_swappable",
 ]
 
@@ -433,3 +439,95 @@ class compress_saved_tensors:
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
         self._hooks = None
+
+
+class _ManagedKey:
+    __slots__ = ("key",)
+
+    def __init__(self, key):
+        self.key = key
+
+
+class ManagedCompression:
+    """Seed-003 activation compression through hprt's ``ActivationManager``.
+
+    ``with comp.layer(i): x = block(x)`` around each layer's forward: tensors the layer saves
+    (f32/f16/bf16, dense, at least ``min_numel`` elements, not parameters) are copied into
+    hprt device memory and registered under layer ``i``; the layer's forward is an operator
+    window of ``window_ms`` in which the previous layer's tensors are encoded on the manager's
+    side stream and released. In backward, the first tensor read of a layer starts that layer's
+    backward, which decodes its tensors still compressed; the tensor comes back as a view of
+    hprt memory. ``stats()`` is ``ActivationManager.layer_stats()``.
+
+    Throughputs are measured on the platform unless ``encode_gbps`` and ``decode_gbps`` are
+    given. Works where the platform addresses torch's memory as device memory (the cpu backend
+    with CPU tensors); other tensors are left to autograd.
+    """
+
+    def __init__(self, platform=None, min_numel=32768, window_ms=10.0, encode_gbps=None,
+                 decode_gbps=None):
+        self.platform = platform if platform is not None else hprt.get_platform()
+        self.stream = self.platform.create_stream()
+        self.manager = hprt.ActivationManager(
+            self.stream, self.platform, encode_gbps=encode_gbps, decode_gbps=decode_gbps,
+            min_numel=min_numel)
+        self.window_ms = window_ms
+        self._backward_layer = None
+
+    def _eligible(self, t):
+        return (
+            t.dtype in _CODEC_DTYPES
+            and t.device.type == "cpu"
+            and self.platform.backend == "cpu"
+            and not isinstance(t, nn.Parameter)
+            and not (t.is_leaf and t.requires_grad)
+            and t.is_contiguous()
+            and t.numel() > 0
+        )
+
+    def _pack(self, layer, t):
+        if not self._eligible(t):
+            return t
+        key = self.manager.save(layer, t.detach())
+        return t if key is None else _ManagedKey(key)
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _ManagedKey):
+            return packed
+        layer = packed.key[0]
+        if self._backward_layer != layer:
+            self.manager.backward_start(layer)
+            self._backward_layer = layer
+        out = self.manager.take(packed.key)
+        self.stream.synchronize()
+        return torch.from_dlpack(out)
+
+    def layer(self, layer):
+        """The context manager around layer ``layer``'s forward."""
+        return _ManagedLayer(self, layer)
+
+    def stats(self):
+        return self.manager.layer_stats()
+
+
+class _ManagedLayer:
+    def __init__(self, owner, layer):
+        self.owner, self.layer = owner, layer
+        self._hooks = None
+        self._window = None
+
+    def __enter__(self):
+        o = self.owner
+        o._backward_layer = None
+        o.manager.forward_start(self.layer)
+        self._window = o.manager.window(fixed_ms=o.window_ms)
+        self._window.__enter__()
+        self._hooks = saved_tensors_hooks(lambda t: o._pack(self.layer, t), o._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+        self._window.__exit__(*exc)
+        self._window = None

@@ -70,6 +70,9 @@ def train(mode, rt=None):
     elif mode == "compress":
         comp = ht.compress_saved_tensors()
         wrap = lambda i: comp  # noqa: E731
+    elif mode == "managed":
+        comp = ht.ManagedCompression(rt, min_numel=1024, encode_gbps=1.0, decode_gbps=1.0)
+        wrap = comp.layer
     losses, grads = [], []
     for x in data:
         opt.zero_grad()
@@ -80,6 +83,8 @@ def train(mode, rt=None):
         opt.step()
     if mode == "compress":
         return losses, grads, comp.stats
+    if mode == "managed":
+        return losses, grads, comp.stats()
     return losses, grads, None
 
 
@@ -136,6 +141,21 @@ def test_compression_is_bit_exact_and_compresses(baseline):
     assert_identical(baseline, out)
     stats = out[2]
     assert stats["tensors"] > 0 and stats["compressed_bytes"] < stats["raw_bytes"]
+
+
+def test_activation_manager_compression_is_bit_exact(platform, baseline):
+    out = train("managed", platform)
+    assert_identical(baseline, out)
+    stats = out[2]
+    assert sorted(stats) == list(range(LAYERS))
+    # Every layer but the last is encoded in the next layer's forward window, every step.
+    for layer, st in stats.items():
+        assert st["saved"] > 0
+        if layer < LAYERS - 1:
+            assert st["compressed"] == st["saved"], (layer, st)
+            assert st["recovered_sync"] == st["compressed"]
+    assert sum(st["compressed_bytes"] for st in stats.values()) < sum(
+        st["original_bytes"] for st in stats.values())
 
 
 def test_swap_with_jitter_is_still_bit_exact(baseline):
