@@ -1,6 +1,7 @@
 """hsdp from Python: sharded parameters over rank threads (FSDP on 2 and 4 ranks, HSDP 2x2)
 checked against numpy, and a small training loop that must match single-rank numpy training."""
 
+import os
 import threading
 
 import numpy as np
@@ -259,3 +260,42 @@ def test_hsdp_with_jitter_matches_numpy():
     for got, k, g in run_ranks(world, rank, jitter=11):
         assert np.array_equal(got, FULL)
         np.testing.assert_allclose(g, expected_shard(grads.mean(0) * 3, 0, 2, k), rtol=1e-6)
+
+
+@pytest.mark.skipif(not os.environ.get("HP_ACL_LIB"), reason="needs the Ascend emulator (HP_ACL_LIB)")
+def test_fsdp_on_the_npu_emulator():
+    """The same bindings on the npu backend: parameters and gradients in device memory."""
+    p = hprt.open_platform("npu")
+    world, uid = 2, p.unique_id()
+    results, errors = [None] * world, []
+
+    def device_tensor(a, stream):
+        buf = p.alloc_device(a.nbytes)
+        p.write(buf, a.tobytes(), stream)
+        return hprt.DeviceTensor(buf, "f32", list(a.shape))
+
+    def body(r):
+        try:
+            p.set_device(r % p.device_count())
+            cache = hprt.GroupCache(p.comm_init(uid, r, world))
+            streams = hprt.HsdpStreams(p)
+            dp = dp_mesh("fsdp", world)
+            w = hprt.ShardedParam(cache, streams, dp, "w", device_tensor(FULL, streams.compute))
+            w.unshard()
+            full = f32(w.read_unsharded(), [5, 3])
+            w.shard()
+            w.reduce_grad(device_tensor(grad_of(r), streams.compute), op="avg")
+            results[r] = full, w.shard_index, f32(w.read_sharded_grad(), w.shard_shape)
+        except BaseException as e:  # reported below
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    mean = np.stack([grad_of(r) for r in range(world)]).astype(np.float64).mean(0)
+    for full, k, g in results:
+        assert np.array_equal(full, FULL)
+        np.testing.assert_allclose(g, expected_shard(mean, 0, world, k), rtol=1e-6)
