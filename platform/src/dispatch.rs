@@ -59,7 +59,8 @@ fn loc<B: Backend>(
 }
 
 /// A written range may share bytes with another place only when both are the same range start
-/// (in place); anything else would make the result depend on the order elements are visited.
+/// (in place) and the kernel allows that; anything else would make the result depend on the
+/// order elements are visited.
 fn check_kernel_overlap<B: Backend>(b: &B, k: &Kernel<BufRef<'_>>) -> Result<()> {
     let places = k.places();
     for (i, (w, wbytes, wa)) in places.iter().enumerate() {
@@ -67,7 +68,8 @@ fn check_kernel_overlap<B: Backend>(b: &B, k: &Kernel<BufRef<'_>>) -> Result<()>
             continue;
         }
         for (j, (o, obytes, _)) in places.iter().enumerate() {
-            if i == j || !w.buf.same_as(o.buf) || w.offset == o.offset {
+            let in_place = w.offset == o.offset && k.allows_in_place();
+            if i == j || !w.buf.same_as(o.buf) || in_place {
                 continue;
             }
             if w.offset < o.offset + obytes && o.offset < w.offset + wbytes {

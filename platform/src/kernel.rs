@@ -12,6 +12,10 @@
 //! - `Fill`: `value` converted to the dtype like a cast from f64.
 //! - `Scale` and `Axpy`: float dtypes only (others are `Unsupported`); the arithmetic is done in
 //!   f64 and rounded to the destination dtype like a cast.
+//! - `Matmul`: f32 only (others are `Unsupported`). Each output is accumulated in f32 from 0.0,
+//!   over the inner dimension in order, one rounded product and one rounded sum per step (never
+//!   a fused multiply-add), so every backend gives the same bits for finite inputs (a NaN's
+//!   payload may differ between backends, as their hardware propagates NaNs differently).
 
 use crate::dtype::DType;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
@@ -56,6 +60,17 @@ pub enum Kernel<B> {
         count: usize,
         alpha: f64,
     },
+    /// `c = a · b`, row-major: `a` is `[m, k]`, `b` is `[k, n]`, `c` is `[m, n]`. `c` may not
+    /// share bytes with `a` or `b` (not even in place).
+    Matmul {
+        a: B,
+        b: B,
+        c: B,
+        m: usize,
+        n: usize,
+        k: usize,
+        dtype: DType,
+    },
 }
 
 /// How a kernel uses one of its places.
@@ -73,16 +88,26 @@ impl<B> Kernel<B> {
             Kernel::Cast { .. } => "kernel(cast)",
             Kernel::Scale { .. } => "kernel(scale)",
             Kernel::Axpy { .. } => "kernel(axpy)",
+            Kernel::Matmul { .. } => "kernel(matmul)",
         }
     }
 
+    /// Elements the kernel writes (for a matmul, `m * n`; saturating, so an overflowing shape
+    /// still has a count for [`Kernel::validate`] to reject).
     pub fn count(&self) -> usize {
         match *self {
             Kernel::Fill { count, .. }
             | Kernel::Cast { count, .. }
             | Kernel::Scale { count, .. }
             | Kernel::Axpy { count, .. } => count,
+            Kernel::Matmul { m, n, .. } => m.saturating_mul(n),
         }
+    }
+
+    /// Whether a written place may coincide with a read place (same buffer and offset). A
+    /// matmul reads every input element many times after writing outputs, so it may not.
+    pub fn allows_in_place(&self) -> bool {
+        !matches!(self, Kernel::Matmul { .. })
     }
 
     /// Every place the kernel touches, with its size in bytes and how it is used; inputs first.
@@ -111,6 +136,23 @@ impl<B> Kernel<B> {
                 (src, n * src_dtype.size(), Access::Read),
                 (dst, n * dst_dtype.size(), Access::ReadWrite),
             ],
+            Kernel::Matmul {
+                a,
+                b,
+                c,
+                m,
+                n: cols,
+                k,
+                dtype,
+            } => {
+                // Saturating like `count`: validation rejects overflow before sizes are used.
+                let bytes = |r: usize, c: usize| r.saturating_mul(c).saturating_mul(dtype.size());
+                vec![
+                    (a, bytes(*m, *k), Access::Read),
+                    (b, bytes(*k, *cols), Access::Read),
+                    (c, bytes(*m, *cols), Access::Write),
+                ]
+            }
         }
     }
 
@@ -167,6 +209,23 @@ impl<B> Kernel<B> {
                 count,
                 alpha,
             },
+            Kernel::Matmul {
+                a,
+                b,
+                c,
+                m,
+                n,
+                k,
+                dtype,
+            } => Kernel::Matmul {
+                a: f(a)?,
+                b: f(b)?,
+                c: f(c)?,
+                m,
+                n,
+                k,
+                dtype,
+            },
         })
     }
 
@@ -185,15 +244,40 @@ impl<B> Kernel<B> {
                 dst_dtype,
                 ..
             } => src_dtype.size().max(dst_dtype.size()),
-            Kernel::Fill { dtype, .. } | Kernel::Scale { dtype, .. } => dtype.size(),
+            Kernel::Fill { dtype, .. }
+            | Kernel::Scale { dtype, .. }
+            | Kernel::Matmul { dtype, .. } => dtype.size(),
         };
-        if self.count().checked_mul(widest).is_none() {
+        let elements = match *self {
+            Kernel::Matmul { m, n, k, .. } => {
+                [m.checked_mul(n), m.checked_mul(k), k.checked_mul(n)]
+                    .into_iter()
+                    .try_fold(0usize, |most, e| e.map(|e| most.max(e)))
+            }
+            _ => Some(self.count()),
+        };
+        if elements.and_then(|e| e.checked_mul(widest)).is_none() {
             return err(
                 ErrorKind::InvalidValue,
-                format!("{} elements overflow a byte size", self.count()),
+                match *self {
+                    Kernel::Matmul { m, n, k, .. } => {
+                        format!("matmul of [{m}, {k}] by [{k}, {n}] overflows a byte size")
+                    }
+                    _ => format!("{} elements overflow a byte size", self.count()),
+                },
             );
         }
         match self {
+            Kernel::Matmul { dtype, .. } if *dtype != DType::F32 => err(
+                ErrorKind::Unsupported,
+                format!("matmul is implemented for f32, not {dtype}"),
+            ),
+            Kernel::Matmul { m, n, k: 0, .. } if m.saturating_mul(*n) > 0 => err(
+                ErrorKind::InvalidValue,
+                format!(
+                    "matmul of [{m}, 0] by [0, {n}]: an empty inner dimension has no input to read"
+                ),
+            ),
             Kernel::Scale { dtype, .. } if !dtype.is_float() => err(
                 ErrorKind::Unsupported,
                 format!("scale is defined for float dtypes, not {dtype}"),
@@ -278,6 +362,63 @@ pub(crate) unsafe fn run_on_host(kernel: &Kernel<*mut u8>) {
                     store(dst, dst_dtype, i, Value::F(d + alpha * s));
                 }
             }
+        }
+        Kernel::Matmul {
+            a,
+            b,
+            c,
+            m,
+            n,
+            k,
+            dtype: _,
+        } => {
+            // SAFETY: the caller's contract, with `validate` having limited the dtype to f32.
+            unsafe { matmul_f32(a, b, c, m, n, k) }
+        }
+    }
+}
+
+/// `c = a · b` in f32, row-major. The i-k-j order streams rows of `b` and `c` (fast on a CPU)
+/// while each `c[i][j]` still sums its products in order of `p`, from 0.0: the bits the
+/// documented semantics fix. Rust never contracts `acc + x * y` into a fused multiply-add.
+///
+/// # Safety
+/// `a`, `b`, `c` are valid for `m*k`, `k*n`, `m*n` f32s; `c` overlaps neither input.
+unsafe fn matmul_f32(a: *const u8, b: *const u8, c: *mut u8, m: usize, n: usize, k: usize) {
+    let aligned = [a as usize, b as usize, c as usize]
+        .iter()
+        .all(|p| p % std::mem::align_of::<f32>() == 0);
+    if aligned {
+        // SAFETY: aligned, in bounds and non-overlapping (caller's contract).
+        let (a, b, c) = unsafe {
+            (
+                std::slice::from_raw_parts(a.cast::<f32>(), m * k),
+                std::slice::from_raw_parts(b.cast::<f32>(), k * n),
+                std::slice::from_raw_parts_mut(c.cast::<f32>(), m * n),
+            )
+        };
+        for (a_row, c_row) in a.chunks_exact(k.max(1)).zip(c.chunks_exact_mut(n.max(1))) {
+            c_row.fill(0.0);
+            for (&x, b_row) in a_row.iter().zip(b.chunks_exact(n.max(1))) {
+                for (acc, &y) in c_row.iter_mut().zip(b_row) {
+                    *acc += x * y;
+                }
+            }
+        }
+        return;
+    }
+    let (a, b, c) = (a.cast::<f32>(), b.cast::<f32>(), c.cast::<f32>());
+    for i in 0..m {
+        for j in 0..n {
+            let mut acc = 0.0f32;
+            for p in 0..k {
+                // SAFETY: indices within the shapes (caller's contract); unaligned reads.
+                unsafe {
+                    acc += a.add(i * k + p).read_unaligned() * b.add(p * n + j).read_unaligned();
+                }
+            }
+            // SAFETY: as above.
+            unsafe { c.add(i * n + j).write_unaligned(acc) };
         }
     }
 }
@@ -513,6 +654,106 @@ mod tests {
             })
         };
         assert_eq!(dst[0].to_bits(), nan_bits, "equal dtypes copy bits");
+    }
+
+    #[test]
+    fn host_matmul_sums_in_order_without_fusing_on_both_paths() {
+        // [2, 3] x [3, 2], exact small integers.
+        let a = [1f32, 2.0, 3.0, -4.0, 5.0, -6.0];
+        let b = [7f32, 8.0, 9.0, 10.0, -11.0, 12.0];
+        let mut c = [0f32; 4];
+        let run = |a: *const u8, b: *const u8, c: *mut u8, k: usize| unsafe {
+            run_on_host(&Kernel::Matmul {
+                a: a as *mut u8,
+                b: b as *mut u8,
+                c,
+                m: 2,
+                n: 2,
+                k,
+                dtype: DType::F32,
+            })
+        };
+        run(
+            a.as_ptr().cast(),
+            b.as_ptr().cast(),
+            c.as_mut_ptr().cast(),
+            3,
+        );
+        assert_eq!(c, [-8.0, 64.0, 83.0, -54.0]);
+        // 1 + 2^-24 + 2^-24 ... in order: 1.0 + 2^-24 rounds back to 1.0 each step, while a
+        // pairwise (reordered) sum would keep the small terms.
+        let k = 5;
+        let a: Vec<f32> = vec![1.0; 2 * k];
+        let mut b = vec![2f32.powi(-24); k * 2];
+        b[0] = 1.0;
+        b[1] = 1.0;
+        let mut c = [0f32; 4];
+        run(
+            a.as_ptr().cast(),
+            b.as_ptr().cast(),
+            c.as_mut_ptr().cast(),
+            k,
+        );
+        assert_eq!(c, [1.0; 4]);
+        // The unaligned path gives the same bits as the aligned one.
+        let mut bytes = vec![0u8; 1];
+        bytes.extend(b.iter().flat_map(|x| x.to_le_bytes()));
+        let mut out = [0u8; 1 + 16];
+        run(
+            a.as_ptr().cast(),
+            bytes[1..].as_ptr(),
+            out[1..].as_mut_ptr(),
+            k,
+        );
+        assert_eq!(
+            &out[1..],
+            c.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn matmul_is_f32_only_and_never_in_place() {
+        let k = |dtype, k| Kernel::Matmul {
+            a: (),
+            b: (),
+            c: (),
+            m: 2,
+            n: 3,
+            k,
+            dtype,
+        };
+        assert!(k(DType::F32, 4).validate(BackendKind::Cpu).is_ok());
+        assert_eq!(
+            k(DType::BF16, 4)
+                .validate(BackendKind::Cpu)
+                .unwrap_err()
+                .kind,
+            ErrorKind::Unsupported
+        );
+        assert_eq!(
+            k(DType::F32, 0)
+                .validate(BackendKind::Cpu)
+                .unwrap_err()
+                .kind,
+            ErrorKind::InvalidValue
+        );
+        assert_eq!(k(DType::F32, 4).count(), 6);
+        assert!(!k(DType::F32, 4).allows_in_place());
+        let sizes: Vec<usize> = k(DType::F32, 4).places().iter().map(|p| p.1).collect();
+        assert_eq!(sizes, [32, 48, 24]);
+        let huge = Kernel::Matmul {
+            a: (),
+            b: (),
+            c: (),
+            m: 1,
+            n: 1,
+            k: usize::MAX / 2,
+            dtype: DType::F32,
+        };
+        assert_eq!(
+            huge.validate(BackendKind::Cpu).unwrap_err().kind,
+            ErrorKind::InvalidValue
+        );
     }
 
     #[test]

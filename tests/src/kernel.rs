@@ -396,3 +396,97 @@ pub(crate) fn bad_arguments(p: &dyn Platform) -> Result<()> {
     p.destroy_stream(&stream)?;
     Ok(())
 }
+
+/// `c = a · b` in f32 against a host reference that sums each output's products in order of
+/// the inner index, one rounding per product and per sum: the bits every backend must give
+/// (a fused multiply-add or a reordered sum changes the last bits of long inner dimensions).
+/// Places at offsets, guard bytes around `c`, a degenerate shape, and the rejected calls.
+pub(crate) fn matmul_f32(p: &dyn Platform) -> Result<()> {
+    let stream = p.create_stream()?;
+    let mut s = 0x9e37_79b9_7f4a_7c15u64;
+    let mut values = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / 65536.0 - 128.0) * 2f32.powi((s % 11) as i32 - 5)
+            })
+            .collect()
+    };
+    for (m, n, k) in [(1, 1, 1), (7, 5, 3), (16, 24, 513), (3, 1, 64), (1, 40, 9)] {
+        let (a, b) = (values(m * k), values(k * n));
+        let mut want = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0f32;
+                for q in 0..k {
+                    acc += a[i * k + q] * b[q * n + j];
+                }
+                want[i * n + j] = acc;
+            }
+        }
+        // `a` and `b` share one buffer at offsets; `c` sits between guard bytes.
+        let mut ab = vec![0u8; 12];
+        ab.extend(f32_bytes(&a));
+        let b_off = ab.len();
+        ab.extend(f32_bytes(&b));
+        let inputs = upload(p, &ab, &stream)?;
+        let out = p.alloc_device(4 * m * n + 32)?;
+        p.memset_async(&out, 0, 0xEE, out.len(), &stream)?;
+        p.launch_kernel(
+            Kernel::Matmul {
+                a: inputs.at(12),
+                b: inputs.at(b_off),
+                c: out.at(16),
+                m,
+                n,
+                k,
+                dtype: DType::F32,
+            },
+            &stream,
+        )?;
+        let mut expected = vec![0xEEu8; out.len()];
+        expected[16..16 + 4 * m * n].copy_from_slice(&f32_bytes(&want));
+        let got = download(p, &out, 0, out.len(), &stream)?;
+        check_bytes(&format!("matmul {m}x{k}x{n}"), &expected, &got)?;
+    }
+    let a = p.alloc_device(64)?;
+    let c = p.alloc_device(64)?;
+    let mm = |a: hprt_platform::BufRef<'_>, c: hprt_platform::BufRef<'_>, dtype, k| {
+        p.launch_kernel(
+            Kernel::Matmul {
+                a,
+                b: a,
+                c,
+                m: 2,
+                n: 2,
+                k,
+                dtype,
+            },
+            &stream,
+        )
+    };
+    expect_kind(
+        mm(a.at(0), c.at(0), DType::F64, 2),
+        ErrorKind::Unsupported,
+        "f64 matmul",
+    )?;
+    expect_kind(
+        mm(a.at(0), a.at(0), DType::F32, 2),
+        ErrorKind::InvalidValue,
+        "matmul writing over its own input",
+    )?;
+    expect_kind(
+        mm(a.at(0), c.at(56), DType::F32, 2),
+        ErrorKind::OutOfRange,
+        "matmul writing past the output",
+    )?;
+    expect_kind(
+        mm(a.at(0), c.at(0), DType::F32, 0),
+        ErrorKind::InvalidValue,
+        "matmul with an empty inner dimension",
+    )?;
+    p.synchronize_stream(&stream)?;
+    Ok(())
+}

@@ -212,6 +212,7 @@ static CASES: &[Case] = &[
         kernel::host_fn_in_stream_order
     ),
     case!("kernel", "kernel_bad_arguments", kernel::bad_arguments),
+    case!("kernel", "matmul_f32", kernel::matmul_f32),
     // error
     case!("error", "use_after_free", errors::use_after_free),
     case!("error", "out_of_range", errors::out_of_range),

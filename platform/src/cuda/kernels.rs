@@ -8,8 +8,10 @@
 //! are converted in software with the `half` crate's algorithms, NaN payloads included, and
 //! f32 ↔ f64 NaNs keep their payload as x86 conversions do. Arithmetic uses `__dmul_rn` /
 //! `__dadd_rn` and the module is compiled with `--fmad=false`, so `d + alpha * s` is never
-//! contracted into an FMA the host does not do. Every kernel takes an `aligned` flag: unaligned
-//! places are read and written byte by byte.
+//! contracted into an FMA the host does not do. The matmul is naive (one thread per output, the
+//! inner dimension summed in order with `__fmul_rn` / `__fadd_rn` in f32) because its contract
+//! is the host's bits, not speed. Every kernel takes an `aligned` flag: unaligned places are
+//! read and written byte by byte.
 
 use std::fmt::Write as _;
 
@@ -61,6 +63,7 @@ pub(crate) fn kernel_name<B>(k: &Kernel<B>) -> Option<String> {
             dst_dtype,
             ..
         } => format!("hprt_axpy_{src_dtype}_to_{dst_dtype}"),
+        Kernel::Matmul { dtype, .. } => format!("hprt_matmul_{dtype}"),
     })
 }
 
@@ -286,8 +289,22 @@ pub(crate) fn source() -> String {
             }
         }
     }
+    s += MATMUL;
     s
 }
+
+/// `c[i][j] = sum over p in order of a[i][p] * b[p][j]`, f32 from 0.0, never fused.
+const MATMUL: &str = r#"
+extern "C" __global__ void hprt_matmul_f32(const unsigned char* a, const unsigned char* b, unsigned char* c, u64 m, u64 n, u64 k, int al) {
+    for (u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x; idx < m * n; idx += (u64)gridDim.x * blockDim.x) {
+        u64 i = idx / n, j = idx % n;
+        float acc = 0.0f;
+        for (u64 p = 0; p < k; ++p)
+            acc = __fadd_rn(acc, __fmul_rn(ld<float>(a, i * k + p, al), ld<float>(b, p * n + j, al)));
+        st<float>(c, idx, al, acc);
+    }
+}
+"#;
 
 #[cfg(test)]
 mod tests {
@@ -325,6 +342,15 @@ mod tests {
                     alpha: 1.0,
                 });
             }
+            v.push(Kernel::Matmul {
+                a: (),
+                b: (),
+                c: (),
+                m: 1,
+                n: 1,
+                k: 1,
+                dtype: d,
+            });
         }
         v
     }
@@ -348,8 +374,8 @@ mod tests {
                 }
             }
         }
-        // 8 fills, 56 casts, 4 scales, 16 axpys; nothing else is exported.
-        assert_eq!(defined, 8 + 56 + 4 + 16);
+        // 8 fills, 56 casts, 4 scales, 16 axpys, 1 matmul; nothing else is exported.
+        assert_eq!(defined, 8 + 56 + 4 + 16 + 1);
         assert_eq!(src.matches("__global__").count(), defined);
     }
 
@@ -425,6 +451,8 @@ static inline float __ll2float_rn(long long n) { return (float)n; }
 static inline double __ll2double_rn(long long n) { return (double)n; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
 "#;
 
     fn compile() -> libloading::Library {
@@ -531,6 +559,7 @@ static inline double __dadd_rn(double a, double b) { return a + b; }
                 ..
             } => (src_dtype, dst_dtype),
             Kernel::Fill { dtype, .. } | Kernel::Scale { dtype, .. } => (dtype, dtype),
+            Kernel::Matmul { .. } => unreachable!("matmuls are checked by their own test"),
         };
         let seed = name
             .bytes()
@@ -559,6 +588,7 @@ static inline double __dadd_rn(double a, double b) { return a + b; }
                 Kernel::Axpy { alpha, .. } => {
                     lib.get::<Axpy>(fname.as_bytes()).unwrap()(s, d, n as u64, alpha, aligned)
                 }
+                Kernel::Matmul { .. } => unreachable!("matmuls are checked by their own test"),
             }
             let mut src_copy = src.clone();
             let s = src_copy.as_mut_ptr().add(skew);
@@ -612,10 +642,76 @@ static inline double __dadd_rn(double a, double b) { return a + b; }
                     count,
                     alpha,
                 },
+                Kernel::Matmul { .. } => unreachable!("matmuls are checked by their own test"),
             };
             run_on_host(&hk);
         }
         (dev_dst, host_dst)
+    }
+
+    type Matmul = unsafe extern "C" fn(*const u8, *const u8, *mut u8, u64, u64, u64, i32);
+
+    /// Shapes with a long inner dimension (where a fused multiply-add or a reordered sum would
+    /// change the last bits), degenerate ones, and both alignments.
+    #[test]
+    fn generated_matmul_matches_the_host_reference_bit_for_bit() {
+        let lib = compile();
+        // SAFETY: the signature `MATMUL` defines.
+        let f = unsafe { lib.get::<Matmul>(b"hprt_matmul_f32\0") }.unwrap();
+        for (m, n, k) in [
+            (1, 1, 1),
+            (3, 5, 7),
+            (17, 9, 300),
+            (1, 64, 1000),
+            (8, 1, 33),
+        ] {
+            for skew in [0usize, 2] {
+                // Finite values of mixed sign and magnitude (NaN payloads are exempt).
+                let vals = |len: usize, seed: u64| -> Vec<u8> {
+                    let mut bytes = vec![0u8; skew];
+                    let mut x = seed | 1;
+                    for _ in 0..len {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let v =
+                            ((x >> 40) as f32 / 65536.0 - 128.0) * 2f32.powi((x % 9) as i32 - 4);
+                        bytes.extend(v.to_le_bytes());
+                    }
+                    bytes
+                };
+                let (mut a, mut b) = (vals(m * k, 11 + k as u64), vals(k * n, 29 + n as u64));
+                let mut dev = vec![0xAAu8; skew + m * n * 4];
+                let mut host = dev.clone();
+                // SAFETY: each buffer holds its matrix after `skew` bytes; c overlaps neither.
+                unsafe {
+                    let (pa, pb) = (a.as_mut_ptr().add(skew), b.as_mut_ptr().add(skew));
+                    f(
+                        pa,
+                        pb,
+                        dev.as_mut_ptr().add(skew),
+                        m as u64,
+                        n as u64,
+                        k as u64,
+                        i32::from(skew == 0),
+                    );
+                    run_on_host(&Kernel::Matmul {
+                        a: pa,
+                        b: pb,
+                        c: host.as_mut_ptr().add(skew),
+                        m,
+                        n,
+                        k,
+                        dtype: DType::F32,
+                    });
+                }
+                assert_eq!(dev, host, "matmul {m}x{k}x{n} skew {skew}");
+                assert!(
+                    host[skew..].chunks(4).any(|c| c != [0xAA; 4]),
+                    "outputs written"
+                );
+            }
+        }
     }
 
     #[test]

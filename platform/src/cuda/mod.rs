@@ -880,6 +880,28 @@ impl CudaBackend {
                 ];
                 self.launch(stream, function, kernel.count(), &mut args)?;
             }
+            Kernel::Matmul {
+                a: (ref a, ao),
+                b: (ref b, bo),
+                c: (ref c, co),
+                m,
+                n: cols,
+                k,
+                ..
+            } => {
+                let (mut ap, mut bp, mut cp) = (a.at(ao), b.at(bo), c.at(co));
+                let (mut m64, mut n64, mut k64) = (m as u64, cols as u64, k as u64);
+                let mut args = [
+                    (&mut ap as *mut u64).cast(),
+                    (&mut bp as *mut u64).cast(),
+                    (&mut cp as *mut u64).cast(),
+                    (&mut m64 as *mut u64).cast(),
+                    (&mut n64 as *mut u64).cast(),
+                    (&mut k64 as *mut u64).cast(),
+                    a_ptr,
+                ];
+                self.launch(stream, function, kernel.count(), &mut args)?;
+            }
         }
         for ((m, _), _, _) in places {
             m.used_on(stream)?;
@@ -969,6 +991,7 @@ fn kernel_dtypes<B>(k: &Kernel<B>) -> Vec<DType> {
             dst_dtype,
             ..
         } => vec![src_dtype, dst_dtype],
+        Kernel::Matmul { dtype, .. } => vec![dtype; 3],
     }
 }
 
