@@ -1,7 +1,12 @@
 //! One chunk: choose its mode, encode it, and decode it with every length and table checked.
+//!
+//! Both directions run in two simple passes instead of one fused loop: the symbols go through
+//! a `u16` scratch array, so the rANS loops touch nothing but states, tables and words, and
+//! the mantissa packing and merging run as separate straight-line loops.
 
 use super::rans::{self, DecTable, EncTable, RANS_L};
-use super::split::{mantissa_len, pack8, pack_tail, unpack8, unpack_tail, Elem};
+use super::simd;
+use super::split::{mantissa_len, merge_group, pack_mantissas, symbols_of, unpack_tail, Elem};
 use crate::error::{CompressError, Result};
 use crate::format::{checksum, ChunkEntry, ChunkMode, LANES};
 
@@ -11,34 +16,44 @@ const STATES_LEN: usize = 4 * LANES;
 /// Reusable per-thread buffers, so steady-state encoding allocates nothing per chunk.
 #[derive(Default)]
 pub(crate) struct Scratch {
-    words: Vec<u8>,
+    syms: Vec<u16>,
+    words: Vec<u16>,
 }
 
-/// Reusable per-thread decoding table.
+/// Reusable per-thread decoding table and symbol buffer.
 pub(crate) struct DecodeScratch {
-    table: Box<DecTable>,
+    table: DecTable,
+    syms: Vec<u16>,
 }
 
 impl DecodeScratch {
     pub(crate) fn new() -> Self {
         DecodeScratch {
             table: rans::new_dec_table(),
+            syms: Vec::new(),
         }
     }
 }
 
 /// Symbol counts of `src` (at most 512 symbols; the unused tail stays zero).
 pub(crate) fn histogram<E: Elem>(src: &[u8]) -> [u32; 512] {
-    // Four tables so consecutive equal symbols do not serialize on one counter.
+    let mut syms = vec![0u16; src.len() / E::BYTES];
+    symbols_of::<E>(src, &mut syms);
+    count(&syms)
+}
+
+/// Symbol counts of `syms` (each below 512).
+fn count(syms: &[u16]) -> [u32; 512] {
+    // Four tables so runs of equal symbols do not serialize on one counter.
     let mut h = [[0u32; 512]; 4];
-    let mut quads = src.chunks_exact(4 * E::BYTES);
+    let mut quads = syms.chunks_exact(4);
     for q in &mut quads {
-        for (k, t) in h.iter_mut().enumerate() {
-            t[E::symbol(E::load(&q[k * E::BYTES..]))] += 1;
+        for (t, &s) in h.iter_mut().zip(q) {
+            t[s as usize & 511] += 1;
         }
     }
-    for e in quads.remainder().chunks_exact(E::BYTES) {
-        h[0][E::symbol(E::load(e))] += 1;
+    for &s in quads.remainder() {
+        h[0][s as usize & 511] += 1;
     }
     let mut out = [0u32; 512];
     for (s, o) in out.iter_mut().enumerate() {
@@ -70,7 +85,10 @@ pub(crate) fn encode<E: Elem>(
     if n == 0 {
         return raw(out);
     }
-    let counts = histogram::<E>(src);
+    scratch.syms.resize(n, 0);
+    let syms = &mut scratch.syms[..n];
+    symbols_of::<E>(src, syms);
+    let counts = count(syms);
     let counts = &counts[..E::ALPHABET];
     let present = counts.iter().filter(|&&c| c > 0).count();
     let mlen = mantissa_len(n, E::MANT_BITS);
@@ -81,9 +99,10 @@ pub(crate) fn encode<E: Elem>(
             out.extend_from_slice(first);
             return entry(ChunkMode::Constant, out);
         }
-        let sym = E::symbol(E::load(first)) as u16;
-        out.extend_from_slice(&sym.to_le_bytes());
-        write_mantissas::<E>(src, out, mlen);
+        out.extend_from_slice(&syms[0].to_le_bytes());
+        let at = out.len();
+        out.resize(at + mlen, 0);
+        pack_mantissas::<E>(src, &mut out[at..]);
         return entry(ChunkMode::SingleSymbol, out);
     }
 
@@ -101,12 +120,19 @@ pub(crate) fn encode<E: Elem>(
     let enc = rans::enc_table(&freq, prob_bits);
     let mant_at = out.len();
     out.resize(mant_at + mlen, 0);
-    let words_len = encode_symbols::<E>(src, &enc, &mut out[mant_at..], scratch);
-    out.extend_from_slice(&scratch.words[..words_len]);
-    let states_at = out.len();
-    out.resize(states_at + STATES_LEN, 0);
-    for (k, x) in scratch_states(&scratch.words, words_len).iter().enumerate() {
-        out[states_at + 4 * k..states_at + 4 * k + 4].copy_from_slice(&x.to_le_bytes());
+    pack_mantissas::<E>(src, &mut out[mant_at..]);
+    if scratch.words.len() < n {
+        scratch.words.resize(n, 0);
+    }
+    let (words, states) = encode_symbols(syms, &enc, &mut scratch.words);
+    let words_at = out.len();
+    out.resize(words_at + 2 * words + STATES_LEN, 0);
+    let (word_bytes, state_bytes) = out[words_at..].split_at_mut(2 * words);
+    for (o, w) in word_bytes.chunks_exact_mut(2).zip(&scratch.words[..words]) {
+        o.copy_from_slice(&w.to_le_bytes());
+    }
+    for (o, x) in state_bytes.chunks_exact_mut(4).zip(states) {
+        o.copy_from_slice(&x.to_le_bytes());
     }
     if out.len() - start >= src.len() {
         return raw(out);
@@ -114,93 +140,23 @@ pub(crate) fn encode<E: Elem>(
     entry(ChunkMode::Rans, out)
 }
 
-/// The final states parked by [`encode_symbols`] after its words in the scratch buffer.
-fn scratch_states(words: &[u8], words_len: usize) -> [u32; LANES] {
-    std::array::from_fn(|k| {
-        let at = words_len + 4 * k;
-        u32::from_le_bytes(words[at..at + 4].try_into().expect("4 bytes"))
-    })
-}
-
-fn write_mantissas<E: Elem>(src: &[u8], out: &mut Vec<u8>, mlen: usize) {
-    let at = out.len();
-    out.resize(at + mlen, 0);
-    let mant = &mut out[at..];
-    let w = E::MANT_BITS as usize;
-    let mut groups = src.chunks_exact(8 * E::BYTES);
-    for (g, grp) in (&mut groups).enumerate() {
-        let m: [u32; 8] = std::array::from_fn(|k| E::load(&grp[k * E::BYTES..]) & E::MANT_MASK);
-        pack8::<E>(&m, &mut mant[g * w..]);
-    }
-    let rest = groups.remainder();
-    if !rest.is_empty() {
-        let m: Vec<u32> = rest
-            .chunks_exact(E::BYTES)
-            .map(|e| E::load(e) & E::MANT_MASK)
-            .collect();
-        let full = src.len() / (8 * E::BYTES);
-        pack_tail::<E>(&m, &mut mant[full * w..]);
-    }
-}
-
-/// Packs the mantissas into `mant` and rANS-codes the symbols, last element first, element `i`
-/// on lane `i % 8`. Leaves the words in `scratch.words[..returned]` followed by the final states.
-fn encode_symbols<E: Elem>(
-    src: &[u8],
-    enc: &EncTable,
-    mant: &mut [u8],
-    scratch: &mut Scratch,
-) -> usize {
-    let n = src.len() / E::BYTES;
-    let need = 2 * n + STATES_LEN + 64;
-    if scratch.words.len() < need {
-        scratch.words.resize(need, 0);
-    }
-    let words = &mut scratch.words[..];
-    let w = E::MANT_BITS as usize;
-    let full = n / 8;
-    let tail = n % 8;
+/// rANS-codes `syms`, last first, symbol `i` on lane `i % 8`, into `words` (which has room
+/// for one word per symbol); returns the number of words and the final states.
+fn encode_symbols(syms: &[u16], enc: &EncTable, words: &mut [u16]) -> (usize, [u32; LANES]) {
     let mut x = [RANS_L; LANES];
     let mut pos = 0usize;
-    if tail > 0 {
-        let base = full * 8;
-        let mut m = [0u32; 8];
-        for k in (0..tail).rev() {
-            let v = E::load(&src[(base + k) * E::BYTES..]);
-            m[k] = v & E::MANT_MASK;
-            rans::put(&mut x[k], &enc[E::symbol(v) & 511], words, &mut pos);
+    let full = syms.len() / LANES * LANES;
+    for (k, &s) in syms[full..].iter().enumerate().rev() {
+        rans::put(&mut x[k], &enc[s as usize & 511], words, &mut pos);
+    }
+    // A symbol emits at most one word, so after `i` symbols `pos <= i`: the last group starts
+    // with at most `full - 8` words written and every write below stays inside `words`.
+    for grp in syms[..full].chunks_exact(LANES).rev() {
+        for k in (0..LANES).rev() {
+            rans::put(&mut x[k], &enc[grp[k] as usize & 511], words, &mut pos);
         }
-        pack_tail::<E>(&m[..tail], &mut mant[full * w..]);
     }
-    let groups = src[..full * 8 * E::BYTES].chunks_exact(8 * E::BYTES);
-    let mants = mant[..full * w].chunks_exact_mut(w.max(1));
-    for (grp, mo) in groups.rev().zip(mants.rev()) {
-        let v: [u32; 8] = std::array::from_fn(|k| E::load(&grp[k * E::BYTES..]));
-        let m = v.map(|v| v & E::MANT_MASK);
-        pack8::<E>(&m, mo);
-        // At most eight words per group: collect them in a fixed window, store it whole and
-        // advance by the count (the buffer has slack for the unused tail).
-        let mut win = [0u8; 16];
-        let mut emitted = 0usize;
-        for k in (0..8).rev() {
-            let e = &enc[E::symbol(v[k]) & 511];
-            let mut s = x[k];
-            let emit = s >= e.x_max;
-            let i = emitted & 7;
-            win[2 * i..2 * i + 2].copy_from_slice(&(s as u16).to_le_bytes());
-            emitted += emit as usize;
-            s = if emit { s >> 16 } else { s };
-            let q = (((s as u64 * e.rcp as u64) >> 32) as u32) >> e.shift;
-            x[k] = s + e.bias + q * e.cmpl as u32;
-        }
-        words[2 * pos..2 * pos + 16].copy_from_slice(&win);
-        pos += emitted;
-    }
-    let words_len = 2 * pos;
-    for (k, s) in x.iter().enumerate() {
-        words[words_len + 4 * k..words_len + 4 * k + 4].copy_from_slice(&s.to_le_bytes());
-    }
-    words_len
+    (pos, x)
 }
 
 /// Decodes one chunk payload of `out.len() / E::BYTES` elements into `out`.
@@ -243,15 +199,16 @@ pub(crate) fn decode<E: Elem>(
         }
         ChunkMode::SingleSymbol => {
             expect_len(2 + mlen)?;
-            let sym = u16::from_le_bytes([payload[0], payload[1]]) as usize;
-            if sym >= E::ALPHABET {
+            let sym = u16::from_le_bytes([payload[0], payload[1]]);
+            if sym as usize >= E::ALPHABET {
                 return Err(CompressError::corrupt(
                     base,
                     format!("symbol {sym} outside the alphabet"),
                 ));
             }
-            let mant = &payload[2..];
-            merge::<E>(out, mant, |_| sym as u16);
+            scratch.syms.clear();
+            scratch.syms.resize(n, sym);
+            merge::<E>(out, &payload[2..], &scratch.syms);
         }
         ChunkMode::Rans => {
             let alphabet = E::ALPHABET;
@@ -283,16 +240,18 @@ pub(crate) fn decode<E: Elem>(
                 ));
             }
             rans::fill_dec_table(&mut scratch.table, &freq);
+            scratch.syms.resize(n, 0);
+            let syms = &mut scratch.syms[..n];
             let mut pos = words.len() / 2;
             let t = &scratch.table;
             // The resolution as a constant, so masks and shifts are immediates.
             match prob_bits {
-                9 => decode_symbols::<E, 9>(out, mant, t, words, &mut pos, &mut x),
-                10 => decode_symbols::<E, 10>(out, mant, t, words, &mut pos, &mut x),
-                11 => decode_symbols::<E, 11>(out, mant, t, words, &mut pos, &mut x),
-                12 => decode_symbols::<E, 12>(out, mant, t, words, &mut pos, &mut x),
-                13 => decode_symbols::<E, 13>(out, mant, t, words, &mut pos, &mut x),
-                14 => decode_symbols::<E, 14>(out, mant, t, words, &mut pos, &mut x),
+                9 => decode_symbols::<9>(syms, t, words, &mut pos, &mut x),
+                10 => decode_symbols::<10>(syms, t, words, &mut pos, &mut x),
+                11 => decode_symbols::<11>(syms, t, words, &mut pos, &mut x),
+                12 => decode_symbols::<12>(syms, t, words, &mut pos, &mut x),
+                13 => decode_symbols::<13>(syms, t, words, &mut pos, &mut x),
+                14 => decode_symbols::<14>(syms, t, words, &mut pos, &mut x),
                 _ => {
                     return Err(CompressError::UnsupportedFormat(format!(
                         "probability resolution of {prob_bits} bits"
@@ -305,6 +264,7 @@ pub(crate) fn decode<E: Elem>(
                     "rans stream does not end where it should",
                 ));
             }
+            merge::<E>(out, mant, syms);
         }
     }
     if verify && checksum(out) != entry.check {
@@ -316,94 +276,155 @@ pub(crate) fn decode<E: Elem>(
     Ok(())
 }
 
-/// The rANS decode loop: lane `k` of each group of eight, mantissas merged as they come.
-fn decode_symbols<E: Elem, const PB: u32>(
-    out: &mut [u8],
-    mant: &[u8],
+/// The rANS decode loop: symbol `i` from lane `i % 8`, refills taken from the end of `words`;
+/// vectorized where the CPU allows.
+fn decode_symbols<const PB: u32>(
+    syms: &mut [u16],
     table: &DecTable,
     words: &[u8],
     pos_io: &mut usize,
     x_io: &mut [u32; LANES],
 ) {
-    let w = E::MANT_BITS as usize;
-    let n = out.len() / E::BYTES;
-    let full = n / 8;
+    decode_symbols_with::<PB>(syms, table, words, pos_io, x_io, true)
+}
+
+fn decode_symbols_with<const PB: u32>(
+    syms: &mut [u16],
+    table: &DecTable,
+    words: &[u8],
+    pos_io: &mut usize,
+    x_io: &mut [u32; LANES],
+    allow_simd: bool,
+) {
+    let n_words = words.len() / 2;
+    #[cfg(target_arch = "x86_64")]
+    let syms = if allow_simd && simd::avx2::available() {
+        // SAFETY: the CPU has AVX2.
+        let done = unsafe { simd::avx2::decode_groups(syms, table, PB, words, pos_io, x_io) };
+        &mut syms[done..]
+    } else {
+        syms
+    };
     // Locals, so the eight states and the read position stay in registers.
     let mut x = *x_io;
     let mut pos = *pos_io;
-    let mut groups = out.chunks_exact_mut(8 * E::BYTES);
-    let mants = mant[..full * w].chunks_exact(w.max(1));
-    for (grp, mi) in (&mut groups).zip(mants) {
-        let m = unpack8::<E>(mi);
-        let mut vals = [0u32; 8];
-        // A group refills at most eight words: take them as one bounds-checked window (word
-        // `pos - 1` last) and index it with a count the compiler sees is below 8. Near the
-        // start of the stream, or once a corrupt stream ran past it, words are read one by one.
-        let window = pos
-            .checked_sub(8)
-            .and_then(|p| p.checked_mul(2))
-            .and_then(|at| words.get(at..at + 16));
-        if let Some(win) = window {
-            let win: &[u8; 16] = win.try_into().expect("a 16-byte range");
-            let mut used = 0usize;
-            for k in 0..8 {
+    let mut groups = syms.chunks_exact_mut(LANES);
+    for grp in &mut groups {
+        if (LANES..=n_words).contains(&pos) {
+            for k in 0..LANES {
                 let v = x[k];
-                let d = table[(v & ((1 << PB) - 1)) as usize & (rans::MAX_SLOTS - 1)];
-                let v = (d.freq as u32) * (v >> PB) + d.bias as u32;
+                let slot = (v & ((1 << PB) - 1)) as usize & (rans::MAX_SLOTS - 1);
+                let e = table.freq_bias[slot];
+                grp[k] = table.sym[slot] as u16;
+                let v = (e & 0xffff) * (v >> PB) + (e >> 16);
                 let refill = v < RANS_L;
-                let i = 7usize.wrapping_sub(used) & 7;
-                let word = u16::from_le_bytes([win[2 * i], win[2 * i + 1]]) as u32;
+                // SAFETY: `LANES <= pos <= n_words` at the start of the group and a lane
+                // lowers `pos` by at most one, so `pos - 1` stays in `0..n_words` for all eight
+                // lanes and the two bytes at `2 * (pos - 1)` lie inside `words`.
+                let word = unsafe { words.as_ptr().add(2 * (pos - 1)).cast::<[u8; 2]>().read() };
+                let word = u16::from_le_bytes(word) as u32;
                 x[k] = if refill { (v << 16) | word } else { v };
-                used += refill as usize;
-                vals[k] = ((d.sym as u32) << E::MANT_BITS) | m[k];
+                pos -= refill as usize;
             }
-            pos -= used;
         } else {
-            for k in 0..8 {
-                let s = rans::get(&mut x[k], table, PB, words, &mut pos) as u32;
-                vals[k] = (s << E::MANT_BITS) | m[k];
+            // Near the start of the stream, or after a corrupt one ran past it.
+            for (k, s) in grp.iter_mut().enumerate() {
+                *s = rans::get(&mut x[k], table, PB, words, &mut pos);
             }
         }
-        let mut bytes = [0u8; 32];
-        for (k, v) in vals.iter().enumerate() {
-            E::store(*v, &mut bytes[k * E::BYTES..]);
-        }
-        grp.copy_from_slice(&bytes[..8 * E::BYTES]);
     }
-    let rest = groups.into_remainder();
-    if !rest.is_empty() {
-        let t = rest.len() / E::BYTES;
-        let m = unpack_tail::<E>(&mant[full * w..], t);
-        for (k, e) in rest.chunks_exact_mut(E::BYTES).enumerate() {
-            let s = rans::get(&mut x[k], table, PB, words, &mut pos) as u32;
-            E::store((s << E::MANT_BITS) | m[k], e);
-        }
+    for (k, s) in groups.into_remainder().iter_mut().enumerate() {
+        *s = rans::get(&mut x[k], table, PB, words, &mut pos);
     }
     *x_io = x;
     *pos_io = pos;
 }
 
-/// Writes element `i` as `(next_symbol(i) << mantissa bits) | mantissa i`, in element order.
-#[inline(always)]
-fn merge<E: Elem>(out: &mut [u8], mant: &[u8], mut next_symbol: impl FnMut(usize) -> u16) {
-    let n = out.len() / E::BYTES;
+/// Writes element `i` as `syms[i] << mantissa bits | mantissa i`, in element order.
+fn merge<E: Elem>(out: &mut [u8], mant: &[u8], syms: &[u16]) {
     let w = E::MANT_BITS as usize;
-    let full = n / 8;
-    let mut groups = out.chunks_exact_mut(8 * E::BYTES);
-    for (g, grp) in (&mut groups).enumerate() {
-        let m = unpack8::<E>(&mant[g * w..g * w + w]);
-        for k in 0..8 {
-            let s = next_symbol(g * 8 + k) as u32;
-            E::store((s << E::MANT_BITS) | m[k], &mut grp[k * E::BYTES..]);
-        }
+    let full = syms.len() / LANES;
+    let mut groups = out.chunks_exact_mut(LANES * E::BYTES);
+    for ((grp, s), m) in (&mut groups)
+        .zip(syms.chunks_exact(LANES))
+        .zip(mant.chunks_exact(w))
+    {
+        merge_group::<E>(grp, s, m);
     }
     let rest = groups.into_remainder();
     if !rest.is_empty() {
         let t = rest.len() / E::BYTES;
         let m = unpack_tail::<E>(&mant[full * w..], t);
-        for (k, e) in rest.chunks_exact_mut(E::BYTES).enumerate() {
-            let s = next_symbol(full * 8 + k) as u32;
-            E::store((s << E::MANT_BITS) | m[k], e);
+        for ((e, &s), m) in rest
+            .chunks_exact_mut(E::BYTES)
+            .zip(&syms[full * 8..])
+            .zip(m)
+        {
+            E::store(((s as u32) << E::MANT_BITS) | m, e);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::SplitMix64;
+
+    /// Decodes with the reference one-symbol-at-a-time decoder.
+    fn reference(
+        words: &[u8],
+        t: &DecTable,
+        n: usize,
+        mut x: [u32; 8],
+    ) -> (Vec<u16>, usize, [u32; 8]) {
+        let mut pos = words.len() / 2;
+        let syms = (0..n)
+            .map(|i| rans::get(&mut x[i % LANES], t, 12, words, &mut pos))
+            .collect();
+        (syms, pos, x)
+    }
+
+    #[test]
+    fn group_decoders_match_the_reference_on_valid_and_corrupt_streams() {
+        let mut rng = SplitMix64::new(5);
+        let counts: Vec<u32> = (0..512u32)
+            .map(|s| if s % 3 == 0 { 1 + (s * 7919) % 300 } else { 0 })
+            .collect();
+        let freq = rans::normalize(&counts, 12);
+        let enc = rans::enc_table(&freq, 12);
+        let mut t = rans::new_dec_table();
+        rans::fill_dec_table(&mut t, &freq);
+        let present: Vec<u16> = (0..512)
+            .filter(|&s| freq[s] > 0)
+            .map(|s| s as u16)
+            .collect();
+        let n = 1003;
+        let syms: Vec<u16> = (0..n)
+            .map(|_| present[(rng.next_u64() % present.len() as u64) as usize])
+            .collect();
+        let mut words = vec![0u16; n];
+        let (pos, states) = encode_symbols(&syms, &enc, &mut words);
+        let valid: Vec<u8> = words[..pos].iter().flat_map(|w| w.to_le_bytes()).collect();
+        let mut corrupt = valid.clone();
+        for b in corrupt.iter_mut().skip(3).step_by(17) {
+            *b ^= 0x5a;
+        }
+        let short = valid[..valid.len() / 2].to_vec();
+        for (name, words) in [("valid", &valid), ("corrupt", &corrupt), ("short", &short)] {
+            let want = reference(words, &t, n, states);
+            if name == "valid" {
+                assert_eq!((&want.0, want.1, want.2), (&syms, 0, [RANS_L; 8]));
+            }
+            for allow_simd in [false, true] {
+                let mut got = vec![0u16; n];
+                let (mut p, mut x) = (words.len() / 2, states);
+                decode_symbols_with::<12>(&mut got, &t, words, &mut p, &mut x, allow_simd);
+                assert_eq!(
+                    (got, p, x),
+                    want.clone(),
+                    "{name} stream, simd allowed: {allow_simd}"
+                );
+            }
         }
     }
 }

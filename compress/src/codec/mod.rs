@@ -18,6 +18,7 @@
 
 mod chunk;
 mod rans;
+mod simd;
 mod split;
 
 pub use rans::entropy_bits;

@@ -25,33 +25,47 @@ pub(crate) fn normalize(counts: &[u32], prob_bits: u32) -> Vec<u32> {
         .collect();
     let present: Vec<usize> = (0..counts.len()).filter(|&s| counts[s] > 0).collect();
     let mut sum: i64 = freq.iter().map(|&f| f as i64).sum();
-    while sum != m as i64 {
-        if sum > m as i64 {
-            // Take one from the symbol whose code grows the least.
-            let best = present
-                .iter()
-                .copied()
-                .filter(|&s| freq[s] > 1)
-                .min_by(|&a, &b| {
-                    let ca = counts[a] as f64 * (freq[a] as f64 / (freq[a] - 1) as f64).ln();
-                    let cb = counts[b] as f64 * (freq[b] as f64 / (freq[b] - 1) as f64).ln();
-                    ca.total_cmp(&cb)
-                })
-                .expect("sum exceeds the total only while some frequency exceeds 1");
-            freq[best] -= 1;
-            sum -= 1;
+    // Bits saved (or lost) by one more (or one less) unit of a symbol, kept per symbol and
+    // recomputed only for the symbol that changed; ties go to the same symbol as a full scan
+    // would pick (the first smallest loss, the last largest gain).
+    let loss = |s: usize, freq: &[u32]| {
+        if freq[s] > 1 {
+            counts[s] as f64 * (freq[s] as f64 / (freq[s] - 1) as f64).ln()
         } else {
-            let best = present
-                .iter()
-                .copied()
-                .max_by(|&a, &b| {
-                    let ga = counts[a] as f64 * ((freq[a] + 1) as f64 / freq[a] as f64).ln();
-                    let gb = counts[b] as f64 * ((freq[b] + 1) as f64 / freq[b] as f64).ln();
-                    ga.total_cmp(&gb)
-                })
-                .expect("a present symbol exists");
-            freq[best] += 1;
+            f64::INFINITY
+        }
+    };
+    let gain =
+        |s: usize, freq: &[u32]| counts[s] as f64 * ((freq[s] + 1) as f64 / freq[s] as f64).ln();
+    if sum > m as i64 {
+        let mut cost: Vec<f64> = present.iter().map(|&s| loss(s, &freq)).collect();
+        while sum > m as i64 {
+            let mut best = 0;
+            for (i, c) in cost.iter().enumerate() {
+                if c.total_cmp(&cost[best]).is_lt() {
+                    best = i;
+                }
+            }
+            // Some frequency exceeds 1 while the sum exceeds the total, so `best` has a finite
+            // loss.
+            let s = present[best];
+            freq[s] -= 1;
+            sum -= 1;
+            cost[best] = loss(s, &freq);
+        }
+    } else if sum < m as i64 {
+        let mut value: Vec<f64> = present.iter().map(|&s| gain(s, &freq)).collect();
+        while sum < m as i64 {
+            let mut best = 0;
+            for (i, g) in value.iter().enumerate() {
+                if g.total_cmp(&value[best]).is_ge() {
+                    best = i;
+                }
+            }
+            let s = present[best];
+            freq[s] += 1;
             sum += 1;
+            value[best] = gain(s, &freq);
         }
     }
     freq
@@ -223,53 +237,52 @@ pub(crate) fn enc_table(freq: &[u32], prob_bits: u32) -> EncTable {
     t
 }
 
-/// Encodes one symbol into `x`, first emitting 16 bits as word `*pos` of `words` (little-endian
-/// byte pairs) when needed. `words` must have room for one more word (a symbol emits at most one).
+/// Encodes one symbol into `x`, first emitting 16 bits as word `*pos` of `words` when needed.
+/// `words` must have room for one more word (a symbol emits at most one): the word is stored
+/// unconditionally and kept by advancing `*pos`, so the loop has no data-dependent branch.
 #[inline(always)]
-pub(crate) fn put(x: &mut u32, e: &EncSym, words: &mut [u8], pos: &mut usize) {
+pub(crate) fn put(x: &mut u32, e: &EncSym, words: &mut [u16], pos: &mut usize) {
     let mut v = *x;
     let emit = v >= e.x_max;
-    let at = *pos * 2;
-    words[at..at + 2].copy_from_slice(&(v as u16).to_le_bytes());
+    words[*pos] = v as u16;
     *pos += emit as usize;
     v = if emit { v >> 16 } else { v };
     let q = (((v as u64 * e.rcp as u64) >> 32) as u32) >> e.shift;
     *x = v + e.bias + q * e.cmpl as u32;
 }
 
-/// Decoder entry of one slot of the `1 << prob_bits` table.
-#[derive(Clone, Copy, Default)]
-#[repr(C, align(8))]
-pub(crate) struct DecSlot {
-    pub freq: u16,
-    /// `slot - cumulative frequency of the symbol`.
-    pub bias: u16,
-    pub sym: u16,
-}
-
 /// Slots of the largest decoding table (`1 << 14`); smaller tables use a prefix.
 pub(crate) const MAX_SLOTS: usize = 1 << 14;
 
-/// A decoding table of [`MAX_SLOTS`] entries, so masked indices need no bounds checks.
-pub(crate) type DecTable = [DecSlot; MAX_SLOTS];
+/// The decoding table: per slot of `1 << prob_bits`, `freq | (slot - cum) << 16` and the
+/// symbol, as two `u32` arrays so SIMD gathers can read either. [`MAX_SLOTS`] entries each,
+/// so masked indices need no bounds checks.
+pub(crate) struct DecTable {
+    pub freq_bias: Box<[u32; MAX_SLOTS]>,
+    pub sym: Box<[u32; MAX_SLOTS]>,
+}
 
-pub(crate) fn new_dec_table() -> Box<DecTable> {
-    vec![DecSlot::default(); MAX_SLOTS]
+fn zeroed_slots() -> Box<[u32; MAX_SLOTS]> {
+    vec![0u32; MAX_SLOTS]
         .into_boxed_slice()
         .try_into()
         .unwrap_or_else(|_| unreachable!("the vector has MAX_SLOTS entries"))
+}
+
+pub(crate) fn new_dec_table() -> DecTable {
+    DecTable {
+        freq_bias: zeroed_slots(),
+        sym: zeroed_slots(),
+    }
 }
 
 /// Fills the first `1 << prob_bits` slots of `t` from validated frequencies.
 pub(crate) fn fill_dec_table(t: &mut DecTable, freq: &[u32]) {
     let mut slot = 0usize;
     for (s, &f) in freq.iter().enumerate() {
-        for k in 0..f as usize {
-            t[slot] = DecSlot {
-                freq: f as u16,
-                bias: k as u16,
-                sym: s as u16,
-            };
+        for k in 0..f {
+            t.freq_bias[slot] = f | k << 16;
+            t.sym[slot] = s as u32;
             slot += 1;
         }
     }
@@ -288,10 +301,11 @@ pub(crate) fn get(
 ) -> u16 {
     let mask = (1u32 << prob_bits) - 1;
     let v = *x;
-    let d = table[(v & mask) as usize & (MAX_SLOTS - 1)];
-    let v = (d.freq as u32)
+    let slot = (v & mask) as usize & (MAX_SLOTS - 1);
+    let e = table.freq_bias[slot];
+    let v = (e & 0xffff)
         .wrapping_mul(v >> prob_bits)
-        .wrapping_add(d.bias as u32);
+        .wrapping_add(e >> 16);
     let refill = v < RANS_L;
     *pos = pos.wrapping_sub(refill as usize);
     let at = pos.wrapping_mul(2);
@@ -300,7 +314,7 @@ pub(crate) fn get(
         None => 0,
     };
     *x = if refill { (v << 16) | w } else { v };
-    d.sym
+    table.sym[slot] as u16
 }
 
 #[cfg(test)]
@@ -350,12 +364,13 @@ mod tests {
         let mut dec = new_dec_table();
         fill_dec_table(&mut dec, &f);
         let syms: Vec<usize> = (0..5000).map(|i| [0, 1, 2, 4, 5, 4, 4, 2][i % 8]).collect();
-        let mut words = vec![0u8; 2 * syms.len() + 2];
+        let mut words = vec![0u16; syms.len() + 1];
         let (mut x, mut pos) = (RANS_L, 0);
         for &s in syms.iter().rev() {
             put(&mut x, &enc[s], &mut words, &mut pos);
         }
-        let bytes = &words[..2 * pos];
+        let bytes: Vec<u8> = words[..pos].iter().flat_map(|w| w.to_le_bytes()).collect();
+        let bytes = &bytes[..];
         for &s in &syms {
             assert_eq!(get(&mut x, &dec, pb, bytes, &mut pos) as usize, s);
         }

@@ -77,6 +77,24 @@ pub(crate) const fn mantissa_len(n: usize, w: u32) -> usize {
 #[inline(always)]
 pub(crate) fn pack8<E: Elem>(m: &[u32; 8], out: &mut [u8]) {
     let w = E::MANT_BITS as usize;
+    if 8 * w <= 64 {
+        // bf16: the group fits one u64 (constant branches per dtype).
+        let mut acc = 0u64;
+        for (k, &v) in m.iter().enumerate() {
+            acc |= (v as u64) << (k * w);
+        }
+        out[..w].copy_from_slice(&acc.to_le_bytes()[..w]);
+        return;
+    }
+    if 8 * w <= 128 {
+        // f16: one u128.
+        let mut acc = 0u128;
+        for (k, &v) in m.iter().enumerate() {
+            acc |= (v as u128) << (k * w);
+        }
+        out[..w].copy_from_slice(&acc.to_le_bytes()[..w]);
+        return;
+    }
     let mut acc = [0u64; 3];
     for (k, &v) in m.iter().enumerate() {
         let bit = k * w;
@@ -97,6 +115,18 @@ pub(crate) fn pack8<E: Elem>(m: &[u32; 8], out: &mut [u8]) {
 #[inline(always)]
 pub(crate) fn unpack8<E: Elem>(src: &[u8]) -> [u32; 8] {
     let w = E::MANT_BITS as usize;
+    if 8 * w <= 64 {
+        let mut bytes = [0u8; 8];
+        bytes[..w].copy_from_slice(&src[..w]);
+        let acc = u64::from_le_bytes(bytes);
+        return std::array::from_fn(|k| (acc >> (k * w)) as u32 & E::MANT_MASK);
+    }
+    if 8 * w <= 128 {
+        let mut bytes = [0u8; 16];
+        bytes[..w].copy_from_slice(&src[..w]);
+        let acc = u128::from_le_bytes(bytes);
+        return std::array::from_fn(|k| (acc >> (k * w)) as u32 & E::MANT_MASK);
+    }
     let mut bytes = [0u8; 24];
     bytes[..w].copy_from_slice(&src[..w]);
     let acc = [
@@ -115,6 +145,46 @@ pub(crate) fn unpack8<E: Elem>(src: &[u8]) -> [u32; 8] {
         *v = x as u32 & E::MANT_MASK;
     }
     m
+}
+
+/// The symbol of every element of `src` into `syms` (one per element).
+pub(crate) fn symbols_of<E: Elem>(src: &[u8], syms: &mut [u16]) {
+    for (s, e) in syms.iter_mut().zip(src.chunks_exact(E::BYTES)) {
+        *s = E::symbol(E::load(e)) as u16;
+    }
+}
+
+/// Packs the mantissas of all elements of `src` into `mant` (exactly
+/// `mantissa_len(n, E::MANT_BITS)` bytes).
+pub(crate) fn pack_mantissas<E: Elem>(src: &[u8], mant: &mut [u8]) {
+    let w = E::MANT_BITS as usize;
+    let full = src.len() / (8 * E::BYTES);
+    let mut groups = src.chunks_exact(8 * E::BYTES);
+    for (grp, o) in (&mut groups).zip(mant.chunks_exact_mut(w)) {
+        let m: [u32; 8] = std::array::from_fn(|k| E::load(&grp[k * E::BYTES..]) & E::MANT_MASK);
+        pack8::<E>(&m, o);
+    }
+    let rest = groups.remainder();
+    if !rest.is_empty() {
+        let mut m = [0u32; 8];
+        for (v, e) in m.iter_mut().zip(rest.chunks_exact(E::BYTES)) {
+            *v = E::load(e) & E::MANT_MASK;
+        }
+        pack_tail::<E>(&m[..rest.len() / E::BYTES], &mut mant[full * w..]);
+    }
+}
+
+/// Writes eight elements `syms[k] << mantissa bits | mantissa k` into `grp` from one packed
+/// mantissa group.
+#[inline(always)]
+pub(crate) fn merge_group<E: Elem>(grp: &mut [u8], syms: &[u16], mant: &[u8]) {
+    let m = unpack8::<E>(mant);
+    for k in 0..8 {
+        E::store(
+            ((syms[k] as u32) << E::MANT_BITS) | m[k],
+            &mut grp[k * E::BYTES..],
+        );
+    }
 }
 
 /// Packs a final group of fewer than eight mantissas (zero bits fill the last byte).
