@@ -20,17 +20,17 @@ pub(crate) struct Scratch {
     words: Vec<u16>,
 }
 
-/// Reusable per-thread decoding table and symbol buffer.
+/// Reusable per-thread decoding tables and symbol buffers, two of each for [`decode_pair`].
 pub(crate) struct DecodeScratch {
-    table: DecTable,
-    syms: Vec<u16>,
+    tables: [DecTable; 2],
+    syms: [Vec<u16>; 2],
 }
 
 impl DecodeScratch {
     pub(crate) fn new() -> Self {
         DecodeScratch {
-            table: rans::new_dec_table(),
-            syms: Vec::new(),
+            tables: [rans::new_dec_table(), rans::new_dec_table()],
+            syms: [Vec::new(), Vec::new()],
         }
     }
 }
@@ -206,65 +206,18 @@ pub(crate) fn decode<E: Elem>(
                     format!("symbol {sym} outside the alphabet"),
                 ));
             }
-            scratch.syms.clear();
-            scratch.syms.resize(n, sym);
-            merge::<E>(out, &payload[2..], &scratch.syms);
+            let syms = &mut scratch.syms[0];
+            syms.clear();
+            syms.resize(n, sym);
+            merge::<E>(out, &payload[2..], syms);
         }
         ChunkMode::Rans => {
-            let alphabet = E::ALPHABET;
-            let (freq, tlen) = rans::read_table(payload, alphabet, prob_bits, base)?;
-            let words_start = tlen + mlen;
-            let words_end = payload
-                .len()
-                .checked_sub(STATES_LEN)
-                .filter(|&e| e >= words_start);
-            let Some(words_end) = words_end else {
-                return Err(CompressError::corrupt(base, "rans chunk truncated"));
-            };
-            if (words_end - words_start) % 2 != 0 {
-                return Err(CompressError::corrupt(
-                    base + words_start,
-                    "odd rans word region",
-                ));
-            }
-            let mant = &payload[tlen..words_start];
-            let words = &payload[words_start..words_end];
-            let mut x: [u32; LANES] = std::array::from_fn(|k| {
-                let at = words_end + 4 * k;
-                u32::from_le_bytes(payload[at..at + 4].try_into().expect("4 bytes"))
-            });
-            if x.iter().any(|&s| !(RANS_L..1 << 31).contains(&s)) {
-                return Err(CompressError::corrupt(
-                    base + words_end,
-                    "rans state out of range",
-                ));
-            }
-            rans::fill_dec_table(&mut scratch.table, &freq);
-            scratch.syms.resize(n, 0);
-            let syms = &mut scratch.syms[..n];
-            let mut pos = words.len() / 2;
-            let t = &scratch.table;
-            // The resolution as a constant, so masks and shifts are immediates.
-            match prob_bits {
-                9 => decode_symbols::<9>(syms, t, words, &mut pos, &mut x),
-                10 => decode_symbols::<10>(syms, t, words, &mut pos, &mut x),
-                11 => decode_symbols::<11>(syms, t, words, &mut pos, &mut x),
-                12 => decode_symbols::<12>(syms, t, words, &mut pos, &mut x),
-                13 => decode_symbols::<13>(syms, t, words, &mut pos, &mut x),
-                14 => decode_symbols::<14>(syms, t, words, &mut pos, &mut x),
-                _ => {
-                    return Err(CompressError::UnsupportedFormat(format!(
-                        "probability resolution of {prob_bits} bits"
-                    )))
-                }
-            }
-            if pos != 0 || x.iter().any(|&s| s != RANS_L) {
-                return Err(CompressError::corrupt(
-                    base + words_start,
-                    "rans stream does not end where it should",
-                ));
-            }
-            merge::<E>(out, mant, syms);
+            let mut r = open_rans::<E>(payload, prob_bits, n, base, &mut scratch.tables[0])?;
+            let syms = &mut scratch.syms[0];
+            syms.resize(n, 0);
+            run_symbols(prob_bits, syms, &scratch.tables[0], &mut r)?;
+            r.close(base)?;
+            merge::<E>(out, r.mant, syms);
         }
     }
     if verify && checksum(out) != entry.check {
@@ -272,6 +225,153 @@ pub(crate) fn decode<E: Elem>(
             base,
             "decoded chunk fails its checksum",
         ));
+    }
+    Ok(())
+}
+
+/// A validated rANS chunk: its mantissas, words, read position and states.
+struct RansChunk<'a> {
+    mant: &'a [u8],
+    words: &'a [u8],
+    words_at: usize,
+    pos: usize,
+    x: [u32; LANES],
+}
+
+/// Reads and checks the frequency table, region lengths and initial states of a rANS chunk
+/// of `n` elements and fills `table`.
+fn open_rans<'a, E: Elem>(
+    payload: &'a [u8],
+    prob_bits: u32,
+    n: usize,
+    base: usize,
+    table: &mut DecTable,
+) -> Result<RansChunk<'a>> {
+    let (freq, tlen) = rans::read_table(payload, E::ALPHABET, prob_bits, base)?;
+    let words_start = tlen + mantissa_len(n, E::MANT_BITS);
+    let words_end = payload
+        .len()
+        .checked_sub(STATES_LEN)
+        .filter(|&e| e >= words_start);
+    let Some(words_end) = words_end else {
+        return Err(CompressError::corrupt(base, "rans chunk truncated"));
+    };
+    if (words_end - words_start) % 2 != 0 {
+        return Err(CompressError::corrupt(
+            base + words_start,
+            "odd rans word region",
+        ));
+    }
+    let x: [u32; LANES] = std::array::from_fn(|k| {
+        let at = words_end + 4 * k;
+        u32::from_le_bytes(payload[at..at + 4].try_into().expect("4 bytes"))
+    });
+    if x.iter().any(|&s| !(RANS_L..1 << 31).contains(&s)) {
+        return Err(CompressError::corrupt(
+            base + words_end,
+            "rans state out of range",
+        ));
+    }
+    rans::fill_dec_table(table, &freq);
+    let words = &payload[words_start..words_end];
+    Ok(RansChunk {
+        mant: &payload[tlen..words_start],
+        words,
+        words_at: words_start,
+        pos: words.len() / 2,
+        x,
+    })
+}
+
+impl RansChunk<'_> {
+    /// A valid stream ends having read every word, with every state back at the start.
+    fn close(&self, base: usize) -> Result<()> {
+        if self.pos != 0 || self.x.iter().any(|&s| s != RANS_L) {
+            return Err(CompressError::corrupt(
+                base + self.words_at,
+                "rans stream does not end where it should",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Decodes the symbols of `r` into `syms` (continuing from its position and states), with
+/// the resolution as a constant so masks and shifts are immediates.
+fn run_symbols(prob_bits: u32, syms: &mut [u16], t: &DecTable, r: &mut RansChunk) -> Result<()> {
+    let (w, pos, x) = (r.words, &mut r.pos, &mut r.x);
+    match prob_bits {
+        9 => decode_symbols::<9>(syms, t, w, pos, x),
+        10 => decode_symbols::<10>(syms, t, w, pos, x),
+        11 => decode_symbols::<11>(syms, t, w, pos, x),
+        12 => decode_symbols::<12>(syms, t, w, pos, x),
+        13 => decode_symbols::<13>(syms, t, w, pos, x),
+        14 => decode_symbols::<14>(syms, t, w, pos, x),
+        _ => {
+            return Err(CompressError::UnsupportedFormat(format!(
+                "probability resolution of {prob_bits} bits"
+            )))
+        }
+    }
+    Ok(())
+}
+
+/// One chunk for [`decode_pair`]: table entry, payload, destination, payload offset.
+pub(crate) struct ChunkJob<'a, 'b> {
+    pub entry: &'a ChunkEntry,
+    pub payload: &'a [u8],
+    pub out: &'b mut [u8],
+    pub base: usize,
+}
+
+/// Decodes two chunks. Two rANS chunks of the same length run their symbol loops together,
+/// so the vector decoder has two independent dependency chains to overlap; anything else
+/// decodes one after the other. Errors are those of [`decode`], the first chunk's first.
+pub(crate) fn decode_pair<E: Elem>(
+    a: ChunkJob,
+    b: ChunkJob,
+    prob_bits: u32,
+    verify: bool,
+    scratch: &mut DecodeScratch,
+) -> Result<()> {
+    let n = a.out.len() / E::BYTES;
+    let paired = a.entry.mode == ChunkMode::Rans
+        && b.entry.mode == ChunkMode::Rans
+        && b.out.len() == a.out.len()
+        && simd::paired_available();
+    if !paired {
+        decode::<E>(
+            a.entry, a.payload, prob_bits, a.out, a.base, verify, scratch,
+        )?;
+        return decode::<E>(
+            b.entry, b.payload, prob_bits, b.out, b.base, verify, scratch,
+        );
+    }
+    let [ta, tb] = &mut scratch.tables;
+    let mut ra = open_rans::<E>(a.payload, prob_bits, n, a.base, ta)?;
+    let mut rb = open_rans::<E>(b.payload, prob_bits, n, b.base, tb)?;
+    let [sa, sb] = &mut scratch.syms;
+    sa.resize(n, 0);
+    sb.resize(n, 0);
+    let done = simd::decode_pair_groups(
+        [&mut sa[..], &mut sb[..]],
+        [ta, tb],
+        prob_bits,
+        [ra.words, rb.words],
+        [&mut ra.pos, &mut rb.pos],
+        [&mut ra.x, &mut rb.x],
+    );
+    run_symbols(prob_bits, &mut sa[done..], ta, &mut ra)?;
+    run_symbols(prob_bits, &mut sb[done..], tb, &mut rb)?;
+    for (r, job, syms) in [(&ra, a, &sa), (&rb, b, &sb)] {
+        r.close(job.base)?;
+        merge::<E>(job.out, r.mant, syms);
+        if verify && checksum(job.out) != job.entry.check {
+            return Err(CompressError::corrupt(
+                job.base,
+                "decoded chunk fails its checksum",
+            ));
+        }
     }
     Ok(())
 }
@@ -300,7 +400,8 @@ fn decode_symbols_with<const PB: u32>(
     #[cfg(target_arch = "x86_64")]
     let syms = if allow_simd && simd::avx2::available() {
         // SAFETY: the CPU has AVX2.
-        let done = unsafe { simd::avx2::decode_groups(syms, table, PB, words, pos_io, x_io) };
+        let done =
+            unsafe { simd::avx2::decode_groups([syms], [table], PB, [words], [pos_io], [x_io]) };
         &mut syms[done..]
     } else {
         syms

@@ -270,18 +270,38 @@ fn decode_prefixed(
     let chunk_bytes = h.chunk_elems * h.dtype.size();
     let n_chunks = prefix.chunks.len();
     let threads = opts.threads.clamp(1, n_chunks.max(1));
-    let one = |i: usize, dst: &mut [u8], scratch: &mut chunk::DecodeScratch| -> Result<()> {
-        let e = &prefix.chunks[i];
-        let at = prefix.offsets[i];
-        let payload = &bytes[at..at + e.len];
-        with_elem!(h.dtype, E => chunk::decode::<E>(e, payload, h.prob_bits, dst, at, opts.verify, scratch))
+    fn job<'a, 'b>(
+        bytes: &'a [u8],
+        prefix: &'a Prefix,
+        i: usize,
+        out: &'b mut [u8],
+    ) -> chunk::ChunkJob<'a, 'b> {
+        let (entry, base) = (&prefix.chunks[i], prefix.offsets[i]);
+        chunk::ChunkJob {
+            entry,
+            payload: &bytes[base..base + entry.len],
+            out,
+            base,
+        }
+    }
+    // Decodes the chunks of `range`, the first being chunk `first`, two at a time.
+    let run = |first: usize, range: &mut [u8], scratch: &mut chunk::DecodeScratch| -> Result<()> {
+        let mut dsts = range.chunks_mut(chunk_bytes).enumerate();
+        while let Some((k, a)) = dsts.next() {
+            let a = job(bytes, prefix, first + k, a);
+            match dsts.next() {
+                Some((k, b)) => with_elem!(h.dtype, E => chunk::decode_pair::<E>(
+                    a, job(bytes, prefix, first + k, b), h.prob_bits, opts.verify, scratch
+                ))?,
+                None => with_elem!(h.dtype, E => chunk::decode::<E>(
+                    a.entry, a.payload, h.prob_bits, a.out, a.base, opts.verify, scratch
+                ))?,
+            }
+        }
+        Ok(())
     };
     if threads == 1 {
-        let mut scratch = chunk::DecodeScratch::new();
-        for (i, dst) in out.chunks_mut(chunk_bytes).enumerate() {
-            one(i, dst, &mut scratch)?;
-        }
-        return Ok(());
+        return run(0, out, &mut chunk::DecodeScratch::new());
     }
     let per = n_chunks.div_ceil(threads);
     std::thread::scope(|s| {
@@ -289,14 +309,8 @@ fn decode_prefixed(
             .chunks_mut(per * chunk_bytes)
             .enumerate()
             .map(|(t, range)| {
-                let one = &one;
-                s.spawn(move || {
-                    let mut scratch = chunk::DecodeScratch::new();
-                    for (k, dst) in range.chunks_mut(chunk_bytes).enumerate() {
-                        one(t * per + k, dst, &mut scratch)?;
-                    }
-                    Ok(())
-                })
+                let run = &run;
+                s.spawn(move || run(t * per, range, &mut chunk::DecodeScratch::new()))
             })
             .collect();
         handles
@@ -414,6 +428,39 @@ mod tests {
         );
         assert_eq!(decode(&enc).unwrap().data, single);
     }
+
+    #[test]
+    fn paired_chunks_round_trip_and_report_corruption_in_either_chunk() {
+        let opts = EncodeOptions {
+            chunk_elems: 256,
+            prob_bits: 12,
+            threads: 1,
+        };
+        let data = bf16_ramp(256 * 4 + 40);
+        let enc = encode(CodecDType::BF16, &data, &opts).unwrap();
+        let p = inspect(&enc).unwrap();
+        assert!(p.chunks[..4]
+            .iter()
+            .all(|c| c.mode == format::ChunkMode::Rans));
+        for verify in [true, false] {
+            let o = DecodeOptions { threads: 1, verify };
+            assert_eq!(decode_with(&enc, &o).unwrap().data, data);
+            // The last rANS word of each chunk of the first pair: the streams no longer end
+            // where they should, whether or not checksums are checked.
+            for chunk in [0, 1] {
+                let mut bad = enc.clone();
+                let end = p.offsets[chunk] + p.chunks[chunk].len - STATE_BYTES - 1;
+                bad[end] ^= 0x40;
+                assert!(
+                    decode_with(&bad, &o).is_err(),
+                    "chunk {chunk}, verify {verify}"
+                );
+            }
+        }
+    }
+
+    /// Bytes of the final states at the end of a rANS chunk.
+    const STATE_BYTES: usize = 32;
 
     #[test]
     fn rejects_partial_elements_and_bad_options() {

@@ -3,6 +3,9 @@
 //! one permutation. It computes exactly what the scalar loop computes (same states, same
 //! words consumed), so the choice between them is invisible in the output.
 
+use super::rans::DecTable;
+use crate::format::LANES;
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use std::arch::x86_64::*;
@@ -34,69 +37,148 @@ pub(crate) mod avx2 {
         std::is_x86_feature_detected!("avx2")
     }
 
-    /// Decodes whole groups of eight symbols into `syms` while at least eight words remain
-    /// (`LANES <= *pos <= words.len() / 2`); returns how many symbols it decoded. The caller
-    /// finishes the rest with the scalar decoder.
+    /// Loop constants, built once per call.
+    struct Consts {
+        slot_mask: __m256i,
+        shift: __m128i,
+        low16: __m256i,
+        seven: __m256i,
+        l: __m256i,
+        field_shifts: __m256i,
+        reverse: __m128i,
+    }
+
+    #[target_feature(enable = "avx2")]
+    fn consts(prob_bits: u32) -> Consts {
+        Consts {
+            slot_mask: _mm256_set1_epi32((1 << prob_bits) - 1),
+            shift: _mm_cvtsi32_si128(prob_bits as i32),
+            low16: _mm256_set1_epi32(0xffff),
+            seven: _mm256_set1_epi32(7),
+            l: _mm256_set1_epi32(RANS_L as i32),
+            field_shifts: _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+            // Word `p - 1` first: reverses the eight 16-bit words of the window.
+            reverse: _mm_setr_epi8(14, 15, 12, 13, 10, 11, 8, 9, 6, 7, 4, 5, 2, 3, 0, 1),
+        }
+    }
+
+    /// One group of eight symbols of one stream: returns the new states and the words used.
+    ///
+    /// # Safety
+    /// AVX2; `8 <= p <= words.len() / 2`; `grp` has eight symbols.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn group(
+        c: &Consts,
+        table: &DecTable,
+        xv: __m256i,
+        words: &[u8],
+        p: usize,
+        grp: &mut [u16],
+    ) -> (__m256i, usize) {
+        // SAFETY: gathers index slots masked below `1 << prob_bits <= MAX_SLOTS`, inside both
+        // tables; the 16 word bytes start at `2 * (p - 8)` with `8 <= p <= words.len() / 2`;
+        // the 16-byte store covers exactly the eight symbols of `grp`.
+        let slot = _mm256_and_si256(xv, c.slot_mask);
+        let e = _mm256_i32gather_epi32::<4>(table.freq_bias.as_ptr().cast(), slot);
+        let s = _mm256_i32gather_epi32::<4>(table.sym.as_ptr().cast(), slot);
+        let v = _mm256_add_epi32(
+            _mm256_mullo_epi32(_mm256_and_si256(e, c.low16), _mm256_srl_epi32(xv, c.shift)),
+            _mm256_srli_epi32::<16>(e),
+        );
+        // States stay below 2^31, so the signed compare is the unsigned one.
+        let refill = _mm256_cmpgt_epi32(c.l, v);
+        let m = _mm256_movemask_ps(_mm256_castsi256_ps(refill)) as usize;
+        let win = _mm_loadu_si128(words.as_ptr().add(2 * (p - LANES)).cast());
+        let win = _mm256_cvtepu16_epi32(_mm_shuffle_epi8(win, c.reverse));
+        let idx = _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_set1_epi32(EXPAND[m & 255] as i32), c.field_shifts),
+            c.seven,
+        );
+        let w = _mm256_permutevar8x32_epi32(win, idx);
+        let refilled = _mm256_or_si256(_mm256_slli_epi32::<16>(v), w);
+        let s16 = _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+        debug_assert!(grp.len() >= LANES);
+        _mm_storeu_si128(grp.as_mut_ptr().cast(), s16);
+        (
+            _mm256_blendv_epi8(v, refilled, refill),
+            m.count_ones() as usize,
+        )
+    }
+
+    /// Decodes whole groups of eight symbols of `N` independent streams in step (stream `j`
+    /// into `syms[j]`, all of the same length) while every stream has at least eight words
+    /// left (`LANES <= pos <= words.len() / 2`); returns how many symbols each stream decoded.
+    /// The caller finishes the rest with the scalar decoder.
     ///
     /// # Safety
     /// The CPU must support AVX2 ([`available`]).
     #[target_feature(enable = "avx2")]
-    pub(crate) unsafe fn decode_groups(
-        syms: &mut [u16],
-        table: &DecTable,
+    pub(crate) unsafe fn decode_groups<const N: usize>(
+        syms: [&mut [u16]; N],
+        tables: [&DecTable; N],
         prob_bits: u32,
-        words: &[u8],
-        pos: &mut usize,
-        x: &mut [u32; LANES],
+        words: [&[u8]; N],
+        pos: [&mut usize; N],
+        x: [&mut [u32; LANES]; N],
     ) -> usize {
-        let n_words = words.len() / 2;
-        // SAFETY (all loads and stores below): `x` is 32 bytes; gathers index slots masked
-        // below `1 << prob_bits <= MAX_SLOTS`, inside both tables; the 16 word bytes read
-        // start at `2 * (p - 8)` with `8 <= p <= n_words`, so they lie inside `words`; each
-        // group stores 16 bytes into its own 8-symbol chunk of `syms`.
-        let mut xv = _mm256_loadu_si256(x.as_ptr().cast());
-        let slot_mask = _mm256_set1_epi32((1 << prob_bits) - 1);
-        let shift = _mm_cvtsi32_si128(prob_bits as i32);
-        let low16 = _mm256_set1_epi32(0xffff);
-        let seven = _mm256_set1_epi32(7);
-        let l = _mm256_set1_epi32(RANS_L as i32);
-        let field_shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-        // Word `p - 1` first: reverse the eight 16-bit words of the window.
-        let reverse = _mm_setr_epi8(14, 15, 12, 13, 10, 11, 8, 9, 6, 7, 4, 5, 2, 3, 0, 1);
-        let freq_bias = table.freq_bias.as_ptr().cast::<i32>();
-        let sym = table.sym.as_ptr().cast::<i32>();
-        let mut p = *pos;
+        let c = consts(prob_bits);
+        // SAFETY: each `x[j]` is 32 bytes.
+        let mut xv: [__m256i; N] =
+            std::array::from_fn(|j| _mm256_loadu_si256(x[j].as_ptr().cast()));
+        let mut p: [usize; N] = std::array::from_fn(|j| *pos[j]);
+        let n = syms.iter().map(|s| s.len()).min().unwrap_or(0) / LANES * LANES;
         let mut done = 0;
-        for grp in syms.chunks_exact_mut(LANES) {
-            if !(LANES..=n_words).contains(&p) {
-                break;
+        while done < n && (0..N).all(|j| (LANES..=words[j].len() / 2).contains(&p[j])) {
+            for j in 0..N {
+                // SAFETY: AVX2 per the caller; `p[j]` checked above; `done + 8 <= n`.
+                let (v, used) = group(
+                    &c,
+                    tables[j],
+                    xv[j],
+                    words[j],
+                    p[j],
+                    &mut syms[j][done..done + LANES],
+                );
+                xv[j] = v;
+                p[j] -= used;
             }
-            let slot = _mm256_and_si256(xv, slot_mask);
-            let e = _mm256_i32gather_epi32::<4>(freq_bias, slot);
-            let s = _mm256_i32gather_epi32::<4>(sym, slot);
-            let v = _mm256_add_epi32(
-                _mm256_mullo_epi32(_mm256_and_si256(e, low16), _mm256_srl_epi32(xv, shift)),
-                _mm256_srli_epi32::<16>(e),
-            );
-            // States stay below 2^31, so the signed compare is the unsigned one.
-            let refill = _mm256_cmpgt_epi32(l, v);
-            let m = _mm256_movemask_ps(_mm256_castsi256_ps(refill)) as usize;
-            let win = _mm_loadu_si128(words.as_ptr().add(2 * (p - LANES)).cast());
-            let win = _mm256_cvtepu16_epi32(_mm_shuffle_epi8(win, reverse));
-            let idx = _mm256_and_si256(
-                _mm256_srlv_epi32(_mm256_set1_epi32(EXPAND[m & 255] as i32), field_shifts),
-                seven,
-            );
-            let w = _mm256_permutevar8x32_epi32(win, idx);
-            let refilled = _mm256_or_si256(_mm256_slli_epi32::<16>(v), w);
-            xv = _mm256_blendv_epi8(v, refilled, refill);
-            p -= m.count_ones() as usize;
-            let s16 = _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
-            _mm_storeu_si128(grp.as_mut_ptr().cast(), s16);
             done += LANES;
         }
-        _mm256_storeu_si256(x.as_mut_ptr().cast(), xv);
-        *pos = p;
+        for j in 0..N {
+            _mm256_storeu_si256(x[j].as_mut_ptr().cast(), xv[j]);
+            *pos[j] = p[j];
+        }
         done
     }
+}
+
+/// Whether [`decode_pair_groups`] decodes anything on this CPU.
+pub(crate) fn paired_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Two streams' leading groups in step (see [`avx2::decode_groups`]); 0 without AVX2.
+pub(crate) fn decode_pair_groups(
+    syms: [&mut [u16]; 2],
+    tables: [&DecTable; 2],
+    prob_bits: u32,
+    words: [&[u8]; 2],
+    pos: [&mut usize; 2],
+    x: [&mut [u32; LANES]; 2],
+) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { avx2::decode_groups(syms, tables, prob_bits, words, pos, x) };
+    }
+    let _ = (syms, tables, prob_bits, words, pos, x);
+    0
 }
