@@ -1,7 +1,9 @@
 //! The rANS decode loop with AVX2: the eight lanes of a group are one vector; table entries
 //! come from two gathers and refill words are handed to the refilling lanes in lane order by
-//! one permutation. It computes exactly what the scalar loop computes (same states, same
-//! words consumed), so the choice between them is invisible in the output.
+//! one permutation. A group's gather-multiply-refill chain is long, so several independent
+//! streams (two chunks, see `chunk::decode_pair`) advance in step to overlap their chains.
+//! It computes exactly what the scalar loop computes (same states, same words consumed), so
+//! the choice between them is invisible in the output.
 
 use super::rans::DecTable;
 use crate::format::LANES;
@@ -48,8 +50,10 @@ pub(crate) mod avx2 {
         reverse: __m128i,
     }
 
+    /// # Safety
+    /// AVX2 (`unsafe` rather than a safe `#[target_feature]` fn, which needs Rust 1.86).
     #[target_feature(enable = "avx2")]
-    fn consts(prob_bits: u32) -> Consts {
+    unsafe fn consts(prob_bits: u32) -> Consts {
         Consts {
             slot_mask: _mm256_set1_epi32((1 << prob_bits) - 1),
             shift: _mm_cvtsi32_si128(prob_bits as i32),
