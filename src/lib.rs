@@ -8,10 +8,15 @@
 //! - [`compress`] — lossless activation compression (arrives with its issue).
 //! - [`hsdp`] — sharded parameters and gradient reduction (arrives with its issue).
 //! - [`ffi`] — the C ABI (`include/hprt.h`), built into `libhprt.so` / `libhprt.a`.
+//! - [`demo`] — `hprt demo`: a simulated training step under each memory strategy, compared.
+//! - [`trace`] — a tracing `Platform` decorator, Chrome/Perfetto traces and ASCII timelines.
 
 // C entry points mirror the Platform calls argument for argument.
 #[allow(clippy::too_many_arguments)]
 pub mod ffi;
+
+pub mod demo;
+pub mod trace;
 
 pub use hprt_compress as compress;
 pub use hprt_hsdp as hsdp;

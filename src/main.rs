@@ -63,6 +63,10 @@ enum Command {
         #[arg(value_name = "OUT")]
         output: std::path::PathBuf,
     },
+    /// A simulated training step of a small transformer-like model over several ranks, run
+    /// without swap, with swap and with compress-then-swap; prints memory, host-link bytes,
+    /// compression ratios, step times and whether every result matched the baseline bit for bit.
+    Demo(DemoArgs),
     /// Ratio, entropy bound, chunk-table statistics and throughput of raw tensor files
     /// (against zstd level 1).
     CodecStats {
@@ -71,6 +75,39 @@ enum Command {
         #[arg(required = true, value_name = "FILE")]
         files: Vec<std::path::PathBuf>,
     },
+}
+
+#[derive(clap::Args)]
+struct DemoArgs {
+    #[arg(long, default_value_t = 8)]
+    layers: usize,
+    #[arg(long, default_value_t = 256)]
+    hidden: usize,
+    /// Feed-forward width (default: twice the hidden size).
+    #[arg(long)]
+    ffn: Option<usize>,
+    /// Tokens per rank.
+    #[arg(long, default_value_t = 512)]
+    seq: usize,
+    /// Ranks (threads; one per device where devices exist). Default: 4 on the cpu backend,
+    /// else every device.
+    #[arg(long)]
+    ranks: Option<usize>,
+    #[arg(long, default_value_t = 2)]
+    steps: usize,
+    /// dtype of saved activations: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    act_dtype: String,
+    /// Strategies to compare with the baseline: swap, compress, compress-swap.
+    #[arg(long, value_delimiter = ',', default_value = "swap,compress-swap",
+          value_parser = clap::builder::PossibleValuesParser::new(["baseline", "swap", "compress", "compress-swap"]))]
+    strategies: Vec<String>,
+    /// Write a Chrome/Perfetto trace of every stream of every rank (also: HP_TRACE=path.json).
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
+    /// Print an ASCII timeline of rank 0's last step for each strategy.
+    #[arg(long)]
+    timeline: bool,
 }
 
 fn main() -> ExitCode {
@@ -135,6 +172,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             println!("{report}");
             Ok(ExitCode::SUCCESS)
         }
+        Command::Demo(args) => demo(args),
         Command::CodecStats { dtype, files } => {
             let dtype = hprt::compress::CodecDType::parse(&dtype)?;
             let files: Vec<&std::path::Path> = files.iter().map(|f| f.as_path()).collect();
@@ -211,6 +249,83 @@ fn conformance(filter: Option<&str>) -> Result<ExitCode> {
     print!("{}", hprt_conformance::report(&outcomes));
     let failed = outcomes.iter().filter(|o| !o.passed).count();
     Ok(if failed == 0 && !outcomes.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn demo(args: DemoArgs) -> Result<ExitCode> {
+    use hprt::demo::{DemoConfig, Strategy};
+    use hprt::trace::{timeline, trace_path_from_env, write_chrome_trace};
+    // The cpu backend simulates one device per rank so that memory is accounted per rank; an
+    // explicit HP_CPU_DEVICES wins, and backends with real devices ignore the variable.
+    if std::env::var_os("HP_CPU_DEVICES").is_none() {
+        std::env::set_var("HP_CPU_DEVICES", args.ranks.unwrap_or(4).to_string());
+    }
+    let platform = get_platform()?;
+    let trace = args.trace.or_else(trace_path_from_env);
+    let mut strategies = vec![Strategy::Baseline];
+    for s in &args.strategies {
+        strategies.push(Strategy::parse(s)?);
+    }
+    let config = DemoConfig {
+        layers: args.layers,
+        hidden: args.hidden,
+        ffn: args.ffn,
+        seq: args.seq,
+        ranks: args.ranks.unwrap_or(platform.device_count()),
+        steps: args.steps,
+        act_dtype: hprt::DType::ALL
+            .into_iter()
+            .find(|d| d.name() == args.act_dtype)
+            .ok_or_else(|| anyhow::anyhow!("unknown dtype {:?}", args.act_dtype))?,
+        strategies,
+        record_spans: trace.is_some() || args.timeline,
+    };
+    config.validate()?;
+    // Hidden until the run has taken a few seconds, so short runs print only the report.
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(config.work_units()),
+        indicatif::ProgressDrawTarget::hidden(),
+    );
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{elapsed:>4} [{bar:40}] {pos}/{len} layer passes")
+            .map_err(|e| anyhow::anyhow!("progress template: {e}"))?
+            .progress_chars("=> "),
+    );
+    let started = std::time::Instant::now();
+    let shown = std::sync::atomic::AtomicBool::new(false);
+    let progress = |n: u64| {
+        bar.inc(n);
+        if started.elapsed() > std::time::Duration::from_secs(3)
+            && !shown.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+        }
+    };
+    let (report, rec) = hprt::demo::run(platform.into(), &config, &progress)?;
+    bar.finish_and_clear();
+    print!("{report}");
+    if args.timeline {
+        for s in &report.strategies {
+            println!(
+                "\ntimeline of rank 0, last step, {} (digits: layer mod 10; forward runs up, backward down):",
+                s.strategy.name()
+            );
+            let (from, to) = s.last_step_us;
+            print!("{}", timeline(&rec, 0, s.strategy.name(), from, to, 96));
+        }
+    }
+    if let Some(path) = trace {
+        write_chrome_trace(&rec, &path)?;
+        eprintln!(
+            "wrote {} ({} spans; open it in Perfetto or chrome://tracing)",
+            path.display(),
+            rec.spans().len()
+        );
+    }
+    Ok(if report.all_bit_exact() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

@@ -1,0 +1,257 @@
+//! `hprt demo` end to end on small models: every strategy reproduces the baseline bit for bit
+//! (also under stream jitter), swap lowers peak memory and moves exactly the saved bytes,
+//! compression cuts them, and the trace is valid Chrome JSON with one named track per stream
+//! and every reload of a tensor after its offload.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use hprt::demo::{run, DemoConfig, DemoReport, Strategy};
+use hprt::platform::{CpuBackend, CpuConfig, DType, Platform};
+use hprt::trace::{chrome_trace, timeline, Recorder};
+use serde_json::Value;
+
+fn tiny(ranks: usize, record_spans: bool) -> DemoConfig {
+    DemoConfig {
+        layers: 4,
+        hidden: 32,
+        ffn: Some(48),
+        seq: 24,
+        ranks,
+        steps: 2,
+        act_dtype: DType::BF16,
+        strategies: Strategy::ALL.to_vec(),
+        record_spans,
+    }
+}
+
+fn cpu(ranks: usize, jitter: Option<u64>) -> Arc<dyn Platform> {
+    Arc::new(CpuBackend::new(CpuConfig {
+        devices: ranks,
+        device_memory: 64 << 20,
+        jitter,
+        collective_timeout: Duration::from_secs(60),
+        ..CpuConfig::default()
+    }))
+}
+
+fn demo(config: &DemoConfig, jitter: Option<u64>) -> Result<(DemoReport, Arc<Recorder>)> {
+    Ok(run(cpu(config.ranks, jitter).into(), config, &|_| {})?)
+}
+
+#[test]
+fn every_strategy_matches_the_baseline_and_swap_moves_exactly_the_saved_bytes() -> Result<()> {
+    let config = tiny(4, false);
+    let (report, _) = demo(&config, None)?;
+    ensure!(report.all_bit_exact(), "{report}");
+    ensure!(report.strategies.len() == 4, "{report}");
+    let get = |s| report.strategy(s).context("strategy missing");
+    let (base, swap, comp, both) = (
+        get(Strategy::Baseline)?,
+        get(Strategy::Swap)?,
+        get(Strategy::Compress)?,
+        get(Strategy::CompressSwap)?,
+    );
+    // All layers but the last go out and come back, each direction, every rank.
+    let per_layer = (config.seq * (config.hidden + config.ffn()) * 2) as u64;
+    let want = per_layer * (config.layers as u64 - 1) * 2 * config.ranks as u64;
+    ensure!(
+        swap.swap_link_bytes == want,
+        "swap moved {} bytes per step, expected {want}",
+        swap.swap_link_bytes
+    );
+    ensure!(base.swap_link_bytes == 0 && comp.swap_link_bytes == 0);
+    ensure!(
+        both.swap_link_bytes < swap.swap_link_bytes && both.swap_link_bytes > 0,
+        "compress-then-swap moved {} bytes, swap {}",
+        both.swap_link_bytes,
+        swap.swap_link_bytes
+    );
+    ensure!(
+        swap.peak_device < base.peak_device,
+        "swap peak {} not below baseline {}",
+        swap.peak_device,
+        base.peak_device
+    );
+    for s in [comp, both] {
+        for kind in 0..2 {
+            let r = s.ratio(kind).context("no ratio")?;
+            ensure!(r > 1.1 && r < 4.0, "{}: ratio {r}", s.strategy.name());
+        }
+    }
+    let text = report.to_string();
+    ensure!(text.contains("matched the baseline bit for bit"), "{text}");
+    Ok(())
+}
+
+#[test]
+fn strategies_stay_bit_exact_under_stream_jitter_and_with_f32_activations() -> Result<()> {
+    let mut config = tiny(2, false);
+    config.layers = 3;
+    config.steps = 1;
+    let (report, _) = demo(&config, Some(11))?;
+    ensure!(report.all_bit_exact(), "{report}");
+    config.act_dtype = DType::F32;
+    let (report, _) = demo(&config, Some(12))?;
+    ensure!(report.all_bit_exact(), "{report}");
+    let r = report
+        .strategy(Strategy::Compress)
+        .and_then(|s| s.ratio(0))
+        .context("no ratio")?;
+    ensure!(r > 1.0, "f32 ratio {r}");
+    Ok(())
+}
+
+/// The trace of the run, parsed back from its JSON text.
+fn trace_of(rec: &Recorder) -> Result<Vec<Value>> {
+    let text = serde_json::to_string(&chrome_trace(rec))?;
+    let v: Value = serde_json::from_str(&text)?;
+    Ok(v["traceEvents"]
+        .as_array()
+        .context("traceEvents is not an array")?
+        .clone())
+}
+
+#[test]
+fn the_trace_has_a_track_per_stream_and_reloads_follow_offloads() -> Result<()> {
+    let config = DemoConfig {
+        strategies: vec![Strategy::Swap, Strategy::CompressSwap],
+        ..tiny(4, true)
+    };
+    let (report, rec) = demo(&config, None)?;
+    ensure!(report.all_bit_exact(), "{report}");
+    let events = trace_of(&rec)?;
+    // Track names per (pid, tid), from the metadata events.
+    let mut names: HashMap<(u64, u64), String> = HashMap::new();
+    for e in events
+        .iter()
+        .filter(|e| e["ph"] == "M" && e["name"] == "thread_name")
+    {
+        let key = (
+            e["pid"].as_u64().context("pid")?,
+            e["tid"].as_u64().context("tid")?,
+        );
+        names.insert(key, e["args"]["name"].as_str().context("name")?.to_string());
+    }
+    for rank in 0..config.ranks as u64 {
+        for track in [
+            "compute [compress-swap]",
+            "d2h [compress-swap]",
+            "h2d [compress-swap]",
+            "codec [compress-swap]",
+            "comm all-gather [compress-swap]",
+            "comm reduce [compress-swap]",
+            "d2h [swap]",
+        ] {
+            ensure!(
+                names.iter().any(|((p, _), n)| *p == rank && n == track),
+                "rank {rank} has no track {track:?}: {names:?}"
+            );
+        }
+    }
+    // Every complete event is well formed and sits on a named track.
+    let spans: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    ensure!(spans.len() > 100, "only {} spans", spans.len());
+    for e in &spans {
+        let key = (
+            e["pid"].as_u64().context("pid")?,
+            e["tid"].as_u64().context("tid")?,
+        );
+        ensure!(names.contains_key(&key), "span on an unnamed track: {e}");
+        ensure!(e["ts"].as_f64().is_some() && e["dur"].as_f64().is_some_and(|d| d >= 0.0));
+        ensure!(e["args"]["bytes"].as_u64().is_some(), "no bytes: {e}");
+    }
+    // Each offloaded tensor (named, per rank and strategy) is reloaded after its offload ended.
+    let mut offloads: HashMap<(u64, String, String), Vec<(f64, f64)>> = HashMap::new();
+    let mut reloads = Vec::new();
+    for e in &spans {
+        let key = (
+            e["pid"].as_u64().context("pid")?,
+            e["tid"].as_u64().context("tid")?,
+        );
+        let track = &names[&key];
+        let section = track.split('[').nth(1).unwrap_or("").to_string();
+        let (ts, dur) = (
+            e["ts"].as_f64().unwrap_or(0.0),
+            e["dur"].as_f64().unwrap_or(0.0),
+        );
+        let name = e["name"].as_str().unwrap_or("").to_string();
+        if track.starts_with("d2h") {
+            offloads
+                .entry((key.0, section, name))
+                .or_default()
+                .push((ts, ts + dur));
+        } else if track.starts_with("h2d") {
+            reloads.push(((key.0, section, name), ts));
+        }
+    }
+    ensure!(
+        reloads.len() >= 2 * 2 * 3 * config.ranks,
+        "{} reloads",
+        reloads.len()
+    );
+    for (key, start) in &reloads {
+        let out = offloads
+            .get(key)
+            .with_context(|| format!("reload of {key:?} never offloaded"))?;
+        // The offload of the same step: the latest one that began before this reload.
+        let (_, end) = out
+            .iter()
+            .filter(|(s, _)| s < start)
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+            .with_context(|| format!("{key:?} reloaded at {start} before any offload"))?;
+        ensure!(
+            end <= start,
+            "{key:?}: reload at {start} before its offload ended at {end}"
+        );
+        ensure!(
+            key.2.starts_with('L'),
+            "reload without a tensor name: {key:?}"
+        );
+    }
+    // The terminal timeline shows rank 0's streams with layer digits.
+    let s = report.strategy(Strategy::CompressSwap).context("missing")?;
+    let (from, to) = s.last_step_us;
+    let t = timeline(&rec, 0, "compress-swap", from, to, 60);
+    for row in ["compute", "d2h", "h2d", "codec", "comm reduce"] {
+        ensure!(t.lines().any(|l| l.starts_with(row)), "no {row} row:\n{t}");
+    }
+    ensure!(t.contains('3') && t.contains('0'), "no layer digits:\n{t}");
+    Ok(())
+}
+
+#[test]
+fn the_command_prints_the_report_and_writes_the_trace_named_by_hp_trace() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("hprt-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("trace.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hprt"))
+        .args([
+            "demo", "--layers", "3", "--hidden", "16", "--seq", "8", "--steps", "1",
+        ])
+        .args(["--ranks", "2", "--timeline"])
+        .env("HP_PLATFORM", "cpu")
+        .env("HP_CPU_DEVICES", "2")
+        .env("HP_TRACE", &path)
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for want in [
+        "peak device",
+        "compress-swap",
+        "bit for bit",
+        "timeline of rank 0",
+    ] {
+        ensure!(stdout.contains(want), "no {want:?} in:\n{stdout}");
+    }
+    let v: Value = serde_json::from_slice(&std::fs::read(&path)?)?;
+    ensure!(v["traceEvents"].as_array().is_some_and(|a| !a.is_empty()));
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
