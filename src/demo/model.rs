@@ -577,11 +577,11 @@ impl<'p> Rank<'p> {
                 }
                 let act = self.config.act_dtype;
                 let mut pending = Vec::new();
-                for k in 0..SAVED.len() {
+                for (k, kind) in SAVED.iter().enumerate() {
                     let saves = &self.saves[l];
                     let (buf, packed) = (&saves.acts[k], &saves.packed[k]);
                     self.p.resize_device(buf, saves.numel[k] * act.size())?;
-                    let _g = scope(Some(l), format!("L{l}.{}", SAVED[k]));
+                    let _g = scope(Some(l), format!("L{l}.{kind}"));
                     let bytes = buf.len() as u64;
                     let dec = self.tp.range(&codec_stream, "decode", bytes, || {
                         self.codec

@@ -151,25 +151,41 @@ impl DemoReport {
             ms(codec_t),
             link.encode_gbps,
         )];
+        // What the run itself showed, beside what the figures predict.
+        let measured = |s: Strategy| -> String {
+            match (self.strategies.first(), self.strategy(s)) {
+                (Some(b), Some(r)) if !b.step_time.is_zero() => format!(
+                    " (measured here: {:+.0}% step time)",
+                    (r.step_time.as_secs_f64() / b.step_time.as_secs_f64() - 1.0) * 100.0
+                ),
+                _ => String::new(),
+            }
+        };
         v.push(if swap_t < layer_compute {
-            "swap: the copies fit behind the next layer's compute, so swap saves memory at little step-time cost".into()
+            format!(
+                "swap: the copies fit behind the next layer's compute, so swap saves memory at little step-time cost{}",
+                measured(Strategy::Swap)
+            )
         } else {
             format!(
-                "swap: the link needs {:.1}x a layer's compute time, so swap stalls the step; prefer it only where memory forces it",
-                swap_t / layer_compute
+                "swap: the link needs {:.1}x a layer's compute time, so swap stalls the step; prefer it only where memory forces it{}",
+                swap_t / layer_compute,
+                measured(Strategy::Swap)
             )
         });
         v.push(if saved_link_t > codec_t {
             format!(
-                "compress-then-swap: a {ratio:.2}x ratio saves {} of link time per layer for {} of codec time: worth it when the link is the bottleneck",
+                "compress-then-swap: a {ratio:.2}x ratio saves {} of link time per layer for {} of codec time: worth it when the link is the bottleneck{}",
                 ms(saved_link_t),
-                ms(codec_t)
+                ms(codec_t),
+                measured(Strategy::CompressSwap)
             )
         } else {
             format!(
-                "compress-then-swap: a {ratio:.2}x ratio saves {} of link time per layer but costs {} of codec time here: not worth it on this platform's codec",
+                "compress-then-swap: a {ratio:.2}x ratio saves {} of link time per layer but costs {} of codec time here: not worth it on this platform's codec{}",
                 ms(saved_link_t),
-                ms(codec_t)
+                ms(codec_t),
+                measured(Strategy::CompressSwap)
             )
         });
         v
