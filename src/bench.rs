@@ -88,6 +88,23 @@ fn machine() -> String {
     format!("{cpu}, {cores} cores")
 }
 
+const BEGIN: &str = "<!-- hprt bench: begin -->";
+const END: &str = "<!-- hprt bench: end -->";
+
+/// `document` with the text between its `hprt bench` markers replaced by `table` (how
+/// `hprt bench --output BENCHMARKS.md` refreshes the measured part and keeps the commentary
+/// around it), or `None` when the document has no such markers.
+pub fn splice(document: &str, table: &str) -> Option<String> {
+    let start = document.find(BEGIN)? + BEGIN.len();
+    let end = start + document[start..].find(END)?;
+    Some(format!(
+        "{}\n\n{}\n{}",
+        &document[..start],
+        table.trim_end(),
+        &document[end..]
+    ))
+}
+
 /// The sections `hprt bench --only` selects from.
 pub const SECTIONS: [&str; 4] = ["platform", "swap", "compress", "hsdp"];
 
@@ -483,4 +500,25 @@ fn collectives(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<(
     }
     writeln!(out)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::splice;
+
+    #[test]
+    fn splice_replaces_only_the_marked_part() {
+        let doc = "intro\n<!-- hprt bench: begin -->\nold table\n<!-- hprt bench: end -->\nnotes\n";
+        let out = splice(doc, "new table\n").unwrap();
+        assert_eq!(
+            out,
+            "intro\n<!-- hprt bench: begin -->\n\nnew table\n<!-- hprt bench: end -->\nnotes\n"
+        );
+        assert_eq!(
+            splice(&out, "new table").unwrap(),
+            out,
+            "splicing is idempotent"
+        );
+        assert!(splice("no markers", "t").is_none());
+    }
 }

@@ -31,7 +31,8 @@ enum Command {
     },
     /// Benchmark the selected platform against in-run baselines; prints a Markdown table.
     Bench {
-        /// Also write the table to this file.
+        /// Also write the table to this file (only between its `<!-- hprt bench: begin/end -->`
+        /// markers when it has them, as BENCHMARKS.md does).
         #[arg(long)]
         output: Option<std::path::PathBuf>,
         /// Largest copy size in MiB (the sweep runs from 4 KiB up to it).
@@ -139,7 +140,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let table = bench::run(get_platform()?, max_mib << 20, &only)?;
             print!("{table}");
             if let Some(path) = output {
-                std::fs::write(&path, &table)?;
+                // A document with `hprt bench` markers (BENCHMARKS.md) keeps its commentary.
+                let text = std::fs::read_to_string(&path)
+                    .ok()
+                    .and_then(|doc| bench::splice(&doc, &table))
+                    .unwrap_or_else(|| table.clone());
+                std::fs::write(&path, text)?;
                 eprintln!("wrote {}", path.display());
             }
             Ok(ExitCode::SUCCESS)
