@@ -311,6 +311,10 @@ typedef struct HprtSwapStats {
   uint64_t pool_misses;
 } HprtSwapStats;
 
+
+
+
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
