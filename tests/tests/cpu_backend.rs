@@ -693,3 +693,21 @@ fn the_allocation_cache_can_be_turned_off_and_is_bounded() {
         );
     }
 }
+
+#[test]
+fn under_jitter_a_reused_block_is_poisoned_not_stale() {
+    let p = cpu(CpuConfig {
+        jitter: Some(4),
+        ..CpuConfig::default()
+    });
+    let s = p.create_stream().unwrap();
+    let a = p.alloc_device(1 << 20).unwrap();
+    p.write_device_sync(&a, 0, &[0x11; 64], &s).unwrap();
+    let addr = a.device_ptr();
+    p.free_device(&a).unwrap();
+    let b = p.alloc_device(1 << 20).unwrap();
+    assert_eq!(b.device_ptr(), addr, "the block was not reused");
+    let mut out = [0u8; 64];
+    p.read_device_sync(&b, 0, &mut out, &s).unwrap();
+    assert_eq!(out, [0xDB; 64], "a reused block kept its old owner's bytes");
+}

@@ -70,6 +70,9 @@ impl Drop for BlockCache {
 
 const BLOCK_ALIGN: usize = 16;
 
+/// What a reused device block holds in jitter mode before its new owner writes it.
+pub(crate) const POISON: u8 = 0xDB;
+
 fn block_layout(size: usize) -> Layout {
     // `size` was a valid layout size with this alignment when the block was made.
     Layout::from_size_align(size, BLOCK_ALIGN).unwrap_or(Layout::new::<u8>())
@@ -103,11 +106,12 @@ pub(crate) type MemRef = Arc<CpuMem>;
 
 impl CpuMem {
     /// `ALIGN`-aligned memory of `len > 0` bytes, charged to `counter`: a block from `cache`
-    /// when one of the size is there (its old bytes, as `cudaMalloc` gives no zeroing either),
-    /// else fresh zero-filled memory.
+    /// when one of the size is there (its old bytes, as `cudaMalloc` gives no zeroing either, or
+    /// [`POISON`] when `poison_reused`), else fresh zero-filled memory.
     pub(crate) fn alloc(
         counter: &Arc<MemoryCounter>,
         cache: Option<&Arc<BlockCache>>,
+        poison_reused: bool,
         op: &'static str,
         len: usize,
     ) -> Result<MemRef> {
@@ -118,6 +122,13 @@ impl CpuMem {
             .and_then(|n| Layout::from_size_align(n, BLOCK_ALIGN).ok());
         let base = match layout {
             Some(l) => match cache.and_then(|c| c.take(l)) {
+                Some(b) if poison_reused => {
+                    // Race hunting (jitter): a stale read of a reused block must not find the
+                    // bytes an earlier owner left, which could equal what the reader expects.
+                    // SAFETY: the cached block spans `l.size()` bytes and is ours now.
+                    unsafe { std::ptr::write_bytes(b, POISON, l.size()) };
+                    b
+                }
                 Some(b) => b,
                 // SAFETY: the layout has non-zero size.
                 None => unsafe { alloc::alloc_zeroed(l) },

@@ -413,7 +413,8 @@ impl Backend for CpuBackend {
     fn alloc_device(&self, bytes: usize) -> Result<(MemRef, usize)> {
         let dev = Backend::current_device(self);
         let cache = Some(&self.caches[dev]).filter(|_| self.config.alloc_cache > 0);
-        let m = CpuMem::alloc(&self.devices[dev], cache, "alloc_device", bytes)?;
+        let poison = self.config.jitter.is_some();
+        let m = CpuMem::alloc(&self.devices[dev], cache, poison, "alloc_device", bytes)?;
         let ptr = m.ptr();
         Ok((m, ptr))
     }
@@ -426,7 +427,7 @@ impl Backend for CpuBackend {
         Ok(CpuMem::borrowed(ptr, bytes, release))
     }
     fn alloc_pinned(&self, bytes: usize) -> Result<(MemRef, usize)> {
-        let m = CpuMem::alloc(&self.pinned, None, "alloc_pinned", bytes)?;
+        let m = CpuMem::alloc(&self.pinned, None, false, "alloc_pinned", bytes)?;
         let ptr = m.ptr();
         Ok((m, ptr))
     }
