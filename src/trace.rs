@@ -13,7 +13,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use hprt::platform::{CopyKind, CpuBackend, CpuConfig, Platform};
-//! use hprt::swap::PlatformHandle;
+//! use hprt::platform::PlatformHandle;
 //! use hprt::trace::{chrome_trace, scope, Recorder, Role, TracingPlatform};
 //!
 //! let inner: Arc<dyn Platform> = Arc::new(CpuBackend::new(CpuConfig::default()));
@@ -40,12 +40,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use hprt_platform::PlatformHandle;
 use hprt_platform::{
     BackendKind, BufRef, Collective, Communicator, CopyKind, DeviceBuffer, Event, HostFn, Kernel,
     Mem, MemInfo, MemoryStats, PinnedBuffer, Platform, PlatformInfo, RawStream, ReleaseFn, Result,
     Stream, UniqueId,
 };
-use hprt_swap::PlatformHandle;
 use serde_json::{json, Value};
 
 /// What a stream is for; one trace track per stream, named after its role.

@@ -44,7 +44,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use hprt_platform::{DType, DeviceBuffer, Event, Platform, Stream};
+use hprt_platform::{DType, DeviceBuffer, Event, PlatformHandle, Stream};
 
 use crate::cost::{CostModel, Op};
 use crate::device::{codec_for, CompressedTensor, DeviceCodec, PendingDecode, PendingEncode};
@@ -205,7 +205,7 @@ struct OpenWindow {
 
 /// The manager: one per model replica, driven by the framework's hooks.
 pub struct ActivationManager {
-    p: Arc<dyn Platform>,
+    p: PlatformHandle,
     codec: Arc<dyn DeviceCodec>,
     cost: CostModel,
     filter: TensorFilter,
@@ -226,7 +226,12 @@ pub struct ActivationManager {
 
 impl ActivationManager {
     /// A manager whose operators run on `compute`; it creates its own side stream.
-    pub fn new(p: Arc<dyn Platform>, compute: Stream, config: ManagerConfig) -> Result<Self> {
+    pub fn new(
+        p: impl Into<PlatformHandle>,
+        compute: Stream,
+        config: ManagerConfig,
+    ) -> Result<Self> {
+        let p = p.into();
         let side = p.create_stream()?;
         let codec = config.codec.unwrap_or_else(|| codec_for(p.as_ref()));
         Ok(ActivationManager {

@@ -43,7 +43,7 @@ pub use info::{DeviceInfo, LibraryProbe, PlatformInfo};
 pub use kernel::{Access, HostFn, Kernel};
 pub use memory::{MemInfo, MemoryCounter, MemoryStats};
 pub use npu::NpuBackend;
-pub use platform::Platform;
+pub use platform::{Platform, PlatformHandle};
 pub use select::{
     get_platform, platform_selection_reason, select_platform, PlatformRequest, Selection,
 };

@@ -1,5 +1,8 @@
 //! The object-safe `Platform` trait: what swap, compress, hsdp and the bindings program against.
 
+use std::ops::Deref;
+use std::sync::Arc;
+
 use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Result};
@@ -261,5 +264,47 @@ pub trait Platform: Send + Sync {
         self.copy_async((&staging).into(), 0, src.into(), offset, out.len(), stream)?;
         self.synchronize_stream(stream)?;
         staging.read(0, out)
+    }
+}
+
+/// A platform an object keeps: shared (`Arc`), or the process-wide one from [`crate::get_platform`]
+/// (`&'static`). Swap engines, the compression manager and the tracing decorator hold one.
+#[derive(Clone)]
+pub enum PlatformHandle {
+    Shared(Arc<dyn Platform>),
+    Static(&'static dyn Platform),
+}
+
+impl Deref for PlatformHandle {
+    type Target = dyn Platform;
+    fn deref(&self) -> &(dyn Platform + 'static) {
+        match self {
+            PlatformHandle::Shared(p) => p.as_ref(),
+            PlatformHandle::Static(p) => *p,
+        }
+    }
+}
+
+impl AsRef<dyn Platform> for PlatformHandle {
+    fn as_ref(&self) -> &(dyn Platform + 'static) {
+        &**self
+    }
+}
+
+impl From<Arc<dyn Platform>> for PlatformHandle {
+    fn from(p: Arc<dyn Platform>) -> Self {
+        PlatformHandle::Shared(p)
+    }
+}
+
+impl From<&Arc<dyn Platform>> for PlatformHandle {
+    fn from(p: &Arc<dyn Platform>) -> Self {
+        PlatformHandle::Shared(Arc::clone(p))
+    }
+}
+
+impl From<&'static dyn Platform> for PlatformHandle {
+    fn from(p: &'static dyn Platform) -> Self {
+        PlatformHandle::Static(p)
     }
 }

@@ -7,8 +7,8 @@ use dlpark::ffi::{DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersio
 use dlpark::metadata::Dynamic;
 use dlpark::python::{export_dlpack, DlpackExporter, ExportRequest};
 use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
+use hprt_platform::PlatformHandle;
 use hprt_platform::{DType, DeviceBuffer, PinnedBuffer};
-use hprt_swap::PlatformHandle;
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 

@@ -13,7 +13,7 @@ use hprt_compress::manager::{ActivationManager, ManagerConfig, SavedTensor, Tens
 use hprt_compress::planner::LayerId;
 use hprt_compress::CodecDType;
 use hprt_platform::DType;
-use hprt_swap::PlatformHandle;
+use hprt_platform::PlatformHandle;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -132,7 +132,6 @@ impl PyActivationManager {
             Some(p) => p.p.clone(),
             None => stream.p.clone(),
         };
-        let shared = crate::platform::shared(&p);
         let mut overrides = CostOverrides::from_env()?;
         for (slot, value, scale) in [
             (&mut overrides.encode_gbps, encode_gbps, 1.0),
@@ -150,8 +149,8 @@ impl PyActivationManager {
         let mut cost = if encode_gbps.is_some() && decode_gbps.is_some() {
             CostModel::from_table(CostTable::default())
         } else {
-            let codec = hprt_compress::device::codec_for(shared.as_ref());
-            py.detach(|| CostModel::for_platform(shared.as_ref(), codec.as_ref()))?
+            let codec = hprt_compress::device::codec_for(&*p);
+            py.detach(|| CostModel::for_platform(&*p, codec.as_ref()))?
         };
         cost.set_overrides(overrides);
         let mut config = ManagerConfig::new(cost);
@@ -162,7 +161,7 @@ impl PyActivationManager {
                 .map(|n| Ok(CodecDType::try_from(dtype::parse(n)?)?))
                 .collect::<Result<_>>()?;
         }
-        let m = ActivationManager::new(shared, stream.s.clone(), config)?;
+        let m = ActivationManager::new(p.clone(), stream.s.clone(), config)?;
         Ok(PyActivationManager {
             p,
             compute: stream.s.clone(),

@@ -30,8 +30,8 @@ use std::sync::Arc;
 #[cfg(test)]
 use std::time::Duration;
 
+use hprt_platform::PlatformHandle;
 use hprt_platform::{CopyKind, DType, Platform};
-use hprt_swap::PlatformHandle;
 
 use crate::trace::{Recorder, Role, TracingPlatform};
 pub use report::{DemoReport, LinkCosts, StrategyReport};

@@ -10,8 +10,8 @@ use hprt_hsdp::{
     MixedPrecisionPolicy, OffloadPolicy, ParamConfig, ParamSpec, ParamState, Placement,
     ReduceOptions, ShardRef, ShardedParam,
 };
+use hprt_platform::PlatformHandle;
 use hprt_platform::{DType, Platform, ReduceOp};
-use hprt_swap::PlatformHandle;
 
 use super::platform::{
     dtype_arg, into_raw, take, HprtComm, HprtDeviceBuffer, HprtDtype, HprtPlatform, HprtReduceOp,

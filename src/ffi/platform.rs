@@ -32,7 +32,7 @@ impl HprtPlatform {
 
     /// A handle the swap/compress/hsdp objects keep: an opened platform stays alive while they
     /// hold it, even past `hprt_platform_close`.
-    pub(crate) fn handle(&self) -> hprt_swap::PlatformHandle {
+    pub(crate) fn handle(&self) -> hprt_platform::PlatformHandle {
         match &self.platform {
             PlatformRef::Global(p) => (*p).into(),
             PlatformRef::Owned(p) => Arc::clone(p).into(),

@@ -1,50 +1,14 @@
 //! The copy engine every front end drives: batched offload / reload of [`SwapTensor`]s on the
 //! engine's own copy streams, with the stream waits and host synchronizations that make it safe.
 
-use std::ops::Deref;
 use std::sync::Arc;
 
-use hprt_platform::{Platform, Stream};
+pub use hprt_platform::PlatformHandle;
+use hprt_platform::Stream;
 
 use crate::error::{Result, SwapError, SwapState};
 use crate::pool::{PinnedPool, PoolConfig, PoolStats};
 use crate::tensor::{Fence, SwapTensor};
-
-/// The platform an engine runs on: shared (`Arc`) or the process-wide one from
-/// `hprt_platform::get_platform()` (`&'static`).
-#[derive(Clone)]
-pub enum PlatformHandle {
-    Shared(Arc<dyn Platform>),
-    Static(&'static dyn Platform),
-}
-
-impl Deref for PlatformHandle {
-    type Target = dyn Platform;
-    fn deref(&self) -> &(dyn Platform + 'static) {
-        match self {
-            PlatformHandle::Shared(p) => p.as_ref(),
-            PlatformHandle::Static(p) => *p,
-        }
-    }
-}
-
-impl From<Arc<dyn Platform>> for PlatformHandle {
-    fn from(p: Arc<dyn Platform>) -> Self {
-        PlatformHandle::Shared(p)
-    }
-}
-
-impl From<&Arc<dyn Platform>> for PlatformHandle {
-    fn from(p: &Arc<dyn Platform>) -> Self {
-        PlatformHandle::Shared(Arc::clone(p))
-    }
-}
-
-impl From<&'static dyn Platform> for PlatformHandle {
-    fn from(p: &'static dyn Platform) -> Self {
-        PlatformHandle::Static(p)
-    }
-}
 
 /// Settings of a [`SwapEngine`].
 #[derive(Clone, Debug, Default)]
