@@ -59,6 +59,10 @@ enum Command {
     Decompress {
         #[arg(long)]
         threads: Option<usize>,
+        /// Refuse a file that declares more than this many decoded bytes, before allocating
+        /// (for untrusted files: a valid encoding may declare millions of times its size).
+        #[arg(long, value_name = "BYTES")]
+        max_output: Option<usize>,
         #[arg(value_name = "IN")]
         input: std::path::PathBuf,
         #[arg(value_name = "OUT")]
@@ -167,10 +171,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Decompress {
             threads,
+            max_output,
             input,
             output,
         } => {
-            let mut opts = hprt::compress::codec::DecodeOptions::default();
+            let mut opts = hprt::compress::codec::DecodeOptions {
+                max_output,
+                ..Default::default()
+            };
             if let Some(t) = threads {
                 opts.threads = t;
             }

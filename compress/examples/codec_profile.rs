@@ -45,7 +45,11 @@ fn main() -> anyhow::Result<()> {
     })?;
     println!("ratio {:.4}", data.len() as f64 / coded.len() as f64);
     for verify in [true, false] {
-        let o = DecodeOptions { threads: 1, verify };
+        let o = DecodeOptions {
+            threads: 1,
+            verify,
+            ..Default::default()
+        };
         run(&format!("decode (verify {verify})"), &mut || {
             decode_into(&coded, &mut back, &o)?;
             Ok(())

@@ -154,7 +154,11 @@ pub fn measure(dtype: CodecDType, kind: DataKind, opts: &BenchOptions) -> Result
     })?;
     let mut back = vec![0u8; data.len()];
     let mut dec_time = |verify| {
-        let o = DecodeOptions { threads: 1, verify };
+        let o = DecodeOptions {
+            threads: 1,
+            verify,
+            ..Default::default()
+        };
         best(opts.trials, || {
             let t = CoreTimer::start();
             codec::decode_into(black_box(&coded), &mut back, &o)?;
@@ -238,7 +242,7 @@ pub fn measure_threads(
     let mut back = vec![0u8; data.len()];
     let dopts = DecodeOptions {
         threads: opts.threads,
-        verify: true,
+        ..Default::default()
     };
     let dec = best(opts.trials, || {
         let t = Instant::now();

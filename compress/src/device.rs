@@ -357,16 +357,18 @@ impl DeviceCodec for HostCodec {
             Box::new(move || {
                 let r = (|| {
                     let enc = inp.to_vec()?;
-                    let d = codec::decode_with(&enc, &opts)?;
-                    if d.dtype != dtype || d.numel != numel {
+                    // The expected size, not the declared one, bounds what decoding allocates.
+                    let h = codec::inspect(&enc)?.header;
+                    if h.dtype != dtype || h.numel != numel {
                         return Err(CompressError::corrupt(
                             0,
                             format!(
                                 "holds {} {} elements, expected {numel} {dtype}",
-                                d.numel, d.dtype
+                                h.numel, h.dtype
                             ),
                         ));
                     }
+                    let d = codec::decode_with(&enc, &opts)?;
                     out.write(0, &d.data)?;
                     Ok(())
                 })();

@@ -11,6 +11,13 @@ pub enum CompressError {
     /// (a newer version, another interleave width).
     #[error("unsupported compressed data: {0}")]
     UnsupportedFormat(String),
+    /// The encoding declares more output than the caller's limit allows
+    /// (`DecodeOptions::max_output`, `hprt decompress --max-output`, `max_output=`).
+    #[error("the encoding declares {declared} output bytes, above the limit of {limit}")]
+    OutputTooLarge { declared: usize, limit: usize },
+    /// The allocator refused the output buffer a (valid) encoding declares.
+    #[error("cannot allocate the {bytes}-byte output the encoding declares")]
+    OutOfMemory { bytes: usize },
     /// An argument the operation cannot accept (dtype without a codec, length not a whole
     /// number of elements, output buffer too small, ...).
     #[error("invalid argument: {0}")]

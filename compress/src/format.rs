@@ -23,6 +23,14 @@ pub const DEFAULT_CHUNK_ELEMS: usize = 1 << 17;
 pub const CHUNK_ALIGN: usize = LANES;
 /// The largest chunk the format allows (keeps every per-chunk length within `u32`).
 pub const MAX_CHUNK_ELEMS: usize = 1 << 24;
+/// Bytes of the eight final rANS states at the end of a `Rans` chunk.
+pub const STATES_LEN: usize = 4 * LANES;
+/// Smallest frequency table: the `u16` count and two one-byte (gap, freq - 1) pairs.
+const MIN_TABLE_LEN: usize = 2 + 2 * 2;
+/// The most output bytes a valid encoding can declare per byte of its own length: a chunk of
+/// [`MAX_CHUNK_ELEMS`] f32 elements stored as one constant element costs a 16-byte table entry
+/// and 4 payload bytes (FORMAT.md, "Memory").
+pub const MAX_EXPANSION: usize = MAX_CHUNK_ELEMS * 4 / (CHUNK_ENTRY_LEN + 4) + 1;
 /// Default probability resolution of the rANS tables (frequencies sum to `1 << PROB_BITS`).
 pub const DEFAULT_PROB_BITS: u32 = 12;
 /// Range of probability resolutions the decoder accepts.
@@ -178,6 +186,10 @@ impl Header {
     pub fn total_len(&self) -> usize {
         self.prefix_len() + self.payload_len
     }
+    /// Bytes the decoded tensor occupies; [`Header::parse`] checked it fits `usize`.
+    pub fn output_len(&self) -> usize {
+        self.numel * self.dtype.size()
+    }
     /// Elements in chunk `i` (the last one may be short).
     pub fn chunk_numel(&self, i: usize) -> usize {
         let start = i * self.chunk_elems;
@@ -301,6 +313,61 @@ impl ChunkEntry {
         let check = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));
         Ok(ChunkEntry { mode, len, check })
     }
+
+    /// Checks that the payload length fits the mode for a chunk of `n` elements of `dtype`
+    /// (`base` is the payload's offset, for the message). The decoder relies on it before it
+    /// reads any payload.
+    pub(crate) fn check_len(&self, dtype: CodecDType, n: usize, base: usize) -> Result<()> {
+        let raw = n * dtype.size();
+        let mlen = mantissa_len(n, dtype.mantissa_bits());
+        let fits = match self.mode {
+            ChunkMode::Raw => self.len == raw,
+            ChunkMode::Constant => self.len == dtype.size(),
+            ChunkMode::SingleSymbol => self.len == 2 + mlen,
+            // The encoder stores a chunk raw whenever coding would not make it smaller.
+            ChunkMode::Rans => (MIN_TABLE_LEN + mlen + STATES_LEN..raw).contains(&self.len),
+        };
+        if fits {
+            return Ok(());
+        }
+        let want = match self.mode {
+            ChunkMode::Rans => format!(
+                "from {} to {} bytes",
+                MIN_TABLE_LEN + mlen + STATES_LEN,
+                raw.saturating_sub(1)
+            ),
+            ChunkMode::Raw => format!("{raw} bytes"),
+            ChunkMode::Constant => format!("{} bytes", dtype.size()),
+            ChunkMode::SingleSymbol => format!("{} bytes", 2 + mlen),
+        };
+        Err(CompressError::corrupt(
+            base,
+            format!(
+                "{} chunk of {n} elements is {} bytes, expected {want}",
+                self.mode.name(),
+                self.len
+            ),
+        ))
+    }
+}
+
+/// Bytes of `n` packed mantissas of width `w` bits.
+pub(crate) const fn mantissa_len(n: usize, w: u32) -> usize {
+    (n * w as usize).div_ceil(8)
+}
+
+/// Checks that the padding bits after `n` mantissas of width `w` (the high bits of the stream's
+/// last byte) are zero, as the format requires: they are not covered by any checksum, so
+/// anything else would be bytes the decoder silently ignores.
+pub(crate) fn check_mantissa_padding(mant: &[u8], n: usize, w: u32, at: usize) -> Result<()> {
+    let used = (n * w as usize) % 8;
+    match mant.last() {
+        Some(&last) if used != 0 && last >> used != 0 => Err(CompressError::corrupt(
+            at + mant.len() - 1,
+            "non-zero padding bits after the last mantissa",
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// A parsed and checked header and chunk table, with each chunk's payload offset.
@@ -312,8 +379,10 @@ pub struct Prefix {
     pub offsets: Vec<usize>,
 }
 
-/// Parses header and chunk table, verifies the prefix checksum and that every payload lies
-/// inside `bytes` and the lengths add up to exactly the stored total.
+/// Parses header and chunk table, verifies the prefix checksum, that every payload length fits
+/// its mode, lies inside `bytes` and that the lengths add up to exactly the stored total. Its
+/// allocations are bounded by the table's length in `bytes`; nothing is sized from the declared
+/// element count.
 pub fn parse_prefix(bytes: &[u8]) -> Result<Prefix> {
     let header = Header::parse(bytes)?;
     let n_chunks = header.chunk_count();
@@ -351,6 +420,7 @@ pub fn parse_prefix(bytes: &[u8]) -> Result<Prefix> {
     for i in 0..n_chunks {
         let at = HEADER_LEN + i * CHUNK_ENTRY_LEN;
         let e = ChunkEntry::parse(&bytes[at..at + CHUNK_ENTRY_LEN], at)?;
+        e.check_len(header.dtype, header.chunk_numel(i), off)?;
         offsets.push(off);
         off = off
             .checked_add(e.len)
@@ -379,8 +449,9 @@ pub(crate) fn prefix_checksum(prefix: &[u8]) -> u64 {
     checksum(&head) ^ checksum(&prefix[HEADER_LEN..]).rotate_left(17)
 }
 
-/// Stores the prefix checksum into a fully written header + table.
-pub(crate) fn seal(prefix: &mut [u8]) {
+/// Stores the prefix checksum into a fully written header + table (for tools that edit an
+/// encoding's header or table, such as the decoder's mutation fuzzer).
+pub fn seal(prefix: &mut [u8]) {
     let c = prefix_checksum(prefix);
     prefix[32..40].copy_from_slice(&c.to_le_bytes());
 }

@@ -84,10 +84,12 @@ fn encode_options(chunk_elems: Option<usize>, threads: usize) -> EncodeOptions {
     o
 }
 
-fn decode_options(threads: usize) -> DecodeOptions {
-    let mut o = DecodeOptions::single_threaded();
-    o.threads = threads.max(1);
-    o
+fn decode_options(threads: usize, max_output: Option<usize>) -> DecodeOptions {
+    DecodeOptions {
+        threads: threads.max(1),
+        max_output,
+        ..Default::default()
+    }
 }
 
 /// Compresses a f32 / f16 / bf16 tensor (numpy array, torch CPU tensor: anything with
@@ -126,20 +128,35 @@ pub fn compress_bytes<'py>(
 }
 
 /// Decodes an encoding: `(data, dtype, numel)` with `data` the raw little-endian bytes.
+/// `max_output` (bytes) refuses an encoding declaring more before anything is allocated
+/// (`CompressError` with status `HP_COMPRESS_OUTPUT_TOO_LARGE`); set it for untrusted bytes.
+/// The bytes object is decoded into directly: peak memory is the output once, plus scratch.
 #[pyfunction]
-#[pyo3(signature = (blob, threads=1))]
+#[pyo3(signature = (blob, threads=1, max_output=None))]
 pub fn decompress<'py>(
     py: Python<'py>,
     blob: &Bound<'py, PyBytes>,
     threads: usize,
+    max_output: Option<usize>,
 ) -> Result<(Bound<'py, PyBytes>, &'static str, usize)> {
     let bytes = blob.as_bytes();
-    let opts = decode_options(threads);
-    let d = py.detach(|| codec::decode_with(bytes, &opts))?;
-    Ok((PyBytes::new(py, &d.data), d.dtype.dtype().name(), d.numel))
+    let opts = decode_options(threads, max_output);
+    let h = codec::inspect(bytes)?.header;
+    let len = codec::checked_output_len(&h, max_output)?;
+    let mut failed = None;
+    // A refused allocation is a Python MemoryError here, not an abort.
+    let data = PyBytes::new_with(py, len, |dst| {
+        failed = py.detach(|| codec::decode_into(bytes, dst, &opts)).err();
+        Ok(())
+    })?;
+    match failed {
+        Some(e) => Err(e.into()),
+        None => Ok((data, h.dtype.dtype().name(), h.numel)),
+    }
 }
 
-/// Decodes into `out` (a writable host tensor of exactly the encoded dtype size and bytes).
+/// Decodes into `out`: a writable host tensor of exactly the encoded dtype (f16 and bf16 are
+/// different dtypes of the same size) and byte length.
 #[pyfunction]
 #[pyo3(signature = (blob, out, threads=1))]
 pub fn decompress_into(
@@ -150,14 +167,14 @@ pub fn decompress_into(
 ) -> Result<()> {
     let mut t = HostTensor::import(out)?;
     let header = codec::inspect(blob.as_bytes())?.header;
-    if header.dtype.size() != t.dtype.size() {
+    if header.dtype.dtype() != t.dtype {
         return Err(invalid(format!(
             "the encoding holds {} elements, the output tensor is {}",
             header.dtype, t.dtype
         )));
     }
     let bytes = blob.as_bytes();
-    let opts = decode_options(threads);
+    let opts = decode_options(threads, None);
     let dst = t.bytes_mut()?;
     py.detach(|| codec::decode_into(bytes, dst, &opts))?;
     Ok(())
@@ -174,7 +191,7 @@ pub fn compressed_info<'py>(
     d.set_item("dtype", h.dtype.dtype().name())?;
     d.set_item("numel", h.numel)?;
     d.set_item("chunk_elems", h.chunk_elems)?;
-    d.set_item("raw_bytes", h.numel * h.dtype.size())?;
+    d.set_item("raw_bytes", h.output_len())?;
     d.set_item("encoded_bytes", blob.as_bytes().len())?;
     Ok(d)
 }

@@ -192,6 +192,9 @@ impl BindError {
             (BindError::Compress(hprt_compress::CompressError::InvalidArgument(_)), _) => {
                 InvalidValueError::type_object(py)
             }
+            (BindError::Compress(hprt_compress::CompressError::OutOfMemory { .. }), _) => {
+                OutOfMemoryError::type_object(py)
+            }
             (BindError::Compress(_), _) => CompressError::type_object(py),
             _ => HprtError::type_object(py),
         }
@@ -203,6 +206,8 @@ fn compress_status(e: &hprt_compress::CompressError) -> &'static str {
     match e {
         C::Corrupt { .. } => "HP_COMPRESS_CORRUPT",
         C::UnsupportedFormat(_) => "HP_COMPRESS_UNSUPPORTED_FORMAT",
+        C::OutputTooLarge { .. } => "HP_COMPRESS_OUTPUT_TOO_LARGE",
+        C::OutOfMemory { .. } => "HP_COMPRESS_OUT_OF_MEMORY",
         C::InvalidArgument(_) => "HP_COMPRESS_INVALID_ARGUMENT",
         C::InvalidState(_) => "HP_COMPRESS_INVALID_STATE",
         C::CostUnknown(_) => "HP_COMPRESS_COST_UNKNOWN",

@@ -17,6 +17,8 @@ impl From<CompressError> for FfiError {
             CompressError::Corrupt { .. } | CompressError::UnsupportedFormat(_) => {
                 HprtStatus::ErrorCorruptData
             }
+            CompressError::OutputTooLarge { .. } => HprtStatus::ErrorBufferTooSmall,
+            CompressError::OutOfMemory { .. } => HprtStatus::ErrorOutOfMemory,
             CompressError::InvalidArgument(_) => HprtStatus::ErrorInvalidValue,
             CompressError::InvalidState(_) => HprtStatus::ErrorWrongState,
             CompressError::CostUnknown(_) => HprtStatus::ErrorUnavailable,

@@ -8,10 +8,10 @@ use super::rans::{self, DecTable, EncTable, RANS_L};
 use super::simd;
 use super::split::{mantissa_len, merge_group, pack_mantissas, symbols_of, unpack_tail, Elem};
 use crate::error::{CompressError, Result};
-use crate::format::{checksum, ChunkEntry, ChunkMode, LANES};
+use crate::format::{
+    check_mantissa_padding, checksum, ChunkEntry, ChunkMode, LANES, STATES_LEN,
+};
 
-/// Bytes of the final rANS states at the end of a `Rans` chunk.
-const STATES_LEN: usize = 4 * LANES;
 
 /// Reusable per-thread buffers, so steady-state encoding allocates nothing per chunk.
 #[derive(Default)]
@@ -171,34 +171,18 @@ pub(crate) fn decode<E: Elem>(
     scratch: &mut DecodeScratch,
 ) -> Result<()> {
     let n = out.len() / E::BYTES;
-    let mlen = mantissa_len(n, E::MANT_BITS);
-    let expect_len = |want: usize| {
-        if payload.len() == want {
-            Ok(())
-        } else {
-            Err(CompressError::corrupt(
-                base,
-                format!(
-                    "{} chunk of {n} elements is {} bytes, expected {want}",
-                    entry.mode.name(),
-                    payload.len()
-                ),
-            ))
-        }
-    };
+    entry.check_len(E::DTYPE, n, base)?;
     match entry.mode {
         ChunkMode::Raw => {
-            expect_len(out.len())?;
             out.copy_from_slice(payload);
         }
         ChunkMode::Constant => {
-            expect_len(E::BYTES)?;
             for e in out.chunks_exact_mut(E::BYTES) {
                 e.copy_from_slice(payload);
             }
         }
         ChunkMode::SingleSymbol => {
-            expect_len(2 + mlen)?;
+            check_mantissa_padding(&payload[2..], n, E::MANT_BITS, base + 2)?;
             let sym = u16::from_le_bytes([payload[0], payload[1]]);
             if sym as usize >= E::ALPHABET {
                 return Err(CompressError::corrupt(
@@ -272,6 +256,12 @@ fn open_rans<'a, E: Elem>(
             "rans state out of range",
         ));
     }
+    check_mantissa_padding(
+        &payload[tlen..words_start],
+        n,
+        E::MANT_BITS,
+        base + tlen,
+    )?;
     rans::fill_dec_table(table, &freq);
     let words = &payload[words_start..words_end];
     Ok(RansChunk {
@@ -347,6 +337,8 @@ pub(crate) fn decode_pair<E: Elem>(
             b.entry, b.payload, prob_bits, b.out, b.base, verify, scratch,
         );
     }
+    a.entry.check_len(E::DTYPE, n, a.base)?;
+    b.entry.check_len(E::DTYPE, n, b.base)?;
     let [ta, tb] = &mut scratch.tables;
     let mut ra = open_rans::<E>(a.payload, prob_bits, n, a.base, ta)?;
     let mut rb = open_rans::<E>(b.payload, prob_bits, n, b.base, tb)?;

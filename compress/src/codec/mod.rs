@@ -109,6 +109,11 @@ pub struct DecodeOptions {
     pub threads: usize,
     /// Check every chunk's checksum (on by default; off only to measure the coder alone).
     pub verify: bool,
+    /// The most output bytes [`decode_with`] may allocate: an encoding declaring more is
+    /// [`CompressError::OutputTooLarge`] before anything is allocated. `None` = no limit other
+    /// than what the allocator grants. Set it when decoding untrusted bytes: a valid encoding
+    /// may declare up to [`format::MAX_EXPANSION`] times its own length (FORMAT.md, "Memory").
+    pub max_output: Option<usize>,
 }
 
 impl Default for DecodeOptions {
@@ -116,6 +121,7 @@ impl Default for DecodeOptions {
         DecodeOptions {
             threads: default_threads(),
             verify: true,
+            max_output: None,
         }
     }
 }
@@ -229,10 +235,14 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded> {
     decode_with(bytes, &DecodeOptions::default())
 }
 
+/// Decodes into a new vector. The whole header and chunk table are validated first (every
+/// payload length against its mode); only then is the declared output allocated, checked
+/// against `opts.max_output` and fallibly, so a size the allocator refuses is
+/// [`CompressError::OutOfMemory`], never an abort.
 pub fn decode_with(bytes: &[u8], opts: &DecodeOptions) -> Result<Decoded> {
     let prefix = parse_prefix(bytes)?;
     let h = prefix.header;
-    let mut data = vec![0u8; h.numel * h.dtype.size()];
+    let mut data = alloc_output(checked_output_len(&h, opts.max_output)?)?;
     decode_prefixed(bytes, &prefix, &mut data, opts)?;
     Ok(Decoded {
         dtype: h.dtype,
@@ -241,7 +251,41 @@ pub fn decode_with(bytes: &[u8], opts: &DecodeOptions) -> Result<Decoded> {
     })
 }
 
+/// The output bytes `header` declares, refused above `max_output`
+/// ([`CompressError::OutputTooLarge`]): the check [`decode_with`] makes before allocating, for
+/// callers that allocate the output themselves.
+pub fn checked_output_len(header: &Header, max_output: Option<usize>) -> Result<usize> {
+    let len = header.output_len();
+    match max_output {
+        Some(limit) if len > limit => Err(CompressError::OutputTooLarge {
+            declared: len,
+            limit,
+        }),
+        _ => Ok(len),
+    }
+}
+
+/// Allocates `len` zeroed bytes without aborting on failure. The pages stay untouched (the
+/// allocator maps zero pages) until chunks are decoded into them, so an encoding rejected at
+/// its first chunk costs no resident memory.
+fn alloc_output(len: usize) -> Result<Vec<u8>> {
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(len)
+        .map_err(|_| CompressError::OutOfMemory { bytes: len })?;
+    // SAFETY: `layout` has a non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(CompressError::OutOfMemory { bytes: len });
+    }
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of `len` bytes
+    // (u8's alignment, capacity `len`), and all `len` bytes are initialized (zeroed).
+    Ok(unsafe { Vec::from_raw_parts(ptr, len, len) })
+}
+
 /// Decodes into `out`, which must be exactly `numel * dtype size` bytes; returns the header.
+/// `out` is the caller's own bound on the output: nothing is allocated from the declared size.
 pub fn decode_into(bytes: &[u8], out: &mut [u8], opts: &DecodeOptions) -> Result<Header> {
     let prefix = parse_prefix(bytes)?;
     decode_prefixed(bytes, &prefix, out, opts)?;
@@ -259,14 +303,14 @@ fn decode_prefixed(
     out: &mut [u8],
     opts: &DecodeOptions,
 ) -> Result<()> {
-    let h = prefix.header;
-    let want = h.numel * h.dtype.size();
+    let want = prefix.header.output_len();
     if out.len() != want {
         return Err(CompressError::InvalidArgument(format!(
             "output is {} bytes, the encoding holds {want}",
             out.len()
         )));
     }
+    let h = prefix.header;
     let chunk_bytes = h.chunk_elems * h.dtype.size();
     let n_chunks = prefix.chunks.len();
     let threads = opts.threads.clamp(1, n_chunks.max(1));
@@ -443,7 +487,11 @@ mod tests {
             .iter()
             .all(|c| c.mode == format::ChunkMode::Rans));
         for verify in [true, false] {
-            let o = DecodeOptions { threads: 1, verify };
+            let o = DecodeOptions {
+                threads: 1,
+                verify,
+                max_output: None,
+            };
             assert_eq!(decode_with(&enc, &o).unwrap().data, data);
             // The last rANS word of each chunk of the first pair: the streams no longer end
             // where they should, whether or not checksums are checked.

@@ -68,10 +68,7 @@ impl Elem for BF16 {
     }
 }
 
-/// Bytes of `n` packed mantissas of width `w` bits.
-pub(crate) const fn mantissa_len(n: usize, w: u32) -> usize {
-    (n * w as usize).div_ceil(8)
-}
+pub(crate) use crate::format::mantissa_len;
 
 /// Packs eight mantissas of `E::MANT_BITS` bits into the first `E::MANT_BITS` bytes of `out`.
 #[inline(always)]
