@@ -13,6 +13,16 @@
 #define HPRT_HSDP_UNSET -1
 
 /*
+ Most dims of a mesh `hprt_hsdp_create` reads (a larger `mesh_ndim` is refused unread).
+ */
+#define HPRT_HSDP_MAX_MESH_DIMS 8
+
+/*
+ Most dims of a parameter shape `hprt_hsdp_param_create` reads.
+ */
+#define HPRT_HSDP_MAX_PARAM_DIMS 32
+
+/*
  Longest unique id `hprt_unique_id` produces, in bytes.
  */
 #define HPRT_UNIQUE_ID_MAX_BYTES 4096

@@ -456,6 +456,51 @@ pub fn seal(prefix: &mut [u8]) {
     prefix[32..40].copy_from_slice(&c.to_le_bytes());
 }
 
+/// The encoding of `numel` zero elements of `dtype` as constant chunks of `chunk_elems`: the
+/// most output per input byte the format allows ([`MAX_EXPANSION`] at the largest chunk size),
+/// built without materializing the output. With `valid` the chunk checksums are right (it
+/// decodes); without, they are zero, which is cheap for chunks of any size. For tests of
+/// decoded-size limits (the fuzzer's and the CLI's decoded-size bombs).
+pub fn constant_encoding(
+    dtype: CodecDType,
+    chunk_elems: usize,
+    numel: usize,
+    valid: bool,
+) -> Vec<u8> {
+    let header = Header {
+        dtype,
+        prob_bits: DEFAULT_PROB_BITS,
+        chunk_elems,
+        numel,
+        payload_len: numel.div_ceil(chunk_elems) * dtype.size(),
+    };
+    let mut out = vec![0u8; header.total_len()];
+    header.write(&mut out[..HEADER_LEN]);
+    let zeros_check = |n: usize| {
+        if valid {
+            checksum(&vec![0u8; n * dtype.size()])
+        } else {
+            0
+        }
+    };
+    let full = zeros_check(chunk_elems.min(numel));
+    for i in 0..header.chunk_count() {
+        let n = header.chunk_numel(i);
+        let entry = ChunkEntry {
+            mode: ChunkMode::Constant,
+            len: dtype.size(),
+            check: if n == chunk_elems {
+                full
+            } else {
+                zeros_check(n)
+            },
+        };
+        entry.write(&mut out[HEADER_LEN + i * CHUNK_ENTRY_LEN..][..CHUNK_ENTRY_LEN]);
+    }
+    seal(&mut out[..header.prefix_len()]);
+    out
+}
+
 /// The largest encoding of `numel` elements of `dtype` in chunks of `chunk_elems`: every chunk
 /// stored raw plus header and table. Known before encoding, so buffers can be pre-allocated.
 pub fn max_encoded_len(dtype: CodecDType, numel: usize, chunk_elems: usize) -> usize {

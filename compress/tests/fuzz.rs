@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use hprt_compress::codec::{decode, decode_with, encode, inspect, DecodeOptions, EncodeOptions};
 use hprt_compress::data::{generate, DataKind, SplitMix64};
-use hprt_compress::format::{checksum, seal, CHUNK_ENTRY_LEN, HEADER_LEN, MAX_CHUNK_ELEMS};
+use hprt_compress::format::{
+    constant_encoding, seal, CHUNK_ENTRY_LEN, HEADER_LEN, MAX_CHUNK_ELEMS,
+};
 use hprt_compress::{CodecDType, CompressError};
 
 /// The output limit the fuzzer decodes with.
@@ -49,52 +51,6 @@ fn reseal(v: &mut [u8]) {
     if let Some(p) = prefix_len(v) {
         seal(&mut v[..p]);
     }
-}
-
-/// An encoding of constant chunks of `chunk_elems` zero `dtype` elements: the largest output
-/// per input byte the format allows. `numel` may leave the last chunk short. With `valid`, the
-/// chunk checksums are right (the file decodes); without, they are zero (cheap to make).
-pub fn constant_bomb(dtype: CodecDType, chunk_elems: usize, numel: u64, valid: bool) -> Vec<u8> {
-    let chunks = numel.div_ceil(chunk_elems as u64) as usize;
-    let size = dtype.size();
-    let check = |n: usize| {
-        if valid {
-            checksum(&vec![0u8; n * size])
-        } else {
-            0
-        }
-    };
-    let (full_check, last_n) = (check(chunk_elems.min(numel as usize)), {
-        let r = (numel % chunk_elems as u64) as usize;
-        if r == 0 {
-            chunk_elems
-        } else {
-            r
-        }
-    });
-    let last_check = check(last_n);
-    let mut v = vec![0u8; HEADER_LEN + chunks * (CHUNK_ENTRY_LEN + size)];
-    v[..4].copy_from_slice(b"HPRZ");
-    v[4..6].copy_from_slice(&1u16.to_le_bytes());
-    v[6] = match dtype {
-        CodecDType::F32 => 1,
-        CodecDType::F16 => 2,
-        CodecDType::BF16 => 3,
-    };
-    v[7] = 8;
-    v[8] = 12;
-    v[12..16].copy_from_slice(&(chunk_elems as u32).to_le_bytes());
-    v[16..24].copy_from_slice(&numel.to_le_bytes());
-    v[24..32].copy_from_slice(&((chunks * size) as u64).to_le_bytes());
-    for i in 0..chunks {
-        let e = &mut v[HEADER_LEN + i * CHUNK_ENTRY_LEN..][..CHUNK_ENTRY_LEN];
-        e[..4].copy_from_slice(&(size as u32).to_le_bytes());
-        e[4] = 3; // constant
-        let c = if i + 1 == chunks { last_check } else { full_check };
-        e[8..16].copy_from_slice(&c.to_le_bytes());
-    }
-    seal(&mut v[..HEADER_LEN + chunks * CHUNK_ENTRY_LEN]);
-    v
 }
 
 fn mutate(rng: &mut SplitMix64, base: &[u8], other: &[u8]) -> Vec<u8> {
@@ -184,7 +140,7 @@ fn mutate(rng: &mut SplitMix64, base: &[u8], other: &[u8]) -> Vec<u8> {
                     let chunk_elems = [1 << 10, 1 << 16, MAX_CHUNK_ELEMS][pick(rng, 3)];
                     let numel = 1 + rng.next_u64() % (chunk_elems as u64 * 4096);
                     let valid = numel * (dtype.size() as u64) <= LIMIT as u64;
-                    v = constant_bomb(dtype, chunk_elems, numel, valid);
+                    v = constant_encoding(dtype, chunk_elems, numel as usize, valid);
                 } else if v.len() >= HEADER_LEN {
                     let numel = 1u64 << (20 + pick(rng, 21));
                     v[16..24].copy_from_slice(&numel.to_le_bytes());
@@ -283,7 +239,7 @@ fn mutated_encodings_never_panic_the_decoder() {
 #[test]
 fn decoded_size_bombs_are_refused_before_allocating() {
     // 400 constant f32 chunks of 2^24 elements: 8,040 bytes declaring 25 GiB (issue 20).
-    let bomb = constant_bomb(CodecDType::F32, MAX_CHUNK_ELEMS, 400 << 24, true);
+    let bomb = constant_encoding(CodecDType::F32, MAX_CHUNK_ELEMS, 400 << 24, true);
     assert_eq!(bomb.len(), 8040);
     let h = inspect(&bomb).unwrap().header;
     assert_eq!(h.output_len(), 25 << 30);
@@ -303,7 +259,7 @@ fn decoded_size_bombs_are_refused_before_allocating() {
         assert!(b < a + (1 << 20), "refusing the bomb cost {} bytes", b - a);
     }
     // Under the limit the same kind of file decodes to exactly what it declares.
-    let small = constant_bomb(CodecDType::BF16, 1 << 16, (3 << 16) + 5, true);
+    let small = constant_encoding(CodecDType::BF16, 1 << 16, (3 << 16) + 5, true);
     let d = decode_with(&small, &limited).unwrap();
     assert_eq!(d.data, vec![0u8; ((3 << 16) + 5) * 2]);
 }

@@ -32,7 +32,7 @@ pub use bench::bench;
 pub use error::{HsdpError, Result};
 pub use grad::{GradInput, GradQueue, ReduceOptions};
 pub use group::{GroupCache, ProcessGroup};
-pub use mesh::DeviceMesh;
+pub use mesh::{DeviceMesh, MAX_MESH_RANKS};
 pub use param::{
     HsdpStreams, ParamConfig, ParamSpec, ParamState, Run, ShardGeometry, ShardRef, ShardedParam,
     UnshardHandle,

@@ -36,6 +36,30 @@ struct Origin {
     fixed: Vec<usize>,
 }
 
+/// The most ranks a mesh may hold (2^20, beyond any cluster hprt targets): a mesh stores every
+/// rank, so the bound keeps a mistaken or hostile shape from allocating without limit.
+pub const MAX_MESH_RANKS: usize = 1 << 20;
+
+/// The rank count of `shape`, checked: no empty or missing dim, no overflow, within
+/// [`MAX_MESH_RANKS`]. Nothing is allocated before this passes.
+fn checked_size(shape: &[usize]) -> Result<usize> {
+    if shape.is_empty() {
+        return Err(bad("a mesh needs at least one dim"));
+    }
+    if shape.contains(&0) {
+        return Err(bad(format!("shape {shape:?} has an empty dim")));
+    }
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .filter(|&n| n <= MAX_MESH_RANKS)
+        .ok_or_else(|| {
+            bad(format!(
+                "shape {shape:?} holds more than {MAX_MESH_RANKS} ranks (the mesh size limit)"
+            ))
+        })
+}
+
 fn bad(msg: impl Into<String>) -> HsdpError {
     HsdpError::InvalidMesh(msg.into())
 }
@@ -43,16 +67,7 @@ fn bad(msg: impl Into<String>) -> HsdpError {
 impl DeviceMesh {
     /// A mesh of `shape` holding `ranks` in row-major order; every rank appears once.
     pub fn new(shape: &[usize], ranks: Vec<usize>) -> Result<Self> {
-        if shape.is_empty() {
-            return Err(bad("a mesh needs at least one dim"));
-        }
-        if shape.contains(&0) {
-            return Err(bad(format!("shape {shape:?} has an empty dim")));
-        }
-        let size = shape
-            .iter()
-            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
+        let size = checked_size(shape)?;
         if size != ranks.len() {
             return Err(bad(format!(
                 "shape {shape:?} holds {size} ranks but {} were given",
@@ -73,9 +88,7 @@ impl DeviceMesh {
 
     /// The mesh of `shape` over ranks `0..product(shape)` in row-major order.
     pub fn contiguous(shape: &[usize]) -> Result<Self> {
-        let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        let n = n.ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
-        Self::new(shape, (0..n).collect())
+        Self::new(shape, (0..checked_size(shape)?).collect())
     }
 
     /// Names the dims (one distinct, non-empty name per dim).
@@ -433,6 +446,28 @@ mod tests {
         assert_eq!(m.coords_of(3), None);
         assert!(m.rank_at(&[2, 0]).is_err());
         assert!(m.rank_at(&[0]).is_err());
+    }
+
+    #[test]
+    fn oversized_shapes_are_refused_before_allocating() {
+        // 2^40 ranks would allocate 8 TiB; SIZE_MAX used to panic (capacity overflow); a
+        // product that overflows in the middle; the largest mesh allowed still builds.
+        for shape in [
+            vec![1 << 40],
+            vec![1 << 30],
+            vec![usize::MAX],
+            vec![1 << 33, 1 << 33],
+            vec![MAX_MESH_RANKS, 2],
+        ] {
+            match DeviceMesh::contiguous(&shape) {
+                Err(HsdpError::InvalidMesh(m)) => assert!(m.contains("mesh size limit"), "{m}"),
+                other => panic!("{shape:?}: {other:?}"),
+            }
+        }
+        assert_eq!(
+            DeviceMesh::contiguous(&[MAX_MESH_RANKS]).unwrap().size(),
+            MAX_MESH_RANKS
+        );
     }
 
     #[test]

@@ -242,15 +242,12 @@ pub unsafe extern "C" fn hprt_compress_device(
     out_len: *mut usize,
 ) -> HprtStatus {
     guard("hprt_compress_device", || {
-        // SAFETY: the caller's contract.
-        let (p, a, b, s) = unsafe {
-            (
-                arg(platform, "platform")?.get(),
-                arg(src, "src")?,
-                arg(dst, "dst")?,
-                arg(stream, "stream")?,
-            )
-        };
+        let (p, a, b, s) = (
+            arg(platform, "platform")?.get(),
+            arg(src, "src")?,
+            arg(dst, "dst")?,
+            arg(stream, "stream")?,
+        );
         if out_len.is_null() {
             return Err(FfiError::null("out_len"));
         }
@@ -288,15 +285,12 @@ pub unsafe extern "C" fn hprt_decompress_device(
     stream: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_decompress_device", || {
-        // SAFETY: the caller's contract.
-        let (p, a, b, s) = unsafe {
-            (
-                arg(platform, "platform")?.get(),
-                arg(src, "src")?,
-                arg(dst, "dst")?,
-                arg(stream, "stream")?,
-            )
-        };
+        let (p, a, b, s) = (
+            arg(platform, "platform")?.get(),
+            arg(src, "src")?,
+            arg(dst, "dst")?,
+            arg(stream, "stream")?,
+        );
         let d = codec_dtype(dtype)?;
         let need = checked_bytes(d, numel)?;
         let room = b.0.len().saturating_sub(dst_offset);

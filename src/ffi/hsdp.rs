@@ -13,11 +13,11 @@ use hprt_hsdp::{
 use hprt_platform::PlatformHandle;
 use hprt_platform::{DType, Platform, ReduceOp};
 
+use super::handle::{handle_kind, Exclusive};
 use super::platform::{
-    dtype_arg, into_raw, take, HprtComm, HprtDeviceBuffer, HprtDtype, HprtPlatform, HprtReduceOp,
-    HprtStream,
+    dtype_arg, HprtComm, HprtDeviceBuffer, HprtDtype, HprtPlatform, HprtReduceOp, HprtStream,
 };
-use super::{arg, guard, out, FfiError, FfiResult, HprtStatus};
+use super::{arg, arg_mut, guard, opt_arg, out, publish, release, FfiError, FfiResult, HprtStatus};
 
 impl From<HsdpError> for FfiError {
     fn from(e: HsdpError) -> Self {
@@ -194,21 +194,35 @@ fn optional_dtype(v: i32) -> FfiResult<Option<DType>> {
     }
 }
 
+/// Most dims of a mesh `hprt_hsdp_create` reads (a larger `mesh_ndim` is refused unread).
+pub const HPRT_HSDP_MAX_MESH_DIMS: usize = 8;
+/// Most dims of a parameter shape `hprt_hsdp_param_create` reads.
+pub const HPRT_HSDP_MAX_PARAM_DIMS: usize = 32;
+
+/// A C array of dims, at most `max` long. The length cannot be checked against the array, so
+/// the bound turns a garbage count into an error instead of a read far past the array.
+///
 /// # Safety
-/// `p` null or valid for reads of `n` elements.
-unsafe fn shape_arg(p: *const usize, n: usize, what: &str) -> FfiResult<Vec<usize>> {
+/// `p` null or valid for reads of `n` elements when `n <= max`.
+unsafe fn shape_arg(p: *const usize, n: usize, max: usize, what: &str) -> FfiResult<Vec<usize>> {
     if p.is_null() {
         return Err(FfiError::null(what));
+    }
+    if n > max {
+        return Err(FfiError::invalid(format!(
+            "{what}: {n} dims, at most {max} are accepted"
+        )));
     }
     // SAFETY: the caller's contract.
     Ok(unsafe { std::slice::from_raw_parts(p, n) }.to_vec())
 }
 
-/// # Safety
-/// `p` null or live, not used by another thread during the call.
-unsafe fn param_mut<'a>(p: *mut HprtHsdpParam) -> FfiResult<&'a mut HprtHsdpParam> {
-    // SAFETY: the caller's contract.
-    unsafe { p.as_mut() }.ok_or_else(|| FfiError::null("param"))
+handle_kind!(HprtHsdp, 20, "hsdp context");
+handle_kind!(exclusive HprtHsdpParam, 21, "hsdp parameter");
+
+/// Resolves a parameter argument (one call at a time).
+fn param_mut<'a>(p: *const HprtHsdpParam) -> FfiResult<&'a mut HprtHsdpParam> {
+    arg_mut(p, "param")
 }
 
 fn view(r: ShardRef<'_>, bytes: usize) -> HprtShardView {
@@ -253,7 +267,7 @@ pub unsafe extern "C" fn hprt_hsdp_create(
                 arg(platform, "platform")?,
                 arg(world, "world")?,
                 arg(compute, "compute")?,
-                shape_arg(mesh_shape, mesh_ndim, "mesh_shape")?,
+                shape_arg(mesh_shape, mesh_ndim, HPRT_HSDP_MAX_MESH_DIMS, "mesh_shape")?,
             )
         };
         if out_hsdp.is_null() {
@@ -288,7 +302,7 @@ pub unsafe extern "C" fn hprt_hsdp_create(
             platform: handle,
         };
         // SAFETY: the caller's contract.
-        unsafe { out(out_hsdp, "out_hsdp", into_raw(h)) }
+        unsafe { publish(out_hsdp, "out_hsdp", || Ok(h)) }
     })
 }
 
@@ -302,8 +316,7 @@ pub unsafe extern "C" fn hprt_hsdp_info(
     out_info: *mut HprtHsdpInfo,
 ) -> HprtStatus {
     guard("hprt_hsdp_info", || {
-        // SAFETY: the caller's contract.
-        let h = unsafe { arg(hsdp, "hsdp") }?;
+        let h = arg(hsdp, "hsdp")?;
         let info = HprtHsdpInfo {
             mode: h.mode,
             rank: h.cache.rank(),
@@ -326,15 +339,14 @@ pub unsafe extern "C" fn hprt_hsdp_info(
 pub unsafe extern "C" fn hprt_hsdp_destroy(hsdp: *mut HprtHsdp) -> HprtStatus {
     guard("hprt_hsdp_destroy", || {
         // SAFETY: the caller's contract.
-        let live = Arc::strong_count(&unsafe { arg(hsdp, "hsdp") }?.params) - 1;
+        let live = Arc::strong_count(&arg(hsdp, "hsdp")?.params) - 1;
         if live > 0 {
             return Err(FfiError {
                 status: HprtStatus::ErrorWrongState,
                 message: format!("{live} parameters of this context are still alive"),
             });
         }
-        // SAFETY: the caller's contract.
-        let h = unsafe { take(hsdp, "hsdp") }?;
+        let h = release(hsdp, "hsdp")?;
         let p = &*h.platform;
         p.destroy_stream(&h.streams.all_gather)?;
         p.destroy_stream(&h.streams.reduce)?;
@@ -367,7 +379,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_create(
         let (h, shape, full) = unsafe {
             (
                 arg(hsdp, "hsdp")?,
-                shape_arg(shape, ndim, "shape")?,
+                shape_arg(shape, ndim, HPRT_HSDP_MAX_PARAM_DIMS, "shape")?,
                 arg(full, "full")?,
             )
         };
@@ -418,7 +430,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_create(
             _platform: h.platform.clone(),
         };
         // SAFETY: the caller's contract.
-        unsafe { out(out_param, "out_param", into_raw(p)) }
+        unsafe { publish(out_param, "out_param", || Ok(Exclusive::new(p))) }
     })
 }
 
@@ -430,8 +442,8 @@ pub unsafe extern "C" fn hprt_hsdp_param_create(
 #[no_mangle]
 pub unsafe extern "C" fn hprt_hsdp_param_destroy(param: *mut HprtHsdpParam) -> HprtStatus {
     guard("hprt_hsdp_param_destroy", || {
-        // SAFETY: the caller's contract.
-        drop(unsafe { take(param, "param") }?);
+        param_mut(param)?;
+        release(param, "param")?;
         Ok(())
     })
 }
@@ -449,8 +461,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_unshard(
     async_op: bool,
 ) -> HprtStatus {
     guard("hprt_hsdp_param_unshard", || {
-        // SAFETY: the caller's contract.
-        unsafe { param_mut(param) }?.param.unshard(async_op)?;
+        param_mut(param)?.param.unshard(async_op)?;
         Ok(())
     })
 }
@@ -463,8 +474,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_unshard(
 #[no_mangle]
 pub unsafe extern "C" fn hprt_hsdp_param_wait_for_unshard(param: *mut HprtHsdpParam) -> HprtStatus {
     guard("hprt_hsdp_param_wait_for_unshard", || {
-        // SAFETY: the caller's contract.
-        unsafe { param_mut(param) }?.param.wait_for_unshard()?;
+        param_mut(param)?.param.wait_for_unshard()?;
         Ok(())
     })
 }
@@ -483,7 +493,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_unsharded(
 ) -> HprtStatus {
     guard("hprt_hsdp_param_unsharded", || {
         // SAFETY: the caller's contract.
-        let w = &unsafe { arg(param, "param") }?.param;
+        let w = &param_mut(param)?.param;
         let b = w.unsharded()?;
         if !out_ptr.is_null() {
             // SAFETY: non-null, valid by contract.
@@ -505,8 +515,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_unsharded(
 #[no_mangle]
 pub unsafe extern "C" fn hprt_hsdp_param_shard(param: *mut HprtHsdpParam) -> HprtStatus {
     guard("hprt_hsdp_param_shard", || {
-        // SAFETY: the caller's contract.
-        unsafe { param_mut(param) }?.param.shard()?;
+        param_mut(param)?.param.shard()?;
         Ok(())
     })
 }
@@ -525,8 +534,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_accumulate_grad(
     grad_dtype: i32,
 ) -> HprtStatus {
     guard("hprt_hsdp_param_accumulate_grad", || {
-        // SAFETY: the caller's contract.
-        let (w, g) = unsafe { (param_mut(param)?, arg(grad, "grad")?) };
+        let (w, g) = (param_mut(param)?, arg(grad, "grad")?);
         w.param.accumulate_grad(GradInput {
             buf: g.0.at(grad_offset),
             dtype: dtype_arg(grad_dtype)?,
@@ -556,10 +564,8 @@ pub unsafe extern "C" fn hprt_hsdp_param_reduce_grad(
     async_op: bool,
 ) -> HprtStatus {
     guard("hprt_hsdp_param_reduce_grad", || {
-        // SAFETY: the caller's contract.
-        let w = unsafe { param_mut(param) }?;
-        // SAFETY: null or live by the caller's contract.
-        let grad = match unsafe { grad.as_ref() } {
+        let w = param_mut(param)?;
+        let grad = match opt_arg(grad, "grad")? {
             None => None,
             Some(g) => Some(GradInput {
                 buf: g.0.at(grad_offset),
@@ -600,8 +606,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_reduce_grad(
 #[no_mangle]
 pub unsafe extern "C" fn hprt_hsdp_param_wait_for_reduce(param: *mut HprtHsdpParam) -> HprtStatus {
     guard("hprt_hsdp_param_wait_for_reduce", || {
-        // SAFETY: the caller's contract.
-        unsafe { param_mut(param) }?.param.wait_for_reduce()?;
+        param_mut(param)?.param.wait_for_reduce()?;
         Ok(())
     })
 }
@@ -614,8 +619,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_wait_for_reduce(param: *mut HprtHsdpPar
 #[no_mangle]
 pub unsafe extern "C" fn hprt_hsdp_param_clear_grad(param: *mut HprtHsdpParam) -> HprtStatus {
     guard("hprt_hsdp_param_clear_grad", || {
-        // SAFETY: the caller's contract.
-        unsafe { param_mut(param) }?.param.clear_grad()?;
+        param_mut(param)?.param.clear_grad()?;
         Ok(())
     })
 }
@@ -632,7 +636,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_sharded_data(
 ) -> HprtStatus {
     guard("hprt_hsdp_param_sharded_data", || {
         // SAFETY: the caller's contract.
-        let w = &unsafe { arg(param, "param") }?.param;
+        let w = &param_mut(param)?.param;
         let bytes = w.geometry().shard_numel() * w.dtype().size();
         // SAFETY: the caller's contract.
         unsafe { out(out_view, "out_view", view(w.sharded_data(), bytes)) }
@@ -652,7 +656,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_sharded_grad(
 ) -> HprtStatus {
     guard("hprt_hsdp_param_sharded_grad", || {
         // SAFETY: the caller's contract.
-        let w = &unsafe { arg(param, "param") }?.param;
+        let w = &param_mut(param)?.param;
         let g = w.sharded_grad().ok_or_else(|| FfiError {
             status: HprtStatus::ErrorWrongState,
             message: format!("parameter {:?} has no sharded gradient", w.name()),
@@ -674,7 +678,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_info(
 ) -> HprtStatus {
     guard("hprt_hsdp_param_info", || {
         // SAFETY: the caller's contract.
-        let w = &unsafe { arg(param, "param") }?.param;
+        let w = &param_mut(param)?.param;
         let g = w.geometry();
         let state = match w.state() {
             ParamState::Sharded => HprtParamState::Sharded,

@@ -5,11 +5,15 @@
 //!   [`hprt_last_error_message`] gives the sentence (thread-local, valid until the thread's next
 //!   failing call);
 //! - results come back through out-pointers, written only on success;
-//! - objects are opaque pointers made by `*_create`/`*_alloc`/`*_open` and released by the
-//!   matching `*_destroy`/`*_free`/`*_close`, exactly once;
+//! - objects are opaque handles made by `*_create`/`*_alloc`/`*_wrap`/`*_open`/`comm_init` and
+//!   released by the matching `*_destroy`/`*_free`/`*_close`; a handle is a validated,
+//!   generation-checked id ([`handle`]), so a released, doubly released, never issued or
+//!   wrong-kind handle is `HPRT_STATUS_ERROR_INVALID_HANDLE`, and a null out-pointer is checked
+//!   before anything is made;
 //! - no panic crosses the boundary: a panic becomes `HPRT_STATUS_ERROR_PANIC`.
 
 mod compress;
+pub(crate) mod handle;
 mod hsdp;
 mod platform;
 mod swap;
@@ -19,6 +23,7 @@ use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 pub use compress::*;
+pub(crate) use handle::{arg, arg_mut, opt_arg, publish, release};
 pub use hsdp::*;
 pub use platform::*;
 pub use swap::*;
@@ -111,7 +116,10 @@ fn set_last_error(message: &str) {
 
 /// Runs one entry point's body: errors and panics become a status plus the thread's message.
 pub(crate) fn guard(op: &str, body: impl FnOnce() -> FfiResult) -> HprtStatus {
-    match catch_unwind(AssertUnwindSafe(body)) {
+    let mark = handle::begin_call();
+    let result = catch_unwind(AssertUnwindSafe(body));
+    handle::end_call(mark);
+    match result {
         Ok(Ok(())) => HprtStatus::Ok,
         Ok(Err(e)) => {
             set_last_error(&e.message);
@@ -127,15 +135,6 @@ pub(crate) fn guard(op: &str, body: impl FnOnce() -> FfiResult) -> HprtStatus {
             HprtStatus::ErrorPanic
         }
     }
-}
-
-/// Reads a required pointer argument.
-///
-/// # Safety
-/// `p` must be null or point to a live `T`.
-pub(crate) unsafe fn arg<'a, T>(p: *const T, what: &str) -> FfiResult<&'a T> {
-    // SAFETY: the caller's contract.
-    unsafe { p.as_ref() }.ok_or_else(|| FfiError::null(what))
 }
 
 /// Writes an out-pointer argument.

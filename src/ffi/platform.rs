@@ -9,7 +9,8 @@ use hprt_platform::{
     PlatformRequest, RawStream, ReduceOp, Stream, UniqueId,
 };
 
-use super::{arg, guard, out, FfiError, FfiResult, HprtStatus};
+use super::handle::{handle_kind, Handle};
+use super::{arg, guard, out, publish, release, FfiError, FfiResult, HprtStatus};
 
 /// A platform: the process-wide one (`hprt_platform_get`) or one opened for the caller
 /// (`hprt_platform_open`, released with `hprt_platform_close`).
@@ -147,21 +148,12 @@ pub struct HprtMemoryStats {
 /// Longest unique id `hprt_unique_id` produces, in bytes.
 pub const HPRT_UNIQUE_ID_MAX_BYTES: usize = 4096;
 
-pub(crate) fn into_raw<T>(value: T) -> *mut T {
-    Box::into_raw(Box::new(value))
-}
-
-/// Takes back an object made by `into_raw`.
-///
-/// # Safety
-/// `p` must be null or come from `into_raw::<T>` and not have been released.
-pub(crate) unsafe fn take<T>(p: *mut T, what: &str) -> FfiResult<Box<T>> {
-    if p.is_null() {
-        return Err(FfiError::null(what));
-    }
-    // SAFETY: the caller's contract.
-    Ok(unsafe { Box::from_raw(p) })
-}
+handle_kind!(HprtPlatform, 1, "platform");
+handle_kind!(HprtStream, 2, "stream");
+handle_kind!(HprtEvent, 3, "event");
+handle_kind!(HprtDeviceBuffer, 4, "device buffer");
+handle_kind!(HprtPinnedBuffer, 5, "pinned buffer");
+handle_kind!(HprtComm, 6, "communicator");
 
 // --- platform --------------------------------------------------------------------------------
 
@@ -172,14 +164,16 @@ pub(crate) unsafe fn take<T>(p: *mut T, what: &str) -> FfiResult<Box<T>> {
 /// `out` must be valid for writing a pointer.
 #[no_mangle]
 pub unsafe extern "C" fn hprt_platform_get(out_platform: *mut *const HprtPlatform) -> HprtStatus {
-    static GLOBAL: OnceLock<HprtPlatform> = OnceLock::new();
+    static GLOBAL: OnceLock<usize> = OnceLock::new();
     guard("hprt_platform_get", || {
         let p = hprt_platform::get_platform()?;
-        let h = GLOBAL.get_or_init(|| HprtPlatform {
-            platform: PlatformRef::Global(p),
+        let id = *GLOBAL.get_or_init(|| {
+            HprtPlatform::registry().insert(HprtPlatform {
+                platform: PlatformRef::Global(p),
+            })
         });
         // SAFETY: the caller's contract.
-        unsafe { out(out_platform, "out_platform", h as *const HprtPlatform) }
+        unsafe { out(out_platform, "out_platform", id as *const HprtPlatform) }
     })
 }
 
@@ -203,15 +197,14 @@ pub unsafe extern "C" fn hprt_platform_open(
                 .map_err(|_| FfiError::invalid("request is not UTF-8"))?;
             PlatformRequest::parse(Some(s))?
         };
-        let sel = select_platform(req)?;
-        let h = into_raw(HprtPlatform {
-            platform: PlatformRef::Owned(Arc::from(sel.platform)),
-        });
         // SAFETY: the caller's contract.
-        unsafe { out(out_platform, "out_platform", h) }.inspect_err(|_| {
-            // SAFETY: made just above and not handed out.
-            drop(unsafe { Box::from_raw(h) });
-        })
+        unsafe {
+            publish(out_platform, "out_platform", || {
+                Ok(HprtPlatform {
+                    platform: PlatformRef::Owned(Arc::from(select_platform(req)?.platform)),
+                })
+            })
+        }
     })
 }
 
@@ -222,15 +215,13 @@ pub unsafe extern "C" fn hprt_platform_open(
 #[no_mangle]
 pub unsafe extern "C" fn hprt_platform_close(platform: *mut HprtPlatform) -> HprtStatus {
     guard("hprt_platform_close", || {
-        // SAFETY: checked for null; the caller's contract otherwise.
-        let p = unsafe { arg(platform, "platform") }?;
+        let p = arg(platform, "platform")?;
         if matches!(p.platform, PlatformRef::Global(_)) {
             return Err(FfiError::invalid(
                 "the process-wide platform (hprt_platform_get) cannot be closed",
             ));
         }
-        // SAFETY: an owned platform made by hprt_platform_open.
-        drop(unsafe { take(platform, "platform") }?);
+        release(platform, "platform")?;
         Ok(())
     })
 }
@@ -245,8 +236,7 @@ pub unsafe extern "C" fn hprt_platform_backend_name(
     out_name: *mut *const c_char,
 ) -> HprtStatus {
     guard("hprt_platform_backend_name", || {
-        // SAFETY: the caller's contract.
-        let p = unsafe { arg(platform, "platform") }?.get();
+        let p = arg(platform, "platform")?.get();
         let name: &'static CStr = match p.backend() {
             BackendKind::Cpu => c"cpu",
             BackendKind::Cuda => c"cuda",
@@ -268,10 +258,7 @@ pub unsafe extern "C" fn hprt_set_device(
     ordinal: usize,
 ) -> HprtStatus {
     guard("hprt_set_device", || {
-        // SAFETY: the caller's contract.
-        unsafe { arg(platform, "platform") }?
-            .get()
-            .set_device(ordinal)?;
+        arg(platform, "platform")?.get().set_device(ordinal)?;
         Ok(())
     })
 }
@@ -286,8 +273,7 @@ pub unsafe extern "C" fn hprt_device_count(
     out_count: *mut usize,
 ) -> HprtStatus {
     guard("hprt_device_count", || {
-        // SAFETY: the caller's contract.
-        let n = unsafe { arg(platform, "platform") }?.get().device_count();
+        let n = arg(platform, "platform")?.get().device_count();
         // SAFETY: the caller's contract.
         unsafe { out(out_count, "out_count", n) }
     })
@@ -300,10 +286,7 @@ pub unsafe extern "C" fn hprt_device_count(
 #[no_mangle]
 pub unsafe extern "C" fn hprt_platform_synchronize(platform: *const HprtPlatform) -> HprtStatus {
     guard("hprt_platform_synchronize", || {
-        // SAFETY: the caller's contract.
-        unsafe { arg(platform, "platform") }?
-            .get()
-            .synchronize_device()?;
+        arg(platform, "platform")?.get().synchronize_device()?;
         Ok(())
     })
 }
@@ -318,8 +301,7 @@ pub unsafe extern "C" fn hprt_platform_memory_stats(
     out_stats: *mut HprtMemoryStats,
 ) -> HprtStatus {
     guard("hprt_platform_memory_stats", || {
-        // SAFETY: the caller's contract.
-        let s = unsafe { arg(platform, "platform") }?.get().memory_stats();
+        let s = arg(platform, "platform")?.get().memory_stats();
         let c = HprtMemoryStats {
             device_current: s.device_current,
             device_peak: s.device_peak,
@@ -343,12 +325,13 @@ pub unsafe extern "C" fn hprt_stream_create(
     out_stream: *mut *mut HprtStream,
 ) -> HprtStatus {
     guard("hprt_stream_create", || {
+        let p = arg(platform, "platform")?.get();
         // SAFETY: the caller's contract.
-        let s = unsafe { arg(platform, "platform") }?
-            .get()
-            .create_stream()?;
-        // SAFETY: the caller's contract.
-        unsafe { out(out_stream, "out_stream", into_raw(HprtStream(s))) }
+        unsafe {
+            publish(out_stream, "out_stream", || {
+                Ok(HprtStream(p.create_stream()?))
+            })
+        }
     })
 }
 
@@ -364,14 +347,13 @@ pub unsafe extern "C" fn hprt_stream_wrap(
     out_stream: *mut *mut HprtStream,
 ) -> HprtStatus {
     guard("hprt_stream_wrap", || {
-        // SAFETY: the caller's contract (a live raw stream).
-        let s = unsafe {
-            arg(platform, "platform")?
-                .get()
-                .wrap_external_stream(RawStream(raw))
-        }?;
-        // SAFETY: the caller's contract.
-        unsafe { out(out_stream, "out_stream", into_raw(HprtStream(s))) }
+        let p = arg(platform, "platform")?.get();
+        // SAFETY: the caller's contract (`out_stream` writable, a live raw stream).
+        unsafe {
+            publish(out_stream, "out_stream", || {
+                Ok(HprtStream(p.wrap_external_stream(RawStream(raw))?))
+            })
+        }
     })
 }
 
@@ -385,8 +367,7 @@ pub unsafe extern "C" fn hprt_stream_raw(
     out_raw: *mut usize,
 ) -> HprtStatus {
     guard("hprt_stream_raw", || {
-        // SAFETY: the caller's contract.
-        let s = unsafe { arg(stream, "stream") }?;
+        let s = arg(stream, "stream")?;
         // SAFETY: the caller's contract.
         unsafe { out(out_raw, "out_raw", s.0.raw().0) }
     })
@@ -402,10 +383,8 @@ pub unsafe extern "C" fn hprt_stream_destroy(
     stream: *mut HprtStream,
 ) -> HprtStatus {
     guard("hprt_stream_destroy", || {
-        // SAFETY: the caller's contract.
-        let p = unsafe { arg(platform, "platform") }?.get();
-        // SAFETY: the caller's contract.
-        let s = unsafe { take(stream, "stream") }?;
+        let p = arg(platform, "platform")?.get();
+        let s = release(stream, "stream")?;
         p.destroy_stream(&s.0)?;
         Ok(())
     })
@@ -421,8 +400,7 @@ pub unsafe extern "C" fn hprt_stream_synchronize(
     stream: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_stream_synchronize", || {
-        // SAFETY: the caller's contract.
-        let (p, s) = unsafe { (arg(platform, "platform")?, arg(stream, "stream")?) };
+        let (p, s) = (arg(platform, "platform")?, arg(stream, "stream")?);
         p.get().synchronize_stream(&s.0)?;
         Ok(())
     })
@@ -437,12 +415,13 @@ pub unsafe extern "C" fn hprt_event_create(
     out_event: *mut *mut HprtEvent,
 ) -> HprtStatus {
     guard("hprt_event_create", || {
+        let p = arg(platform, "platform")?.get();
         // SAFETY: the caller's contract.
-        let e = unsafe { arg(platform, "platform") }?
-            .get()
-            .create_event(timing)?;
-        // SAFETY: the caller's contract.
-        unsafe { out(out_event, "out_event", into_raw(HprtEvent(e))) }
+        unsafe {
+            publish(out_event, "out_event", || {
+                Ok(HprtEvent(p.create_event(timing)?))
+            })
+        }
     })
 }
 
@@ -454,10 +433,8 @@ pub unsafe extern "C" fn hprt_event_destroy(
     event: *mut HprtEvent,
 ) -> HprtStatus {
     guard("hprt_event_destroy", || {
-        // SAFETY: the caller's contract.
-        let p = unsafe { arg(platform, "platform") }?.get();
-        // SAFETY: the caller's contract.
-        let e = unsafe { take(event, "event") }?;
+        let p = arg(platform, "platform")?.get();
+        let e = release(event, "event")?;
         p.destroy_event(&e.0)?;
         Ok(())
     })
@@ -474,14 +451,11 @@ pub unsafe extern "C" fn hprt_event_record(
     stream: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_event_record", || {
-        // SAFETY: the caller's contract.
-        let (p, e, s) = unsafe {
-            (
-                arg(platform, "platform")?,
-                arg(event, "event")?,
-                arg(stream, "stream")?,
-            )
-        };
+        let (p, e, s) = (
+            arg(platform, "platform")?,
+            arg(event, "event")?,
+            arg(stream, "stream")?,
+        );
         p.get().record_event(&e.0, &s.0)?;
         Ok(())
     })
@@ -498,14 +472,11 @@ pub unsafe extern "C" fn hprt_stream_wait_event(
     event: *const HprtEvent,
 ) -> HprtStatus {
     guard("hprt_stream_wait_event", || {
-        // SAFETY: the caller's contract.
-        let (p, e, s) = unsafe {
-            (
-                arg(platform, "platform")?,
-                arg(event, "event")?,
-                arg(stream, "stream")?,
-            )
-        };
+        let (p, e, s) = (
+            arg(platform, "platform")?,
+            arg(event, "event")?,
+            arg(stream, "stream")?,
+        );
         p.get().stream_wait_event(&s.0, &e.0)?;
         Ok(())
     })
@@ -521,8 +492,7 @@ pub unsafe extern "C" fn hprt_event_synchronize(
     event: *const HprtEvent,
 ) -> HprtStatus {
     guard("hprt_event_synchronize", || {
-        // SAFETY: the caller's contract.
-        let (p, e) = unsafe { (arg(platform, "platform")?, arg(event, "event")?) };
+        let (p, e) = (arg(platform, "platform")?, arg(event, "event")?);
         p.get().synchronize_event(&e.0)?;
         Ok(())
     })
@@ -540,14 +510,11 @@ pub unsafe extern "C" fn hprt_event_elapsed_ms(
     out_ms: *mut f32,
 ) -> HprtStatus {
     guard("hprt_event_elapsed_ms", || {
-        // SAFETY: the caller's contract.
-        let (p, a, b) = unsafe {
-            (
-                arg(platform, "platform")?,
-                arg(start, "start")?,
-                arg(end, "end")?,
-            )
-        };
+        let (p, a, b) = (
+            arg(platform, "platform")?,
+            arg(start, "start")?,
+            arg(end, "end")?,
+        );
         let ms = p.get().event_elapsed_ms(&a.0, &b.0)?;
         // SAFETY: the caller's contract.
         unsafe { out(out_ms, "out_ms", ms) }
@@ -565,12 +532,13 @@ pub unsafe extern "C" fn hprt_device_alloc(
     out_buffer: *mut *mut HprtDeviceBuffer,
 ) -> HprtStatus {
     guard("hprt_device_alloc", || {
+        let p = arg(platform, "platform")?.get();
         // SAFETY: the caller's contract.
-        let b = unsafe { arg(platform, "platform") }?
-            .get()
-            .alloc_device(bytes)?;
-        // SAFETY: the caller's contract.
-        unsafe { out(out_buffer, "out_buffer", into_raw(HprtDeviceBuffer(b))) }
+        unsafe {
+            publish(out_buffer, "out_buffer", || {
+                Ok(HprtDeviceBuffer(p.alloc_device(bytes)?))
+            })
+        }
     })
 }
 
@@ -593,8 +561,7 @@ pub unsafe extern "C" fn hprt_device_wrap(
     // SAFETY: the C caller hands `user` to hprt for the one release call, on any thread.
     unsafe impl Send for User {}
     guard("hprt_device_wrap", || {
-        // SAFETY: the caller's contract.
-        let p = unsafe { arg(platform, "platform") }?.get();
+        let p = arg(platform, "platform")?.get();
         let user = User(user);
         let release: Option<hprt_platform::ReleaseFn> = release.map(|f| {
             Box::new(move || {
@@ -603,10 +570,13 @@ pub unsafe extern "C" fn hprt_device_wrap(
                 unsafe { f(u.0) }
             }) as hprt_platform::ReleaseFn
         });
-        // SAFETY: the caller's contract.
-        let b = unsafe { p.wrap_device_memory(ptr, bytes, release) }?;
-        // SAFETY: the caller's contract.
-        unsafe { out(out_buffer, "out_buffer", into_raw(HprtDeviceBuffer(b))) }
+        // SAFETY: the caller's contract (`out_buffer` writable; the memory as documented). A
+        // null `out_buffer` is refused before the memory is wrapped, so `release` is not called.
+        unsafe {
+            publish(out_buffer, "out_buffer", || {
+                Ok(HprtDeviceBuffer(p.wrap_device_memory(ptr, bytes, release)?))
+            })
+        }
     })
 }
 
@@ -621,10 +591,8 @@ pub unsafe extern "C" fn hprt_device_free(
     buffer: *mut HprtDeviceBuffer,
 ) -> HprtStatus {
     guard("hprt_device_free", || {
-        // SAFETY: the caller's contract.
-        let p = unsafe { arg(platform, "platform") }?.get();
-        // SAFETY: the caller's contract.
-        let b = unsafe { take(buffer, "buffer") }?;
+        let p = arg(platform, "platform")?.get();
+        let b = release(buffer, "buffer")?;
         p.free_device(&b.0)?;
         Ok(())
     })
@@ -641,8 +609,7 @@ pub unsafe extern "C" fn hprt_device_info(
     out_bytes: *mut usize,
 ) -> HprtStatus {
     guard("hprt_device_info", || {
-        // SAFETY: the caller's contract.
-        let b = unsafe { arg(buffer, "buffer") }?;
+        let b = arg(buffer, "buffer")?;
         if !out_ptr.is_null() {
             // SAFETY: non-null, valid by contract.
             unsafe { out_ptr.write(b.0.device_ptr()) };
@@ -664,12 +631,13 @@ pub unsafe extern "C" fn hprt_pinned_alloc(
     out_buffer: *mut *mut HprtPinnedBuffer,
 ) -> HprtStatus {
     guard("hprt_pinned_alloc", || {
+        let p = arg(platform, "platform")?.get();
         // SAFETY: the caller's contract.
-        let b = unsafe { arg(platform, "platform") }?
-            .get()
-            .alloc_pinned(bytes)?;
-        // SAFETY: the caller's contract.
-        unsafe { out(out_buffer, "out_buffer", into_raw(HprtPinnedBuffer(b))) }
+        unsafe {
+            publish(out_buffer, "out_buffer", || {
+                Ok(HprtPinnedBuffer(p.alloc_pinned(bytes)?))
+            })
+        }
     })
 }
 
@@ -681,10 +649,8 @@ pub unsafe extern "C" fn hprt_pinned_free(
     buffer: *mut HprtPinnedBuffer,
 ) -> HprtStatus {
     guard("hprt_pinned_free", || {
-        // SAFETY: the caller's contract.
-        let p = unsafe { arg(platform, "platform") }?.get();
-        // SAFETY: the caller's contract.
-        let b = unsafe { take(buffer, "buffer") }?;
+        let p = arg(platform, "platform")?.get();
+        let b = release(buffer, "buffer")?;
         p.free_pinned(&b.0)?;
         Ok(())
     })
@@ -702,8 +668,7 @@ pub unsafe extern "C" fn hprt_pinned_info(
     out_bytes: *mut usize,
 ) -> HprtStatus {
     guard("hprt_pinned_info", || {
-        // SAFETY: the caller's contract.
-        let b = unsafe { arg(buffer, "buffer") }?;
+        let b = arg(buffer, "buffer")?;
         if !out_ptr.is_null() {
             // SAFETY: non-null, valid by contract.
             unsafe { out_ptr.write(b.0.as_ptr().cast()) };
@@ -729,9 +694,8 @@ pub struct HprtMemRef {
 
 fn mem<'a>(r: &HprtMemRef, what: &str) -> FfiResult<hprt_platform::Mem<'a>> {
     match (r.device.is_null(), r.pinned.is_null()) {
-        // SAFETY: non-null handles are live by the caller's contract.
-        (false, true) => Ok(hprt_platform::Mem::Device(unsafe { &(*r.device).0 })),
-        (true, false) => Ok(hprt_platform::Mem::Pinned(unsafe { &(*r.pinned).0 })),
+        (false, true) => Ok(hprt_platform::Mem::Device(&arg(r.device, what)?.0)),
+        (true, false) => Ok(hprt_platform::Mem::Pinned(&arg(r.pinned, what)?.0)),
         _ => Err(FfiError::invalid(format!(
             "{what}: exactly one of device and pinned must be set"
         ))),
@@ -751,8 +715,7 @@ pub unsafe extern "C" fn hprt_copy_async(
     stream: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_copy_async", || {
-        // SAFETY: the caller's contract.
-        let (p, s) = unsafe { (arg(platform, "platform")?, arg(stream, "stream")?) };
+        let (p, s) = (arg(platform, "platform")?, arg(stream, "stream")?);
         let (d, r) = (mem(&dst, "dst")?, mem(&src, "src")?);
         p.get()
             .copy_async(d, dst.offset, r, src.offset, bytes, &s.0)?;
@@ -774,14 +737,11 @@ pub unsafe extern "C" fn hprt_memset_async(
     stream: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_memset_async", || {
-        // SAFETY: the caller's contract.
-        let (p, b, s) = unsafe {
-            (
-                arg(platform, "platform")?,
-                arg(buffer, "buffer")?,
-                arg(stream, "stream")?,
-            )
-        };
+        let (p, b, s) = (
+            arg(platform, "platform")?,
+            arg(buffer, "buffer")?,
+            arg(stream, "stream")?,
+        );
         p.get().memset_async(&b.0, offset, value, bytes, &s.0)?;
         Ok(())
     })
@@ -802,16 +762,18 @@ pub unsafe extern "C" fn hprt_unique_id(
     out_len: *mut usize,
 ) -> HprtStatus {
     guard("hprt_unique_id", || {
-        // SAFETY: the caller's contract.
-        let id = unsafe { arg(platform, "platform") }?.get().unique_id()?;
+        let id = arg(platform, "platform")?.get().unique_id()?;
         if out_id.is_null() {
             return Err(FfiError::null("out_id"));
         }
         if id.0.len() > capacity {
-            return Err(FfiError::invalid(format!(
-                "the unique id needs {} bytes, the buffer has {capacity}",
-                id.0.len()
-            )));
+            return Err(FfiError {
+                status: HprtStatus::ErrorBufferTooSmall,
+                message: format!(
+                    "the unique id needs {} bytes, the buffer has {capacity}",
+                    id.0.len()
+                ),
+            });
         }
         // SAFETY: `out_id` holds `capacity >= len` bytes by contract.
         unsafe { std::ptr::copy_nonoverlapping(id.0.as_ptr(), out_id, id.0.len()) };
@@ -834,16 +796,18 @@ pub unsafe extern "C" fn hprt_comm_init(
     out_comm: *mut *mut HprtComm,
 ) -> HprtStatus {
     guard("hprt_comm_init", || {
-        // SAFETY: the caller's contract.
-        let p = unsafe { arg(platform, "platform") }?.get();
+        let p = arg(platform, "platform")?.get();
         if id.is_null() {
             return Err(FfiError::null("id"));
         }
         // SAFETY: `id` holds `id_len` bytes by contract.
         let id = UniqueId(unsafe { std::slice::from_raw_parts(id, id_len) }.to_vec());
-        let c = p.comm_init(&id, rank, world)?;
         // SAFETY: the caller's contract.
-        unsafe { out(out_comm, "out_comm", into_raw(HprtComm(c))) }
+        unsafe {
+            publish(out_comm, "out_comm", || {
+                Ok(HprtComm(p.comm_init(&id, rank, world)?))
+            })
+        }
     })
 }
 
@@ -855,39 +819,28 @@ pub unsafe extern "C" fn hprt_comm_destroy(
     comm: *mut HprtComm,
 ) -> HprtStatus {
     guard("hprt_comm_destroy", || {
-        // SAFETY: the caller's contract.
-        let p = unsafe { arg(platform, "platform") }?.get();
-        // SAFETY: the caller's contract.
-        let c = unsafe { take(comm, "comm") }?;
+        let p = arg(platform, "platform")?.get();
+        let c = release(comm, "comm")?;
         p.destroy_comm(&c.0)?;
         Ok(())
     })
 }
 
 /// The arguments every collective entry point resolves first.
-///
-/// # Safety
-/// All pointers null or live.
-unsafe fn collective_args<'a>(
+fn collective_args<'a>(
     platform: *const HprtPlatform,
     comm: *const HprtComm,
     stream: *const HprtStream,
 ) -> FfiResult<(&'a dyn Platform, &'a Communicator, &'a Stream)> {
-    // SAFETY: the caller's contract.
-    unsafe {
-        Ok((
-            arg(platform, "platform")?.get(),
-            &arg(comm, "comm")?.0,
-            &arg(stream, "stream")?.0,
-        ))
-    }
+    Ok((
+        arg(platform, "platform")?.get(),
+        &arg(comm, "comm")?.0,
+        &arg(stream, "stream")?.0,
+    ))
 }
 
-/// # Safety
-/// All handles live.
-unsafe fn device<'a>(b: *const HprtDeviceBuffer, what: &str) -> FfiResult<&'a DeviceBuffer> {
-    // SAFETY: the caller's contract.
-    Ok(&unsafe { arg(b, what) }?.0)
+fn device<'a>(b: *const HprtDeviceBuffer, what: &str) -> FfiResult<&'a DeviceBuffer> {
+    Ok(&arg(b, what)?.0)
 }
 
 /// `recv[i] = op over ranks of send[i]` for `count` elements (in place when both are the same
@@ -909,10 +862,8 @@ pub unsafe extern "C" fn hprt_all_reduce(
     stream: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_all_reduce", || {
-        // SAFETY: the caller's contract.
-        let (p, c, s) = unsafe { collective_args(platform, comm, stream) }?;
-        // SAFETY: the caller's contract.
-        let (a, b) = unsafe { (device(send, "send")?, device(recv, "recv")?) };
+        let (p, c, s) = collective_args(platform, comm, stream)?;
+        let (a, b) = (device(send, "send")?, device(recv, "recv")?);
         p.all_reduce(
             a.at(send_offset),
             b.at(recv_offset),
@@ -943,10 +894,8 @@ pub unsafe extern "C" fn hprt_all_gather(
     stream: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_all_gather", || {
-        // SAFETY: the caller's contract.
-        let (p, c, s) = unsafe { collective_args(platform, comm, stream) }?;
-        // SAFETY: the caller's contract.
-        let (a, b) = unsafe { (device(send, "send")?, device(recv, "recv")?) };
+        let (p, c, s) = collective_args(platform, comm, stream)?;
+        let (a, b) = (device(send, "send")?, device(recv, "recv")?);
         p.all_gather(
             a.at(send_offset),
             b.at(recv_offset),
@@ -977,10 +926,8 @@ pub unsafe extern "C" fn hprt_reduce_scatter(
     stream: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_reduce_scatter", || {
-        // SAFETY: the caller's contract.
-        let (p, c, s) = unsafe { collective_args(platform, comm, stream) }?;
-        // SAFETY: the caller's contract.
-        let (a, b) = unsafe { (device(send, "send")?, device(recv, "recv")?) };
+        let (p, c, s) = collective_args(platform, comm, stream)?;
+        let (a, b) = (device(send, "send")?, device(recv, "recv")?);
         p.reduce_scatter(
             a.at(send_offset),
             b.at(recv_offset),
@@ -1010,10 +957,8 @@ pub unsafe extern "C" fn hprt_broadcast(
     stream: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_broadcast", || {
-        // SAFETY: the caller's contract.
-        let (p, c, s) = unsafe { collective_args(platform, comm, stream) }?;
-        // SAFETY: the caller's contract.
-        let b = unsafe { device(buffer, "buffer") }?;
+        let (p, c, s) = collective_args(platform, comm, stream)?;
+        let b = device(buffer, "buffer")?;
         p.broadcast(b.at(offset), count, dtype_arg(dtype)?, root, c, s)?;
         Ok(())
     })
@@ -1030,8 +975,7 @@ pub unsafe extern "C" fn hprt_barrier(
     stream: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_barrier", || {
-        // SAFETY: the caller's contract.
-        let (p, c, s) = unsafe { collective_args(platform, comm, stream) }?;
+        let (p, c, s) = collective_args(platform, comm, stream)?;
         p.barrier(c, s)?;
         Ok(())
     })

@@ -2,8 +2,9 @@
 
 use hprt_swap::{DeviceTensor, LayerId, PoolConfig, Saved, SavedRef, SwapError, SwapManager};
 
-use super::platform::{dtype_arg, into_raw, take, HprtDeviceBuffer, HprtPlatform, HprtStream};
-use super::{arg, guard, out, FfiError, FfiResult, HprtStatus};
+use super::handle::{handle_kind, Exclusive};
+use super::platform::{dtype_arg, HprtDeviceBuffer, HprtPlatform, HprtStream};
+use super::{arg, arg_mut, guard, out, publish, release, FfiError, FfiResult, HprtStatus};
 
 impl From<SwapError> for FfiError {
     fn from(e: SwapError) -> Self {
@@ -63,13 +64,11 @@ impl HprtSwapManager {
     }
 }
 
-/// Reads a manager argument for mutation.
-///
-/// # Safety
-/// `m` null or live, and not used by another thread during the call.
-unsafe fn manager_mut<'a>(m: *mut HprtSwapManager) -> FfiResult<&'a mut HprtSwapManager> {
-    // SAFETY: the caller's contract.
-    unsafe { m.as_mut() }.ok_or_else(|| FfiError::null("manager"))
+handle_kind!(exclusive HprtSwapManager, 10, "swap manager");
+
+/// Resolves a manager argument for mutation (one call at a time).
+fn manager_mut<'a>(m: *mut HprtSwapManager) -> FfiResult<&'a mut HprtSwapManager> {
+    arg_mut(m, "manager")
 }
 
 /// A manager on `platform`; `host_budget` bounds its pinned pool in bytes (0 = unbounded).
@@ -84,17 +83,19 @@ pub unsafe extern "C" fn hprt_swap_manager_create(
     out_manager: *mut *mut HprtSwapManager,
 ) -> HprtStatus {
     guard("hprt_swap_manager_create", || {
-        // SAFETY: the caller's contract.
-        let p = unsafe { arg(platform, "platform") }?;
+        let p = arg(platform, "platform")?;
         let pool = PoolConfig {
             host_budget: (host_budget > 0).then_some(host_budget),
         };
-        let m = HprtSwapManager {
-            manager: SwapManager::with_pool(p.handle(), pool)?,
-            layers: Vec::new(),
-        };
         // SAFETY: the caller's contract.
-        unsafe { out(out_manager, "out_manager", into_raw(m)) }
+        unsafe {
+            publish(out_manager, "out_manager", || {
+                Ok(Exclusive::new(HprtSwapManager {
+                    manager: SwapManager::with_pool(p.handle(), pool)?,
+                    layers: Vec::new(),
+                }))
+            })
+        }
     })
 }
 
@@ -105,8 +106,8 @@ pub unsafe extern "C" fn hprt_swap_manager_create(
 #[no_mangle]
 pub unsafe extern "C" fn hprt_swap_manager_destroy(manager: *mut HprtSwapManager) -> HprtStatus {
     guard("hprt_swap_manager_destroy", || {
-        // SAFETY: the caller's contract.
-        let mut m = unsafe { take(manager, "manager") }?;
+        let m = manager_mut(manager)?;
+        release(manager, "manager")?;
         m.manager.end_iteration()?;
         Ok(())
     })
@@ -122,8 +123,7 @@ pub unsafe extern "C" fn hprt_swap_new_layer(
     out_layer: *mut usize,
 ) -> HprtStatus {
     guard("hprt_swap_new_layer", || {
-        // SAFETY: the caller's contract.
-        let m = unsafe { manager_mut(manager) }?;
+        let m = manager_mut(manager)?;
         let id = m.manager.new_layer();
         m.layers.push(id);
         // SAFETY: the caller's contract.
@@ -142,8 +142,7 @@ pub unsafe extern "C" fn hprt_swap_set_forward_prefetch_layer(
     second: usize,
 ) -> HprtStatus {
     guard("hprt_swap_set_forward_prefetch_layer", || {
-        // SAFETY: the caller's contract.
-        let m = unsafe { manager_mut(manager) }?;
+        let m = manager_mut(manager)?;
         let (a, b) = (m.layer(first)?, m.layer(second)?);
         m.manager.set_forward_prefetch_layer(a, b)?;
         Ok(())
@@ -160,8 +159,7 @@ pub unsafe extern "C" fn hprt_swap_forward_pre(
     layer: usize,
 ) -> HprtStatus {
     guard("hprt_swap_forward_pre", || {
-        // SAFETY: the caller's contract.
-        let m = unsafe { manager_mut(manager) }?;
+        let m = manager_mut(manager)?;
         let l = m.layer(layer)?;
         m.manager.forward_pre(l)?;
         Ok(())
@@ -185,8 +183,7 @@ pub unsafe extern "C" fn hprt_swap_save(
     out_ref: *mut HprtSavedRef,
 ) -> HprtStatus {
     guard("hprt_swap_save", || {
-        // SAFETY: the caller's contract.
-        let (m, s) = unsafe { (manager_mut(manager)?, arg(storage, "storage")?) };
+        let (m, s) = (manager_mut(manager)?, arg(storage, "storage")?);
         let dtype = dtype_arg(dtype)?;
         if bytes % dtype.size() != 0 {
             return Err(FfiError::invalid(format!(
@@ -216,8 +213,7 @@ pub unsafe extern "C" fn hprt_swap_forward_post(
     compute: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_swap_forward_post", || {
-        // SAFETY: the caller's contract.
-        let (m, s) = unsafe { (manager_mut(manager)?, arg(compute, "compute")?) };
+        let (m, s) = (manager_mut(manager)?, arg(compute, "compute")?);
         let l = m.layer(layer)?;
         m.manager.forward_post(l, &s.0)?;
         Ok(())
@@ -236,8 +232,7 @@ pub unsafe extern "C" fn hprt_swap_backward_pre(
     compute: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_swap_backward_pre", || {
-        // SAFETY: the caller's contract.
-        let (m, s) = unsafe { (manager_mut(manager)?, arg(compute, "compute")?) };
+        let (m, s) = (manager_mut(manager)?, arg(compute, "compute")?);
         let l = m.layer(layer)?;
         m.manager.backward_pre(l, &s.0)?;
         Ok(())
@@ -254,8 +249,7 @@ pub unsafe extern "C" fn hprt_swap_backward_post(
     layer: usize,
 ) -> HprtStatus {
     guard("hprt_swap_backward_post", || {
-        // SAFETY: the caller's contract.
-        let m = unsafe { manager_mut(manager) }?;
+        let m = manager_mut(manager)?;
         let l = m.layer(layer)?;
         m.manager.backward_post(l)?;
         Ok(())
@@ -274,8 +268,7 @@ pub unsafe extern "C" fn hprt_swap_get(
     out_ptr: *mut usize,
 ) -> HprtStatus {
     guard("hprt_swap_get", || {
-        // SAFETY: the caller's contract.
-        let m = unsafe { manager_mut(manager) }?;
+        let m = manager_mut(manager)?;
         let r = SavedRef {
             layer: m.layer(saved.layer)?,
             index: saved.index,
@@ -297,8 +290,7 @@ pub unsafe extern "C" fn hprt_swap_get(
 #[no_mangle]
 pub unsafe extern "C" fn hprt_swap_end_iteration(manager: *mut HprtSwapManager) -> HprtStatus {
     guard("hprt_swap_end_iteration", || {
-        // SAFETY: the caller's contract.
-        unsafe { manager_mut(manager) }?.manager.end_iteration()?;
+        manager_mut(manager)?.manager.end_iteration()?;
         Ok(())
     })
 }
@@ -311,8 +303,7 @@ pub unsafe extern "C" fn hprt_swap_stats(
     out_stats: *mut HprtSwapStats,
 ) -> HprtStatus {
     guard("hprt_swap_stats", || {
-        // SAFETY: the caller's contract.
-        let m = unsafe { manager_mut(manager) }?;
+        let m = manager_mut(manager)?;
         let (e, p) = (m.manager.engine().stats(), m.manager.engine().pool_stats());
         let s = HprtSwapStats {
             offloaded_tensors: e.offloaded_tensors,

@@ -8,10 +8,7 @@ use super::rans::{self, DecTable, EncTable, RANS_L};
 use super::simd;
 use super::split::{mantissa_len, merge_group, pack_mantissas, symbols_of, unpack_tail, Elem};
 use crate::error::{CompressError, Result};
-use crate::format::{
-    check_mantissa_padding, checksum, ChunkEntry, ChunkMode, LANES, STATES_LEN,
-};
-
+use crate::format::{check_mantissa_padding, checksum, ChunkEntry, ChunkMode, LANES, STATES_LEN};
 
 /// Reusable per-thread buffers, so steady-state encoding allocates nothing per chunk.
 #[derive(Default)]
@@ -256,12 +253,7 @@ fn open_rans<'a, E: Elem>(
             "rans state out of range",
         ));
     }
-    check_mantissa_padding(
-        &payload[tlen..words_start],
-        n,
-        E::MANT_BITS,
-        base + tlen,
-    )?;
+    check_mantissa_padding(&payload[tlen..words_start], n, E::MANT_BITS, base + tlen)?;
     rans::fill_dec_table(table, &freq);
     let words = &payload[words_start..words_end];
     Ok(RansChunk {

@@ -1,0 +1,83 @@
+"""Untrusted compressed bytes and misused arguments: typed errors, never an abort."""
+
+import struct
+
+import numpy as np
+import pytest
+
+import hprt
+
+K1 = 0x9E3779B97F4A7C15
+K2 = 0xD6E8FEB86659FD93
+MASK = (1 << 64) - 1
+
+
+def checksum(data: bytes) -> int:
+    """The format's checksum (compress/FORMAT.md, "Checksum")."""
+    padded = data + bytes(-len(data) % 8)
+    h = 0
+    for i, (w,) in enumerate(struct.iter_unpack("<Q", padded)):
+        z = ((w ^ (i * K1 & MASK)) * K2) & MASK
+        h = (h + (z ^ (z >> 29))) & MASK
+    z = ((h ^ len(data)) * K1) & MASK
+    return z ^ (z >> 31)
+
+
+def constant_bomb(chunks: int, chunk_elems: int = 1 << 24) -> bytes:
+    """`chunks` constant f32 chunks of `chunk_elems` elements: 20 bytes per 64 MiB declared."""
+    head = bytearray(b"HPRZ" + struct.pack("<HBBB3xIQQQ", 1, 1, 8, 12, chunk_elems,
+                                           chunks * chunk_elems, chunks * 4, 0))
+    table = b"".join(struct.pack("<IB3xQ", 4, 3, 0) for _ in range(chunks))
+    prefix = checksum(bytes(head)) ^ _rotl(checksum(table), 17)
+    head[32:40] = struct.pack("<Q", prefix)
+    return bytes(head) + table + bytes(4 * chunks)
+
+
+def _rotl(x: int, r: int) -> int:
+    return ((x << r) | (x >> (64 - r))) & MASK
+
+
+def test_a_decoded_size_bomb_is_refused_within_max_output():
+    bomb = constant_bomb(400)
+    assert len(bomb) == 8040
+    assert hprt.compressed_info(bomb)["raw_bytes"] == 25 << 30
+    with pytest.raises(hprt.CompressError) as e:
+        hprt.decompress(bomb, max_output=1 << 30)
+    assert e.value.status == "HP_COMPRESS_OUTPUT_TOO_LARGE"
+    assert "26843545600" in str(e.value)
+
+
+def test_under_the_limit_the_output_is_checked_chunk_by_chunk():
+    # Valid prefix, wrong chunk checksums (zero): decoding fails at the first chunk.
+    bomb = constant_bomb(2, chunk_elems=1 << 10)
+    with pytest.raises(hprt.CompressError) as e:
+        hprt.decompress(bomb, max_output=1 << 20)
+    assert e.value.status == "HP_COMPRESS_CORRUPT"
+
+
+def test_decompress_into_requires_the_encoded_dtype_not_just_its_size():
+    x = np.linspace(-3, 3, 4096, dtype=np.float16)
+    blob = hprt.compress(x)
+    same_size = np.empty(4096, dtype=np.int16)
+    with pytest.raises(hprt.InvalidValueError):
+        hprt.decompress_into(blob, same_size)
+    torch = pytest.importorskip("torch")
+    bf16 = torch.empty(4096, dtype=torch.bfloat16)
+    with pytest.raises(hprt.InvalidValueError):
+        hprt.decompress_into(blob, bf16)
+    out = np.empty_like(x)
+    hprt.decompress_into(blob, out)
+    assert out.tobytes() == x.tobytes()
+
+
+def test_non_zero_mantissa_padding_is_corrupt():
+    # 813 bf16 elements of one exponent: single-symbol, 712 mantissa bytes with 5 padding bits.
+    torch = pytest.importorskip("torch")
+    vals = torch.tensor([0x3F80 | (i * 9 % 128) for i in range(813)], dtype=torch.int16)
+    blob = bytearray(hprt.compress(vals.view(torch.bfloat16)))
+    chunks = 1
+    mant_end = 40 + 16 * chunks + 2 + 712
+    blob[mant_end - 1] ^= 0x80
+    with pytest.raises(hprt.CompressError) as e:
+        hprt.decompress(bytes(blob))
+    assert "padding" in str(e.value)
