@@ -275,14 +275,15 @@ pub(crate) unsafe fn publish<H: Handle>(
     Ok(())
 }
 
-/// Removes a handle: it is invalid from now on; the object is dropped when the entry point
-/// returns and no other call still uses it.
-pub(crate) fn release<'a, H: Handle>(p: *const H, what: &str) -> FfiResult<&'a H::Stored> {
-    let r = arg(p, what)?;
+/// Removes a handle: it is invalid from now on; the object is dropped once the entry points
+/// using it (this one included) return. Destroy calls release after the backend accepted the
+/// destruction, so a refused one (another platform's buffer) leaves the handle valid.
+pub(crate) fn release<H: Handle>(p: *const H, what: &str) -> FfiResult {
+    lookup(p, what)?;
     H::registry()
         .remove(p as usize)
-        .ok_or_else(|| invalid_handle(what, H::NAME))?;
-    Ok(r)
+        .map(drop)
+        .ok_or_else(|| invalid_handle(what, H::NAME))
 }
 
 #[cfg(test)]

@@ -346,7 +346,8 @@ pub unsafe extern "C" fn hprt_hsdp_destroy(hsdp: *mut HprtHsdp) -> HprtStatus {
                 message: format!("{live} parameters of this context are still alive"),
             });
         }
-        let h = release(hsdp, "hsdp")?;
+        let h = arg(hsdp, "hsdp")?;
+        release(hsdp, "hsdp")?;
         let p = &*h.platform;
         p.destroy_stream(&h.streams.all_gather)?;
         p.destroy_stream(&h.streams.reduce)?;

@@ -384,8 +384,9 @@ pub unsafe extern "C" fn hprt_stream_destroy(
 ) -> HprtStatus {
     guard("hprt_stream_destroy", || {
         let p = arg(platform, "platform")?.get();
-        let s = release(stream, "stream")?;
+        let s = arg(stream, "stream")?;
         p.destroy_stream(&s.0)?;
+        release(stream, "stream")?;
         Ok(())
     })
 }
@@ -434,8 +435,9 @@ pub unsafe extern "C" fn hprt_event_destroy(
 ) -> HprtStatus {
     guard("hprt_event_destroy", || {
         let p = arg(platform, "platform")?.get();
-        let e = release(event, "event")?;
+        let e = arg(event, "event")?;
         p.destroy_event(&e.0)?;
+        release(event, "event")?;
         Ok(())
     })
 }
@@ -592,8 +594,9 @@ pub unsafe extern "C" fn hprt_device_free(
 ) -> HprtStatus {
     guard("hprt_device_free", || {
         let p = arg(platform, "platform")?.get();
-        let b = release(buffer, "buffer")?;
+        let b = arg(buffer, "buffer")?;
         p.free_device(&b.0)?;
+        release(buffer, "buffer")?;
         Ok(())
     })
 }
@@ -650,8 +653,9 @@ pub unsafe extern "C" fn hprt_pinned_free(
 ) -> HprtStatus {
     guard("hprt_pinned_free", || {
         let p = arg(platform, "platform")?.get();
-        let b = release(buffer, "buffer")?;
+        let b = arg(buffer, "buffer")?;
         p.free_pinned(&b.0)?;
+        release(buffer, "buffer")?;
         Ok(())
     })
 }
@@ -820,8 +824,9 @@ pub unsafe extern "C" fn hprt_comm_destroy(
 ) -> HprtStatus {
     guard("hprt_comm_destroy", || {
         let p = arg(platform, "platform")?.get();
-        let c = release(comm, "comm")?;
+        let c = arg(comm, "comm")?;
         p.destroy_comm(&c.0)?;
+        release(comm, "comm")?;
         Ok(())
     })
 }

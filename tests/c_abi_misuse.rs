@@ -1,0 +1,285 @@
+//! Misuse of the C ABI as a careless caller commits it: null out-pointers (nothing is made, so
+//! nothing leaks), use after free / destroy / close, double release, never-issued and
+//! wrong-kind handles — each a typed status (`INVALID_HANDLE`), never a crash; and sizes that
+//! used to abort the process (`hprt_hsdp_create` meshes, `mesh_ndim`).
+
+use std::ffi::CStr;
+use std::ptr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use hprt::ffi::*;
+
+const INVALID: HprtStatus = HprtStatus::ErrorInvalidHandle;
+const NULL: HprtStatus = HprtStatus::ErrorNullArgument;
+
+fn last_error() -> String {
+    // SAFETY: never null; valid until this thread's next failing call.
+    unsafe { CStr::from_ptr(hprt_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn ok(status: HprtStatus) {
+    assert_eq!(status, HprtStatus::Ok, "{}", last_error());
+}
+
+fn expect(status: HprtStatus, want: HprtStatus) {
+    assert_eq!(status, want, "{}", last_error());
+}
+
+fn open_cpu() -> *mut HprtPlatform {
+    let mut p = ptr::null_mut();
+    // SAFETY: a NUL-terminated request and a valid out-pointer.
+    ok(unsafe { hprt_platform_open(c"cpu".as_ptr(), &mut p) });
+    p
+}
+
+fn stats(p: *const HprtPlatform) -> HprtMemoryStats {
+    let mut s = HprtMemoryStats::default();
+    // SAFETY: a valid out-pointer; `p` may be stale (then the status says so).
+    ok(unsafe { hprt_platform_memory_stats(p, &mut s) });
+    s
+}
+
+static RELEASED: AtomicUsize = AtomicUsize::new(0);
+unsafe extern "C" fn count_release(_user: *mut std::ffi::c_void) {
+    RELEASED.fetch_add(1, Ordering::SeqCst);
+}
+
+#[test]
+fn a_null_out_pointer_makes_nothing_and_leaks_nothing() {
+    let p = open_cpu();
+    let base = stats(p);
+    // SAFETY: every out-pointer is null on purpose; the other arguments are valid.
+    unsafe {
+        for _ in 0..10 {
+            expect(hprt_device_alloc(p, 1 << 20, ptr::null_mut()), NULL);
+            expect(hprt_pinned_alloc(p, 1 << 20, ptr::null_mut()), NULL);
+        }
+        let after = stats(p);
+        assert_eq!(
+            (after.device_current, after.pinned_current),
+            (base.device_current, base.pinned_current),
+            "a refused allocation left memory charged"
+        );
+        assert_eq!(after.device_allocations, base.device_allocations);
+        expect(hprt_stream_create(p, ptr::null_mut()), NULL);
+        expect(hprt_event_create(p, false, ptr::null_mut()), NULL);
+        expect(hprt_swap_manager_create(p, 0, ptr::null_mut()), NULL);
+        let mut s = ptr::null_mut();
+        ok(hprt_stream_create(p, &mut s));
+        let mut raw = 0;
+        ok(hprt_stream_raw(s, &mut raw));
+        expect(hprt_stream_wrap(p, raw, ptr::null_mut()), NULL);
+        // A refused wrap takes nothing over: the release callback never runs.
+        let mut d = ptr::null_mut();
+        ok(hprt_device_alloc(p, 256, &mut d));
+        let mut addr = 0;
+        ok(hprt_device_info(d, &mut addr, ptr::null_mut()));
+        let before = RELEASED.load(Ordering::SeqCst);
+        expect(
+            hprt_device_wrap(
+                p,
+                addr,
+                256,
+                Some(count_release),
+                ptr::null_mut(),
+                ptr::null_mut(),
+            ),
+            NULL,
+        );
+        ok(hprt_platform_synchronize(p));
+        assert_eq!(RELEASED.load(Ordering::SeqCst), before);
+        let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
+        let mut len = 0;
+        ok(hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len));
+        expect(
+            hprt_comm_init(p, id.as_ptr(), len, 0, 1, ptr::null_mut()),
+            NULL,
+        );
+        let mut comm = ptr::null_mut();
+        ok(hprt_comm_init(p, id.as_ptr(), len, 0, 1, &mut comm));
+        let mesh = [1usize];
+        expect(
+            hprt_hsdp_create(
+                p,
+                comm,
+                HprtDpMode::Fsdp as i32,
+                mesh.as_ptr(),
+                1,
+                s,
+                ptr::null_mut(),
+            ),
+            NULL,
+        );
+        ok(hprt_comm_destroy(p, comm));
+        ok(hprt_device_free(p, d));
+        ok(hprt_stream_destroy(p, s));
+        expect(hprt_platform_open(c"cpu".as_ptr(), ptr::null_mut()), NULL);
+        ok(hprt_platform_close(p));
+    }
+}
+
+#[test]
+fn released_handles_are_invalid_not_undefined() {
+    let p = open_cpu();
+    // SAFETY: the handles are used after release on purpose: the registry must refuse them.
+    unsafe {
+        let (mut s, mut e, mut d, mut h) = (
+            ptr::null_mut(),
+            ptr::null_mut(),
+            ptr::null_mut(),
+            ptr::null_mut(),
+        );
+        ok(hprt_stream_create(p, &mut s));
+        ok(hprt_event_create(p, false, &mut e));
+        ok(hprt_device_alloc(p, 64, &mut d));
+        ok(hprt_pinned_alloc(p, 64, &mut h));
+
+        ok(hprt_device_free(p, d));
+        expect(hprt_device_free(p, d), INVALID);
+        expect(
+            hprt_device_info(d, ptr::null_mut(), ptr::null_mut()),
+            INVALID,
+        );
+        expect(hprt_memset_async(p, d, 0, 1, 8, s), INVALID);
+        assert!(last_error().contains("buffer"), "{}", last_error());
+        ok(hprt_pinned_free(p, h));
+        expect(hprt_pinned_free(p, h), INVALID);
+        let to_pinned = HprtMemRef {
+            device: ptr::null(),
+            pinned: h,
+            offset: 0,
+        };
+        let mut d2 = ptr::null_mut();
+        ok(hprt_device_alloc(p, 64, &mut d2));
+        let from_device = HprtMemRef {
+            device: d2,
+            pinned: ptr::null(),
+            offset: 0,
+        };
+        expect(hprt_copy_async(p, to_pinned, from_device, 8, s), INVALID);
+
+        ok(hprt_event_destroy(p, e));
+        expect(hprt_event_destroy(p, e), INVALID);
+        expect(hprt_event_record(p, e, s), INVALID);
+
+        // A handle of another kind, and values never issued.
+        expect(hprt_event_record(p, s.cast(), s), INVALID);
+        expect(hprt_stream_synchronize(p, d2.cast()), INVALID);
+        expect(
+            hprt_stream_synchronize(p, 0x1234 as *const HprtStream),
+            INVALID,
+        );
+        expect(
+            hprt_stream_synchronize(p, usize::MAX as *const HprtStream),
+            INVALID,
+        );
+        expect(hprt_platform_synchronize(s.cast()), INVALID);
+
+        ok(hprt_device_free(p, d2));
+        ok(hprt_stream_destroy(p, s));
+        expect(hprt_stream_destroy(p, s), INVALID);
+        expect(hprt_stream_synchronize(p, s), INVALID);
+
+        // A swap manager destroyed twice, and used after.
+        let mut m = ptr::null_mut();
+        ok(hprt_swap_manager_create(p, 0, &mut m));
+        ok(hprt_swap_manager_destroy(m));
+        expect(hprt_swap_manager_destroy(m), INVALID);
+        let mut layer = 0;
+        expect(hprt_swap_new_layer(m, &mut layer), INVALID);
+
+        // A new object reusing the slot does not revive the old handle.
+        let mut s2 = ptr::null_mut();
+        ok(hprt_stream_create(p, &mut s2));
+        assert_ne!(s2, s);
+        expect(hprt_stream_synchronize(p, s), INVALID);
+        ok(hprt_stream_destroy(p, s2));
+
+        // Use after close, close twice.
+        ok(hprt_platform_close(p));
+        expect(hprt_platform_close(p), INVALID);
+        let mut b = ptr::null_mut();
+        expect(hprt_device_alloc(p, 64, &mut b), INVALID);
+        assert!(b.is_null());
+        let mut n = 0;
+        expect(hprt_device_count(p, &mut n), INVALID);
+    }
+}
+
+#[test]
+fn objects_outlive_their_platform_handle_safely() {
+    let p = open_cpu();
+    let mut d = ptr::null_mut();
+    // SAFETY: `d` is used after its platform handle is closed; the object stays valid, the
+    // closed platform handle does not.
+    unsafe {
+        ok(hprt_device_alloc(p, 64, &mut d));
+        ok(hprt_platform_close(p));
+        let mut bytes = 0;
+        ok(hprt_device_info(d, ptr::null_mut(), &mut bytes));
+        assert_eq!(bytes, 64);
+        expect(hprt_device_free(p, d), INVALID);
+        // Another platform value refuses it, and the handle stays valid after the refusal.
+        let q = open_cpu();
+        expect(hprt_device_free(q, d), INVALID);
+        ok(hprt_device_info(d, ptr::null_mut(), &mut bytes));
+        ok(hprt_platform_close(q));
+    }
+}
+
+#[test]
+fn unique_id_into_a_short_buffer_is_buffer_too_small() {
+    let p = open_cpu();
+    let mut id = [0u8; 2];
+    let mut len = 0;
+    // SAFETY: `id` holds the 2 bytes passed.
+    expect(
+        unsafe { hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len) },
+        HprtStatus::ErrorBufferTooSmall,
+    );
+    // SAFETY: closed once.
+    ok(unsafe { hprt_platform_close(p) });
+}
+
+#[test]
+fn oversized_meshes_are_invalid_values_not_aborts() {
+    let p = open_cpu();
+    // SAFETY: valid handles and arrays; mesh_ndim values above the array length are refused
+    // before the array is read (the documented bound).
+    unsafe {
+        let (mut s, mut comm) = (ptr::null_mut(), ptr::null_mut());
+        ok(hprt_stream_create(p, &mut s));
+        let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
+        let mut len = 0;
+        ok(hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len));
+        ok(hprt_comm_init(p, id.as_ptr(), len, 0, 1, &mut comm));
+        let create = |mesh: &[usize], ndim: usize| {
+            let mut h = ptr::null_mut();
+            let st = hprt_hsdp_create(
+                p,
+                comm,
+                HprtDpMode::Fsdp as i32,
+                mesh.as_ptr(),
+                ndim,
+                s,
+                &mut h,
+            );
+            assert!(h.is_null());
+            st
+        };
+        for mesh in [[1usize << 40], [1 << 30], [usize::MAX]] {
+            expect(create(&mesh, 1), HprtStatus::ErrorInvalidValue);
+            assert!(last_error().contains("mesh size limit"), "{}", last_error());
+        }
+        expect(create(&[1], 1 << 40), HprtStatus::ErrorInvalidValue);
+        expect(
+            create(&[1], HPRT_HSDP_MAX_MESH_DIMS + 1),
+            HprtStatus::ErrorInvalidValue,
+        );
+        ok(hprt_comm_destroy(p, comm));
+        ok(hprt_stream_destroy(p, s));
+        ok(hprt_platform_close(p));
+    }
+}
