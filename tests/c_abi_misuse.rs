@@ -98,6 +98,11 @@ fn a_null_out_pointer_makes_nothing_and_leaks_nothing() {
             NULL,
         );
         let mut comm = ptr::null_mut();
+        // A garbage id length is refused before the id is read or copied.
+        expect(
+            hprt_comm_init(p, id.as_ptr(), 1 << 40, 0, 1, &mut comm),
+            HprtStatus::ErrorInvalidValue,
+        );
         ok(hprt_comm_init(p, id.as_ptr(), len, 0, 1, &mut comm));
         let mesh = [1usize];
         expect(

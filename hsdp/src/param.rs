@@ -120,11 +120,13 @@ impl ShardGeometry {
         let chunk = shape[dim].div_ceil(group_size);
         let outer = product(&shape[..dim]).unwrap_or(usize::MAX);
         let inner = product(&shape[dim + 1..]).unwrap_or(usize::MAX);
-        // The padded tensor must be addressable too.
+        // The padded tensor must be addressable too, in bytes of the widest element (8), so
+        // no byte size derived from it can overflow later.
         let padded = outer
             .checked_mul(chunk)
             .and_then(|n| n.checked_mul(inner))
-            .and_then(|n| n.checked_mul(group_size));
+            .and_then(|n| n.checked_mul(group_size))
+            .filter(|n| n.checked_mul(8).is_some());
         if padded.is_none() || numel == 0 {
             return Err(invalid(format!(
                 "shape {shape:?} padded to {group_size} shards overflows"
@@ -635,6 +637,21 @@ impl<'p> ShardedParam<'p> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn geometry_refuses_shapes_whose_bytes_overflow() {
+        // 2^61 f64 elements are 2^64 bytes: every byte size computed from it would wrap.
+        for shape in [vec![1usize << 61], vec![1 << 31, 1 << 30], vec![usize::MAX]] {
+            assert!(
+                matches!(
+                    ShardGeometry::new(&shape, 0, 1, 0),
+                    Err(HsdpError::InvalidPlacement(_))
+                ),
+                "{shape:?}"
+            );
+        }
+        assert!(ShardGeometry::new(&[1 << 40], 0, 4, 0).is_ok());
+    }
 
     #[test]
     fn geometry_pads_uneven_dims() {

@@ -81,3 +81,11 @@ def test_non_zero_mantissa_padding_is_corrupt():
     with pytest.raises(hprt.CompressError) as e:
         hprt.decompress(bytes(blob))
     assert "padding" in str(e.value)
+
+
+@pytest.mark.parametrize("shape", [[2**40], [2**30], [2**64 - 1], [2**33, 2**33]])
+def test_an_oversized_device_mesh_is_an_error_not_an_abort(shape):
+    with pytest.raises(hprt.HprtError) as e:
+        hprt.DeviceMesh(shape)
+    assert e.value.status == "HP_HSDP_INVALID_MESH"
+    assert "mesh size limit" in str(e.value)

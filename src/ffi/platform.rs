@@ -804,6 +804,13 @@ pub unsafe extern "C" fn hprt_comm_init(
         if id.is_null() {
             return Err(FfiError::null("id"));
         }
+        // Ids are at most this long: a larger length is a caller's mistake, refused before it
+        // is read or copied.
+        if id_len > HPRT_UNIQUE_ID_MAX_BYTES {
+            return Err(FfiError::invalid(format!(
+                "id_len {id_len} is above HPRT_UNIQUE_ID_MAX_BYTES ({HPRT_UNIQUE_ID_MAX_BYTES})"
+            )));
+        }
         // SAFETY: `id` holds `id_len` bytes by contract.
         let id = UniqueId(unsafe { std::slice::from_raw_parts(id, id_len) }.to_vec());
         // SAFETY: the caller's contract.
