@@ -469,7 +469,7 @@ enum HprtStatus hprt_hsdp_info(const struct HprtHsdp *hsdp, struct HprtHsdpInfo 
  valid then).
 
  # Safety
- `hsdp` from `hprt_hsdp_create`, not used afterwards (unless this call failed).
+ `hsdp` from `hprt_hsdp_create`; afterwards (unless this call failed) the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
  */
 enum HprtStatus hprt_hsdp_destroy(struct HprtHsdp *hsdp);
 
@@ -498,7 +498,7 @@ enum HprtStatus hprt_hsdp_param_create(const struct HprtHsdp *hsdp,
  them still completes).
 
  # Safety
- `param` from `hprt_hsdp_param_create`, not used afterwards.
+ `param` from `hprt_hsdp_param_create`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
  */
 enum HprtStatus hprt_hsdp_param_destroy(struct HprtHsdpParam *param);
 
@@ -644,10 +644,12 @@ enum HprtStatus hprt_platform_get(const struct HprtPlatform **out_platform);
 enum HprtStatus hprt_platform_open(const char *request, struct HprtPlatform **out_platform);
 
 /*
- Releases a platform from `hprt_platform_open` (the process-wide one is refused).
+ Releases a platform from `hprt_platform_open` (the process-wide one is refused). Afterwards
+ its handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`); objects made from it stay valid
+ handles but can only be released through it, so close it after them.
 
  # Safety
- `platform` must come from `hprt_platform_open` and not be used afterwards.
+ None beyond the ABI's: `platform` is a handle (checked).
  */
 enum HprtStatus hprt_platform_close(struct HprtPlatform *platform);
 
@@ -724,9 +726,10 @@ enum HprtStatus hprt_stream_raw(const struct HprtStream *stream, size_t *out_raw
  Destroys the stream (after its queued work) and releases the handle.
 
  # Safety
- `stream` from `hprt_stream_create`/`_wrap` of `platform`, not used afterwards.
+ `stream` from `hprt_stream_create`/`_wrap` of `platform`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
  */
-enum HprtStatus hprt_stream_destroy(const struct HprtPlatform *platform, struct HprtStream *stream);
+enum HprtStatus hprt_stream_destroy(const struct HprtPlatform *platform,
+                                    struct HprtStream *stream);
 
 /*
  Blocks until the stream's queued work finished; returns its first asynchronous error.
@@ -747,9 +750,10 @@ enum HprtStatus hprt_event_create(const struct HprtPlatform *platform,
 
 /*
  # Safety
- `event` from `hprt_event_create` of `platform`, not used afterwards.
+ `event` from `hprt_event_create` of `platform`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
  */
-enum HprtStatus hprt_event_destroy(const struct HprtPlatform *platform, struct HprtEvent *event);
+enum HprtStatus hprt_event_destroy(const struct HprtPlatform *platform,
+                                   struct HprtEvent *event);
 
 /*
  Records `event` at the current end of `stream`.
@@ -819,7 +823,7 @@ enum HprtStatus hprt_device_wrap(const struct HprtPlatform *platform,
  handle.
 
  # Safety
- `buffer` from `hprt_device_alloc`/`_wrap` of `platform`, not used afterwards.
+ `buffer` from `hprt_device_alloc`/`_wrap` of `platform`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
  */
 enum HprtStatus hprt_device_free(const struct HprtPlatform *platform,
                                  struct HprtDeviceBuffer *buffer);
@@ -844,7 +848,7 @@ enum HprtStatus hprt_pinned_alloc(const struct HprtPlatform *platform,
 
 /*
  # Safety
- `buffer` from `hprt_pinned_alloc` of `platform`, not used afterwards.
+ `buffer` from `hprt_pinned_alloc` of `platform`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
  */
 enum HprtStatus hprt_pinned_free(const struct HprtPlatform *platform,
                                  struct HprtPinnedBuffer *buffer);
@@ -912,9 +916,10 @@ enum HprtStatus hprt_comm_init(const struct HprtPlatform *platform,
 
 /*
  # Safety
- `comm` from `hprt_comm_init` of `platform`, not used afterwards.
+ `comm` from `hprt_comm_init` of `platform`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
  */
-enum HprtStatus hprt_comm_destroy(const struct HprtPlatform *platform, struct HprtComm *comm);
+enum HprtStatus hprt_comm_destroy(const struct HprtPlatform *platform,
+                                  struct HprtComm *comm);
 
 /*
  `recv[i] = op over ranks of send[i]` for `count` elements (in place when both are the same
@@ -1007,7 +1012,7 @@ enum HprtStatus hprt_swap_manager_create(const struct HprtPlatform *platform,
  Synchronizes the manager's copies and releases it (saved values are dropped).
 
  # Safety
- `manager` from `hprt_swap_manager_create`, not used afterwards.
+ `manager` from `hprt_swap_manager_create`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
  */
 enum HprtStatus hprt_swap_manager_destroy(struct HprtSwapManager *manager);
 

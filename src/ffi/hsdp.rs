@@ -334,7 +334,7 @@ pub unsafe extern "C" fn hprt_hsdp_info(
 /// valid then).
 ///
 /// # Safety
-/// `hsdp` from `hprt_hsdp_create`, not used afterwards (unless this call failed).
+/// `hsdp` from `hprt_hsdp_create`; afterwards (unless this call failed) the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
 #[no_mangle]
 pub unsafe extern "C" fn hprt_hsdp_destroy(hsdp: *mut HprtHsdp) -> HprtStatus {
     guard("hprt_hsdp_destroy", || {
@@ -439,7 +439,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_create(
 /// them still completes).
 ///
 /// # Safety
-/// `param` from `hprt_hsdp_param_create`, not used afterwards.
+/// `param` from `hprt_hsdp_param_create`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
 #[no_mangle]
 pub unsafe extern "C" fn hprt_hsdp_param_destroy(param: *mut HprtHsdpParam) -> HprtStatus {
     guard("hprt_hsdp_param_destroy", || {

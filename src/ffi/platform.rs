@@ -208,10 +208,12 @@ pub unsafe extern "C" fn hprt_platform_open(
     })
 }
 
-/// Releases a platform from `hprt_platform_open` (the process-wide one is refused).
+/// Releases a platform from `hprt_platform_open` (the process-wide one is refused). Afterwards
+/// its handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`); objects made from it stay valid
+/// handles but can only be released through it, so close it after them.
 ///
 /// # Safety
-/// `platform` must come from `hprt_platform_open` and not be used afterwards.
+/// None beyond the ABI's: `platform` is a handle (checked).
 #[no_mangle]
 pub unsafe extern "C" fn hprt_platform_close(platform: *mut HprtPlatform) -> HprtStatus {
     guard("hprt_platform_close", || {
@@ -376,7 +378,7 @@ pub unsafe extern "C" fn hprt_stream_raw(
 /// Destroys the stream (after its queued work) and releases the handle.
 ///
 /// # Safety
-/// `stream` from `hprt_stream_create`/`_wrap` of `platform`, not used afterwards.
+/// `stream` from `hprt_stream_create`/`_wrap` of `platform`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
 #[no_mangle]
 pub unsafe extern "C" fn hprt_stream_destroy(
     platform: *const HprtPlatform,
@@ -427,7 +429,7 @@ pub unsafe extern "C" fn hprt_event_create(
 }
 
 /// # Safety
-/// `event` from `hprt_event_create` of `platform`, not used afterwards.
+/// `event` from `hprt_event_create` of `platform`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
 #[no_mangle]
 pub unsafe extern "C" fn hprt_event_destroy(
     platform: *const HprtPlatform,
@@ -586,7 +588,7 @@ pub unsafe extern "C" fn hprt_device_wrap(
 /// handle.
 ///
 /// # Safety
-/// `buffer` from `hprt_device_alloc`/`_wrap` of `platform`, not used afterwards.
+/// `buffer` from `hprt_device_alloc`/`_wrap` of `platform`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
 #[no_mangle]
 pub unsafe extern "C" fn hprt_device_free(
     platform: *const HprtPlatform,
@@ -645,7 +647,7 @@ pub unsafe extern "C" fn hprt_pinned_alloc(
 }
 
 /// # Safety
-/// `buffer` from `hprt_pinned_alloc` of `platform`, not used afterwards.
+/// `buffer` from `hprt_pinned_alloc` of `platform`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
 #[no_mangle]
 pub unsafe extern "C" fn hprt_pinned_free(
     platform: *const HprtPlatform,
@@ -823,7 +825,7 @@ pub unsafe extern "C" fn hprt_comm_init(
 }
 
 /// # Safety
-/// `comm` from `hprt_comm_init` of `platform`, not used afterwards.
+/// `comm` from `hprt_comm_init` of `platform`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
 #[no_mangle]
 pub unsafe extern "C" fn hprt_comm_destroy(
     platform: *const HprtPlatform,

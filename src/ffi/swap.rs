@@ -102,7 +102,7 @@ pub unsafe extern "C" fn hprt_swap_manager_create(
 /// Synchronizes the manager's copies and releases it (saved values are dropped).
 ///
 /// # Safety
-/// `manager` from `hprt_swap_manager_create`, not used afterwards.
+/// `manager` from `hprt_swap_manager_create`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
 #[no_mangle]
 pub unsafe extern "C" fn hprt_swap_manager_destroy(manager: *mut HprtSwapManager) -> HprtStatus {
     guard("hprt_swap_manager_destroy", || {
