@@ -390,3 +390,69 @@ fn device_codec_round_trips_and_reports_corruption() {
         ok(hprt_platform_close(p));
     }
 }
+
+/// A decoded-size bomb (a valid prefix of constant f32 chunks declaring 1 TiB) is refused
+/// before anything is sized from its declared length: on the host by the destination's
+/// capacity, on the device because the caller's dtype and element count are compared first
+/// (the device decoder used to allocate the declared size and abort the process).
+#[test]
+fn decoded_size_bombs_are_refused_on_host_and_device() {
+    use hprt::compress::format::{constant_encoding, MAX_CHUNK_ELEMS};
+    let bomb = constant_encoding(
+        hprt::compress::CodecDType::F32,
+        MAX_CHUNK_ELEMS,
+        1 << 38,
+        false,
+    );
+    assert!(bomb.len() < 400 << 10);
+    let (st, _) = decompress(&bomb, 1 << 20);
+    assert_eq!(st, HprtStatus::ErrorBufferTooSmall, "{}", last_error());
+    assert!(last_error().contains("1099511627776"), "{}", last_error());
+
+    let mut p = ptr::null_mut();
+    // SAFETY: every handle below is made here, used while live and released once.
+    unsafe {
+        ok(hprt_platform_open(c"cpu".as_ptr(), &mut p));
+        let (mut s, mut staging, mut packed, mut dst) = (
+            ptr::null_mut(),
+            ptr::null_mut(),
+            ptr::null_mut(),
+            ptr::null_mut(),
+        );
+        ok(hprt_stream_create(p, &mut s));
+        ok(hprt_pinned_alloc(p, bomb.len(), &mut staging));
+        ok(hprt_device_alloc(p, bomb.len(), &mut packed));
+        ok(hprt_device_alloc(p, 64, &mut dst));
+        let mut hp = ptr::null_mut();
+        ok(hprt_pinned_info(staging, &mut hp, ptr::null_mut()));
+        std::slice::from_raw_parts_mut(hp.cast::<u8>(), bomb.len()).copy_from_slice(&bomb);
+        let to = HprtMemRef {
+            device: packed,
+            pinned: ptr::null(),
+            offset: 0,
+        };
+        let from = HprtMemRef {
+            device: ptr::null(),
+            pinned: staging,
+            offset: 0,
+        };
+        ok(hprt_copy_async(p, to, from, bomb.len(), s));
+        let st = hprt_decompress_device(
+            p,
+            packed,
+            bomb.len(),
+            HprtDtype::F32 as i32,
+            16,
+            dst,
+            0,
+            s,
+        );
+        assert_eq!(st, HprtStatus::ErrorCorruptData, "{}", last_error());
+        ok(hprt_stream_synchronize(p, s));
+        ok(hprt_device_free(p, packed));
+        ok(hprt_device_free(p, dst));
+        ok(hprt_pinned_free(p, staging));
+        ok(hprt_stream_destroy(p, s));
+        ok(hprt_platform_close(p));
+    }
+}
