@@ -6,24 +6,8 @@ use std::ptr;
 
 use hprt::ffi::*;
 
-fn last_error() -> String {
-    // SAFETY: hprt_last_error_message never returns null and the string lives until the next
-    // failing call on this thread.
-    unsafe { CStr::from_ptr(hprt_last_error_message()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn ok(status: HprtStatus) {
-    assert_eq!(status, HprtStatus::Ok, "{}", last_error());
-}
-
-fn open_cpu() -> *mut HprtPlatform {
-    let mut p = ptr::null_mut();
-    // SAFETY: a NUL-terminated request and a valid out-pointer.
-    ok(unsafe { hprt_platform_open(c"cpu".as_ptr(), &mut p) });
-    p
-}
+mod common;
+use common::*;
 
 #[test]
 fn a_panic_becomes_a_status_and_a_message() {

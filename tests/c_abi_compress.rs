@@ -8,16 +8,8 @@ use std::ptr;
 
 use hprt::ffi::*;
 
-fn last_error() -> String {
-    // SAFETY: never null, valid until this thread's next failing call.
-    unsafe { CStr::from_ptr(hprt_last_error_message()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn ok(status: HprtStatus) {
-    assert_eq!(status, HprtStatus::Ok, "{}", last_error());
-}
+mod common;
+use common::*;
 
 /// Deterministic values with the shape of an activation (a few exponents dominate).
 fn smooth(n: usize, seed: u64) -> Vec<f32> {
@@ -437,16 +429,8 @@ fn decoded_size_bombs_are_refused_on_host_and_device() {
             offset: 0,
         };
         ok(hprt_copy_async(p, to, from, bomb.len(), s));
-        let st = hprt_decompress_device(
-            p,
-            packed,
-            bomb.len(),
-            HprtDtype::F32 as i32,
-            16,
-            dst,
-            0,
-            s,
-        );
+        let st =
+            hprt_decompress_device(p, packed, bomb.len(), HprtDtype::F32 as i32, 16, dst, 0, s);
         assert_eq!(st, HprtStatus::ErrorCorruptData, "{}", last_error());
         ok(hprt_stream_synchronize(p, s));
         ok(hprt_device_free(p, packed));

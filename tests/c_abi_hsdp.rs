@@ -3,25 +3,12 @@
 //! HSDP, all-reduced) gradients, each compared with a host reference; lifecycle and argument
 //! errors as typed statuses.
 
-use std::ffi::CStr;
 use std::ptr;
 
 use hprt::ffi::*;
 
-fn last_error() -> String {
-    // SAFETY: never null, valid until this thread's next failing call.
-    unsafe { CStr::from_ptr(hprt_last_error_message()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn ok(status: HprtStatus) {
-    assert_eq!(status, HprtStatus::Ok, "{}", last_error());
-}
-
-fn expect(status: HprtStatus, want: HprtStatus) {
-    assert_eq!(status, want, "{}", last_error());
-}
+mod common;
+use common::*;
 
 /// One rank thread's handles.
 struct Rank {

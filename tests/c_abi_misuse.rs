@@ -3,36 +3,16 @@
 //! wrong-kind handles — each a typed status (`INVALID_HANDLE`), never a crash; and sizes that
 //! used to abort the process (`hprt_hsdp_create` meshes, `mesh_ndim`).
 
-use std::ffi::CStr;
 use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use hprt::ffi::*;
 
+mod common;
+use common::*;
+
 const INVALID: HprtStatus = HprtStatus::ErrorInvalidHandle;
 const NULL: HprtStatus = HprtStatus::ErrorNullArgument;
-
-fn last_error() -> String {
-    // SAFETY: never null; valid until this thread's next failing call.
-    unsafe { CStr::from_ptr(hprt_last_error_message()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn ok(status: HprtStatus) {
-    assert_eq!(status, HprtStatus::Ok, "{}", last_error());
-}
-
-fn expect(status: HprtStatus, want: HprtStatus) {
-    assert_eq!(status, want, "{}", last_error());
-}
-
-fn open_cpu() -> *mut HprtPlatform {
-    let mut p = ptr::null_mut();
-    // SAFETY: a NUL-terminated request and a valid out-pointer.
-    ok(unsafe { hprt_platform_open(c"cpu".as_ptr(), &mut p) });
-    p
-}
 
 fn stats(p: *const HprtPlatform) -> HprtMemoryStats {
     let mut s = HprtMemoryStats::default();

@@ -2,14 +2,18 @@
 //! and exit status 1 (not a signal), within the caller's `--max-output`; a valid file under the
 //! limit still decodes.
 
+use std::path::Path;
 use std::process::Command;
 
 use hprt::compress::format::{constant_encoding, MAX_CHUNK_ELEMS};
 use hprt::compress::CodecDType;
 
-fn hprt(args: &[&std::ffi::OsStr]) -> std::process::Output {
+/// `hprt decompress --max-output LIMIT IN OUT`.
+fn decompress(limit: &str, input: &Path, output: &Path) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_hprt"))
-        .args(args)
+        .args(["decompress", "--max-output", limit])
+        .arg(input)
+        .arg(output)
         .env("HP_PLATFORM", "cpu")
         .output()
         .expect("run hprt")
@@ -24,13 +28,7 @@ fn decompress_refuses_a_decoded_size_bomb_above_max_output() {
     let enc = constant_encoding(CodecDType::F32, MAX_CHUNK_ELEMS, 400 << 24, false);
     assert_eq!(enc.len(), 8040);
     std::fs::write(&bomb, &enc).unwrap();
-    let r = hprt(&[
-        "decompress".as_ref(),
-        "--max-output".as_ref(),
-        "1073741824".as_ref(),
-        bomb.as_os_str(),
-        out.as_os_str(),
-    ]);
+    let r = decompress("1073741824", &bomb, &out);
     let stderr = String::from_utf8_lossy(&r.stderr);
     assert_eq!(r.status.code(), Some(1), "{stderr}");
     assert!(
@@ -42,22 +40,10 @@ fn decompress_refuses_a_decoded_size_bomb_above_max_output() {
     // A valid file of the same kind under the limit decodes to what it declares.
     let small = constant_encoding(CodecDType::BF16, 1 << 10, 5000, true);
     std::fs::write(&bomb, &small).unwrap();
-    let r = hprt(&[
-        "decompress".as_ref(),
-        "--max-output".as_ref(),
-        "10000".as_ref(),
-        bomb.as_os_str(),
-        out.as_os_str(),
-    ]);
+    let r = decompress("10000", &bomb, &out);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     assert_eq!(std::fs::read(&out).unwrap(), vec![0u8; 10_000]);
-    let r = hprt(&[
-        "decompress".as_ref(),
-        "--max-output".as_ref(),
-        "9999".as_ref(),
-        bomb.as_os_str(),
-        out.as_os_str(),
-    ]);
+    let r = decompress("9999", &bomb, &out);
     assert_eq!(r.status.code(), Some(1));
     std::fs::remove_dir_all(&dir).unwrap();
 }
