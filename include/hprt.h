@@ -445,7 +445,10 @@ enum HprtStatus hprt_decompress_device(const struct HprtPlatform *platform,
  stay live until the context is destroyed.
 
  # Safety
- Handles live; `mesh_shape` readable for `mesh_ndim` elements; `out_hsdp` valid for writing.
+ `mesh_shape` readable for `mesh_ndim` elements (the one thing hprt cannot check: a
+ `mesh_ndim` above `HPRT_HSDP_MAX_MESH_DIMS` is refused before the array is read, a mesh of
+ more than 2^20 ranks before anything is allocated); `out_hsdp` valid for writing. Handles are
+ checked (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
  */
 enum HprtStatus hprt_hsdp_create(const struct HprtPlatform *platform,
                                  const struct HprtComm *world,
@@ -480,7 +483,8 @@ enum HprtStatus hprt_hsdp_destroy(struct HprtHsdp *hsdp);
  parameters in the same order. `full` may be reused once the compute stream passed this call.
 
  # Safety
- Handles live; `name` NUL-terminated; `shape` readable for `ndim` elements; `config` null or
+ `name` NUL-terminated; `shape` readable for `ndim` elements (at most
+ `HPRT_HSDP_MAX_PARAM_DIMS`, a larger `ndim` is refused unread); `config` null or
  readable; `out_param` valid for writing.
  */
 enum HprtStatus hprt_hsdp_param_create(const struct HprtHsdp *hsdp,

@@ -249,7 +249,10 @@ fn view(r: ShardRef<'_>, bytes: usize) -> HprtShardView {
 /// stay live until the context is destroyed.
 ///
 /// # Safety
-/// Handles live; `mesh_shape` readable for `mesh_ndim` elements; `out_hsdp` valid for writing.
+/// `mesh_shape` readable for `mesh_ndim` elements (the one thing hprt cannot check: a
+/// `mesh_ndim` above `HPRT_HSDP_MAX_MESH_DIMS` is refused before the array is read, a mesh of
+/// more than 2^20 ranks before anything is allocated); `out_hsdp` valid for writing. Handles are
+/// checked (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
 #[no_mangle]
 pub unsafe extern "C" fn hprt_hsdp_create(
     platform: *const HprtPlatform,
@@ -361,7 +364,8 @@ pub unsafe extern "C" fn hprt_hsdp_destroy(hsdp: *mut HprtHsdp) -> HprtStatus {
 /// parameters in the same order. `full` may be reused once the compute stream passed this call.
 ///
 /// # Safety
-/// Handles live; `name` NUL-terminated; `shape` readable for `ndim` elements; `config` null or
+/// `name` NUL-terminated; `shape` readable for `ndim` elements (at most
+/// `HPRT_HSDP_MAX_PARAM_DIMS`, a larger `ndim` is refused unread); `config` null or
 /// readable; `out_param` valid for writing.
 #[no_mangle]
 pub unsafe extern "C" fn hprt_hsdp_param_create(
