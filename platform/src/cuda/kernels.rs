@@ -425,35 +425,8 @@ mod host_compiled {
     use super::*;
     use crate::kernel::run_on_host;
 
-    const SHIM: &str = r#"
-#include <cstring>
-#include <cfenv>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-struct Dim { unsigned int x; };
-static const Dim blockIdx = {0}, threadIdx = {0}, blockDim = {1}, gridDim = {1};
-static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline long long __double_as_longlong(double d) { long long u; std::memcpy(&u, &d, 8); return u; }
-static inline double __longlong_as_double(long long u) { double d; std::memcpy(&d, &u, 8); return d; }
-static inline float __double2float_rn(double x) { return (float)x; }
-static inline float __double2float_rz(double x) {
-    int mode = std::fegetround();
-    std::fesetround(FE_TOWARDZERO);
-    volatile double v = x;
-    volatile float r = (float)v;
-    std::fesetround(mode);
-    return r;
-}
-static inline long long __double2ll_rz(double x) { return (long long)x; }
-static inline float __ll2float_rn(long long n) { return (float)n; }
-static inline double __ll2double_rn(long long n) { return (double)n; }
-static inline double __dmul_rn(double a, double b) { return a * b; }
-static inline double __dadd_rn(double a, double b) { return a + b; }
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-"#;
+    /// CUDA's device names as host C++, shared with the CUDA emulator's NVRTC.
+    const SHIM: &str = include_str!("host_shim.h");
 
     fn compile() -> libloading::Library {
         let dir = std::env::temp_dir().join(format!("hprt-cuda-kernels-{}", std::process::id()));

@@ -28,7 +28,7 @@ use std::time::Instant;
 
 use crate::codes::*;
 use crate::memory::{self, Range};
-use crate::reduce::{reduce, DType, ReduceOp};
+use hprt_emulator_common::reduce::{reduce, DType, ReduceOp};
 use crate::state::{self, hccl_device_entry, hccl_entry, lock, COMM_TAG};
 use crate::stream::{self, Stream};
 
@@ -680,8 +680,8 @@ fn collective(
     }
     let c = comm_of(comm)?;
     nonnull(count, &[send, recv])?;
-    let dtype = DType::from_raw(dtype)?;
-    let op = op.map(ReduceOp::from_raw).transpose()?;
+    let dtype = dtype_from_raw(dtype)?;
+    let op = op.map(op_from_raw).transpose()?;
     let n = u64::from(c.shared.n);
     if root >= c.shared.n {
         return Err(HCCL_E_PARA);
@@ -905,7 +905,7 @@ pub unsafe extern "C" fn HcclAlltoAllV(
         if send_type != recv_type {
             return Err(HCCL_E_PARA);
         }
-        let dtype = DType::from_raw(send_type)?;
+        let dtype = dtype_from_raw(send_type)?;
         let n = c.shared.n as usize;
         // SAFETY: header contract, checked non-null.
         let v = unsafe {
@@ -955,7 +955,7 @@ fn p2p(
     }
     let c = comm_of(comm)?;
     nonnull(count, &[buf])?;
-    let dtype = DType::from_raw(dtype)?;
+    let dtype = dtype_from_raw(dtype)?;
     if peer >= c.shared.n {
         return Err(HCCL_E_PARA);
     }
@@ -1012,4 +1012,49 @@ pub unsafe extern "C" fn HcclRecv(
     hccl_device_entry("HcclRecv", || {
         p2p(comm, stream, recv_buf, count, data_type, src_rank, false)
     })
+}
+
+/// An `HcclDataType`; INT128 is a valid enum value the emulator (like several CANN releases)
+/// does not support.
+fn dtype_from_raw(v: u32) -> Result<DType, HcclResult> {
+    use DType::*;
+    Ok(match v {
+        0 => I8,
+        1 => I16,
+        2 => I32,
+        3 => F16,
+        4 => F32,
+        5 => I64,
+        6 => U64,
+        7 => U8,
+        8 => U16,
+        9 => U32,
+        10 => F64,
+        11 => BF16,
+        HCCL_DATA_TYPE_INT128 => return Err(HCCL_E_NOT_SUPPORT),
+        _ => return Err(HCCL_E_PARA),
+    })
+}
+
+fn op_from_raw(v: u32) -> Result<ReduceOp, HcclResult> {
+    match v {
+        HCCL_REDUCE_SUM => Ok(ReduceOp::Sum),
+        HCCL_REDUCE_PROD => Ok(ReduceOp::Prod),
+        HCCL_REDUCE_MAX => Ok(ReduceOp::Max),
+        HCCL_REDUCE_MIN => Ok(ReduceOp::Min),
+        _ => Err(HCCL_E_PARA),
+    }
+}
+
+#[cfg(test)]
+mod enum_tests {
+    use super::*;
+
+    #[test]
+    fn enums() {
+        assert_eq!(dtype_from_raw(12), Err(HCCL_E_NOT_SUPPORT));
+        assert_eq!(dtype_from_raw(13), Err(HCCL_E_PARA));
+        assert_eq!(dtype_from_raw(11).map(DType::size), Ok(2));
+        assert_eq!(op_from_raw(4), Err(HCCL_E_PARA));
+    }
 }

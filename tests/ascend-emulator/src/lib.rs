@@ -18,8 +18,8 @@
 //! - [`stream`] — asynchronous streams, the default stream, delay injection.
 //! - [`event`] — events, cross-stream waits, timing.
 //! - [`callback`] — host callbacks on streams (`aclrtLaunchCallback` / `aclrtProcessReport`).
-//! - [`hccl`] — communicators and collectives; [`reduce`] — data types and reductions.
-//! - [`faults`] — `HP_EMU_FAULTS` fault injection.
+//! - [`hccl`] — communicators and collectives (reductions: `hprt-emulator-common`).
+//! - [`faults`] — `HP_EMU_FAULTS` fault injection (the table: `hprt-emulator-common`).
 //! - [`control`] — emulator-only exports: `hprtEmuSetFaults`, `hprtEmuSetHcclTimeoutMs`,
 //!   `hprtEmuGetStats`.
 //!
@@ -41,7 +41,6 @@ pub mod event;
 pub mod faults;
 pub mod hccl;
 pub mod memory;
-pub mod reduce;
 pub mod state;
 pub mod stream;
 

@@ -5,18 +5,13 @@
 
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use crate::codes::*;
 use crate::faults;
 
-/// Locks without propagating poison: a panic caught at the FFI boundary must not turn every later
-/// call into a second panic.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+pub(crate) use hprt_emulator_common::lock;
 
 // ---- configuration ---------------------------------------------------------------------------
 
@@ -147,26 +142,11 @@ pub(crate) fn set_current_device(dev: i32) {
 
 // ---- handles ----------------------------------------------------------------------------------
 
-/// Handles are tagged integers, never reused, so a destroyed or foreign handle is always
-/// recognised (a freed heap address could come back for a new object).
+pub(crate) use hprt_emulator_common::handle::{decode as handle_id, encode as handle, next_id};
+
 pub(crate) const STREAM_TAG: usize = 0x5000_0000_0000;
 pub(crate) const EVENT_TAG: usize = 0x6000_0000_0000;
 pub(crate) const COMM_TAG: usize = 0x7000_0000_0000;
-const TAG_SPAN: usize = 0x1000_0000_0000;
-
-pub(crate) fn next_id() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
-}
-
-pub(crate) fn handle(tag: usize, id: u64) -> usize {
-    tag + (id as usize) * 16
-}
-
-pub(crate) fn handle_id(tag: usize, h: usize) -> Option<u64> {
-    let off = h.checked_sub(tag)?;
-    (off > 0 && off < TAG_SPAN && off % 16 == 0).then_some((off / 16) as u64)
-}
 
 // ---- entry guards -----------------------------------------------------------------------------
 

@@ -1,122 +1,28 @@
-//! Streams: one worker thread per stream draining a FIFO of jobs, so asynchronous calls really
-//! return before their work runs and missing synchronisation shows up as wrong data.
-//!
-//! A job's `Err(code)` is the stream's asynchronous error: the first one since the last
-//! `aclrtSynchronizeStream` is what that call returns (and clears); later jobs still run.
+//! Streams: one worker thread per stream draining a FIFO of jobs (`hprt_emulator_common::worker`),
+//! so asynchronous calls really return before their work runs and missing synchronisation shows
+//! up as wrong data. A job's `Err(code)` is the stream's asynchronous error: the first one since
+//! the last `aclrtSynchronizeStream` is what that call returns (and clears).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::ffi::c_void;
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
-use std::time::Duration;
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+
+use hprt_emulator_common::worker::Worker;
 
 use crate::codes::*;
 use crate::state::{self, acl_entry, lock, put, STREAM_TAG};
 
-pub(crate) type Job = Box<dyn FnOnce() -> Result<(), AclError> + Send + 'static>;
+/// A stream is a worker thread (`hprt_emulator_common::worker`); jobs fail with `AclError`s.
+pub(crate) type Stream = Worker;
 
-pub(crate) struct Stream {
-    pub id: u64,
-    q: Mutex<Queue>,
-    /// Signals both "a job was queued" (to the worker) and "a job finished" (to synchronizers).
-    cv: Condvar,
-}
-
-#[derive(Default)]
-struct Queue {
-    jobs: VecDeque<Job>,
-    submitted: u64,
-    completed: u64,
-    error: Option<AclError>,
-    closed: bool,
-}
-
-/// splitmix64: deterministic and good enough to spread delays.
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-impl Stream {
-    fn start() -> Result<Arc<Stream>, AclError> {
-        let s = Arc::new(Stream {
-            id: state::next_id(),
-            q: Mutex::new(Queue::default()),
-            cv: Condvar::new(),
-        });
-        let seed = state::config().delay_seed;
-        let worker = s.clone();
-        std::thread::Builder::new()
-            .name(format!("hp-emu-stream-{}", s.id))
-            .spawn(move || worker.work(seed))
-            .map_err(|_| ACL_ERROR_RT_INTERNAL_ERROR)?;
-        Ok(s)
-    }
-
-    fn wait<'a>(&self, g: MutexGuard<'a, Queue>) -> MutexGuard<'a, Queue> {
-        self.cv.wait(g).unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn work(&self, delay_seed: Option<u64>) {
-        let mut rng = delay_seed.map(|seed| seed ^ self.id);
-        loop {
-            let job = {
-                let mut q = lock(&self.q);
-                loop {
-                    if let Some(job) = q.jobs.pop_front() {
-                        break job;
-                    }
-                    if q.closed {
-                        return;
-                    }
-                    q = self.wait(q);
-                }
-            };
-            if let Some(r) = rng.as_mut() {
-                std::thread::sleep(Duration::from_micros(splitmix(r) % 2001));
-            }
-            let res =
-                catch_unwind(AssertUnwindSafe(job)).unwrap_or(Err(ACL_ERROR_RT_INTERNAL_ERROR));
-            let mut q = lock(&self.q);
-            q.completed += 1;
-            if let Err(code) = res {
-                q.error.get_or_insert(code);
-            }
-            self.cv.notify_all();
-        }
-    }
-
-    pub(crate) fn enqueue(&self, job: Job) {
-        let mut q = lock(&self.q);
-        q.jobs.push_back(job);
-        q.submitted += 1;
-        self.cv.notify_all();
-    }
-
-    /// Waits for everything queued before the call; returns (and clears) the first error.
-    pub(crate) fn synchronize(&self) -> Result<(), AclError> {
-        let mut q = lock(&self.q);
-        let target = q.submitted;
-        while q.completed < target {
-            q = self.wait(q);
-        }
-        q.error.take().map_or(Ok(()), Err)
-    }
-
-    /// Whether everything queued so far has run; errors stay for the next synchronize.
-    fn idle(&self) -> bool {
-        let q = lock(&self.q);
-        q.completed == q.submitted
-    }
-
-    /// The worker drains what is queued, then exits.
-    fn close(&self) {
-        lock(&self.q).closed = true;
-        self.cv.notify_all();
-    }
+fn start() -> Result<Arc<Stream>, AclError> {
+    Worker::start(
+        state::next_id(),
+        "hp-emu-stream",
+        state::config().delay_seed,
+        ACL_ERROR_RT_INTERNAL_ERROR,
+    )
+    .map_err(|_| ACL_ERROR_RT_INTERNAL_ERROR)
 }
 
 fn streams() -> MutexGuard<'static, HashMap<u64, Arc<Stream>>> {
@@ -135,7 +41,7 @@ pub(crate) fn resolve(h: *mut c_void) -> Result<Arc<Stream>, AclError> {
         if let Some(s) = d.get(&dev) {
             return Ok(s.clone());
         }
-        let s = Stream::start()?;
+        let s = start()?;
         d.insert(dev, s.clone());
         return Ok(s);
     }
@@ -162,7 +68,7 @@ pub unsafe extern "C" fn aclrtCreateStream(stream: *mut *mut c_void) -> AclError
         if stream.is_null() {
             return Err(ACL_ERROR_INVALID_PARAM);
         }
-        let s = Stream::start()?;
+        let s = start()?;
         let h = state::handle(STREAM_TAG, s.id);
         streams().insert(s.id, s);
         // SAFETY: header contract; checked non-null above.

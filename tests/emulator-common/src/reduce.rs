@@ -1,12 +1,10 @@
-//! HCCL data types and reductions. Ranks are combined in rank order; fp16/bf16 accumulate in f32
+//! Element types and reductions of collectives. Ranks are combined in rank order; fp16/bf16 accumulate in f32
 //! and round once at the end; integers wrap.
 
 use half::{bf16, f16};
 
-use crate::codes::*;
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum DType {
+pub enum DType {
     I8,
     I16,
     I32,
@@ -22,28 +20,7 @@ pub(crate) enum DType {
 }
 
 impl DType {
-    /// INT128 is a valid enum value the emulator (like several CANN releases) does not support.
-    pub(crate) fn from_raw(v: u32) -> Result<DType, HcclResult> {
-        use DType::*;
-        Ok(match v {
-            0 => I8,
-            1 => I16,
-            2 => I32,
-            3 => F16,
-            4 => F32,
-            5 => I64,
-            6 => U64,
-            7 => U8,
-            8 => U16,
-            9 => U32,
-            10 => F64,
-            11 => BF16,
-            HCCL_DATA_TYPE_INT128 => return Err(HCCL_E_NOT_SUPPORT),
-            _ => return Err(HCCL_E_PARA),
-        })
-    }
-
-    pub(crate) fn size(self) -> usize {
+    pub fn size(self) -> usize {
         use DType::*;
         match self {
             I8 | U8 => 1,
@@ -55,23 +32,14 @@ impl DType {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ReduceOp {
+pub enum ReduceOp {
     Sum,
     Prod,
     Max,
     Min,
-}
-
-impl ReduceOp {
-    pub(crate) fn from_raw(v: u32) -> Result<ReduceOp, HcclResult> {
-        match v {
-            HCCL_REDUCE_SUM => Ok(ReduceOp::Sum),
-            HCCL_REDUCE_PROD => Ok(ReduceOp::Prod),
-            HCCL_REDUCE_MAX => Ok(ReduceOp::Max),
-            HCCL_REDUCE_MIN => Ok(ReduceOp::Min),
-            _ => Err(HCCL_E_PARA),
-        }
-    }
+    /// The sum divided by the number of inputs in the accumulator type (truncating for
+    /// integers), rounded once to the element type.
+    Avg,
 }
 
 /// Element-wise over equally long inputs, in input (rank) order, accumulating in `A`.
@@ -104,6 +72,12 @@ macro_rules! int_reduce {
             ReduceOp::Prod => fold($inputs, S, load, <$t>::wrapping_mul, store),
             ReduceOp::Max => fold($inputs, S, load, std::cmp::max::<$t>, store),
             ReduceOp::Min => fold($inputs, S, load, std::cmp::min::<$t>, store),
+            ReduceOp::Avg => {
+                let n = $inputs.len() as $t;
+                fold($inputs, S, load, <$t>::wrapping_add, |v: $t, b: &mut [u8]| {
+                    store(v / n, b)
+                })
+            }
         }
     }};
 }
@@ -116,6 +90,12 @@ macro_rules! float_reduce {
             ReduceOp::Prod => fold($inputs, $size, load, |a: $acc, b| a * b, store),
             ReduceOp::Max => fold($inputs, $size, load, <$acc>::max, store),
             ReduceOp::Min => fold($inputs, $size, load, <$acc>::min, store),
+            ReduceOp::Avg => {
+                let n = $inputs.len() as $acc;
+                fold($inputs, $size, load, |a: $acc, b| a + b, |v: $acc, b: &mut [u8]| {
+                    store(v / n, b)
+                })
+            }
         }
     }};
 }
@@ -125,7 +105,7 @@ fn u16_of(b: &[u8]) -> u16 {
 }
 
 /// Reduces `inputs` (one byte buffer per rank, all the same length) element-wise.
-pub(crate) fn reduce(inputs: &[Vec<u8>], dtype: DType, op: ReduceOp) -> Vec<u8> {
+pub fn reduce(inputs: &[Vec<u8>], dtype: DType, op: ReduceOp) -> Vec<u8> {
     match dtype {
         DType::I8 => int_reduce!(i8, inputs, op),
         DType::I16 => int_reduce!(i16, inputs, op),
@@ -206,6 +186,12 @@ mod tests {
             ReduceOp::Prod,
         );
         assert_eq!(r, bytes(&[105u16]));
+        let r = reduce(
+            &[bytes(&[7i32, -7]), bytes(&[0i32, 0])],
+            DType::I32,
+            ReduceOp::Avg,
+        );
+        assert_eq!(r, bytes(&[3i32, -3]));
     }
 
     #[test]
@@ -222,13 +208,5 @@ mod tests {
         let a = bf16::from_f32(1.5).to_bits();
         let r = reduce(&[bytes(&[a]), bytes(&[a])], DType::BF16, ReduceOp::Prod);
         assert_eq!(bf16::from_bits(u16_of(&r)).to_f32(), 2.25);
-    }
-
-    #[test]
-    fn enums() {
-        assert_eq!(DType::from_raw(12), Err(HCCL_E_NOT_SUPPORT));
-        assert_eq!(DType::from_raw(13), Err(HCCL_E_PARA));
-        assert_eq!(DType::from_raw(11).map(DType::size), Ok(2));
-        assert_eq!(ReduceOp::from_raw(4), Err(HCCL_E_PARA));
     }
 }

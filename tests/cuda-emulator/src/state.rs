@@ -1,0 +1,237 @@
+//! Process-wide state: configuration from the environment, whether `cuInit` ran, the entry
+//! guards every exported function runs its body through (fault injection, init check, the
+//! no-driver-calls-in-host-functions rule, panic barrier), and the leak/contract counters.
+
+use std::cell::Cell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use hprt_emulator_common::faults::FaultTable;
+
+use crate::codes::*;
+
+pub(crate) use hprt_emulator_common::handle::{decode, encode, next_id};
+pub(crate) use hprt_emulator_common::lock;
+
+pub(crate) const CTX_TAG: usize = 0x8000_0000_0000;
+pub(crate) const STREAM_TAG: usize = 0x5000_0000_0000;
+pub(crate) const EVENT_TAG: usize = 0x6000_0000_0000;
+pub(crate) const COMM_TAG: usize = 0x7000_0000_0000;
+pub(crate) const MODULE_TAG: usize = 0x9000_0000_0000;
+pub(crate) const FUNCTION_TAG: usize = 0xA000_0000_0000;
+pub(crate) const PROGRAM_TAG: usize = 0xB000_0000_0000;
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Config {
+    /// `HP_EMU_DEVICES` (default 1).
+    pub devices: i32,
+    /// `HP_EMU_DEVICE_MEMORY`, bytes per device (default 8 GiB).
+    pub device_memory: u64,
+    /// `HP_EMU_DELAY_SEED`: stream workers sleep 0–2 ms before each job when set.
+    pub delay_seed: Option<u64>,
+    /// `HP_EMU_NCCL_TIMEOUT_MS` (default 120 000): how long a rank waits for its peers.
+    pub nccl_timeout_ms: u64,
+    /// Some `HP_EMU_*` variable could not be parsed; `cuInit` fails instead of guessing.
+    pub malformed: bool,
+}
+
+pub(crate) fn config() -> Config {
+    static CONFIG: OnceLock<Config> = OnceLock::new();
+    *CONFIG.get_or_init(|| {
+        let mut malformed = false;
+        let mut num = |name: &str, default: u64| -> u64 {
+            match std::env::var(name) {
+                Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+                    malformed = true;
+                    default
+                }),
+                Err(std::env::VarError::NotPresent) => default,
+                Err(_) => {
+                    malformed = true;
+                    default
+                }
+            }
+        };
+        let devices = num("HP_EMU_DEVICES", 1);
+        let device_memory = num("HP_EMU_DEVICE_MEMORY", 8 << 30);
+        let nccl_timeout_ms = num("HP_EMU_NCCL_TIMEOUT_MS", 120_000);
+        let delay_seed = std::env::var_os("HP_EMU_DELAY_SEED").map(|_| num("HP_EMU_DELAY_SEED", 0));
+        let devices = i32::try_from(devices).unwrap_or_else(|_| {
+            malformed = true;
+            1
+        });
+        Config {
+            devices,
+            device_memory,
+            delay_seed,
+            nccl_timeout_ms,
+            malformed,
+        }
+    })
+}
+
+static NCCL_TIMEOUT_OVERRIDE: AtomicU64 = AtomicU64::new(0);
+
+pub(crate) fn set_nccl_timeout_ms(ms: u64) {
+    NCCL_TIMEOUT_OVERRIDE.store(ms, Ordering::Relaxed);
+}
+
+pub(crate) fn nccl_timeout() -> Duration {
+    match NCCL_TIMEOUT_OVERRIDE.load(Ordering::Relaxed) {
+        0 => Duration::from_millis(config().nccl_timeout_ms),
+        ms => Duration::from_millis(ms),
+    }
+}
+
+static INITIALIZED: AtomicBool = AtomicBool::new(false);
+
+pub(crate) fn initialized() -> bool {
+    INITIALIZED.load(Ordering::Acquire)
+}
+
+pub(crate) fn set_initialized() {
+    INITIALIZED.store(true, Ordering::Release);
+}
+
+/// Every entry point a fault can target.
+pub(crate) const KNOWN: &[&str] = &[
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetName",
+    "cuDeviceTotalMem_v2",
+    "cuDeviceGetAttribute",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuCtxGetDevice",
+    "cuCtxSynchronize",
+    "cuMemGetInfo_v2",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuStreamQuery",
+    "cuStreamWaitEvent",
+    "cuStreamGetCtx",
+    "cuEventCreate",
+    "cuEventDestroy_v2",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuEventElapsedTime",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemcpyAsync",
+    "cuMemsetD8Async",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuModuleUnload",
+    "cuLaunchKernel",
+    "cuLaunchHostFunc",
+    "ncclGetVersion",
+    "ncclGetUniqueId",
+    "ncclCommInitRank",
+    "ncclCommDestroy",
+    "ncclCommAbort",
+    "ncclCommGetAsyncError",
+    "ncclAllReduce",
+    "ncclReduceScatter",
+    "ncclAllGather",
+    "ncclBroadcast",
+    "ncclSend",
+    "ncclRecv",
+    "ncclGroupStart",
+    "ncclGroupEnd",
+    "nvrtcCreateProgram",
+    "nvrtcCompileProgram",
+    "nvrtcGetPTX",
+    "nvrtcGetCUBIN",
+];
+
+pub(crate) static FAULTS: FaultTable = FaultTable::new(KNOWN);
+
+thread_local! {
+    /// Set while a `cuLaunchHostFunc` function runs: CUDA forbids driver calls there.
+    pub(crate) static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
+}
+
+fn in_host_fn() -> bool {
+    IN_HOST_FN.try_with(Cell::get).unwrap_or(false)
+}
+
+/// Runs an exported driver function: the host-function rule (`CUDA_ERROR_NOT_PERMITTED`), fault
+/// injection, the `cuInit` check (`CUDA_ERROR_NOT_INITIALIZED`), and a panic barrier
+/// (`CUDA_ERROR_UNKNOWN`) so nothing unwinds into C.
+pub(crate) fn cu_entry(name: &'static str, body: impl FnOnce() -> Result<(), CuResult>) -> CuResult {
+    catch_unwind(AssertUnwindSafe(|| {
+        if in_host_fn() {
+            return CUDA_ERROR_NOT_PERMITTED;
+        }
+        if let Some(code) = FAULTS.hit(name) {
+            return code as CuResult;
+        }
+        if !initialized() {
+            return CUDA_ERROR_NOT_INITIALIZED;
+        }
+        body().err().unwrap_or(CUDA_SUCCESS)
+    }))
+    .unwrap_or(CUDA_ERROR_UNKNOWN)
+}
+
+/// Runs an exported NCCL function: fault injection and the panic barrier (`ncclInternalError`).
+pub(crate) fn nccl_entry(
+    name: &'static str,
+    body: impl FnOnce() -> Result<(), NcclResult>,
+) -> NcclResult {
+    catch_unwind(AssertUnwindSafe(|| {
+        if let Some(code) = FAULTS.hit(name) {
+            return code;
+        }
+        body().err().unwrap_or(NCCL_SUCCESS)
+    }))
+    .unwrap_or(NCCL_INTERNAL_ERROR)
+}
+
+/// Runs an exported NVRTC function: fault injection (where named) and the panic barrier.
+pub(crate) fn nvrtc_entry(
+    name: Option<&'static str>,
+    body: impl FnOnce() -> Result<(), NvrtcResult>,
+) -> NvrtcResult {
+    catch_unwind(AssertUnwindSafe(|| {
+        if let Some(code) = name.and_then(|n| FAULTS.hit(n)) {
+            return code;
+        }
+        body().err().unwrap_or(NVRTC_SUCCESS)
+    }))
+    .unwrap_or(NVRTC_ERROR_INTERNAL_ERROR)
+}
+
+/// Writes through a caller's out-pointer, refusing null with `err`.
+///
+/// # Safety
+/// `out` is null or valid for a write of `T`.
+pub(crate) unsafe fn put<T, E>(out: *mut T, v: T, err: E) -> Result<(), E> {
+    if out.is_null() {
+        return Err(err);
+    }
+    // SAFETY: non-null, and the API's contract makes it writable.
+    unsafe { out.write(v) };
+    Ok(())
+}
+
+/// Counters of contract breaches the emulator tolerates but reports (see `hprtEmuGetStats`).
+pub(crate) static FREES_UNDER_QUEUED_WORK: AtomicU64 = AtomicU64::new(0);
+/// Resources still alive when their context was destroyed (freed with it, as CUDA does).
+pub(crate) static RECLAIMED_AT_CONTEXT_DESTROY: AtomicU64 = AtomicU64::new(0);
+
+pub(crate) fn status<E: Default>(r: Result<(), E>) -> E {
+    r.err().unwrap_or_default()
+}
