@@ -15,6 +15,7 @@ use hprt_platform::Platform;
 
 mod collective;
 mod copy;
+pub mod cuda_emulator;
 pub mod emulator;
 mod errors;
 mod event;

@@ -1,10 +1,9 @@
 //! NCCL: ranks are threads of this process. `ncclCommInitRank` rendezvouses on the unique id
 //! (every rank must pass the same `nranks` and a distinct rank, else `ncclInvalidArgument`);
 //! collectives meet per call number: the n-th collective of every rank of a communicator is one
-//! operation, and a rank whose n-th call disagrees with the others (kind, count, dtype, op,
-//! root) gets `ncclInvalidUsage` at once while the ranks already queued fail on their streams
-//! (`CUDA_ERROR_LAUNCH_FAILED` at the next synchronisation, `ncclCommGetAsyncError` says
-//! `ncclInvalidUsage`) — an error, never a hang. A rank that waits longer than
+//! operation, and when the ranks' n-th calls disagree (kind, count, dtype, op, root) the
+//! operation fails on every rank's stream (`CUDA_ERROR_LAUNCH_FAILED` at the next
+//! synchronisation, `ncclCommGetAsyncError` says `ncclInvalidUsage`) — an error, never a hang. A rank that waits longer than
 //! `HP_EMU_NCCL_TIMEOUT_MS` for its peers fails the same way with `ncclTimeout`.
 //!
 //! Data moves on the streams: the last rank to reach a collective on its stream reads every
@@ -521,9 +520,10 @@ fn leave(st: &mut GroupState, seq: u64, world: usize) {
     }
 }
 
-/// Host-side part of a collective: checks, then agreement with the ranks that already made
-/// their call of the same number.
-fn register(comm: &Comm, desc: Desc) -> Result<u64, NcclResult> {
+/// Host-side part of a collective: its call number, and agreement with the ranks that already
+/// made their call of that number. A disagreement fails the operation on every rank's stream
+/// (the call itself succeeds, as NCCL's calls only queue work).
+fn register(comm: &Comm, desc: Desc) -> u64 {
     let seq = {
         let mut n = lock(&comm.next_seq);
         *n += 1;
@@ -539,24 +539,17 @@ fn register(comm: &Comm, desc: Desc) -> Result<u64, NcclResult> {
         poisoned: None,
         left: 0,
     });
-    if let Some((_, why)) = &slot.poisoned {
-        let why = why.clone();
-        leave(&mut st, seq, c.world);
-        return fail(NCCL_INVALID_USAGE, why);
-    }
-    if slot.desc != desc {
+    if slot.poisoned.is_none() && slot.desc != desc {
         let why = format!(
             "collective #{seq}: rank {} called {:?} with count {}, dtype {}, op {:?}, root {:?}; rank {} called {:?} with count {}, dtype {}, op {:?}, root {:?}",
             comm.rank, desc.kind, desc.count, desc.dtype, desc.op, desc.root,
             slot.first_rank, slot.desc.kind, slot.desc.count, slot.desc.dtype, slot.desc.op, slot.desc.root
         );
         eprintln!("hprt CUDA emulator: {why}");
-        slot.poisoned = Some((NCCL_INVALID_USAGE, why.clone()));
+        slot.poisoned = Some((NCCL_INVALID_USAGE, why));
         c.cv.notify_all();
-        leave(&mut st, seq, c.world);
-        return fail(NCCL_INVALID_USAGE, why);
     }
-    Ok(seq)
+    seq
 }
 
 /// The stream an operation of `comm` goes on: a live stream of the communicator's context.
@@ -629,7 +622,7 @@ fn collective(
         held.push(device_range(recv, recv_n * size, "recv")?);
     }
     let desc = Desc { kind, count, dtype, op, root };
-    let seq = register(&comm, desc)?;
+    let seq = register(&comm, desc);
     submit(
         s,
         Op::Collective {

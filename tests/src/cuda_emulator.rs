@@ -1,0 +1,52 @@
+//! Finding and opening the CUDA emulator (`tests/cuda-emulator`) from test binaries of any crate.
+//! `cargo test` does not link the cdylib, so `cargo build -p hprt-cuda-emulator` (which
+//! `scripts/test` runs first) must have put it next to the test binaries, in target/<profile>/.
+
+use std::path::PathBuf;
+
+use hprt_platform::cuda::{CudaBackend, CudaSearch};
+use hprt_platform::Platform;
+
+/// The device name the emulator reports, so cases can tell it from a GPU.
+const DEVICE_NAME: &str = "hprt CUDA emulator";
+
+/// The emulator library next to the running test binary. Panics with the command to run when it
+/// is missing, so a test never passes by skipping.
+pub fn library_path() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>");
+    let lib = dir.join("libhprt_cuda_emulator.so");
+    assert!(
+        lib.is_file(),
+        "{} is missing: build it with `cargo build -p hprt-cuda-emulator` (scripts/test does)",
+        lib.display()
+    );
+    lib
+}
+
+/// Library search settings naming the emulator for the driver, NCCL and NVRTC.
+pub fn search() -> CudaSearch {
+    let lib = library_path();
+    CudaSearch {
+        cuda_lib: Some(lib.clone()),
+        nccl_lib: Some(lib.clone()),
+        nvrtc_lib: Some(lib),
+    }
+}
+
+/// The cuda backend on the emulator.
+pub fn open() -> hprt_platform::Result<CudaBackend> {
+    CudaBackend::open_with(&search())
+}
+
+/// Whether `p` runs on the emulator rather than on a GPU (for cases only the emulator can
+/// check, such as collectives whose ranks disagree, which real NCCL answers with a hang).
+pub fn is_emulated(p: &dyn Platform) -> bool {
+    p.info()
+        .devices
+        .first()
+        .is_some_and(|d| d.name.contains(DEVICE_NAME))
+}
