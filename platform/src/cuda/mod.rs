@@ -131,8 +131,9 @@ struct Device {
     /// The primary context, retained on first use (retaining creates it on the GPU).
     ctx: OnceLock<Result<usize>>,
     memory: MemoryCounter,
-    /// NVRTC modules by name, compiled once per device; a failure is kept and reported again.
-    modules: Mutex<HashMap<&'static str, Result<Arc<Module>>>>,
+    /// NVRTC modules by name, compiled once per device. Only successes are kept: a failed
+    /// compile or load (the driver may have been out of memory) is tried again by the next use.
+    modules: Mutex<HashMap<&'static str, Arc<Module>>>,
 }
 
 /// What every object of one cuda platform value shares.
@@ -208,10 +209,14 @@ impl Shared {
         let d = &self.devices[device];
         let m = {
             let mut modules = lock(&d.modules);
-            modules
-                .entry(module)
-                .or_insert_with(|| self.compile(d, module, source()))
-                .clone()?
+            match modules.get(module) {
+                Some(m) => Arc::clone(m),
+                None => {
+                    let m = self.compile(d, module, source())?;
+                    modules.insert(module, Arc::clone(&m));
+                    m
+                }
+            }
         };
         let mut functions = lock(&m.functions);
         if let Some(&f) = functions.get(name) {
@@ -240,15 +245,13 @@ impl Shared {
         let image = nvrtc.compile(&source, module, d.compute_capability)?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: a complete cubin or NUL-terminated PTX image that outlives the call.
-        cu_call!(cuModuleLoadData(&mut raw, image.bytes.as_ptr().cast())).map_err(|e| {
-            cuda_err(
-                e.kind,
-                "cuModuleLoadData",
-                format!(
-                    "{} ({} of {module}, NVRTC {}.{})",
-                    e.message, image.kind, nvrtc.version.0, nvrtc.version.1
-                ),
-            )
+        // The context is added to the driver's error, whose status code and name it keeps.
+        cu_call!(cuModuleLoadData(&mut raw, image.bytes.as_ptr().cast())).map_err(|e| Error {
+            message: format!(
+                "{} ({} of {module}, NVRTC {}.{})",
+                e.message, image.kind, nvrtc.version.0, nvrtc.version.1
+            ),
+            ..e
         })?;
         tracing::debug!(module, kind = image.kind, device = %d.name, "kernel module loaded");
         Ok(Arc::new(Module {
@@ -273,7 +276,7 @@ impl Drop for Shared {
                 .get_mut()
                 .unwrap_or_else(|p| p.into_inner())
                 .drain()
-                .filter_map(|(_, m)| m.ok().map(|m| m.raw))
+                .map(|(_, m)| m.raw)
                 .collect();
             if let Some(Ok(_)) = d.ctx.get() {
                 work.push((i, modules));

@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_int, c_void, CString};
 
 use super::check::{cuda_err, nvrtc_error};
 use super::dynlib::dyn_table;
-use crate::error::{ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 type Program = *mut c_void;
 
@@ -106,11 +106,11 @@ impl Nvrtc {
             .unwrap_or(device_arch);
         self.compile_for(source, name, &format!("compute_{virtual_arch}"), false)
             .map_err(|e| match cubin_error {
-                Some(c) => cuda_err(
-                    e.kind,
-                    "nvrtc_compile",
-                    format!("{}; the cubin attempt before it: {}", e.message, c.message),
-                ),
+                // NVRTC's status code and name stay those of the last attempt.
+                Some(c) => Error {
+                    message: format!("{}; the cubin attempt before it: {}", e.message, c.message),
+                    ..e
+                },
                 None => e,
             })
     }

@@ -1,5 +1,6 @@
 //! NCCL: ranks are threads of this process. `ncclCommInitRank` rendezvouses on the unique id
-//! (every rank must pass the same `nranks` and a distinct rank, else `ncclInvalidArgument`);
+//! (every rank must pass the same `nranks` and a distinct rank, else `ncclInvalidArgument`, and
+//! sit on a device of its own, else `ncclInvalidUsage` as NCCL's "Duplicate GPU detected");
 //! collectives meet per call number: the n-th collective of every rank of a communicator is one
 //! operation, and when the ranks' n-th calls disagree (kind, count, dtype, op, root) the
 //! operation fails on every rank's stream (`CUDA_ERROR_LAUNCH_FAILED` at the next
@@ -172,6 +173,8 @@ pub struct UniqueId {
 struct Rendezvous {
     world: usize,
     joined: Vec<bool>,
+    /// The device of each rank that joined: NCCL refuses two ranks on one GPU.
+    devices: Vec<Option<i32>>,
     clique: Option<Arc<Clique>>,
     /// Ranks that took the clique; the entry goes when all have.
     taken: usize,
@@ -208,6 +211,7 @@ pub unsafe extern "C" fn ncclCommInitRank(
         let entry = r.entry(id).or_insert_with(|| Rendezvous {
             world,
             joined: vec![false; world],
+            devices: vec![None; world],
             clique: None,
             taken: 0,
         });
@@ -219,7 +223,15 @@ pub unsafe extern "C" fn ncclCommInitRank(
             );
             return fail(NCCL_INVALID_ARGUMENT, why);
         }
+        if let Some(other) = entry.devices.iter().position(|d| *d == Some(ctx.device)) {
+            let why = format!(
+                "Duplicate GPU detected: rank {rank} and rank {other} both on CUDA device {}",
+                ctx.device
+            );
+            return fail(NCCL_INVALID_USAGE, why);
+        }
         entry.joined[rank] = true;
+        entry.devices[rank] = Some(ctx.device);
         if entry.joined.iter().all(|j| *j) {
             entry.clique = Some(Arc::new(Clique {
                 world,
@@ -240,6 +252,7 @@ pub unsafe extern "C" fn ncclCommInitRank(
             let now = Instant::now();
             if now >= deadline {
                 e.joined[rank] = false;
+                e.devices[rank] = None;
                 if e.joined.iter().all(|j| !*j) {
                     r.remove(&id);
                 }
@@ -756,10 +769,13 @@ pub extern "C" fn ncclGroupStart() -> NcclResult {
     })
 }
 
-/// Queues the held operations, per stream in call order except that sends go first.
+/// Queues the held operations, per stream in call order except that sends go first. A failing
+/// group end (an injected fault) still closes the group, dropping its operations, as NCCL
+/// resets its group state when a group fails.
 #[no_mangle]
 pub extern "C" fn ncclGroupEnd() -> NcclResult {
-    nccl_entry("ncclGroupEnd", || {
+    let fault = state::FAULTS.hit("ncclGroupEnd");
+    state::nccl_guard(|| {
         let ops = GROUP.with(|g| {
             let mut g = g.borrow_mut();
             if g.0 == 0 {
@@ -771,6 +787,9 @@ pub extern "C" fn ncclGroupEnd() -> NcclResult {
         let Some(ops) = ops else {
             return fail(NCCL_INVALID_USAGE, "ncclGroupEnd without ncclGroupStart");
         };
+        if let Some(code) = fault {
+            return fail(code, "injected fault (HP_EMU_FAULTS)");
+        }
         let mut per_stream: Vec<(Arc<Stream>, Vec<Op>)> = Vec::new();
         for (s, op) in ops {
             match per_stream.iter_mut().find(|(t, _)| Arc::ptr_eq(t, &s)) {

@@ -191,13 +191,16 @@ pub(crate) fn nccl_entry(
     name: &'static str,
     body: impl FnOnce() -> Result<(), NcclResult>,
 ) -> NcclResult {
-    catch_unwind(AssertUnwindSafe(|| {
-        if let Some(code) = FAULTS.hit(name) {
-            return code;
-        }
-        body().err().unwrap_or(NCCL_SUCCESS)
-    }))
-    .unwrap_or(NCCL_INTERNAL_ERROR)
+    nccl_guard(|| match FAULTS.hit(name) {
+        Some(code) => Err(code),
+        None => body(),
+    })
+}
+
+/// The panic barrier of [`nccl_entry`] alone, for a function that handles its fault itself.
+pub(crate) fn nccl_guard(body: impl FnOnce() -> Result<(), NcclResult>) -> NcclResult {
+    catch_unwind(AssertUnwindSafe(|| body().err().unwrap_or(NCCL_SUCCESS)))
+        .unwrap_or(NCCL_INTERNAL_ERROR)
 }
 
 /// Runs an exported NVRTC function: fault injection (where named) and the panic barrier.

@@ -1,0 +1,338 @@
+//! The cuda backend against the CUDA emulator (`tests/cuda-emulator`, built by
+//! `cargo build -p hprt-cuda-emulator`, which `scripts/test` runs first): loading, fault
+//! injection on every call class (a typed error naming the CUDA / NCCL / NVRTC status, nothing
+//! leaked, the next call works), leaks, and the contracts the backend must keep.
+//!
+//! The emulator's state is process-global, so these tests take one lock.
+
+use std::sync::{Mutex, MutexGuard};
+
+use hprt_conformance::cuda_emulator::{library_path, open};
+use hprt_platform::{BackendKind, DType, ErrorKind, Kernel, Platform, ReduceOp};
+
+#[repr(C)]
+#[derive(Default, Debug, Clone, Copy, PartialEq)]
+struct Stats {
+    live_contexts: u64,
+    live_device_allocations: u64,
+    live_device_bytes: u64,
+    live_pinned_allocations: u64,
+    live_streams: u64,
+    live_events: u64,
+    live_modules: u64,
+    live_comms: u64,
+    frees_under_queued_work: u64,
+    reclaimed_at_context_destroy: u64,
+}
+
+/// The emulator's test-only exports.
+struct Emu(libloading::Library);
+
+impl Emu {
+    fn open() -> Emu {
+        // SAFETY: the emulator library, already loaded by the backend (same handle).
+        Emu(unsafe { libloading::Library::new(library_path()) }.expect("open emulator"))
+    }
+    fn stats(&self) -> Stats {
+        let mut s = Stats::default();
+        // SAFETY: the export's documented signature.
+        unsafe {
+            let f: libloading::Symbol<unsafe extern "C" fn(*mut Stats) -> i32> =
+                self.0.get(b"hprtEmuGetStats\0").unwrap();
+            assert_eq!(f(&mut s), 0);
+        }
+        s
+    }
+    fn faults(&self, spec: &str) {
+        let c = std::ffi::CString::new(spec).unwrap();
+        // SAFETY: the export's documented signature.
+        unsafe {
+            let f: libloading::Symbol<unsafe extern "C" fn(*const std::ffi::c_char) -> i32> =
+                self.0.get(b"hprtEmuSetFaults\0").unwrap();
+            assert_eq!(f(c.as_ptr()), 0, "fault spec {spec:?}");
+        }
+    }
+}
+
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn live(s: &Stats) -> [u64; 7] {
+    [
+        s.live_contexts,
+        s.live_device_allocations,
+        s.live_pinned_allocations,
+        s.live_streams,
+        s.live_events,
+        s.live_modules,
+        s.live_comms,
+    ]
+}
+
+fn fill(p: &dyn Platform, d: &hprt_platform::DeviceBuffer, s: &hprt_platform::Stream) -> hprt_platform::Result<()> {
+    p.launch_kernel(
+        Kernel::Fill {
+            dst: d.at(0),
+            dtype: DType::F32,
+            count: d.len() / 4,
+            value: 1.5,
+        },
+        s,
+    )
+}
+
+#[test]
+fn loads_the_driver_nccl_and_nvrtc_from_the_override_paths() {
+    let _g = serial();
+    let p = open().expect("the cuda backend opens on the emulator");
+    let info = Platform::info(&p);
+    assert_eq!(info.backend, BackendKind::Cuda);
+    assert!(info.driver.contains("libhprt_cuda_emulator.so"), "{}", info.driver);
+    assert!(info.devices[0].name.contains("sm_80"), "{:?}", info.devices);
+    for (key, want) in [("nccl", "NCCL 2.21.5"), ("nvrtc", "NVRTC 12.8")] {
+        let (_, v) = info.settings.iter().find(|(k, _)| k == key).unwrap();
+        assert!(v.contains(want), "{key}: {v}");
+    }
+    assert!(
+        info.libraries
+            .iter()
+            .any(|l| l.found && l.path.contains("HP_NVRTC_LIB")),
+        "{:?}",
+        info.libraries
+    );
+}
+
+type Case = (
+    &'static str,
+    ErrorKind,
+    &'static str,
+    fn(&dyn Platform, &hprt_platform::Stream) -> hprt_platform::Result<()>,
+);
+
+/// Runs each case with its fault armed: the error must come back typed and named, nothing may
+/// leak, and the same call must work once the fault is gone.
+fn check_cases(emu: &Emu, p: &dyn Platform, s: &hprt_platform::Stream, cases: &[Case]) {
+    let baseline = live(&emu.stats());
+    for (spec, kind, name, call) in cases {
+        emu.faults(spec);
+        let e = call(p, s)
+            .err()
+            .unwrap_or_else(|| panic!("{spec}: the injected fault did not surface"));
+        assert_eq!(
+            (e.kind(), e.code_name.as_ref()),
+            (*kind, *name),
+            "{spec}: {e}"
+        );
+        let function = spec.split(':').next().unwrap();
+        assert!(e.message.contains(function), "{spec}: {e}");
+        emu.faults("");
+        // The stream may carry the failure of work queued after the failed call; clear it.
+        let _ = p.synchronize_stream(s);
+        assert_eq!(live(&emu.stats()), baseline, "{spec}: leaked");
+        call(p, s).unwrap_or_else(|e| panic!("{spec}: the next call failed: {e}"));
+        p.synchronize_stream(s)
+            .unwrap_or_else(|e| panic!("{spec}: synchronize after the next call: {e}"));
+        assert_eq!(live(&emu.stats()), baseline, "{spec}: the next call leaked");
+    }
+    assert_eq!(emu.stats().frees_under_queued_work, 0);
+}
+
+#[test]
+fn injected_driver_faults_become_typed_named_errors_without_leaks() {
+    let _g = serial();
+    let emu = Emu::open();
+    let p = open().unwrap();
+    let s = p.create_stream().unwrap();
+    // Compile the kernel module first: it stays loaded (cached), which is not a leak.
+    let d = p.alloc_device(64).unwrap();
+    fill(&p, &d, &s).unwrap();
+    drop(d);
+    p.synchronize_stream(&s).unwrap();
+    let cases: &[Case] = &[
+        ("cuMemAlloc_v2:1:2", ErrorKind::OutOfMemory, "CUDA_ERROR_OUT_OF_MEMORY", |p, _| {
+            p.alloc_device(64).map(drop)
+        }),
+        ("cuMemHostAlloc:1:2", ErrorKind::OutOfMemory, "CUDA_ERROR_OUT_OF_MEMORY", |p, _| {
+            p.alloc_pinned(64).map(drop)
+        }),
+        ("cuStreamCreate:1:999", ErrorKind::Internal, "CUDA_ERROR_UNKNOWN", |p, _| {
+            p.create_stream().map(drop)
+        }),
+        ("cuEventCreate:1:1", ErrorKind::InvalidValue, "CUDA_ERROR_INVALID_VALUE", |p, _| {
+            p.create_event(true).map(drop)
+        }),
+        ("cuEventRecord:1:400", ErrorKind::InvalidHandle, "CUDA_ERROR_INVALID_HANDLE", |p, s| {
+            let e = p.create_event(false)?;
+            p.record_event(&e, s)
+        }),
+        ("cuStreamWaitEvent:1:400", ErrorKind::InvalidHandle, "CUDA_ERROR_INVALID_HANDLE", |p, s| {
+            let e = p.create_event(false)?;
+            p.record_event(&e, s)?;
+            p.stream_wait_event(s, &e)
+        }),
+        ("cuEventQuery:1:999", ErrorKind::Internal, "CUDA_ERROR_UNKNOWN", |p, s| {
+            let e = p.create_event(false)?;
+            p.record_event(&e, s)?;
+            p.query_event(&e).map(drop)
+        }),
+        ("cuEventSynchronize:1:999", ErrorKind::Internal, "CUDA_ERROR_UNKNOWN", |p, s| {
+            let e = p.create_event(false)?;
+            p.record_event(&e, s)?;
+            p.synchronize_event(&e)
+        }),
+        ("cuEventElapsedTime:1:999", ErrorKind::Internal, "CUDA_ERROR_UNKNOWN", |p, s| {
+            let (a, b) = (p.create_event(true)?, p.create_event(true)?);
+            p.record_event(&a, s)?;
+            p.record_event(&b, s)?;
+            p.synchronize_event(&b)?;
+            p.event_elapsed_ms(&a, &b).map(drop)
+        }),
+        ("cuMemcpyAsync:1:700", ErrorKind::Internal, "CUDA_ERROR_ILLEGAL_ADDRESS", |p, s| {
+            let d = p.alloc_device(64)?;
+            let h = p.alloc_pinned(64)?;
+            p.copy_async((&d).into(), 0, (&h).into(), 0, 64, s)
+        }),
+        ("cuMemsetD8Async:1:1", ErrorKind::InvalidValue, "CUDA_ERROR_INVALID_VALUE", |p, s| {
+            let d = p.alloc_device(64)?;
+            p.memset_async(&d, 0, 1, 64, s)
+        }),
+        ("cuStreamSynchronize:1:719", ErrorKind::Internal, "CUDA_ERROR_LAUNCH_FAILED", |p, s| {
+            p.synchronize_stream(s)
+        }),
+        ("cuStreamQuery:1:999", ErrorKind::Internal, "CUDA_ERROR_UNKNOWN", |p, s| {
+            p.query_stream(s).map(drop)
+        }),
+        ("cuMemGetInfo_v2:1:999", ErrorKind::Internal, "CUDA_ERROR_UNKNOWN", |p, _| {
+            p.mem_info().map(drop)
+        }),
+        ("cuLaunchKernel:1:701", ErrorKind::Internal, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", |p, s| {
+            let d = p.alloc_device(64)?;
+            fill(p, &d, s)
+        }),
+        ("cuLaunchHostFunc:1:1", ErrorKind::InvalidValue, "CUDA_ERROR_INVALID_VALUE", |p, s| {
+            p.launch_host_fn(s, Box::new(|| {}))
+        }),
+    ];
+    check_cases(&emu, &p, &s, cases);
+}
+
+#[test]
+fn injected_nccl_faults_become_typed_named_errors_without_leaks() {
+    let _g = serial();
+    let emu = Emu::open();
+    let p = open().unwrap();
+    let s = p.create_stream().unwrap();
+    let cases: &[Case] = &[
+        ("ncclGetUniqueId:1:2", ErrorKind::Internal, "ncclSystemError", |p, _| {
+            p.unique_id().map(drop)
+        }),
+        ("ncclCommInitRank:1:5", ErrorKind::InvalidValue, "ncclInvalidUsage", |p, _| {
+            let id = p.unique_id()?;
+            p.comm_init(&id, 0, 1).map(drop)
+        }),
+        ("ncclAllReduce:1:1", ErrorKind::Internal, "ncclUnhandledCudaError", |p, s| {
+            let id = p.unique_id()?;
+            let c = p.comm_init(&id, 0, 1)?;
+            let d = p.alloc_device(64)?;
+            p.all_reduce((&d).into(), (&d).into(), 16, DType::F32, ReduceOp::Avg, &c, s)
+        }),
+        ("ncclAllGather:1:4", ErrorKind::InvalidValue, "ncclInvalidArgument", |p, s| {
+            let id = p.unique_id()?;
+            let c = p.comm_init(&id, 0, 1)?;
+            let d = p.alloc_device(64)?;
+            p.all_gather((&d).into(), (&d).into(), 16, DType::F32, &c, s)
+        }),
+        ("ncclReduceScatter:1:3", ErrorKind::Internal, "ncclInternalError", |p, s| {
+            let id = p.unique_id()?;
+            let c = p.comm_init(&id, 0, 1)?;
+            let d = p.alloc_device(64)?;
+            p.reduce_scatter((&d).into(), (&d).into(), 16, DType::F32, ReduceOp::Sum, &c, s)
+        }),
+        ("ncclBroadcast:1:6", ErrorKind::Internal, "ncclRemoteError", |p, s| {
+            let id = p.unique_id()?;
+            let c = p.comm_init(&id, 0, 1)?;
+            let d = p.alloc_device(64)?;
+            p.broadcast((&d).into(), 16, DType::F32, 0, &c, s)
+        }),
+        ("ncclGroupStart:1:5", ErrorKind::InvalidValue, "ncclInvalidUsage", |p, _| {
+            p.group_start()?;
+            p.group_end()
+        }),
+        ("ncclGroupEnd:1:8", ErrorKind::Timeout, "ncclTimeout", |p, _| {
+            p.group_start()?;
+            p.group_end()
+        }),
+    ];
+    check_cases(&emu, &p, &s, cases);
+}
+
+/// A module that failed to load once (a transient driver failure) is compiled and loaded again
+/// by the next kernel launch; the backend used to keep the failure for the platform's life.
+#[test]
+fn a_failed_module_load_is_retried_by_the_next_launch() {
+    let _g = serial();
+    let emu = Emu::open();
+    for (spec, name) in [
+        ("cuModuleLoadData:1:2", Some("CUDA_ERROR_OUT_OF_MEMORY")),
+        // The cubin attempt, then the PTX one.
+        (
+            "nvrtcCompileProgram:1:11,nvrtcCompileProgram:2:11",
+            Some("NVRTC_ERROR_INTERNAL_ERROR"),
+        ),
+        ("cuModuleGetFunction:1:500", Some("CUDA_ERROR_NOT_FOUND")),
+        // Without a cubin the backend falls back to PTX at once: no error at all.
+        ("nvrtcGetCUBIN:1:11", None),
+    ] {
+        // A fresh platform value: its module cache is empty.
+        let p = open().unwrap();
+        let s = p.create_stream().unwrap();
+        let d = p.alloc_device(64).unwrap();
+        emu.faults(spec);
+        let first = fill(&p, &d, &s);
+        emu.faults("");
+        match name {
+            Some(name) => {
+                let e = first.expect_err(spec);
+                assert_eq!(e.code_name, name, "{spec}: {e}");
+                fill(&p, &d, &s).unwrap_or_else(|e| panic!("{spec}: the next launch failed: {e}"));
+            }
+            None => first.unwrap_or_else(|e| panic!("{spec}: no fallback to PTX: {e}")),
+        }
+        let mut out = [0u8; 64];
+        p.read_device_sync(&d, 0, &mut out, &s).unwrap();
+        assert_eq!(f32::from_le_bytes(out[60..].try_into().unwrap()), 1.5);
+    }
+}
+
+/// Everything a platform value created is released when it is dropped, before its context goes:
+/// the emulator finds nothing to reclaim at context destruction and no free under queued work.
+#[test]
+fn dropping_the_platform_releases_everything_it_created() {
+    let _g = serial();
+    let emu = Emu::open();
+    let before = emu.stats();
+    {
+        let p = open().unwrap();
+        let s = p.create_stream().unwrap();
+        let d = p.alloc_device(1 << 16).unwrap();
+        let h = p.alloc_pinned(1 << 16).unwrap();
+        let e = p.create_event(true).unwrap();
+        fill(&p, &d, &s).unwrap();
+        p.copy_async((&h).into(), 0, (&d).into(), 0, 1 << 16, &s).unwrap();
+        p.record_event(&e, &s).unwrap();
+        let id = p.unique_id().unwrap();
+        let c = p.comm_init(&id, 0, 1).unwrap();
+        p.all_reduce((&d).into(), (&d).into(), 64, DType::F32, ReduceOp::Sum, &c, &s)
+            .unwrap();
+        // Dropped with work still queued: the backend must wait for it before freeing.
+    }
+    let after = emu.stats();
+    assert_eq!(live(&after), live(&before), "{after:?}");
+    assert_eq!(
+        after.reclaimed_at_context_destroy, before.reclaimed_at_context_destroy,
+        "the context still held resources the backend had not released: {after:?}"
+    );
+    assert_eq!(after.frees_under_queued_work, 0, "{after:?}");
+}
