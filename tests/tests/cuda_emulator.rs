@@ -71,7 +71,11 @@ fn live(s: &Stats) -> [u64; 7] {
     ]
 }
 
-fn fill(p: &dyn Platform, d: &hprt_platform::DeviceBuffer, s: &hprt_platform::Stream) -> hprt_platform::Result<()> {
+fn fill(
+    p: &dyn Platform,
+    d: &hprt_platform::DeviceBuffer,
+    s: &hprt_platform::Stream,
+) -> hprt_platform::Result<()> {
     p.launch_kernel(
         Kernel::Fill {
             dst: d.at(0),
@@ -89,7 +93,11 @@ fn loads_the_driver_nccl_and_nvrtc_from_the_override_paths() {
     let p = open().expect("the cuda backend opens on the emulator");
     let info = Platform::info(&p);
     assert_eq!(info.backend, BackendKind::Cuda);
-    assert!(info.driver.contains("libhprt_cuda_emulator.so"), "{}", info.driver);
+    assert!(
+        info.driver.contains("libhprt_cuda_emulator.so"),
+        "{}",
+        info.driver
+    );
     assert!(info.devices[0].name.contains("sm_80"), "{:?}", info.devices);
     for (key, want) in [("nccl", "NCCL 2.21.5"), ("nvrtc", "NVRTC 12.8")] {
         let (_, v) = info.settings.iter().find(|(k, _)| k == key).unwrap();
@@ -151,69 +159,133 @@ fn injected_driver_faults_become_typed_named_errors_without_leaks() {
     drop(d);
     p.synchronize_stream(&s).unwrap();
     let cases: &[Case] = &[
-        ("cuMemAlloc_v2:1:2", ErrorKind::OutOfMemory, "CUDA_ERROR_OUT_OF_MEMORY", |p, _| {
-            p.alloc_device(64).map(drop)
-        }),
-        ("cuMemHostAlloc:1:2", ErrorKind::OutOfMemory, "CUDA_ERROR_OUT_OF_MEMORY", |p, _| {
-            p.alloc_pinned(64).map(drop)
-        }),
-        ("cuStreamCreate:1:999", ErrorKind::Internal, "CUDA_ERROR_UNKNOWN", |p, _| {
-            p.create_stream().map(drop)
-        }),
-        ("cuEventCreate:1:1", ErrorKind::InvalidValue, "CUDA_ERROR_INVALID_VALUE", |p, _| {
-            p.create_event(true).map(drop)
-        }),
-        ("cuEventRecord:1:400", ErrorKind::InvalidHandle, "CUDA_ERROR_INVALID_HANDLE", |p, s| {
-            let e = p.create_event(false)?;
-            p.record_event(&e, s)
-        }),
-        ("cuStreamWaitEvent:1:400", ErrorKind::InvalidHandle, "CUDA_ERROR_INVALID_HANDLE", |p, s| {
-            let e = p.create_event(false)?;
-            p.record_event(&e, s)?;
-            p.stream_wait_event(s, &e)
-        }),
-        ("cuEventQuery:1:999", ErrorKind::Internal, "CUDA_ERROR_UNKNOWN", |p, s| {
-            let e = p.create_event(false)?;
-            p.record_event(&e, s)?;
-            p.query_event(&e).map(drop)
-        }),
-        ("cuEventSynchronize:1:999", ErrorKind::Internal, "CUDA_ERROR_UNKNOWN", |p, s| {
-            let e = p.create_event(false)?;
-            p.record_event(&e, s)?;
-            p.synchronize_event(&e)
-        }),
-        ("cuEventElapsedTime:1:999", ErrorKind::Internal, "CUDA_ERROR_UNKNOWN", |p, s| {
-            let (a, b) = (p.create_event(true)?, p.create_event(true)?);
-            p.record_event(&a, s)?;
-            p.record_event(&b, s)?;
-            p.synchronize_event(&b)?;
-            p.event_elapsed_ms(&a, &b).map(drop)
-        }),
-        ("cuMemcpyAsync:1:700", ErrorKind::Internal, "CUDA_ERROR_ILLEGAL_ADDRESS", |p, s| {
-            let d = p.alloc_device(64)?;
-            let h = p.alloc_pinned(64)?;
-            p.copy_async((&d).into(), 0, (&h).into(), 0, 64, s)
-        }),
-        ("cuMemsetD8Async:1:1", ErrorKind::InvalidValue, "CUDA_ERROR_INVALID_VALUE", |p, s| {
-            let d = p.alloc_device(64)?;
-            p.memset_async(&d, 0, 1, 64, s)
-        }),
-        ("cuStreamSynchronize:1:719", ErrorKind::Internal, "CUDA_ERROR_LAUNCH_FAILED", |p, s| {
-            p.synchronize_stream(s)
-        }),
-        ("cuStreamQuery:1:999", ErrorKind::Internal, "CUDA_ERROR_UNKNOWN", |p, s| {
-            p.query_stream(s).map(drop)
-        }),
-        ("cuMemGetInfo_v2:1:999", ErrorKind::Internal, "CUDA_ERROR_UNKNOWN", |p, _| {
-            p.mem_info().map(drop)
-        }),
-        ("cuLaunchKernel:1:701", ErrorKind::Internal, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", |p, s| {
-            let d = p.alloc_device(64)?;
-            fill(p, &d, s)
-        }),
-        ("cuLaunchHostFunc:1:1", ErrorKind::InvalidValue, "CUDA_ERROR_INVALID_VALUE", |p, s| {
-            p.launch_host_fn(s, Box::new(|| {}))
-        }),
+        (
+            "cuMemAlloc_v2:1:2",
+            ErrorKind::OutOfMemory,
+            "CUDA_ERROR_OUT_OF_MEMORY",
+            |p, _| p.alloc_device(64).map(drop),
+        ),
+        (
+            "cuMemHostAlloc:1:2",
+            ErrorKind::OutOfMemory,
+            "CUDA_ERROR_OUT_OF_MEMORY",
+            |p, _| p.alloc_pinned(64).map(drop),
+        ),
+        (
+            "cuStreamCreate:1:999",
+            ErrorKind::Internal,
+            "CUDA_ERROR_UNKNOWN",
+            |p, _| p.create_stream().map(drop),
+        ),
+        (
+            "cuEventCreate:1:1",
+            ErrorKind::InvalidValue,
+            "CUDA_ERROR_INVALID_VALUE",
+            |p, _| p.create_event(true).map(drop),
+        ),
+        (
+            "cuEventRecord:1:400",
+            ErrorKind::InvalidHandle,
+            "CUDA_ERROR_INVALID_HANDLE",
+            |p, s| {
+                let e = p.create_event(false)?;
+                p.record_event(&e, s)
+            },
+        ),
+        (
+            "cuStreamWaitEvent:1:400",
+            ErrorKind::InvalidHandle,
+            "CUDA_ERROR_INVALID_HANDLE",
+            |p, s| {
+                let e = p.create_event(false)?;
+                p.record_event(&e, s)?;
+                p.stream_wait_event(s, &e)
+            },
+        ),
+        (
+            "cuEventQuery:1:999",
+            ErrorKind::Internal,
+            "CUDA_ERROR_UNKNOWN",
+            |p, s| {
+                let e = p.create_event(false)?;
+                p.record_event(&e, s)?;
+                p.query_event(&e).map(drop)
+            },
+        ),
+        (
+            "cuEventSynchronize:1:999",
+            ErrorKind::Internal,
+            "CUDA_ERROR_UNKNOWN",
+            |p, s| {
+                let e = p.create_event(false)?;
+                p.record_event(&e, s)?;
+                p.synchronize_event(&e)
+            },
+        ),
+        (
+            "cuEventElapsedTime:1:999",
+            ErrorKind::Internal,
+            "CUDA_ERROR_UNKNOWN",
+            |p, s| {
+                let (a, b) = (p.create_event(true)?, p.create_event(true)?);
+                p.record_event(&a, s)?;
+                p.record_event(&b, s)?;
+                p.synchronize_event(&b)?;
+                p.event_elapsed_ms(&a, &b).map(drop)
+            },
+        ),
+        (
+            "cuMemcpyAsync:1:700",
+            ErrorKind::Internal,
+            "CUDA_ERROR_ILLEGAL_ADDRESS",
+            |p, s| {
+                let d = p.alloc_device(64)?;
+                let h = p.alloc_pinned(64)?;
+                p.copy_async((&d).into(), 0, (&h).into(), 0, 64, s)
+            },
+        ),
+        (
+            "cuMemsetD8Async:1:1",
+            ErrorKind::InvalidValue,
+            "CUDA_ERROR_INVALID_VALUE",
+            |p, s| {
+                let d = p.alloc_device(64)?;
+                p.memset_async(&d, 0, 1, 64, s)
+            },
+        ),
+        (
+            "cuStreamSynchronize:1:719",
+            ErrorKind::Internal,
+            "CUDA_ERROR_LAUNCH_FAILED",
+            |p, s| p.synchronize_stream(s),
+        ),
+        (
+            "cuStreamQuery:1:999",
+            ErrorKind::Internal,
+            "CUDA_ERROR_UNKNOWN",
+            |p, s| p.query_stream(s).map(drop),
+        ),
+        (
+            "cuMemGetInfo_v2:1:999",
+            ErrorKind::Internal,
+            "CUDA_ERROR_UNKNOWN",
+            |p, _| p.mem_info().map(drop),
+        ),
+        (
+            "cuLaunchKernel:1:701",
+            ErrorKind::Internal,
+            "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+            |p, s| {
+                let d = p.alloc_device(64)?;
+                fill(p, &d, s)
+            },
+        ),
+        (
+            "cuLaunchHostFunc:1:1",
+            ErrorKind::InvalidValue,
+            "CUDA_ERROR_INVALID_VALUE",
+            |p, s| p.launch_host_fn(s, Box::new(|| {})),
+        ),
     ];
     check_cases(&emu, &p, &s, cases);
 }
@@ -225,45 +297,99 @@ fn injected_nccl_faults_become_typed_named_errors_without_leaks() {
     let p = open().unwrap();
     let s = p.create_stream().unwrap();
     let cases: &[Case] = &[
-        ("ncclGetUniqueId:1:2", ErrorKind::Internal, "ncclSystemError", |p, _| {
-            p.unique_id().map(drop)
-        }),
-        ("ncclCommInitRank:1:5", ErrorKind::InvalidValue, "ncclInvalidUsage", |p, _| {
-            let id = p.unique_id()?;
-            p.comm_init(&id, 0, 1).map(drop)
-        }),
-        ("ncclAllReduce:1:1", ErrorKind::Internal, "ncclUnhandledCudaError", |p, s| {
-            let id = p.unique_id()?;
-            let c = p.comm_init(&id, 0, 1)?;
-            let d = p.alloc_device(64)?;
-            p.all_reduce((&d).into(), (&d).into(), 16, DType::F32, ReduceOp::Avg, &c, s)
-        }),
-        ("ncclAllGather:1:4", ErrorKind::InvalidValue, "ncclInvalidArgument", |p, s| {
-            let id = p.unique_id()?;
-            let c = p.comm_init(&id, 0, 1)?;
-            let d = p.alloc_device(64)?;
-            p.all_gather((&d).into(), (&d).into(), 16, DType::F32, &c, s)
-        }),
-        ("ncclReduceScatter:1:3", ErrorKind::Internal, "ncclInternalError", |p, s| {
-            let id = p.unique_id()?;
-            let c = p.comm_init(&id, 0, 1)?;
-            let d = p.alloc_device(64)?;
-            p.reduce_scatter((&d).into(), (&d).into(), 16, DType::F32, ReduceOp::Sum, &c, s)
-        }),
-        ("ncclBroadcast:1:6", ErrorKind::Internal, "ncclRemoteError", |p, s| {
-            let id = p.unique_id()?;
-            let c = p.comm_init(&id, 0, 1)?;
-            let d = p.alloc_device(64)?;
-            p.broadcast((&d).into(), 16, DType::F32, 0, &c, s)
-        }),
-        ("ncclGroupStart:1:5", ErrorKind::InvalidValue, "ncclInvalidUsage", |p, _| {
-            p.group_start()?;
-            p.group_end()
-        }),
-        ("ncclGroupEnd:1:8", ErrorKind::Timeout, "ncclTimeout", |p, _| {
-            p.group_start()?;
-            p.group_end()
-        }),
+        (
+            "ncclGetUniqueId:1:2",
+            ErrorKind::Internal,
+            "ncclSystemError",
+            |p, _| p.unique_id().map(drop),
+        ),
+        (
+            "ncclCommInitRank:1:5",
+            ErrorKind::InvalidValue,
+            "ncclInvalidUsage",
+            |p, _| {
+                let id = p.unique_id()?;
+                p.comm_init(&id, 0, 1).map(drop)
+            },
+        ),
+        (
+            "ncclAllReduce:1:1",
+            ErrorKind::Internal,
+            "ncclUnhandledCudaError",
+            |p, s| {
+                let id = p.unique_id()?;
+                let c = p.comm_init(&id, 0, 1)?;
+                let d = p.alloc_device(64)?;
+                p.all_reduce(
+                    (&d).into(),
+                    (&d).into(),
+                    16,
+                    DType::F32,
+                    ReduceOp::Avg,
+                    &c,
+                    s,
+                )
+            },
+        ),
+        (
+            "ncclAllGather:1:4",
+            ErrorKind::InvalidValue,
+            "ncclInvalidArgument",
+            |p, s| {
+                let id = p.unique_id()?;
+                let c = p.comm_init(&id, 0, 1)?;
+                let d = p.alloc_device(64)?;
+                p.all_gather((&d).into(), (&d).into(), 16, DType::F32, &c, s)
+            },
+        ),
+        (
+            "ncclReduceScatter:1:3",
+            ErrorKind::Internal,
+            "ncclInternalError",
+            |p, s| {
+                let id = p.unique_id()?;
+                let c = p.comm_init(&id, 0, 1)?;
+                let d = p.alloc_device(64)?;
+                p.reduce_scatter(
+                    (&d).into(),
+                    (&d).into(),
+                    16,
+                    DType::F32,
+                    ReduceOp::Sum,
+                    &c,
+                    s,
+                )
+            },
+        ),
+        (
+            "ncclBroadcast:1:6",
+            ErrorKind::Internal,
+            "ncclRemoteError",
+            |p, s| {
+                let id = p.unique_id()?;
+                let c = p.comm_init(&id, 0, 1)?;
+                let d = p.alloc_device(64)?;
+                p.broadcast((&d).into(), 16, DType::F32, 0, &c, s)
+            },
+        ),
+        (
+            "ncclGroupStart:1:5",
+            ErrorKind::InvalidValue,
+            "ncclInvalidUsage",
+            |p, _| {
+                p.group_start()?;
+                p.group_end()
+            },
+        ),
+        (
+            "ncclGroupEnd:1:8",
+            ErrorKind::Timeout,
+            "ncclTimeout",
+            |p, _| {
+                p.group_start()?;
+                p.group_end()
+            },
+        ),
     ];
     check_cases(&emu, &p, &s, cases);
 }
@@ -320,12 +446,21 @@ fn dropping_the_platform_releases_everything_it_created() {
         let h = p.alloc_pinned(1 << 16).unwrap();
         let e = p.create_event(true).unwrap();
         fill(&p, &d, &s).unwrap();
-        p.copy_async((&h).into(), 0, (&d).into(), 0, 1 << 16, &s).unwrap();
+        p.copy_async((&h).into(), 0, (&d).into(), 0, 1 << 16, &s)
+            .unwrap();
         p.record_event(&e, &s).unwrap();
         let id = p.unique_id().unwrap();
         let c = p.comm_init(&id, 0, 1).unwrap();
-        p.all_reduce((&d).into(), (&d).into(), 64, DType::F32, ReduceOp::Sum, &c, &s)
-            .unwrap();
+        p.all_reduce(
+            (&d).into(),
+            (&d).into(),
+            64,
+            DType::F32,
+            ReduceOp::Sum,
+            &c,
+            &s,
+        )
+        .unwrap();
         // Dropped with work still queued: the backend must wait for it before freeing.
     }
     let after = emu.stats();

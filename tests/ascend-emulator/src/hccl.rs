@@ -28,9 +28,9 @@ use std::time::Instant;
 
 use crate::codes::*;
 use crate::memory::{self, Range};
-use hprt_emulator_common::reduce::{reduce, DType, ReduceOp};
 use crate::state::{self, hccl_device_entry, hccl_entry, lock, COMM_TAG};
 use crate::stream::{self, Stream};
+use hprt_emulator_common::reduce::{reduce, DType, ReduceOp};
 
 // ---- communicators ----------------------------------------------------------------------------
 

@@ -160,7 +160,11 @@ pub(crate) const MAX_SHARED_PER_BLOCK: u32 = 48 * 1024;
 pub(crate) const COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
 
 #[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetAttribute(value: *mut c_int, attr: c_int, dev: c_int) -> CuResult {
+pub unsafe extern "C" fn cuDeviceGetAttribute(
+    value: *mut c_int,
+    attr: c_int,
+    dev: c_int,
+) -> CuResult {
     cu_entry("cuDeviceGetAttribute", || {
         check_device(dev)?;
         let v = match attr {
@@ -201,7 +205,13 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut *mut c_void, dev: c
             }
         };
         // SAFETY: checked non-null.
-        unsafe { put(pctx, encode(CTX_TAG, id) as *mut c_void, CUDA_ERROR_INVALID_VALUE) }
+        unsafe {
+            put(
+                pctx,
+                encode(CTX_TAG, id) as *mut c_void,
+                CUDA_ERROR_INVALID_VALUE,
+            )
+        }
     })
 }
 
@@ -301,5 +311,7 @@ pub unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CuResult {
 /// Waits for every stream of the current context; returns the first asynchronous error.
 #[no_mangle]
 pub extern "C" fn cuCtxSynchronize() -> CuResult {
-    cu_entry("cuCtxSynchronize", || stream::synchronize_context(current()?.id))
+    cu_entry("cuCtxSynchronize", || {
+        stream::synchronize_context(current()?.id)
+    })
 }

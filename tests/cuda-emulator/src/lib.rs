@@ -40,3 +40,6 @@ pub mod nccl;
 pub mod nvrtc;
 pub mod state;
 pub mod stream;
+
+#[cfg(test)]
+mod tests;

@@ -199,7 +199,8 @@ pub extern "C" fn cuMemFree_v2(dptr: u64) -> CuResult {
 pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, flags: u32) -> CuResult {
     cu_entry("cuMemHostAlloc", || {
         let ctx = context::current()?;
-        let known = CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED;
+        let known =
+            CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED;
         if pp.is_null() || size == 0 || flags & !known != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -232,14 +233,23 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
         let used = mem().used.get(&ctx.device).copied().unwrap_or(0);
         // SAFETY: API contract.
         unsafe {
-            put(free, cap.saturating_sub(used) as usize, CUDA_ERROR_INVALID_VALUE)?;
+            put(
+                free,
+                cap.saturating_sub(used) as usize,
+                CUDA_ERROR_INVALID_VALUE,
+            )?;
             put(total, cap as usize, CUDA_ERROR_INVALID_VALUE)
         }
     })
 }
 
 #[no_mangle]
-pub extern "C" fn cuMemcpyAsync(dst: u64, src: u64, bytes: usize, hstream: *mut c_void) -> CuResult {
+pub extern "C" fn cuMemcpyAsync(
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    hstream: *mut c_void,
+) -> CuResult {
     cu_entry("cuMemcpyAsync", || {
         let s = stream::resolve_current(hstream)?;
         if bytes == 0 {
@@ -265,12 +275,15 @@ pub extern "C" fn cuMemcpyAsync(dst: u64, src: u64, bytes: usize, hstream: *mut 
                 // From pageable memory: staged at the call, as the driver does, so the caller
                 // may reuse its buffer once the call returns.
                 // SAFETY: the caller's pageable range, by the API's contract.
-                let staged = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) }.to_vec();
+                let staged =
+                    unsafe { std::slice::from_raw_parts(src as *const u8, bytes) }.to_vec();
                 let keep = Held::new(d);
                 s.enqueue(Box::new(move || {
                     let _keep = keep;
                     // SAFETY: the destination lies in a held allocation.
-                    unsafe { std::ptr::copy_nonoverlapping(staged.as_ptr(), dst as *mut u8, bytes) };
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(staged.as_ptr(), dst as *mut u8, bytes)
+                    };
                     Ok(())
                 }));
             }
@@ -294,7 +307,12 @@ pub extern "C" fn cuMemcpyAsync(dst: u64, src: u64, bytes: usize, hstream: *mut 
 }
 
 #[no_mangle]
-pub extern "C" fn cuMemsetD8Async(dst: u64, value: u8, bytes: usize, hstream: *mut c_void) -> CuResult {
+pub extern "C" fn cuMemsetD8Async(
+    dst: u64,
+    value: u8,
+    bytes: usize,
+    hstream: *mut c_void,
+) -> CuResult {
     cu_entry("cuMemsetD8Async", || {
         let s = stream::resolve_current(hstream)?;
         if bytes == 0 {

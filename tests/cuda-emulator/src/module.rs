@@ -12,7 +12,9 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use libloading::Library;
 
 use crate::codes::*;
-use crate::context::{self, MAX_BLOCK_DIM, MAX_GRID_DIM, MAX_SHARED_PER_BLOCK, MAX_THREADS_PER_BLOCK};
+use crate::context::{
+    self, MAX_BLOCK_DIM, MAX_GRID_DIM, MAX_SHARED_PER_BLOCK, MAX_THREADS_PER_BLOCK,
+};
 use crate::memory::{self, Held};
 use crate::nvrtc::{MODULE_MARKER, PTX_HEADER};
 use crate::state::{self, cu_entry, decode, encode, lock, put, FUNCTION_TAG, MODULE_TAG};
@@ -121,14 +123,24 @@ pub unsafe extern "C" fn cuModuleLoadData(out: *mut *mut c_void, image: *const c
         let _ = std::fs::remove_file(&path);
         let lib = lib.map_err(|_| CUDA_ERROR_INVALID_IMAGE)?;
         // SAFETY: looked up by name only.
-        if unsafe { lib.get::<unsafe extern "C" fn() -> i32>(format!("{MODULE_MARKER}\0").as_bytes()) }.is_err() {
+        if unsafe {
+            lib.get::<unsafe extern "C" fn() -> i32>(format!("{MODULE_MARKER}\0").as_bytes())
+        }
+        .is_err()
+        {
             return Err(CUDA_ERROR_INVALID_IMAGE);
         }
         registry()
             .modules
             .insert(id, Arc::new(Module { ctx: ctx.id, lib }));
         // SAFETY: checked non-null.
-        unsafe { put(out, encode(MODULE_TAG, id) as *mut c_void, CUDA_ERROR_INVALID_VALUE) }
+        unsafe {
+            put(
+                out,
+                encode(MODULE_TAG, id) as *mut c_void,
+                CUDA_ERROR_INVALID_VALUE,
+            )
+        }
     })
 }
 
@@ -156,10 +168,16 @@ pub unsafe extern "C" fn cuModuleGetFunction(
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         // SAFETY: NUL-terminated by contract.
-        let name = unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned();
+        let name = unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned();
         let mid = decode(MODULE_TAG, h as usize).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         let mut r = registry();
-        let m = r.modules.get(&mid).cloned().ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        let m = r
+            .modules
+            .get(&mid)
+            .cloned()
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         if m.ctx != ctx.id {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
@@ -203,15 +221,27 @@ pub unsafe extern "C" fn cuModuleGetFunction(
             }
         };
         // SAFETY: checked non-null.
-        unsafe { put(out, encode(FUNCTION_TAG, id) as *mut c_void, CUDA_ERROR_INVALID_VALUE) }
+        unsafe {
+            put(
+                out,
+                encode(FUNCTION_TAG, id) as *mut c_void,
+                CUDA_ERROR_INVALID_VALUE,
+            )
+        }
     })
 }
 
 /// Checks a launch's dimensions against the device's limits (`CUDA_ERROR_INVALID_VALUE`).
 fn check_dims(grid: [c_uint; 3], block: [c_uint; 3], shared: c_uint) -> Result<(), CuResult> {
     let threads = block.iter().map(|&b| b as u64).product::<u64>();
-    let ok = grid.iter().zip(MAX_GRID_DIM).all(|(&g, m)| g >= 1 && g <= m)
-        && block.iter().zip(MAX_BLOCK_DIM).all(|(&b, m)| b >= 1 && b <= m)
+    let ok = grid
+        .iter()
+        .zip(MAX_GRID_DIM)
+        .all(|(&g, m)| g >= 1 && g <= m)
+        && block
+            .iter()
+            .zip(MAX_BLOCK_DIM)
+            .all(|(&b, m)| b >= 1 && b <= m)
         && threads <= MAX_THREADS_PER_BLOCK as u64
         && shared <= MAX_SHARED_PER_BLOCK;
     if ok {
@@ -278,7 +308,8 @@ pub unsafe extern "C" fn cuLaunchKernel(
         s.enqueue(Box::new(move || {
             let _keep = held;
             let mut copies = copies;
-            let mut args: Vec<*mut c_void> = copies.iter_mut().map(|w| w.as_mut_ptr().cast()).collect();
+            let mut args: Vec<*mut c_void> =
+                copies.iter_mut().map(|w| w.as_mut_ptr().cast()).collect();
             // SAFETY: the launcher generated for this kernel, with one pointer per parameter.
             let failed = unsafe { (func.launch)(args.as_mut_ptr(), dims.as_ptr(), shared) };
             let _owner = &func.owner;

@@ -170,6 +170,13 @@ pub struct UniqueId {
     internal: [u8; 128],
 }
 
+#[cfg(test)]
+impl UniqueId {
+    pub(crate) fn from_bytes(internal: [u8; 128]) -> UniqueId {
+        UniqueId { internal }
+    }
+}
+
 struct Rendezvous {
     world: usize,
     joined: Vec<bool>,
@@ -200,7 +207,10 @@ pub unsafe extern "C" fn ncclCommInitRank(
             return fail(NCCL_INVALID_ARGUMENT, format!("rank {rank} of {nranks}"));
         }
         if &id[..16] != ID_MAGIC {
-            return fail(NCCL_INVALID_ARGUMENT, "not an ncclUniqueId from ncclGetUniqueId");
+            return fail(
+                NCCL_INVALID_ARGUMENT,
+                "not an ncclUniqueId from ncclGetUniqueId",
+            );
         }
         let Ok(ctx) = context::current() else {
             return fail(1, "no current CUDA context on this thread");
@@ -219,7 +229,11 @@ pub unsafe extern "C" fn ncclCommInitRank(
             let why = format!(
                 "rank {rank} joined with nranks {world}; the communicator has {} ranks{}",
                 entry.world,
-                if entry.world == world { " and this rank already joined" } else { "" }
+                if entry.world == world {
+                    " and this rank already joined"
+                } else {
+                    ""
+                }
             );
             return fail(NCCL_INVALID_ARGUMENT, why);
         }
@@ -241,7 +255,9 @@ pub unsafe extern "C" fn ncclCommInitRank(
             JOINED.notify_all();
         }
         let clique = loop {
-            let e = r.get_mut(&id).expect("our entry stays until every rank took the clique");
+            let e = r
+                .get_mut(&id)
+                .expect("our entry stays until every rank took the clique");
             if let Some(c) = e.clique.clone() {
                 e.taken += 1;
                 if e.taken == world {
@@ -256,7 +272,10 @@ pub unsafe extern "C" fn ncclCommInitRank(
                 if e.joined.iter().all(|j| !*j) {
                     r.remove(&id);
                 }
-                return fail(NCCL_TIMEOUT, format!("rank {rank}: not every rank of {world} joined in time"));
+                return fail(
+                    NCCL_TIMEOUT,
+                    format!("rank {rank}: not every rank of {world} joined in time"),
+                );
             }
             r = JOINED
                 .wait_timeout(r, deadline - now)
@@ -372,15 +391,29 @@ impl Op {
     /// Runs on the stream; `Err` fails the stream and sets the communicator's async error.
     fn run(self) -> Result<(), CuResult> {
         let (comm, r) = match self {
-            Op::Collective { comm, seq, send, recv, held } => {
+            Op::Collective {
+                comm,
+                seq,
+                send,
+                recv,
+                held,
+            } => {
                 let r = run_collective(&comm, seq, send, recv);
                 drop(held);
                 (comm, r)
             }
-            Op::Send { comm, peer, src, count, dtype, held } => {
+            Op::Send {
+                comm,
+                peer,
+                src,
+                count,
+                dtype,
+                held,
+            } => {
                 let size = dtype_of(dtype).map(DType::size).unwrap_or(1);
                 // SAFETY: a held device range of `count` elements.
-                let data = unsafe { std::slice::from_raw_parts(src as *const u8, count * size) }.to_vec();
+                let data =
+                    unsafe { std::slice::from_raw_parts(src as *const u8, count * size) }.to_vec();
                 drop(held);
                 let c = &comm.clique;
                 lock(&c.state)
@@ -391,7 +424,14 @@ impl Op {
                 c.cv.notify_all();
                 (comm, Ok(()))
             }
-            Op::Recv { comm, peer, dst, count, dtype, held } => {
+            Op::Recv {
+                comm,
+                peer,
+                dst,
+                count,
+                dtype,
+                held,
+            } => {
                 let r = receive(&comm, peer, dst, count, dtype);
                 drop(held);
                 (comm, r)
@@ -404,20 +444,36 @@ impl Op {
     }
 }
 
-fn receive(comm: &Comm, peer: usize, dst: usize, count: usize, dtype: c_int) -> Result<(), NcclResult> {
+fn receive(
+    comm: &Comm,
+    peer: usize,
+    dst: usize,
+    count: usize,
+    dtype: c_int,
+) -> Result<(), NcclResult> {
     let c = &comm.clique;
     let deadline = Instant::now() + state::nccl_timeout();
     let mut st = lock(&c.state);
     let msg = loop {
-        if let Some(m) = st.mail.get_mut(&(peer, comm.rank)).and_then(VecDeque::pop_front) {
+        if let Some(m) = st
+            .mail
+            .get_mut(&(peer, comm.rank))
+            .and_then(VecDeque::pop_front)
+        {
             break m;
         }
         let now = Instant::now();
         if now >= deadline {
-            eprintln!("hprt CUDA emulator: rank {} timed out receiving from rank {peer}", comm.rank);
+            eprintln!(
+                "hprt CUDA emulator: rank {} timed out receiving from rank {peer}",
+                comm.rank
+            );
             return Err(NCCL_TIMEOUT);
         }
-        st = c.cv.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        st =
+            c.cv.wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
     };
     drop(st);
     if msg.count != count || msg.dtype != dtype {
@@ -459,14 +515,23 @@ fn perform(d: &Desc, ptrs: &[(usize, usize)]) {
         match d.kind {
             Kind::AllReduce => {
                 let inputs: Vec<Vec<u8>> = ptrs.iter().map(|(s, _)| bytes_at(*s, n)).collect();
-                let out = reduce(&inputs, dtype, op_of(d.op.expect("reduce op")).expect("checked"));
+                let out = reduce(
+                    &inputs,
+                    dtype,
+                    op_of(d.op.expect("reduce op")).expect("checked"),
+                );
                 for (_, r) in ptrs {
                     write_at(*r, &out);
                 }
             }
             Kind::ReduceScatter => {
-                let inputs: Vec<Vec<u8>> = ptrs.iter().map(|(s, _)| bytes_at(*s, n * world)).collect();
-                let out = reduce(&inputs, dtype, op_of(d.op.expect("reduce op")).expect("checked"));
+                let inputs: Vec<Vec<u8>> =
+                    ptrs.iter().map(|(s, _)| bytes_at(*s, n * world)).collect();
+                let out = reduce(
+                    &inputs,
+                    dtype,
+                    op_of(d.op.expect("reduce op")).expect("checked"),
+                );
                 for (q, (_, r)) in ptrs.iter().enumerate() {
                     write_at(*r, &out[q * n..(q + 1) * n]);
                 }
@@ -502,7 +567,11 @@ fn run_collective(comm: &Comm, seq: u64, send: usize, recv: usize) -> Result<(),
         if slot.arrived[comm.rank].is_none() {
             slot.arrived[comm.rank] = Some((send, recv));
             if slot.arrived.iter().all(Option::is_some) {
-                let ptrs: Vec<(usize, usize)> = slot.arrived.iter().map(|a| a.expect("all arrived")).collect();
+                let ptrs: Vec<(usize, usize)> = slot
+                    .arrived
+                    .iter()
+                    .map(|a| a.expect("all arrived"))
+                    .collect();
                 perform(&slot.desc, &ptrs);
                 slot.done = true;
                 c.cv.notify_all();
@@ -511,14 +580,19 @@ fn run_collective(comm: &Comm, seq: u64, send: usize, recv: usize) -> Result<(),
         }
         let now = Instant::now();
         if now >= deadline {
-            let waiting: Vec<usize> = (0..c.world).filter(|&q| slot.arrived[q].is_none()).collect();
+            let waiting: Vec<usize> = (0..c.world)
+                .filter(|&q| slot.arrived[q].is_none())
+                .collect();
             let why = format!("collective #{seq}: ranks {waiting:?} never reached it");
             eprintln!("hprt CUDA emulator: {why}");
             slot.poisoned = Some((NCCL_TIMEOUT, why));
             c.cv.notify_all();
             continue;
         }
-        st = c.cv.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        st =
+            c.cv.wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
     };
     leave(&mut st, seq, c.world);
     result
@@ -569,8 +643,14 @@ fn register(comm: &Comm, desc: Desc) -> u64 {
 fn stream_for(comm: &Comm, h: *mut c_void) -> Result<Arc<Stream>, NcclResult> {
     match stream::resolve(h) {
         Ok(s) if s.ctx == comm.ctx => Ok(s),
-        Ok(_) => fail(NCCL_INVALID_ARGUMENT, "the stream belongs to another context than the communicator"),
-        Err(code) => fail(NCCL_INVALID_ARGUMENT, format!("invalid stream (CUresult {code})")),
+        Ok(_) => fail(
+            NCCL_INVALID_ARGUMENT,
+            "the stream belongs to another context than the communicator",
+        ),
+        Err(code) => fail(
+            NCCL_INVALID_ARGUMENT,
+            format!("invalid stream (CUresult {code})"),
+        ),
     }
 }
 
@@ -578,8 +658,14 @@ fn stream_for(comm: &Comm, h: *mut c_void) -> Result<Arc<Stream>, NcclResult> {
 fn device_range(p: *const c_void, bytes: usize, what: &str) -> Result<Held, NcclResult> {
     match memory::locate(p as usize, bytes) {
         Ok(Some(a)) if a.device.is_some() => Ok(Held::new(a)),
-        Ok(_) => fail(NCCL_INVALID_ARGUMENT, format!("{what} buffer {p:?} is not device memory")),
-        Err(_) => fail(NCCL_INVALID_ARGUMENT, format!("{what} buffer {p:?} + {bytes} bytes leaves its allocation")),
+        Ok(_) => fail(
+            NCCL_INVALID_ARGUMENT,
+            format!("{what} buffer {p:?} is not device memory"),
+        ),
+        Err(_) => fail(
+            NCCL_INVALID_ARGUMENT,
+            format!("{what} buffer {p:?} + {bytes} bytes leaves its allocation"),
+        ),
     }
 }
 
@@ -617,7 +703,10 @@ fn collective(
         op_of(op)?;
     }
     if root.is_some_and(|r| r < 0 || r as usize >= comm.clique.world) {
-        return fail(NCCL_INVALID_ARGUMENT, format!("root {root:?} of {} ranks", comm.clique.world));
+        return fail(
+            NCCL_INVALID_ARGUMENT,
+            format!("root {root:?} of {} ranks", comm.clique.world),
+        );
     }
     let s = stream_for(&comm, hstream)?;
     let world = comm.clique.world;
@@ -634,7 +723,13 @@ fn collective(
         }
         held.push(device_range(recv, recv_n * size, "recv")?);
     }
-    let desc = Desc { kind, count, dtype, op, root };
+    let desc = Desc {
+        kind,
+        count,
+        dtype,
+        op,
+        root,
+    };
     let seq = register(&comm, desc);
     submit(
         s,
@@ -660,7 +755,17 @@ pub extern "C" fn ncclAllReduce(
     stream: *mut c_void,
 ) -> NcclResult {
     nccl_entry("ncclAllReduce", || {
-        collective(Kind::AllReduce, send, recv, count, dtype, Some(op), None, comm, stream)
+        collective(
+            Kind::AllReduce,
+            send,
+            recv,
+            count,
+            dtype,
+            Some(op),
+            None,
+            comm,
+            stream,
+        )
     })
 }
 
@@ -675,7 +780,17 @@ pub extern "C" fn ncclReduceScatter(
     stream: *mut c_void,
 ) -> NcclResult {
     nccl_entry("ncclReduceScatter", || {
-        collective(Kind::ReduceScatter, send, recv, recv_count, dtype, Some(op), None, comm, stream)
+        collective(
+            Kind::ReduceScatter,
+            send,
+            recv,
+            recv_count,
+            dtype,
+            Some(op),
+            None,
+            comm,
+            stream,
+        )
     })
 }
 
@@ -689,7 +804,17 @@ pub extern "C" fn ncclAllGather(
     stream: *mut c_void,
 ) -> NcclResult {
     nccl_entry("ncclAllGather", || {
-        collective(Kind::AllGather, send, recv, send_count, dtype, None, None, comm, stream)
+        collective(
+            Kind::AllGather,
+            send,
+            recv,
+            send_count,
+            dtype,
+            None,
+            None,
+            comm,
+            stream,
+        )
     })
 }
 
@@ -704,13 +829,26 @@ pub extern "C" fn ncclBroadcast(
     stream: *mut c_void,
 ) -> NcclResult {
     nccl_entry("ncclBroadcast", || {
-        collective(Kind::Broadcast, send, recv, count, dtype, None, Some(root), comm, stream)
+        collective(
+            Kind::Broadcast,
+            send,
+            recv,
+            count,
+            dtype,
+            None,
+            Some(root),
+            comm,
+            stream,
+        )
     })
 }
 
 fn peer_of(comm: &Comm, peer: c_int) -> Result<usize, NcclResult> {
     if peer < 0 || peer as usize >= comm.clique.world {
-        return fail(NCCL_INVALID_ARGUMENT, format!("peer {peer} of {} ranks", comm.clique.world));
+        return fail(
+            NCCL_INVALID_ARGUMENT,
+            format!("peer {peer} of {} ranks", comm.clique.world),
+        );
     }
     Ok(peer as usize)
 }
@@ -733,7 +871,17 @@ pub extern "C" fn ncclSend(
             return Ok(());
         }
         let held = device_range(send, count * size, "send")?;
-        submit(s, Op::Send { comm, peer, src: send as usize, count, dtype, held });
+        submit(
+            s,
+            Op::Send {
+                comm,
+                peer,
+                src: send as usize,
+                count,
+                dtype,
+                held,
+            },
+        );
         Ok(())
     })
 }
@@ -756,7 +904,17 @@ pub extern "C" fn ncclRecv(
             return Ok(());
         }
         let held = device_range(recv, count * size, "recv")?;
-        submit(s, Op::Recv { comm, peer, dst: recv as usize, count, dtype, held });
+        submit(
+            s,
+            Op::Recv {
+                comm,
+                peer,
+                dst: recv as usize,
+                count,
+                dtype,
+                held,
+            },
+        );
         Ok(())
     })
 }
@@ -782,7 +940,11 @@ pub extern "C" fn ncclGroupEnd() -> NcclResult {
                 return None;
             }
             g.0 -= 1;
-            Some(if g.0 == 0 { std::mem::take(&mut g.1) } else { Vec::new() })
+            Some(if g.0 == 0 {
+                std::mem::take(&mut g.1)
+            } else {
+                Vec::new()
+            })
         });
         let Some(ops) = ops else {
             return fail(NCCL_INVALID_USAGE, "ncclGroupEnd without ncclGroupStart");

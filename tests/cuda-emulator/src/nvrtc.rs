@@ -119,7 +119,10 @@ pub unsafe extern "C" fn nvrtcCreateProgram(
         for i in 0..num_headers as usize {
             // SAFETY: as above.
             let (h, n) = unsafe { (text(*headers.add(i)), text(*include_names.add(i))) };
-            hs.push((n.ok_or(NVRTC_ERROR_INVALID_INPUT)?, h.ok_or(NVRTC_ERROR_INVALID_INPUT)?));
+            hs.push((
+                n.ok_or(NVRTC_ERROR_INVALID_INPUT)?,
+                h.ok_or(NVRTC_ERROR_INVALID_INPUT)?,
+            ));
         }
         let id = state::next_id();
         programs().insert(
@@ -266,9 +269,7 @@ pub(crate) fn kernels(source: &str) -> Vec<KernelDecl> {
     let mut from = 0;
     while let Some(at) = source[from..].find("__global__").map(|k| k + from) {
         from = at + "__global__".len();
-        let decl_start = source[..at]
-            .rfind([';', '}', '{'])
-            .map_or(0, |k| k + 1);
+        let decl_start = source[..at].rfind([';', '}', '{']).map_or(0, |k| k + 1);
         if !source[decl_start..at].contains("extern \"C\"") {
             continue;
         }
@@ -280,7 +281,9 @@ pub(crate) fn kernels(source: &str) -> Vec<KernelDecl> {
         i = skip_ws(s, j);
         let (mut j, mut name) = ident(s, i);
         if name == "__launch_bounds__" {
-            let Some(k) = balanced(s, skip_ws(s, j)) else { continue };
+            let Some(k) = balanced(s, skip_ws(s, j)) else {
+                continue;
+            };
             i = skip_ws(s, k);
             (j, name) = ident(s, i);
         }
@@ -288,7 +291,9 @@ pub(crate) fn kernels(source: &str) -> Vec<KernelDecl> {
         if name.is_empty() || s.get(open) != Some(&b'(') {
             continue;
         }
-        let Some(close) = balanced(s, open) else { continue };
+        let Some(close) = balanced(s, open) else {
+            continue;
+        };
         let inner = &source[open + 1..close - 1];
         let params = if inner.trim().is_empty() || inner.trim() == "void" {
             Vec::new()
@@ -330,7 +335,11 @@ fn dynamic_shared(source: &str) -> String {
             out += &rest[at..];
             return out;
         };
-        let decl = tail[..end].trim().trim_end_matches(']').trim_end().trim_end_matches('[');
+        let decl = tail[..end]
+            .trim()
+            .trim_end_matches(']')
+            .trim_end()
+            .trim_end_matches('[');
         let name_at = decl
             .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
             .map_or(0, |i| i + 1);
@@ -461,7 +470,10 @@ pub unsafe extern "C" fn nvrtcCompileProgram(
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvrtcGetProgramLogSize(prog: *mut std::ffi::c_void, size: *mut usize) -> NvrtcResult {
+pub unsafe extern "C" fn nvrtcGetProgramLogSize(
+    prog: *mut std::ffi::c_void,
+    size: *mut usize,
+) -> NvrtcResult {
     nvrtc_entry(None, || {
         let n = with_program(prog, |p| Ok(p.log.len() + 1))?;
         // SAFETY: API contract.
@@ -484,7 +496,10 @@ unsafe fn put_text(dst: *mut c_char, bytes: &[u8]) -> Result<(), NvrtcResult> {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvrtcGetProgramLog(prog: *mut std::ffi::c_void, log: *mut c_char) -> NvrtcResult {
+pub unsafe extern "C" fn nvrtcGetProgramLog(
+    prog: *mut std::ffi::c_void,
+    log: *mut c_char,
+) -> NvrtcResult {
     nvrtc_entry(None, || {
         // SAFETY: the caller sized `log` with nvrtcGetProgramLogSize.
         with_program(prog, |p| unsafe { put_text(log, p.log.as_bytes()) })
@@ -501,7 +516,10 @@ fn ptx_of(so: &[u8]) -> String {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvrtcGetPTXSize(prog: *mut std::ffi::c_void, size: *mut usize) -> NvrtcResult {
+pub unsafe extern "C" fn nvrtcGetPTXSize(
+    prog: *mut std::ffi::c_void,
+    size: *mut usize,
+) -> NvrtcResult {
     nvrtc_entry(None, || {
         let n = with_program(prog, |p| {
             let (so, _) = p.image.as_ref().ok_or(NVRTC_ERROR_INVALID_PROGRAM)?;
@@ -533,7 +551,10 @@ fn cubin(p: &Program) -> Result<&[u8], NvrtcResult> {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvrtcGetCUBINSize(prog: *mut std::ffi::c_void, size: *mut usize) -> NvrtcResult {
+pub unsafe extern "C" fn nvrtcGetCUBINSize(
+    prog: *mut std::ffi::c_void,
+    size: *mut usize,
+) -> NvrtcResult {
     nvrtc_entry(None, || {
         let n = with_program(prog, |p| cubin(p).map(<[u8]>::len))?;
         // SAFETY: API contract.
@@ -542,7 +563,10 @@ pub unsafe extern "C" fn nvrtcGetCUBINSize(prog: *mut std::ffi::c_void, size: *m
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvrtcGetCUBIN(prog: *mut std::ffi::c_void, dst: *mut c_char) -> NvrtcResult {
+pub unsafe extern "C" fn nvrtcGetCUBIN(
+    prog: *mut std::ffi::c_void,
+    dst: *mut c_char,
+) -> NvrtcResult {
     nvrtc_entry(Some("nvrtcGetCUBIN"), || {
         with_program(prog, |p| {
             let so = cubin(p)?;
@@ -607,8 +631,17 @@ extern "C" __global__ void __launch_bounds__(256) b(void) {}
         let o = parse_options(&["--gpu-architecture=sm_80".into(), "--fmad=false".into()]).unwrap();
         assert!(o.cubin);
         assert_eq!(o.contract, "-ffp-contract=off");
-        assert!(!parse_options(&["--gpu-architecture=compute_80".into()]).unwrap().cubin);
-        for bad in ["--ftz=true", "--use_fast_math", "--gpu-architecture=sm_12", "--bogus"] {
+        assert!(
+            !parse_options(&["--gpu-architecture=compute_80".into()])
+                .unwrap()
+                .cubin
+        );
+        for bad in [
+            "--ftz=true",
+            "--use_fast_math",
+            "--gpu-architecture=sm_12",
+            "--bogus",
+        ] {
             assert!(parse_options(&[bad.into()]).is_err(), "{bad}");
         }
     }
@@ -616,7 +649,10 @@ extern "C" __global__ void __launch_bounds__(256) b(void) {}
     #[test]
     fn dynamic_shared_memory_becomes_the_launch_buffer() {
         let s = dynamic_shared("extern __shared__ float buf[];\nint x;");
-        assert!(s.contains("#define buf (reinterpret_cast<float*>(::hprt_emu::g.dyn_smem))"), "{s}");
+        assert!(
+            s.contains("#define buf (reinterpret_cast<float*>(::hprt_emu::g.dyn_smem))"),
+            "{s}"
+        );
         assert!(s.ends_with("\nint x;"), "{s}");
     }
 }

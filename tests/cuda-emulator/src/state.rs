@@ -170,7 +170,10 @@ fn in_host_fn() -> bool {
 /// Runs an exported driver function: the host-function rule (`CUDA_ERROR_NOT_PERMITTED`), fault
 /// injection, the `cuInit` check (`CUDA_ERROR_NOT_INITIALIZED`), and a panic barrier
 /// (`CUDA_ERROR_UNKNOWN`) so nothing unwinds into C.
-pub(crate) fn cu_entry(name: &'static str, body: impl FnOnce() -> Result<(), CuResult>) -> CuResult {
+pub(crate) fn cu_entry(
+    name: &'static str,
+    body: impl FnOnce() -> Result<(), CuResult>,
+) -> CuResult {
     catch_unwind(AssertUnwindSafe(|| {
         if in_host_fn() {
             return CUDA_ERROR_NOT_PERMITTED;
@@ -237,4 +240,12 @@ pub(crate) static RECLAIMED_AT_CONTEXT_DESTROY: AtomicU64 = AtomicU64::new(0);
 
 pub(crate) fn status<E: Default>(r: Result<(), E>) -> E {
     r.err().unwrap_or_default()
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    /// Back to "cuInit not called", as at process start.
+    pub(crate) fn set_initialized(on: bool) {
+        super::INITIALIZED.store(on, super::Ordering::Release);
+    }
 }

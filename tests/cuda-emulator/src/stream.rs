@@ -153,7 +153,13 @@ pub unsafe extern "C" fn cuStreamCreate(out: *mut *mut c_void, flags: u32) -> Cu
         let id = s.worker.id;
         streams().live.insert(id, s);
         // SAFETY: checked non-null.
-        unsafe { put(out, encode(STREAM_TAG, id) as *mut c_void, CUDA_ERROR_INVALID_VALUE) }
+        unsafe {
+            put(
+                out,
+                encode(STREAM_TAG, id) as *mut c_void,
+                CUDA_ERROR_INVALID_VALUE,
+            )
+        }
     })
 }
 
@@ -305,7 +311,13 @@ pub unsafe extern "C" fn cuEventCreate(out: *mut *mut c_void, flags: u32) -> CuR
             }),
         );
         // SAFETY: checked non-null.
-        unsafe { put(out, encode(EVENT_TAG, id) as *mut c_void, CUDA_ERROR_INVALID_VALUE) }
+        unsafe {
+            put(
+                out,
+                encode(EVENT_TAG, id) as *mut c_void,
+                CUDA_ERROR_INVALID_VALUE,
+            )
+        }
     })
 }
 
@@ -360,11 +372,9 @@ pub extern "C" fn cuStreamWaitEvent(hstream: *mut c_void, h: *mut c_void, flags:
 
 #[no_mangle]
 pub extern "C" fn cuEventQuery(h: *mut c_void) -> CuResult {
-    cu_entry("cuEventQuery", || {
-        match event(h)?.latest() {
-            Some(m) if m.time().is_none() => Err(CUDA_ERROR_NOT_READY),
-            _ => Ok(()),
-        }
+    cu_entry("cuEventQuery", || match event(h)?.latest() {
+        Some(m) if m.time().is_none() => Err(CUDA_ERROR_NOT_READY),
+        _ => Ok(()),
     })
 }
 
@@ -381,7 +391,11 @@ pub extern "C" fn cuEventSynchronize(h: *mut c_void) -> CuResult {
 /// Both events need timing and a completed record: `CUDA_ERROR_INVALID_HANDLE` for an event
 /// without timing or never recorded, `CUDA_ERROR_NOT_READY` for a record still pending.
 #[no_mangle]
-pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: *mut c_void, end: *mut c_void) -> CuResult {
+pub unsafe extern "C" fn cuEventElapsedTime(
+    ms: *mut f32,
+    start: *mut c_void,
+    end: *mut c_void,
+) -> CuResult {
     cu_entry("cuEventElapsedTime", || {
         let stamp = |h| -> Result<Instant, CuResult> {
             let ev = event(h)?;

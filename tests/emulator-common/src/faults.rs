@@ -120,7 +120,9 @@ mod tests {
     #[test]
     fn parses_specs() {
         assert_eq!(TABLE.parse("").unwrap(), vec![]);
-        let r = TABLE.parse("aclrtMalloc:2:207001, HcclAllReduce:1:9").unwrap();
+        let r = TABLE
+            .parse("aclrtMalloc:2:207001, HcclAllReduce:1:9")
+            .unwrap();
         assert_eq!(
             r,
             vec![

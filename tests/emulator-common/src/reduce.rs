@@ -74,9 +74,13 @@ macro_rules! int_reduce {
             ReduceOp::Min => fold($inputs, S, load, std::cmp::min::<$t>, store),
             ReduceOp::Avg => {
                 let n = $inputs.len() as $t;
-                fold($inputs, S, load, <$t>::wrapping_add, |v: $t, b: &mut [u8]| {
-                    store(v / n, b)
-                })
+                fold(
+                    $inputs,
+                    S,
+                    load,
+                    <$t>::wrapping_add,
+                    |v: $t, b: &mut [u8]| store(v / n, b),
+                )
             }
         }
     }};
@@ -92,9 +96,13 @@ macro_rules! float_reduce {
             ReduceOp::Min => fold($inputs, $size, load, <$acc>::min, store),
             ReduceOp::Avg => {
                 let n = $inputs.len() as $acc;
-                fold($inputs, $size, load, |a: $acc, b| a + b, |v: $acc, b: &mut [u8]| {
-                    store(v / n, b)
-                })
+                fold(
+                    $inputs,
+                    $size,
+                    load,
+                    |a: $acc, b| a + b,
+                    |v: $acc, b: &mut [u8]| store(v / n, b),
+                )
             }
         }
     }};
