@@ -24,59 +24,71 @@ fn platform(jitter: Option<u64>) -> Arc<dyn Platform> {
 #[test]
 fn device_encoding_is_the_cpu_codec_bytes_and_decodes_bit_exact_under_jitter() {
     for jitter in [None, Some(1), Some(2), Some(3)] {
-        let p = platform(jitter);
-        let s = p.create_stream().unwrap();
-        let codec = HostCodec::default();
-        for (dtype, kind) in [
-            (CodecDType::BF16, DataKind::Gelu),
-            (CodecDType::F32, DataKind::Weights),
-            (CodecDType::F16, DataKind::Softmax),
-        ] {
-            let n = 50_000;
-            let data = generate(kind, dtype, n, 4);
-            let src = p.alloc_device(data.len() + 64).unwrap();
-            // Produced asynchronously: a codec that does not wait for it reads stale bytes.
-            let staging = p.alloc_pinned(data.len()).unwrap();
-            staging.write(0, &data).unwrap();
-            p.copy_async(
-                Mem::Device(&src),
-                64,
-                Mem::Pinned(&staging),
-                0,
-                data.len(),
-                &s,
-            )
+        encodes_the_cpu_codec_bytes_and_decodes_bit_exact(
+            &platform(jitter),
+            &format!("jitter {jitter:?}"),
+        );
+    }
+}
+
+/// The same on the cuda backend over the CUDA emulator (`cargo build -p hprt-cuda-emulator`
+/// first), with its streams' real asynchrony.
+#[test]
+fn device_encoding_round_trips_on_the_cuda_emulator() {
+    let p: Arc<dyn Platform> =
+        Arc::new(hprt_conformance::cuda_emulator::open().expect("cuda on the emulator"));
+    encodes_the_cpu_codec_bytes_and_decodes_bit_exact(&p, "cuda emulator");
+}
+
+fn encodes_the_cpu_codec_bytes_and_decodes_bit_exact(p: &Arc<dyn Platform>, what: &str) {
+    let s = p.create_stream().unwrap();
+    let codec = HostCodec::default();
+    for (dtype, kind) in [
+        (CodecDType::BF16, DataKind::Gelu),
+        (CodecDType::F32, DataKind::Weights),
+        (CodecDType::F16, DataKind::Softmax),
+    ] {
+        let n = 50_000;
+        let data = generate(kind, dtype, n, 4);
+        let src = p.alloc_device(data.len() + 64).unwrap();
+        // Produced asynchronously: a codec that does not wait for it reads stale bytes.
+        let staging = p.alloc_pinned(data.len()).unwrap();
+        staging.write(0, &data).unwrap();
+        p.copy_async(
+            Mem::Device(&src),
+            64,
+            Mem::Pinned(&staging),
+            0,
+            data.len(),
+            &s,
+        )
+        .unwrap();
+        let scratch = p.alloc_device(codec.max_encoded_len(dtype, n)).unwrap();
+        let ct = codec
+            .encode_async(p.as_ref(), src.at(64), dtype, n, &scratch, &s)
+            .unwrap()
+            .finish(p.as_ref(), &s)
             .unwrap();
-            let scratch = p.alloc_device(codec.max_encoded_len(dtype, n)).unwrap();
-            let ct = codec
-                .encode_async(p.as_ref(), src.at(64), dtype, n, &scratch, &s)
-                .unwrap()
-                .finish(p.as_ref(), &s)
-                .unwrap();
-            let mut bytes = vec![0u8; ct.byte_len()];
-            p.read_device_sync(ct.device_buffer(), 0, &mut bytes, &s)
-                .unwrap();
-            assert_eq!(
-                bytes,
-                codec::encode(dtype, &data, &codec.encode).unwrap(),
-                "{dtype}: not the CPU codec's bytes"
-            );
-            // Decode into a buffer that the stream overwrites just before (ordering check).
-            let dst = p.alloc_device(data.len()).unwrap();
-            p.memset_async(&dst, 0, 0xAB, data.len(), &s).unwrap();
-            codec
-                .decode_async(p.as_ref(), &ct, dst.at(0), &s)
-                .unwrap()
-                .finish(p.as_ref())
-                .unwrap();
-            let mut back = vec![0u8; data.len()];
-            p.read_device_sync(&dst, 0, &mut back, &s).unwrap();
-            assert!(
-                back == data,
-                "{dtype} jitter {jitter:?}: decoded bytes differ"
-            );
-            assert!(ct.ratio() > 1.1);
-        }
+        let mut bytes = vec![0u8; ct.byte_len()];
+        p.read_device_sync(ct.device_buffer(), 0, &mut bytes, &s)
+            .unwrap();
+        assert_eq!(
+            bytes,
+            codec::encode(dtype, &data, &codec.encode).unwrap(),
+            "{dtype}: not the CPU codec's bytes"
+        );
+        // Decode into a buffer that the stream overwrites just before (ordering check).
+        let dst = p.alloc_device(data.len()).unwrap();
+        p.memset_async(&dst, 0, 0xAB, data.len(), &s).unwrap();
+        codec
+            .decode_async(p.as_ref(), &ct, dst.at(0), &s)
+            .unwrap()
+            .finish(p.as_ref())
+            .unwrap();
+        let mut back = vec![0u8; data.len()];
+        p.read_device_sync(&dst, 0, &mut back, &s).unwrap();
+        assert!(back == data, "{dtype} {what}: decoded bytes differ");
+        assert!(ct.ratio() > 1.1);
     }
 }
 

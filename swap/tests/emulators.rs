@@ -1,10 +1,10 @@
-//! The three front ends on the npu backend over the Ascend emulator (`tests/ascend-emulator`,
-//! built by `cargo build -p hprt-ascend-emulator`, which `scripts/test` and CI run first).
-//! The emulator's state is process-global, so the cases run in one test, one after another.
+//! The three front ends on the npu backend over the Ascend emulator (`tests/ascend-emulator`)
+//! and on the cuda backend over the CUDA emulator (`tests/cuda-emulator`), both built by
+//! `cargo build -p hprt-ascend-emulator -p hprt-cuda-emulator`, which `scripts/test` runs first.
 
 use std::sync::Arc;
 
-use hprt_conformance::emulator;
+use hprt_conformance::{cuda_emulator, emulator};
 use hprt_platform::Platform;
 use hprt_swap::sim::{simulate, FrontEnd, SimConfig};
 
@@ -12,16 +12,27 @@ use hprt_swap::sim::{simulate, FrontEnd, SimConfig};
 fn every_front_end_on_the_ascend_emulator() {
     let p: Arc<dyn Platform> = Arc::new(emulator::open().expect("npu on the emulator"));
     assert_eq!(p.backend(), hprt_platform::BackendKind::Npu);
+    every_front_end(&p);
+}
+
+#[test]
+fn every_front_end_on_the_cuda_emulator() {
+    let p: Arc<dyn Platform> = Arc::new(cuda_emulator::open().expect("cuda on the emulator"));
+    assert_eq!(p.backend(), hprt_platform::BackendKind::Cuda);
+    every_front_end(&p);
+}
+
+fn every_front_end(p: &Arc<dyn Platform>) {
     let cfg = SimConfig {
         layers: 6,
         tensor_bytes: 8192,
         iterations: 2,
         ..SimConfig::default()
     };
-    let none = simulate(&p, FrontEnd::NoSwap, &cfg).unwrap();
+    let none = simulate(p, FrontEnd::NoSwap, &cfg).unwrap();
     assert_eq!(none.mismatched_tensors, 0, "{:?}", none.first_mismatch);
     for front in FrontEnd::SWAPPING {
-        let r = simulate(&p, front, &cfg).unwrap_or_else(|e| panic!("{front:?}: {e}"));
+        let r = simulate(p, front, &cfg).unwrap_or_else(|e| panic!("{front:?}: {e}"));
         assert_eq!(r.mismatched_tensors, 0, "{front:?}: {:?}", r.first_mismatch);
         assert_eq!(r.digest, none.digest, "{front:?}");
         assert!(

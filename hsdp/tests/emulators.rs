@@ -1,32 +1,48 @@
-//! A subset of the hsdp cases on the npu backend over the Ascend emulator
-//! (`cargo build -p hprt-ascend-emulator` first): 1-D over 2 ranks, 2-D 2 × 2, mixed precision,
-//! each against the host f64 reference. The emulator's state is process-global, so the cases run
-//! under one lock.
+//! A subset of the hsdp cases on the npu backend over the Ascend emulator and on the cuda backend
+//! over the CUDA emulator (`cargo build -p hprt-ascend-emulator -p hprt-cuda-emulator` first):
+//! 1-D over 2 ranks, 2-D 2 × 2, mixed precision, each against the host f64 reference. The
+//! emulators' state is process-global, so the cases run under one lock.
 
 mod common;
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use common::*;
+use hprt_conformance::cuda_emulator;
 use hprt_conformance::emulator::{self, serial};
 use hprt_hsdp::{
     DataParallelMesh, DeviceMesh, GradInput, MixedPrecisionPolicy, ParamConfig, ParamSpec,
     Placement, ReduceOptions, ShardedParam,
 };
-use hprt_platform::{DType, NpuBackend, ReduceOp};
+use hprt_platform::{DType, Platform, ReduceOp};
 
-fn npu() -> NpuBackend {
-    emulator::open().expect("the npu backend opens on the emulator")
+#[derive(Clone, Copy, Debug)]
+enum Emulated {
+    Npu,
+    Cuda,
+}
+
+/// The backend on its emulator. NCCL wants a device per rank: the CUDA emulator gets four.
+fn open(which: Emulated) -> Box<dyn Platform> {
+    static DEVICES: std::sync::Once = std::sync::Once::new();
+    DEVICES.call_once(|| std::env::set_var("HP_EMU_DEVICES", "4"));
+    match which {
+        Emulated::Npu => Box::new(emulator::open().expect("the npu backend opens on the emulator")),
+        Emulated::Cuda => {
+            Box::new(cuda_emulator::open().expect("the cuda backend opens on the emulator"))
+        }
+    }
 }
 
 /// Init, unshard (async), shard, and one gradient reduction, checked against the reference.
 fn case(
+    which: Emulated,
     world: usize,
     dp: &DataParallelMesh,
     shape: &[usize],
     cfg: ParamConfig,
     op: ReduceOp,
 ) -> Result<()> {
-    let p = npu();
+    let p = open(which);
     let numel: usize = shape.iter().product();
     let full = values(21, numel);
     let pdt = cfg.mp.param_dtype.unwrap_or(DType::F32);
@@ -41,7 +57,7 @@ fn case(
     let total: Vec<f64> = (0..numel)
         .map(|i| grads.iter().map(|g| g[i]).sum::<f64>() / div)
         .collect();
-    run_world(&p, world, |rk| {
+    run_world(p.as_ref(), world, |rk| {
         let src = rk.upload(DType::F32, &full)?;
         let mut w = ShardedParam::new(
             &rk.cache,
@@ -85,28 +101,36 @@ fn case(
     })
 }
 
-#[test]
-fn fsdp_two_ranks_on_the_emulator() -> Result<()> {
-    let _g = serial();
+fn fsdp_two_ranks(which: Emulated) -> Result<()> {
     let dp = DataParallelMesh::fsdp(DeviceMesh::contiguous(&[2])?)?;
-    case(2, &dp, &[5, 3], ParamConfig::default(), ReduceOp::Sum)?;
+    case(
+        which,
+        2,
+        &dp,
+        &[5, 3],
+        ParamConfig::default(),
+        ReduceOp::Sum,
+    )?;
     let shard1 = ParamConfig {
         shard: Some(Placement::Shard(1)),
         ..Default::default()
     };
-    case(2, &dp, &[2, 5], shard1, ReduceOp::Avg)
+    case(which, 2, &dp, &[2, 5], shard1, ReduceOp::Avg)
 }
 
-#[test]
-fn hsdp_2x2_on_the_emulator() -> Result<()> {
-    let _g = serial();
+fn hsdp_2x2(which: Emulated) -> Result<()> {
     let dp = DataParallelMesh::hsdp(DeviceMesh::contiguous(&[2, 2])?)?;
-    case(4, &dp, &[7, 2], ParamConfig::default(), ReduceOp::Avg)
+    case(
+        which,
+        4,
+        &dp,
+        &[7, 2],
+        ParamConfig::default(),
+        ReduceOp::Avg,
+    )
 }
 
-#[test]
-fn mixed_precision_on_the_emulator() -> Result<()> {
-    let _g = serial();
+fn mixed_precision(which: Emulated) -> Result<()> {
     let dp = DataParallelMesh::fsdp(DeviceMesh::contiguous(&[2])?)?;
     for param_dtype in [DType::BF16, DType::F16] {
         let cfg = ParamConfig {
@@ -117,7 +141,24 @@ fn mixed_precision_on_the_emulator() -> Result<()> {
             },
             ..Default::default()
         };
-        case(2, &dp, &[6, 3], cfg, ReduceOp::Sum)?;
+        case(which, 2, &dp, &[6, 3], cfg, ReduceOp::Sum)?;
     }
     Ok(())
+}
+
+fn every_case(which: Emulated) -> Result<()> {
+    let _g = serial();
+    fsdp_two_ranks(which).with_context(|| format!("fsdp over 2 ranks on {which:?}"))?;
+    hsdp_2x2(which).with_context(|| format!("hsdp 2 x 2 on {which:?}"))?;
+    mixed_precision(which).with_context(|| format!("mixed precision on {which:?}"))
+}
+
+#[test]
+fn on_the_ascend_emulator() -> Result<()> {
+    every_case(Emulated::Npu)
+}
+
+#[test]
+fn on_the_cuda_emulator() -> Result<()> {
+    every_case(Emulated::Cuda)
 }
