@@ -27,12 +27,20 @@
 
 static const size_t kCount = 4096;
 
+// Each rank on a device of its own where there are enough (NCCL refuses two ranks on one GPU).
+static HprtStatus use_rank_device(const HprtPlatform* p, size_t rank) {
+  size_t n = 0;
+  HprtStatus st = hprt_device_count(p, &n);
+  return st != HPRT_STATUS_OK ? st : hprt_set_device(p, rank % n);
+}
+
 static void rank_main(const HprtPlatform* p, const std::vector<uint8_t>& id, size_t rank,
                       size_t world, bool* ok) {
   HprtStream* s = nullptr;
   HprtComm* comm = nullptr;
   HprtDeviceBuffer* dev = nullptr;
   HprtPinnedBuffer* host = nullptr;
+  CHECK(use_rank_device(p, rank));
   CHECK(hprt_stream_create(p, &s));
   CHECK(hprt_comm_init(p, id.data(), id.size(), rank, world, &comm));
   CHECK(hprt_device_alloc(p, kCount * sizeof(float), &dev));
@@ -110,6 +118,7 @@ static void fsdp_rank(const HprtPlatform* p, const std::vector<uint8_t>& id, siz
   HprtStream* s = nullptr;
   HprtComm* comm = nullptr;
   HprtHsdp* dp = nullptr;
+  CHECK(use_rank_device(p, rank));
   CHECK(hprt_stream_create(p, &s));
   CHECK(hprt_comm_init(p, id.data(), id.size(), rank, world, &comm));
   size_t mesh[1] = {world};
