@@ -31,10 +31,13 @@ use crate::stream::{self, Stream};
 const VERSION: c_int = 22105;
 const ID_MAGIC: &[u8; 16] = b"hprt-emu-nccl-id";
 
+/// Operations held in a group, with the stream each goes on.
+type GroupOps = Vec<(Arc<Stream>, Op)>;
+
 thread_local! {
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
-    /// Operations held between ncclGroupStart and ncclGroupEnd, and the nesting depth.
-    static GROUP: RefCell<(u32, Vec<(Arc<Stream>, Op)>)> = const { RefCell::new((0, Vec::new())) };
+    /// The nesting depth of ncclGroupStart, and the operations held until the group ends.
+    static GROUP: RefCell<(u32, GroupOps)> = const { RefCell::new((0, Vec::new())) };
 }
 
 /// Fails with `code`, keeping `why` for `ncclGetLastError`.

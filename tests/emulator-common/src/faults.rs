@@ -10,6 +10,10 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use crate::lock;
 
+/// A fault spec that cannot be honoured exactly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MalformedSpec;
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rule {
     pub name: &'static str,
@@ -43,7 +47,7 @@ impl FaultTable {
             let (rules, env_malformed) = match std::env::var("HP_EMU_FAULTS") {
                 Ok(spec) => match self.parse(&spec) {
                     Ok(rules) => (rules, false),
-                    Err(()) => (Vec::new(), true),
+                    Err(MalformedSpec) => (Vec::new(), true),
                 },
                 Err(std::env::VarError::NotPresent) => (Vec::new(), false),
                 Err(std::env::VarError::NotUnicode(_)) => (Vec::new(), true),
@@ -56,7 +60,7 @@ impl FaultTable {
         }))
     }
 
-    pub fn parse(&self, spec: &str) -> Result<Vec<Rule>, ()> {
+    pub fn parse(&self, spec: &str) -> Result<Vec<Rule>, MalformedSpec> {
         if spec.trim().is_empty() {
             return Ok(Vec::new());
         }
@@ -66,18 +70,18 @@ impl FaultTable {
                 let (Some(name), Some(nth), Some(code), None) =
                     (parts.next(), parts.next(), parts.next(), parts.next())
                 else {
-                    return Err(());
+                    return Err(MalformedSpec);
                 };
                 let name = self
                     .known
                     .iter()
                     .copied()
                     .find(|k| *k == name.trim())
-                    .ok_or(())?;
-                let nth: u64 = nth.trim().parse().map_err(|_| ())?;
-                let code: i32 = code.trim().parse().map_err(|_| ())?;
+                    .ok_or(MalformedSpec)?;
+                let nth: u64 = nth.trim().parse().map_err(|_| MalformedSpec)?;
+                let code: i32 = code.trim().parse().map_err(|_| MalformedSpec)?;
                 if nth == 0 {
-                    return Err(());
+                    return Err(MalformedSpec);
                 }
                 Ok(Rule { name, nth, code })
             })
@@ -101,7 +105,7 @@ impl FaultTable {
     }
 
     /// Replaces the rules and restarts every call count; a malformed spec changes nothing.
-    pub fn replace(&self, spec: &str) -> Result<(), ()> {
+    pub fn replace(&self, spec: &str) -> Result<(), MalformedSpec> {
         let rules = self.parse(spec)?;
         let mut f = self.state();
         f.rules = rules;
