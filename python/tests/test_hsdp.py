@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import hprt
+from emulated import EMULATED
 
 
 def run_ranks(world, fn, **platform_args):
@@ -262,19 +263,7 @@ def test_hsdp_with_jitter_matches_numpy():
         np.testing.assert_allclose(g, expected_shard(grads.mean(0) * 3, 0, 2, k), rtol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        pytest.param(
-            "npu",
-            marks=pytest.mark.skipif(not os.environ.get("HP_ACL_LIB"), reason="needs the Ascend emulator (HP_ACL_LIB)"),
-        ),
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(not os.environ.get("HP_CUDA_LIB"), reason="needs the CUDA emulator (HP_CUDA_LIB)"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", EMULATED)
 def test_fsdp_on_an_emulated_accelerator(backend):
     """The same bindings on the npu and cuda backends: parameters and gradients in device memory
     (NCCL wants a device per rank: HP_EMU_DEVICES=2 for the CUDA emulator)."""

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import hprt
+from emulated import EMULATED
 
 
 @pytest.fixture()
@@ -30,19 +31,6 @@ def test_unknown_backend_name_is_a_typed_error():
     with pytest.raises(hprt.InvalidValueError) as e:
         hprt.open_platform("tpu")
     assert e.value.status == "HP_ERROR_INVALID_VALUE" and "tpu" in str(e.value)
-
-
-# The accelerator backends on their emulators (scripts/test points these variables at them).
-EMULATED = [
-    pytest.param(
-        "npu",
-        marks=pytest.mark.skipif(not os.environ.get("HP_ACL_LIB"), reason="needs the Ascend emulator (HP_ACL_LIB)"),
-    ),
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(not os.environ.get("HP_CUDA_LIB"), reason="needs the CUDA emulator (HP_CUDA_LIB)"),
-    ),
-]
 
 
 @pytest.mark.parametrize("backend", EMULATED)

@@ -10,21 +10,10 @@ use hprt_platform::Platform;
 /// The device name the emulator reports, so cases can tell it from a GPU.
 const DEVICE_NAME: &str = "hprt CUDA emulator";
 
-/// The emulator library next to the running test binary. Panics with the command to run when it
-/// is missing, so a test never passes by skipping.
+/// The emulator library next to the running test binary (panics with the command to run when
+/// it is missing, so a test never passes by skipping).
 pub fn library_path() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target/<profile>");
-    let lib = dir.join("libhprt_cuda_emulator.so");
-    assert!(
-        lib.is_file(),
-        "{} is missing: build it with `cargo build -p hprt-cuda-emulator` (scripts/test does)",
-        lib.display()
-    );
-    lib
+    crate::emulator::sibling_library("libhprt_cuda_emulator.so", "hprt-cuda-emulator")
 }
 
 /// Library search settings naming the emulator for the driver, NCCL and NVRTC.

@@ -11,18 +11,58 @@ use hprt_sys::SearchEnv;
 /// The emulator library next to the running test binary. Panics with the command to run when it
 /// is missing, so a test never passes by skipping.
 pub fn library_path() -> PathBuf {
+    sibling_library("libhprt_ascend_emulator.so", "hprt-ascend-emulator")
+}
+
+/// The library `file` (built by `cargo build -p <package>`) in target/<profile>/, next to the
+/// running test binary's directory.
+pub fn sibling_library(file: &str, package: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     let dir = exe
         .parent()
         .and_then(|d| d.parent())
         .expect("target/<profile>");
-    let lib = dir.join("libhprt_ascend_emulator.so");
+    let lib = dir.join(file);
     assert!(
         lib.is_file(),
-        "{} is missing: build it with `cargo build -p hprt-ascend-emulator` (scripts/test does)",
+        "{} is missing: build it with `cargo build -p {package}` (scripts/test does)",
         lib.display()
     );
     lib
+}
+
+/// An emulator's test-only exports (`hprtEmuGetStats`, `hprtEmuSetFaults`), which both
+/// emulators provide with their own statistics struct.
+pub struct Control(libloading::Library);
+
+impl Control {
+    pub fn open(lib: &std::path::Path) -> Control {
+        // SAFETY: an emulator library, already loaded by the backend (same handle).
+        Control(unsafe { libloading::Library::new(lib) }.expect("open the emulator"))
+    }
+
+    /// The emulator's statistics; `S` is its `#[repr(C)]` statistics struct.
+    pub fn stats<S: Default>(&self) -> S {
+        let mut s = S::default();
+        // SAFETY: the export's documented signature, with the caller's matching struct.
+        unsafe {
+            let f: libloading::Symbol<unsafe extern "C" fn(*mut S) -> i32> =
+                self.0.get(b"hprtEmuGetStats\0").expect("hprtEmuGetStats");
+            assert_eq!(f(&mut s), 0);
+        }
+        s
+    }
+
+    /// Replaces the fault list (`HP_EMU_FAULTS` syntax).
+    pub fn faults(&self, spec: &str) {
+        let c = std::ffi::CString::new(spec).expect("no NUL");
+        // SAFETY: the export's documented signature.
+        unsafe {
+            let f: libloading::Symbol<unsafe extern "C" fn(*const std::ffi::c_char) -> i32> =
+                self.0.get(b"hprtEmuSetFaults\0").expect("hprtEmuSetFaults");
+            assert_eq!(f(c.as_ptr()), 0, "fault spec {spec:?}");
+        }
+    }
 }
 
 /// Library search settings naming only the emulator, for both ACL and HCCL.
@@ -44,4 +84,47 @@ pub fn open() -> hprt_platform::Result<NpuBackend> {
 pub fn serial() -> MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One fault-injection case: the `HP_EMU_FAULTS` spec, the error kind and status name it must
+/// come back as, and the call that hits it.
+pub type FaultCase = (
+    &'static str,
+    hprt_platform::ErrorKind,
+    &'static str,
+    fn(&dyn hprt_platform::Platform, &hprt_platform::Stream) -> hprt_platform::Result<()>,
+);
+
+/// Runs each case with its fault armed: the error must come back typed, with the status name
+/// and the failing function in it; nothing may leak (`live` reads the emulator's counts of live
+/// resources); and the same call must work once the fault is gone.
+pub fn check_fault_cases<L: PartialEq + std::fmt::Debug>(
+    control: &Control,
+    live: impl Fn(&Control) -> L,
+    p: &dyn hprt_platform::Platform,
+    s: &hprt_platform::Stream,
+    cases: &[FaultCase],
+) {
+    let baseline = live(control);
+    for (spec, kind, name, call) in cases {
+        control.faults(spec);
+        let e = call(p, s)
+            .err()
+            .unwrap_or_else(|| panic!("{spec}: the injected fault did not surface"));
+        assert_eq!(
+            (e.kind(), e.code_name.as_ref()),
+            (*kind, *name),
+            "{spec}: {e}"
+        );
+        let function = spec.split(':').next().unwrap_or_default();
+        assert!(e.message.contains(function), "{spec}: {e}");
+        control.faults("");
+        // The stream may carry the failure of work queued after the failed call; clear it.
+        let _ = p.synchronize_stream(s);
+        assert_eq!(live(control), baseline, "{spec}: leaked");
+        call(p, s).unwrap_or_else(|e| panic!("{spec}: the next call failed: {e}"));
+        p.synchronize_stream(s)
+            .unwrap_or_else(|e| panic!("{spec}: synchronize after the next call: {e}"));
+        assert_eq!(live(control), baseline, "{spec}: the next call leaked");
+    }
 }

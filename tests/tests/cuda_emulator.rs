@@ -8,6 +8,7 @@
 use std::sync::{Mutex, MutexGuard};
 
 use hprt_conformance::cuda_emulator::{library_path, open};
+use hprt_conformance::emulator::{check_fault_cases, Control, FaultCase};
 use hprt_platform::{BackendKind, DType, ErrorKind, Kernel, Platform, ReduceOp};
 
 #[repr(C)]
@@ -25,32 +26,18 @@ struct Stats {
     reclaimed_at_context_destroy: u64,
 }
 
-/// The emulator's test-only exports.
-struct Emu(libloading::Library);
+/// The emulator's test-only exports, with its statistics.
+struct Emu(Control);
 
 impl Emu {
     fn open() -> Emu {
-        // SAFETY: the emulator library, already loaded by the backend (same handle).
-        Emu(unsafe { libloading::Library::new(library_path()) }.expect("open emulator"))
+        Emu(Control::open(&library_path()))
     }
     fn stats(&self) -> Stats {
-        let mut s = Stats::default();
-        // SAFETY: the export's documented signature.
-        unsafe {
-            let f: libloading::Symbol<unsafe extern "C" fn(*mut Stats) -> i32> =
-                self.0.get(b"hprtEmuGetStats\0").unwrap();
-            assert_eq!(f(&mut s), 0);
-        }
-        s
+        self.0.stats()
     }
     fn faults(&self, spec: &str) {
-        let c = std::ffi::CString::new(spec).unwrap();
-        // SAFETY: the export's documented signature.
-        unsafe {
-            let f: libloading::Symbol<unsafe extern "C" fn(*const std::ffi::c_char) -> i32> =
-                self.0.get(b"hprtEmuSetFaults\0").unwrap();
-            assert_eq!(f(c.as_ptr()), 0, "fault spec {spec:?}");
-        }
+        self.0.faults(spec)
     }
 }
 
@@ -112,41 +99,6 @@ fn loads_the_driver_nccl_and_nvrtc_from_the_override_paths() {
     );
 }
 
-type Case = (
-    &'static str,
-    ErrorKind,
-    &'static str,
-    fn(&dyn Platform, &hprt_platform::Stream) -> hprt_platform::Result<()>,
-);
-
-/// Runs each case with its fault armed: the error must come back typed and named, nothing may
-/// leak, and the same call must work once the fault is gone.
-fn check_cases(emu: &Emu, p: &dyn Platform, s: &hprt_platform::Stream, cases: &[Case]) {
-    let baseline = live(&emu.stats());
-    for (spec, kind, name, call) in cases {
-        emu.faults(spec);
-        let e = call(p, s)
-            .err()
-            .unwrap_or_else(|| panic!("{spec}: the injected fault did not surface"));
-        assert_eq!(
-            (e.kind(), e.code_name.as_ref()),
-            (*kind, *name),
-            "{spec}: {e}"
-        );
-        let function = spec.split(':').next().unwrap();
-        assert!(e.message.contains(function), "{spec}: {e}");
-        emu.faults("");
-        // The stream may carry the failure of work queued after the failed call; clear it.
-        let _ = p.synchronize_stream(s);
-        assert_eq!(live(&emu.stats()), baseline, "{spec}: leaked");
-        call(p, s).unwrap_or_else(|e| panic!("{spec}: the next call failed: {e}"));
-        p.synchronize_stream(s)
-            .unwrap_or_else(|e| panic!("{spec}: synchronize after the next call: {e}"));
-        assert_eq!(live(&emu.stats()), baseline, "{spec}: the next call leaked");
-    }
-    assert_eq!(emu.stats().frees_under_queued_work, 0);
-}
-
 #[test]
 fn injected_driver_faults_become_typed_named_errors_without_leaks() {
     let _g = serial();
@@ -158,7 +110,7 @@ fn injected_driver_faults_become_typed_named_errors_without_leaks() {
     fill(&p, &d, &s).unwrap();
     drop(d);
     p.synchronize_stream(&s).unwrap();
-    let cases: &[Case] = &[
+    let cases: &[FaultCase] = &[
         (
             "cuMemAlloc_v2:1:2",
             ErrorKind::OutOfMemory,
@@ -287,7 +239,8 @@ fn injected_driver_faults_become_typed_named_errors_without_leaks() {
             |p, s| p.launch_host_fn(s, Box::new(|| {})),
         ),
     ];
-    check_cases(&emu, &p, &s, cases);
+    check_fault_cases(&emu.0, |c| live(&c.stats()), &p, &s, cases);
+    assert_eq!(emu.stats().frees_under_queued_work, 0);
 }
 
 #[test]
@@ -296,7 +249,7 @@ fn injected_nccl_faults_become_typed_named_errors_without_leaks() {
     let emu = Emu::open();
     let p = open().unwrap();
     let s = p.create_stream().unwrap();
-    let cases: &[Case] = &[
+    let cases: &[FaultCase] = &[
         (
             "ncclGetUniqueId:1:2",
             ErrorKind::Internal,
@@ -391,7 +344,8 @@ fn injected_nccl_faults_become_typed_named_errors_without_leaks() {
             },
         ),
     ];
-    check_cases(&emu, &p, &s, cases);
+    check_fault_cases(&emu.0, |c| live(&c.stats()), &p, &s, cases);
+    assert_eq!(emu.stats().frees_under_queued_work, 0);
 }
 
 /// A module that failed to load once (a transient driver failure) is compiled and loaded again

@@ -6,7 +6,9 @@
 
 use std::path::PathBuf;
 
-use hprt_conformance::emulator::{library_path as emulator, search_env as explicit, serial};
+use hprt_conformance::emulator::{
+    check_fault_cases, library_path as emulator, search_env as explicit, serial, Control, FaultCase,
+};
 use hprt_platform::{DType, ErrorKind, NpuBackend, Platform, ReduceOp};
 use hprt_sys::SearchEnv;
 
@@ -23,32 +25,15 @@ struct Stats {
     live_comms: u64,
 }
 
-/// The emulator's test-only exports.
-struct Emu(libloading::Library);
+/// The emulator's test-only exports, with its statistics.
+struct Emu(Control);
 
 impl Emu {
     fn open() -> Emu {
-        // SAFETY: the emulator library, already loaded by the backend (same handle).
-        Emu(unsafe { libloading::Library::new(emulator()) }.expect("open emulator"))
+        Emu(Control::open(&emulator()))
     }
     fn stats(&self) -> Stats {
-        let mut s = Stats::default();
-        // SAFETY: the export's documented signature.
-        unsafe {
-            let f: libloading::Symbol<unsafe extern "C" fn(*mut Stats) -> i32> =
-                self.0.get(b"hprtEmuGetStats\0").unwrap();
-            assert_eq!(f(&mut s), 0);
-        }
-        s
-    }
-    fn faults(&self, spec: &str) {
-        let c = std::ffi::CString::new(spec).unwrap();
-        // SAFETY: the export's documented signature.
-        unsafe {
-            let f: libloading::Symbol<unsafe extern "C" fn(*const std::ffi::c_char) -> i32> =
-                self.0.get(b"hprtEmuSetFaults\0").unwrap();
-            assert_eq!(f(c.as_ptr()), 0, "fault spec {spec:?}");
-        }
+        self.0.stats()
     }
 }
 
@@ -206,14 +191,7 @@ fn injected_faults_become_typed_named_errors_without_leaks() {
     let emu = Emu::open();
     let p = NpuBackend::open_with(&explicit()).unwrap();
     let s = p.create_stream().unwrap();
-    let baseline = live(&emu.stats());
-    type Case = (
-        &'static str,
-        ErrorKind,
-        &'static str,
-        fn(&dyn Platform, &hprt_platform::Stream) -> hprt_platform::Result<()>,
-    );
-    let cases: &[Case] = &[
+    let cases: &[FaultCase] = &[
         (
             "aclrtMalloc:1:207001",
             ErrorKind::OutOfMemory,
@@ -318,20 +296,7 @@ fn injected_faults_become_typed_named_errors_without_leaks() {
             },
         ),
     ];
-    for (spec, kind, name, call) in cases {
-        emu.faults(spec);
-        let e = call(&p, &s)
-            .err()
-            .unwrap_or_else(|| panic!("{spec}: the injected fault did not surface"));
-        assert_eq!(
-            (e.kind(), e.code_name.as_ref()),
-            (*kind, *name),
-            "{spec}: {e}"
-        );
-        emu.faults("");
-        p.synchronize_stream(&s).unwrap();
-        assert_eq!(live(&emu.stats()), baseline, "{spec}: leaked");
-    }
+    check_fault_cases(&emu.0, |c| live(&c.stats()), &p, &s, cases);
 }
 
 #[test]

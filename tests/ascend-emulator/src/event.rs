@@ -4,36 +4,14 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::Instant;
+
+use hprt_emulator_common::mark::{elapsed_ms, Mark};
 
 use crate::codes::*;
 use crate::state::{self, acl_entry, lock, put, EVENT_TAG};
 use crate::stream;
-
-#[derive(Default)]
-struct Mark {
-    done: Mutex<Option<Instant>>,
-    cv: Condvar,
-}
-
-impl Mark {
-    fn complete(&self) {
-        *lock(&self.done) = Some(Instant::now());
-        self.cv.notify_all();
-    }
-
-    fn wait(&self) {
-        let mut d = lock(&self.done);
-        while d.is_none() {
-            d = self.cv.wait(d).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-
-    fn time(&self) -> Option<Instant> {
-        *lock(&self.done)
-    }
-}
 
 struct Event {
     flags: u32,
@@ -177,12 +155,7 @@ pub unsafe extern "C" fn aclrtEventElapsedTime(
                 .ok_or(ACL_ERROR_INVALID_PARAM)
         };
         let (t0, t1) = (stamp(start)?, stamp(end)?);
-        let v = if t1 >= t0 {
-            (t1 - t0).as_secs_f64() * 1e3
-        } else {
-            -((t0 - t1).as_secs_f64() * 1e3)
-        };
         // SAFETY: header contract.
-        unsafe { put(ms, v as f32) }
+        unsafe { put(ms, elapsed_ms(t0, t1)) }
     })
 }

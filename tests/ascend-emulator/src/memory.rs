@@ -6,48 +6,35 @@
 //! it runs: work whose buffer was freed in the meantime fails with `ACL_ERROR_RT_INTERNAL_ERROR`
 //! on its stream instead of touching freed memory.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+
+use hprt_emulator_common::block::Block;
 
 use crate::codes::*;
 use crate::state::{self, acl_entry, lock, put};
 use crate::stream;
 
-const ALIGN: usize = 256;
-
 pub(crate) struct Alloc {
     id: u64,
     base: usize,
     size: usize,
-    layout: Layout,
     device: Option<i32>,
+    /// The memory itself, freed when the last holder lets go.
+    _mem: Block,
 }
 
 impl Alloc {
     fn new(size: usize, device: Option<i32>) -> Result<Arc<Alloc>, AclError> {
-        let layout =
-            Layout::from_size_align(size, ALIGN).map_err(|_| ACL_ERROR_RT_MEMORY_ALLOCATION)?;
-        // SAFETY: size > 0 (checked by every caller).
-        let p = unsafe { alloc_zeroed(layout) };
-        if p.is_null() {
-            return Err(ACL_ERROR_RT_MEMORY_ALLOCATION);
-        }
+        let mem = Block::new(size).ok_or(ACL_ERROR_RT_MEMORY_ALLOCATION)?;
         Ok(Arc::new(Alloc {
             id: state::next_id(),
-            base: p as usize,
+            base: mem.base,
             size,
-            layout,
             device,
+            _mem: mem,
         }))
-    }
-}
-
-impl Drop for Alloc {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `Alloc::new` with this layout, freed once.
-        unsafe { dealloc(self.base as *mut u8, self.layout) }
     }
 }
 

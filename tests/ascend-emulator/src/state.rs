@@ -8,6 +8,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
+use hprt_emulator_common::env::EnvReader;
+
 use crate::codes::*;
 use crate::faults;
 
@@ -33,24 +35,12 @@ pub(crate) struct Config {
 
 impl Config {
     fn from_env() -> Config {
-        let mut malformed = false;
-        let mut num = |name: &str, default: u64| -> u64 {
-            match std::env::var(name) {
-                Ok(v) => v.trim().parse().unwrap_or_else(|_| {
-                    malformed = true;
-                    default
-                }),
-                Err(std::env::VarError::NotPresent) => default,
-                Err(_) => {
-                    malformed = true;
-                    default
-                }
-            }
-        };
-        let devices = num("HP_EMU_DEVICES", 1);
-        let device_memory = num("HP_EMU_DEVICE_MEMORY", 8 << 30);
-        let hccl_timeout_ms = num("HP_EMU_HCCL_TIMEOUT_MS", 120_000);
-        let delay_seed = std::env::var_os("HP_EMU_DELAY_SEED").map(|_| num("HP_EMU_DELAY_SEED", 0));
+        let mut env = EnvReader::default();
+        let devices = env.num("HP_EMU_DEVICES", 1);
+        let device_memory = env.num("HP_EMU_DEVICE_MEMORY", 8 << 30);
+        let hccl_timeout_ms = env.num("HP_EMU_HCCL_TIMEOUT_MS", 120_000);
+        let delay_seed = env.delay_seed();
+        let mut malformed = env.malformed;
         let preinit = match std::env::var("HP_EMU_PREINIT").as_deref() {
             Ok("1") => true,
             Ok("0") | Ok("") | Err(std::env::VarError::NotPresent) => false,

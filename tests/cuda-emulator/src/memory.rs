@@ -8,46 +8,41 @@
 //! `hprtEmuGetStats`) before it waits for that work, as `cuMemFree`'s implicit synchronisation
 //! would. Pointers that are in no allocation are pageable host memory, which copies accept.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
+
+use hprt_emulator_common::block::Block;
 
 use crate::codes::*;
 use crate::context;
 use crate::state::{self, cu_entry, lock, put};
 use crate::stream;
 
-const ALIGN: usize = 256;
-
 pub(crate) struct Alloc {
     pub base: usize,
     pub size: usize,
-    layout: Layout,
     pub ctx: u64,
     /// `None` for pinned host memory.
     pub device: Option<i32>,
     inflight: Mutex<u64>,
     idle: Condvar,
+    /// The memory itself, freed when the last holder lets go.
+    _mem: Block,
 }
 
 impl Alloc {
     fn new(size: usize, ctx: u64, device: Option<i32>) -> Result<Arc<Alloc>, CuResult> {
-        let layout = Layout::from_size_align(size, ALIGN).map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
-        // SAFETY: size > 0 (checked by every caller).
-        let p = unsafe { alloc_zeroed(layout) };
-        if p.is_null() {
-            return Err(CUDA_ERROR_OUT_OF_MEMORY);
-        }
+        let mem = Block::new(size).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
         Ok(Arc::new(Alloc {
-            base: p as usize,
+            base: mem.base,
             size,
-            layout,
             ctx,
             device,
             inflight: Mutex::new(0),
             idle: Condvar::new(),
+            _mem: mem,
         }))
     }
 
@@ -59,13 +54,6 @@ impl Alloc {
             n = self.idle.wait(n).unwrap_or_else(|e| e.into_inner());
         }
         busy
-    }
-}
-
-impl Drop for Alloc {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `Alloc::new` with this layout, freed once.
-        unsafe { dealloc(self.base as *mut u8, self.layout) }
     }
 }
 

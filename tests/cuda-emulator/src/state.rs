@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use hprt_emulator_common::env::EnvReader;
 use hprt_emulator_common::faults::FaultTable;
 
 use crate::codes::*;
@@ -40,24 +41,12 @@ pub(crate) struct Config {
 pub(crate) fn config() -> Config {
     static CONFIG: OnceLock<Config> = OnceLock::new();
     *CONFIG.get_or_init(|| {
-        let mut malformed = false;
-        let mut num = |name: &str, default: u64| -> u64 {
-            match std::env::var(name) {
-                Ok(v) => v.trim().parse().unwrap_or_else(|_| {
-                    malformed = true;
-                    default
-                }),
-                Err(std::env::VarError::NotPresent) => default,
-                Err(_) => {
-                    malformed = true;
-                    default
-                }
-            }
-        };
-        let devices = num("HP_EMU_DEVICES", 1);
-        let device_memory = num("HP_EMU_DEVICE_MEMORY", 8 << 30);
-        let nccl_timeout_ms = num("HP_EMU_NCCL_TIMEOUT_MS", 120_000);
-        let delay_seed = std::env::var_os("HP_EMU_DELAY_SEED").map(|_| num("HP_EMU_DELAY_SEED", 0));
+        let mut env = EnvReader::default();
+        let devices = env.num("HP_EMU_DEVICES", 1);
+        let device_memory = env.num("HP_EMU_DEVICE_MEMORY", 8 << 30);
+        let nccl_timeout_ms = env.num("HP_EMU_NCCL_TIMEOUT_MS", 120_000);
+        let delay_seed = env.delay_seed();
+        let mut malformed = env.malformed;
         let devices = i32::try_from(devices).unwrap_or_else(|_| {
             malformed = true;
             1

@@ -10,9 +10,10 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::Instant;
 
+use hprt_emulator_common::mark::{elapsed_ms, Mark};
 use hprt_emulator_common::worker::Worker;
 
 use crate::codes::*;
@@ -231,31 +232,6 @@ pub unsafe extern "C" fn cuLaunchHostFunc(
 
 // ---- events ---------------------------------------------------------------------------------
 
-/// One record of an event: completed (with its time) when the stream reaches it.
-#[derive(Default)]
-struct Mark {
-    done: Mutex<Option<Instant>>,
-    cv: Condvar,
-}
-
-impl Mark {
-    fn complete(&self) {
-        *lock(&self.done) = Some(Instant::now());
-        self.cv.notify_all();
-    }
-
-    fn wait(&self) {
-        let mut d = lock(&self.done);
-        while d.is_none() {
-            d = self.cv.wait(d).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-
-    fn time(&self) -> Option<Instant> {
-        *lock(&self.done)
-    }
-}
-
 struct Event {
     ctx: u64,
     flags: u32,
@@ -408,12 +384,7 @@ pub unsafe extern "C" fn cuEventElapsedTime(
                 .ok_or(CUDA_ERROR_NOT_READY)
         };
         let (t0, t1) = (stamp(start)?, stamp(end)?);
-        let v = if t1 >= t0 {
-            (t1 - t0).as_secs_f64() * 1e3
-        } else {
-            -((t0 - t1).as_secs_f64() * 1e3)
-        };
         // SAFETY: API contract.
-        unsafe { put(ms, v as f32, CUDA_ERROR_INVALID_VALUE) }
+        unsafe { put(ms, elapsed_ms(t0, t1), CUDA_ERROR_INVALID_VALUE) }
     })
 }

@@ -1,13 +1,18 @@
 //! What the emulators of `tests/` (`ascend-emulator`, `cuda-emulator`) share, so a stream, a
 //! fault spec or a reduction behaves the same whichever vendor API it is reached through.
 //!
-//! - [`worker`] — a stream as a worker thread draining a FIFO, with `HP_EMU_DELAY_SEED` delays.
+//! - [`worker`] — a stream as a worker thread draining a FIFO, with `HP_EMU_DELAY_SEED` delays;
+//!   [`mark`] — event records on it.
 //! - [`faults`] — `HP_EMU_FAULTS` fault tables over a list of entry points.
 //! - [`reduce`] — element types and reductions of collectives.
+//! - [`block`] — host memory standing in for device memory; [`env`] — reading `HP_EMU_*`.
 
 #![warn(unsafe_op_in_unsafe_fn)]
 
+pub mod block;
+pub mod env;
 pub mod faults;
+pub mod mark;
 pub mod reduce;
 pub mod worker;
 
