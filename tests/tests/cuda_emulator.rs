@@ -233,6 +233,12 @@ fn injected_driver_faults_become_typed_named_errors_without_leaks() {
             },
         ),
         (
+            "cuCtxGetCurrent:1:201",
+            ErrorKind::InvalidValue,
+            "CUDA_ERROR_INVALID_CONTEXT",
+            |p, _| p.create_stream().map(drop),
+        ),
+        (
             "cuLaunchHostFunc:1:1",
             ErrorKind::InvalidValue,
             "CUDA_ERROR_INVALID_VALUE",
@@ -384,6 +390,27 @@ fn a_failed_module_load_is_retried_by_the_next_launch() {
         p.read_device_sync(&d, 0, &mut out, &s).unwrap();
         assert_eq!(f32::from_le_bytes(out[60..].try_into().unwrap()), 1.5);
     }
+}
+
+/// A primary context whose retain failed once (a transient driver failure) is retained by the
+/// next call; the backend used to keep the failure for the platform's life.
+#[test]
+fn a_failed_context_retain_is_retried_by_the_next_call() {
+    let _g = serial();
+    let emu = Emu::open();
+    // A fresh platform value: it has not retained its context yet.
+    let p = open().unwrap();
+    emu.faults("cuDevicePrimaryCtxRetain:1:2");
+    let e = p
+        .create_stream()
+        .err()
+        .expect("the injected fault did not surface");
+    assert_eq!(e.code_name, "CUDA_ERROR_OUT_OF_MEMORY", "{e}");
+    emu.faults("");
+    let s = p
+        .create_stream()
+        .unwrap_or_else(|e| panic!("the next call failed: {e}"));
+    p.synchronize_stream(&s).unwrap();
 }
 
 /// Everything a platform value created is released when it is dropped, before its context goes:

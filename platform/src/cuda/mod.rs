@@ -128,8 +128,11 @@ struct Device {
     name: String,
     total: usize,
     compute_capability: (i32, i32),
-    /// The primary context, retained on first use (retaining creates it on the GPU).
-    ctx: OnceLock<Result<usize>>,
+    /// The primary context, retained on first use (retaining creates it on the GPU). A failed
+    /// retain is not kept: the next use tries again.
+    ctx: OnceLock<usize>,
+    /// Serialises the first retain, so the context is retained once.
+    ctx_init: Mutex<()>,
     memory: MemoryCounter,
     /// NVRTC modules by name, compiled once per device. Only successes are kept: a failed
     /// compile or load (the driver may have been out of memory) is tried again by the next use.
@@ -155,14 +158,17 @@ struct Shared {
 impl Shared {
     fn ctx(&self, device: usize) -> Result<usize> {
         let d = &self.devices[device];
-        d.ctx
-            .get_or_init(|| {
-                let mut ctx = std::ptr::null_mut();
-                // SAFETY: plain driver call into a local.
-                cu_call!(cuDevicePrimaryCtxRetain(&mut ctx, d.handle))?;
-                Ok(ctx as usize)
-            })
-            .clone()
+        if let Some(&ctx) = d.ctx.get() {
+            return Ok(ctx);
+        }
+        let _init = lock(&d.ctx_init);
+        if let Some(&ctx) = d.ctx.get() {
+            return Ok(ctx);
+        }
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: plain driver call into a local.
+        cu_call!(cuDevicePrimaryCtxRetain(&mut ctx, d.handle))?;
+        Ok(*d.ctx.get_or_init(|| ctx as usize))
     }
 
     /// Makes `device`'s primary context current on this thread (nothing when it already is).
@@ -278,7 +284,7 @@ impl Drop for Shared {
                 .drain()
                 .map(|(_, m)| m.raw)
                 .collect();
-            if let Some(Ok(_)) = d.ctx.get() {
+            if d.ctx.get().is_some() {
                 work.push((i, modules));
             }
         }
@@ -286,13 +292,7 @@ impl Drop for Shared {
         let ctxs: Vec<usize> = self
             .devices
             .iter()
-            .map(|d| {
-                d.ctx
-                    .get()
-                    .and_then(|c| c.as_ref().ok())
-                    .copied()
-                    .unwrap_or(0)
-            })
+            .map(|d| d.ctx.get().copied().unwrap_or(0))
             .collect();
         let release = move || {
             for (i, modules) in work {
@@ -707,6 +707,7 @@ impl CudaBackend {
             total,
             compute_capability: (major, minor),
             ctx: OnceLock::new(),
+            ctx_init: Mutex::new(()),
             memory: MemoryCounter::new(None),
             modules: Mutex::new(HashMap::new()),
         })
