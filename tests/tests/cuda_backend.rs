@@ -2,8 +2,9 @@
 //! a file that does not exist, which is what this binary does): selection fails with a typed
 //! `Unavailable` error naming libcuda and the paths tried, and auto-detection moves on.
 //!
-//! On a GPU machine the backend itself is checked by the conformance suite:
-//! `HP_PLATFORM=cuda cargo run --release -- conformance` (see `scripts/gpu-check`).
+//! The backend itself runs against the CUDA emulator in every CI run (`cuda_emulator.rs`, and the
+//! conformance suite with `HP_PLATFORM=cuda` in `scripts/test`); on a GPU machine it is checked
+//! by `HP_PLATFORM=cuda cargo run --release -- conformance` (see `scripts/gpu-check`).
 
 use std::sync::Once;
 
