@@ -403,8 +403,7 @@ fn a_failed_context_retain_is_retried_by_the_next_call() {
     emu.faults("cuDevicePrimaryCtxRetain:1:2");
     let e = p
         .create_stream()
-        .err()
-        .expect("the injected fault did not surface");
+        .expect_err("the injected fault did not surface");
     assert_eq!(e.code_name, "CUDA_ERROR_OUT_OF_MEMORY", "{e}");
     emu.faults("");
     let s = p
@@ -573,8 +572,7 @@ fn every_shipped_kernel_produces_the_host_references_bytes() {
                         })
                         .collect();
                     let mut next = bufs.iter();
-                    let launch = k
-                        .clone()
+                    let launch = (*k)
                         .try_map(|()| Ok(next.next().expect("one buffer per place").0.at(skew)));
                     p.launch_kernel(launch.unwrap(), &s)
                         .unwrap_or_else(|e| panic!("{} on {}: {e}", k.name(), p.backend()));
