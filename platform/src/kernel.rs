@@ -110,6 +110,24 @@ impl<B> Kernel<B> {
         !matches!(self, Kernel::Matmul { .. })
     }
 
+    /// The element type of each place, in the order of [`Kernel::places`].
+    pub fn place_dtypes(&self) -> Vec<DType> {
+        match *self {
+            Kernel::Fill { dtype, .. } | Kernel::Scale { dtype, .. } => vec![dtype],
+            Kernel::Cast {
+                src_dtype,
+                dst_dtype,
+                ..
+            }
+            | Kernel::Axpy {
+                src_dtype,
+                dst_dtype,
+                ..
+            } => vec![src_dtype, dst_dtype],
+            Kernel::Matmul { dtype, .. } => vec![dtype; 3],
+        }
+    }
+
     /// Every place the kernel touches, with its size in bytes and how it is used; inputs first.
     pub fn places(&self) -> Vec<(&B, usize, Access)> {
         let n = self.count();

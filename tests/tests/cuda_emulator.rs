@@ -465,24 +465,6 @@ fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-/// The dtype of each of a kernel's places, in `places()` order.
-fn place_dtypes(k: &Kernel<()>) -> Vec<DType> {
-    match *k {
-        Kernel::Fill { dtype, .. } | Kernel::Scale { dtype, .. } => vec![dtype],
-        Kernel::Cast {
-            src_dtype,
-            dst_dtype,
-            ..
-        }
-        | Kernel::Axpy {
-            src_dtype,
-            dst_dtype,
-            ..
-        } => vec![src_dtype, dst_dtype],
-        Kernel::Matmul { dtype, .. } => vec![dtype; 3],
-    }
-}
-
 fn is_nan(dtype: DType, b: &[u8]) -> bool {
     let h = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]);
     match dtype {
@@ -592,7 +574,7 @@ fn every_shipped_kernel_produces_the_host_references_bytes() {
             for (place, ((got, want), dtype)) in results[0]
                 .iter()
                 .zip(&results[1])
-                .zip(place_dtypes(k))
+                .zip(k.place_dtypes())
                 .enumerate()
             {
                 let size = dtype.size();

@@ -819,7 +819,7 @@ impl CudaBackend {
                 .function(stream.device, kernels::MODULE, kernels::source, &name)?;
         let aligned: c_int = places
             .iter()
-            .zip(kernel_dtypes(kernel))
+            .zip(kernel.place_dtypes())
             .all(|(((m, off), _, _), dt)| m.at(*off) % dt.size() as u64 == 0)
             .into();
         let mut n = kernel.count() as u64;
@@ -979,24 +979,6 @@ impl CudaBackend {
 
 fn kernel_name_is_copy<B>(k: &Kernel<B>) -> bool {
     kernels::kernel_name(k).is_none()
-}
-
-/// The dtype of each place of a kernel, in the order of [`Kernel::places`].
-fn kernel_dtypes<B>(k: &Kernel<B>) -> Vec<DType> {
-    match *k {
-        Kernel::Fill { dtype, .. } | Kernel::Scale { dtype, .. } => vec![dtype],
-        Kernel::Cast {
-            src_dtype,
-            dst_dtype,
-            ..
-        }
-        | Kernel::Axpy {
-            src_dtype,
-            dst_dtype,
-            ..
-        } => vec![src_dtype, dst_dtype],
-        Kernel::Matmul { dtype, .. } => vec![dtype; 3],
-    }
 }
 
 fn ptr(place: &Option<Place<Arc<MemObj>>>) -> *mut c_void {
