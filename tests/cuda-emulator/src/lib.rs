@@ -19,6 +19,13 @@
 //! - [`control`] — emulator-only exports: `hprtEmuSetFaults`, `hprtEmuSetNcclTimeoutMs`,
 //!   `hprtEmuGetStats`.
 //!
+//! Not modelled (a GPU run is what checks these): speed (a grid runs block by block on its
+//! stream's thread); device memory being unreachable from the host (here it is host memory, so a
+//! host dereference of a device pointer goes unnoticed); the legacy default stream's implicit
+//! synchronisation with blocking streams; peer access; `cuLaunchKernel`'s `extra` parameter
+//! buffer (`CUDA_ERROR_NOT_SUPPORTED`); NVRTC options whose numerics the host cannot reproduce
+//! (`NVRTC_ERROR_INVALID_OPTION`); a kernel's own out-of-bounds accesses.
+//!
 //! Environment (read once, at first use; a value that does not parse makes `cuInit` fail with
 //! `CUDA_ERROR_INVALID_VALUE`): `HP_EMU_DEVICES` (default 1), `HP_EMU_DEVICE_MEMORY` (bytes per
 //! device, default 8 GiB), `HP_EMU_DELAY_SEED`, `HP_EMU_NCCL_TIMEOUT_MS` (default 120 000),
