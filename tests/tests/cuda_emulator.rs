@@ -9,7 +9,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use hprt_conformance::cuda_emulator::{library_path, open};
 use hprt_conformance::emulator::{check_fault_cases, Control, FaultCase};
-use hprt_platform::{BackendKind, DType, ErrorKind, Kernel, Platform, ReduceOp};
+use hprt_platform::{BackendKind, Collective, DType, ErrorKind, Kernel, Platform, ReduceOp};
 
 #[repr(C)]
 #[derive(Default, Debug, Clone, Copy, PartialEq)]
@@ -41,8 +41,12 @@ impl Emu {
     }
 }
 
+/// Every test takes this first: it also gives the emulator two devices (NCCL wants one per
+/// rank) before anything loads it.
 fn serial() -> MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
+    static DEVICES: std::sync::Once = std::sync::Once::new();
+    DEVICES.call_once(|| std::env::set_var("HP_EMU_DEVICES", "2"));
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -590,4 +594,78 @@ fn every_shipped_kernel_produces_the_host_references_bytes() {
         }
     }
     assert!(ran > 150, "{ran}");
+}
+
+/// A send that fails (an injected `ncclSend` fault inside an all-to-all's group) is a typed error
+/// naming the NCCL status on its rank; the peer's receive fails on its stream after the NCCL
+/// timeout instead of hanging; a fresh communicator then works on both ranks.
+#[test]
+fn a_failed_send_is_an_error_on_both_ranks_never_a_hang() {
+    let _g = serial();
+    let emu = Emu::open();
+    // SAFETY: the emulator's export, with its documented signature.
+    let set_timeout = unsafe {
+        let lib = libloading::Library::new(library_path()).unwrap();
+        let f = *lib
+            .get::<unsafe extern "C" fn(u64)>(b"hprtEmuSetNcclTimeoutMs\0")
+            .unwrap();
+        (f, lib)
+    };
+    let p = open().unwrap();
+    let all_to_all = |p: &dyn Platform, rank: usize, id: &hprt_platform::UniqueId| {
+        p.set_device(rank)?;
+        let s = p.create_stream()?;
+        let c = p.comm_init(id, rank, 2)?;
+        let b = p.alloc_device(256)?;
+        let op = Collective::AllToAll {
+            send: b.at(0),
+            recv: b.at(128),
+            count: 16,
+            dtype: DType::F32,
+        };
+        p.collective(&c, op, &s)?;
+        p.synchronize_stream(&s)
+    };
+    // SAFETY: the export above.
+    unsafe { (set_timeout.0)(300) };
+    let frees_under_work = emu.stats().frees_under_queued_work;
+    emu.faults("ncclSend:1:4");
+    let id = p.unique_id().unwrap();
+    let results: Vec<hprt_platform::Result<()>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let (p, id) = (&p, &id);
+                sc.spawn(move || all_to_all(p, rank, id))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    emu.faults("");
+    assert_eq!(
+        emu.stats().frees_under_queued_work,
+        frees_under_work,
+        "a buffer was freed while the failed all-to-all's queued work still used it"
+    );
+    let names: Vec<String> = results
+        .iter()
+        .map(|r| {
+            r.as_ref()
+                .map_or_else(|e| e.code_name.to_string(), |()| "ok".into())
+        })
+        .collect();
+    assert!(
+        names.contains(&"ncclInvalidArgument".to_string())
+            && names.contains(&"CUDA_ERROR_LAUNCH_FAILED".to_string()),
+        "{names:?}"
+    );
+    let id = p.unique_id().unwrap();
+    std::thread::scope(|sc| {
+        for rank in 0..2 {
+            let (p, id) = (&p, &id);
+            sc.spawn(move || all_to_all(p, rank, id).unwrap());
+        }
+    });
+    // SAFETY: the export above; 0 restores the default.
+    unsafe { (set_timeout.0)(0) };
+    assert_eq!(emu.stats().live_comms, 0);
 }

@@ -1490,145 +1490,151 @@ impl Backend for CudaBackend {
         }
         // SAFETY (every call below): places were bounds-checked by the dispatch layer for the
         // extent NCCL touches; handles are live; NCCL only queues the work on `s`.
-        unsafe {
-            match &op {
-                Collective::AllReduce {
-                    send,
-                    recv,
-                    count,
-                    dtype,
-                    op,
-                } => n.check(
-                    (a.ncclAllReduce)(
-                        ptr(send),
-                        ptr(recv),
-                        *count,
-                        nccl_dtype(*dtype),
-                        red(*op),
-                        c,
-                        s,
-                    ),
-                    "ncclAllReduce",
-                )?,
-                Collective::ReduceScatter {
-                    send,
-                    recv,
-                    count,
-                    dtype,
-                    op,
-                } => n.check(
-                    (a.ncclReduceScatter)(
-                        ptr(send),
-                        ptr(recv),
-                        *count,
-                        nccl_dtype(*dtype),
-                        red(*op),
-                        c,
-                        s,
-                    ),
-                    "ncclReduceScatter",
-                )?,
-                Collective::AllGather {
-                    send,
-                    recv,
-                    count,
-                    dtype,
-                } => n.check(
-                    (a.ncclAllGather)(ptr(send), ptr(recv), *count, nccl_dtype(*dtype), c, s),
-                    "ncclAllGather",
-                )?,
-                Collective::Broadcast {
-                    buf,
-                    count,
-                    dtype,
-                    root,
-                } => n.check(
-                    (a.ncclBroadcast)(
-                        ptr(buf),
-                        ptr(buf),
-                        *count,
-                        nccl_dtype(*dtype),
-                        *root as c_int,
-                        c,
-                        s,
-                    ),
-                    "ncclBroadcast",
-                )?,
-                Collective::AllToAll {
-                    send,
-                    recv,
-                    count,
-                    dtype,
-                } => {
-                    let blocks: Vec<(usize, usize, usize, usize)> = (0..comm.world)
-                        .map(|q| (*count, q * count, *count, q * count))
-                        .collect();
-                    self.exchange(n, comm, send, recv, &blocks, *dtype, stream)?
-                }
-                Collective::AllToAllV {
-                    send,
-                    recv,
-                    send_counts,
-                    send_displs,
-                    recv_counts,
-                    recv_displs,
-                    dtype,
-                } => {
-                    let blocks: Vec<(usize, usize, usize, usize)> = (0..comm.world)
-                        .map(|q| {
-                            (
-                                send_counts[q],
-                                send_displs[q],
-                                recv_counts[q],
-                                recv_displs[q],
-                            )
-                        })
-                        .collect();
-                    self.exchange(n, comm, send, recv, &blocks, *dtype, stream)?
-                }
-                Collective::Send {
-                    send,
-                    count,
-                    dtype,
-                    peer,
-                } => n.check(
-                    (a.ncclSend)(ptr(send), *count, nccl_dtype(*dtype), *peer as c_int, c, s),
-                    "ncclSend",
-                )?,
-                Collective::Recv {
-                    recv,
-                    count,
-                    dtype,
-                    peer,
-                } => n.check(
-                    (a.ncclRecv)(ptr(recv), *count, nccl_dtype(*dtype), *peer as c_int, c, s),
-                    "ncclRecv",
-                )?,
-                Collective::Barrier => {
-                    // NCCL has no barrier: an all-reduce of one word completes only once every
-                    // rank reached it.
-                    let w = comm.scratch.ptr as *mut c_void;
-                    n.check(
+        let issued = (|| -> Result<()> {
+            unsafe {
+                match &op {
+                    Collective::AllReduce {
+                        send,
+                        recv,
+                        count,
+                        dtype,
+                        op,
+                    } => n.check(
                         (a.ncclAllReduce)(
-                            w,
-                            w,
-                            1,
-                            nccl_dtype(DType::I32),
-                            nccl_op(ReduceOp::Sum),
+                            ptr(send),
+                            ptr(recv),
+                            *count,
+                            nccl_dtype(*dtype),
+                            red(*op),
                             c,
                             s,
                         ),
                         "ncclAllReduce",
-                    )?;
-                    comm.scratch.used_on(stream)?;
+                    )?,
+                    Collective::ReduceScatter {
+                        send,
+                        recv,
+                        count,
+                        dtype,
+                        op,
+                    } => n.check(
+                        (a.ncclReduceScatter)(
+                            ptr(send),
+                            ptr(recv),
+                            *count,
+                            nccl_dtype(*dtype),
+                            red(*op),
+                            c,
+                            s,
+                        ),
+                        "ncclReduceScatter",
+                    )?,
+                    Collective::AllGather {
+                        send,
+                        recv,
+                        count,
+                        dtype,
+                    } => n.check(
+                        (a.ncclAllGather)(ptr(send), ptr(recv), *count, nccl_dtype(*dtype), c, s),
+                        "ncclAllGather",
+                    )?,
+                    Collective::Broadcast {
+                        buf,
+                        count,
+                        dtype,
+                        root,
+                    } => n.check(
+                        (a.ncclBroadcast)(
+                            ptr(buf),
+                            ptr(buf),
+                            *count,
+                            nccl_dtype(*dtype),
+                            *root as c_int,
+                            c,
+                            s,
+                        ),
+                        "ncclBroadcast",
+                    )?,
+                    Collective::AllToAll {
+                        send,
+                        recv,
+                        count,
+                        dtype,
+                    } => {
+                        let blocks: Vec<(usize, usize, usize, usize)> = (0..comm.world)
+                            .map(|q| (*count, q * count, *count, q * count))
+                            .collect();
+                        self.exchange(n, comm, send, recv, &blocks, *dtype, stream)?
+                    }
+                    Collective::AllToAllV {
+                        send,
+                        recv,
+                        send_counts,
+                        send_displs,
+                        recv_counts,
+                        recv_displs,
+                        dtype,
+                    } => {
+                        let blocks: Vec<(usize, usize, usize, usize)> = (0..comm.world)
+                            .map(|q| {
+                                (
+                                    send_counts[q],
+                                    send_displs[q],
+                                    recv_counts[q],
+                                    recv_displs[q],
+                                )
+                            })
+                            .collect();
+                        self.exchange(n, comm, send, recv, &blocks, *dtype, stream)?
+                    }
+                    Collective::Send {
+                        send,
+                        count,
+                        dtype,
+                        peer,
+                    } => n.check(
+                        (a.ncclSend)(ptr(send), *count, nccl_dtype(*dtype), *peer as c_int, c, s),
+                        "ncclSend",
+                    )?,
+                    Collective::Recv {
+                        recv,
+                        count,
+                        dtype,
+                        peer,
+                    } => n.check(
+                        (a.ncclRecv)(ptr(recv), *count, nccl_dtype(*dtype), *peer as c_int, c, s),
+                        "ncclRecv",
+                    )?,
+                    Collective::Barrier => {
+                        // NCCL has no barrier: an all-reduce of one word completes only once every
+                        // rank reached it.
+                        let w = comm.scratch.ptr as *mut c_void;
+                        n.check(
+                            (a.ncclAllReduce)(
+                                w,
+                                w,
+                                1,
+                                nccl_dtype(DType::I32),
+                                nccl_op(ReduceOp::Sum),
+                                c,
+                                s,
+                            ),
+                            "ncclAllReduce",
+                        )?;
+                        comm.scratch.used_on(stream)?;
+                    }
                 }
             }
-        }
+            Ok(())
+        })();
+        // Recorded even when issuing failed part-way (an all-to-all's own block may be queued
+        // before a send fails): the places must never be freed under what was queued.
         for (place, _) in op.places(comm.world) {
             if let Some((m, _)) = place {
                 m.used_on(stream)?;
             }
         }
+        issued?;
         match op {
             Collective::AllReduce {
                 recv: Some((m, off)),
