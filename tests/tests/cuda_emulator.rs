@@ -669,3 +669,41 @@ fn a_failed_send_is_an_error_on_both_ranks_never_a_hang() {
     unsafe { (set_timeout.0)(0) };
     assert_eq!(emu.stats().live_comms, 0);
 }
+
+/// When the backend cannot record that queued work uses a buffer (its use event cannot be
+/// created or recorded), the call fails and the buffers are still never freed under that work.
+#[test]
+fn a_use_that_cannot_be_recorded_never_lets_a_buffer_be_freed_under_queued_work() {
+    let _g = serial();
+    let emu = Emu::open();
+    let p = open().unwrap();
+    let s = p.create_stream().unwrap();
+    let before = emu.stats().frees_under_queued_work;
+    for spec in [
+        "cuEventCreate:1:2",
+        "cuEventRecord:1:999",
+        "cuEventCreate:2:2",
+    ] {
+        let d = p.alloc_device(1 << 16).unwrap();
+        let h = p.alloc_pinned(1 << 16).unwrap();
+        // Keeps the copy queued while the buffers are dropped.
+        p.launch_host_fn(
+            &s,
+            Box::new(|| std::thread::sleep(std::time::Duration::from_millis(30))),
+        )
+        .unwrap();
+        emu.faults(spec);
+        let e = p
+            .copy_async((&d).into(), 0, (&h).into(), 0, 1 << 16, &s)
+            .expect_err(spec);
+        emu.faults("");
+        assert!(e.message.contains("cuEvent"), "{spec}: {e}");
+        drop((d, h));
+        p.synchronize_stream(&s).unwrap();
+        assert_eq!(
+            emu.stats().frees_under_queued_work,
+            before,
+            "{spec}: a buffer was freed while the copy still used it"
+        );
+    }
+}

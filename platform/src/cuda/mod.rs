@@ -394,7 +394,19 @@ impl MemObj {
     }
 
     /// Notes that work just queued on `stream` (whose device is bound) uses this memory.
+    /// When the use cannot be recorded (no event could be created or recorded), the stream is
+    /// drained before the error returns: the free would otherwise not wait for the work just
+    /// queued.
     fn used_on(&self, stream: &StreamObj) -> Result<()> {
+        let recorded = self.record_use(stream);
+        if recorded.is_err() {
+            // SAFETY: a live stream of the bound context.
+            let _ = cu_call!(cuStreamSynchronize(stream.raw as cu::CUstream));
+        }
+        recorded
+    }
+
+    fn record_use(&self, stream: &StreamObj) -> Result<()> {
         let mut uses = lock(&self.uses);
         // Keyed by device too: a stream handle value can come back for another device's stream.
         let event = match uses
