@@ -47,6 +47,10 @@ enum ReducedInto {
 struct PendingReduce {
     done: Event,
     out: ReducedInto,
+    op: ReduceOp,
+    scale: Option<f64>,
+    /// Whether [`ShardedParam::all_reduce_grad`] ran (or the parameter has no replicas).
+    all_reduced: bool,
     _staging: Vec<DeviceBuffer>,
 }
 
@@ -176,6 +180,19 @@ impl ShardedParam<'_> {
         grad: Option<GradInput<'_>>,
         opts: ReduceOptions,
     ) -> Result<()> {
+        self.reduce_scatter_grad(grad, opts)?;
+        self.all_reduce_grad()
+    }
+
+    /// The first half of [`ShardedParam::reduce_grad_async`] (hyper_parallel's
+    /// `reduce_scatter_grad`): reduce-scatter over the sharded group (after any `Partial`
+    /// all-reduces), on the reduce stream. [`ShardedParam::all_reduce_grad`] may follow (HSDP's
+    /// replicas); [`ShardedParam::wait_for_reduce`] applies the result either way, scaled.
+    pub fn reduce_scatter_grad(
+        &mut self,
+        grad: Option<GradInput<'_>>,
+        opts: ReduceOptions,
+    ) -> Result<()> {
         check_reduce_op(opts.op)?;
         if let Some(g) = &grad {
             self.check_grad(g)?;
@@ -265,32 +282,57 @@ impl ShardedParam<'_> {
                 out
             }
         };
-        let (out_buf, out_off) = match &out {
-            ReducedInto::ShardedGrad => (self.sharded_grad_device()?, 0),
-            ReducedInto::Buffer(b, o) => (b.clone(), *o),
-        };
-        let target = out_buf.at(out_off);
-        if let Some(comm) = self.groups.unsharded.communicator() {
-            p.all_reduce(target, target, shard_numel, rdt, opts.op, comm, rs)?;
-        }
-        if let Some(factor) = opts.scale {
-            self.kernel(
-                Kernel::Scale {
-                    buf: target,
-                    dtype: rdt,
-                    count: shard_numel,
-                    factor,
-                },
-                rs,
-            )?;
-        }
         let done = p.create_event(false)?;
         p.record_event(&done, rs)?;
         self.grad.pending = Some(PendingReduce {
             done,
             out,
+            op: opts.op,
+            scale: opts.scale,
+            all_reduced: self.groups.unsharded.communicator().is_none(),
             _staging: staging,
         });
+        Ok(())
+    }
+
+    /// Where the pending reduction's reduced shard is.
+    fn pending_target(&mut self) -> Result<(DeviceBuffer, usize)> {
+        let out = match &self.grad.pending {
+            Some(pending) => match &pending.out {
+                ReducedInto::ShardedGrad => None,
+                ReducedInto::Buffer(b, o) => Some((b.clone(), *o)),
+            },
+            None => return Err(self.state_error("reduce a gradient that was not reduce-scattered")),
+        };
+        match out {
+            None => Ok((self.sharded_grad_device()?, 0)),
+            Some(b) => Ok(b),
+        }
+    }
+
+    /// The second half of [`ShardedParam::reduce_grad_async`] (hyper_parallel's
+    /// `all_reduce_grad`): all-reduces the reduce-scattered shard across the unsharded group
+    /// (HSDP's replicate dim, DDP, replicated parameters) on the reduce stream. A no-op for a
+    /// parameter without replicas or when already done; an error before
+    /// [`ShardedParam::reduce_scatter_grad`].
+    pub fn all_reduce_grad(&mut self) -> Result<()> {
+        let (op, done) = match &self.grad.pending {
+            Some(p) if p.all_reduced => return Ok(()),
+            Some(p) => (p.op, p.done.clone()),
+            None => return Err(self.state_error("all-reduce a gradient that was not reduce-scattered")),
+        };
+        let (buf, off) = self.pending_target()?;
+        let target = buf.at(off);
+        let p = self.platform;
+        let rs = &self.streams.reduce;
+        if let Some(comm) = self.groups.unsharded.communicator() {
+            let n = self.geom.shard_numel();
+            p.all_reduce(target, target, n, self.reduce_dtype, op, comm, rs)?;
+            p.record_event(&done, rs)?;
+        }
+        if let Some(pending) = &mut self.grad.pending {
+            pending.all_reduced = true;
+        }
         Ok(())
     }
 
@@ -325,11 +367,29 @@ impl ShardedParam<'_> {
     /// the sharded gradient (converted to the parameter's dtype; copied in and out of pinned
     /// memory under the offload policy). Releases the accumulated unsharded gradient.
     pub fn wait_for_reduce(&mut self) -> Result<()> {
-        let Some(pending) = self.grad.pending.take() else {
-            return Err(self.state_error("wait for a gradient reduction that was not started"));
+        let scale = match &self.grad.pending {
+            Some(pending) => pending.scale,
+            None => return Err(self.state_error("wait for a gradient reduction that was not started")),
         };
+        if let Some(factor) = scale {
+            let (buf, off) = self.pending_target()?;
+            let rs = &self.streams.reduce;
+            self.kernel(
+                Kernel::Scale {
+                    buf: buf.at(off),
+                    dtype: self.reduce_dtype,
+                    count: self.geom.shard_numel(),
+                    factor,
+                },
+                rs,
+            )?;
+        }
+        let pending = self.grad.pending.take().expect("checked above");
         let p = self.platform;
         let cs = self.streams.compute.clone();
+        if scale.is_some() {
+            p.record_event(&pending.done, &self.streams.reduce)?;
+        }
         p.stream_wait_event(&cs, &pending.done)?;
         let n = self.geom.shard_numel();
         let (dt, rdt) = (self.dtype, self.reduce_dtype);

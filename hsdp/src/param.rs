@@ -496,6 +496,7 @@ impl<'p> ShardedParam<'p> {
         if self.state != ParamState::Sharded {
             return Ok(None);
         }
+        self.alloc_all_gather_outputs()?;
         let p = self.platform;
         let ag = &self.streams.all_gather;
         self.order_after(&self.ready, &self.streams.compute, ag)?;
@@ -503,7 +504,6 @@ impl<'p> ShardedParam<'p> {
         let (sz, psz) = (self.dtype.size(), self.param_dtype.size());
         let shard_numel = g.shard_numel();
         let mut staging = Vec::new();
-        p.resize_device(&self.gathered, g.padded_numel() * psz)?;
 
         let src = match &self.shard {
             Storage::Device(b) => b.clone(),
@@ -554,7 +554,6 @@ impl<'p> ShardedParam<'p> {
             }
         }
         if !g.gathers_in_place() {
-            p.resize_device(&self.interleaved, g.numel() * psz)?;
             for k in 0..g.group_size() {
                 for run in g.runs(k) {
                     p.copy_async(
@@ -625,10 +624,49 @@ impl<'p> ShardedParam<'p> {
             self.wait_for_unshard()?;
         }
         if self.state == ParamState::Unsharded {
-            self.platform.resize_device(&self.gathered, 0)?;
-            self.platform.resize_device(&self.interleaved, 0)?;
             self.state = ParamState::Sharded;
+            self.free_unsharded_param()?;
         }
+        Ok(())
+    }
+
+    /// hyper_parallel's `to_sharded`: [`ShardedParam::shard`].
+    pub fn to_sharded(&mut self) -> Result<()> {
+        self.shard()
+    }
+
+    /// hyper_parallel's `to_unsharded`: unsharded from any state, the compute stream ordered
+    /// after the all-gather (an all-gather is started if none is pending).
+    pub fn to_unsharded(&mut self) -> Result<()> {
+        self.unshard(false)?;
+        self.wait_for_unshard()
+    }
+
+    /// Sizes the all-gather output (and the re-interleaved parameter for a `Shard(dim > 0)`
+    /// layout) to full capacity in `param_dtype`; [`ShardedParam::unshard`] does this itself.
+    /// Idempotent; allowed only while no all-gather is pending.
+    pub fn alloc_all_gather_outputs(&mut self) -> Result<()> {
+        if self.state == ParamState::Unsharding {
+            return Err(self.state_error("resize the all-gather outputs of a pending unshard"));
+        }
+        let (g, psz) = (&self.geom, self.param_dtype.size());
+        self.platform
+            .resize_device(&self.gathered, g.padded_numel() * psz)?;
+        if !g.gathers_in_place() {
+            self.platform
+                .resize_device(&self.interleaved, g.numel() * psz)?;
+        }
+        Ok(())
+    }
+
+    /// Releases the all-gather outputs (work already queued on them still completes). Only
+    /// while sharded: [`ShardedParam::shard`] (`to_sharded`) is the transition that calls it.
+    pub fn free_unsharded_param(&mut self) -> Result<()> {
+        if self.state != ParamState::Sharded {
+            return Err(self.state_error("free the unsharded parameter while it is in use"));
+        }
+        self.platform.resize_device(&self.gathered, 0)?;
+        self.platform.resize_device(&self.interleaved, 0)?;
         Ok(())
     }
 }

@@ -15,7 +15,8 @@
   reduction).
 - Errors: ``HprtError`` and its subclasses; ``err.status`` is the backend's status name.
 
-``hprt.torch`` (importable when torch is installed) hooks all of this into autograd.
+``hprt.torch`` (importable when torch is installed) hooks all of this into autograd, and gives
+``fully_shard`` (sharded data parallel training of torch modules, from ``hprt.fsdp``).
 """
 
 from . import _native

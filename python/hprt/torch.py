@@ -23,6 +23,9 @@ Front ends, with the seeds' names and semantics:
   on a side stream and their memory released; in backward they are decoded when their layer's
   backward starts. ``stats()`` gives the per-layer ratios.
 
+Sharded data parallel (``fully_shard``, ``run_on_ranks``, ``MixedPrecisionPolicy``, ...) lives in
+``hprt.fsdp`` and is re-exported here.
+
 ``runtime().stats()`` reports ``device_current`` / ``device_peak`` (bytes of torch memory hprt
 keeps referenced: saved tensors not yet released, plus reloads in flight) and offloaded bytes.
 """
@@ -32,8 +35,24 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 import hprt
+from hprt import fsdp as _fsdp
+from hprt.fsdp import (  # noqa: F401  (sharded data parallel: see hprt.fsdp)
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    RankMesh,
+    fully_shard,
+    get_model_state_dict,
+    get_rank,
+    get_world_size,
+    init_device_mesh,
+    init_from_process_group,
+    run_on_ranks,
+    set_model_state_dict,
+)
 
-__all__ = [
+__all__ = _fsdp.__all__ + [
     "Runtime",
     "runtime",
     "TensorSwapContext",

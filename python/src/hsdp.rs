@@ -604,6 +604,23 @@ impl PyShardedParam {
     fn shard(&self, py: Python<'_>) -> Result<()> {
         Ok(py.detach(|| locked(&self.inner).param.get_mut().shard())?)
     }
+    /// hyper_parallel's name for `shard()`.
+    fn to_sharded(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| locked(&self.inner).param.get_mut().to_sharded())?)
+    }
+    /// Unsharded from any state (an all-gather is started if none is pending), the compute
+    /// stream ordered after it.
+    fn to_unsharded(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| locked(&self.inner).param.get_mut().to_unsharded())?)
+    }
+    /// Sizes the all-gather output to full capacity (`unshard` does this itself).
+    fn alloc_all_gather_outputs(&self) -> Result<()> {
+        Ok(locked(&self.inner).param.get_mut().alloc_all_gather_outputs()?)
+    }
+    /// Releases the all-gather output; only while sharded (`shard()` calls it).
+    fn free_unsharded_param(&self) -> Result<()> {
+        Ok(locked(&self.inner).param.get_mut().free_unsharded_param()?)
+    }
     /// The full parameter in `param_dtype`, valid in compute-stream order while unsharded.
     /// Its memory is released by `shard()`: read it (or export it by DLPack) before that.
     fn unsharded(&self) -> Result<PyDeviceTensor> {
@@ -694,7 +711,10 @@ impl PyShardedParam {
     /// unsharded group, multiplied by `scale`, and accumulated into the sharded gradient. With
     /// `async_op` it only starts (apply it with `wait_for_reduce()`); `grad` must stay
     /// untouched until then.
-    #[pyo3(signature = (grad=None, op="avg", scale=None, async_op=false))]
+    ///
+    /// `all_reduce=False` skips the all-reduce across replicas (HSDP micro-batches that only
+    /// reduce-scatter).
+    #[pyo3(signature = (grad=None, op="avg", scale=None, async_op=false, all_reduce=true))]
     fn reduce_grad(
         &self,
         py: Python<'_>,
@@ -702,6 +722,7 @@ impl PyShardedParam {
         op: &str,
         scale: Option<f64>,
         async_op: bool,
+        all_reduce: bool,
     ) -> Result<()> {
         let g = grad.map(|g| tensor_arg(&self.p, g)).transpose()?;
         let opts = ReduceOptions {
@@ -715,7 +736,10 @@ impl PyShardedParam {
                 dtype: g.dtype,
             });
             let w = inner.param.get_mut();
-            w.reduce_grad_async(input, opts)?;
+            w.reduce_scatter_grad(input, opts)?;
+            if all_reduce {
+                w.all_reduce_grad()?;
+            }
             if async_op {
                 inner.reducing = g.map(|g| g.storage);
             } else {
@@ -723,6 +747,38 @@ impl PyShardedParam {
             }
             Ok(())
         })
+    }
+    /// hyper_parallel's first half of `reduce_grad`: starts the reduce-scatter of `grad` (plus
+    /// the accumulated gradient) over the sharded group; `all_reduce_grad()` may follow, then
+    /// `wait_for_reduce()`. `grad` must stay untouched until then.
+    #[pyo3(signature = (grad=None, op="avg", scale=None))]
+    fn reduce_scatter_grad(
+        &self,
+        py: Python<'_>,
+        grad: Option<&Bound<'_, PyAny>>,
+        op: &str,
+        scale: Option<f64>,
+    ) -> Result<()> {
+        let g = grad.map(|g| tensor_arg(&self.p, g)).transpose()?;
+        let opts = ReduceOptions {
+            op: reduce_op(op)?,
+            scale,
+        };
+        py.detach(|| {
+            let mut inner = locked(&self.inner);
+            let input = g.as_ref().map(|g| GradInput {
+                buf: g.storage.at(g.offset),
+                dtype: g.dtype,
+            });
+            inner.param.get_mut().reduce_scatter_grad(input, opts)?;
+            inner.reducing = g.map(|g| g.storage);
+            Ok(())
+        })
+    }
+    /// hyper_parallel's second half: all-reduces the reduce-scattered gradient across the
+    /// replicas (HSDP); a no-op without replicas.
+    fn all_reduce_grad(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| locked(&self.inner).param.get_mut().all_reduce_grad())?)
     }
     /// Orders the compute stream after the pending reduction and accumulates its result into
     /// the sharded gradient.

@@ -66,16 +66,24 @@ pub fn open_platform(name: &str) -> Result<PyPlatform> {
 }
 
 /// A private cpu platform with its own capacity, devices, pinned limit and jitter seed.
+///
+/// `from_env` starts from the `HP_CPU_*` variables (`HP_CPU_JITTER`, ...) instead of the
+/// defaults; the arguments given override them.
 #[pyfunction]
-#[pyo3(signature = (device_memory=None, devices=1, pinned_memory=None, jitter=None, collective_timeout_s=None))]
+#[pyo3(signature = (device_memory=None, devices=1, pinned_memory=None, jitter=None, collective_timeout_s=None, from_env=false))]
 pub fn cpu_platform(
     device_memory: Option<usize>,
     devices: usize,
     pinned_memory: Option<usize>,
     jitter: Option<u64>,
     collective_timeout_s: Option<f64>,
+    from_env: bool,
 ) -> Result<PyPlatform> {
-    let mut cfg = CpuConfig::default();
+    let mut cfg = if from_env {
+        CpuConfig::from_env()?
+    } else {
+        CpuConfig::default()
+    };
     if let Some(bytes) = device_memory {
         cfg.device_memory = bytes;
     }
@@ -83,8 +91,12 @@ pub fn cpu_platform(
         return Err(invalid("a cpu platform needs at least one device"));
     }
     cfg.devices = devices;
-    cfg.pinned_memory = pinned_memory;
-    cfg.jitter = jitter;
+    if pinned_memory.is_some() || !from_env {
+        cfg.pinned_memory = pinned_memory;
+    }
+    if jitter.is_some() || !from_env {
+        cfg.jitter = jitter;
+    }
     if let Some(s) = collective_timeout_s {
         cfg.collective_timeout = Duration::try_from_secs_f64(s)
             .map_err(|_| invalid(format!("collective_timeout_s={s} is not a duration")))?;

@@ -174,6 +174,25 @@ fn comm_init_times_out_naming_the_missing_rank() {
 }
 
 #[test]
+fn comm_init_with_another_process_id_says_ranks_are_threads() {
+    // Ranks of the cpu backend are threads of one process: an id that crossed a process
+    // boundary (its bytes name another process) used to wait for peers until the timeout.
+    let p = cpu(CpuConfig {
+        collective_timeout: Duration::from_secs(60),
+        ..CpuConfig::default()
+    });
+    let mut id = p.unique_id().unwrap();
+    let n = id.0.len();
+    let other = u64::from(std::process::id()) + 1;
+    id.0[n - 8..].copy_from_slice(&other.to_le_bytes());
+    let start = Instant::now();
+    let e = p.comm_init(&id, 0, 2).expect_err("a foreign process's id was accepted");
+    assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+    assert!(e.message.contains("threads of one process"), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(5), "it waited {:?}", start.elapsed());
+}
+
+#[test]
 fn collective_times_out_when_a_rank_never_issues_it() {
     let p = short_timeout();
     let id = p.unique_id().unwrap();

@@ -508,11 +508,25 @@ impl Backend for CpuBackend {
         let mut id = ID_MAGIC.to_vec();
         id.extend_from_slice(&self.instance.to_le_bytes());
         id.extend_from_slice(&self.next_id.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+        id.extend_from_slice(&u64::from(std::process::id()).to_le_bytes());
         Ok(UniqueId(id))
     }
     fn comm_init(&self, id: &UniqueId, rank: usize, world: usize) -> Result<CpuComm> {
         const OP: &str = "comm_init";
-        if id.0.len() != 24 || &id.0[..8] != ID_MAGIC || id.0[8..16] != self.instance.to_le_bytes()
+        let pid = u64::from(std::process::id());
+        if id.0.len() == 32 && &id.0[..8] == ID_MAGIC && id.0[24..32] != pid.to_le_bytes() {
+            let from = u64::from_le_bytes(id.0[24..32].try_into().expect("8 bytes"));
+            return Err(cpu_err(
+                ErrorKind::Unsupported,
+                OP,
+                format!(
+                    "the unique id was made in process {from}, this is process {pid}: the cpu \
+                     backend's ranks are threads of one process (spawn them as threads, e.g. \
+                     hprt.torch.run_on_ranks); one process per device needs cuda or npu"
+                ),
+            ));
+        }
+        if id.0.len() != 32 || &id.0[..8] != ID_MAGIC || id.0[8..16] != self.instance.to_le_bytes()
         {
             return Err(cpu_err(
                 ErrorKind::InvalidValue,

@@ -1,0 +1,795 @@
+"""hprt.fsdp: ``fully_shard`` — sharded data parallel training of torch modules over hprt-hsdp.
+
+The names and semantics are hyper_parallel's ``fully_shard`` and torch FSDP2's (applied to each
+block, then to the root)::
+
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+
+Each parameter becomes an hprt ``ShardedParam`` (hyper_parallel's ``HSDPParamV2``); the
+module's registered parameter is replaced by a torch ``nn.Parameter`` that *is* this rank's
+shard (hprt memory seen through DLPack, padding included: ``ShardedParam.shard_shape``), so an
+optimizer over ``model.parameters()`` updates the shards as ordinary torch parameters.
+
+Around a block's forward the parameters are all-gathered (the next block's all-gather is
+issued on hprt's all-gather stream as this one starts: prefetch), and freed again after it
+(``reshard_after_forward``). Tensors that autograd saves from the gathered memory are saved as
+references and re-gathered for backward, where the previous block is prefetched. As each
+parameter's gradient is accumulated, its reduce-scatter (+ all-reduce across replicas on a 2-D
+mesh) is issued on hprt's reduce stream while backward goes on; a block reshards when all its
+gradients arrived; the last callback of backward waits for the reductions and sets each shard's
+``.grad`` to its reduced sharded gradient.
+
+Ranks: ``run_on_ranks(n, fn)`` runs ``fn(rank)`` on ``n`` threads of this process (the cpu
+backend and the Ascend emulator: ranks of one world are threads of one process there);
+``init_from_process_group()`` makes the hprt communicator of a torchrun-launched process per
+device, passing the unique id through ``torch.distributed``.
+
+Limits (each a clear error where it can be detected): ``fully_shard`` needs torch to address
+hprt device memory, which today only the cpu backend's is (DLPack export of cuda / npu device
+memory is not implemented); parameters are sharded on dim 0 (``shard_placement_fn`` is not
+supported).
+"""
+
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+import hprt
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "RankMesh",
+    "init_device_mesh",
+    "run_on_ranks",
+    "init_from_process_group",
+    "get_rank",
+    "get_world_size",
+    "get_model_state_dict",
+    "set_model_state_dict",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Policies
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's / hyper_parallel's mixed precision: gather and compute in ``param_dtype``,
+    reduce gradients in ``reduce_dtype`` (default: ``param_dtype``), cast module outputs to
+    ``output_dtype``, cast floating-point forward inputs to ``param_dtype``. The shards (what the
+    optimizer updates) keep the parameters' own dtype."""
+
+    param_dtype: torch.dtype = None
+    reduce_dtype: torch.dtype = None
+    output_dtype: torch.dtype = None
+    cast_forward_inputs: bool = True
+
+    def _hprt(self):
+        name = lambda d: None if d is None else str(d)  # noqa: E731  (hprt parses torch names)
+        return hprt.MixedPrecisionPolicy(
+            param_dtype=name(self.param_dtype),
+            reduce_dtype=name(self.reduce_dtype),
+            output_dtype=name(self.output_dtype),
+        )
+
+
+class OffloadPolicy:
+    """No offload: shards and sharded gradients stay in device memory (FSDP2's base class)."""
+
+    _hprt = "none"
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Shards and sharded gradients live in pinned host memory; only gathered parameters take
+    device memory. The optimizer steps on the host copies."""
+
+    pin_memory: bool = True
+    _hprt = "pinned_host"
+
+    def __post_init__(self):
+        if not self.pin_memory:
+            raise ValueError(
+                "CPUOffloadPolicy(pin_memory=False): hprt keeps offloaded shards in pinned host "
+                "memory (its copies are asynchronous); use pin_memory=True"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks
+
+_CPU_RANKS = (
+    "the cpu backend's ranks are threads of one process: run them with "
+    "hprt.torch.run_on_ranks(world_size, fn) in one process (HP_PLATFORM=cuda or npu for one "
+    "process per device)"
+)
+
+
+class _RankContext:
+    def __init__(self, platform, comm, rank, world_size):
+        self.platform, self.comm = platform, comm
+        self.rank, self.world_size = rank, world_size
+        self.cache = hprt.GroupCache(comm)
+        self.streams = hprt.HsdpStreams(platform)
+        self.meshes = {}
+
+
+_tls = threading.local()
+_process_ctx = None
+
+
+def _context():
+    ctx = getattr(_tls, "ctx", None) or _process_ctx
+    if ctx is None:
+        raise RuntimeError(
+            "no hprt rank: run the ranks with hprt.torch.run_on_ranks(world_size, fn) (threads "
+            "of one process: cpu backend, emulators) or call hprt.torch.init_from_process_group() "
+            "(one process per device, e.g. under torchrun)"
+        )
+    return ctx
+
+
+def get_rank():
+    """This rank in the hprt world (the calling thread's under ``run_on_ranks``)."""
+    return _context().rank
+
+
+def get_world_size():
+    return _context().world_size
+
+
+def run_on_ranks(world_size, fn, *args, platform=None, **kwargs):
+    """Runs ``fn(rank, *args, **kwargs)`` on ``world_size`` threads, each a rank of one hprt
+    world (its communicator made, its device set), and returns the results in rank order; the
+    first rank's exception is re-raised.
+
+    ``platform`` defaults to a private cpu platform with one device per rank (so memory is
+    accounted per rank; ``HP_CPU_*`` settings such as ``HP_CPU_JITTER`` apply) when the
+    process-wide platform is the cpu backend, else the process-wide platform (e.g. the Ascend
+    emulator)."""
+    if platform is None:
+        platform = hprt.get_platform()
+        if platform.backend == "cpu":
+            platform = hprt.cpu_platform(devices=world_size, from_env=True)
+    uid = platform.unique_id()
+    results, errors = [None] * world_size, [None] * world_size
+
+    def body(rank):
+        try:
+            platform.set_device(rank % platform.device_count())
+            comm = platform.comm_init(uid, rank, world_size)
+            _tls.ctx = _RankContext(platform, comm, rank, world_size)
+            results[rank] = fn(rank, *args, **kwargs)
+        except BaseException as e:  # re-raised by the caller below
+            errors[rank] = e
+        finally:
+            _tls.ctx = None
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"hprt-rank-{r}") for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rank, e in enumerate(errors):
+        if e is not None:
+            raise RuntimeError(f"rank {rank} of {world_size} failed: {e}") from e
+    return results
+
+
+def init_from_process_group(group=None, platform=None):
+    """Makes this process's hprt communicator over an initialised ``torch.distributed`` process
+    group (one process per device, as torchrun launches them): rank 0's unique id is broadcast
+    through ``group``; the device is ``LOCAL_RANK`` (else the group rank) modulo the device
+    count. Returns the rank. Untested on hardware (tested with a stand-in platform).
+
+    The cpu backend cannot do this for more than one process: its ranks are threads of one
+    process (``run_on_ranks``)."""
+    global _process_ctx
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("init_from_process_group needs torch.distributed.init_process_group() first")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    platform = platform if platform is not None else hprt.get_platform()
+    if platform.backend == "cpu" and world > 1:
+        raise hprt.UnsupportedError(_CPU_RANKS)
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    platform.set_device(local % platform.device_count())
+    box = [bytes(platform.unique_id()) if rank == 0 else None]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=group)
+    comm = platform.comm_init(box[0], rank, world)
+    _process_ctx = _RankContext(platform, comm, rank, world)
+    return rank
+
+
+class RankMesh:
+    """What ``init_device_mesh`` returns: this rank's view of a data-parallel mesh (1-D = FSDP,
+    2-D = HSDP: dim 0 replicates, dim 1 shards) with its group cache and hprt streams."""
+
+    def __init__(self, ctx, shape, dim_names):
+        self.platform, self.rank, self.world_size = ctx.platform, ctx.rank, ctx.world_size
+        self.cache, self.streams = ctx.cache, ctx.streams
+        self.mesh = hprt.DeviceMesh(list(shape), dim_names=dim_names)
+        if len(shape) == 1:
+            self.dp = hprt.DataParallelMesh.fsdp(self.mesh)
+        elif len(shape) == 2:
+            self.dp = hprt.DataParallelMesh.hsdp(self.mesh)
+        else:
+            raise ValueError(f"a data-parallel mesh is 1-D (FSDP) or 2-D (HSDP), not {list(shape)}")
+        self.shape = tuple(shape)
+
+    @property
+    def shard_axis(self):
+        return len(self.shape) - 1
+
+    def __repr__(self):
+        return f"RankMesh(shape={list(self.shape)}, rank={self.rank})"
+
+
+def init_device_mesh(device_type=None, mesh_shape=None, mesh_dim_names=None):
+    """hyper_parallel's / torch's ``init_device_mesh`` for the calling rank: ``mesh_shape``
+    defaults to ``(world_size,)``; ``device_type`` (if given) must name the hprt backend."""
+    ctx = _context()
+    if device_type is not None and device_type != ctx.platform.backend:
+        raise ValueError(
+            f"device_type {device_type!r}: the hprt platform of this rank is {ctx.platform.backend!r}"
+        )
+    shape = tuple(mesh_shape) if mesh_shape is not None else (ctx.world_size,)
+    n = 1
+    for d in shape:
+        n *= d
+    if n != ctx.world_size:
+        raise ValueError(f"mesh shape {list(shape)} holds {n} ranks, the world has {ctx.world_size}")
+    key = (shape, tuple(mesh_dim_names) if mesh_dim_names else None)
+    if key not in ctx.meshes:
+        ctx.meshes[key] = RankMesh(ctx, shape, list(mesh_dim_names) if mesh_dim_names else None)
+    return ctx.meshes[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+
+
+class _SavedParamRef:
+    """What autograd keeps instead of a tensor living in gathered memory."""
+
+    __slots__ = ("param", "size", "stride", "offset")
+
+    def __init__(self, param, t, base):
+        self.param = param
+        self.size, self.stride = t.size(), t.stride()
+        self.offset = (t.data_ptr() - base.data_ptr()) // t.element_size()
+
+
+class _OuterPacked:
+    """A value packed by saved-tensor hooks that were active before ours."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+class _FSDPParam:
+    """One managed parameter: the hprt ``ShardedParam``, the shard torch sees as the registered
+    parameter, and the persistent unsharded leaf whose data is rebound to each gathered copy."""
+
+    def __init__(self, state, fqn, param, locations):
+        self.state, self.fqn, self.locations = state, fqn, locations
+        self.requires_grad = param.requires_grad
+        mesh = state.mesh
+        data = param.detach().contiguous()
+        self.sp = hprt.ShardedParam(
+            mesh.cache, mesh.streams, mesh.dp, fqn, data,
+            mp_policy=state.mp_policy._hprt(), offload_policy=state.offload_policy._hprt,
+        )
+        self._source = data  # read by the queued shard copy; dropped after a synchronize
+        self.shape = param.shape
+        self.sharded = nn.Parameter(torch.from_dlpack(self.sp.sharded_data()), requires_grad=param.requires_grad)
+        self.sharded._hprt_fsdp_param = self
+        self.param_dtype = state.mp_policy.param_dtype or param.dtype
+        self.unsharded = None
+        self.base = None  # the gathered tensor while unsharded
+        self.reduced = False  # a reduction was issued in this backward
+        self.got_grad = False
+        self.keep = []  # gradients hprt's streams may still read
+
+    # the upstream HSDPParamV2 names, over hprt's ShardedParam
+    def unshard(self, async_op=False):
+        return self.sp.unshard(async_op=async_op)
+
+    def wait_for_unshard(self):
+        self.sp.wait_for_unshard()
+
+    def bind_unsharded(self):
+        """Points the unsharded leaf (and the module attributes) at the gathered memory; the
+        compute stream must have been synchronized after ``wait_for_unshard``."""
+        view = torch.from_dlpack(self.sp.unsharded())
+        if self.unsharded is None:
+            self.unsharded = nn.Parameter(view, requires_grad=self.requires_grad)
+            if self.requires_grad:
+                self.unsharded.register_post_accumulate_grad_hook(self._on_grad)
+        elif self.base is None or self.unsharded.data_ptr() != view.data_ptr():
+            self.unsharded.data = view
+        self.base = view
+        self.state.live[view.untyped_storage().data_ptr()] = self
+        for module, attr in self.locations:
+            module._parameters[attr] = self.unsharded
+
+    def bind_sharded(self):
+        for module, attr in self.locations:
+            module._parameters[attr] = self.sharded
+        if self.base is not None:
+            self.state.live.pop(self.base.untyped_storage().data_ptr(), None)
+            self.base = None
+            # Nothing may keep pointing at memory that shard() frees.
+            self.unsharded.data = torch.zeros((), dtype=self.param_dtype).expand(self.shape)
+
+    def _on_grad(self, leaf):
+        grad, leaf.grad = leaf.grad, None
+        st = self.state
+        self.keep.append(grad)
+        if st.requires_gradient_sync:
+            if self.sharded.grad is None and not self.reduced:
+                self.sp.clear_grad()  # the user dropped .grad (zero_grad): start a new one
+            self.sp.reduce_grad(grad, op="avg", async_op=True, all_reduce=st.requires_all_reduce)
+            self.reduced = True
+        else:
+            self.sp.accumulate_grad(grad)
+        self.got_grad = True
+        st._grad_arrived()
+
+    def full_tensor(self):
+        """The whole parameter in its own dtype (a collective over the shard group)."""
+        st = self.state
+        mesh, sp = st.mesh, self.sp
+        p = mesh.platform
+        if sp.group_size == 1:
+            shard = torch.from_dlpack(sp.sharded_data())
+            mesh.streams.compute.synchronize()
+            return shard.clone()[: self.shape[0]].reshape(self.shape)
+        group = mesh.cache.group_along("fsdp_shard", mesh.mesh, [mesh.shard_axis])
+        nbytes = sp.shard_numel * torch.empty((), dtype=self.sharded.dtype).element_size()
+        send, recv = p.alloc_device(nbytes), p.alloc_device(nbytes * sp.group_size)
+        s = mesh.streams.compute
+        p.write(send, bytes(sp.read_sharded()), s)
+        group.communicator.all_gather(send, recv, sp.shard_numel, sp.dtype, s)
+        s.synchronize()
+        out = torch.from_dlpack(recv.view(sp.dtype, [sp.group_size * sp.shard_shape[0]] + list(sp.shard_shape[1:]), 0))
+        full = out[: self.shape[0]].clone().reshape(self.shape)
+        send.free()
+        recv.free()
+        return full
+
+    def shard_of(self, full):
+        """This rank's padded shard of a whole parameter."""
+        sp = self.sp
+        chunk = sp.shard_shape[0]
+        out = torch.zeros(sp.shard_shape, dtype=self.sharded.dtype)
+        rows = sp.valid_rows(sp.shard_index)
+        if rows:
+            start = sp.shard_index * chunk
+            out[:rows].copy_(full.reshape(self.shape)[start:start + rows])
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Module state
+
+
+class _FSDPState:
+    def __init__(self, module, mesh, reshard_after_forward, mp_policy, offload_policy, params):
+        self.module_ref = weakref.ref(module)
+        self.mesh = mesh
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.mp_policy = mp_policy
+        self.offload_policy = offload_policy
+        self.live = {}
+        self.params = []
+        self.forward_prefetch = None
+        self.backward_prefetch = None
+        self.root = None  # set by the root's lazy init
+        self.order = []  # FSDP states in forward order (on the root)
+        self.states = []  # every state under the root, root included (on the root)
+        self.hooks_pushed = False
+        self.outer_hooks = None
+        self.backward_started = False
+        self.callback_queued = False
+        self.grads_arrived = 0
+        self.initialized = False
+        self.order_frozen = False
+        for fqn, (param, locations) in params.items():
+            self.params.append(_FSDPParam(self, fqn, param, locations))
+        for p in self.params:
+            for m, attr in p.locations:
+                m._parameters[attr] = p.sharded
+        mesh.streams.compute.synchronize()
+        for p in self.params:
+            p._source = None
+
+    @property
+    def streams(self):
+        return self.mesh.streams
+
+    def is_unsharded(self):
+        return any(p.base is not None for p in self.params)
+
+    # --- unshard / reshard
+    def unshard_async(self):
+        for p in self.params:
+            p.unshard(async_op=True)
+
+    def unshard(self):
+        if self.params and all(p.base is not None for p in self.params):
+            return
+        self.unshard_async()
+        for p in self.params:
+            p.wait_for_unshard()
+        self.streams.compute.synchronize()  # torch computes on the host (cpu backend)
+        for p in self.params:
+            p.bind_unsharded()
+
+    def reshard(self):
+        for p in self.params:
+            p.bind_sharded()
+            p.sp.shard()
+
+    # --- forward
+    def pre_forward(self, module, args, kwargs):
+        if getattr(_tls, "active", None) is None:
+            self._lazy_init(module)
+            _tls.active = self
+            self._push_hooks()
+            if not self.order_frozen:
+                self.order.clear()
+        active_root = _tls.active
+        if not active_root.order_frozen and self not in active_root.order:
+            active_root.order.append(self)
+        self.unshard()
+        for nxt in self._forward_next(active_root):
+            nxt.unshard_async()
+        mp = self.mp_policy
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            cast = lambda t: t.to(mp.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        return args, kwargs
+
+    def _forward_next(self, root):
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        order = root.order if root.order_frozen else []
+        if self in order:
+            i = order.index(self)
+            return order[i + 1:i + 2]
+        return []
+
+    def _backward_next(self):
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        root = self.root or self
+        order = root.order
+        if self in order:
+            i = order.index(self)
+            return order[i - 1:i] if i > 0 else []
+        return []
+
+    def post_forward(self, module, output):
+        is_root = _tls.active is self
+        if self.reshard_after_forward and not is_root:
+            self.reshard()
+        mp = self.mp_policy
+        if mp.output_dtype is not None:
+            cast = lambda t: t.to(mp.output_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+            output = tree_map(cast, output)
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._pre_backward_hook)
+        if is_root:
+            self._end_forward()
+        return output
+
+    def _end_forward(self):
+        self._pop_hooks()
+        _tls.active = None
+        self.order_frozen = True
+
+    def abort_forward(self):
+        if getattr(_tls, "active", None) is self:
+            self._pop_hooks()
+            _tls.active = None
+
+    def _lazy_init(self, module):
+        if self.root is not None and self.root is not self:
+            return  # called on its own: acts as its own root for this forward
+        if self.initialized:
+            return
+        self.initialized = True
+        self.root = self
+        self.order_frozen = False
+        self.states = [self]
+        for m in module.modules():
+            st = getattr(m, "_hprt_fsdp", None)
+            if st is not None and st is not self:
+                st.root = self
+                st.order_frozen = True
+                self.states.append(st)
+
+    # --- saved tensors: references into gathered memory are re-gathered for backward
+    def _push_hooks(self):
+        self.outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        self.hooks_pushed = True
+
+    def _pop_hooks(self):
+        if self.hooks_pushed:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self.hooks_pushed = False
+
+    def _pack(self, t):
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # no plain storage (sparse, subclasses)
+            ptr = None
+        for st in self.states if ptr is not None else ():
+            p = st.live.get(ptr) if st.live else None
+            if p is not None:
+                return _SavedParamRef(p, t, p.base)
+        if self.outer_hooks is not None:
+            return _OuterPacked(self.outer_hooks[0](t))
+        return t
+
+    def _unpack(self, x):
+        if isinstance(x, _SavedParamRef):
+            p = x.param
+            if p.base is None:
+                p.state.unshard()  # not prefetched (e.g. a second backward): gather now
+            base = p.base
+            return base.as_strided(x.size, x.stride, base.storage_offset() + x.offset)
+        if isinstance(x, _OuterPacked):
+            return self.outer_hooks[1](x.value)
+        return x
+
+    # --- backward
+    def _pre_backward_hook(self, grad):
+        if not self.backward_started:
+            self.backward_started = True
+            root = self.root or self
+            if not root.callback_queued:
+                root.callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(root._final_callback)
+            self.unshard()
+            for nxt in self._backward_next():
+                nxt.unshard_async()
+        return grad
+
+    def _grad_arrived(self):
+        self.grads_arrived += 1
+        if self.grads_arrived == sum(p.requires_grad for p in self.params):
+            if self.reshard_after_backward and self is not (self.root or self):
+                self.reshard()
+
+    def _final_callback(self):
+        states = self.states or [self]
+        for st in states:
+            for p in st.params:
+                if p.reduced:
+                    p.sp.wait_for_reduce()
+        self.streams.compute.synchronize()
+        for st in states:
+            for p in st.params:
+                if p.reduced:
+                    g = torch.from_dlpack(p.sp.sharded_grad())
+                    if p.sharded.grad is None or p.sharded.grad.data_ptr() != g.data_ptr():
+                        p.sharded.grad = g
+                p.reduced, p.got_grad = False, False
+                p.keep.clear()
+            if st.reshard_after_backward:
+                st.reshard()
+            st.backward_started = False
+            st.grads_arrived = 0
+        self.callback_queued = False
+
+
+# ---------------------------------------------------------------------------------------------
+# The module API
+
+
+class FSDPModule:
+    """The methods ``fully_shard`` adds to a module (FSDP2's ``FSDPModule``, hyper_parallel's
+    fully_shard module methods)."""
+
+    def _fsdp_states(self, recurse=True):
+        if not recurse:
+            return [self._hprt_fsdp]
+        return [m._hprt_fsdp for m in self.modules() if getattr(m, "_hprt_fsdp", None) is not None]
+
+    def unshard(self, async_op=False):
+        """All-gathers this module's parameters. With ``async_op`` returns a handle whose
+        ``wait()`` makes them usable (the next forward waits for it too)."""
+        st = self._hprt_fsdp
+        if async_op:
+            st.unshard_async()
+            return _UnshardHandle(st)
+        st.unshard()
+        return None
+
+    def reshard(self):
+        """Frees the gathered parameters (the shards stay registered)."""
+        self._hprt_fsdp.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        """Off: gradients are accumulated unsharded (in the reduce dtype) without communication;
+        the next backward with it on reduces the sum."""
+        for st in self._fsdp_states(recurse):
+            st.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
+        """Off (HSDP): gradients are reduce-scattered but not all-reduced across replicas."""
+        for st in self._fsdp_states(recurse):
+            st.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
+        for st in self._fsdp_states(recurse):
+            st.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
+        for st in self._fsdp_states(recurse):
+            st.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules):
+        """The modules whose all-gather starts when this module's forward starts."""
+        self._hprt_fsdp.forward_prefetch = [_state_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules):
+        """The modules whose all-gather starts when this module's backward starts."""
+        self._hprt_fsdp.backward_prefetch = [_state_of(m) for m in modules]
+
+    def zero_grads(self):
+        """Drops the sharded gradients of this module and every fully_shard module under it."""
+        for st in self._fsdp_states(True):
+            for p in st.params:
+                p.sharded.grad = None
+                p.sp.clear_grad()
+
+    def forward(self, *args, **kwargs):
+        st = self._hprt_fsdp
+        args, kwargs = st.pre_forward(self, args, kwargs)
+        try:
+            out = st.orig_forward(self, *args, **kwargs)
+        except BaseException:
+            st.abort_forward()
+            raise
+        return st.post_forward(self, out)
+
+
+class _UnshardHandle:
+    def __init__(self, state):
+        self._state = state
+
+    def wait(self):
+        self._state.unshard()
+
+
+def _state_of(module):
+    st = getattr(module, "_hprt_fsdp", None)
+    if st is None:
+        raise ValueError(f"{type(module).__name__} is not a fully_shard module")
+    return st
+
+
+_classes = {}
+
+
+def fully_shard(module, *, mesh=None, reshard_after_forward=True, shard_placement_fn=None,
+                mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(), ignored_params=None):
+    """Shards ``module``'s parameters (those not already managed by a ``fully_shard`` module
+    under it, and not in ``ignored_params``) over ``mesh`` (default: 1-D over the rank's world)
+    and returns ``module``, whose class now also derives from ``FSDPModule``. Apply it to each
+    block, then to the root. Collective: every rank shards the same modules in the same order."""
+    if shard_placement_fn is not None:
+        raise NotImplementedError("shard_placement_fn: hprt's fully_shard shards every parameter on dim 0")
+    if isinstance(module, (list, tuple, nn.ModuleList)) and not isinstance(module, nn.Module):
+        return [fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                            offload_policy=offload_policy, ignored_params=ignored_params) for m in module]
+    if getattr(module, "_hprt_fsdp", None) is not None:
+        raise ValueError(f"{type(module).__name__} was already passed to fully_shard")
+    mesh = mesh if mesh is not None else init_device_mesh()
+    if mesh.platform.backend != "cpu":
+        raise hprt.UnsupportedError(
+            f"fully_shard on the {mesh.platform.backend} backend: torch must address hprt's device "
+            "memory, and DLPack export of cuda / npu device memory is not implemented; the cpu "
+            "backend's is"
+        )
+    ignored = {id(p) for p in (ignored_params or ())}
+    managed = set()
+    for m in module.modules():
+        st = getattr(m, "_hprt_fsdp", None)
+        if st is not None:
+            managed.update(id(p.sharded) for p in st.params)
+    params = {}
+    by_id = {}
+    for mod_name, m in module.named_modules():
+        for attr, p in list(m._parameters.items()):
+            if p is None or id(p) in ignored or id(p) in managed:
+                continue
+            if getattr(p, "_hprt_fsdp_param", None) is not None:
+                continue
+            if id(p) in by_id:
+                by_id[id(p)][1].append((m, attr))  # a tied parameter: one shard, several homes
+                continue
+            fqn = f"{mod_name}.{attr}" if mod_name else attr
+            by_id[id(p)] = params[fqn] = (p, [(m, attr)])
+    state = _FSDPState(module, mesh, reshard_after_forward, mp_policy, offload_policy, params)
+    cls = type(module)
+    state.orig_forward = cls.forward
+    new_cls = _classes.get(cls)
+    if new_cls is None:
+        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _classes[cls] = new_cls
+    module.__class__ = new_cls
+    module._hprt_fsdp = state
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# State dicts
+
+
+def _params_by_ptr(model):
+    out = {}
+    for m in model.modules():
+        st = getattr(m, "_hprt_fsdp", None)
+        if st is not None:
+            st.reshard()
+            for p in st.params:
+                out[p.sharded.data_ptr()] = p
+    return out
+
+
+def get_model_state_dict(model, *, full_state_dict=True):
+    """The model's state dict with each sharded parameter as its whole tensor
+    (``full_state_dict``; a collective: every rank calls it) or as this rank's padded shard,
+    cloned to torch memory."""
+    by_ptr = _params_by_ptr(model)
+    out = {}
+    for k, v in model.state_dict().items():
+        p = by_ptr.get(v.data_ptr()) if torch.is_tensor(v) else None
+        if p is not None and v.shape == p.sharded.shape:
+            out[k] = p.full_tensor() if full_state_dict else v.detach().clone()
+        else:
+            out[k] = v.clone() if torch.is_tensor(v) else v
+    return out
+
+
+def set_model_state_dict(model, state_dict, *, full_state_dict=True, strict=True):
+    """Loads a state dict from ``get_model_state_dict`` (whole tensors, or this rank's shards)."""
+    by_ptr = _params_by_ptr(model)
+    current = model.state_dict()
+    converted = {}
+    for k, v in state_dict.items():
+        cur = current.get(k)
+        p = by_ptr.get(cur.data_ptr()) if torch.is_tensor(cur) else None
+        if p is not None and cur.shape == p.sharded.shape and full_state_dict:
+            converted[k] = p.shard_of(v)
+        else:
+            converted[k] = v
+    for st in {id(p.state): p.state for p in by_ptr.values()}.values():
+        st.streams.compute.synchronize()  # nothing queued still reads the shards
+    return model.load_state_dict(converted, strict=strict)
