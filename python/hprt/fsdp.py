@@ -121,9 +121,22 @@ class _RankContext:
     def __init__(self, platform, comm, rank, world_size):
         self.platform, self.comm = platform, comm
         self.rank, self.world_size = rank, world_size
-        self.cache = hprt.GroupCache(comm)
-        self.streams = hprt.HsdpStreams(platform)
+        self._cache = self._streams = None
         self.meshes = {}
+
+    @property
+    def cache(self):
+        """The rank's sub-communicators (one cache per world communicator)."""
+        if self._cache is None:
+            self._cache = hprt.GroupCache(self.comm)
+        return self._cache
+
+    @property
+    def streams(self):
+        """The compute / all-gather / reduce streams every fully_shard module of the rank uses."""
+        if self._streams is None:
+            self._streams = hprt.HsdpStreams(self.platform)
+        return self._streams
 
 
 _tls = threading.local()
