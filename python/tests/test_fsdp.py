@@ -1,0 +1,403 @@
+"""fully_shard on transformers GPT-2 and Llama models built from small configs: every rank's
+gradients and weights after three AdamW steps must be bit-identical to a single-rank run of the
+same arithmetic (per-rank forward/backward, gradients reduced in rank order, AdamW on the same
+padded shards), and close to plain full-batch training."""
+
+import copy
+import os
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import hprt  # noqa: E402
+import hprt.torch as ht  # noqa: E402
+
+BATCH, SEQ, VOCAB, STEPS, LR, WD = 2, 8, 96, 3, 1e-2, 0.1
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Rank threads run concurrently; one intra-op thread each keeps 2-core CI machines sane.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def gpt2(layers=2):
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=layers, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def llama():
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+
+
+def blocks(model):
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+
+def batch(step, micro, rank):
+    g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def loss_of(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+class Case:
+    def __init__(self, model="gpt2", world=2, mesh=None, bf16=False, reshard=True, micro=1,
+                 offload=False):
+        self.model, self.world, self.bf16, self.reshard = model, world, bf16, reshard
+        self.mesh = mesh or (world,)
+        self.micro, self.offload = micro, offload
+
+    @property
+    def mp(self):
+        if self.bf16:
+            return ht.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return ht.MixedPrecisionPolicy()
+
+
+def shard_model(model, case):
+    mesh = ht.init_device_mesh("cpu", case.mesh)
+    kw = dict(mesh=mesh, reshard_after_forward=case.reshard, mp_policy=case.mp,
+              offload_policy=ht.CPUOffloadPolicy() if case.offload else ht.OffloadPolicy())
+    for block in blocks(model):
+        ht.fully_shard(block, **kw)
+    ht.fully_shard(model, **kw)
+    return model
+
+
+def train_rank(rank, template, case, peaks=None):
+    model = shard_model(copy.deepcopy(template), case)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    platform = model._hprt_fsdp.mesh.platform
+    losses = []
+    for step in range(STEPS):
+        if step == 1:
+            platform.reset_peak_memory()
+        for micro in range(case.micro):
+            model.set_requires_gradient_sync(micro == case.micro - 1)
+            loss = loss_of(model, batch(step, micro, rank))
+            loss.backward()
+            losses.append(loss.item())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    if peaks is not None:
+        peaks[rank] = platform.memory_stats()["device_peak"]
+    shards = {n: p.detach().clone() for n, p in model.named_parameters()}
+    index = {n: p._hprt_fsdp_param.sp.shard_index for n, p in model.named_parameters()}
+    full = ht.get_model_state_dict(model)
+    return grads, shards, index, losses, full
+
+
+def pad_chunks(t, groups):
+    """``t`` split into ``groups`` dim-0 chunks, zero-padded to equal size (hprt's shards)."""
+    rows = -(-t.shape[0] // groups)
+    padded = torch.zeros((rows * groups,) + tuple(t.shape[1:]), dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    return list(padded.split(rows))
+
+
+def reference(template, case):
+    """One rank doing every rank's arithmetic: forward/backward on each rank's batch with the
+    gathered (and cast) parameters, the reduce dtype's sum over micro-batches, the average
+    over ranks in hprt's order (shard group, then replicas), AdamW on padded shards."""
+    world = case.world
+    shard_size = case.mesh[-1]
+    groups = [list(range(g * shard_size, (g + 1) * shard_size)) for g in range(world // shard_size)]
+    master = {n: p.detach().clone() for n, p in template.named_parameters()}
+    shards = {n: pad_chunks(t, shard_size) for n, t in master.items()}
+    shard_params = [[torch.nn.Parameter(shards[n][k]) for n in master] for k in range(shard_size)]
+    opts = [torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=False) for ps in shard_params]
+    work = copy.deepcopy(template)
+    pdt = torch.bfloat16 if case.bf16 else torch.float32
+    grads_out = None
+    for step in range(STEPS):
+        with torch.no_grad():
+            for n, p in work.named_parameters():
+                p.data = master[n].to(pdt)
+        acc = []
+        for rank in range(world):
+            per = {}
+            for micro in range(case.micro):
+                work.zero_grad(set_to_none=True)
+                loss_of(work, batch(step, micro, rank)).backward()
+                for n, p in work.named_parameters():
+                    g = p.grad.to(torch.float32)
+                    per[n] = g if n not in per else per[n] + g
+            acc.append(per)
+        reduced = {}
+        for n in master:
+            group_means = []
+            for g in groups:
+                s = acc[g[0]][n]
+                for r in g[1:]:
+                    s = s + acc[r][n]
+                group_means.append(s / len(g))
+            s = group_means[0]
+            for m in group_means[1:]:
+                s = s + m
+            reduced[n] = s / len(group_means) if len(group_means) > 1 else s
+        grads_out = {n: pad_chunks(reduced[n], shard_size) for n in master}
+        for k in range(shard_size):
+            for n, sp in zip(master, shard_params[k]):
+                sp.grad = grads_out[n][k].clone()
+            opts[k].step()
+        for i, n in enumerate(master):
+            full = torch.cat([shard_params[k][i].detach() for k in range(shard_size)])
+            master[n] = full[: master[n].shape[0]].clone()
+    return grads_out, [[p.detach() for p in ps] for ps in shard_params], master
+
+
+def plain_full_batch(template, case):
+    model = copy.deepcopy(template)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    for step in range(STEPS):
+        for micro in range(case.micro):
+            ids = torch.cat([batch(step, micro, r) for r in range(case.world)])
+            loss_of(model, ids).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def check(case, out, template):
+    ref_grads, ref_shards, ref_full = reference(template, case)
+    names = list(ref_full)
+    for rank, (grads, shards, index, _, full) in enumerate(out):
+        assert list(shards) == names
+        for i, n in enumerate(names):
+            k = index[n]
+            assert torch.equal(grads[n], ref_grads[n][k]), f"rank {rank}: gradient of {n}"
+            assert torch.equal(shards[n], ref_shards[k][i]), f"rank {rank}: weight of {n}"
+            assert torch.equal(full[n], ref_full[n]), f"rank {rank}: full state of {n}"
+    if not case.bf16:
+        plain = plain_full_batch(template, case)
+        for n in names:
+            # Adam turns rounding noise in near-zero gradients into steps of up to lr.
+            torch.testing.assert_close(ref_full[n], plain[n], rtol=1e-3, atol=5e-4)
+
+
+CASES = {
+    "gpt2-fsdp2": Case("gpt2", 2),
+    "llama-fsdp2": Case("llama", 2),
+    "gpt2-fsdp4": Case("gpt2", 4),
+    "llama-hsdp2x2": Case("llama", 4, mesh=(2, 2)),
+    "gpt2-hsdp2x2-bf16": Case("gpt2", 4, mesh=(2, 2), bf16=True),
+    "llama-fsdp2-bf16": Case("llama", 2, bf16=True),
+    "gpt2-fsdp2-keep-gathered": Case("gpt2", 2, reshard=False),
+    "llama-fsdp4-accumulate": Case("llama", 4, micro=2),
+    "gpt2-fsdp2-offload": Case("gpt2", 2, offload=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fully_shard_is_bit_exact(name):
+    case = CASES[name]
+    template = MODELS[case.model]()
+    out = ht.run_on_ranks(case.world, train_rank, template, case)
+    check(case, out, template)
+
+
+def test_fully_shard_under_jitter():
+    """Random delays on every hprt stream: a missing wait shows up as a wrong bit."""
+    case = Case("gpt2", 2, mesh=(2,))
+    template = gpt2()
+    p = hprt.cpu_platform(devices=2, jitter=int(os.environ.get("HP_CPU_JITTER", "7")))
+    out = ht.run_on_ranks(case.world, train_rank, template, case, platform=p)
+    check(case, out, template)
+
+
+def param_bytes(module):
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def test_peak_device_memory_is_a_shard_plus_gathered_blocks():
+    case = Case("gpt2", 4)
+    template = gpt2(layers=4)
+    peaks = [None] * case.world
+    ht.run_on_ranks(case.world, train_rank, template, case, peaks=peaks)
+    total = param_bytes(template)
+    block = max(param_bytes(b) for b in blocks(template))
+    root = total - sum(param_bytes(b) for b in blocks(template))
+    # Shards and sharded gradients (1/N each, plus padding), the root's gathered parameters
+    # (kept from forward to backward), and two gathered blocks: the one computing and the one
+    # prefetched.
+    bound = 2 * total / case.world * 1.05 + root + 2 * block
+    for r, peak in enumerate(peaks):
+        assert peak <= bound, f"rank {r}: peak {peak} bytes, bound {bound:.0f} ({total} bytes of parameters)"
+        assert peak >= total / case.world + block, f"rank {r}: peak {peak} is below a shard and a block"
+
+    keep = Case("gpt2", 4, reshard=False)
+    kept = [None] * keep.world
+    ht.run_on_ranks(keep.world, train_rank, template, keep, peaks=kept)
+    # Without resharding after forward every block stays gathered until its backward.
+    assert min(kept) >= max(peaks) + block, (kept, peaks)
+
+
+def test_module_methods_and_state_dicts():
+    def rank_fn(rank):
+        model = shard_model(copy.deepcopy(template), Case("llama", 2))
+        layers = blocks(model)
+        assert isinstance(model, ht.FSDPModule) and isinstance(layers[0], ht.FSDPModule)
+        # The registered parameters are this rank's padded shards.
+        for n, p in model.named_parameters():
+            sp = p._hprt_fsdp_param.sp
+            assert list(p.shape) == sp.shard_shape and sp.state == "sharded"
+        handle = layers[0].unshard(async_op=True)
+        handle.wait()
+        q = layers[0].self_attn.q_proj.weight
+        assert q.shape == template.model.layers[0].self_attn.q_proj.weight.shape
+        assert torch.equal(q, template.model.layers[0].self_attn.q_proj.weight)
+        layers[0].reshard()
+        assert layers[0].self_attn.q_proj.weight._hprt_fsdp_param.sp.state == "sharded"
+
+        layers[1].set_modules_to_backward_prefetch([layers[0]])
+        layers[0].set_modules_to_forward_prefetch([layers[1]])
+        model.set_reshard_after_forward(False)
+        loss_of(model, batch(0, 0, rank)).backward()
+        assert all(p.grad is not None for p in model.parameters())
+        model.zero_grads()
+        assert all(p.grad is None for p in model.parameters())
+
+        full = ht.get_model_state_dict(model)
+        sharded = ht.get_model_state_dict(model, full_state_dict=False)
+        for n, t in template.state_dict().items():
+            assert torch.equal(full[n], t), n
+        # Load a changed full state dict, read it back, then restore the shards.
+        changed = {n: t + 1 if t.is_floating_point() else t for n, t in full.items()}
+        ht.set_model_state_dict(model, changed)
+        again = ht.get_model_state_dict(model)
+        assert all(torch.equal(again[n], changed[n]) for n in changed)
+        ht.set_model_state_dict(model, sharded, full_state_dict=False)
+        assert all(torch.equal(ht.get_model_state_dict(model)[n], full[n]) for n in full)
+        return True
+
+    template = llama()
+    assert ht.run_on_ranks(2, rank_fn) == [True, True]
+
+
+def test_per_parameter_upstream_names():
+    """hyper_parallel's HSDPParamV2 names on hprt's ShardedParam (HSDP 2x2)."""
+    full = torch.arange(15, dtype=torch.float32).reshape(5, 3)
+
+    def rank_fn(rank):
+        mesh = ht.init_device_mesh("cpu", (2, 2))
+        sp = hprt.ShardedParam(mesh.cache, mesh.streams, mesh.dp, "w", full)
+        sp.alloc_all_gather_outputs()
+        sp.free_unsharded_param()
+        sp.to_unsharded()
+        assert sp.state == "unsharded"
+        with pytest.raises(hprt.HprtError):
+            sp.free_unsharded_param()  # in use
+        mesh.streams.compute.synchronize()
+        got = torch.from_dlpack(sp.unsharded()).clone()
+        sp.to_sharded()
+        assert sp.state == "sharded"
+        grad = torch.full((5, 3), float(rank + 1))
+        with pytest.raises(hprt.HprtError):
+            sp.all_reduce_grad()  # before reduce_scatter_grad
+        sp.reduce_scatter_grad(grad, op="sum")
+        sp.all_reduce_grad()
+        sp.wait_for_reduce()
+        both = torch.frombuffer(bytearray(sp.read_sharded_grad()), dtype=torch.float32).clone()
+        sp.clear_grad()
+        sp.reduce_scatter_grad(grad, op="sum")  # replicas skipped
+        sp.wait_for_reduce()
+        one = torch.frombuffer(bytearray(sp.read_sharded_grad()), dtype=torch.float32).clone()
+        valid = sp.valid_rows(sp.shard_index) * 3  # the rest is padding
+        return got, both[:valid], one[:valid]
+
+    out = ht.run_on_ranks(4, rank_fn)
+    for rank, (got, both, one) in enumerate(out):
+        assert torch.equal(got, full) and both.numel() > 0
+        assert torch.equal(both, torch.full_like(both, 1 + 2 + 3 + 4))
+        pair = (1 + 2) if rank < 2 else (3 + 4)
+        assert torch.equal(one, torch.full_like(one, pair))
+
+
+def test_ranks_need_a_context_and_errors_name_the_rank():
+    with pytest.raises(RuntimeError, match="run_on_ranks"):
+        ht.init_device_mesh()
+
+    def fail(rank):
+        if rank == 1:
+            raise ValueError("boom")
+        return rank
+
+    with pytest.raises(RuntimeError, match="rank 1 of 2 failed: boom"):
+        ht.run_on_ranks(2, fail)
+    with pytest.raises(RuntimeError, match="holds 3 ranks"):
+        ht.run_on_ranks(2, lambda r: ht.init_device_mesh("cpu", (3,)))
+
+
+def test_rendezvous_over_a_torch_process_group(tmp_path):
+    """Two processes over gloo: rank 0's unique id reaches both; the cpu backend refuses at
+    once (its ranks are threads of one process) instead of timing out."""
+    import torch.multiprocessing as mp
+
+    from rendezvous_worker import run
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=run, args=(r, 2, str(tmp_path / "store"), results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    uids = set()
+    for rank, ret, cpu_error, calls in got:
+        assert ret == rank
+        assert cpu_error is not None and "threads of one process" in cpu_error
+        assert calls[0] == ("set_device", rank)
+        _, uid, r, world = calls[1]
+        assert (r, world) == (rank, 2)
+        uids.add(uid)
+    assert len(uids) == 1 and next(iter(uids)).startswith(b"id-of-rank-0-")
+
+
+def test_fully_shard_refuses_a_backend_torch_cannot_address():
+    if not os.environ.get("HP_ACL_LIB"):
+        pytest.skip("needs the Ascend emulator (HP_ACL_LIB)")
+    p = hprt.open_platform("npu")
+
+    def rank_fn(rank):
+        with pytest.raises(hprt.UnsupportedError, match="DLPack"):
+            ht.fully_shard(torch.nn.Linear(4, 4))
+        return True
+
+    assert ht.run_on_ranks(2, rank_fn, platform=p) == [True, True]
+
+
+def test_threads_keep_separate_contexts():
+    seen = {}
+    lock = threading.Lock()
+
+    def rank_fn(rank):
+        with lock:
+            seen[rank] = (ht.get_rank(), ht.get_world_size())
+        return rank
+
+    assert ht.run_on_ranks(3, rank_fn) == [0, 1, 2]
+    assert seen == {0: (0, 3), 1: (1, 3), 2: (2, 3)}
