@@ -548,6 +548,42 @@ enum HprtStatus hprt_hsdp_param_unsharded(const struct HprtHsdpParam *param,
 enum HprtStatus hprt_hsdp_param_shard(struct HprtHsdpParam *param);
 
 /*
+ hyper_parallel's `to_sharded`: `hprt_hsdp_param_shard`.
+
+ # Safety
+ `param` live, used by one thread at a time.
+ */
+enum HprtStatus hprt_hsdp_param_to_sharded(struct HprtHsdpParam *param);
+
+/*
+ hyper_parallel's `to_unsharded`: unsharded from any state (an all-gather is started if
+ none is pending), the compute stream ordered after it. Collective over the shard group.
+
+ # Safety
+ `param` live, used by one thread at a time.
+ */
+enum HprtStatus hprt_hsdp_param_to_unsharded(struct HprtHsdpParam *param);
+
+/*
+ hyper_parallel's `alloc_all_gather_outputs`: sizes the all-gather output to full capacity
+ (`hprt_hsdp_param_unshard` does this itself). `HPRT_STATUS_ERROR_WRONG_STATE` while an
+ all-gather is pending.
+
+ # Safety
+ `param` live, used by one thread at a time.
+ */
+enum HprtStatus hprt_hsdp_param_alloc_all_gather_outputs(struct HprtHsdpParam *param);
+
+/*
+ hyper_parallel's `free_unsharded_param`: releases the all-gather output; only while sharded
+ (`HPRT_STATUS_ERROR_WRONG_STATE` otherwise).
+
+ # Safety
+ `param` live, used by one thread at a time.
+ */
+enum HprtStatus hprt_hsdp_param_free_unsharded_param(struct HprtHsdpParam *param);
+
+/*
  Adds an unsharded gradient (the full parameter shape in `grad_dtype`, at `grad_offset`) to
  the one accumulated for the next reduction, on the compute stream: micro-batches of a step
  that reduces once.
@@ -579,6 +615,34 @@ enum HprtStatus hprt_hsdp_param_reduce_grad(struct HprtHsdpParam *param,
                                             int32_t op,
                                             double scale,
                                             bool async_op);
+
+/*
+ hyper_parallel's `reduce_scatter_grad`: the first half of `hprt_hsdp_param_reduce_grad`
+ (asynchronous): `grad` plus the accumulated gradient reduce-scattered over the shard group
+ on the reduce stream. `hprt_hsdp_param_all_reduce_grad` may follow (replicas);
+ `hprt_hsdp_param_wait_for_reduce` applies the result, scaled. `grad` must stay untouched
+ until then. Collective over the shard group.
+
+ # Safety
+ Handles live or `grad` null; `param` used by one thread at a time.
+ */
+enum HprtStatus hprt_hsdp_param_reduce_scatter_grad(struct HprtHsdpParam *param,
+                                                    const struct HprtDeviceBuffer *grad,
+                                                    size_t grad_offset,
+                                                    int32_t grad_dtype,
+                                                    int32_t op,
+                                                    double scale);
+
+/*
+ hyper_parallel's `all_reduce_grad`: all-reduces the reduce-scattered gradient across the
+ replicas (HSDP) on the reduce stream. A no-op without replicas or when done;
+ `HPRT_STATUS_ERROR_WRONG_STATE` before `hprt_hsdp_param_reduce_scatter_grad`. Collective
+ over the replica group.
+
+ # Safety
+ `param` live, used by one thread at a time.
+ */
+enum HprtStatus hprt_hsdp_param_all_reduce_grad(struct HprtHsdpParam *param);
 
 /*
  Applies the pending asynchronous reduction into the sharded gradient, ordering the compute

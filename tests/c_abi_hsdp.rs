@@ -717,3 +717,80 @@ fn offloaded_shards_and_accumulated_micro_batches() {
         }
     });
 }
+
+#[test]
+fn upstream_per_parameter_names_on_hsdp_2x2() {
+    // hyper_parallel's HSDPParamV2 steps through the C ABI: to_unsharded / to_sharded,
+    // alloc_all_gather_outputs / free_unsharded_param, reduce_scatter_grad then all_reduce_grad.
+    let (rows, cols, mesh) = (6, 2, [2usize, 2]);
+    let n = rows * cols;
+    let full = param_full(n);
+    run_ranks(4, |rk| {
+        let h = rk.hsdp(HprtDpMode::Hsdp, &mesh);
+        // SAFETY: every handle below is made here, used while live and released once.
+        unsafe {
+            let src = rk.upload(&bytes(&full));
+            let mut w = ptr::null_mut();
+            let shape = [rows, cols];
+            let f32_ = HprtDtype::F32 as i32;
+            ok(hprt_hsdp_param_create(
+                h,
+                c"w".as_ptr(),
+                shape.as_ptr(),
+                2,
+                f32_,
+                ptr::null(),
+                src,
+                0,
+                &mut w,
+            ));
+            ok(hprt_hsdp_param_alloc_all_gather_outputs(w));
+            ok(hprt_hsdp_param_free_unsharded_param(w));
+            ok(hprt_hsdp_param_to_unsharded(w));
+            assert_eq!(info(w).state, HprtParamState::Unsharded);
+            expect(
+                hprt_hsdp_param_free_unsharded_param(w),
+                HprtStatus::ErrorWrongState,
+            );
+            let (mut addr, mut len) = (0, 0);
+            ok(hprt_hsdp_param_unsharded(w, &mut addr, &mut len));
+            assert_close("unsharded", &f32s(&rk.download(addr, len)), &full);
+            ok(hprt_hsdp_param_to_sharded(w));
+            assert_eq!(info(w).state, HprtParamState::Sharded);
+            expect(
+                hprt_hsdp_param_all_reduce_grad(w),
+                HprtStatus::ErrorWrongState,
+            );
+
+            let g = rk.upload(&bytes(&grad_of(rk.rank, n)));
+            let sum = HprtReduceOp::Sum as i32;
+            let total = |ranks: &[usize]| -> Vec<f32> {
+                (0..n)
+                    .map(|i| ranks.iter().map(|&r| grad_of(r, n)[i]).sum::<f32>())
+                    .collect()
+            };
+            let k = rk.rank % 2;
+            let mut v = HprtShardView::default();
+            ok(hprt_hsdp_param_reduce_scatter_grad(w, g, 0, f32_, sum, 1.0));
+            ok(hprt_hsdp_param_all_reduce_grad(w));
+            ok(hprt_hsdp_param_wait_for_reduce(w));
+            ok(hprt_hsdp_param_sharded_grad(w, &mut v));
+            let all = total(&[0, 1, 2, 3]);
+            assert_close("both", &rk.view(v), &rows_shard(&all, rows, cols, 2, k));
+            ok(hprt_hsdp_param_clear_grad(w));
+            // Without the all-reduce only the shard group's gradients are summed.
+            ok(hprt_hsdp_param_reduce_scatter_grad(w, g, 0, f32_, sum, 1.0));
+            ok(hprt_hsdp_param_wait_for_reduce(w));
+            ok(hprt_hsdp_param_sharded_grad(w, &mut v));
+            let group = if rk.rank < 2 { [0, 1] } else { [2, 3] };
+            let one = total(&group);
+            assert_close("one", &rk.view(v), &rows_shard(&one, rows, cols, 2, k));
+
+            ok(hprt_stream_synchronize(rk.p, rk.s));
+            ok(hprt_device_free(rk.p, src));
+            ok(hprt_device_free(rk.p, g));
+            ok(hprt_hsdp_param_destroy(w));
+            ok(hprt_hsdp_destroy(h));
+        }
+    });
+}

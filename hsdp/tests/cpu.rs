@@ -158,6 +158,69 @@ fn hsdp_2x2_and_2x4_reduce_scatter_then_all_reduce_across_replicas() -> Result<(
 }
 
 #[test]
+fn upstream_per_parameter_names_split_the_reduction() -> Result<()> {
+    // hyper_parallel's HSDPParamV2 steps: alloc_all_gather_outputs / to_unsharded / to_sharded
+    // / free_unsharded_param, reduce_scatter_grad then (optionally) all_reduce_grad.
+    let (world, dp) = (4, hsdp(2, 2));
+    let p = cpu(world);
+    let (shape, dtype) = ([6usize, 3], DType::F32);
+    let numel = 18;
+    let full = values(7, numel);
+    run_world(&p, world, |rk| {
+        let src = rk.upload(dtype, &full)?;
+        let spec = ParamSpec::new("w", &shape, dtype);
+        let config = ParamConfig::default();
+        let mut w = ShardedParam::new(&rk.cache, &rk.streams, &dp, spec, &config, (&src).into())?;
+        w.alloc_all_gather_outputs()?;
+        w.free_unsharded_param()?;
+        w.to_unsharded()?;
+        ensure!(w.state() == ParamState::Unsharded);
+        ensure!(matches!(
+            w.free_unsharded_param(),
+            Err(HsdpError::InvalidState { .. })
+        ));
+        let got = rk.download(w.unsharded()?, dtype, numel)?;
+        assert_close("gathered", &got, &full, 0.0, 0.0)?;
+        w.to_sharded()?;
+        ensure!(w.state() == ParamState::Sharded);
+        ensure!(matches!(w.all_reduce_grad(), Err(HsdpError::InvalidState { .. })));
+
+        let g = w.geometry().clone();
+        let grad = rk.upload(dtype, &grad_of(rk.rank, numel))?;
+        let sum = |ranks: &[usize]| -> Vec<f64> {
+            (0..numel)
+                .map(|i| ranks.iter().map(|&r| grad_of(r, numel)[i]).sum())
+                .collect()
+        };
+        let sum_opts = ReduceOptions {
+            op: ReduceOp::Sum,
+            scale: Some(0.5),
+        };
+        let input = GradInput {
+            buf: (&grad).into(),
+            dtype,
+        };
+        // Both halves: every rank's gradient, scaled.
+        w.reduce_scatter_grad(Some(input), sum_opts)?;
+        w.all_reduce_grad()?;
+        w.all_reduce_grad()?; // a second call is a no-op
+        w.wait_for_reduce()?;
+        let both = rk.read_shard(w.sharded_grad().unwrap(), dtype, g.shard_numel())?;
+        let want: Vec<f64> = sum(&[0, 1, 2, 3]).iter().map(|v| v * 0.5).collect();
+        assert_close("both", &both, &expected_shard(&g, g.index(), &want), 1e-6, 1e-6)?;
+        // The reduce-scatter alone: only the shard group's (same replica) gradients.
+        w.clear_grad()?;
+        w.reduce_scatter_grad(Some(input), sum_opts)?;
+        w.wait_for_reduce()?;
+        let one = rk.read_shard(w.sharded_grad().unwrap(), dtype, g.shard_numel())?;
+        let group: Vec<usize> = if rk.rank < 2 { vec![0, 1] } else { vec![2, 3] };
+        let want: Vec<f64> = sum(&group).iter().map(|v| v * 0.5).collect();
+        assert_close("one", &one, &expected_shard(&g, g.index(), &want), 1e-6, 1e-6)?;
+        Ok(())
+    })
+}
+
+#[test]
 fn hsdp_groups_follow_the_mesh_layout() -> Result<()> {
     let p = cpu(8);
     let dp = hsdp(2, 4);

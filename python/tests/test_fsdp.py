@@ -377,7 +377,9 @@ def test_rendezvous_over_a_torch_process_group(tmp_path):
     assert len(uids) == 1 and next(iter(uids)).startswith(b"id-of-rank-0-")
 
 
-def test_fully_shard_refuses_a_backend_torch_cannot_address():
+def test_fully_shard_on_the_npu_emulator_is_a_clear_error():
+    """torch cannot address npu device memory (no DLPack export of it): a typed error, not a
+    wrong result."""
     if not os.environ.get("HP_ACL_LIB"):
         pytest.skip("needs the Ascend emulator (HP_ACL_LIB)")
     p = hprt.open_platform("npu")

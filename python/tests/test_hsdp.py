@@ -287,7 +287,19 @@ def test_fsdp_on_an_emulated_accelerator(backend):
             full = f32(w.read_unsharded(), [5, 3])
             w.shard()
             w.reduce_grad(device_tensor(grad_of(r), streams.compute), op="avg")
-            results[r] = full, w.shard_index, f32(w.read_sharded_grad(), w.shard_shape)
+            first = f32(w.read_sharded_grad(), w.shard_shape)
+            # The same through hyper_parallel's per-parameter names.
+            w.to_unsharded()
+            again = f32(w.read_unsharded(), [5, 3])
+            w.to_sharded()
+            w.clear_grad()
+            grad = device_tensor(grad_of(r), streams.compute)
+            w.reduce_scatter_grad(grad, op="avg")
+            w.all_reduce_grad()
+            w.wait_for_reduce()
+            assert np.array_equal(f32(w.read_sharded_grad(), w.shard_shape), first)
+            assert np.array_equal(again, FULL)
+            results[r] = full, w.shard_index, first
         except BaseException as e:  # reported below
             errors.append((r, e))
 

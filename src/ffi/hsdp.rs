@@ -525,6 +525,62 @@ pub unsafe extern "C" fn hprt_hsdp_param_shard(param: *mut HprtHsdpParam) -> Hpr
     })
 }
 
+/// hyper_parallel's `to_sharded`: `hprt_hsdp_param_shard`.
+///
+/// # Safety
+/// `param` live, used by one thread at a time.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_to_sharded(param: *mut HprtHsdpParam) -> HprtStatus {
+    guard("hprt_hsdp_param_to_sharded", || {
+        param_mut(param)?.param.to_sharded()?;
+        Ok(())
+    })
+}
+
+/// hyper_parallel's `to_unsharded`: unsharded from any state (an all-gather is started if
+/// none is pending), the compute stream ordered after it. Collective over the shard group.
+///
+/// # Safety
+/// `param` live, used by one thread at a time.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_to_unsharded(param: *mut HprtHsdpParam) -> HprtStatus {
+    guard("hprt_hsdp_param_to_unsharded", || {
+        param_mut(param)?.param.to_unsharded()?;
+        Ok(())
+    })
+}
+
+/// hyper_parallel's `alloc_all_gather_outputs`: sizes the all-gather output to full capacity
+/// (`hprt_hsdp_param_unshard` does this itself). `HPRT_STATUS_ERROR_WRONG_STATE` while an
+/// all-gather is pending.
+///
+/// # Safety
+/// `param` live, used by one thread at a time.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_alloc_all_gather_outputs(
+    param: *mut HprtHsdpParam,
+) -> HprtStatus {
+    guard("hprt_hsdp_param_alloc_all_gather_outputs", || {
+        param_mut(param)?.param.alloc_all_gather_outputs()?;
+        Ok(())
+    })
+}
+
+/// hyper_parallel's `free_unsharded_param`: releases the all-gather output; only while sharded
+/// (`HPRT_STATUS_ERROR_WRONG_STATE` otherwise).
+///
+/// # Safety
+/// `param` live, used by one thread at a time.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_free_unsharded_param(
+    param: *mut HprtHsdpParam,
+) -> HprtStatus {
+    guard("hprt_hsdp_param_free_unsharded_param", || {
+        param_mut(param)?.param.free_unsharded_param()?;
+        Ok(())
+    })
+}
+
 /// Adds an unsharded gradient (the full parameter shape in `grad_dtype`, at `grad_offset`) to
 /// the one accumulated for the next reduction, on the compute stream: micro-batches of a step
 /// that reduces once.
@@ -570,34 +626,86 @@ pub unsafe extern "C" fn hprt_hsdp_param_reduce_grad(
 ) -> HprtStatus {
     guard("hprt_hsdp_param_reduce_grad", || {
         let w = param_mut(param)?;
-        let grad = match opt_arg(grad, "grad")? {
-            None => None,
-            Some(g) => Some(GradInput {
-                buf: g.0.at(grad_offset),
-                dtype: dtype_arg(grad_dtype)?,
-            }),
-        };
-        let op = match op {
-            o if o == HprtReduceOp::Sum as i32 => ReduceOp::Sum,
-            o if o == HprtReduceOp::Avg as i32 => ReduceOp::Avg,
-            o => {
-                return Err(FfiError::invalid(format!(
-                    "gradients reduce with HPRT_REDUCE_OP_SUM or _AVG, not {o}"
-                )))
-            }
-        };
-        if !scale.is_finite() {
-            return Err(FfiError::invalid(format!("scale {scale} is not finite")));
-        }
-        let opts = ReduceOptions {
-            op,
-            scale: (scale != 1.0).then_some(scale),
-        };
+        let (grad, opts) = reduce_args(grad, grad_offset, grad_dtype, op, scale)?;
         if async_op {
             w.param.reduce_grad_async(grad, opts)?;
         } else {
             w.param.reduce_grad(grad, opts)?;
         }
+        Ok(())
+    })
+}
+
+/// The gradient and options of the reduce entry points.
+fn reduce_args<'a>(
+    grad: *const HprtDeviceBuffer,
+    grad_offset: usize,
+    grad_dtype: i32,
+    op: i32,
+    scale: f64,
+) -> FfiResult<(Option<GradInput<'a>>, ReduceOptions)> {
+    let grad = match opt_arg(grad, "grad")? {
+        None => None,
+        Some(g) => Some(GradInput {
+            buf: g.0.at(grad_offset),
+            dtype: dtype_arg(grad_dtype)?,
+        }),
+    };
+    let op = match op {
+        o if o == HprtReduceOp::Sum as i32 => ReduceOp::Sum,
+        o if o == HprtReduceOp::Avg as i32 => ReduceOp::Avg,
+        o => {
+            return Err(FfiError::invalid(format!(
+                "gradients reduce with HPRT_REDUCE_OP_SUM or _AVG, not {o}"
+            )))
+        }
+    };
+    if !scale.is_finite() {
+        return Err(FfiError::invalid(format!("scale {scale} is not finite")));
+    }
+    let opts = ReduceOptions {
+        op,
+        scale: (scale != 1.0).then_some(scale),
+    };
+    Ok((grad, opts))
+}
+
+/// hyper_parallel's `reduce_scatter_grad`: the first half of `hprt_hsdp_param_reduce_grad`
+/// (asynchronous): `grad` plus the accumulated gradient reduce-scattered over the shard group
+/// on the reduce stream. `hprt_hsdp_param_all_reduce_grad` may follow (replicas);
+/// `hprt_hsdp_param_wait_for_reduce` applies the result, scaled. `grad` must stay untouched
+/// until then. Collective over the shard group.
+///
+/// # Safety
+/// Handles live or `grad` null; `param` used by one thread at a time.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_reduce_scatter_grad(
+    param: *mut HprtHsdpParam,
+    grad: *const HprtDeviceBuffer,
+    grad_offset: usize,
+    grad_dtype: i32,
+    op: i32,
+    scale: f64,
+) -> HprtStatus {
+    guard("hprt_hsdp_param_reduce_scatter_grad", || {
+        let w = param_mut(param)?;
+        let (grad, opts) = reduce_args(grad, grad_offset, grad_dtype, op, scale)?;
+        w.param.reduce_scatter_grad(grad, opts)?;
+        Ok(())
+    })
+}
+
+/// hyper_parallel's `all_reduce_grad`: all-reduces the reduce-scattered gradient across the
+/// replicas (HSDP) on the reduce stream. A no-op without replicas or when done;
+/// `HPRT_STATUS_ERROR_WRONG_STATE` before `hprt_hsdp_param_reduce_scatter_grad`. Collective
+/// over the replica group.
+///
+/// # Safety
+/// `param` live, used by one thread at a time.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_hsdp_param_all_reduce_grad(param: *mut HprtHsdpParam) -> HprtStatus {
+    guard("hprt_hsdp_param_all_reduce_grad", || {
+        param_mut(param)?.param.all_reduce_grad()?;
         Ok(())
     })
 }
