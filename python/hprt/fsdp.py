@@ -34,6 +34,7 @@ supported).
 
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "RankMesh",
+    "StreamTrace",
     "init_device_mesh",
     "run_on_ranks",
     "init_from_process_group",
@@ -243,6 +245,7 @@ class RankMesh:
         else:
             raise ValueError(f"a data-parallel mesh is 1-D (FSDP) or 2-D (HSDP), not {list(shape)}")
         self.shape = tuple(shape)
+        self.trace = None  # a StreamTrace to record this rank's streams
 
     @property
     def shard_axis(self):
@@ -250,6 +253,48 @@ class RankMesh:
 
     def __repr__(self):
         return f"RankMesh(shape={list(self.shape)}, rank={self.rank})"
+
+
+class StreamTrace:
+    """A timeline of one rank's hprt streams and host waits during fully_shard training: each
+    all-gather and gradient reduction is bracketed by timing events on its stream, each host
+    wait for them by host timestamps; ``spans()`` puts both on the host clock (seconds).
+
+    ``mesh.trace = StreamTrace(mesh.platform)`` turns it on for every module of that mesh."""
+
+    def __init__(self, platform):
+        self.platform = platform
+        self._events = []  # (kind, start event, end event)
+        self._waits = []  # (start, end) host seconds
+        self._ref_stream = platform.create_stream()
+        self._ref = platform.create_event(True)
+        self._ref_host = time.perf_counter()
+        self._ref_stream.record_event(self._ref)
+
+    def begin(self, stream):
+        e = self.platform.create_event(True)
+        stream.record_event(e)
+        return e
+
+    def end(self, kind, stream, start):
+        e = self.platform.create_event(True)
+        stream.record_event(e)
+        self._events.append((kind, start, e))
+
+    def wait(self, t0, t1):
+        self._waits.append((t0, t1))
+
+    def spans(self):
+        """``[(kind, start_s, end_s)]``: kinds ``all-gather``, ``reduce`` (stream time) and
+        ``wait`` (the host blocked on them). Synchronizes the events first."""
+        out = []
+        for kind, a, b in self._events:
+            b.synchronize()
+            t0 = self._ref_host + self._ref.elapsed_ms(a) / 1e3
+            t1 = self._ref_host + self._ref.elapsed_ms(b) / 1e3
+            out.append((kind, t0, t1))
+        out.extend(("wait", t0, t1) for t0, t1 in self._waits)
+        return sorted(out, key=lambda s: s[1])
 
 
 def init_device_mesh(device_type=None, mesh_shape=None, mesh_dim_names=None):
@@ -358,7 +403,11 @@ class _FSDPParam:
         if st.requires_gradient_sync:
             if self.sharded.grad is None and not self.reduced:
                 self.sp.clear_grad()  # the user dropped .grad (zero_grad): start a new one
+            trace, rs = st.mesh.trace, st.streams.reduce
+            start = trace.begin(rs) if trace else None
             self.sp.reduce_grad(grad, op="avg", async_op=True, all_reduce=st.requires_all_reduce)
+            if trace:
+                trace.end("reduce", rs, start)
             self.reduced = True
         else:
             self.sp.accumulate_grad(grad)
@@ -445,16 +494,23 @@ class _FSDPState:
 
     # --- unshard / reshard
     def unshard_async(self):
+        trace, ag = self.mesh.trace, self.streams.all_gather
+        start = trace.begin(ag) if trace else None
         for p in self.params:
             p.unshard(async_op=True)
+        if trace:
+            trace.end("all-gather", ag, start)
 
     def unshard(self):
         if self.params and all(p.base is not None for p in self.params):
             return
         self.unshard_async()
+        t0 = time.perf_counter()
         for p in self.params:
             p.wait_for_unshard()
         self.streams.compute.synchronize()  # torch computes on the host (cpu backend)
+        if self.mesh.trace:
+            self.mesh.trace.wait(t0, time.perf_counter())
         for p in self.params:
             p.bind_unsharded()
 
@@ -600,11 +656,14 @@ class _FSDPState:
 
     def _final_callback(self):
         states = self.states or [self]
+        t0 = time.perf_counter()
         for st in states:
             for p in st.params:
                 if p.reduced:
                     p.sp.wait_for_reduce()
         self.streams.compute.synchronize()
+        if self.mesh.trace:
+            self.mesh.trace.wait(t0, time.perf_counter())
         for st in states:
             for p in st.params:
                 if p.reduced:

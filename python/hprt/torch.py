@@ -42,6 +42,7 @@ from hprt.fsdp import (  # noqa: F401  (sharded data parallel: see hprt.fsdp)
     MixedPrecisionPolicy,
     OffloadPolicy,
     RankMesh,
+    StreamTrace,
     fully_shard,
     get_model_state_dict,
     get_rank,
