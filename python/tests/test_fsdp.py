@@ -403,3 +403,25 @@ def test_threads_keep_separate_contexts():
 
     assert ht.run_on_ranks(3, rank_fn) == [0, 1, 2]
     assert seen == {0: (0, 3), 1: (1, 3), 2: (2, 3)}
+
+
+def test_ignored_params_output_dtype_and_input_cast():
+    template = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
+
+    def rank_fn(rank):
+        model = copy.deepcopy(template)
+        mp = ht.MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+        ht.fully_shard(model[0], mp_policy=mp)
+        ht.fully_shard(model, ignored_params={model[1].bias})
+        assert model[1].bias.shape == template[1].bias.shape  # ignored: not sharded
+        assert not hasattr(model[1].bias, "_hprt_fsdp_param")
+        seen = {}
+        model[0].register_forward_hook(lambda m, a, o: seen.update(w=m.weight.dtype))
+        # An f32 input meets bf16 weights: it runs only because the input was cast.
+        out = model[0](torch.ones(2, 6))
+        assert seen == {"w": torch.bfloat16}
+        assert out.dtype == torch.float32  # output_dtype
+        model(torch.ones(2, 6)).sum().backward()
+        return model[0].weight.grad.dtype, model[1].bias.grad is not None
+
+    assert ht.run_on_ranks(2, rank_fn) == [(torch.float32, True)] * 2
