@@ -319,7 +319,9 @@ impl ShardedParam<'_> {
         let (op, done) = match &self.grad.pending {
             Some(p) if p.all_reduced => return Ok(()),
             Some(p) => (p.op, p.done.clone()),
-            None => return Err(self.state_error("all-reduce a gradient that was not reduce-scattered")),
+            None => {
+                return Err(self.state_error("all-reduce a gradient that was not reduce-scattered"))
+            }
         };
         let (buf, off) = self.pending_target()?;
         let target = buf.at(off);
@@ -369,7 +371,9 @@ impl ShardedParam<'_> {
     pub fn wait_for_reduce(&mut self) -> Result<()> {
         let scale = match &self.grad.pending {
             Some(pending) => pending.scale,
-            None => return Err(self.state_error("wait for a gradient reduction that was not started")),
+            None => {
+                return Err(self.state_error("wait for a gradient reduction that was not started"))
+            }
         };
         if let Some(factor) = scale {
             let (buf, off) = self.pending_target()?;

@@ -9,15 +9,18 @@
 //!   (FSDP / HSDP / DDP), [`SpmdLayout`] and the layout-driven [`GroupInfos`].
 //! - [`policy`] — [`MixedPrecisionPolicy`] and [`OffloadPolicy`].
 //! - [`param`] — [`ShardedParam`]: padded shards, `unshard` (async all-gather, prefetch,
-//!   [`UnshardHandle`]), `wait_for_unshard`, `shard`; [`ShardGeometry`] for `Shard(dim)` layouts.
-//! - [`grad`] — gradient accumulation, reduce-scatter + all-reduce ([`ReduceOptions`]) and the
-//!   ordered [`GradQueue`].
+//!   [`UnshardHandle`]), `wait_for_unshard`, `shard`, and hyper_parallel's `HSDPParamV2` names
+//!   `to_sharded`, `to_unsharded`, `alloc_all_gather_outputs`, `free_unsharded_param`;
+//!   [`ShardGeometry`] for `Shard(dim)` layouts.
+//! - [`grad`] — gradient accumulation, reduce-scatter + all-reduce ([`ReduceOptions`]; in two
+//!   halves as `reduce_scatter_grad` / `all_reduce_grad`) and the ordered [`GradQueue`].
 //! - [`bench`] — all-gather / reduce-scatter through hsdp against the direct collective.
 //! - [`error`] — [`HsdpError`], the crate's one error.
 //!
 //! Ranks are whatever the platform's communicators connect (threads of one process on the cpu
 //! backend); each rank builds one [`GroupCache`] over its world communicator and its parameters
-//! in the same order as every other rank.
+//! in the same order as every other rank. torch modules are sharded with these parameters by
+//! `hprt.torch.fully_shard` (the Python package's `hprt/fsdp.py`).
 
 pub mod bench;
 pub mod error;

@@ -615,7 +615,10 @@ impl PyShardedParam {
     }
     /// Sizes the all-gather output to full capacity (`unshard` does this itself).
     fn alloc_all_gather_outputs(&self) -> Result<()> {
-        Ok(locked(&self.inner).param.get_mut().alloc_all_gather_outputs()?)
+        Ok(locked(&self.inner)
+            .param
+            .get_mut()
+            .alloc_all_gather_outputs()?)
     }
     /// Releases the all-gather output; only while sharded (`shard()` calls it).
     fn free_unsharded_param(&self) -> Result<()> {

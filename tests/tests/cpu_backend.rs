@@ -186,10 +186,16 @@ fn comm_init_with_another_process_id_says_ranks_are_threads() {
     let other = u64::from(std::process::id()) + 1;
     id.0[n - 8..].copy_from_slice(&other.to_le_bytes());
     let start = Instant::now();
-    let e = p.comm_init(&id, 0, 2).expect_err("a foreign process's id was accepted");
+    let e = p
+        .comm_init(&id, 0, 2)
+        .expect_err("a foreign process's id was accepted");
     assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
     assert!(e.message.contains("threads of one process"), "{e}");
-    assert!(start.elapsed() < Duration::from_secs(5), "it waited {:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "it waited {:?}",
+        start.elapsed()
+    );
 }
 
 #[test]
