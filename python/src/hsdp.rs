@@ -418,6 +418,37 @@ impl PyShardedParam {
         }
     }
 
+    /// Starts the reduce-scatter of `grad` (and with `all_reduce` the all-reduce across
+    /// replicas), keeping `grad`'s memory until the reduction is applied.
+    fn start_reduce(
+        &self,
+        py: Python<'_>,
+        grad: Option<&Bound<'_, PyAny>>,
+        op: &str,
+        scale: Option<f64>,
+        all_reduce: bool,
+    ) -> Result<()> {
+        let g = grad.map(|g| tensor_arg(&self.p, g)).transpose()?;
+        let opts = ReduceOptions {
+            op: reduce_op(op)?,
+            scale,
+        };
+        py.detach(|| {
+            let mut inner = locked(&self.inner);
+            let input = g.as_ref().map(|g| GradInput {
+                buf: g.storage.at(g.offset),
+                dtype: g.dtype,
+            });
+            let w = inner.param.get_mut();
+            w.reduce_scatter_grad(input, opts)?;
+            if all_reduce {
+                w.all_reduce_grad()?;
+            }
+            inner.reducing = g.map(|g| g.storage);
+            Ok(())
+        })
+    }
+
     /// The bytes of `r` once the compute stream's work so far completed.
     fn read_shard_ref(
         p: &dyn Platform,
@@ -727,29 +758,11 @@ impl PyShardedParam {
         async_op: bool,
         all_reduce: bool,
     ) -> Result<()> {
-        let g = grad.map(|g| tensor_arg(&self.p, g)).transpose()?;
-        let opts = ReduceOptions {
-            op: reduce_op(op)?,
-            scale,
-        };
-        py.detach(|| {
-            let mut inner = locked(&self.inner);
-            let input = g.as_ref().map(|g| GradInput {
-                buf: g.storage.at(g.offset),
-                dtype: g.dtype,
-            });
-            let w = inner.param.get_mut();
-            w.reduce_scatter_grad(input, opts)?;
-            if all_reduce {
-                w.all_reduce_grad()?;
-            }
-            if async_op {
-                inner.reducing = g.map(|g| g.storage);
-            } else {
-                w.wait_for_reduce()?;
-            }
-            Ok(())
-        })
+        self.start_reduce(py, grad, op, scale, all_reduce)?;
+        if !async_op {
+            self.wait_for_reduce(py)?;
+        }
+        Ok(())
     }
     /// hyper_parallel's first half of `reduce_grad`: starts the reduce-scatter of `grad` (plus
     /// the accumulated gradient) over the sharded group; `all_reduce_grad()` may follow, then
@@ -762,21 +775,7 @@ impl PyShardedParam {
         op: &str,
         scale: Option<f64>,
     ) -> Result<()> {
-        let g = grad.map(|g| tensor_arg(&self.p, g)).transpose()?;
-        let opts = ReduceOptions {
-            op: reduce_op(op)?,
-            scale,
-        };
-        py.detach(|| {
-            let mut inner = locked(&self.inner);
-            let input = g.as_ref().map(|g| GradInput {
-                buf: g.storage.at(g.offset),
-                dtype: g.dtype,
-            });
-            inner.param.get_mut().reduce_scatter_grad(input, opts)?;
-            inner.reducing = g.map(|g| g.storage);
-            Ok(())
-        })
+        self.start_reduce(py, grad, op, scale, false)
     }
     /// hyper_parallel's second half: all-reduces the reduce-scattered gradient across the
     /// replicas (HSDP); a no-op without replicas.
