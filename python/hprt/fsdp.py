@@ -405,7 +405,7 @@ class _FSDPParam:
                 self.sp.clear_grad()  # the user dropped .grad (zero_grad): start a new one
             trace, rs = st.mesh.trace, st.streams.reduce
             start = trace.begin(rs) if trace else None
-            self.sp.reduce_grad(grad, op="avg", async_op=True, all_reduce=st.requires_all_reduce)
+            self.sp.reduce_grad(grad, op="avg", async_op=True)
             if trace:
                 trace.end("reduce", rs, start)
             self.reduced = True
@@ -459,7 +459,6 @@ class _FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        self.requires_all_reduce = True
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
         self.live = {}
@@ -711,11 +710,6 @@ class FSDPModule:
         the next backward with it on reduces the sum."""
         for st in self._fsdp_states(recurse):
             st.requires_gradient_sync = requires_gradient_sync
-
-    def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
-        """Off (HSDP): gradients are reduce-scattered but not all-reduced across replicas."""
-        for st in self._fsdp_states(recurse):
-            st.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
         for st in self._fsdp_states(recurse):
