@@ -56,7 +56,7 @@ def union(spans):
 
 
 def overlap_len(xs, ys):
-    total, j = 0.0, 0
+    total = 0.0
     for a, b in xs:
         for c, d in ys:
             total += max(0.0, min(b, d) - max(a, c))

@@ -35,7 +35,6 @@ supported).
 import os
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -362,7 +361,6 @@ class _FSDPParam:
         self.unsharded = None
         self.base = None  # the gathered tensor while unsharded
         self.reduced = False  # a reduction was issued in this backward
-        self.got_grad = False
         self.keep = []  # gradients hprt's streams may still read
 
     # the upstream HSDPParamV2 names, over hprt's ShardedParam
@@ -411,7 +409,6 @@ class _FSDPParam:
             self.reduced = True
         else:
             self.sp.accumulate_grad(grad)
-        self.got_grad = True
         st._grad_arrived()
 
     def full_tensor(self):
@@ -453,8 +450,7 @@ class _FSDPParam:
 
 
 class _FSDPState:
-    def __init__(self, module, mesh, reshard_after_forward, mp_policy, offload_policy, params):
-        self.module_ref = weakref.ref(module)
+    def __init__(self, mesh, reshard_after_forward, mp_policy, offload_policy, params):
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
@@ -487,9 +483,6 @@ class _FSDPState:
     @property
     def streams(self):
         return self.mesh.streams
-
-    def is_unsharded(self):
-        return any(p.base is not None for p in self.params)
 
     # --- unshard / reshard
     def unshard_async(self):
@@ -669,7 +662,7 @@ class _FSDPState:
                     g = torch.from_dlpack(p.sp.sharded_grad())
                     if p.sharded.grad is None or p.sharded.grad.data_ptr() != g.data_ptr():
                         p.sharded.grad = g
-                p.reduced, p.got_grad = False, False
+                p.reduced = False
                 p.keep.clear()
             if st.reshard_after_backward:
                 st.reshard()
@@ -802,7 +795,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True, shard_placemen
                 continue
             fqn = f"{mod_name}.{attr}" if mod_name else attr
             by_id[id(p)] = params[fqn] = (p, [(m, attr)])
-    state = _FSDPState(module, mesh, reshard_after_forward, mp_policy, offload_policy, params)
+    state = _FSDPState(mesh, reshard_after_forward, mp_policy, offload_policy, params)
     cls = type(module)
     state.orig_forward = cls.forward
     new_cls = _classes.get(cls)
