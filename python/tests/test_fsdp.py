@@ -405,7 +405,7 @@ def test_threads_keep_separate_contexts():
     assert seen == {0: (0, 3), 1: (1, 3), 2: (2, 3)}
 
 
-def test_ignored_params_output_dtype_and_input_cast():
+def test_ignored_params_output_dtype_and_forward_cast():
     template = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
 
     def rank_fn(rank):
