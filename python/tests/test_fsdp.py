@@ -14,6 +14,7 @@ import transformers  # noqa: E402  (CI installs it: scripts/test)
 
 import hprt  # noqa: E402
 import hprt.torch as ht  # noqa: E402
+from emulated import EMULATED  # noqa: E402
 
 BATCH, SEQ, VOCAB, STEPS, LR, WD = 2, 8, 96, 3, 1e-2, 0.1
 
@@ -377,12 +378,11 @@ def test_rendezvous_over_a_torch_process_group(tmp_path):
     assert len(uids) == 1 and next(iter(uids)).startswith(b"id-of-rank-0-")
 
 
-def test_fully_shard_on_the_npu_emulator_is_a_clear_error():
-    """torch cannot address npu device memory (no DLPack export of it): a typed error, not a
-    wrong result."""
-    if not os.environ.get("HP_ACL_LIB"):
-        pytest.skip("needs the Ascend emulator (HP_ACL_LIB)")
-    p = hprt.open_platform("npu")
+@pytest.mark.parametrize("backend", EMULATED)
+def test_fully_shard_on_an_emulated_accelerator_is_a_clear_error(backend):
+    """torch cannot address npu / cuda device memory through hprt yet (no DLPack export of it):
+    a typed error, not a wrong result."""
+    p = hprt.open_platform(backend)
 
     def rank_fn(rank):
         with pytest.raises(hprt.UnsupportedError, match="DLPack"):
