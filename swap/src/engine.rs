@@ -1,21 +1,45 @@
 //! The copy engine every front end drives: batched offload / reload of [`SwapTensor`]s on the
 //! engine's own copy streams, with the stream waits and host synchronizations that make it safe.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
+use hprt_compress::codec::{self, DecodeOptions, EncodeOptions};
+use hprt_compress::device::{codec_for, CompressedTensor, DeviceCodec};
 pub use hprt_platform::PlatformHandle;
-use hprt_platform::Stream;
+use hprt_platform::{DeviceBuffer, Platform, Stream};
 
 use crate::error::{Result, SwapError, SwapState};
-use crate::pool::{PinnedPool, PoolConfig, PoolStats};
-use crate::tensor::{Fence, SwapTensor};
+use crate::payload::{
+    codec_dtype, size_class, take, Compression, CompressionPolicy, HostCopy, Origin, ReloadCheck,
+    Slot,
+};
+use crate::pool::{PinnedBlock, PinnedPool, PoolConfig, PoolStats};
+use crate::tensor::{DeviceTensor, Fence, Saved, SwapTensor, VersionCounter};
 
 /// Settings of a [`SwapEngine`].
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct EngineConfig {
-    /// One copy stream for both directions (seed 000) instead of separate d2h and h2d streams.
+    /// One copy stream for both directions (hyper_parallel) instead of separate d2h and h2d
+    /// streams.
     pub single_copy_stream: bool,
     pub pool: PoolConfig,
+    /// How tensors travel (compress-then-swap) when no policy decides.
+    pub compression: Compression,
+    /// Per-tensor choice of the compression; `None` applies `compression` to every tensor.
+    pub compression_policy: Option<CompressionPolicy>,
+}
+
+impl std::fmt::Debug for EngineConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineConfig")
+            .field("single_copy_stream", &self.single_copy_stream)
+            .field("pool", &self.pool)
+            .field("compression", &self.compression)
+            .field("compression_policy", &self.compression_policy.is_some())
+            .finish()
+    }
 }
 
 /// Test-only switches that each remove one wait the engine needs, so tests can show (under the
@@ -35,9 +59,19 @@ pub struct Faults {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EngineStats {
     pub offloaded_tensors: u64,
+    /// Bytes of the offloaded tensors (before compression).
     pub offloaded_bytes: u64,
     pub reloaded_tensors: u64,
     pub reloaded_bytes: u64,
+    /// Bytes the engine moved over the host link, device to host and host to device
+    /// (compressed bytes for compressed payloads).
+    pub link_d2h_bytes: u64,
+    pub link_h2d_bytes: u64,
+    /// Tensors offloaded compressed, and the bytes of their encodings.
+    pub compressed_tensors: u64,
+    pub compressed_bytes: u64,
+    /// Host-measured codec time (encode + decode) in nanoseconds.
+    pub codec_ns: u64,
 }
 
 /// Moves tensors between device and pinned host memory for all three front ends.
@@ -84,8 +118,25 @@ pub struct SwapEngine {
     /// Reused for every cross-stream ordering mark: a stream wait binds to the record made just
     /// before it, so re-recording later does not move an earlier wait.
     mark: hprt_platform::Event,
+    /// What a released borrowed tensor points at: a storage with no bytes.
+    empty: DeviceBuffer,
+    codec: Arc<dyn DeviceCodec>,
+    compression: Compression,
+    policy: Option<CompressionPolicy>,
+    /// Owned storages released by this engine with views still to reload: a storage found
+    /// non-empty at a reload must have been re-acquired here (by a sibling view), not by
+    /// someone else who may have written it.
+    released: Vec<Released>,
     faults: Faults,
     stats: EngineStats,
+    codec_ns: Arc<AtomicU64>,
+}
+
+struct Released {
+    storage: DeviceBuffer,
+    /// Views released and not yet reloaded.
+    pending: usize,
+    reacquired: bool,
 }
 
 /// Waits issued by one batch, so that a fence shared by many tensors is waited once.
@@ -102,6 +153,10 @@ impl Waited {
     }
 }
 
+fn elapsed_ns(since: Instant) -> u64 {
+    since.elapsed().as_nanos().min(u64::MAX as u128) as u64
+}
+
 impl SwapEngine {
     pub fn new(platform: impl Into<PlatformHandle>, config: EngineConfig) -> Result<Self> {
         let platform = platform.into();
@@ -113,14 +168,22 @@ impl SwapEngine {
         };
         let pool = PinnedPool::new(platform.clone(), config.pool);
         let mark = platform.create_event(false)?;
+        let empty = platform.alloc_device(0)?;
+        let codec = codec_for(&*platform);
         Ok(SwapEngine {
             platform,
             d2h,
             h2d,
             pool,
             mark,
+            empty,
+            codec,
+            compression: config.compression,
+            policy: config.compression_policy,
+            released: Vec::new(),
             faults: Faults::default(),
             stats: EngineStats::default(),
+            codec_ns: Arc::default(),
         })
     }
 
@@ -142,12 +205,42 @@ impl SwapEngine {
         self.pool.stats()
     }
     pub fn stats(&self) -> EngineStats {
-        self.stats
+        EngineStats {
+            codec_ns: self.codec_ns.load(Ordering::Relaxed),
+            ..self.stats
+        }
+    }
+    /// The compression applied where no policy decides.
+    pub fn compression(&self) -> Compression {
+        self.compression
+    }
+    pub fn set_compression(&mut self, compression: Compression) {
+        self.compression = compression;
+    }
+    pub fn set_compression_policy(&mut self, policy: Option<CompressionPolicy>) {
+        self.policy = policy;
     }
 
     #[doc(hidden)]
     pub fn set_faults(&mut self, faults: Faults) {
         self.faults = faults;
+    }
+
+    /// How `t` travels: the policy's (or the engine's) choice, `Off` for dtypes the codec does
+    /// not take, `Auto` resolved against the platform's codec.
+    pub fn compression_for(&self, t: &DeviceTensor) -> Compression {
+        let chosen = match &self.policy {
+            Some(policy) => policy(t),
+            None => self.compression,
+        };
+        if chosen == Compression::Off || codec_dtype(t.dtype).is_none() || t.len == 0 {
+            return Compression::Off;
+        }
+        match chosen {
+            Compression::Auto if self.codec.name() == "host" => Compression::HostStage,
+            Compression::Auto => Compression::Device,
+            c => c,
+        }
     }
 
     /// Work queued on `waiter` from now on runs after the work queued on `on` so far.
@@ -173,8 +266,21 @@ impl SwapEngine {
         outcome
     }
 
-    /// Queues device → pinned copies of the tensors in state `device`, after the work queued on
-    /// `compute` so far. Tensors already offloaded (`d2h`, `host`) are skipped; `h2d` is an error.
+    /// A pinned block of `bytes` that `stream` may write: a recycled block's last copy is
+    /// waited for first.
+    fn block(&self, bytes: usize, stream: &Stream, waited: &mut Waited) -> Result<PinnedBlock> {
+        let block = self.pool.acquire(bytes)?;
+        if let Some(prev) = block.last_use() {
+            if !self.faults.skip_pinned_reuse_wait && waited.first_time(prev) {
+                self.platform.stream_wait_event(stream, prev)?;
+            }
+        }
+        Ok(block)
+    }
+
+    /// Queues device → host copies of the tensors in state `device` (compressed where their
+    /// compression says so), after the work queued on `compute` so far. Tensors already
+    /// offloaded (`d2h`, `host`) are skipped; `h2d` is an error.
     pub fn offload<'a>(
         &mut self,
         tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
@@ -208,33 +314,122 @@ impl SwapEngine {
                 }
             };
             let tensor = t.saved.tensor().expect("device state holds a tensor");
-            let mut block = self.pool.acquire(tensor.len)?;
-            if let Some(prev) = block.last_use() {
-                if !self.faults.skip_pinned_reuse_wait && reuse_waited.first_time(prev) {
-                    self.platform.stream_wait_event(&self.d2h, prev)?;
+            let version = tensor.version.get();
+            let mut host = match self.compression_for(tensor) {
+                Compression::Device => self.encode_on_device(tensor, &mut reuse_waited)?,
+                Compression::HostStage => self.encode_on_host(tensor, &mut reuse_waited)?,
+                _ => {
+                    let block = self.block(tensor.len, &self.d2h, &mut reuse_waited)?;
+                    self.platform.copy_async(
+                        block.buffer().into(),
+                        0,
+                        (&tensor.storage).into(),
+                        tensor.offset,
+                        tensor.len,
+                        &self.d2h,
+                    )?;
+                    HostCopy::Plain(block)
                 }
+            };
+            if let Some(b) = host.block_mut() {
+                b.set_last_use(&f);
             }
-            self.platform.copy_async(
-                block.buffer().into(),
-                0,
-                (&tensor.storage).into(),
-                tensor.offset,
-                tensor.len,
-                &self.d2h,
-            )?;
-            block.set_last_use(&f);
-            t.version_at_offload = tensor.version.get();
             self.stats.offloaded_tensors += 1;
             self.stats.offloaded_bytes += tensor.len as u64;
-            t.host = Some(block);
+            self.stats.link_d2h_bytes += host.link_bytes() as u64;
+            t.version_at_offload = version;
+            t.modified = None;
+            t.host = Some(host);
             t.d2h = Some(f);
             t.state = SwapState::D2h;
         }
         Ok(())
     }
 
+    /// Encodes on the device codec (the host waits for the encode: its length sizes the copy),
+    /// then queues the copy of the encoding alone.
+    fn encode_on_device(&mut self, t: &DeviceTensor, waited: &mut Waited) -> Result<HostCopy> {
+        let dtype = codec_dtype(t.dtype).expect("compression_for checked the dtype");
+        let numel = t.numel();
+        let p: &dyn Platform = &*self.platform;
+        let start = Instant::now();
+        let scratch = p.alloc_device(self.codec.max_encoded_len(dtype, numel))?;
+        let pending = self.codec.encode_async(
+            p,
+            t.storage.at(t.offset),
+            dtype,
+            numel,
+            &scratch,
+            &self.d2h,
+        )?;
+        let len = pending.wait_len(p)?;
+        self.codec_ns
+            .fetch_add(elapsed_ns(start), Ordering::Relaxed);
+        let block = self.block(size_class(len), &self.d2h, waited)?;
+        p.copy_async(
+            block.buffer().into(),
+            0,
+            (&scratch).into(),
+            0,
+            len,
+            &self.d2h,
+        )?;
+        self.stats.compressed_tensors += 1;
+        self.stats.compressed_bytes += len as u64;
+        Ok(HostCopy::Device {
+            block,
+            len,
+            scratch: Some(scratch),
+        })
+    }
+
+    /// Copies the raw bytes into a pinned staging block and encodes them on a host thread in
+    /// stream order; the staging block goes back to the pool once the encoding is taken.
+    fn encode_on_host(&mut self, t: &DeviceTensor, waited: &mut Waited) -> Result<HostCopy> {
+        let dtype = codec_dtype(t.dtype).expect("compression_for checked the dtype");
+        let staging = self.block(t.len, &self.d2h, waited)?;
+        self.platform.copy_async(
+            staging.buffer().into(),
+            0,
+            (&t.storage).into(),
+            t.offset,
+            t.len,
+            &self.d2h,
+        )?;
+        let slot: Slot<Vec<u8>> = Arc::default();
+        let (buf, out, ns) = (
+            staging.buffer().clone(),
+            Arc::clone(&slot),
+            Arc::clone(&self.codec_ns),
+        );
+        let raw_len = t.len;
+        self.platform.launch_host_fn(
+            &self.d2h,
+            Box::new(move || {
+                let start = Instant::now();
+                let mut raw = vec![0u8; raw_len];
+                let r = buf
+                    .read(0, &mut raw)
+                    .map_err(SwapError::from)
+                    .and_then(|()| {
+                        codec::encode(dtype, &raw, &EncodeOptions::default())
+                            .map_err(SwapError::from)
+                    });
+                ns.fetch_add(elapsed_ns(start), Ordering::Relaxed);
+                *out.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            }),
+        )?;
+        Ok(HostCopy::Staged {
+            staging: Some(staging),
+            slot,
+            encoded: None,
+            raw_len,
+        })
+    }
+
     /// Waits (on the host) for the offloads of the tensors in state `d2h`, then releases their
-    /// device storage. Tensors already in `host` are skipped; `device`/`h2d` are errors.
+    /// device memory (owned: resized to zero; borrowed: every reference dropped, so the
+    /// framework gets it back). Tensors already in `host` are skipped; `device`/`h2d` are errors.
     pub fn finish_offload<'a>(
         &mut self,
         tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
@@ -250,11 +445,70 @@ impl SwapEngine {
             if synced.first_time(fence) {
                 self.platform.synchronize_event(fence)?;
             }
-            let tensor = t.saved.tensor().expect("d2h state holds a tensor");
-            self.platform.resize_device(&tensor.storage, 0)?;
+            self.keep_host_copy(t);
+            let Saved::Tensor(tensor) = &mut t.saved else {
+                unreachable!("d2h state holds a tensor")
+            };
+            // A write that raced the copy may have torn it: the reload reports it.
+            let now = tensor.version.get();
+            if now != t.version_at_offload {
+                t.modified = Some(now);
+            }
+            match tensor.origin {
+                Origin::Owned => {
+                    self.platform.resize_device(&tensor.storage, 0)?;
+                    match self
+                        .released
+                        .iter_mut()
+                        .find(|r| r.storage.same_as(&tensor.storage))
+                    {
+                        Some(r) => r.pending += 1,
+                        None => self.released.push(Released {
+                            storage: tensor.storage.clone(),
+                            pending: 1,
+                            reacquired: false,
+                        }),
+                    }
+                }
+                Origin::Borrowed(_) => {
+                    tensor.storage = self.empty.clone();
+                    tensor.handle = None;
+                    tensor.version = VersionCounter::new();
+                }
+            }
             t.state = SwapState::Host;
         }
         Ok(())
+    }
+
+    /// After the offload completed: the host stage's encoding replaces its staging block (the
+    /// raw bytes stay if the encode failed, so nothing is lost); the device encoding's scratch
+    /// buffer is freed.
+    fn keep_host_copy(&mut self, t: &mut SwapTensor) {
+        match t.host.as_mut() {
+            Some(HostCopy::Staged {
+                staging,
+                slot,
+                encoded,
+                ..
+            }) => match take(slot) {
+                Some(Ok(bytes)) => {
+                    self.stats.compressed_tensors += 1;
+                    self.stats.compressed_bytes += bytes.len() as u64;
+                    *encoded = Some(Arc::new(bytes));
+                    *staging = None;
+                }
+                failed => {
+                    if let Some(Err(e)) = failed {
+                        tracing::warn!(error = %e, "host-stage encode failed; keeping raw bytes");
+                    }
+                    let block = staging.take().expect("staged offload holds its block");
+                    t.host = Some(HostCopy::Plain(block));
+                }
+            },
+            Some(HostCopy::Device { scratch, .. }) => *scratch = None,
+            _ => {}
+        }
     }
 
     /// Takes back tensors whose offload is still queued (`d2h`) without copying: their device
@@ -277,11 +531,12 @@ impl SwapEngine {
         Ok(())
     }
 
-    /// Re-acquires the device storage of the tensors in state `host` and queues pinned → device
-    /// copies on the reload stream. A tensor changed since its offload is an
-    /// error; a failed re-acquisition (device out of memory) leaves that tensor and the rest in
-    /// `host` with their host copies, so the call can be retried. Tensors in `h2d`/`device` are
-    /// skipped; `d2h` (offload not finished) is an error.
+    /// Re-acquires the device memory of the tensors in state `host` and queues host → device
+    /// copies (and decodes) on the reload stream. A tensor changed since its offload, or whose
+    /// storage someone else re-acquired, is an error; a failed re-acquisition (device out of
+    /// memory) leaves that tensor and the rest in `host` with their host copies, so the call can
+    /// be retried. Tensors in `h2d`/`device` are skipped; `d2h` (offload not finished) is an
+    /// error.
     pub fn start_reload<'a>(
         &mut self,
         tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
@@ -296,35 +551,29 @@ impl SwapEngine {
         tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
         fence: &mut Option<Fence>,
     ) -> Result<()> {
+        let mut reuse_waited = Waited::default();
         for t in tensors {
             match t.state {
                 SwapState::Host => {}
                 SwapState::NonTensor | SwapState::H2d | SwapState::Device => continue,
                 SwapState::D2h => return Err(t.wrong("start_reload", "host")),
             }
-            let tensor = t.saved.tensor().expect("host state holds a tensor");
-            let current = tensor.version.get();
-            if current != t.version_at_offload {
+            if let Some(current) = t.modified {
                 return Err(SwapError::ModifiedSinceOffload {
                     saved: t.version_at_offload,
                     current,
                 });
             }
-            match tensor.storage.len() {
-                0 => self
-                    .platform
-                    .resize_device(&tensor.storage, t.storage_len)?,
-                n if n == t.storage_len => {} // another saved view of it was reloaded first
-                actual => {
-                    return Err(SwapError::StorageResized {
-                        expected: t.storage_len,
-                        actual,
-                    })
-                }
-            }
-            // No wait for the compute stream here (the seeds need one because their caching
-            // allocator may hand back memory compute work still uses; a platform never hands
-            // back memory under queued work), so a prefetch overlaps the compute before it.
+            // The device codec's encoding comes back into a scratch buffer, allocated before
+            // the storage so that running out of memory for either leaves nothing behind.
+            let scratch = match &t.host {
+                Some(HostCopy::Device { len, .. }) => Some(self.platform.alloc_device(*len)?),
+                _ => None,
+            };
+            self.reacquire(t)?;
+            // No wait for the compute stream here (the upstream engines need one because their
+            // caching allocator may hand back memory compute work still uses; a platform never
+            // hands back memory under queued work), so a prefetch overlaps the compute before it.
             let f = match fence {
                 Some(f) => Arc::clone(f),
                 None => {
@@ -333,27 +582,147 @@ impl SwapEngine {
                     f
                 }
             };
-            let block = t.host.as_mut().expect("host state holds its block");
-            self.platform.copy_async(
-                (&tensor.storage).into(),
-                tensor.offset,
-                block.buffer().into(),
-                0,
-                tensor.len,
-                &self.h2d,
-            )?;
-            block.set_last_use(&f);
+            let tensor = t.saved.tensor().expect("host state holds a tensor");
+            let (dst, offset, len) = (&tensor.storage, tensor.offset, tensor.len);
+            let p: &dyn Platform = &*self.platform;
+            let host = t.host.as_mut().expect("host state holds its copy");
+            let link = match host {
+                HostCopy::Plain(block) => {
+                    p.copy_async(dst.into(), offset, block.buffer().into(), 0, len, &self.h2d)?;
+                    block.set_last_use(&f);
+                    len
+                }
+                HostCopy::Device { block, len: n, .. } => {
+                    let scratch = scratch.expect("allocated above for a device encoding");
+                    p.copy_async(
+                        (&scratch).into(),
+                        0,
+                        block.buffer().into(),
+                        0,
+                        *n,
+                        &self.h2d,
+                    )?;
+                    block.set_last_use(&f);
+                    let dtype = codec_dtype(tensor.dtype).expect("compressed dtype");
+                    let enc = CompressedTensor::from_device_bytes(
+                        scratch.clone(),
+                        *n,
+                        dtype,
+                        tensor.numel(),
+                    )?;
+                    let start = Instant::now();
+                    let pending = self.codec.decode_async(p, &enc, dst.at(offset), &self.h2d)?;
+                    self.codec_ns
+                        .fetch_add(elapsed_ns(start), Ordering::Relaxed);
+                    t.check = ReloadCheck::Decode(pending, scratch);
+                    *n
+                }
+                HostCopy::Staged {
+                    encoded, raw_len, ..
+                } => {
+                    let encoded = Arc::clone(encoded.as_ref().expect("host state holds it"));
+                    let mut raw = self.block(*raw_len, &self.h2d, &mut reuse_waited)?;
+                    let slot: Slot<()> = Arc::default();
+                    let (buf, out, ns) = (
+                        raw.buffer().clone(),
+                        Arc::clone(&slot),
+                        Arc::clone(&self.codec_ns),
+                    );
+                    p.launch_host_fn(
+                        &self.h2d,
+                        Box::new(move || {
+                            let start = Instant::now();
+                            let r = codec::decode_with(&encoded, &DecodeOptions::default())
+                                .map_err(SwapError::from)
+                                .and_then(|d| Ok(buf.write(0, &d.data)?));
+                            ns.fetch_add(elapsed_ns(start), Ordering::Relaxed);
+                            *out.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+                        }),
+                    )?;
+                    p.copy_async(dst.into(), offset, raw.buffer().into(), 0, len, &self.h2d)?;
+                    raw.set_last_use(&f);
+                    t.check = ReloadCheck::Staged(slot, raw);
+                    len
+                }
+            };
             self.stats.reloaded_tensors += 1;
-            self.stats.reloaded_bytes += tensor.len as u64;
+            self.stats.reloaded_bytes += len as u64;
+            self.stats.link_h2d_bytes += link as u64;
             t.h2d = Some(f);
             t.state = SwapState::H2d;
         }
         Ok(())
     }
 
+    /// Gives a released tensor device memory again: owned storage is resized back (once for all
+    /// its views), borrowed memory comes from the framework's allocator.
+    fn reacquire(&mut self, t: &mut SwapTensor) -> Result<()> {
+        let storage_len = t.storage_len;
+        let Saved::Tensor(tensor) = &mut t.saved else {
+            unreachable!("host state holds a tensor")
+        };
+        match &tensor.origin {
+            Origin::Owned => {
+                let current = tensor.version.get();
+                if current != t.version_at_offload {
+                    return Err(SwapError::ModifiedSinceOffload {
+                        saved: t.version_at_offload,
+                        current,
+                    });
+                }
+                let at = self
+                    .released
+                    .iter()
+                    .position(|r| r.storage.same_as(&tensor.storage));
+                match tensor.storage.len() {
+                    0 => self.platform.resize_device(&tensor.storage, storage_len)?,
+                    // Another saved view of it was reloaded first.
+                    n if n == storage_len && at.is_some_and(|i| self.released[i].reacquired) => {}
+                    n if n == storage_len => return Err(SwapError::ReacquiredOutsideSwap),
+                    actual => {
+                        return Err(SwapError::StorageResized {
+                            expected: storage_len,
+                            actual,
+                        })
+                    }
+                }
+                if let Some(i) = at {
+                    let r = &mut self.released[i];
+                    r.reacquired = true;
+                    r.pending -= 1;
+                    if r.pending == 0 {
+                        self.released.swap_remove(i);
+                    }
+                }
+            }
+            Origin::Borrowed(allocator) => {
+                let got = allocator.allocate(tensor)?;
+                let fits = got
+                    .offset
+                    .checked_add(tensor.len)
+                    .is_some_and(|end| end <= got.storage.len());
+                if !fits {
+                    return Err(SwapError::InvalidTensor(format!(
+                        "the allocator gave {} bytes for a {}-byte tensor at offset {}",
+                        got.storage.len(),
+                        tensor.len,
+                        got.offset
+                    )));
+                }
+                tensor.storage = got.storage;
+                tensor.offset = got.offset;
+                tensor.handle = got.handle;
+                tensor.version = got.version;
+            }
+        }
+        Ok(())
+    }
+
     /// Makes `compute` wait for the reloads of the tensors in state `h2d` (no host
-    /// synchronization) and hands them back in state `device`; their host blocks return to the
-    /// pool. Tensors in `device` are skipped; `d2h`/`host` are errors.
+    /// synchronization, except for compressed payloads, whose decode is checked on the host)
+    /// and hands them back in state `device`; their host copies are dropped. A failed decode
+    /// leaves the tensor in `host` with its copy. Tensors in `device` are skipped; `d2h`/`host`
+    /// are errors.
     pub fn finish_reload<'a>(
         &mut self,
         tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
@@ -366,10 +735,26 @@ impl SwapEngine {
                 SwapState::NonTensor | SwapState::Device => continue,
                 SwapState::D2h | SwapState::Host => return Err(t.wrong("finish_reload", "h2d")),
             }
-            let fence = t.h2d.take().expect("h2d state holds its fence");
+            let fence = Arc::clone(t.h2d.as_ref().expect("h2d state holds its fence"));
+            let checked = match std::mem::take(&mut t.check) {
+                ReloadCheck::None => Ok(()),
+                ReloadCheck::Decode(pending, _scratch) => pending.finish(&*self.platform).map_err(Into::into),
+                ReloadCheck::Staged(slot, _raw) => {
+                    self.platform.synchronize_event(&fence)?;
+                    take(&slot).unwrap_or_else(|| {
+                        Err(SwapError::Order("the host-stage decode did not run".into()))
+                    })
+                }
+            };
+            if let Err(e) = checked {
+                t.h2d = None;
+                t.state = SwapState::Host;
+                return Err(e);
+            }
             if !self.faults.skip_reload_wait && waited.first_time(&fence) {
                 self.platform.stream_wait_event(compute, &fence)?;
             }
+            t.h2d = None;
             t.host = None;
             t.d2h = None;
             t.state = SwapState::Device;
@@ -400,6 +785,15 @@ impl SwapEngine {
     pub fn synchronize(&self) -> Result<()> {
         self.platform.synchronize_stream(&self.d2h)?;
         self.platform.synchronize_stream(&self.h2d)?;
+        Ok(())
+    }
+
+    /// Ends an iteration: waits for queued copies, forgets released storages (their tensors
+    /// were dropped by the caller) and starts a new iteration of the pinned pool.
+    pub fn end_iteration(&mut self) -> Result<()> {
+        self.synchronize()?;
+        self.released.clear();
+        self.pool.reset();
         Ok(())
     }
 }

@@ -52,6 +52,13 @@ pub enum SwapError {
     /// the host copy no longer matches what autograd saved.
     #[error("the tensor was modified after it was offloaded: version {saved} at offload, {current} at reload")]
     ModifiedSinceOffload { saved: u64, current: u64 },
+    /// The codec failed (a corrupt encoding on decode, or a platform error inside it).
+    #[error(transparent)]
+    Codec(#[from] hprt_compress::CompressError),
+    /// The owned storage was re-acquired (resized back) by someone other than swap after the
+    /// offload released it, and may have been written: the host copy is not restored over it.
+    #[error("the storage was re-acquired outside swap after it was offloaded; refusing to reload over it")]
+    ReacquiredOutsideSwap,
     /// Someone resized the storage after it was offloaded.
     #[error(
         "the storage was resized after offload: expected 0 or {expected} bytes, found {actual}"

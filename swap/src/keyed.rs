@@ -163,6 +163,7 @@ impl KeyedSwap {
         let config = EngineConfig {
             single_copy_stream: false,
             pool,
+            ..EngineConfig::default()
         };
         Ok(KeyedSwap {
             engine: SwapEngine::new(platform, config)?,

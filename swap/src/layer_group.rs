@@ -93,6 +93,7 @@ impl SwapManager {
         let config = EngineConfig {
             single_copy_stream: true,
             pool,
+            ..EngineConfig::default()
         };
         Ok(SwapManager {
             engine: SwapEngine::new(platform, config)?,

@@ -4,6 +4,9 @@
 //! One engine, three front ends:
 //! - [`SwapTensor`] / [`DeviceTensor`] — one saved value and its state machine
 //!   (device → d2h → host → h2d → device, or non-tensor pass-through).
+//! - [`payload`](Origin) — what the engine moves: owned hprt storage, borrowed framework memory
+//!   re-acquired through the framework's [`Allocator`], and either compressed
+//!   ([`Compression`]: on the device, or in a host stage on the pinned block).
 //! - [`PinnedPool`] — pinned host blocks reused by size, bounded by a host budget.
 //! - [`SwapEngine`] — batched offload/reload on the engine's copy streams, with every wait the
 //!   invariants need (offload after the producer, release after the copy, use after the reload).
@@ -19,6 +22,7 @@ mod engine;
 mod error;
 mod keyed;
 mod layer_group;
+mod payload;
 mod pipeline;
 mod pool;
 pub mod sim;
@@ -33,6 +37,7 @@ pub use keyed::{
     proportional_slice, KeyedSwap, ModuleTag, Packed, SwapContext, SwapPredicate, TensorKey,
     TensorKeyManager,
 };
+pub use payload::{Allocator, Compression, CompressionPolicy, FrameworkHandle, Origin, Reacquired};
 pub use layer_group::{LayerId, SavedRef, SwapManager};
 pub use pipeline::{offload_summary_table, ChunkId, OffloadTag, PipelineConfig, PipelineOffload};
 pub use pool::{PinnedBlock, PinnedPool, PoolConfig, PoolStats};

@@ -8,6 +8,7 @@ use hprt_platform::{DeviceBuffer, Stream};
 
 use crate::engine::{EngineConfig, Faults, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError, SwapState};
+use crate::payload::Compression;
 use crate::pool::PoolConfig;
 use crate::tensor::{DeviceTensor, Saved, SwapTensor};
 
@@ -23,6 +24,8 @@ pub struct PipelineConfig {
     /// (they are the first needed by the chunk's backward).
     pub keep_last_groups: usize,
     pub pool: PoolConfig,
+    /// Compress-then-swap for every offloaded tensor (per tensor: `set_compression_policy`).
+    pub compression: Compression,
 }
 
 impl Default for PipelineConfig {
@@ -32,6 +35,7 @@ impl Default for PipelineConfig {
             max_inflight_offloads: 1,
             keep_last_groups: 1,
             pool: PoolConfig::default(),
+            compression: Compression::Off,
         }
     }
 }
@@ -145,6 +149,8 @@ impl PipelineOffload {
             EngineConfig {
                 single_copy_stream: false,
                 pool: config.pool.clone(),
+                compression: config.compression,
+                compression_policy: None,
             },
         )?;
         Ok(PipelineOffload {

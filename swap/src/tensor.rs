@@ -8,24 +8,57 @@ use std::sync::Arc;
 use hprt_platform::{DType, DeviceBuffer, Event};
 
 use crate::error::{Result, SwapError, SwapState};
-use crate::pool::PinnedBlock;
+use crate::payload::{Allocator, FrameworkHandle, HostCopy, Origin, ReloadCheck};
 
-/// A framework's in-place modification counter (torch's `tensor._version`), shared between the
-/// framework and swap: the framework bumps it on every in-place write, swap compares it between
-/// offload and reload.
-#[derive(Clone, Debug, Default)]
-pub struct VersionCounter(Arc<AtomicU64>);
+/// A tensor's in-place modification counter: swap compares it between offload and reload.
+///
+/// Either a counter shared with the framework (which bumps it on every in-place write), or the
+/// framework's own counter read through a function (torch's `tensor._version`). A framework
+/// counter is read only while the engine still references the tensor: see [`Origin::Borrowed`].
+#[derive(Clone, Default)]
+pub struct VersionCounter(VersionSource);
+
+#[derive(Clone)]
+enum VersionSource {
+    Shared(Arc<AtomicU64>),
+    Framework(Arc<dyn Fn() -> u64 + Send + Sync>),
+}
+
+impl Default for VersionSource {
+    fn default() -> Self {
+        VersionSource::Shared(Arc::default())
+    }
+}
 
 impl VersionCounter {
     pub fn new() -> Self {
         Self::default()
     }
-    pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Acquire)
+    /// The framework's own counter, read by calling `read`.
+    pub fn framework(read: impl Fn() -> u64 + Send + Sync + 'static) -> Self {
+        VersionCounter(VersionSource::Framework(Arc::new(read)))
     }
-    /// Notes one in-place modification.
+    pub fn get(&self) -> u64 {
+        match &self.0 {
+            VersionSource::Shared(c) => c.load(Ordering::Acquire),
+            VersionSource::Framework(read) => read(),
+        }
+    }
+    /// Notes one in-place modification (of a shared counter; a framework counter is moved by
+    /// its framework, so this does nothing to it).
     pub fn bump(&self) {
-        self.0.fetch_add(1, Ordering::AcqRel);
+        if let VersionSource::Shared(c) = &self.0 {
+            c.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl std::fmt::Debug for VersionCounter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            VersionSource::Shared(c) => write!(f, "VersionCounter({})", c.load(Ordering::Acquire)),
+            VersionSource::Framework(_) => f.write_str("VersionCounter(framework)"),
+        }
     }
 }
 
@@ -60,6 +93,10 @@ pub struct DeviceTensor {
     pub version: VersionCounter,
     /// A trainable parameter (or a view of one): never swapped by the keyed front end.
     pub is_parameter: bool,
+    /// Who owns the memory, and so how swap releases and re-acquires it.
+    pub origin: Origin,
+    /// The framework's object for this memory (a torch tensor), handed back after a reload.
+    pub handle: Option<FrameworkHandle>,
 }
 
 impl DeviceTensor {
@@ -74,7 +111,26 @@ impl DeviceTensor {
             shape,
             version: VersionCounter::new(),
             is_parameter: false,
+            origin: Origin::Owned,
+            handle: None,
         }
+    }
+
+    /// A framework's tensor: `storage` is borrowed memory (see
+    /// `Platform::wrap_device_memory`, whose release callback hands it back to the framework),
+    /// `handle` the framework's object for it, and `allocator` how to get new memory for it
+    /// after swap released it.
+    pub fn borrowed(
+        storage: DeviceBuffer,
+        dtype: DType,
+        shape: Vec<usize>,
+        handle: Option<FrameworkHandle>,
+        allocator: Arc<dyn Allocator>,
+    ) -> Result<Self> {
+        let mut t = Self::view(storage, 0, dtype, shape)?;
+        t.origin = Origin::Borrowed(allocator);
+        t.handle = handle;
+        Ok(t)
     }
 
     /// A view of `shape` starting `offset` bytes into `storage`.
@@ -96,6 +152,8 @@ impl DeviceTensor {
             shape,
             version: VersionCounter::new(),
             is_parameter: false,
+            origin: Origin::Owned,
+            handle: None,
         };
         t.check_fits()?;
         Ok(t)
@@ -110,7 +168,12 @@ impl DeviceTensor {
         self.offset != 0 || self.len != self.storage.len()
     }
 
-    fn check_fits(&self) -> Result<()> {
+    /// Whether swap re-acquires the memory through a framework's allocator.
+    pub fn is_borrowed(&self) -> bool {
+        matches!(self.origin, Origin::Borrowed(_))
+    }
+
+    pub(crate) fn check_fits(&self) -> Result<()> {
         let storage = self.storage.len();
         match self.offset.checked_add(self.len) {
             Some(end) if end <= storage => Ok(()),
@@ -171,9 +234,13 @@ pub struct SwapTensor {
     /// The storage's size when saved: what a reload re-acquires.
     pub(crate) storage_len: usize,
     pub(crate) version_at_offload: u64,
-    pub(crate) host: Option<PinnedBlock>,
+    /// The version seen when the device bytes were released, if it had moved since the
+    /// offload began (a write raced the copy): the reload reports it.
+    pub(crate) modified: Option<u64>,
+    pub(crate) host: Option<HostCopy>,
     pub(crate) d2h: Option<Fence>,
     pub(crate) h2d: Option<Fence>,
+    pub(crate) check: ReloadCheck,
 }
 
 impl SwapTensor {
@@ -191,9 +258,11 @@ impl SwapTensor {
             state,
             storage_len,
             version_at_offload: 0,
+            modified: None,
             host: None,
             d2h: None,
             h2d: None,
+            check: ReloadCheck::None,
         })
     }
 
@@ -227,6 +296,12 @@ impl SwapTensor {
     /// Bytes this tensor moves per direction (0 for a non-tensor value).
     pub fn swap_bytes(&self) -> usize {
         self.saved.tensor().map_or(0, |t| t.len)
+    }
+
+    /// Bytes the last offload moved over the host link (compressed bytes for a compressed
+    /// payload; 0 before an offload).
+    pub fn link_bytes(&self) -> usize {
+        self.host.as_ref().map_or(0, HostCopy::link_bytes)
     }
 
     pub(crate) fn wrong(&self, operation: &'static str, expected: &'static str) -> SwapError {
