@@ -374,13 +374,11 @@ impl SwapEngine {
             len,
             &self.d2h,
         )?;
+        // Dropped now: the platform frees it after the queued copy read it.
+        drop(scratch);
         self.stats.compressed_tensors += 1;
         self.stats.compressed_bytes += len as u64;
-        Ok(HostCopy::Device {
-            block,
-            len,
-            scratch: Some(scratch),
-        })
+        Ok(HostCopy::Device { block, len })
     }
 
     /// Copies the raw bytes into a pinned staging block and encodes them on a host thread in
@@ -482,8 +480,7 @@ impl SwapEngine {
     }
 
     /// After the offload completed: the host stage's encoding replaces its staging block (the
-    /// raw bytes stay if the encode failed, so nothing is lost); the device encoding's scratch
-    /// buffer is freed.
+    /// raw bytes stay if the encode failed, so nothing is lost).
     fn keep_host_copy(&mut self, t: &mut SwapTensor) {
         match t.host.as_mut() {
             Some(HostCopy::Staged {
@@ -506,7 +503,6 @@ impl SwapEngine {
                     t.host = Some(HostCopy::Plain(block));
                 }
             },
-            Some(HostCopy::Device { scratch, .. }) => *scratch = None,
             _ => {}
         }
     }
@@ -614,7 +610,9 @@ impl SwapEngine {
                     let pending = self.codec.decode_async(p, &enc, dst.at(offset), &self.h2d)?;
                     self.codec_ns
                         .fetch_add(elapsed_ns(start), Ordering::Relaxed);
-                    t.check = ReloadCheck::Decode(pending, scratch);
+                    // The platform frees the scratch after the queued decode read it.
+                    drop(scratch);
+                    t.check = ReloadCheck::Decode(pending);
                     *n
                 }
                 HostCopy::Staged {
@@ -738,7 +736,7 @@ impl SwapEngine {
             let fence = Arc::clone(t.h2d.as_ref().expect("h2d state holds its fence"));
             let checked = match std::mem::take(&mut t.check) {
                 ReloadCheck::None => Ok(()),
-                ReloadCheck::Decode(pending, _scratch) => pending.finish(&*self.platform).map_err(Into::into),
+                ReloadCheck::Decode(pending) => pending.finish(&*self.platform).map_err(Into::into),
                 ReloadCheck::Staged(slot, _raw) => {
                     self.platform.synchronize_event(&fence)?;
                     take(&slot).unwrap_or_else(|| {

@@ -179,6 +179,11 @@ impl KeyedSwap {
         &self.engine
     }
 
+    /// The engine, to choose compression (`set_compression`, `set_compression_policy`).
+    pub fn engine_mut(&mut self) -> &mut SwapEngine {
+        &mut self.engine
+    }
+
     #[doc(hidden)]
     pub fn set_faults(&mut self, faults: Faults) {
         self.engine.set_faults(faults);
@@ -319,7 +324,7 @@ impl KeyedSwap {
     pub fn end_iteration(&mut self) -> Result<()> {
         self.engine.synchronize()?;
         self.tensors.clear();
-        self.engine.pool().reset();
+        self.engine.end_iteration()?;
         Ok(())
     }
 

@@ -106,6 +106,11 @@ impl SwapManager {
         &self.engine
     }
 
+    /// The engine, to choose compression (`set_compression`, `set_compression_policy`).
+    pub fn engine_mut(&mut self) -> &mut SwapEngine {
+        &mut self.engine
+    }
+
     #[doc(hidden)]
     pub fn set_faults(&mut self, faults: Faults) {
         self.engine.set_faults(faults);
@@ -244,7 +249,7 @@ impl SwapManager {
             l.saved.clear();
         }
         self.current = None;
-        self.engine.pool().reset();
+        self.engine.end_iteration()?;
         Ok(())
     }
 }

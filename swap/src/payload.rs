@@ -26,6 +26,7 @@ use hprt_compress::device::PendingDecode;
 use hprt_compress::CodecDType;
 use hprt_platform::{DType, DeviceBuffer};
 
+
 use crate::error::Result;
 use crate::pool::PinnedBlock;
 use crate::tensor::{DeviceTensor, VersionCounter};
@@ -125,13 +126,8 @@ pub(crate) fn take<T>(slot: &Slot<T>) -> Option<Result<T>> {
 pub(crate) enum HostCopy {
     /// Raw bytes in a pinned block.
     Plain(PinnedBlock),
-    /// `len` bytes of the device codec's encoding in a pinned block; `scratch` (the device
-    /// buffer the encoding was made in) is freed with the original after the copy.
-    Device {
-        block: PinnedBlock,
-        len: usize,
-        scratch: Option<DeviceBuffer>,
-    },
+    /// `len` bytes of the device codec's encoding in a pinned block.
+    Device { block: PinnedBlock, len: usize },
     /// Host stage: the raw bytes in a pinned staging block until the host encoded them (in
     /// stream order, into `slot`), then only the encoding, in ordinary memory.
     Staged {
@@ -165,8 +161,8 @@ impl HostCopy {
 pub(crate) enum ReloadCheck {
     #[default]
     None,
-    /// The device codec's decode (and the scratch buffer it reads, held until it ran).
-    Decode(PendingDecode, DeviceBuffer),
+    /// The device codec's decode.
+    Decode(PendingDecode),
     /// The host stage's decode, run in stream order before the copy.
     Staged(Slot<()>, PinnedBlock),
 }

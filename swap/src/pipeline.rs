@@ -176,6 +176,11 @@ impl PipelineOffload {
         &self.engine
     }
 
+    /// The engine, to choose compression (`set_compression`, `set_compression_policy`).
+    pub fn engine_mut(&mut self) -> &mut SwapEngine {
+        &mut self.engine
+    }
+
     #[doc(hidden)]
     pub fn set_faults(&mut self, faults: Faults) {
         self.engine.set_faults(faults);
@@ -454,6 +459,9 @@ impl PipelineOffload {
             .backward_next
             .ok_or_else(|| SwapError::Order("backward_group_end without a begin".into()))?;
         chunk.backward_next = g.checked_sub(1);
+        // The group's values were handed out: its references go now, so borrowed memory goes
+        // back to the framework as soon as the framework is done with it.
+        chunk.groups[g].tensors.clear();
         if let Some(next) = chunk.backward_next {
             return self.start_group_reload(id, next);
         }
@@ -512,7 +520,7 @@ impl PipelineOffload {
         if self.warmed_up {
             self.summary = bytes;
         }
-        self.engine.pool().reset();
+        self.engine.end_iteration()?;
         Ok(())
     }
 

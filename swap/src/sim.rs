@@ -8,13 +8,14 @@ use std::time::{Duration, Instant};
 
 use hprt_platform::{DType, DeviceBuffer, Platform, Stream};
 
-use crate::engine::{Faults, PlatformHandle};
+use crate::engine::{EngineStats, Faults, PlatformHandle, SwapEngine};
+use crate::payload::{Allocator, Compression, Reacquired};
 use crate::error::{Result, SwapError};
 use crate::keyed::{KeyedSwap, Packed, SwapContext};
 use crate::layer_group::{LayerId, SavedRef, SwapManager};
 use crate::pipeline::{OffloadTag, PipelineConfig, PipelineOffload};
 use crate::pool::PoolStats;
-use crate::tensor::{DeviceTensor, Saved};
+use crate::tensor::{DeviceTensor, Saved, VersionCounter};
 
 /// Which front end drives the step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,6 +31,30 @@ impl FrontEnd {
     pub const SWAPPING: [FrontEnd; 3] = [FrontEnd::LayerGroup, FrontEnd::Keyed, FrontEnd::Pipeline];
 }
 
+/// Which payload the step saves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PayloadKind {
+    /// hprt storages (released by resizing).
+    Owned,
+    /// A simulated framework's memory, borrowed: the framework drops its own references once
+    /// the value is saved, and gives new memory through an [`crate::Allocator`] on reload.
+    Borrowed,
+}
+
+impl PayloadKind {
+    pub const ALL: [PayloadKind; 2] = [PayloadKind::Owned, PayloadKind::Borrowed];
+}
+
+/// Every payload kind × compression the engine supports, for tests that cover them all.
+pub const PAYLOADS: [(PayloadKind, Compression); 6] = [
+    (PayloadKind::Owned, Compression::Off),
+    (PayloadKind::Borrowed, Compression::Off),
+    (PayloadKind::Owned, Compression::Device),
+    (PayloadKind::Borrowed, Compression::Device),
+    (PayloadKind::Owned, Compression::HostStage),
+    (PayloadKind::Borrowed, Compression::HostStage),
+];
+
 /// Shape of a simulated step.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
@@ -41,6 +66,10 @@ pub struct SimConfig {
     pub iterations: usize,
     /// Bytes of simulated compute (a memset on the compute stream) per layer and direction.
     pub compute_bytes: usize,
+    pub payload: PayloadKind,
+    /// Compress-then-swap (the activations are then f32, from random bits: NaNs, infinities
+    /// and subnormals included).
+    pub compression: Compression,
     #[doc(hidden)]
     pub faults: Faults,
 }
@@ -53,6 +82,8 @@ impl Default for SimConfig {
             seed: 1,
             iterations: 1,
             compute_bytes: 0,
+            payload: PayloadKind::Owned,
+            compression: Compression::Off,
             faults: Faults::default(),
         }
     }
@@ -72,6 +103,8 @@ pub struct SimReport {
     pub digest: u64,
     pub elapsed: Duration,
     pub pool: PoolStats,
+    /// The front end's engine counters (bytes over the link, codec time, ...).
+    pub engine: EngineStats,
 }
 
 /// splitmix64: a few random bytes without a dependency.
@@ -109,8 +142,9 @@ enum Driver {
 }
 
 impl Driver {
-    fn new(p: &PlatformHandle, front: FrontEnd, layers: usize, faults: Faults) -> Result<Self> {
-        Ok(match front {
+    fn new(p: &PlatformHandle, front: FrontEnd, cfg: &SimConfig) -> Result<Self> {
+        let (layers, faults) = (cfg.layers, cfg.faults);
+        let mut driver = match front {
             FrontEnd::NoSwap => Driver::NoSwap,
             FrontEnd::LayerGroup => {
                 let mut m = SwapManager::new(p.clone())?;
@@ -138,7 +172,20 @@ impl Driver {
                 o.set_faults(faults);
                 Driver::Pipeline(o)
             }
-        })
+        };
+        if let Some(e) = driver.engine_mut() {
+            e.set_compression(cfg.compression);
+        }
+        Ok(driver)
+    }
+
+    fn engine_mut(&mut self) -> Option<&mut SwapEngine> {
+        match self {
+            Driver::NoSwap => None,
+            Driver::LayerGroup(m, _) => Some(m.engine_mut()),
+            Driver::Keyed(k, _) => Some(k.engine_mut()),
+            Driver::Pipeline(o) => Some(o.engine_mut()),
+        }
     }
 
     fn begin_forward(&mut self) -> Result<()> {
@@ -211,28 +258,23 @@ impl Driver {
         }
     }
 
-    fn end_iteration(&mut self, iteration: usize) -> Result<Option<PoolStats>> {
-        Ok(match self {
-            Driver::NoSwap => None,
-            Driver::LayerGroup(m, _) => {
-                let stats = m.engine().pool_stats();
-                m.end_iteration()?;
-                Some(stats)
-            }
-            Driver::Keyed(k, _) => {
-                let stats = k.engine().pool_stats();
-                k.end_iteration()?;
-                Some(stats)
-            }
+    fn end_iteration(&mut self, iteration: usize) -> Result<Option<(PoolStats, EngineStats)>> {
+        let Some(e) = self.engine_mut() else {
+            return Ok(None);
+        };
+        let stats = (e.pool_stats(), e.stats());
+        match self {
+            Driver::NoSwap => {}
+            Driver::LayerGroup(m, _) => m.end_iteration()?,
+            Driver::Keyed(k, _) => k.end_iteration()?,
             Driver::Pipeline(o) => {
-                let stats = o.engine().pool_stats();
                 if iteration == 0 {
                     o.post_warmup();
                 }
                 o.reset()?;
-                Some(stats)
             }
-        })
+        }
+        Ok(Some(stats))
     }
 }
 
@@ -258,12 +300,35 @@ pub fn simulate(
         0 => None,
         n => Some(p.alloc_device(n)?),
     };
-    let mut driver = Driver::new(&platform, front, cfg.layers, cfg.faults)?;
+    let mut driver = Driver::new(&platform, front, cfg)?;
+    let dtype = match cfg.compression {
+        Compression::Off => DType::U8,
+        _ if tb % 8 == 0 => DType::F32,
+        _ => {
+            return Err(SwapError::Order(
+                "compressed simulations need tensor_bytes divisible by 8".into(),
+            ))
+        }
+    };
+    let tensor = |buf: &DeviceBuffer, offset: usize, len: usize| -> Result<Saved> {
+        let shape = vec![len / dtype.size()];
+        Ok(Saved::Tensor(match cfg.payload {
+            PayloadKind::Owned => DeviceTensor::view(buf.clone(), offset, dtype, shape)?,
+            PayloadKind::Borrowed => DeviceTensor::borrowed(
+                borrow(p, buf, offset, len)?,
+                dtype,
+                shape,
+                None,
+                Arc::new(FrameworkAllocator(platform.clone())),
+            )?,
+        }))
+    };
     let start = Instant::now();
     p.synchronize_device()?;
     p.reset_peak_memory();
     let (mut mismatched, mut first_mismatch, mut digest) = (0, None, 0xcbf2_9ce4_8422_2325u64);
     let mut pool = PoolStats::default();
+    let mut engine = EngineStats::default();
     for iteration in 0..cfg.iterations {
         let mut src_bytes = vec![0u8; per_layer_src * cfg.layers];
         fill_random(
@@ -286,16 +351,18 @@ pub fn simulate(
                 p.memset_async(s, 0, layer as u8, s.len(), &compute)?;
             }
             let values = vec![
-                Saved::Tensor(DeviceTensor::whole(a.clone(), DType::U8, vec![tb])),
-                Saved::Tensor(DeviceTensor::view(b.clone(), 0, DType::U8, vec![tb / 2])?),
-                Saved::Tensor(DeviceTensor::view(b.clone(), tb, DType::U8, vec![tb])?),
+                tensor(&a, 0, tb)?,
+                tensor(&b, 0, tb / 2)?,
+                tensor(&b, tb, tb)?,
                 Saved::Other(Arc::new(layer)),
             ];
-            saved.push((driver.forward(layer, values, &compute)?, a, b));
+            let handles = driver.forward(layer, values, &compute)?;
+            // A framework keeps no reference of its own to borrowed saved memory.
+            let owned = (cfg.payload == PayloadKind::Owned).then_some((a, b));
+            saved.push((handles, owned));
         }
         for layer in (0..cfg.layers).rev() {
-            let (handles, a, b): (Handles, DeviceBuffer, DeviceBuffer) =
-                saved.pop().expect("one entry per layer");
+            let (handles, owned) = saved.pop().expect("one entry per layer");
             let values = driver.backward(layer, handles, &compute)?;
             let mut at = layer * readback_per_layer;
             for v in &values {
@@ -327,8 +394,10 @@ pub fn simulate(
             // The framework drops the layer's activations once its backward is queued, and
             // paces its host with the device per layer: the platform counts freed bytes until
             // the queued work on them ran, so a host far ahead would show as device memory.
-            p.free_device(&a)?;
-            p.free_device(&b)?;
+            if let Some((a, b)) = owned {
+                p.free_device(&a)?;
+                p.free_device(&b)?;
+            }
             p.synchronize_stream(&compute)?;
         }
         p.synchronize_stream(&compute)?;
@@ -352,7 +421,7 @@ pub fn simulate(
         }
         digest = fnv(digest, &got);
         if let Some(s) = driver.end_iteration(iteration)? {
-            pool = s;
+            (pool, engine) = s;
         }
     }
     p.synchronize_device()?;
@@ -364,5 +433,36 @@ pub fn simulate(
         digest,
         elapsed: start.elapsed(),
         pool,
+        engine,
     })
+}
+
+/// `len` bytes at `offset` of `owner` as borrowed memory that keeps `owner` alive until swap
+/// (and everything else in hprt) dropped it: how a framework hands its tensors to swap.
+fn borrow(p: &dyn Platform, owner: &DeviceBuffer, offset: usize, len: usize) -> Result<DeviceBuffer> {
+    let keep = owner.clone();
+    // SAFETY: `owner` is live device memory of `p` covering `offset..offset + len`, kept alive
+    // by the release callback until nothing references the borrowed range.
+    Ok(unsafe {
+        p.wrap_device_memory(
+            owner.device_ptr() + offset,
+            len,
+            Some(Box::new(move || drop(keep))),
+        )?
+    })
+}
+
+/// The simulated framework's allocator: fresh device memory, borrowed like the original.
+struct FrameworkAllocator(PlatformHandle);
+
+impl Allocator for FrameworkAllocator {
+    fn allocate(&self, like: &DeviceTensor) -> Result<Reacquired> {
+        let mem = self.0.alloc_device(like.len)?;
+        Ok(Reacquired {
+            storage: borrow(&*self.0, &mem, 0, like.len)?,
+            offset: 0,
+            handle: None,
+            version: VersionCounter::new(),
+        })
+    }
 }

@@ -4,10 +4,11 @@
 use std::sync::Arc;
 
 use hprt_platform::{CpuBackend, CpuConfig, Platform};
-use hprt_swap::sim::{simulate, FrontEnd, SimConfig, SimReport};
-use hprt_swap::Faults;
+use hprt_swap::sim::{simulate, FrontEnd, PayloadKind, SimConfig, SimReport, PAYLOADS};
+use hprt_swap::{Compression, Faults};
 
-const SEEDS: u64 = 20;
+mod common;
+use common::jitter_seeds;
 
 fn cpu(jitter: Option<u64>) -> Arc<dyn Platform> {
     Arc::new(CpuBackend::new(CpuConfig {
@@ -103,42 +104,103 @@ fn jitter_twenty_seeds_every_front_end() {
         tensor_bytes: 2048,
         ..SimConfig::default()
     };
-    for seed in 0..SEEDS {
+    for seed in jitter_seeds() {
         for front in FrontEnd::SWAPPING {
-            let cfg = SimConfig {
-                seed,
-                ..cfg.clone()
-            };
-            let r = run(front, &cfg, Some(seed));
-            assert_eq!(
-                r.mismatched_tensors, 0,
-                "{front:?} jitter seed {seed}: {:?}",
-                r.first_mismatch
-            );
+            for (payload, compression) in PAYLOADS {
+                let cfg = SimConfig {
+                    seed,
+                    payload,
+                    compression,
+                    ..cfg.clone()
+                };
+                let r = run(front, &cfg, Some(seed));
+                assert_eq!(
+                    r.mismatched_tensors, 0,
+                    "{front:?} {payload:?} {compression:?} jitter seed {seed}: {:?}",
+                    r.first_mismatch
+                );
+            }
         }
     }
 }
 
-/// Runs with `faults` under jitter seeds until one run returns wrong bytes; with the faults off
-/// the same seeds must all pass (checked by `jitter_twenty_seeds_every_front_end`).
-fn fault_shows_up(front: FrontEnd, faults: Faults) -> Option<String> {
+#[test]
+fn every_payload_kind_returns_every_byte_and_releases_device_memory() {
+    let cfg = SimConfig {
+        layers: 6,
+        tensor_bytes: 16 << 10,
+        iterations: 2,
+        ..SimConfig::default()
+    };
+    for (payload, compression) in PAYLOADS {
+        let cfg = SimConfig {
+            payload,
+            compression,
+            ..cfg.clone()
+        };
+        let none = run(FrontEnd::NoSwap, &cfg, None);
+        for front in FrontEnd::SWAPPING {
+            let r = run(front, &cfg, None);
+            let what = format!("{front:?} {payload:?} {compression:?}");
+            assert_eq!(r.mismatched_tensors, 0, "{what}: {:?}", r.first_mismatch);
+            assert_eq!(r.digest, none.digest, "{what}");
+            // Two layers (the one computing, the one moving), plus, for the device codec, its
+            // scratch buffers (encodings of up to two layers are counted until freed in stream order).
+            let layers = if compression == Compression::Device { 4 } else { 2 };
+            let bound = layers * r.layer_bytes + (16 << 10);
+            assert!(r.device_peak <= bound, "{what}: peak {} > {bound}", r.device_peak);
+            assert!(none.device_peak > r.device_peak, "{what}");
+            let e = r.engine;
+            assert!(e.offloaded_tensors > 0, "{what}: {e:?}");
+            if compression == Compression::Off {
+                assert_eq!(e.compressed_tensors, 0, "{what}");
+                assert_eq!(e.link_d2h_bytes, e.offloaded_bytes, "{what}");
+            } else {
+                assert_eq!(e.compressed_tensors, e.offloaded_tensors, "{what}: {e:?}");
+                assert!(e.codec_ns > 0, "{what}");
+            }
+            if compression == Compression::Device {
+                // Random f32 bits do not compress: the encoding may be a little larger.
+                assert!(e.link_d2h_bytes <= e.offloaded_bytes + e.offloaded_tensors * 4096, "{what}: {e:?}");
+                assert!(e.link_d2h_bytes < e.offloaded_bytes * 2, "{what}: {e:?}");
+            }
+        }
+    }
+}
+
+/// Runs with `faults` under jitter seeds until one run returns wrong bytes: every payload kind
+/// in `payloads` must show the fault by itself (with the faults off the same seeds all pass:
+/// `jitter_twenty_seeds_every_front_end`).
+fn fault_shows_up_for_every_payload(
+    front: FrontEnd,
+    faults: Faults,
+    payloads: &[(PayloadKind, Compression)],
+) {
     let cfg = SimConfig {
         layers: 3,
         tensor_bytes: 2048,
         faults,
         ..SimConfig::default()
     };
-    (0..SEEDS).find_map(|seed| {
-        let r = run(
-            front,
-            &SimConfig {
-                seed,
-                ..cfg.clone()
-            },
-            Some(seed),
+    for &(payload, compression) in payloads {
+        let seen = jitter_seeds().into_iter().find_map(|seed| {
+            run(
+                front,
+                &SimConfig {
+                    seed,
+                    payload,
+                    compression,
+                    ..cfg.clone()
+                },
+                Some(seed),
+            )
+            .first_mismatch
+        });
+        assert!(
+            seen.is_some(),
+            "{front:?} {payload:?} {compression:?}: removing a wait ({faults:?}) went unnoticed"
         );
-        r.first_mismatch
-    })
+    }
 }
 
 #[test]
@@ -148,11 +210,7 @@ fn offload_without_waiting_for_the_producer_saves_wrong_bytes() {
         ..Faults::default()
     };
     for front in FrontEnd::SWAPPING {
-        let seen = fault_shows_up(front, faults);
-        assert!(
-            seen.is_some(),
-            "{front:?}: removing the producer wait went unnoticed"
-        );
+        fault_shows_up_for_every_payload(front, faults, &PAYLOADS);
     }
 }
 
@@ -162,11 +220,13 @@ fn using_a_tensor_without_waiting_for_its_reload_reads_wrong_bytes() {
         skip_reload_wait: true,
         ..Faults::default()
     };
+    // A compressed reload is checked on the host (its decode may fail), which also orders it
+    // before the compute stream's use: the stream wait matters only for plain payloads.
+    let plain: Vec<_> = PAYLOADS
+        .into_iter()
+        .filter(|(_, c)| *c == Compression::Off)
+        .collect();
     for front in FrontEnd::SWAPPING {
-        let seen = fault_shows_up(front, faults);
-        assert!(
-            seen.is_some(),
-            "{front:?}: removing the reload wait went unnoticed"
-        );
+        fault_shows_up_for_every_payload(front, faults, &plain);
     }
 }
