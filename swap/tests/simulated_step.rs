@@ -156,7 +156,10 @@ fn every_payload_kind_returns_every_byte_and_releases_device_memory() {
                 assert_eq!(e.compressed_tensors, 0, "{what}");
                 assert_eq!(e.link_d2h_bytes, e.offloaded_bytes, "{what}");
             } else {
-                assert_eq!(e.compressed_tensors, e.offloaded_tensors, "{what}: {e:?}");
+                // Every reload was of an encoding (offloads taken back before they finished
+                // may not have been encoded yet).
+                assert!(e.compressed_tensors >= e.reloaded_tensors, "{what}: {e:?}");
+                assert!(e.reloaded_tensors > 0, "{what}: {e:?}");
                 assert!(e.codec_ns > 0, "{what}");
             }
             if compression == Compression::Device {
