@@ -1,33 +1,32 @@
 """hprt.torch: activation swap (and compression) of PyTorch's saved tensors through hprt.
 
-Importable only where torch is installed. Everything here moves torch's own tensors: a saved
-tensor's memory is borrowed by hprt (``FrameworkSwap``), copied to pinned memory on hprt's d2h
-stream after the framework's current stream, and released only after that copy completed; it
-comes back into a fresh ``torch.empty_strided`` tensor through hprt's h2d stream, which the
-current stream (and, for CPU tensors, the host) waits for before autograd sees it.
+Importable only where torch is installed. This module is glue: hooks call hprt-swap's Rust front
+ends, which hold every swap rule. A saved tensor becomes a *borrowed* payload
+(``FrameworkMemory.tensor``): hprt borrows its memory, copies it to pinned memory on its d2h
+stream after the framework's current stream and drops its reference (so torch frees it) only
+after that copy completed; the reload lands in a fresh ``torch.empty_strided`` tensor (shape and
+strides kept) made by the allocator callback, through hprt's h2d stream, which the current stream
+(and, for CPU tensors, the host) waits for before autograd sees it.
 
-Front ends, with the seeds' names and semantics:
+Front ends, with the upstream names and semantics:
 
-- ``TensorSwapContext(module_tag=...)`` (keyed swap): a ``with`` block around one layer's
-  forward; each new context of a tag is that tag's next layer. Saving in a new layer releases
-  the previous layer's device copies; the tag's last layer stays on the device; reading a saved
-  tensor in backward prefetches its proportional share of the previous layer.
-- ``SwapManager().set_forward_prefetch_layer(a, b)`` (layer groups): module hooks on ``a`` and
-  ``b``; after a layer's forward its group is offloaded and the previous group's offload waited;
-  before a layer's backward the previous group is prefetched and the own group waited.
+- ``TensorSwapContext(module_tag=...)`` (keyed swap, ``KeyedSwap``): a ``with`` block around one
+  layer's forward; each new context of a tag is that tag's next layer.
+- ``SwapManager().set_forward_prefetch_layer(a, b)`` (hyper_parallel layer groups, the Rust
+  ``SwapManager``): module hooks on ``a`` and ``b`` drive ``forward_pre`` / ``forward_post`` /
+  ``backward_pre`` / ``backward_post``.
 - ``keep_saved_tensors()``: the no-swap baseline, counted by the same accounting.
 - ``compress_saved_tensors()``: lossless compression of saved floating-point tensors, in the
   pack hook.
-- ``ManagedCompression`` (seed 003): saved tensors registered per layer with hprt's
-  ``ActivationManager``; while one layer's forward runs, the previous layer's tensors are encoded
-  on a side stream and their memory released; in backward they are decoded when their layer's
-  backward starts. ``stats()`` gives the per-layer ratios.
+- ``ManagedCompression`` (MindSpeed): saved tensors registered per layer with hprt's
+  ``ActivationManager``.
 
 Sharded data parallel (``fully_shard``, ``run_on_ranks``, ``MixedPrecisionPolicy``, ...) lives in
 ``hprt.fsdp`` and is re-exported here.
 
-``runtime().stats()`` reports ``device_current`` / ``device_peak`` (bytes of torch memory hprt
-keeps referenced: saved tensors not yet released, plus reloads in flight) and offloaded bytes.
+``Runtime(compression=...)`` selects compress-then-swap (``off``, ``device``, ``host_stage``,
+``auto``) for its front ends. ``runtime().stats()`` reports ``device_current`` / ``device_peak``
+(bytes of torch memory hprt keeps referenced) and the front ends' engine counters.
 """
 
 import torch
@@ -75,22 +74,47 @@ def _is_dense(t):
     return True
 
 
+# torch dtypes under hprt's names (what compress-then-swap can encode; others travel as bytes).
+_HPRT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+                torch.float64: "f64"}
+
+_COUNTERS = ("offloaded_tensors", "offloaded_bytes", "reloaded_tensors", "reloaded_bytes",
+             "link_d2h_bytes", "link_h2d_bytes", "compressed_tensors", "compressed_bytes",
+             "codec_ns")
+
+
 class Runtime:
-    """hprt's side of the integration for one platform: a ``FrameworkSwap`` (d2h and h2d
-    streams, pinned pool, accounting) and the compute stream standing for torch's."""
+    """hprt's side of the integration for one platform: the framework-memory accounting, one
+    keyed and one layer-group front end, and the compute stream standing for torch's."""
 
-    def __init__(self, platform=None, host_budget=None):
+    def __init__(self, platform=None, host_budget=None, compression="off"):
         self.platform = platform if platform is not None else hprt.get_platform()
-        self.swap = hprt.FrameworkSwap(self.platform, host_budget)
-        self._host_stream = self.swap.platform_stream()
+        self.memory = hprt.FrameworkMemory(self.platform)
+        self.host_budget, self.compression = host_budget, compression
+        self.layers = hprt.SwapManager(self.platform, host_budget=host_budget,
+                                       compression=compression)
+        self._keyed = []
+        self._host_stream = self.platform.create_stream()
 
-    def compute_stream(self, t):
-        """torch's current stream for ``t`` as an hprt stream."""
-        if t.device.type == "cuda" and self.platform.backend == "cuda":
-            return self.platform.wrap_stream(torch.cuda.current_stream(t.device).cuda_stream)
+    def new_keyed(self):
+        k = hprt.KeyedSwap(self.platform, host_budget=self.host_budget,
+                           compression=self.compression)
+        self._keyed.append(k)
+        return k
+
+    def compute_stream(self, device=None):
+        """torch's current stream for ``device`` as an hprt stream."""
+        if device is not None and torch.device(device).type == "cuda" and self.platform.backend == "cuda":
+            return self.platform.wrap_stream(torch.cuda.current_stream(device).cuda_stream)
         # CPU tensors: torch's work is done when its call returns, so an idle hprt stream
         # orders after all of it.
         return self._host_stream
+
+    def wait_host(self, t):
+        """CPU tensors are used by the host at once: it waits for what the stream waits for."""
+        if t.device.type == "cpu":
+            self._host_stream.synchronize()
+        return t
 
     def addressable(self, t):
         """Whether this platform's device memory holds ``t``."""
@@ -99,14 +123,29 @@ class Runtime:
             backend == "cuda" and t.device.type == "cuda"
         )
 
+    def borrow(self, t):
+        """``t`` as a borrowed swap payload whose reload makes a tensor of its shape and
+        strides."""
+        shape, stride, dtype, device = t.size(), t.stride(), t.dtype, t.device
+        return self.memory.tensor(
+            t, lambda: torch.empty_strided(shape, stride, dtype=dtype, device=device),
+            _HPRT_DTYPES.get(dtype, "u8"))
+
     def stats(self):
-        return self.swap.stats()
+        s = dict(self.memory.stats())
+        for k in _COUNTERS:
+            s[k] = 0
+        for front in [self.layers] + self._keyed:
+            fs = front.stats()
+            for k in _COUNTERS:
+                s[k] += fs[k]
+        return s
 
     def reset_peak(self):
-        self.swap.reset_peak()
+        self.memory.reset_peak()
 
     def synchronize(self):
-        self.swap.synchronize()
+        self.platform.synchronize()
 
 
 _runtimes = {}
@@ -123,9 +162,9 @@ def runtime(platform=None):
 
 
 def is_swappable(t, rt, min_bytes=0, custom_check_fn=None):
-    """The seed's eligibility test: a non-empty dense tensor on this platform's device, not a
-    parameter (nor a leaf that requires grad), at least ``min_bytes``, accepted by
-    ``custom_check_fn``."""
+    """The torch side of eligibility: a non-empty dense tensor on this platform's device, not a
+    parameter (nor a leaf that requires grad). ``min_bytes`` and ``custom_check_fn`` are the
+    front end's own rules, applied here only for direct callers."""
     if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
         return False
     if t.is_leaf and t.requires_grad:
@@ -135,93 +174,15 @@ def is_swappable(t, rt, min_bytes=0, custom_check_fn=None):
     return custom_check_fn is None or bool(custom_check_fn(t))
 
 
-class _Saved:
-    """One saved tensor on its way through host memory."""
+class _Packed:
+    """What the pack hook returns for a tensor handed to a front end; ``out`` keeps the unpacked
+    tensor, so that a second unpack of the same value (``retain_graph``) gets the same one."""
 
-    __slots__ = ("tensor", "host", "shape", "stride", "dtype", "device", "nbytes", "result")
+    __slots__ = ("ref", "out")
 
-    def __init__(self, t):
-        self.tensor = t  # held until the offload is launched
-        self.host = None
-        self.shape, self.stride = t.size(), t.stride()
-        self.dtype, self.device, self.nbytes = t.dtype, t.device, t.nbytes
-        self.result = None
-
-    def offload(self, rt):
-        t, self.tensor = self.tensor, None
-        self.host = rt.swap.offload(t.data_ptr(), t.nbytes, t, rt.compute_stream(t))
-
-    def release(self):
-        """Waits for the offload; torch's memory is then free (unless others reference it)."""
-        if self.host is not None and self.host.state == "d2h":
-            self.host.wait_offload()
-
-    def prefetch(self, rt):
-        if self.host is not None and self.host.state == "host":
-            out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
-            self.host.start_reload(out.data_ptr(), out.nbytes, out, rt.compute_stream(out))
-
-    def get(self, rt):
-        if self.result is not None:
-            return self.result
-        if self.tensor is not None:
-            return self.tensor
-        if self.host.state == "d2h":
-            # Its offload was never waited for: the original memory is still there.
-            self.result = self.host.take_back()
-            return self.result
-        self.prefetch(rt)
-        stream = rt.compute_stream(torch.empty(0, device=self.device))
-        self.result = self.host.finish_reload(stream, self.device.type == "cpu")
-        return self.result
-
-
-class _KeyedHandler:
-    """The seed-001 ``AsyncSwapHandler``: (layer, index) keys, release of the previous layer
-    when a new one starts saving, proportional prefetch of the previous layer on unpack."""
-
-    def __init__(self, rt):
-        self.rt = rt
-        self.current = None
-        self.counts = {}
-        self.saved = {}
-
-    def next_key(self, layer):
-        new_layer = False
-        if self.current == layer:
-            self.counts[layer] += 1
-        elif self.current is not None and layer < self.current:
-            self.counts = {layer: 1}  # a new step
-        else:
-            self.counts[layer] = 1
-            new_layer = layer != 0
-        self.current = layer
-        return (layer, self.counts[layer] - 1), new_layer
-
-    def pack(self, t, layer, layer_nums):
-        key, new_layer = self.next_key(layer)
-        if new_layer:
-            for (lay, _), s in list(self.saved.items()):
-                if lay == layer - 1:
-                    s.release()
-        s = _Saved(t)
-        if layer + 1 < layer_nums:
-            s.offload(self.rt)
-        self.saved[key] = s
-        return key
-
-    def unpack(self, key, prefetch):
-        s = self.saved.pop(key)
-        out = s.get(self.rt)
-        layer, index = key
-        if prefetch and layer > 0:
-            lo, hi = hprt.proportional_slice(index, self.counts.get(layer, 0), self.counts.get(layer - 1, 0))
-            for i in range(lo, hi):
-                p = self.saved.get((layer - 1, i))
-                if p is not None:
-                    p.release()
-                    p.prefetch(self.rt)
-        return out
+    def __init__(self, ref):
+        self.ref = ref
+        self.out = None
 
 
 _keyed_handlers = {}
@@ -234,31 +195,42 @@ class TensorSwapContext:
 
     def __init__(self, module_tag="default", custom_check_fn=None, prefetch=True, min_bytes=0, runtime_=None):
         self.module_tag = module_tag
-        TensorSwapContext.context_map[module_tag] = TensorSwapContext.context_map.get(module_tag, -1) + 1
-        self.layer_idx = TensorSwapContext.context_map[module_tag]
         self.prefetch = prefetch
-        self.custom_check_fn = custom_check_fn
-        self.min_bytes = min_bytes
         self.rt = runtime_ if runtime_ is not None else runtime()
-        self.handler = _keyed_handlers.setdefault(id(self.rt), _KeyedHandler(self.rt))
+        self.swap = _keyed_handlers.get(id(self.rt))
+        if self.swap is None:
+            self.swap = _keyed_handlers[id(self.rt)] = self.rt.new_keyed()
+        self._ctx = self.swap.register_layer(module_tag)
+        TensorSwapContext.context_map[module_tag] = self._ctx.layer
+        self.swap.set_min_bytes(min_bytes)
+        self.set_custom_check_fn(custom_check_fn)
         self._hooks = None
 
     @property
+    def layer_idx(self):
+        return self._ctx.layer
+
+    @property
     def layer_nums(self):
-        return TensorSwapContext.context_map[self.module_tag] + 1
+        return self.swap.layer_count(self._ctx)
 
     def set_custom_check_fn(self, fn):
-        self.custom_check_fn = fn
+        self.swap.set_predicate(fn)
 
     def _pack(self, t):
-        if not is_swappable(t, self.rt, self.min_bytes, self.custom_check_fn):
+        if not is_swappable(t, self.rt):
             return t
-        return ("hprt-key", self.handler.pack(t, self.layer_idx, self.layer_nums))
+        stream = self.rt.compute_stream(t.device)
+        return _Packed(self.swap.swap_out_cur_and_release_prev(self._ctx, self.rt.borrow(t), stream))
 
     def _unpack(self, packed):
-        if isinstance(packed, tuple) and len(packed) == 2 and packed[0] == "hprt-key":
-            return self.handler.unpack(packed[1], self.prefetch)
-        return packed
+        if not isinstance(packed, _Packed):
+            return packed
+        if packed.out is None:
+            stream = self.rt.compute_stream(None)
+            out = self.swap.wait_cur_and_prefetch_next(packed.ref, stream, self.prefetch)
+            packed.out = self.rt.wait_host(out)
+        return packed.out
 
     def __enter__(self):
         self._hooks = saved_tensors_hooks(self._pack, self._unpack)
@@ -276,18 +248,9 @@ class TensorSwapContext:
         _keyed_handlers.clear()
 
 
-class _Group:
-    def __init__(self, name):
-        self.name = name
-        self.saved = []
-        self.prev = None
-        self.next = None
-        self.phase = "forward"
-
-
 class SwapManager:
-    """The seed-000 layer-group swap on torch modules (one per runtime, like the seed's
-    singleton)."""
+    """hyper_parallel's layer-group swap on torch modules (one per runtime, like its
+    singleton): module hooks call the Rust ``SwapManager``."""
 
     _instances = {}
 
@@ -299,8 +262,7 @@ class SwapManager:
             inst.rt = rt
             inst.min_bytes = min_bytes
             inst.custom_check_fn = custom_check_fn
-            inst.groups = {}
-            inst._hooks = {}
+            inst.layers = {}
             cls._instances[id(rt)] = inst
         return inst
 
@@ -308,69 +270,50 @@ class SwapManager:
     def reset(cls):
         cls._instances.clear()
 
-    def _group(self, module):
-        g = self.groups.get(id(module))
-        if g is None:
-            g = _Group(f"swap_group_{len(self.groups)}")
-            self.groups[id(module)] = g
-            self._register_hooks(module, g)
-        return g
+    def _layer(self, module):
+        layer = self.layers.get(id(module))
+        if layer is None:
+            layer = self.layers[id(module)] = self.rt.layers.new_layer()
+            self._register_hooks(module, layer)
+        return layer
 
     def set_forward_prefetch_layer(self, first_layer, second_layer):
         """``second_layer`` runs after ``first_layer`` in forward; idempotent."""
-        a, b = self._group(first_layer), self._group(second_layer)
-        if a.next is None:
-            a.next = b
-        if b.prev is None:
-            b.prev = a
+        self.rt.layers.set_forward_prefetch_layer(self._layer(first_layer), self._layer(second_layer))
 
-    def _pack(self, g, t):
+    def _pack(self, t):
         if not is_swappable(t, self.rt, self.min_bytes, self.custom_check_fn):
             return t
-        s = _Saved(t)
-        g.saved.append(s)
-        return s
+        return _Packed(self.rt.layers.save(self.rt.borrow(t)))
 
     def _unpack(self, packed):
-        return packed.get(self.rt) if isinstance(packed, _Saved) else packed
+        if not isinstance(packed, _Packed):
+            return packed
+        if packed.out is None:
+            packed.out = self.rt.wait_host(self.rt.layers.take(packed.ref))
+        return packed.out
 
-    def _register_hooks(self, module, g):
-        hooks = self._hooks
+    def _register_hooks(self, module, layer):
+        front, rt = self.rt.layers, self.rt
+        open_hooks = {}
 
         def forward_pre(mod, args):
-            if g.phase == "pre_backward":
-                return  # a recomputed forward during backward (checkpointing)
-            g.saved = []
-            ctx = saved_tensors_hooks(lambda t: self._pack(g, t), self._unpack)
-            ctx.__enter__()
-            hooks[id(mod)] = ctx
+            if front.forward_pre(layer):
+                ctx = saved_tensors_hooks(self._pack, self._unpack)
+                ctx.__enter__()
+                open_hooks[id(mod)] = ctx
 
         def forward_post(mod, args, output):
-            ctx = hooks.pop(id(mod), None)
-            if ctx is None:
-                return
-            ctx.__exit__(None, None, None)
-            if g.next is not None:
-                for s in g.saved:
-                    s.offload(self.rt)
-            if g.prev is not None:
-                for s in g.prev.saved:
-                    s.release()
+            ctx = open_hooks.pop(id(mod), None)
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+            front.forward_post(layer, rt.compute_stream(None))
 
         def backward_pre(mod, grad_output):
-            g.phase = "pre_backward"
-            if g.prev is not None:
-                for s in g.prev.saved:
-                    s.release()
-                    s.prefetch(self.rt)
-            if g.next is not None:
-                for s in g.saved:
-                    s.release()
-                    s.prefetch(self.rt)
+            front.backward_pre(layer, rt.compute_stream(None))
 
         def backward_post(mod, grad_input, grad_output):
-            g.phase = "forward"
-            g.saved = []
+            front.backward_post(layer)
 
         module.register_forward_pre_hook(forward_pre)
         module.register_forward_hook(forward_post)
@@ -390,12 +333,12 @@ class keep_saved_tensors:
     def _pack(self, t):
         if not is_swappable(t, self.rt, self.min_bytes):
             return t
-        return self.rt.swap.keep(t.data_ptr(), t.nbytes, t)
+        return self.rt.borrow(t)
 
     @staticmethod
     def _unpack(packed):
-        if isinstance(packed, hprt.HostCopy):
-            return packed.take_back()
+        if isinstance(packed, hprt.BorrowedTensor):
+            return packed.tensor
         return packed
 
     def __enter__(self):

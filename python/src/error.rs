@@ -124,6 +124,8 @@ fn swap_status(e: &hprt_swap::SwapError) -> &'static str {
         S::WrongState { .. } => "HP_SWAP_WRONG_STATE",
         S::ModifiedSinceOffload { .. } => "HP_SWAP_MODIFIED_SINCE_OFFLOAD",
         S::StorageResized { .. } => "HP_SWAP_STORAGE_RESIZED",
+        S::ReacquiredOutsideSwap => "HP_SWAP_REACQUIRED_OUTSIDE_SWAP",
+        S::Codec(_) => "HP_SWAP_CODEC",
         S::InvalidTensor(_) => "HP_SWAP_INVALID_TENSOR",
         S::HostBudgetExceeded { .. } => "HP_SWAP_HOST_BUDGET_EXCEEDED",
         S::Unknown { .. } => "HP_SWAP_UNKNOWN",

@@ -8,8 +8,9 @@
 //!   barrier, split.
 //! - [`swap`] — `DeviceTensor` and the three hprt-swap front ends: `SwapManager` (layer
 //!   groups), `KeyedSwap` (keyed pack/unpack), `PipelineOffload` (chunked groups).
-//! - [`offload`] — `FrameworkSwap` / `HostCopy`: swap of a framework's own tensors (what
-//!   `hprt.torch` uses), with accounting of the framework bytes hprt keeps on the device.
+//! - [`borrowed`] — `FrameworkMemory` / `BorrowedTensor`: a framework's own tensors as borrowed
+//!   swap payloads for those front ends (what `hprt.torch` uses), with accounting of the
+//!   framework bytes hprt keeps on the device.
 //! - [`compress`] — `compress` / `decompress` / `decompress_into` / `compressed_info`: the
 //!   hprt-compress lossless codec on host tensors (DLPack) and bytes.
 //! - [`manager`] — `ActivationManager`: hprt-compress's per-layer activation manager (saved
@@ -19,6 +20,7 @@
 //! - [`error`] — `BindError` and the `HprtError` exception family; every failure becomes one,
 //!   carrying the backend's status name.
 
+pub mod borrowed;
 pub mod collective;
 pub mod compress;
 pub mod dlpack;
@@ -26,7 +28,6 @@ pub mod dtype;
 pub mod error;
 pub mod hsdp;
 pub mod manager;
-pub mod offload;
 pub mod platform;
 pub mod swap;
 
@@ -42,7 +43,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     collective::register(m)?;
     compress::register(m)?;
     swap::register(m)?;
-    offload::register(m)?;
+    borrowed::register(m)?;
     hsdp::register(m)?;
     manager::register(m)?;
     Ok(())

@@ -6,12 +6,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use hprt_platform::{DType, DeviceBuffer};
 use hprt_swap::{
-    DeviceTensor, KeyedSwap, LayerId, OffloadTag, Packed, PipelineConfig, PipelineOffload,
+    Compression, DeviceTensor, KeyedSwap, OffloadTag, Packed, PipelineConfig, PipelineOffload,
     PlatformHandle, PoolConfig, Saved, SavedRef, SwapContext, SwapManager, TensorKey,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::borrowed::{handle_object, PyBorrowedTensor};
 use crate::dlpack::TensorView;
 use crate::dtype;
 use crate::error::{invalid, Result};
@@ -150,16 +151,24 @@ impl PyDeviceTensor {
     }
 }
 
-/// A Python value as swap holds it: hprt tensors swap, anything else passes through.
+/// A Python value as swap holds it: hprt tensors and borrowed framework tensors swap, anything
+/// else passes through.
 fn to_saved(value: &Bound<'_, PyAny>) -> Saved {
-    match value.cast::<PyDeviceTensor>() {
-        Ok(t) => Saved::Tensor(t.get().t.clone()),
-        Err(_) => Saved::Other(Arc::new(value.clone().unbind())),
+    if let Ok(t) = value.cast::<PyDeviceTensor>() {
+        return Saved::Tensor(t.get().t.clone());
     }
+    if let Ok(t) = value.cast::<PyBorrowedTensor>() {
+        return Saved::Tensor(t.get().t.clone());
+    }
+    Saved::Other(Arc::new(value.clone().unbind()))
 }
 
+/// The value handed back: a borrowed tensor comes back as its framework tensor (the one the
+/// allocator made, after a reload), an hprt tensor as a `DeviceTensor`.
 fn from_saved(py: Python<'_>, p: &PlatformHandle, saved: Saved) -> Result<Py<PyAny>> {
     match saved {
+        Saved::Tensor(t) if t.is_borrowed() => handle_object(py, &t)
+            .ok_or_else(|| invalid("a borrowed tensor without its framework object")),
         Saved::Tensor(t) => Ok(Py::new(py, PyDeviceTensor { p: p.clone(), t })?.into_any()),
         Saved::Other(any) => match any.downcast_ref::<Py<PyAny>>() {
             Some(obj) => Ok(obj.clone_ref(py)),
@@ -179,6 +188,11 @@ fn stats_dict<'py>(
     d.set_item("offloaded_bytes", s.offloaded_bytes)?;
     d.set_item("reloaded_tensors", s.reloaded_tensors)?;
     d.set_item("reloaded_bytes", s.reloaded_bytes)?;
+    d.set_item("link_d2h_bytes", s.link_d2h_bytes)?;
+    d.set_item("link_h2d_bytes", s.link_h2d_bytes)?;
+    d.set_item("compressed_tensors", s.compressed_tensors)?;
+    d.set_item("compressed_bytes", s.compressed_bytes)?;
+    d.set_item("codec_ns", s.codec_ns)?;
     d.set_item("pinned_bytes_held", pool.bytes_held)?;
     d.set_item("pinned_bytes_in_use", pool.bytes_in_use)?;
     d.set_item("pinned_high_water", pool.high_water)?;
@@ -196,87 +210,126 @@ fn pool(host_budget: Option<usize>) -> PoolConfig {
 #[pyclass(name = "SwapManager", module = "hprt._native", frozen)]
 pub struct PySwapManager {
     p: PlatformHandle,
-    inner: Mutex<(SwapManager, Vec<LayerId>)>,
+    inner: Mutex<SwapManager>,
+}
+
+type Ref = (usize, usize, u64);
+
+fn saved_ref(r: SavedRef) -> Ref {
+    (r.layer.index(), r.index, r.generation)
 }
 
 impl PySwapManager {
-    fn layer(ids: &[LayerId], layer: usize) -> Result<LayerId> {
-        ids.get(layer)
-            .copied()
-            .ok_or_else(|| invalid(format!("unknown layer {layer}")))
+    fn saved_ref(m: &SwapManager, (layer, index, generation): Ref) -> Result<SavedRef> {
+        Ok(SavedRef {
+            layer: m.layer_id(layer)?,
+            index,
+            generation,
+        })
     }
 }
 
 #[pymethods]
 impl PySwapManager {
     #[new]
-    #[pyo3(signature = (platform=None, host_budget=None))]
-    fn new(platform: Option<&PyPlatform>, host_budget: Option<usize>) -> Result<Self> {
+    #[pyo3(signature = (platform=None, host_budget=None, compression="off"))]
+    fn new(platform: Option<&PyPlatform>, host_budget: Option<usize>, compression: &str) -> Result<Self> {
         let p = crate::platform::resolve(platform)?;
-        let m = SwapManager::with_pool(p.clone(), pool(host_budget))?;
+        let mut m = SwapManager::with_pool(p.clone(), pool(host_budget))?;
+        m.engine_mut().set_compression(parse_compression(compression)?);
         Ok(PySwapManager {
             p: p.clone(),
-            inner: Mutex::new((m, Vec::new())),
+            inner: Mutex::new(m),
         })
     }
     /// A new layer (group); returns its number.
     fn new_layer(&self) -> usize {
-        let mut g = locked(&self.inner);
-        let id = g.0.new_layer();
-        g.1.push(id);
-        g.1.len() - 1
+        locked(&self.inner).new_layer().index()
+    }
+    /// The number of group `name` (made on first use).
+    fn group(&self, name: &str) -> usize {
+        locked(&self.inner).group(name).index()
     }
     fn set_forward_prefetch_layer(&self, first: usize, second: usize) -> Result<()> {
         let mut g = locked(&self.inner);
-        let (a, b) = (Self::layer(&g.1, first)?, Self::layer(&g.1, second)?);
-        Ok(g.0.set_forward_prefetch_layer(a, b)?)
+        let (a, b) = (g.layer_id(first)?, g.layer_id(second)?);
+        Ok(g.set_forward_prefetch_layer(a, b)?)
     }
-    fn forward_pre(&self, layer: usize) -> Result<()> {
+    /// Returns whether the layer's saved values join its group (false for a checkpointed
+    /// recomputation during its backward).
+    fn forward_pre(&self, layer: usize) -> Result<bool> {
         let mut g = locked(&self.inner);
-        let l = Self::layer(&g.1, layer)?;
-        Ok(g.0.forward_pre(l)?)
+        let l = g.layer_id(layer)?;
+        g.forward_pre(l)?;
+        Ok(g.is_recording(l))
     }
-    /// Adds a value to the current layer's group; returns `(layer, index)` for `get`.
-    fn save(&self, value: &Bound<'_, PyAny>) -> Result<(usize, usize)> {
+    /// Adds a value to the current layer's group; returns the reference `get` takes.
+    fn save(&self, value: &Bound<'_, PyAny>) -> Result<Ref> {
         let saved = to_saved(value);
-        let mut g = locked(&self.inner);
-        let r = g.0.save(saved)?;
-        Ok((r.layer.index(), r.index))
+        Ok(saved_ref(locked(&self.inner).save(saved)?))
+    }
+    /// hyper_parallel's `add_storage(group_name, storage)`: adds a value to a named group.
+    fn add_storage(&self, group_name: &str, value: &Bound<'_, PyAny>) -> Result<Ref> {
+        let saved = to_saved(value);
+        Ok(saved_ref(locked(&self.inner).add_storage(group_name, saved)?))
+    }
+    fn launch_offload(&self, py: Python<'_>, group_name: &str, stream: &PyStream) -> Result<()> {
+        py.detach(|| Ok(locked(&self.inner).launch_offload(group_name, &stream.s)?))
+    }
+    fn wait_offload(&self, py: Python<'_>, group_name: &str) -> Result<()> {
+        py.detach(|| Ok(locked(&self.inner).wait_offload(group_name)?))
+    }
+    fn launch_load(&self, py: Python<'_>, group_name: &str) -> Result<()> {
+        py.detach(|| Ok(locked(&self.inner).launch_load(group_name)?))
+    }
+    fn wait_load(&self, py: Python<'_>, group_name: &str, stream: &PyStream) -> Result<()> {
+        py.detach(|| Ok(locked(&self.inner).wait_load(group_name, &stream.s)?))
+    }
+    fn get_current_group_name(&self) -> Option<String> {
+        locked(&self.inner).get_current_group_name().map(str::to_owned)
+    }
+    fn set_current_group_name(&self, name: &str) {
+        locked(&self.inner).set_current_group_name(name)
     }
     fn forward_post(&self, py: Python<'_>, layer: usize, stream: &PyStream) -> Result<()> {
         py.detach(|| {
             let mut g = locked(&self.inner);
-            let l = Self::layer(&g.1, layer)?;
-            Ok(g.0.forward_post(l, &stream.s)?)
+            let l = g.layer_id(layer)?;
+            Ok(g.forward_post(l, &stream.s)?)
         })
     }
     fn backward_pre(&self, py: Python<'_>, layer: usize, stream: &PyStream) -> Result<()> {
         py.detach(|| {
             let mut g = locked(&self.inner);
-            let l = Self::layer(&g.1, layer)?;
-            Ok(g.0.backward_pre(l, &stream.s)?)
+            let l = g.layer_id(layer)?;
+            Ok(g.backward_pre(l, &stream.s)?)
         })
     }
     fn backward_post(&self, layer: usize) -> Result<()> {
         let mut g = locked(&self.inner);
-        let l = Self::layer(&g.1, layer)?;
-        Ok(g.0.backward_post(l)?)
+        let l = g.layer_id(layer)?;
+        Ok(g.backward_post(l)?)
     }
     /// A saved value, once its group is back on the device.
-    fn get(&self, py: Python<'_>, saved: (usize, usize)) -> Result<Py<PyAny>> {
-        let g = locked(&self.inner);
-        let r = SavedRef {
-            layer: Self::layer(&g.1, saved.0)?,
-            index: saved.1,
-        };
-        let v = g.0.get(r)?.clone();
+    fn get(&self, py: Python<'_>, saved: Ref) -> Result<Py<PyAny>> {
+        let mut g = locked(&self.inner);
+        let r = Self::saved_ref(&g, saved)?;
+        let v = g.get(r)?.clone();
+        drop(g);
+        from_saved(py, &self.p, v)
+    }
+    /// Hands a saved value out of its group (the group keeps no reference to it).
+    fn take(&self, py: Python<'_>, saved: Ref) -> Result<Py<PyAny>> {
+        let mut g = locked(&self.inner);
+        let r = Self::saved_ref(&g, saved)?;
+        let v = g.take(r)?;
         drop(g);
         from_saved(py, &self.p, v)
     }
     fn release(&self, py: Python<'_>, layer: usize) -> Result<Vec<Py<PyAny>>> {
         let mut g = locked(&self.inner);
-        let l = Self::layer(&g.1, layer)?;
-        let values = g.0.release(l)?;
+        let l = g.layer_id(layer)?;
+        let values = g.release(l)?;
         drop(g);
         values
             .into_iter()
@@ -284,11 +337,34 @@ impl PySwapManager {
             .collect()
     }
     fn end_iteration(&self, py: Python<'_>) -> Result<()> {
-        py.detach(|| Ok(locked(&self.inner).0.end_iteration()?))
+        py.detach(|| Ok(locked(&self.inner).end_iteration()?))
+    }
+    /// `off`, `device`, `host_stage` or `auto`: compress-then-swap for tensors offloaded from
+    /// now on.
+    fn set_compression(&self, compression: &str) -> Result<()> {
+        locked(&self.inner)
+            .engine_mut()
+            .set_compression(parse_compression(compression)?);
+        Ok(())
     }
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, locked(&self.inner).0.engine())
+        stats_dict(py, locked(&self.inner).engine())
     }
+}
+
+/// A compression mode by name.
+fn parse_compression(name: &str) -> Result<Compression> {
+    Ok(match name {
+        "off" => Compression::Off,
+        "device" => Compression::Device,
+        "host_stage" => Compression::HostStage,
+        "auto" => Compression::Auto,
+        other => {
+            return Err(invalid(format!(
+                "compression {other:?}: expected off, device, host_stage or auto"
+            )))
+        }
+    })
 }
 
 /// A layer registered under a module tag (the seed's `TensorSwapContext` position).
@@ -332,15 +408,17 @@ pub struct PyKeyedSwap {
 #[pymethods]
 impl PyKeyedSwap {
     #[new]
-    #[pyo3(signature = (platform=None, min_bytes=0, host_budget=None))]
+    #[pyo3(signature = (platform=None, min_bytes=0, host_budget=None, compression="off"))]
     fn new(
         platform: Option<&PyPlatform>,
         min_bytes: usize,
         host_budget: Option<usize>,
+        compression: &str,
     ) -> Result<Self> {
         let p = crate::platform::resolve(platform)?;
         let mut k = KeyedSwap::with_pool(p.clone(), pool(host_budget))?;
         k.set_min_bytes(min_bytes);
+        k.engine_mut().set_compression(parse_compression(compression)?);
         Ok(PyKeyedSwap {
             p: p.clone(),
             inner: Mutex::new(k),
@@ -364,19 +442,42 @@ impl PyKeyedSwap {
     fn layer_count(&self, ctx: &PySwapContext) -> usize {
         locked(&self.inner).layer_count(&ctx.ctx)
     }
-    /// An extra eligibility test: `predicate(DeviceTensor) -> bool` (`None` removes it). A
-    /// predicate that raises counts as "not eligible"; its exception is reported as unraisable.
+    /// Tensors smaller than this stay on the device.
+    fn set_min_bytes(&self, bytes: usize) {
+        locked(&self.inner).set_min_bytes(bytes)
+    }
+    /// `off`, `device`, `host_stage` or `auto`.
+    fn set_compression(&self, compression: &str) -> Result<()> {
+        locked(&self.inner)
+            .engine_mut()
+            .set_compression(parse_compression(compression)?);
+        Ok(())
+    }
+    /// An extra eligibility test (the upstream `custom_check_fn`): `predicate(t) -> bool` with
+    /// `t` the framework tensor of a borrowed payload or a `DeviceTensor` (`None` removes it).
+    /// A predicate that raises counts as "not eligible"; its exception is reported as
+    /// unraisable.
     #[pyo3(signature = (predicate))]
     fn set_predicate(&self, predicate: Option<Py<PyAny>>) {
         let p = self.p.clone();
         let boxed = predicate.map(|f| {
             Box::new(move |t: &DeviceTensor| {
                 Python::attach(|py| {
-                    let arg = PyDeviceTensor {
-                        p: p.clone(),
-                        t: t.clone(),
+                    let arg = match handle_object(py, t) {
+                        Some(obj) => Ok(obj),
+                        None => Py::new(
+                            py,
+                            PyDeviceTensor {
+                                p: p.clone(),
+                                t: t.clone(),
+                            },
+                        )
+                        .map(Py::into_any),
                     };
-                    match f.call1(py, (arg,)).and_then(|r| r.is_truthy(py)) {
+                    match arg
+                        .and_then(|a| f.call1(py, (a,)))
+                        .and_then(|r| r.is_truthy(py))
+                    {
                         Ok(b) => b,
                         Err(e) => {
                             e.write_unraisable(py, None);
@@ -387,6 +488,27 @@ impl PyKeyedSwap {
             }) as hprt_swap::SwapPredicate
         });
         locked(&self.inner).set_predicate(boxed)
+    }
+    /// The upstream name of `pack`.
+    fn swap_out_cur_and_release_prev(
+        &self,
+        py: Python<'_>,
+        ctx: &PySwapContext,
+        value: &Bound<'_, PyAny>,
+        stream: &PyStream,
+    ) -> Result<PyPacked> {
+        self.pack(py, ctx, value, stream)
+    }
+    /// The upstream name of `unpack`.
+    #[pyo3(signature = (packed, stream, prefetch=true))]
+    fn wait_cur_and_prefetch_next(
+        &self,
+        py: Python<'_>,
+        packed: &PyPacked,
+        stream: &PyStream,
+        prefetch: bool,
+    ) -> Result<Py<PyAny>> {
+        self.unpack(py, packed, stream, prefetch)
     }
     fn pack(
         &self,
@@ -469,13 +591,14 @@ pub struct PyPipelineOffload {
 #[pymethods]
 impl PyPipelineOffload {
     #[new]
-    #[pyo3(signature = (platform=None, min_tensor_elems=1024 * 1024, max_inflight_offloads=1, keep_last_groups=1, host_budget=None))]
+    #[pyo3(signature = (platform=None, min_tensor_elems=1024 * 1024, max_inflight_offloads=1, keep_last_groups=1, host_budget=None, compression="off"))]
     fn new(
         platform: Option<&PyPlatform>,
         min_tensor_elems: usize,
         max_inflight_offloads: usize,
         keep_last_groups: usize,
         host_budget: Option<usize>,
+        compression: &str,
     ) -> Result<Self> {
         let p = crate::platform::resolve(platform)?;
         let cfg = PipelineConfig {
@@ -483,6 +606,7 @@ impl PyPipelineOffload {
             max_inflight_offloads,
             keep_last_groups,
             pool: pool(host_budget),
+            compression: parse_compression(compression)?,
         };
         Ok(PyPipelineOffload {
             p: p.clone(),

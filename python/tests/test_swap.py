@@ -32,8 +32,7 @@ def test_layer_group_swap_offloads_releases_and_restores(p):
     for i, layer in enumerate(layers):
         m.forward_pre(layer)
         t, arr = tensor(p, s, np.arange(64) + 100 * i)
-        saved.append((m.save(t), t, arr))
-        m.save("not a tensor")
+        saved.append((m.save(t), t, arr, m.save("not a tensor")))
         m.forward_post(layer, s)
     # Layers 0 and 1 were offloaded and released once their successor finished forward.
     assert saved[0][1].buffer.nbytes == 0 and saved[1][1].buffer.nbytes == 0
@@ -43,13 +42,44 @@ def test_layer_group_swap_offloads_releases_and_restores(p):
     assert e.value.status == "HP_SWAP_WRONG_STATE"
     for layer in reversed(layers):
         m.backward_pre(layer, s)
-        ref, _, arr = saved[layer]
+        ref, _, arr, other = saved[layer]
         got = m.get(ref)
         assert np.array_equal(read(p, s, got), arr)
-        assert m.get((layer, 1)) == "not a tensor"
+        assert m.get(other) == "not a tensor"
         m.backward_post(layer)
     assert m.stats()["offloaded_bytes"] == 2 * 256
     m.end_iteration()
+    with pytest.raises(hprt.SwapStateError):
+        m.get(saved[0][0])  # a reference from an ended iteration
+
+
+def test_layer_group_upstream_names_and_out_of_order_calls(p):
+    """hyper_parallel's per-group calls, and each out-of-order call a typed error."""
+    s = p.create_stream()
+    m = hprt.SwapManager(p, compression="host_stage")
+    t, arr = tensor(p, s, np.linspace(-3, 3, 64))
+    m.set_current_group_name("attn")
+    assert m.get_current_group_name() == "attn"
+    ref = m.add_storage("attn", t)
+    m.launch_offload("attn", s)
+    m.wait_offload("attn")
+    assert t.buffer.nbytes == 0
+    m.launch_load("attn")
+    m.wait_load("attn", s)
+    assert np.array_equal(read(p, s, m.get(ref)), arr)
+    assert m.stats()["compressed_tensors"] == 1
+    a, b = m.new_layer(), m.new_layer()
+    m.set_forward_prefetch_layer(a, b)
+    with pytest.raises(hprt.SwapStateError):
+        m.set_forward_prefetch_layer(b, a)  # reversed: a cycle
+    with pytest.raises(hprt.SwapStateError):
+        m.forward_post(a, s)  # without forward_pre
+    m.forward_pre(a)
+    m.forward_post(a, s)
+    with pytest.raises(hprt.SwapStateError):
+        m.save(t)  # outside a forward
+    with pytest.raises(hprt.SwapStateError):
+        m.backward_post(b)  # its backward never began
 
 
 def test_keyed_swap_with_tensor_swap_context(p):

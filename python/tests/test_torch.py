@@ -164,15 +164,59 @@ def test_swap_with_jitter_is_still_bit_exact(baseline):
     assert_identical(baseline, train("keyed", rt))
 
 
-def test_bf16_round_trip_through_swap(platform):
+@pytest.mark.parametrize("compression", ["off", "device", "host_stage"])
+def test_bf16_round_trip_through_a_borrowed_payload(platform, compression):
+    """A torch tensor through hyper_parallel's group calls: its memory is released after the
+    offload and the reload lands in the tensor the allocator made, strides kept."""
     rt = ht.Runtime(platform)
-    t = torch.randn(64, 8).to(torch.bfloat16)
-    h = rt.swap.offload(t.data_ptr(), t.nbytes, t, rt.compute_stream(t))
-    h.wait_offload()
-    out = torch.empty_like(t)
-    h.start_reload(out.data_ptr(), out.nbytes, out, rt.compute_stream(out))
-    back = h.finish_reload(rt.compute_stream(out), True)
-    assert back is out and torch.equal(out, t)
+    mgr = hprt.SwapManager(platform, compression=compression)
+    t = torch.randn(8, 64).to(torch.bfloat16).t()  # permuted strides
+    expected = t.clone()
+    shape, stride = t.size(), t.stride()
+    made = []
+
+    def allocate():
+        made.append(torch.empty_strided(shape, stride, dtype=torch.bfloat16))
+        return made[-1]
+
+    ref = mgr.add_storage("g", rt.memory.tensor(t, allocate, "bf16"))
+    assert rt.memory.stats()["device_current"] == t.nbytes
+    s = rt.compute_stream(None)
+    mgr.launch_offload("g", s)
+    mgr.wait_offload("g")
+    del t
+    assert rt.memory.stats()["device_current"] == 0  # hprt let go of torch's memory
+    mgr.launch_load("g")
+    mgr.wait_load("g", s)
+    back = rt.wait_host(mgr.get(ref))
+    assert back is made[0] and back.stride() == expected.stride()
+    assert torch.equal(back, expected)
+    st = mgr.stats()
+    if compression != "off":
+        assert st["compressed_tensors"] == 1 and st["codec_ns"] > 0
+
+
+def test_borrowed_reload_out_of_memory_keeps_the_host_copy_and_retries(platform):
+    rt = ht.Runtime(platform)
+    mgr = hprt.SwapManager(platform)
+    t = torch.arange(256, dtype=torch.float32)
+    fail = [True]
+
+    def allocate():
+        if fail[0]:
+            fail[0] = False
+            raise MemoryError("test allocator: out of memory")
+        return torch.empty(256)
+
+    ref = mgr.add_storage("g", rt.memory.tensor(t, allocate))
+    s = rt.compute_stream(None)
+    mgr.launch_offload("g", s)
+    mgr.wait_offload("g")
+    with pytest.raises(hprt.HprtError):
+        mgr.launch_load("g")
+    mgr.launch_load("g")  # the retry finds the host copy intact
+    mgr.wait_load("g", s)
+    assert torch.equal(rt.wait_host(mgr.get(ref)), torch.arange(256, dtype=torch.float32))
 
 
 def test_parameters_and_leaves_are_not_swapped(platform):

@@ -31,7 +31,7 @@ impl TensorKeyManager {
     /// The key of the next tensor saved by `layer`, and whether `layer` starts a new layer after
     /// layer `layer - 1` (whose device copies may then be released). A layer index below the
     /// current one starts a new step: every count restarts.
-    pub fn next_key(&mut self, layer: usize) -> (TensorKey, bool) {
+    pub fn get_key(&mut self, layer: usize) -> (TensorKey, bool) {
         let mut previous_done = false;
         match self.current {
             Some(cur) if layer == cur => *self.counts.entry(layer).or_insert(0) += 1,
@@ -53,7 +53,7 @@ impl TensorKeyManager {
     /// The keys of layer `layer - 1` that tensor `(layer, index)` prefetches: its proportional
     /// share, so that all of `layer`'s tensors together prefetch each of the previous layer's
     /// tensors exactly once.
-    pub fn prefetch_keys(&self, (layer, index): TensorKey) -> Vec<TensorKey> {
+    pub fn get_prefetch_keys(&self, (layer, index): TensorKey) -> Vec<TensorKey> {
         let Some(prev) = layer.checked_sub(1) else {
             return Vec::new();
         };
@@ -246,17 +246,27 @@ impl KeyedSwap {
             && self.predicate.as_ref().is_none_or(|p| p(t))
     }
 
+    /// [`KeyedSwap::swap_out_cur_and_release_prev`], the pack hook's short name.
+    pub fn pack(&mut self, ctx: &SwapContext, value: Saved, compute: &Stream) -> Result<Packed> {
+        self.swap_out_cur_and_release_prev(ctx, value, compute)
+    }
+
     /// Autograd saves `value` in `ctx`'s layer (its producer queued on `compute`): a new layer
     /// first releases the previous layer's device bytes (waiting for its offloads), then the
     /// tensor is offloaded unless its layer is its tag's last.
-    pub fn pack(&mut self, ctx: &SwapContext, value: Saved, compute: &Stream) -> Result<Packed> {
+    pub fn swap_out_cur_and_release_prev(
+        &mut self,
+        ctx: &SwapContext,
+        value: Saved,
+        compute: &Stream,
+    ) -> Result<Packed> {
         let Saved::Tensor(tensor) = &value else {
             return Ok(Packed::Kept(value));
         };
         if !self.eligible(tensor) {
             return Ok(Packed::Kept(value));
         }
-        let (key, previous_done) = self.keys.next_key(ctx.layer);
+        let (key, previous_done) = self.keys.get_key(ctx.layer);
         if previous_done {
             let prev = ctx.layer - 1;
             let group = self
@@ -282,8 +292,20 @@ impl KeyedSwap {
         self.unpack_with(packed, compute, true)
     }
 
-    /// [`KeyedSwap::unpack`] with prefetching of the previous layer on or off.
+    /// [`KeyedSwap::wait_cur_and_prefetch_next`] with prefetching on or off.
     pub fn unpack_with(
+        &mut self,
+        packed: Packed,
+        compute: &Stream,
+        prefetch: bool,
+    ) -> Result<Saved> {
+        self.wait_cur_and_prefetch_next(packed, compute, prefetch)
+    }
+
+    /// Autograd reads a saved value back for work about to be queued on `compute`: its reload
+    /// is waited for (started first if it was not prefetched), then, if `prefetch`, this
+    /// tensor's share of the previous layer (the next one backward reaches) starts reloading.
+    pub fn wait_cur_and_prefetch_next(
         &mut self,
         packed: Packed,
         compute: &Stream,
@@ -306,7 +328,7 @@ impl KeyedSwap {
         self.engine.finish_reload([&mut *t], compute)?;
         let t = self.tensors.remove(&key).expect("present above");
         if prefetch {
-            for k in self.keys.prefetch_keys(key) {
+            for k in self.keys.get_prefetch_keys(key) {
                 if let Some(p) = self.tensors.get_mut(&k) {
                     // A prefetch that fails (device out of memory) leaves the tensor on the host;
                     // its own unpack reloads it, or reports the error, later.

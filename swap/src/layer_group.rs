@@ -1,6 +1,8 @@
 //! Layer-group swap (seed 000): each layer's saved tensors form a group; linked layers offload
 //! after their forward and prefetch their predecessor before their backward, on one copy stream.
 
+use std::collections::HashMap;
+
 use hprt_platform::Stream;
 
 use crate::engine::{EngineConfig, Faults, PlatformHandle, SwapEngine};
@@ -18,11 +20,13 @@ impl LayerId {
     }
 }
 
-/// A value saved into a layer's group: where to find it at backward.
+/// A value saved into a layer's group: where to find it at backward. `generation` counts the
+/// group's iterations, so a reference kept past its iteration is refused, not misread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SavedRef {
     pub layer: LayerId,
     pub index: usize,
+    pub generation: u64,
 }
 
 /// Where a layer is in the step; forward hooks are skipped once its backward began (a
@@ -35,10 +39,13 @@ enum Phase {
 }
 
 struct Layer {
+    name: String,
     prev: Option<LayerId>,
     next: Option<LayerId>,
     phase: Phase,
-    saved: Vec<SwapTensor>,
+    /// `None` once [`SwapManager::take`] handed the value out.
+    saved: Vec<Option<SwapTensor>>,
+    generation: u64,
 }
 
 /// The seed-000 swap manager on explicit layer handles.
@@ -51,7 +58,7 @@ struct Layer {
 ///   one exists, wait for its offload and release its device bytes;
 /// - [`SwapManager::backward_pre`]: if a previous layer exists, prefetch it; if a next one
 ///   exists (so this group was offloaded), make the compute stream wait for this group's load;
-/// - [`SwapManager::backward_post`]: marks the layer as done with backward.
+/// - [`SwapManager::backward_post`]: the layer is done with backward; its group is emptied.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -80,6 +87,8 @@ struct Layer {
 pub struct SwapManager {
     engine: SwapEngine,
     layers: Vec<Layer>,
+    names: HashMap<String, LayerId>,
+    /// The group `save` fills (hyper_parallel's current group name).
     current: Option<LayerId>,
 }
 
@@ -98,6 +107,7 @@ impl SwapManager {
         Ok(SwapManager {
             engine: SwapEngine::new(platform, config)?,
             layers: Vec::new(),
+            names: HashMap::new(),
             current: None,
         })
     }
@@ -116,15 +126,87 @@ impl SwapManager {
         self.engine.set_faults(faults);
     }
 
-    /// A new layer with an empty group.
+    /// A new layer with an empty group, named `swap_group_<n>`.
     pub fn new_layer(&mut self) -> LayerId {
+        let name = format!("swap_group_{}", self.layers.len());
+        self.group(&name)
+    }
+
+    /// The layer (group) named `name`, made on first use.
+    pub fn group(&mut self, name: &str) -> LayerId {
+        if let Some(id) = self.names.get(name) {
+            return *id;
+        }
         self.layers.push(Layer {
+            name: name.to_owned(),
             prev: None,
             next: None,
             phase: Phase::Forward,
             saved: Vec::new(),
+            generation: 0,
         });
-        LayerId(self.layers.len() - 1)
+        let id = LayerId(self.layers.len() - 1);
+        self.names.insert(name.to_owned(), id);
+        id
+    }
+
+    /// The layer numbered `index` (in creation order).
+    pub fn layer_id(&self, index: usize) -> Result<LayerId> {
+        if index < self.layers.len() {
+            Ok(LayerId(index))
+        } else {
+            Err(SwapError::unknown("layer", index))
+        }
+    }
+
+    fn named(&self, name: &str) -> Result<LayerId> {
+        self.names
+            .get(name)
+            .copied()
+            .ok_or_else(|| SwapError::unknown("swap group", name))
+    }
+
+    /// The name of the group `save` fills now (hyper_parallel's `get_current_group_name`).
+    pub fn get_current_group_name(&self) -> Option<&str> {
+        self.current.map(|id| self.layers[id.0].name.as_str())
+    }
+
+    /// Makes `name` the group `save` / `add_storage` fill (made on first use).
+    pub fn set_current_group_name(&mut self, name: &str) {
+        self.current = Some(self.group(name));
+    }
+
+    /// Adds a value to group `group_name` (hyper_parallel's `add_storage`).
+    pub fn add_storage(&mut self, group_name: &str, value: Saved) -> Result<SavedRef> {
+        let id = self.group(group_name);
+        self.save_into(id, value)
+    }
+
+    /// Queues the offload of group `group_name` after the work queued on `compute`.
+    pub fn launch_offload(&mut self, group_name: &str, compute: &Stream) -> Result<()> {
+        let id = self.named(group_name)?;
+        self.engine
+            .offload(self.layers[id.0].saved.iter_mut().flatten(), compute)
+    }
+
+    /// Waits for group `group_name`'s offload and releases its device memory.
+    pub fn wait_offload(&mut self, group_name: &str) -> Result<()> {
+        let id = self.named(group_name)?;
+        self.engine
+            .finish_offload(self.layers[id.0].saved.iter_mut().flatten())
+    }
+
+    /// Starts reloading group `group_name` (an offload still queued is waited for first).
+    pub fn launch_load(&mut self, group_name: &str) -> Result<()> {
+        let id = self.named(group_name)?;
+        self.load(id)
+    }
+
+    /// Makes `compute` wait for group `group_name`'s reload.
+    pub fn wait_load(&mut self, group_name: &str, compute: &Stream) -> Result<()> {
+        let id = self.named(group_name)?;
+        self.engine
+            .finish_reload(self.layers[id.0].saved.iter_mut().flatten(), compute)
     }
 
     fn layer(&mut self, id: LayerId) -> Result<&mut Layer> {
@@ -143,31 +225,59 @@ impl SwapManager {
             )));
         }
         self.layer(second)?;
-        let a = self.layer(first)?;
-        a.next.get_or_insert(second);
-        self.layer(second)?.prev.get_or_insert(first);
-        Ok(())
-    }
-
-    /// The layer's forward begins: values saved from now on join its group.
-    pub fn forward_pre(&mut self, layer: LayerId) -> Result<()> {
-        if self.layer(layer)?.phase != Phase::PreBackward {
-            self.current = Some(layer);
+        self.layer(first)?;
+        // A link the other way round (or any chain back to `first`) would make a cycle: the
+        // schedule would wait on itself.
+        let mut at = Some(second);
+        while let Some(l) = at {
+            if l == first {
+                return Err(SwapError::Order(format!(
+                    "set_forward_prefetch_layer({}, {}): layer {} already runs after layer {}",
+                    first.0, second.0, first.0, second.0
+                )));
+            }
+            at = self.layers[l.0].next;
         }
+        self.layers[first.0].next.get_or_insert(second);
+        self.layers[second.0].prev.get_or_insert(first);
         Ok(())
     }
 
-    /// Adds a saved value to the current layer's group.
+    /// The layer's forward begins: values saved from now on join its group. A layer whose
+    /// backward finished starts a new iteration: its previous group is dropped. (A forward
+    /// during the layer's backward is a checkpointed recomputation: nothing changes.)
+    pub fn forward_pre(&mut self, layer: LayerId) -> Result<()> {
+        let l = self.layer(layer)?;
+        match l.phase {
+            Phase::PreBackward => return Ok(()),
+            Phase::Backward => {
+                l.saved.clear();
+                l.generation += 1;
+                l.phase = Phase::Forward;
+            }
+            Phase::Forward => {}
+        }
+        self.current = Some(layer);
+        Ok(())
+    }
+
+    /// Adds a saved value to the current layer's group (between its `forward_pre` and
+    /// `forward_post`).
     pub fn save(&mut self, value: Saved) -> Result<SavedRef> {
-        let layer = self
-            .current
-            .ok_or_else(|| SwapError::Order("save called before any forward_pre".into()))?;
+        let layer = self.current.ok_or_else(|| {
+            SwapError::Order("save outside a forward (no forward_pre without its forward_post)".into())
+        })?;
+        self.save_into(layer, value)
+    }
+
+    fn save_into(&mut self, layer: LayerId, value: Saved) -> Result<SavedRef> {
         let t = SwapTensor::new(value)?;
-        let group = &mut self.layer(layer)?.saved;
-        group.push(t);
+        let l = self.layer(layer)?;
+        l.saved.push(Some(t));
         Ok(SavedRef {
             layer,
-            index: group.len() - 1,
+            index: l.saved.len() - 1,
+            generation: l.generation,
         })
     }
 
@@ -179,13 +289,20 @@ impl SwapManager {
             return Ok(());
         }
         let (prev, next) = (l.prev, l.next);
+        if self.current != Some(layer) {
+            return Err(SwapError::Order(format!(
+                "forward_post of layer {} without its forward_pre",
+                layer.0
+            )));
+        }
+        self.current = None;
         if next.is_some() {
             let group = &mut self.layers[layer.0].saved;
-            self.engine.offload(group.iter_mut(), compute)?;
+            self.engine.offload(group.iter_mut().flatten(), compute)?;
         }
         if let Some(prev) = prev {
             let group = &mut self.layers[prev.0].saved;
-            self.engine.finish_offload(group.iter_mut())?;
+            self.engine.finish_offload(group.iter_mut().flatten())?;
         }
         Ok(())
     }
@@ -200,53 +317,100 @@ impl SwapManager {
         if next.is_some() {
             // Normally prefetched at the next layer's backward_pre; loaded here if that failed
             // or the schedule skipped it (both calls skip what is already loading).
-            self.launch_load(layer)?;
+            self.load(layer)?;
         }
         if let Some(prev) = prev {
-            self.launch_load(prev)?;
+            self.load(prev)?;
         }
         if next.is_some() {
             let group = &mut self.layers[layer.0].saved;
-            self.engine.finish_reload(group.iter_mut(), compute)?;
+            self.engine
+                .finish_reload(group.iter_mut().flatten(), compute)?;
         }
         Ok(())
     }
 
     /// Starts reloading the layer's group; an offload still queued is waited for first, and
     /// values already reloading are left alone.
-    fn launch_load(&mut self, layer: LayerId) -> Result<()> {
+    fn load(&mut self, layer: LayerId) -> Result<()> {
         let group = &mut self.layers[layer.0].saved;
-        let in_flight = group.iter_mut().filter(|t| t.state() == SwapState::D2h);
+        let in_flight = group
+            .iter_mut()
+            .flatten()
+            .filter(|t| t.state() == SwapState::D2h);
         self.engine.finish_offload(in_flight)?;
-        self.engine.start_reload(group.iter_mut())
+        self.engine.start_reload(group.iter_mut().flatten())
     }
 
-    /// The layer's backward was queued.
+    /// The layer's backward was queued (after its `backward_pre`). Values it did not take
+    /// stay in the group until the layer's next forward (or `end_iteration`): a framework may
+    /// report a module's backward before its saved values were read (torch does for a module
+    /// whose inputs need no gradient).
     pub fn backward_post(&mut self, layer: LayerId) -> Result<()> {
-        self.layer(layer)?.phase = Phase::Backward;
+        let l = self.layer(layer)?;
+        if l.phase != Phase::PreBackward {
+            return Err(SwapError::Order(format!(
+                "backward_post of layer {} whose backward did not begin (no backward_pre)",
+                layer.0
+            )));
+        }
+        l.phase = Phase::Backward;
         Ok(())
     }
 
+    /// Whether `save` fills `layer`'s group now (false during a checkpointed recomputation).
+    pub fn is_recording(&self, layer: LayerId) -> bool {
+        self.current == Some(layer)
+    }
+
+    fn slot(&mut self, r: SavedRef) -> Result<&mut Option<SwapTensor>> {
+        let stale = || SwapError::unknown("saved value of this iteration", format!("{r:?}"));
+        let l = self.layers.get_mut(r.layer.0).ok_or_else(stale)?;
+        if l.generation != r.generation {
+            return Err(stale());
+        }
+        l.saved.get_mut(r.index).ok_or_else(stale)
+    }
+
     /// A saved value, once its group is on the device.
-    pub fn get(&self, r: SavedRef) -> Result<&Saved> {
-        self.layers
-            .get(r.layer.0)
-            .and_then(|l| l.saved.get(r.index))
-            .ok_or_else(|| SwapError::unknown("saved value", format!("{r:?}")))?
+    pub fn get(&mut self, r: SavedRef) -> Result<&Saved> {
+        self.slot(r)?
+            .as_ref()
+            .ok_or_else(|| SwapError::Order(format!("{r:?} was already taken")))?
             .get()
     }
 
-    /// Empties the layer's group (after its backward), handing back the saved values.
-    pub fn release(&mut self, layer: LayerId) -> Result<Vec<Saved>> {
-        let group = std::mem::take(&mut self.layer(layer)?.saved);
-        group.into_iter().map(SwapTensor::into_saved).collect()
+    /// Hands a saved value out of its group (once its group is on the device): the group holds
+    /// no reference to it any more, so its memory goes when the caller drops it. A second take
+    /// is an error.
+    pub fn take(&mut self, r: SavedRef) -> Result<Saved> {
+        let slot = self.slot(r)?;
+        let t = slot
+            .as_ref()
+            .ok_or_else(|| SwapError::Order(format!("{r:?} was already taken")))?;
+        t.get()?;
+        slot.take().expect("checked above").into_saved()
     }
 
-    /// Drops every group's values (whatever their state) and starts a new iteration of the pool.
+    /// Empties the layer's group (after its backward), handing back the values not taken.
+    pub fn release(&mut self, layer: LayerId) -> Result<Vec<Saved>> {
+        let group = std::mem::take(&mut self.layer(layer)?.saved);
+        group
+            .into_iter()
+            .flatten()
+            .map(SwapTensor::into_saved)
+            .collect()
+    }
+
+    /// Ends an iteration, also one aborted midway (an exception in forward or backward): drops
+    /// every group's values whatever their state, and every layer starts the next iteration
+    /// in forward.
     pub fn end_iteration(&mut self) -> Result<()> {
         self.engine.synchronize()?;
         for l in &mut self.layers {
             l.saved.clear();
+            l.generation += 1;
+            l.phase = Phase::Forward;
         }
         self.current = None;
         self.engine.end_iteration()?;

@@ -232,10 +232,9 @@ impl Driver {
                 m.backward_pre(ids[layer], s)?;
                 let values = refs
                     .iter()
-                    .map(|r| m.get(*r).cloned())
+                    .map(|r| m.take(*r))
                     .collect::<Result<_>>()?;
                 m.backward_post(ids[layer])?;
-                m.release(ids[layer])?;
                 Ok(values)
             }
             // Autograd reads saved values back in reverse order.

@@ -130,17 +130,17 @@ fn unknown_layers_and_saves_outside_a_layer_are_errors() {
 #[test]
 fn key_manager_new_layer_same_layer_and_restart() {
     let mut k = TensorKeyManager::new();
-    assert_eq!(k.next_key(0), ((0, 0), false));
-    assert_eq!(k.next_key(0), ((0, 1), false));
-    assert_eq!(k.next_key(1), ((1, 0), true));
-    assert_eq!(k.next_key(1), ((1, 1), false));
-    assert_eq!(k.next_key(1), ((1, 2), false));
-    assert_eq!(k.prefetch_keys((1, 0)), vec![]);
-    assert_eq!(k.prefetch_keys((1, 1)), vec![(0, 0)]);
-    assert_eq!(k.prefetch_keys((1, 2)), vec![(0, 1)]);
-    assert_eq!(k.prefetch_keys((0, 0)), vec![]);
+    assert_eq!(k.get_key(0), ((0, 0), false));
+    assert_eq!(k.get_key(0), ((0, 1), false));
+    assert_eq!(k.get_key(1), ((1, 0), true));
+    assert_eq!(k.get_key(1), ((1, 1), false));
+    assert_eq!(k.get_key(1), ((1, 2), false));
+    assert_eq!(k.get_prefetch_keys((1, 0)), vec![]);
+    assert_eq!(k.get_prefetch_keys((1, 1)), vec![(0, 0)]);
+    assert_eq!(k.get_prefetch_keys((1, 2)), vec![(0, 1)]);
+    assert_eq!(k.get_prefetch_keys((0, 0)), vec![]);
     // A lower layer index starts a new step.
-    assert_eq!(k.next_key(0), ((0, 0), false));
+    assert_eq!(k.get_key(0), ((0, 0), false));
     assert_eq!((k.count(0), k.count(1)), (1, 0));
 }
 
@@ -161,13 +161,13 @@ proptest! {
         let mut k = TensorKeyManager::new();
         for (layer, n) in counts.iter().enumerate() {
             for i in 0..*n {
-                let (key, new_layer) = k.next_key(layer);
+                let (key, new_layer) = k.get_key(layer);
                 prop_assert_eq!(key, (layer, i));
                 prop_assert_eq!(new_layer, i == 0 && layer > 0);
             }
         }
         for layer in 1..counts.len() {
-            let all: Vec<_> = (0..counts[layer]).flat_map(|i| k.prefetch_keys((layer, i))).collect();
+            let all: Vec<_> = (0..counts[layer]).flat_map(|i| k.get_prefetch_keys((layer, i))).collect();
             prop_assert_eq!(all, (0..counts[layer - 1]).map(|i| (layer - 1, i)).collect::<Vec<_>>());
         }
     }
