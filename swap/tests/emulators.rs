@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use hprt_conformance::{cuda_emulator, emulator};
 use hprt_platform::Platform;
-use hprt_swap::sim::{simulate, FrontEnd, SimConfig};
+use hprt_swap::sim::{simulate, FrontEnd, SimConfig, PAYLOADS};
+use hprt_swap::Compression;
 
 #[test]
 fn every_front_end_on_the_ascend_emulator() {
@@ -42,5 +43,25 @@ fn every_front_end(p: &Arc<dyn Platform>) {
             r.layer_bytes,
             none.device_peak
         );
+    }
+    // Every payload kind (borrowed memory, the device codec, the host stage) on the npu
+    // backend, with the emulator's asynchronous streams.
+    for (payload, compression) in PAYLOADS {
+        let cfg = SimConfig {
+            payload,
+            compression,
+            ..cfg.clone()
+        };
+        let none = simulate(&p, FrontEnd::NoSwap, &cfg).unwrap();
+        for front in FrontEnd::SWAPPING {
+            let what = format!("{front:?} {payload:?} {compression:?}");
+            let r = simulate(&p, front, &cfg).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(r.mismatched_tensors, 0, "{what}: {:?}", r.first_mismatch);
+            assert_eq!(r.digest, none.digest, "{what}");
+            assert!(r.device_peak < none.device_peak, "{what}");
+            if compression != Compression::Off {
+                assert!(r.engine.compressed_tensors > 0, "{what}");
+            }
+        }
     }
 }

@@ -9,6 +9,9 @@ use hprt_swap::{
     SwapState, SwapTensor,
 };
 
+mod common;
+use common::jitter_seeds;
+
 struct Fixture {
     p: Arc<dyn Platform>,
     s: Stream,
@@ -337,7 +340,7 @@ fn reuse_round(jitter: u64, faults: Faults) -> bool {
 
 #[test]
 fn a_recycled_pinned_block_waits_for_its_last_reload() {
-    for seed in 0..20 {
+    for seed in jitter_seeds() {
         assert!(reuse_round(seed, Faults::default()), "jitter seed {seed}");
     }
     let faulty = Faults {
@@ -345,7 +348,7 @@ fn a_recycled_pinned_block_waits_for_its_last_reload() {
         ..Faults::default()
     };
     assert!(
-        (0..20).any(|seed| !reuse_round(seed, faulty)),
+        jitter_seeds().into_iter().any(|seed| !reuse_round(seed, faulty)),
         "removing the pinned-reuse wait went unnoticed"
     );
 }

@@ -1,0 +1,350 @@
+//! Every payload kind through the engine: borrowed framework memory with a test allocator,
+//! compress-then-swap bit-exact for every float dtype and special value, out of memory during a
+//! re-acquire, and modifications the reload must refuse.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use hprt_platform::{CpuBackend, CpuConfig, DType, DeviceBuffer, ErrorKind, Platform, Stream};
+use hprt_swap::{
+    Allocator, Compression, DeviceTensor, EngineConfig, Reacquired, Saved, SwapEngine, SwapError,
+    SwapState, SwapTensor, VersionCounter,
+};
+
+mod common;
+use common::jitter_seeds;
+
+struct Fixture {
+    p: Arc<dyn Platform>,
+    s: Stream,
+    engine: SwapEngine,
+}
+
+fn fixture(device_memory: usize, jitter: Option<u64>, compression: Compression) -> Fixture {
+    let p: Arc<dyn Platform> = Arc::new(CpuBackend::new(CpuConfig {
+        device_memory,
+        jitter,
+        ..CpuConfig::default()
+    }));
+    let s = p.create_stream().unwrap();
+    let config = EngineConfig {
+        compression,
+        ..EngineConfig::default()
+    };
+    let engine = SwapEngine::new(Arc::clone(&p), config).unwrap();
+    Fixture { p, s, engine }
+}
+
+fn upload(f: &Fixture, data: &[u8]) -> DeviceBuffer {
+    let buf = f.p.alloc_device(data.len()).unwrap();
+    f.p.write_device_sync(&buf, 0, data, &f.s).unwrap();
+    buf
+}
+
+fn download(f: &Fixture, t: &DeviceTensor) -> Vec<u8> {
+    let mut out = vec![0u8; t.len];
+    f.p.read_device_sync(&t.storage, t.offset, &mut out, &f.s)
+        .unwrap();
+    out
+}
+
+/// Borrowed memory standing for a framework tensor: `owner` stays alive until hprt lets go,
+/// which sets `released`.
+fn borrow(p: &dyn Platform, owner: DeviceBuffer, released: Arc<AtomicBool>) -> DeviceBuffer {
+    let (ptr, len) = (owner.device_ptr(), owner.len());
+    // SAFETY: `owner` is live device memory of `p`, kept alive by the release callback.
+    unsafe {
+        p.wrap_device_memory(
+            ptr,
+            len,
+            Some(Box::new(move || {
+                drop(owner);
+                released.store(true, Ordering::SeqCst);
+            })),
+        )
+        .unwrap()
+    }
+}
+
+/// The test framework's allocator: new device memory, failing while `fail` is set.
+struct TestAllocator {
+    p: Arc<dyn Platform>,
+    calls: AtomicUsize,
+    fail: AtomicBool,
+}
+
+impl Allocator for TestAllocator {
+    fn allocate(&self, like: &DeviceTensor) -> hprt_swap::Result<Reacquired> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        if self.fail.load(Ordering::SeqCst) {
+            // What a framework's allocator reports when the device is full.
+            self.p.alloc_device(usize::MAX / 2)?;
+        }
+        let mem = self.p.alloc_device(like.len)?;
+        Ok(Reacquired {
+            storage: borrow(&*self.p, mem, Arc::default()),
+            offset: 0,
+            handle: Some(Arc::new("reloaded")),
+            version: VersionCounter::new(),
+        })
+    }
+}
+
+fn allocator(p: &Arc<dyn Platform>) -> Arc<TestAllocator> {
+    Arc::new(TestAllocator {
+        p: Arc::clone(p),
+        calls: AtomicUsize::new(0),
+        fail: AtomicBool::new(false),
+    })
+}
+
+fn elems(dtype: DType, data: &[u8]) -> Vec<usize> {
+    vec![data.len() / dtype.size()]
+}
+
+/// Values of every class: NaNs with payloads (quiet and signalling, both signs), ±inf, ±0,
+/// subnormals, extremes, and ordinary activations, interleaved.
+fn float_patterns(dtype: DType, n: usize) -> Vec<u8> {
+    let special32: [u32; 12] = [
+        0x7fc0_0001, 0xffc1_2345, 0x7f80_0001, 0xff80_0000, 0x7f80_0000, 0x0000_0000,
+        0x8000_0000, 0x0000_0001, 0x807f_ffff, 0x7f7f_ffff, 0x0080_0000, 0x3f80_0000,
+    ];
+    let special16: [u16; 12] = [
+        0x7e01, 0xfd23, 0x7c01, 0xfc00, 0x7c00, 0x0000, 0x8000, 0x0001, 0x83ff, 0x7bff, 0x0400,
+        0x3c00,
+    ];
+    let special_bf: [u16; 12] = [
+        0x7fc1, 0xffa3, 0x7f81, 0xff80, 0x7f80, 0x0000, 0x8000, 0x0001, 0x807f, 0x7f7f, 0x0080,
+        0x3f80,
+    ];
+    let mut out = Vec::with_capacity(n * dtype.size());
+    for i in 0..n {
+        let act = ((i % 97) as f32 - 48.0) * 0.03125;
+        match dtype {
+            DType::F32 => {
+                let v = if i % 5 == 0 { special32[i / 5 % 12] } else { act.to_bits() };
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            DType::F16 => {
+                let v = if i % 5 == 0 {
+                    special16[i / 5 % 12]
+                } else {
+                    half::f16::from_f32(act).to_bits()
+                };
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            DType::BF16 => {
+                let v = if i % 5 == 0 {
+                    special_bf[i / 5 % 12]
+                } else {
+                    half::bf16::from_f32(act).to_bits()
+                };
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            other => panic!("{other} is not a float dtype"),
+        }
+    }
+    out
+}
+
+const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+const COMPRESSED: [Compression; 2] = [Compression::Device, Compression::HostStage];
+
+#[test]
+fn compress_then_swap_is_bit_exact_for_every_float_dtype_and_special_value() {
+    for compression in COMPRESSED {
+        for dtype in FLOATS {
+            for borrowed in [false, true] {
+                let what = format!("{compression:?} {dtype} borrowed={borrowed}");
+                let mut f = fixture(1 << 20, None, compression);
+                let data = float_patterns(dtype, 8192);
+                let buf = upload(&f, &data);
+                let t = if borrowed {
+                    let released = Arc::new(AtomicBool::new(false));
+                    let storage = borrow(&*f.p, buf.clone(), released);
+                    DeviceTensor::borrowed(storage, dtype, elems(dtype, &data), None, allocator(&f.p))
+                        .unwrap()
+                } else {
+                    DeviceTensor::whole(buf.clone(), dtype, elems(dtype, &data))
+                };
+                let mut t = SwapTensor::new(Saved::Tensor(t)).unwrap();
+                f.engine.offload([&mut t], &f.s).unwrap();
+                f.engine.finish_offload([&mut t]).unwrap();
+                assert_eq!(t.describe().unwrap().storage.len(), 0, "{what}: released");
+                f.engine.start_reload([&mut t]).unwrap();
+                f.engine.finish_reload([&mut t], &f.s).unwrap();
+                let back = download(&f, t.describe().unwrap());
+                assert!(back == data, "{what}: bytes differ");
+                let st = f.engine.stats();
+                assert_eq!(st.compressed_tensors, 1, "{what}");
+                assert!(st.compressed_bytes < data.len() as u64, "{what}: {st:?}");
+                if compression == Compression::Device {
+                    // Only the encoding crossed the link.
+                    assert_eq!(st.link_d2h_bytes, st.compressed_bytes, "{what}");
+                    assert_eq!(st.link_h2d_bytes, st.compressed_bytes, "{what}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn host_stage_holds_no_pinned_memory_between_offload_and_reload() {
+    let mut f = fixture(1 << 20, None, Compression::HostStage);
+    let data = float_patterns(DType::F32, 16384);
+    let buf = upload(&f, &data);
+    let mut t = SwapTensor::new(Saved::Tensor(DeviceTensor::whole(
+        buf,
+        DType::F32,
+        elems(DType::F32, &data),
+    )))
+    .unwrap();
+    f.engine.offload([&mut t], &f.s).unwrap();
+    f.engine.finish_offload([&mut t]).unwrap();
+    assert_eq!(f.engine.pool_stats().bytes_in_use, 0, "staging block returned");
+    assert!(t.link_bytes() == data.len());
+}
+
+#[test]
+fn a_borrowed_payload_goes_back_to_its_framework_and_reloads_through_its_allocator() {
+    for seed in jitter_seeds() {
+        let mut f = fixture(1 << 20, Some(seed), Compression::Off);
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 + seed as u32) as u8).collect();
+        let released = Arc::new(AtomicBool::new(false));
+        let storage = borrow(&*f.p, upload(&f, &data), Arc::clone(&released));
+        let alloc = allocator(&f.p);
+        let t = DeviceTensor::borrowed(storage, DType::U8, vec![4096], None, alloc.clone()).unwrap();
+        let mut t = SwapTensor::new(Saved::Tensor(t)).unwrap();
+        f.engine.offload([&mut t], &f.s).unwrap();
+        assert!(!released.load(Ordering::SeqCst), "held while the copy is queued");
+        f.engine.finish_offload([&mut t]).unwrap();
+        assert!(released.load(Ordering::SeqCst), "seed {seed}: handed back after the copy");
+        f.engine.start_reload([&mut t]).unwrap();
+        f.engine.finish_reload([&mut t], &f.s).unwrap();
+        assert_eq!(alloc.calls.load(Ordering::SeqCst), 1);
+        let back = t.get().unwrap().tensor().unwrap();
+        let handle = back.handle.as_ref().unwrap().downcast_ref::<&str>();
+        assert_eq!(handle, Some(&"reloaded"));
+        assert!(download(&f, back) == data, "seed {seed}");
+    }
+}
+
+fn oom_round(compression: Compression, borrowed: bool) {
+    let what = format!("{compression:?} borrowed={borrowed}");
+    let mut f = fixture(256 << 10, None, compression);
+    let data = float_patterns(DType::F32, 16384); // 64 KiB
+    let buf = upload(&f, &data);
+    let alloc = allocator(&f.p);
+    let t = if borrowed {
+        let storage = borrow(&*f.p, buf, Arc::default());
+        DeviceTensor::borrowed(storage, DType::F32, elems(DType::F32, &data), None, alloc.clone())
+            .unwrap()
+    } else {
+        DeviceTensor::whole(buf, DType::F32, elems(DType::F32, &data))
+    };
+    let mut t = SwapTensor::new(Saved::Tensor(t)).unwrap();
+    f.engine.offload([&mut t], &f.s).unwrap();
+    f.engine.finish_offload([&mut t]).unwrap();
+    f.p.synchronize_device().unwrap();
+    // The device filled up meanwhile.
+    let free = f.p.mem_info().unwrap().free;
+    let filler = f.p.alloc_device(free - 1024).unwrap();
+    let e = f.engine.start_reload([&mut t]).unwrap_err();
+    assert_eq!(e.platform_kind(), Some(ErrorKind::OutOfMemory), "{what}: {e}");
+    assert_eq!(t.state(), SwapState::Host, "{what}");
+    assert!(t.link_bytes() > 0, "{what}: the host copy is kept");
+    f.p.free_device(&filler).unwrap();
+    f.engine.start_reload([&mut t]).unwrap();
+    f.engine.finish_reload([&mut t], &f.s).unwrap();
+    assert!(download(&f, t.describe().unwrap()) == data, "{what}");
+}
+
+#[test]
+fn out_of_memory_during_a_reacquire_keeps_the_host_copy_and_a_retry_succeeds() {
+    for compression in [Compression::Off, Compression::Device, Compression::HostStage] {
+        for borrowed in [false, true] {
+            oom_round(compression, borrowed);
+        }
+    }
+}
+
+#[test]
+fn a_failing_framework_allocator_keeps_the_host_copy() {
+    let mut f = fixture(1 << 20, None, Compression::HostStage);
+    let data = float_patterns(DType::BF16, 4096);
+    let alloc = allocator(&f.p);
+    let storage = borrow(&*f.p, upload(&f, &data), Arc::default());
+    let t = DeviceTensor::borrowed(storage, DType::BF16, elems(DType::BF16, &data), None, alloc.clone())
+        .unwrap();
+    let mut t = SwapTensor::new(Saved::Tensor(t)).unwrap();
+    f.engine.offload([&mut t], &f.s).unwrap();
+    f.engine.finish_offload([&mut t]).unwrap();
+    alloc.fail.store(true, Ordering::SeqCst);
+    assert!(f.engine.start_reload([&mut t]).is_err());
+    assert_eq!(t.state(), SwapState::Host);
+    alloc.fail.store(false, Ordering::SeqCst);
+    f.engine.start_reload([&mut t]).unwrap();
+    f.engine.finish_reload([&mut t], &f.s).unwrap();
+    assert!(download(&f, t.describe().unwrap()) == data);
+}
+
+#[test]
+fn a_storage_reacquired_and_written_outside_swap_is_refused_at_reload() {
+    let mut f = fixture(1 << 20, None, Compression::Off);
+    let buf = upload(&f, &[5u8; 512]);
+    let mut t = SwapTensor::new(Saved::Tensor(DeviceTensor::whole(buf.clone(), DType::U8, vec![512])))
+        .unwrap();
+    f.engine.offload([&mut t], &f.s).unwrap();
+    f.engine.finish_offload([&mut t]).unwrap();
+    // Someone resizes the released storage back (same size) and writes it.
+    f.p.resize_device(&buf, 512).unwrap();
+    f.p.write_device_sync(&buf, 0, &[9u8; 512], &f.s).unwrap();
+    let e = f.engine.start_reload([&mut t]).unwrap_err();
+    assert!(matches!(e, SwapError::ReacquiredOutsideSwap), "{e}");
+    let mut now = vec![0u8; 512];
+    f.p.read_device_sync(&buf, 0, &mut now, &f.s).unwrap();
+    assert_eq!(now, vec![9u8; 512], "the other writer's bytes are left alone");
+}
+
+#[test]
+fn a_write_during_an_in_flight_offload_is_reported_at_reload() {
+    for borrowed in [false, true] {
+        let mut f = fixture(1 << 20, None, Compression::Off);
+        let buf = upload(&f, &[1u8; 1024]);
+        let version = VersionCounter::new();
+        let mut t = if borrowed {
+            let storage = borrow(&*f.p, buf, Arc::default());
+            DeviceTensor::borrowed(storage, DType::U8, vec![1024], None, allocator(&f.p)).unwrap()
+        } else {
+            DeviceTensor::whole(buf, DType::U8, vec![1024])
+        };
+        t.version = version.clone();
+        let mut t = SwapTensor::new(Saved::Tensor(t)).unwrap();
+        f.engine.offload([&mut t], &f.s).unwrap();
+        version.bump(); // the framework wrote the tensor while its copy was queued
+        f.engine.finish_offload([&mut t]).unwrap();
+        let e = f.engine.start_reload([&mut t]).unwrap_err();
+        assert!(
+            matches!(e, SwapError::ModifiedSinceOffload { saved: 0, current: 1 }),
+            "borrowed={borrowed}: {e}"
+        );
+    }
+}
+
+#[test]
+fn a_borrowed_payload_is_not_watched_after_its_memory_went_back() {
+    // The documented guarantee: once released, the memory is the framework's; a later write
+    // through another reference is the framework's to check (torch checks saved versions).
+    let mut f = fixture(1 << 20, None, Compression::Off);
+    let storage = borrow(&*f.p, upload(&f, &[3u8; 256]), Arc::default());
+    let version = VersionCounter::new();
+    let mut t = DeviceTensor::borrowed(storage, DType::U8, vec![256], None, allocator(&f.p)).unwrap();
+    t.version = version.clone();
+    let mut t = SwapTensor::new(Saved::Tensor(t)).unwrap();
+    f.engine.offload([&mut t], &f.s).unwrap();
+    f.engine.finish_offload([&mut t]).unwrap();
+    version.bump();
+    f.engine.start_reload([&mut t]).unwrap();
+    f.engine.finish_reload([&mut t], &f.s).unwrap();
+    assert_eq!(download(&f, t.describe().unwrap()), vec![3u8; 256]);
+}
