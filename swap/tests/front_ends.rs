@@ -125,6 +125,111 @@ fn unknown_layers_and_saves_outside_a_layer_are_errors() {
     ));
 }
 
+/// One iteration of two linked layers saving one tensor each; returns the layers' buffers.
+fn two_layer_forward(
+    p: &Arc<dyn Platform>,
+    s: &Stream,
+    m: &mut SwapManager,
+    (a, b): (hprt_swap::LayerId, hprt_swap::LayerId),
+    fill: u8,
+) -> (DeviceBuffer, hprt_swap::SavedRef, hprt_swap::SavedRef) {
+    m.forward_pre(a).unwrap();
+    let (buf_a, v) = tensor(p, s, 4096, fill);
+    let ra = m.save(v).unwrap();
+    m.forward_post(a, s).unwrap();
+    m.forward_pre(b).unwrap();
+    let (_, v) = tensor(p, s, 4096, fill + 1);
+    let rb = m.save(v).unwrap();
+    m.forward_post(b, s).unwrap();
+    (buf_a, ra, rb)
+}
+
+#[test]
+fn an_iteration_aborted_in_backward_does_not_break_the_next() {
+    let (p, s) = cpu(64 << 10);
+    let mut m = SwapManager::new(Arc::clone(&p)).unwrap();
+    let layers = (m.new_layer(), m.new_layer());
+    m.set_forward_prefetch_layer(layers.0, layers.1).unwrap();
+    two_layer_forward(&p, &s, &mut m, layers, 1);
+    // backward_pre raises (the prefetch runs out of memory); the loop ends the iteration.
+    p.synchronize_device().unwrap();
+    let filler = p.alloc_device(p.mem_info().unwrap().free - 1024).unwrap();
+    assert!(m.backward_pre(layers.1, &s).is_err());
+    m.end_iteration().unwrap();
+    p.free_device(&filler).unwrap();
+    // The next iteration runs its whole schedule: layer 0's offload is waited and released at
+    // layer 1's forward_post, and every value comes back.
+    let (buf_a, ra, rb) = two_layer_forward(&p, &s, &mut m, layers, 7);
+    assert_eq!(buf_a.len(), 0, "layer 0 released by layer 1's forward_post");
+    m.backward_pre(layers.1, &s).unwrap();
+    assert_eq!(bytes_of(&p, &s, &m.take(rb).unwrap()), vec![8; 4096]);
+    m.backward_post(layers.1).unwrap();
+    m.backward_pre(layers.0, &s).unwrap();
+    assert_eq!(bytes_of(&p, &s, &m.take(ra).unwrap()), vec![7; 4096]);
+    m.backward_post(layers.0).unwrap();
+}
+
+#[test]
+fn out_of_order_layer_calls_are_typed_errors() {
+    let (p, s) = cpu(1 << 20);
+    let mut m = SwapManager::new(Arc::clone(&p)).unwrap();
+    let (a, b, c) = (m.new_layer(), m.new_layer(), m.new_layer());
+    m.set_forward_prefetch_layer(a, b).unwrap();
+    m.set_forward_prefetch_layer(b, c).unwrap();
+    let order = |r: Result<(), SwapError>| assert!(matches!(r, Err(SwapError::Order(_))), "{r:?}");
+    order(m.set_forward_prefetch_layer(b, a)); // reversed
+    order(m.set_forward_prefetch_layer(c, a)); // a cycle through b
+    order(m.forward_post(a, &s)); // no forward_pre
+    m.forward_pre(a).unwrap();
+    m.forward_post(a, &s).unwrap();
+    order(m.save(Saved::Other(Arc::new(0u8))).map(drop)); // outside a forward
+    order(m.backward_post(b)); // its backward never began
+    m.backward_pre(b, &s).unwrap();
+    order(m.backward_post(a)); // another layer's
+    m.backward_post(b).unwrap();
+    // end_iteration mid-backward is a defined recovery: every layer starts over in forward.
+    m.backward_pre(a, &s).unwrap();
+    m.end_iteration().unwrap();
+    m.forward_pre(a).unwrap();
+    assert!(m.is_recording(a));
+}
+
+#[test]
+fn a_reference_from_an_ended_iteration_is_refused_not_misread() {
+    let (p, s) = cpu(1 << 20);
+    let mut m = SwapManager::new(Arc::clone(&p)).unwrap();
+    let a = m.new_layer();
+    m.forward_pre(a).unwrap();
+    let (_, v) = tensor(&p, &s, 64, 1);
+    let old = m.save(v).unwrap();
+    m.forward_post(a, &s).unwrap();
+    m.end_iteration().unwrap();
+    m.forward_pre(a).unwrap();
+    let (_, v) = tensor(&p, &s, 64, 2);
+    m.save(v).unwrap(); // same layer and index as `old`
+    assert!(matches!(m.get(old), Err(SwapError::Unknown { .. })));
+    assert!(matches!(m.take(old), Err(SwapError::Unknown { .. })));
+}
+
+#[test]
+fn hyper_parallel_group_calls_by_name() {
+    let (p, s) = cpu(1 << 20);
+    let mut m = SwapManager::new(Arc::clone(&p)).unwrap();
+    m.set_current_group_name("layer0.attn");
+    assert_eq!(m.get_current_group_name(), Some("layer0.attn"));
+    let (buf, v) = tensor(&p, &s, 1024, 6);
+    let r = m.add_storage("layer0.attn", v).unwrap();
+    assert!(m.launch_offload("nope", &s).is_err());
+    m.launch_offload("layer0.attn", &s).unwrap();
+    m.wait_offload("layer0.attn").unwrap();
+    assert_eq!(buf.len(), 0);
+    m.launch_load("layer0.attn").unwrap();
+    m.wait_load("layer0.attn", &s).unwrap();
+    let back = m.take(r).unwrap();
+    assert_eq!(bytes_of(&p, &s, &back), vec![6; 1024]);
+    assert!(m.take(r).is_err(), "taken twice");
+}
+
 // --- keyed (seed 001) ---------------------------------------------------------------------
 
 #[test]
