@@ -102,6 +102,25 @@ typedef enum HprtParamState {
 } HprtParamState;
 
 /*
+ How offloaded tensors travel (compress-then-swap; f32/f16/bf16 tensors only).
+ */
+typedef enum HprtCompression {
+  HPRT_COMPRESSION_OFF = 0,
+  /*
+   Encoded by the platform's device codec: only the encoding crosses the link.
+   */
+  HPRT_COMPRESSION_DEVICE = 1,
+  /*
+   Encoded on the host after the copy, in stream order; kept compressed in host memory.
+   */
+  HPRT_COMPRESSION_HOST_STAGE = 2,
+  /*
+   Device where a device codec exists, else the host stage.
+   */
+  HPRT_COMPRESSION_AUTO = 3,
+} HprtCompression;
+
+/*
  Element types (pass them as `int32_t`; other values are rejected).
  */
 typedef enum HprtDtype {
@@ -300,11 +319,13 @@ typedef struct HprtMemRef {
 } HprtMemRef;
 
 /*
- Where a saved tensor lives in its manager.
+ Where a saved tensor lives in its manager; `generation` tells iterations apart, so a
+ reference kept past its iteration is refused.
  */
 typedef struct HprtSavedRef {
   size_t layer;
   size_t index;
+  uint64_t generation;
 } HprtSavedRef;
 
 /*
@@ -315,11 +336,30 @@ typedef struct HprtSwapStats {
   uint64_t offloaded_bytes;
   uint64_t reloaded_tensors;
   uint64_t reloaded_bytes;
+  /*
+   Bytes over the host link (compressed bytes for compressed tensors).
+   */
+  uint64_t link_d2h_bytes;
+  uint64_t link_h2d_bytes;
+  uint64_t compressed_tensors;
+  uint64_t codec_ns;
   size_t pinned_bytes_held;
   size_t pinned_high_water;
   uint64_t pool_hits;
   uint64_t pool_misses;
 } HprtSwapStats;
+
+/*
+ A framework's allocator for borrowed tensors. `allocate` makes new framework memory of
+ `bytes` (returns 0 on success, anything else for "out of memory") and writes its device
+ address and an owner token; `release` says hprt no longer references the memory of
+ `owner` (it may run on any thread, once queued copies finished).
+ */
+typedef struct HprtAllocator {
+  void *user_data;
+  int32_t (*allocate)(void *user_data, size_t bytes, size_t *out_ptr, void **out_owner);
+  void (*release)(void *user_data, void *owner);
+} HprtAllocator;
 
 
 
@@ -1181,6 +1221,72 @@ enum HprtStatus hprt_swap_end_iteration(struct HprtSwapManager *manager);
  `manager` live; `out_stats` valid for writing.
  */
 enum HprtStatus hprt_swap_stats(struct HprtSwapManager *manager, struct HprtSwapStats *out_stats);
+
+/*
+ Compress-then-swap for the tensors offloaded from now on.
+
+ # Safety
+ `manager` live.
+ */
+enum HprtStatus hprt_swap_set_compression(struct HprtSwapManager *manager,
+                                          enum HprtCompression mode);
+
+/*
+ hyper_parallel's `set_current_group_name`: the group `hprt_swap_save` fills (made on
+ first use).
+
+ # Safety
+ `manager` live; `group_name` NUL-terminated.
+ */
+enum HprtStatus hprt_swap_set_current_group_name(struct HprtSwapManager *manager,
+                                                 const char *group_name);
+
+/*
+ hyper_parallel's `add_storage`: saves `bytes` of `storage` from `offset` into group
+ `group_name` (made on first use).
+
+ # Safety
+ `manager`, `storage` live; `group_name` NUL-terminated; `out_ref` valid for writing.
+ */
+enum HprtStatus hprt_swap_add_storage(struct HprtSwapManager *manager,
+                                      const char *group_name,
+                                      const struct HprtDeviceBuffer *storage,
+                                      size_t offset,
+                                      size_t bytes,
+                                      int32_t dtype,
+                                      struct HprtSavedRef *out_ref);
+
+/*
+ Saves a framework tensor (`bytes` of device memory at `ptr`, kept alive by the framework
+ until `allocator.release(owner)`) into group `group_name` as a borrowed payload: its memory
+ is released to the framework after the offload, and the reload lands in memory from
+ `allocator.allocate` (read its address and owner with `hprt_swap_get_borrowed`).
+
+ # Safety
+ `manager`, `platform` live; `group_name` NUL-terminated; `ptr..ptr + bytes` device memory of
+ the manager's platform valid until `release(owner)`; `out_ref` valid for writing.
+ */
+enum HprtStatus hprt_swap_add_borrowed(struct HprtSwapManager *manager,
+                                       const struct HprtPlatform *platform,
+                                       const char *group_name,
+                                       size_t ptr,
+                                       size_t bytes,
+                                       int32_t dtype,
+                                       void *owner,
+                                       struct HprtAllocator allocator,
+                                       struct HprtSavedRef *out_ref);
+
+/*
+ A borrowed tensor's device address and owner token, once it is back on the device (after
+ a reload: the memory `allocator.allocate` gave).
+
+ # Safety
+ `manager` live; `out_ptr`, `out_owner` valid for writing.
+ */
+enum HprtStatus hprt_swap_get_borrowed(struct HprtSwapManager *manager,
+                                       struct HprtSavedRef saved,
+                                       size_t *out_ptr,
+                                       void **out_owner);
 
 #ifdef __cplusplus
 }  // extern "C"

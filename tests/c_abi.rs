@@ -293,3 +293,124 @@ fn layer_group_swap_through_the_c_abi() {
         ok(hprt_platform_close(p));
     }
 }
+
+/// The test framework behind an `HprtAllocator`: device buffers it allocates, how many of its
+/// owner tokens hprt released.
+struct Framework {
+    p: *mut HprtPlatform,
+    buffers: Vec<*mut HprtDeviceBuffer>,
+    released: std::sync::atomic::AtomicUsize,
+    fail_next: bool,
+}
+
+unsafe extern "C" fn framework_allocate(
+    user: *mut std::ffi::c_void,
+    bytes: usize,
+    out_ptr: *mut usize,
+    out_owner: *mut *mut std::ffi::c_void,
+) -> i32 {
+    // SAFETY: `user` is the test's `Framework`, used by one thread at a time here.
+    let fw = unsafe { &mut *user.cast::<Framework>() };
+    if std::mem::take(&mut fw.fail_next) {
+        return 2; // out of memory
+    }
+    let mut b = ptr::null_mut();
+    // SAFETY: a live platform and valid out-pointers.
+    unsafe {
+        ok(hprt_device_alloc(fw.p, bytes, &mut b));
+        ok(hprt_device_info(b, out_ptr, ptr::null_mut()));
+        *out_owner = b.cast();
+    }
+    fw.buffers.push(b);
+    0
+}
+
+unsafe extern "C" fn framework_release(user: *mut std::ffi::c_void, _owner: *mut std::ffi::c_void) {
+    // SAFETY: only the atomic counter is touched (release may run on a stream thread).
+    let fw = unsafe { &*user.cast::<Framework>() };
+    fw.released
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+#[test]
+fn borrowed_and_compressed_group_swap_through_the_c_abi() {
+    use std::sync::atomic::Ordering;
+    let p = open_cpu();
+    let n = 4096usize;
+    let data: Vec<u8> = (0..n as u32)
+        .flat_map(|i| ((i % 50) as f32 * 0.25).to_le_bytes())
+        .collect();
+    let bytes = data.len();
+    // SAFETY: every handle is made here, used while live and released once.
+    unsafe {
+        let (mut s, mut m) = (ptr::null_mut(), ptr::null_mut());
+        ok(hprt_stream_create(p, &mut s));
+        ok(hprt_swap_manager_create(p, 0, &mut m));
+        ok(hprt_swap_set_compression(m, HprtCompression::HostStage));
+        let mut fw = Framework {
+            p,
+            buffers: Vec::new(),
+            released: Default::default(),
+            fail_next: false,
+        };
+        let alloc = HprtAllocator {
+            user_data: (&mut fw as *mut Framework).cast(),
+            allocate: Some(framework_allocate),
+            release: Some(framework_release),
+        };
+        // The framework's tensor.
+        let mut orig = ptr::null_mut();
+        ok(hprt_device_alloc(p, bytes, &mut orig));
+        let mut host = ptr::null_mut();
+        ok(hprt_pinned_alloc(p, bytes, &mut host));
+        let mut hp = ptr::null_mut();
+        ok(hprt_pinned_info(host, &mut hp, ptr::null_mut()));
+        let hslice = std::slice::from_raw_parts_mut(hp.cast::<u8>(), bytes);
+        hslice.copy_from_slice(&data);
+        let mem = |b, pinned| {
+            if pinned {
+                HprtMemRef { device: ptr::null(), pinned: host, offset: 0 }
+            } else {
+                HprtMemRef { device: b, pinned: ptr::null(), offset: 0 }
+            }
+        };
+        ok(hprt_copy_async(p, mem(orig, false), mem(orig, true), bytes, s));
+        ok(hprt_stream_synchronize(p, s));
+        let mut addr = 0;
+        ok(hprt_device_info(orig, &mut addr, ptr::null_mut()));
+        let mut r = HprtSavedRef::default();
+        let g = c"layer0".as_ptr();
+        ok(hprt_swap_add_borrowed(
+            m, p, g, addr, bytes, HprtDtype::F32 as i32, orig.cast(), alloc, &mut r,
+        ));
+        ok(hprt_swap_launch_offload(m, g, s));
+        ok(hprt_swap_wait_offload(m, g));
+        assert_eq!(fw.released.load(Ordering::SeqCst), 1, "the framework got its memory back");
+        // The framework is out of memory once: the host copy stays for the retry.
+        fw.fail_next = true;
+        assert_eq!(hprt_swap_launch_load(m, g), HprtStatus::ErrorOutOfMemory, "{}", last_error());
+        ok(hprt_swap_launch_load(m, g));
+        ok(hprt_swap_wait_load(m, g, s));
+        let (mut back, mut owner) = (0usize, ptr::null_mut());
+        ok(hprt_swap_get_borrowed(m, r, &mut back, &mut owner));
+        let reloaded: *mut HprtDeviceBuffer = owner.cast();
+        assert_eq!(reloaded, fw.buffers[0]);
+        hslice.fill(0);
+        ok(hprt_copy_async(p, mem(reloaded, true), mem(reloaded, false), bytes, s));
+        ok(hprt_stream_synchronize(p, s));
+        assert!(hslice == &data[..], "the reload landed in the framework's new memory");
+        let mut stats = HprtSwapStats::default();
+        ok(hprt_swap_stats(m, &mut stats));
+        assert_eq!(stats.compressed_tensors, 1);
+        ok(hprt_swap_end_iteration(m));
+        ok(hprt_swap_manager_destroy(m));
+        assert_eq!(fw.released.load(Ordering::SeqCst), 2, "the reloaded memory went back too");
+        ok(hprt_device_free(p, orig));
+        for b in fw.buffers.drain(..) {
+            ok(hprt_device_free(p, b));
+        }
+        ok(hprt_pinned_free(p, host));
+        ok(hprt_stream_destroy(p, s));
+        ok(hprt_platform_close(p));
+    }
+}

@@ -1,6 +1,16 @@
-//! C entry points of layer-group swap (seed 000): what a framework's module hooks call.
+//! C entry points of hyper_parallel's layer-group swap: what a framework's module hooks call,
+//! with its per-group names (`add_storage`, `launch_offload`, `wait_offload`, `launch_load`,
+//! `wait_load`, current group name), compress-then-swap, and framework tensors as borrowed
+//! payloads (`hprt_swap_add_borrowed` with an [`HprtAllocator`]).
 
-use hprt_swap::{DeviceTensor, LayerId, PoolConfig, Saved, SavedRef, SwapError, SwapManager};
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::Arc;
+
+use hprt_platform::{DType, DeviceBuffer};
+use hprt_swap::{
+    Allocator, Compression, DeviceTensor, PoolConfig, Reacquired, Saved, SavedRef, SwapError,
+    SwapManager, VersionCounter,
+};
 
 use super::handle::{handle_kind, Exclusive};
 use super::platform::{dtype_arg, HprtDeviceBuffer, HprtPlatform, HprtStream};
@@ -11,9 +21,9 @@ impl From<SwapError> for FfiError {
         let status = match &e {
             SwapError::Platform(p) => return p.clone().into(),
             SwapError::WrongState { .. } | SwapError::Order(_) => HprtStatus::ErrorWrongState,
-            SwapError::ModifiedSinceOffload { .. } | SwapError::StorageResized { .. } => {
-                HprtStatus::ErrorModifiedSinceOffload
-            }
+            SwapError::ModifiedSinceOffload { .. }
+            | SwapError::StorageResized { .. }
+            | SwapError::ReacquiredOutsideSwap => HprtStatus::ErrorModifiedSinceOffload,
             SwapError::HostBudgetExceeded { .. } => HprtStatus::ErrorOutOfMemory,
             _ => HprtStatus::ErrorInvalidValue,
         };
@@ -27,16 +37,165 @@ impl From<SwapError> for FfiError {
 /// A layer-group swap manager with its own copy stream and pinned pool.
 pub struct HprtSwapManager {
     manager: SwapManager,
-    /// Layers in creation order: C names a layer by this index.
-    layers: Vec<LayerId>,
 }
 
-/// Where a saved tensor lives in its manager.
+/// Where a saved tensor lives in its manager; `generation` tells iterations apart, so a
+/// reference kept past its iteration is refused.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HprtSavedRef {
     pub layer: usize,
     pub index: usize,
+    pub generation: u64,
+}
+
+/// How offloaded tensors travel (compress-then-swap; f32/f16/bf16 tensors only).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HprtCompression {
+    Off = 0,
+    /// Encoded by the platform's device codec: only the encoding crosses the link.
+    Device = 1,
+    /// Encoded on the host after the copy, in stream order; kept compressed in host memory.
+    HostStage = 2,
+    /// Device where a device codec exists, else the host stage.
+    Auto = 3,
+}
+
+/// A framework's allocator for borrowed tensors. `allocate` makes new framework memory of
+/// `bytes` (returns 0 on success, anything else for "out of memory") and writes its device
+/// address and an owner token; `release` says hprt no longer references the memory of
+/// `owner` (it may run on any thread, once queued copies finished).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct HprtAllocator {
+    pub user_data: *mut c_void,
+    pub allocate: Option<
+        unsafe extern "C" fn(
+            user_data: *mut c_void,
+            bytes: usize,
+            out_ptr: *mut usize,
+            out_owner: *mut *mut c_void,
+        ) -> i32,
+    >,
+    pub release: Option<unsafe extern "C" fn(user_data: *mut c_void, owner: *mut c_void)>,
+}
+
+/// The C allocator as hprt-swap sees it.
+struct CAllocator {
+    c: HprtAllocator,
+    platform: hprt_swap::PlatformHandle,
+}
+
+// SAFETY: the C contract of `HprtAllocator`: its callbacks and `user_data` may be used from
+// any thread.
+unsafe impl Send for CAllocator {}
+// SAFETY: as above.
+unsafe impl Sync for CAllocator {}
+
+/// The owner token of a borrowed buffer, for `hprt_swap_get_borrowed`.
+struct Owner(*mut c_void);
+// SAFETY: an opaque token the framework gave; hprt never dereferences it.
+unsafe impl Send for Owner {}
+// SAFETY: as above.
+unsafe impl Sync for Owner {}
+
+impl CAllocator {
+    /// Borrows framework memory; `release(owner)` runs once hprt no longer references it.
+    fn borrow(&self, ptr: usize, bytes: usize, owner: *mut c_void) -> FfiResult<DeviceBuffer> {
+        let (user, release) = (Owner(self.c.user_data), self.c.release);
+        let token = Owner(owner);
+        let on_release = Box::new(move || {
+            let (user, token) = (&user, &token);
+            if let Some(release) = release {
+                // SAFETY: the C contract of `HprtAllocator`.
+                unsafe { release(user.0, token.0) };
+            }
+        });
+        // SAFETY: the C contract: `ptr..ptr + bytes` is framework device memory of this
+        // platform, valid until `release(owner)` runs.
+        Ok(unsafe {
+            self.platform
+                .wrap_device_memory(ptr, bytes, Some(on_release))
+        }?)
+    }
+}
+
+impl Allocator for CAllocator {
+    fn allocate(&self, like: &DeviceTensor) -> hprt_swap::Result<Reacquired> {
+        let allocate = self
+            .c
+            .allocate
+            .ok_or_else(|| SwapError::Order("the HprtAllocator has no allocate callback".into()))?;
+        let (mut ptr, mut owner) = (0usize, std::ptr::null_mut());
+        // SAFETY: the C contract of `HprtAllocator`.
+        let rc = unsafe { allocate(self.c.user_data, like.len, &mut ptr, &mut owner) };
+        if rc != 0 {
+            return Err(hprt_platform::Error::new(
+                hprt_platform::ErrorKind::OutOfMemory,
+                self.platform.backend(),
+                "HprtAllocator.allocate",
+                format!("the framework allocator returned {rc} for {} bytes", like.len),
+            )
+            .into());
+        }
+        let storage = self
+            .borrow(ptr, like.len, owner)
+            .map_err(|e| SwapError::Order(e.message))?;
+        Ok(Reacquired {
+            storage,
+            offset: 0,
+            handle: Some(Arc::new(Owner(owner))),
+            version: VersionCounter::new(),
+        })
+    }
+}
+
+fn compression(c: HprtCompression) -> Compression {
+    match c {
+        HprtCompression::Off => Compression::Off,
+        HprtCompression::Device => Compression::Device,
+        HprtCompression::HostStage => Compression::HostStage,
+        HprtCompression::Auto => Compression::Auto,
+    }
+}
+
+/// A NUL-terminated UTF-8 group name.
+///
+/// # Safety
+/// `name` null or NUL-terminated.
+unsafe fn name_arg<'a>(name: *const c_char) -> FfiResult<&'a str> {
+    if name.is_null() {
+        return Err(FfiError::null("group_name"));
+    }
+    // SAFETY: non-null, NUL-terminated by the caller's contract.
+    unsafe { CStr::from_ptr(name) }
+        .to_str()
+        .map_err(|_| FfiError::invalid("group_name is not UTF-8"))
+}
+
+fn c_ref(r: SavedRef) -> HprtSavedRef {
+    HprtSavedRef {
+        layer: r.layer.index(),
+        index: r.index,
+        generation: r.generation,
+    }
+}
+
+/// A tensor of `bytes` at `offset` in `storage`.
+fn view(storage: &DeviceBuffer, offset: usize, bytes: usize, dtype: i32) -> FfiResult<DeviceTensor> {
+    let dtype: DType = dtype_arg(dtype)?;
+    if bytes % dtype.size() != 0 {
+        return Err(FfiError::invalid(format!(
+            "{bytes} bytes are not whole {dtype} elements"
+        )));
+    }
+    Ok(DeviceTensor::view(
+        storage.clone(),
+        offset,
+        dtype,
+        vec![bytes / dtype.size()],
+    )?)
 }
 
 /// Bytes moved by a swap manager and the state of its pinned pool.
@@ -47,6 +206,11 @@ pub struct HprtSwapStats {
     pub offloaded_bytes: u64,
     pub reloaded_tensors: u64,
     pub reloaded_bytes: u64,
+    /// Bytes over the host link (compressed bytes for compressed tensors).
+    pub link_d2h_bytes: u64,
+    pub link_h2d_bytes: u64,
+    pub compressed_tensors: u64,
+    pub codec_ns: u64,
     pub pinned_bytes_held: usize,
     pub pinned_high_water: usize,
     pub pool_hits: u64,
@@ -54,12 +218,15 @@ pub struct HprtSwapStats {
 }
 
 impl HprtSwapManager {
-    fn layer(&self, index: usize) -> FfiResult<LayerId> {
-        self.layers.get(index).copied().ok_or_else(|| {
-            FfiError::invalid(format!(
-                "layer {index} was not made by hprt_swap_new_layer ({} layers)",
-                self.layers.len()
-            ))
+    fn layer(&self, index: usize) -> FfiResult<hprt_swap::LayerId> {
+        Ok(self.manager.layer_id(index)?)
+    }
+
+    fn saved_ref(&self, r: HprtSavedRef) -> FfiResult<SavedRef> {
+        Ok(SavedRef {
+            layer: self.layer(r.layer)?,
+            index: r.index,
+            generation: r.generation,
         })
     }
 }
@@ -92,7 +259,6 @@ pub unsafe extern "C" fn hprt_swap_manager_create(
             publish(out_manager, "out_manager", || {
                 Ok(Exclusive::new(HprtSwapManager {
                     manager: SwapManager::with_pool(p.handle(), pool)?,
-                    layers: Vec::new(),
                 }))
             })
         }
@@ -125,9 +291,8 @@ pub unsafe extern "C" fn hprt_swap_new_layer(
     guard("hprt_swap_new_layer", || {
         let m = manager_mut(manager)?;
         let id = m.manager.new_layer();
-        m.layers.push(id);
         // SAFETY: the caller's contract.
-        unsafe { out(out_layer, "out_layer", m.layers.len() - 1) }
+        unsafe { out(out_layer, "out_layer", id.index()) }
     })
 }
 
@@ -184,20 +349,9 @@ pub unsafe extern "C" fn hprt_swap_save(
 ) -> HprtStatus {
     guard("hprt_swap_save", || {
         let (m, s) = (manager_mut(manager)?, arg(storage, "storage")?);
-        let dtype = dtype_arg(dtype)?;
-        if bytes % dtype.size() != 0 {
-            return Err(FfiError::invalid(format!(
-                "{bytes} bytes are not whole {dtype} elements"
-            )));
-        }
-        let t = DeviceTensor::view(s.0.clone(), offset, dtype, vec![bytes / dtype.size()])?;
-        let r = m.manager.save(Saved::Tensor(t))?;
-        let c = HprtSavedRef {
-            layer: r.layer.index(),
-            index: r.index,
-        };
+        let r = m.manager.save(Saved::Tensor(view(&s.0, offset, bytes, dtype)?))?;
         // SAFETY: the caller's contract.
-        unsafe { out(out_ref, "out_ref", c) }
+        unsafe { out(out_ref, "out_ref", c_ref(r)) }
     })
 }
 
@@ -269,10 +423,7 @@ pub unsafe extern "C" fn hprt_swap_get(
 ) -> HprtStatus {
     guard("hprt_swap_get", || {
         let m = manager_mut(manager)?;
-        let r = SavedRef {
-            layer: m.layer(saved.layer)?,
-            index: saved.index,
-        };
+        let r = m.saved_ref(saved)?;
         let ptr = match m.manager.get(r)? {
             Saved::Tensor(t) => t.storage.device_ptr() + t.offset,
             Saved::Other(_) => return Err(FfiError::invalid("the saved value is not a tensor")),
@@ -310,6 +461,10 @@ pub unsafe extern "C" fn hprt_swap_stats(
             offloaded_bytes: e.offloaded_bytes,
             reloaded_tensors: e.reloaded_tensors,
             reloaded_bytes: e.reloaded_bytes,
+            link_d2h_bytes: e.link_d2h_bytes,
+            link_h2d_bytes: e.link_h2d_bytes,
+            compressed_tensors: e.compressed_tensors,
+            codec_ns: e.codec_ns,
             pinned_bytes_held: p.bytes_held,
             pinned_high_water: p.high_water,
             pool_hits: p.hits,
@@ -319,3 +474,189 @@ pub unsafe extern "C" fn hprt_swap_stats(
         unsafe { out(out_stats, "out_stats", s) }
     })
 }
+
+/// Compress-then-swap for the tensors offloaded from now on.
+///
+/// # Safety
+/// `manager` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_swap_set_compression(
+    manager: *mut HprtSwapManager,
+    mode: HprtCompression,
+) -> HprtStatus {
+    guard("hprt_swap_set_compression", || {
+        let m = manager_mut(manager)?;
+        m.manager.engine_mut().set_compression(compression(mode));
+        Ok(())
+    })
+}
+
+/// hyper_parallel's `set_current_group_name`: the group `hprt_swap_save` fills (made on
+/// first use).
+///
+/// # Safety
+/// `manager` live; `group_name` NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_swap_set_current_group_name(
+    manager: *mut HprtSwapManager,
+    group_name: *const c_char,
+) -> HprtStatus {
+    guard("hprt_swap_set_current_group_name", || {
+        let m = manager_mut(manager)?;
+        // SAFETY: the caller's contract.
+        let name = unsafe { name_arg(group_name) }?;
+        m.manager.set_current_group_name(name);
+        Ok(())
+    })
+}
+
+/// hyper_parallel's `add_storage`: saves `bytes` of `storage` from `offset` into group
+/// `group_name` (made on first use).
+///
+/// # Safety
+/// `manager`, `storage` live; `group_name` NUL-terminated; `out_ref` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_swap_add_storage(
+    manager: *mut HprtSwapManager,
+    group_name: *const c_char,
+    storage: *const HprtDeviceBuffer,
+    offset: usize,
+    bytes: usize,
+    dtype: i32,
+    out_ref: *mut HprtSavedRef,
+) -> HprtStatus {
+    guard("hprt_swap_add_storage", || {
+        let (m, s) = (manager_mut(manager)?, arg(storage, "storage")?);
+        // SAFETY: the caller's contract.
+        let name = unsafe { name_arg(group_name) }?;
+        let r = m
+            .manager
+            .add_storage(name, Saved::Tensor(view(&s.0, offset, bytes, dtype)?))?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_ref, "out_ref", c_ref(r)) }
+    })
+}
+
+/// Saves a framework tensor (`bytes` of device memory at `ptr`, kept alive by the framework
+/// until `allocator.release(owner)`) into group `group_name` as a borrowed payload: its memory
+/// is released to the framework after the offload, and the reload lands in memory from
+/// `allocator.allocate` (read its address and owner with `hprt_swap_get_borrowed`).
+///
+/// # Safety
+/// `manager`, `platform` live; `group_name` NUL-terminated; `ptr..ptr + bytes` device memory of
+/// the manager's platform valid until `release(owner)`; `out_ref` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_swap_add_borrowed(
+    manager: *mut HprtSwapManager,
+    platform: *const HprtPlatform,
+    group_name: *const c_char,
+    ptr: usize,
+    bytes: usize,
+    dtype: i32,
+    owner: *mut c_void,
+    allocator: HprtAllocator,
+    out_ref: *mut HprtSavedRef,
+) -> HprtStatus {
+    guard("hprt_swap_add_borrowed", || {
+        let (m, p) = (manager_mut(manager)?, arg(platform, "platform")?);
+        // SAFETY: the caller's contract.
+        let name = unsafe { name_arg(group_name) }?;
+        let dtype: DType = dtype_arg(dtype)?;
+        if bytes % dtype.size() != 0 {
+            return Err(FfiError::invalid(format!(
+                "{bytes} bytes are not whole {dtype} elements"
+            )));
+        }
+        let alloc = Arc::new(CAllocator {
+            c: allocator,
+            platform: p.handle(),
+        });
+        let storage = alloc.borrow(ptr, bytes, owner)?;
+        let t = DeviceTensor::borrowed(
+            storage,
+            dtype,
+            vec![bytes / dtype.size()],
+            Some(Arc::new(Owner(owner))),
+            alloc,
+        )?;
+        let r = m.manager.add_storage(name, Saved::Tensor(t))?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_ref, "out_ref", c_ref(r)) }
+    })
+}
+
+/// A borrowed tensor's device address and owner token, once it is back on the device (after
+/// a reload: the memory `allocator.allocate` gave).
+///
+/// # Safety
+/// `manager` live; `out_ptr`, `out_owner` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_swap_get_borrowed(
+    manager: *mut HprtSwapManager,
+    saved: HprtSavedRef,
+    out_ptr: *mut usize,
+    out_owner: *mut *mut c_void,
+) -> HprtStatus {
+    guard("hprt_swap_get_borrowed", || {
+        let m = manager_mut(manager)?;
+        let r = m.saved_ref(saved)?;
+        let Saved::Tensor(t) = m.manager.get(r)? else {
+            return Err(FfiError::invalid("the saved value is not a tensor"));
+        };
+        let owner = t
+            .handle
+            .as_ref()
+            .and_then(|h| h.downcast_ref::<Owner>())
+            .ok_or_else(|| FfiError::invalid("the saved tensor is not borrowed"))?
+            .0;
+        let ptr = t.storage.device_ptr() + t.offset;
+        // SAFETY: the caller's contract.
+        unsafe {
+            out(out_ptr, "out_ptr", ptr)?;
+            out(out_owner, "out_owner", owner)
+        }
+    })
+}
+
+macro_rules! group_call {
+    ($(#[$doc:meta])* $name:ident, $method:ident $(, $compute:ident)?) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// `manager` (and `compute`) live; `group_name` NUL-terminated.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(
+            manager: *mut HprtSwapManager,
+            group_name: *const c_char,
+            $($compute: *const HprtStream,)?
+        ) -> HprtStatus {
+            guard(stringify!($name), || {
+                let m = manager_mut(manager)?;
+                // SAFETY: the caller's contract.
+                let name = unsafe { name_arg(group_name) }?;
+                $(let $compute = &arg($compute, "compute")?.0;)?
+                m.manager.$method(name $(, $compute)?)?;
+                Ok(())
+            })
+        }
+    };
+}
+
+group_call!(
+    /// hyper_parallel's `launch_offload`: queues the group's offload after the work queued on
+    /// `compute`.
+    hprt_swap_launch_offload, launch_offload, compute
+);
+group_call!(
+    /// hyper_parallel's `wait_offload`: waits for the group's offload and releases its device
+    /// memory.
+    hprt_swap_wait_offload, wait_offload
+);
+group_call!(
+    /// hyper_parallel's `launch_load`: starts reloading the group.
+    hprt_swap_launch_load, launch_load
+);
+group_call!(
+    /// hyper_parallel's `wait_load`: `compute` waits for the group's reload.
+    hprt_swap_wait_load, wait_load, compute
+);
