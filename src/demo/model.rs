@@ -14,7 +14,7 @@ use hprt_hsdp::{
     ParamSpec, ReduceOptions, ShardRef, ShardedParam,
 };
 use hprt_platform::{BufRef, Communicator, DType, DeviceBuffer, Event, Kernel, Platform, Stream};
-use hprt_swap::{DeviceTensor, EngineConfig, Saved, SwapEngine, SwapTensor};
+use hprt_swap::{Compression, DeviceTensor, EngineConfig, Saved, SwapEngine, SwapTensor};
 
 use super::{DemoConfig, DemoError, Result, Strategy};
 use crate::trace::{scope, Role, TracingPlatform};
@@ -97,7 +97,7 @@ struct LayerSaves {
     encoding: Vec<PendingEncode>,
     packed: Vec<CompressedTensor>,
     decoding: Vec<PendingDecode>,
-    /// The swap trackers: over `acts` (swap) or over the encodings (compress-then-swap).
+    /// The swap trackers over `acts` (the engine compresses them for compress-then-swap).
     swapped: Vec<SwapTensor>,
 }
 
@@ -162,11 +162,36 @@ pub(crate) fn train(
         }
     }
     p.synchronize_stream(&streams.compute)?;
+    let codec = codec_for(p);
+    let codec_stream = if strategy.compresses() {
+        let s = p.create_stream()?;
+        tp.name_stream(&s, Role::Codec, "codec");
+        Some(s)
+    } else {
+        None
+    };
+    // Compress alone encodes into scratch it keeps on the device; compress-then-swap is the
+    // swap engine's own (the device codec on the codec stream, only encodings over the link).
+    let scratch = if strategy == Strategy::Compress {
+        let cdt = codec_dtype(config.act_dtype)?;
+        [config.seq * h, config.seq * f]
+            .into_iter()
+            .map(|n| p.alloc_device(codec.max_encoded_len(cdt, n)))
+            .collect::<hprt_platform::Result<Vec<_>>>()?
+    } else {
+        Vec::new()
+    };
     let engine = if strategy.swaps() {
+        let compression = match strategy {
+            Strategy::CompressSwap => Compression::Device,
+            _ => Compression::Off,
+        };
         let e = SwapEngine::new(
             Arc::clone(traced) as Arc<dyn Platform>,
             EngineConfig {
                 single_copy_stream: false,
+                compression,
+                codec_stream: codec_stream.clone(),
                 ..EngineConfig::default()
             },
         )?;
@@ -175,19 +200,6 @@ pub(crate) fn train(
         Some(e)
     } else {
         None
-    };
-    let codec = codec_for(p);
-    let (codec_stream, scratch) = if strategy.compresses() {
-        let s = p.create_stream()?;
-        tp.name_stream(&s, Role::Codec, "codec");
-        let cdt = codec_dtype(config.act_dtype)?;
-        let scratch = [config.seq * h, config.seq * f]
-            .into_iter()
-            .map(|n| p.alloc_device(codec.max_encoded_len(cdt, n)))
-            .collect::<hprt_platform::Result<Vec<_>>>()?;
-        (Some(s), scratch)
-    } else {
-        (None, Vec::new())
     };
     let mark = p.create_event(false)?;
     let mut r = Rank {
@@ -430,7 +442,7 @@ impl<'p> Rank<'p> {
         let last = self.config.layers - 1;
         match self.strategy {
             Strategy::Baseline => {}
-            Strategy::Swap => {
+            Strategy::Swap | Strategy::CompressSwap => {
                 if l < last {
                     let act = self.config.act_dtype;
                     let mut group = Vec::new();
@@ -453,7 +465,7 @@ impl<'p> Rank<'p> {
                     self.finish_offload(l - 1)?;
                 }
             }
-            Strategy::Compress | Strategy::CompressSwap => {
+            Strategy::Compress => {
                 if l >= 1 {
                     self.finish_encode(l - 1)?;
                 }
@@ -506,8 +518,7 @@ impl<'p> Rank<'p> {
         Ok(())
     }
 
-    /// Waits for layer `l`'s encodings, releases the originals, and (compress-then-swap)
-    /// offloads the encodings; then finishes the previous layer's offload.
+    /// Waits for layer `l`'s encodings and releases the originals.
     fn finish_encode(&mut self, l: usize) -> Result<()> {
         let codec_stream = self.codec_stream();
         let pending = std::mem::take(&mut self.saves[l].encoding);
@@ -522,26 +533,6 @@ impl<'p> Rank<'p> {
         for buf in &self.saves[l].acts {
             self.p.resize_device(buf, 0)?;
         }
-        if self.strategy == Strategy::CompressSwap {
-            let mut group = Vec::new();
-            for packed in &self.saves[l].packed {
-                let buf = packed.device_buffer().clone();
-                let t = DeviceTensor::whole(buf, DType::U8, vec![packed.byte_len()]);
-                group.push(SwapTensor::new(Saved::Tensor(t))?);
-            }
-            let engine = self
-                .engine
-                .as_mut()
-                .expect("swap strategies have an engine");
-            for (k, t) in group.iter_mut().enumerate() {
-                let _g = scope(Some(l), format!("L{l}.{} (encoded)", SAVED[k]));
-                engine.offload([t], &codec_stream)?;
-            }
-            self.saves[l].swapped = group;
-            if l >= 1 {
-                self.finish_offload(l - 1)?;
-            }
-        }
         Ok(())
     }
 
@@ -550,8 +541,14 @@ impl<'p> Rank<'p> {
     fn start_restore(&mut self, l: usize) -> Result<()> {
         match self.strategy {
             Strategy::Baseline => {}
-            Strategy::Swap => {
+            Strategy::Swap | Strategy::CompressSwap => {
                 self.finish_offload(l)?;
+                if self.strategy == Strategy::CompressSwap {
+                    for (k, t) in self.saves[l].swapped.iter().enumerate() {
+                        self.encoded[k].0 += t.swap_bytes() as u64;
+                        self.encoded[k].1 += t.host_bytes() as u64;
+                    }
+                }
                 let engine = self
                     .engine
                     .as_mut()
@@ -561,20 +558,8 @@ impl<'p> Rank<'p> {
                     engine.start_reload([t])?;
                 }
             }
-            Strategy::Compress | Strategy::CompressSwap => {
+            Strategy::Compress => {
                 let codec_stream = self.codec_stream();
-                if self.strategy == Strategy::CompressSwap {
-                    self.finish_offload(l)?;
-                    let engine = self
-                        .engine
-                        .as_mut()
-                        .expect("swap strategies have an engine");
-                    for (k, t) in self.saves[l].swapped.iter_mut().enumerate() {
-                        let _g = scope(Some(l), format!("L{l}.{} (encoded)", SAVED[k]));
-                        engine.start_reload([&mut *t])?;
-                        engine.finish_reload([t], &codec_stream)?;
-                    }
-                }
                 let act = self.config.act_dtype;
                 let mut pending = Vec::new();
                 for (k, kind) in SAVED.iter().enumerate() {
@@ -599,7 +584,7 @@ impl<'p> Rank<'p> {
     fn finish_restore(&mut self, l: usize) -> Result<()> {
         match self.strategy {
             Strategy::Baseline => {}
-            Strategy::Swap => {
+            Strategy::Swap | Strategy::CompressSwap => {
                 let compute = self.streams.compute.clone();
                 let engine = self
                     .engine
@@ -607,7 +592,7 @@ impl<'p> Rank<'p> {
                     .expect("swap strategies have an engine");
                 engine.finish_reload(self.saves[l].swapped.iter_mut(), &compute)?;
             }
-            Strategy::Compress | Strategy::CompressSwap => {
+            Strategy::Compress => {
                 for dec in std::mem::take(&mut self.saves[l].decoding) {
                     dec.finish(self.p)?;
                 }

@@ -29,6 +29,9 @@ pub struct EngineConfig {
     pub compression: Compression,
     /// Per-tensor choice of the compression; `None` applies `compression` to every tensor.
     pub compression_policy: Option<CompressionPolicy>,
+    /// A stream for the device codec ([`Compression::Device`]), so its work shows and overlaps
+    /// apart from the copies; `None` runs it on the copy streams.
+    pub codec_stream: Option<Stream>,
 }
 
 impl std::fmt::Debug for EngineConfig {
@@ -38,6 +41,7 @@ impl std::fmt::Debug for EngineConfig {
             .field("pool", &self.pool)
             .field("compression", &self.compression)
             .field("compression_policy", &self.compression_policy.is_some())
+            .field("codec_stream", &self.codec_stream.is_some())
             .finish()
     }
 }
@@ -121,6 +125,7 @@ pub struct SwapEngine {
     /// What a released borrowed tensor points at: a storage with no bytes.
     empty: DeviceBuffer,
     codec: Arc<dyn DeviceCodec>,
+    codec_stream: Option<Stream>,
     compression: Compression,
     policy: Option<CompressionPolicy>,
     /// Owned storages released by this engine with views still to reload: a storage found
@@ -178,6 +183,7 @@ impl SwapEngine {
             mark,
             empty,
             codec,
+            codec_stream: config.codec_stream,
             compression: config.compression,
             policy: config.compression_policy,
             released: Vec::new(),
@@ -354,14 +360,18 @@ impl SwapEngine {
         let p: &dyn Platform = &*self.platform;
         let start = Instant::now();
         let scratch = p.alloc_device(self.codec.max_encoded_len(dtype, numel))?;
-        let pending = self.codec.encode_async(
-            p,
-            t.storage.at(t.offset),
-            dtype,
-            numel,
-            &scratch,
-            &self.d2h,
-        )?;
+        let stream = match &self.codec_stream {
+            // After the producer, which the offload stream already waits for.
+            Some(c) => {
+                self.order_after(c, &self.d2h, false)?;
+                c
+            }
+            None => &self.d2h,
+        };
+        let pending =
+            self.codec
+                .encode_async(p, t.storage.at(t.offset), dtype, numel, &scratch, stream)?;
+        // The host waited for the encode, so the copy queued below reads a complete encoding.
         let len = pending.wait_len(p)?;
         self.codec_ns
             .fetch_add(elapsed_ns(start), Ordering::Relaxed);
@@ -607,7 +617,17 @@ impl SwapEngine {
                         tensor.numel(),
                     )?;
                     let start = Instant::now();
-                    let pending = self.codec.decode_async(p, &enc, dst.at(offset), &self.h2d)?;
+                    let pending = match &self.codec_stream {
+                        // After the copy in, and the reload stream (whose fence the caller
+                        // waits for) after the decode.
+                        Some(c) => {
+                            self.order_after(c, &self.h2d, false)?;
+                            let d = self.codec.decode_async(p, &enc, dst.at(offset), c)?;
+                            self.order_after(&self.h2d, c, false)?;
+                            d
+                        }
+                        None => self.codec.decode_async(p, &enc, dst.at(offset), &self.h2d)?,
+                    };
                     self.codec_ns
                         .fetch_add(elapsed_ns(start), Ordering::Relaxed);
                     // The platform frees the scratch after the queued decode read it.

@@ -147,6 +147,17 @@ impl HostCopy {
         }
     }
 
+    /// Bytes the host copy keeps (the encoding's once a compressed copy is complete).
+    pub(crate) fn host_bytes(&self) -> usize {
+        match self {
+            HostCopy::Plain(b) => b.len(),
+            HostCopy::Device { len, .. } => *len,
+            HostCopy::Staged {
+                encoded, raw_len, ..
+            } => encoded.as_ref().map_or(*raw_len, |e| e.len()),
+        }
+    }
+
     /// The pinned block a queued copy uses.
     pub(crate) fn block_mut(&mut self) -> Option<&mut PinnedBlock> {
         match self {

@@ -151,6 +151,7 @@ impl PipelineOffload {
                 pool: config.pool.clone(),
                 compression: config.compression,
                 compression_policy: None,
+                codec_stream: None,
             },
         )?;
         Ok(PipelineOffload {

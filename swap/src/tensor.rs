@@ -304,6 +304,12 @@ impl SwapTensor {
         self.host.as_ref().map_or(0, HostCopy::link_bytes)
     }
 
+    /// Bytes the host copy keeps: the encoding's for a compressed payload whose offload
+    /// finished (0 before an offload).
+    pub fn host_bytes(&self) -> usize {
+        self.host.as_ref().map_or(0, HostCopy::host_bytes)
+    }
+
     pub(crate) fn wrong(&self, operation: &'static str, expected: &'static str) -> SwapError {
         SwapError::WrongState {
             operation,
