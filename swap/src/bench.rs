@@ -5,9 +5,18 @@ use std::time::{Duration, Instant};
 
 use hprt_platform::{DType, DeviceBuffer, PinnedBuffer, Platform, Stream};
 
+use std::sync::Arc;
+
+use hprt_compress::data::{generate, DataKind};
+use hprt_compress::CodecDType;
+
 use crate::engine::{EngineConfig, PlatformHandle, SwapEngine};
 use crate::error::Result;
-use crate::sim::{simulate, FrontEnd, SimConfig};
+use crate::keyed::KeyedSwap;
+use crate::layer_group::SwapManager;
+use crate::payload::Compression;
+use crate::pipeline::{PipelineConfig, PipelineOffload};
+use crate::sim::{borrow, simulate, FrameworkAllocator, FrontEnd, PayloadKind, SimConfig};
 use crate::tensor::{DeviceTensor, Saved, SwapTensor};
 
 const TRIALS: usize = 3;
@@ -47,9 +56,238 @@ pub fn bench(platform: impl Into<PlatformHandle>, max_bytes: usize) -> Result<St
     let platform = platform.into();
     let mut out = String::new();
     per_tensor_cost(&platform, &mut out)?;
+    front_end_cost(&platform, &mut out)?;
     throughput(&platform, max_bytes, &mut out)?;
+    compressed_link_bytes(&platform, &mut out)?;
     step_overhead(&platform, &mut out)?;
     Ok(out)
+}
+
+/// Host time of issuing a device-to-host copy of every buffer into its slot of `host`, then
+/// the copies back (the raw baseline of the per-tensor costs; the copies run outside it).
+fn raw_issue(p: &dyn Platform, bufs: &[DeviceBuffer], host: &PinnedBuffer, s: &Stream) -> Result<Duration> {
+    let mut t = Duration::ZERO;
+    for d2h in [true, false] {
+        let start = Instant::now();
+        for (i, b) in bufs.iter().enumerate() {
+            let (len, at) = (b.len(), i * b.len());
+            if d2h {
+                p.copy_async(host.into(), at, b.into(), 0, len, s)?;
+            } else {
+                p.copy_async(b.into(), 0, host.into(), at, len, s)?;
+            }
+        }
+        t += start.elapsed();
+        p.synchronize_stream(s)?;
+    }
+    Ok(t)
+}
+
+/// One saved value of `bytes` of a payload kind (borrowed memory stands for a framework's).
+fn payload(p: &PlatformHandle, kind: PayloadKind, buf: &DeviceBuffer) -> Result<Saved> {
+    let len = buf.len();
+    Ok(Saved::Tensor(match kind {
+        PayloadKind::Owned => DeviceTensor::whole(buf.clone(), DType::U8, vec![len]),
+        PayloadKind::Borrowed => DeviceTensor::borrowed(
+            borrow(&**p, buf, 0, len)?,
+            DType::U8,
+            vec![len],
+            None,
+            Arc::new(FrameworkAllocator(p.clone())),
+        )?,
+    }))
+}
+
+/// Host time of a whole forward + backward through each front end, per saved tensor, minus
+/// the same raw copies issued in the same pattern (one host wait per layer of 16 tensors).
+fn front_end_cost(platform: &PlatformHandle, out: &mut String) -> Result<()> {
+    const LAYERS: usize = 64;
+    const PER_LAYER: usize = 16;
+    const BYTES: usize = 256;
+    const N: usize = LAYERS * PER_LAYER;
+    let p: &dyn Platform = &**platform;
+    let s = p.create_stream()?;
+    let bufs = (0..N)
+        .map(|_| p.alloc_device(BYTES))
+        .collect::<Result<Vec<_>, _>>()?;
+    let host = p.alloc_pinned(N * BYTES)?;
+    let raw = best(|| raw_issue(p, &bufs, &host, &s))?;
+    let _ = writeln!(
+        out,
+        "##### Front-end cost per saved tensor ({BYTES} B tensors, {LAYERS} layers of {PER_LAYER}; host time of a forward + backward through the front end, its waits for the copies included, minus issuing the same two raw copies; goal <= 2 us)\n\n\
+         | front end | payload | raw copy issue us/tensor | front end us/tensor | cost us/tensor |\n|---|---|---:|---:|---:|"
+    );
+    for kind in PayloadKind::ALL {
+        for front in FrontEnd::SWAPPING {
+            let t = best(|| {
+                let values = bufs
+                    .iter()
+                    .map(|b| payload(platform, kind, b))
+                    .collect::<Result<Vec<_>>>()?;
+                drive(platform, front, values, PER_LAYER, &s)
+            })?;
+            let (raw_us, t_us) = (us(raw, N), us(t, N));
+            let _ = writeln!(
+                out,
+                "| {front:?} | {kind:?} | {raw_us:.2} | {t_us:.2} | {:.2} |",
+                t_us - raw_us
+            );
+        }
+    }
+    out.push('\n');
+    Ok(())
+}
+
+/// Forward (save every value, `per_layer` to a layer) and backward (read them back in reverse)
+/// through `front`; returns the host time of both.
+fn drive(
+    platform: &PlatformHandle,
+    front: FrontEnd,
+    values: Vec<Saved>,
+    per_layer: usize,
+    s: &Stream,
+) -> Result<Duration> {
+    let layers = values.len() / per_layer;
+    let mut values = values.into_iter();
+    let mut layer_values = |_: usize| values.by_ref().take(per_layer).collect::<Vec<_>>();
+    match front {
+        FrontEnd::Keyed => {
+            let mut k = KeyedSwap::new(platform.clone())?;
+            let ctx: Vec<_> = (0..layers).map(|_| k.register_layer("l.*")).collect();
+            let all: Vec<_> = (0..layers).map(&mut layer_values).collect();
+            let start = Instant::now();
+            let mut packed = Vec::new();
+            for (l, vs) in all.into_iter().enumerate() {
+                for v in vs {
+                    packed.push(k.swap_out_cur_and_release_prev(&ctx[l], v, s)?);
+                }
+            }
+            for pk in packed.into_iter().rev() {
+                drop(k.wait_cur_and_prefetch_next(pk, s, true)?);
+            }
+            let t = start.elapsed();
+            k.end_iteration()?;
+            Ok(t)
+        }
+        FrontEnd::LayerGroup => {
+            let mut m = SwapManager::new(platform.clone())?;
+            let ids: Vec<_> = (0..layers).map(|_| m.new_layer()).collect();
+            for w in ids.windows(2) {
+                m.set_forward_prefetch_layer(w[0], w[1])?;
+            }
+            let all: Vec<_> = (0..layers).map(&mut layer_values).collect();
+            let start = Instant::now();
+            let mut refs = Vec::new();
+            for (l, vs) in all.into_iter().enumerate() {
+                m.forward_pre(ids[l])?;
+                for v in vs {
+                    refs.push(m.save(v)?);
+                }
+                m.forward_post(ids[l], s)?;
+            }
+            for l in (0..layers).rev() {
+                m.backward_pre(ids[l], s)?;
+                for r in &refs[l * per_layer..(l + 1) * per_layer] {
+                    drop(m.take(*r)?);
+                }
+                m.backward_post(ids[l])?;
+            }
+            let t = start.elapsed();
+            m.end_iteration()?;
+            Ok(t)
+        }
+        FrontEnd::Pipeline => {
+            let cfg = PipelineConfig {
+                min_tensor_elems: 1,
+                ..PipelineConfig::default()
+            };
+            let mut o = PipelineOffload::new(platform.clone(), cfg)?;
+            let names: Vec<String> = (0..layers).map(|l| format!("l{l}")).collect();
+            let all: Vec<_> = (0..layers).map(&mut layer_values).collect();
+            let start = Instant::now();
+            o.init_chunk(1, None)?;
+            let mut tags = Vec::new();
+            for (l, vs) in all.into_iter().enumerate() {
+                o.group_start(&names[l])?;
+                for v in vs {
+                    tags.push(o.save(v)?);
+                }
+                o.group_commit(s, Vec::new(), false)?;
+            }
+            for l in (0..layers).rev() {
+                o.backward_group_begin(&names[l], s)?;
+                for tag in &tags[l * per_layer..(l + 1) * per_layer] {
+                    drop(o.get(tag, s)?);
+                }
+                o.backward_group_end()?;
+            }
+            let t = start.elapsed();
+            o.reset()?;
+            Ok(t)
+        }
+        FrontEnd::NoSwap => Ok(Duration::ZERO),
+    }
+}
+
+/// Compress-then-swap against plain swap on the codec's synthetic activations: bytes over the
+/// host link, pinned memory held, codec time.
+fn compressed_link_bytes(platform: &PlatformHandle, out: &mut String) -> Result<()> {
+    const NUMEL: usize = 1 << 20;
+    let p: &dyn Platform = &**platform;
+    let s = p.create_stream()?;
+    let _ = writeln!(
+        out,
+        "##### Compress-then-swap vs plain swap (bf16 synthetic activations of `hprt_compress::data`, {NUMEL} elements each; link = bytes the engine moved over the host link both ways, ratio = plain / compressed)\n\n\
+         The device codec is the host fallback on this backend (no device kernels): its own staging copies are not counted, as a device codec would not make them; `auto` picks the host stage for it, which moves the raw bytes but holds no pinned memory while offloaded.\n\n\
+         | data | mode | link MiB | link ratio | pinned held while offloaded MiB | codec ms |\n|---|---|---:|---:|---:|---:|"
+    );
+    for kind in [DataKind::Gelu, DataKind::LayerNorm, DataKind::Softmax, DataKind::Gaussian] {
+        let data = generate(kind, CodecDType::BF16, NUMEL, 3);
+        let mut plain = 0u64;
+        for mode in [Compression::Off, Compression::Device, Compression::HostStage] {
+            let mut engine = SwapEngine::new(
+                platform.clone(),
+                EngineConfig {
+                    compression: mode,
+                    ..EngineConfig::default()
+                },
+            )?;
+            let buf = p.alloc_device(data.len())?;
+            p.write_device_sync(&buf, 0, &data, &s)?;
+            let t = DeviceTensor::whole(buf.clone(), DType::BF16, vec![NUMEL]);
+            let mut t = SwapTensor::new(Saved::Tensor(t))?;
+            engine.offload([&mut t], &s)?;
+            engine.finish_offload([&mut t])?;
+            let held = engine.pool_stats().bytes_in_use;
+            engine.start_reload([&mut t])?;
+            engine.finish_reload([&mut t], &s)?;
+            let mut back = vec![0u8; data.len()];
+            p.read_device_sync(&buf, 0, &mut back, &s)?;
+            if back != data {
+                return Err(crate::error::SwapError::Order(format!(
+                    "{mode:?} swap of {} changed bytes",
+                    kind.name()
+                )));
+            }
+            let st = engine.stats();
+            let link = st.link_d2h_bytes + st.link_h2d_bytes;
+            if mode == Compression::Off {
+                plain = link;
+            }
+            let _ = writeln!(
+                out,
+                "| {} | {mode:?} | {:.2} | {:.2} | {:.2} | {:.1} |",
+                kind.name(),
+                link as f64 / (1 << 20) as f64,
+                plain as f64 / link.max(1) as f64,
+                held as f64 / (1 << 20) as f64,
+                st.codec_ns as f64 / 1e6
+            );
+            p.free_device(&buf)?;
+        }
+    }
+    out.push('\n');
+    Ok(())
 }
 
 fn per_tensor_cost(platform: &PlatformHandle, out: &mut String) -> Result<()> {
@@ -62,22 +300,7 @@ fn per_tensor_cost(platform: &PlatformHandle, out: &mut String) -> Result<()> {
         .collect::<Result<Vec<_>, _>>()?;
     let host = p.alloc_pinned(N * BYTES)?;
     let mut engine = SwapEngine::new(platform.clone(), EngineConfig::default())?;
-    let raw = best(|| {
-        let mut t = Duration::ZERO;
-        let start = Instant::now();
-        for (i, b) in bufs.iter().enumerate() {
-            p.copy_async((&host).into(), i * BYTES, b.into(), 0, BYTES, &s)?;
-        }
-        t += start.elapsed();
-        p.synchronize_stream(&s)?;
-        let start = Instant::now();
-        for (i, b) in bufs.iter().enumerate() {
-            p.copy_async(b.into(), 0, (&host).into(), i * BYTES, BYTES, &s)?;
-        }
-        t += start.elapsed();
-        p.synchronize_stream(&s)?;
-        Ok(t)
-    })?;
+    let raw = best(|| raw_issue(p, &bufs, &host, &s))?;
     let mut engine_time = |batch: usize| {
         best(|| {
             let mut t = Duration::ZERO;

@@ -1,6 +1,7 @@
 //! The copy engine every front end drives: batched offload / reload of [`SwapTensor`]s on the
 //! engine's own copy streams, with the stream waits and host synchronizations that make it safe.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -131,7 +132,9 @@ pub struct SwapEngine {
     /// Owned storages released by this engine with views still to reload: a storage found
     /// non-empty at a reload must have been re-acquired here (by a sibling view), not by
     /// someone else who may have written it.
-    released: Vec<Released>,
+    /// Keyed by the address the storage had when offloaded (shared by its views; a later
+    /// storage may reuse an address, so a bucket can hold several).
+    released: HashMap<usize, Vec<Released>>,
     faults: Faults,
     stats: EngineStats,
     codec_ns: Arc<AtomicU64>,
@@ -186,7 +189,7 @@ impl SwapEngine {
             codec_stream: config.codec_stream,
             compression: config.compression,
             policy: config.compression_policy,
-            released: Vec::new(),
+            released: HashMap::new(),
             faults: Faults::default(),
             stats: EngineStats::default(),
             codec_ns: Arc::default(),
@@ -344,6 +347,9 @@ impl SwapEngine {
             self.stats.offloaded_bytes += tensor.len as u64;
             self.stats.link_d2h_bytes += host.link_bytes() as u64;
             t.version_at_offload = version;
+            // Released storages are keyed by the address they had: unique among live storages,
+            // and the same for every view offloaded while it is live.
+            t.release_key = tensor.storage.device_ptr();
             t.modified = None;
             t.host = Some(host);
             t.d2h = Some(f);
@@ -464,14 +470,12 @@ impl SwapEngine {
             }
             match tensor.origin {
                 Origin::Owned => {
+                    let key = t.release_key;
                     self.platform.resize_device(&tensor.storage, 0)?;
-                    match self
-                        .released
-                        .iter_mut()
-                        .find(|r| r.storage.same_as(&tensor.storage))
-                    {
+                    let bucket = self.released.entry(key).or_default();
+                    match bucket.iter_mut().find(|r| r.storage.same_as(&tensor.storage)) {
                         Some(r) => r.pending += 1,
-                        None => self.released.push(Released {
+                        None => bucket.push(Released {
                             storage: tensor.storage.clone(),
                             pending: 1,
                             reacquired: false,
@@ -688,14 +692,19 @@ impl SwapEngine {
                         current,
                     });
                 }
-                let at = self
-                    .released
-                    .iter()
-                    .position(|r| r.storage.same_as(&tensor.storage));
+                let key = t.release_key;
+                let bucket = self.released.get_mut(&key);
+                let at = bucket
+                    .as_ref()
+                    .and_then(|b| b.iter().position(|r| r.storage.same_as(&tensor.storage)));
+                let reacquired_here = match (&bucket, at) {
+                    (Some(b), Some(i)) => b[i].reacquired,
+                    _ => false,
+                };
                 match tensor.storage.len() {
                     0 => self.platform.resize_device(&tensor.storage, storage_len)?,
                     // Another saved view of it was reloaded first.
-                    n if n == storage_len && at.is_some_and(|i| self.released[i].reacquired) => {}
+                    n if n == storage_len && reacquired_here => {}
                     n if n == storage_len => return Err(SwapError::ReacquiredOutsideSwap),
                     actual => {
                         return Err(SwapError::StorageResized {
@@ -704,12 +713,15 @@ impl SwapEngine {
                         })
                     }
                 }
-                if let Some(i) = at {
-                    let r = &mut self.released[i];
+                if let (Some(bucket), Some(i)) = (self.released.get_mut(&key), at) {
+                    let r = &mut bucket[i];
                     r.reacquired = true;
                     r.pending -= 1;
                     if r.pending == 0 {
-                        self.released.swap_remove(i);
+                        bucket.swap_remove(i);
+                        if bucket.is_empty() {
+                            self.released.remove(&key);
+                        }
                     }
                 }
             }

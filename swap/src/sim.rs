@@ -438,7 +438,12 @@ pub fn simulate(
 
 /// `len` bytes at `offset` of `owner` as borrowed memory that keeps `owner` alive until swap
 /// (and everything else in hprt) dropped it: how a framework hands its tensors to swap.
-fn borrow(p: &dyn Platform, owner: &DeviceBuffer, offset: usize, len: usize) -> Result<DeviceBuffer> {
+pub(crate) fn borrow(
+    p: &dyn Platform,
+    owner: &DeviceBuffer,
+    offset: usize,
+    len: usize,
+) -> Result<DeviceBuffer> {
     let keep = owner.clone();
     // SAFETY: `owner` is live device memory of `p` covering `offset..offset + len`, kept alive
     // by the release callback until nothing references the borrowed range.
@@ -452,7 +457,7 @@ fn borrow(p: &dyn Platform, owner: &DeviceBuffer, offset: usize, len: usize) -> 
 }
 
 /// The simulated framework's allocator: fresh device memory, borrowed like the original.
-struct FrameworkAllocator(PlatformHandle);
+pub(crate) struct FrameworkAllocator(pub(crate) PlatformHandle);
 
 impl Allocator for FrameworkAllocator {
     fn allocate(&self, like: &DeviceTensor) -> Result<Reacquired> {

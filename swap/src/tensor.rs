@@ -237,6 +237,8 @@ pub struct SwapTensor {
     /// The version seen when the device bytes were released, if it had moved since the
     /// offload began (a write raced the copy): the reload reports it.
     pub(crate) modified: Option<u64>,
+    /// The storage's address when the engine released it (its key among released storages).
+    pub(crate) release_key: usize,
     pub(crate) host: Option<HostCopy>,
     pub(crate) d2h: Option<Fence>,
     pub(crate) h2d: Option<Fence>,
@@ -259,6 +261,7 @@ impl SwapTensor {
             storage_len,
             version_at_offload: 0,
             modified: None,
+            release_key: 0,
             host: None,
             d2h: None,
             h2d: None,
