@@ -227,3 +227,68 @@ def test_parameters_and_leaves_are_not_swapped(platform):
     assert ht.is_swappable(torch.ones(4) * 2, rt)
     assert not ht.is_swappable(torch.ones(4, 4).t()[:2], rt)  # a non-dense view
     assert ht.is_swappable(torch.ones(4, 4).t(), rt)  # dense, permuted
+
+
+@pytest.mark.parametrize("compression", ["off", "host_stage"])
+def test_every_front_end_takes_borrowed_torch_tensors(platform, compression):
+    """Megatron's pipeline offload and the keyed swap's upstream names over borrowed torch
+    tensors: the values come back bit-exact in tensors the allocator made."""
+    rt = ht.Runtime(platform)
+    s = rt.compute_stream(None)
+    values = [torch.randn(64, 32) * (i + 1) for i in range(4)]
+    expected = [v.clone() for v in values]
+
+    off = hprt.PipelineOffload(platform, min_tensor_elems=1, compression=compression)
+    off.init_chunk()
+    tags = []
+    for i, v in enumerate(values):
+        off.group_start(f"g{i}")
+        tags.append(off.save(rt.borrow(v)))
+        off.group_commit(s)
+    for i in reversed(range(4)):
+        off.backward_group_begin(f"g{i}", s)
+        assert torch.equal(rt.wait_host(off.get(tags[i], s)), expected[i])
+        off.backward_group_end()
+    off.reset()
+
+    keyed = hprt.KeyedSwap(platform, compression=compression)
+    ctxs = [keyed.register_layer("layer.*") for _ in range(4)]
+    packed = [keyed.swap_out_cur_and_release_prev(c, rt.borrow(v), s) for c, v in zip(ctxs, values)]
+    for i in reversed(range(4)):
+        got = keyed.wait_cur_and_prefetch_next(packed[i], s)
+        assert torch.equal(rt.wait_host(got), expected[i])
+    if compression != "off":
+        assert off.stats()["compressed_tensors"] > 0 and keyed.stats()["compressed_tensors"] > 0
+
+
+def test_layer_group_swap_survives_an_iteration_aborted_in_backward(platform, baseline):
+    """An exception in backward, then ordinary training: bit-exact from there on."""
+    rt = ht.Runtime(platform)
+    torch.manual_seed(0)
+    model = Model()
+    ht.SwapManager.reset()
+    mgr = ht.SwapManager(rt)
+    for a, b in zip(model.layers[:-1], model.layers[1:]):
+        mgr.set_forward_prefetch_layer(a, b)
+
+    def boom(mod, grad_output):
+        raise RuntimeError("abort")
+
+    h = model.layers[LAYERS // 2].register_full_backward_pre_hook(boom)
+    with pytest.raises(RuntimeError):
+        model(torch.randn(BATCH, SEQ, HIDDEN)).backward()
+    h.remove()
+    rt.layers.end_iteration()
+    torch.manual_seed(0)
+    fresh = Model()
+    model.load_state_dict(fresh.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = [torch.randn(BATCH, SEQ, HIDDEN) for _ in range(STEPS)]
+    for step, x in enumerate(data):
+        opt.zero_grad()
+        loss = model(x)
+        loss.backward()
+        assert torch.equal(loss.detach(), baseline[0][step])
+        for p, g in zip(model.parameters(), baseline[1][step]):
+            assert torch.equal(p.grad, g)
+        opt.step()
