@@ -5,9 +5,13 @@
 - Tensors cross by DLPack (``Platform.from_dlpack(obj)``, ``buffer.view(dtype, shape)``
   implements ``__dlpack__``) or by raw pointer (``Platform.wrap_device_memory(ptr, nbytes,
   owner)``, ``Platform.wrap_stream(raw)``).
-- Swap: ``SwapManager`` (layer groups), ``KeyedSwap`` / ``TensorSwapContext`` (keyed
-  pack/unpack), ``PipelineOffload`` (``group_start`` / ``group_commit``), ``FrameworkSwap``
-  (a framework's own tensors; used by ``hprt.torch``).
+- Swap: ``SwapManager`` (hyper_parallel's layer groups: module hooks and ``add_storage`` /
+  ``launch_offload`` / ``wait_offload`` / ``launch_load`` / ``wait_load``), ``KeyedSwap`` /
+  ``TensorSwapContext`` (``swap_out_cur_and_release_prev`` / ``wait_cur_and_prefetch_next``),
+  ``PipelineOffload`` (Megatron's ``group_start`` / ``group_commit``); each takes hprt
+  ``DeviceTensor``s or a framework's own tensors as borrowed payloads
+  (``FrameworkMemory.tensor``; what ``hprt.torch`` uses), and ``compression="device" |
+  "host_stage" | "auto"`` for compress-then-swap.
 - Compression: ``compress`` / ``decompress`` / ``decompress_into`` (the lossless codec) and
   ``ActivationManager`` (saved tensors per layer, encoded in operator windows, per-layer ratios).
 - hsdp: ``DeviceMesh``, ``DataParallelMesh`` (FSDP / HSDP / DDP), ``GroupCache``,

@@ -1,5 +1,5 @@
-//! The three hprt-swap front ends on hprt device memory: `SwapManager` (layer groups, seed 000),
-//! `KeyedSwap` (keyed pack/unpack, seed 001), `PipelineOffload` (chunked groups, seed 002), and
+//! The three hprt-swap front ends on hprt device memory: `SwapManager` (hyper_parallel layer groups),
+//! `KeyedSwap` (keyed pack/unpack), `PipelineOffload` (Megatron-LM chunked groups), and
 //! `DeviceTensor`, the tensor description they take.
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -205,7 +205,7 @@ fn pool(host_budget: Option<usize>) -> PoolConfig {
     PoolConfig { host_budget }
 }
 
-/// Layer-group swap (seed 000): link layers with `set_forward_prefetch_layer(a, b)` and call the
+/// hyper_parallel layer-group swap: link layers with `set_forward_prefetch_layer(a, b)` and call the
 /// four hook entry points around each layer's forward and backward.
 #[pyclass(name = "SwapManager", module = "hprt._native", frozen)]
 pub struct PySwapManager {
@@ -398,7 +398,7 @@ impl PyPacked {
     }
 }
 
-/// Keyed swap (seed 001): `pack` where a value is saved, `unpack` where it is read back.
+/// Keyed swap: `pack` where a value is saved, `unpack` where it is read back.
 #[pyclass(name = "KeyedSwap", module = "hprt._native", frozen)]
 pub struct PyKeyedSwap {
     p: PlatformHandle,
@@ -580,7 +580,7 @@ impl PyOffloadTag {
     }
 }
 
-/// Chunked pipeline offload (seed 002): `init_chunk`, then per layer group `group_start`,
+/// Megatron-LM chunked pipeline offload: `init_chunk`, then per layer group `group_start`,
 /// `save`…, `group_commit`; in backward `backward_group_begin`, `get`…, `backward_group_end`.
 #[pyclass(name = "PipelineOffload", module = "hprt._native", frozen)]
 pub struct PyPipelineOffload {

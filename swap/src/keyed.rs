@@ -1,4 +1,4 @@
-//! Keyed tensor swap (seed 001): every saved tensor gets a (layer, index) key; packing offloads it
+//! Keyed tensor swap (a `saved_tensors_hooks` design): every saved tensor gets a (layer, index) key; packing offloads it
 //! and releases the previous layer, unpacking waits for it and prefetches the proportional slice
 //! of the previous layer; separate d2h and h2d streams.
 
@@ -123,7 +123,7 @@ pub enum Packed {
 /// Which tensors the keyed front end swaps.
 pub type SwapPredicate = Box<dyn Fn(&DeviceTensor) -> bool + Send + Sync>;
 
-/// The seed-001 swap: `pack` where autograd saves a tensor, `unpack` where it reads it back.
+/// The keyed swap: `pack` where autograd saves a tensor, `unpack` where it reads it back.
 ///
 /// Layers are registered per tag before the step ([`KeyedSwap::register_layer`]); a tag's
 /// layer count is how many layers registered under it, and its last layer is never offloaded

@@ -1,4 +1,4 @@
-//! Layer-group swap (seed 000): each layer's saved tensors form a group; linked layers offload
+//! Layer-group swap (hyper_parallel): each layer's saved tensors form a group; linked layers offload
 //! after their forward and prefetch their predecessor before their backward, on one copy stream.
 
 use std::collections::HashMap;
@@ -48,7 +48,7 @@ struct Layer {
     generation: u64,
 }
 
-/// The seed-000 swap manager on explicit layer handles.
+/// hyper_parallel's swap manager on explicit layer handles.
 ///
 /// Link consecutive layers with [`SwapManager::set_forward_prefetch_layer`] (idempotent: a
 /// layer's first link in each direction wins) and call the four entry points where a framework

@@ -10,10 +10,12 @@
 //! - [`PinnedPool`] — pinned host blocks reused by size, bounded by a host budget.
 //! - [`SwapEngine`] — batched offload/reload on the engine's copy streams, with every wait the
 //!   invariants need (offload after the producer, release after the copy, use after the reload).
-//! - [`SwapManager`] — layer-group swap with forward/backward hooks (hyper_parallel, seed 000).
-//! - [`KeyedSwap`] — (layer, index)-keyed pack/unpack with proportional prefetch (seed 001).
+//! - [`SwapManager`] — hyper_parallel's layer-group swap: forward/backward hooks and the
+//!   per-group calls (`add_storage`, `launch_offload`, `wait_offload`, `launch_load`, `wait_load`).
+//! - [`KeyedSwap`] — (layer, index)-keyed `swap_out_cur_and_release_prev` /
+//!   `wait_cur_and_prefetch_next` with proportional prefetch.
 //! - [`PipelineOffload`] — chunked pipeline offload with groups, delays, warm-up and a summary
-//!   (Megatron, seed 002).
+//!   (Megatron-LM).
 //! - [`sim`] — a simulated N-layer step driven through each front end (tests, benchmark);
 //!   [`bench()`] — the swap rows of `hprt bench`.
 

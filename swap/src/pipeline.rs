@@ -1,4 +1,4 @@
-//! Chunked pipeline offload (seed 002): per micro-batch and virtual-pipeline-stage chunk
+//! Chunked pipeline offload (Megatron-LM): per micro-batch and virtual-pipeline-stage chunk
 //! handlers, group start/commit markers, bulk offload and reload of whole groups.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
