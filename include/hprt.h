@@ -172,9 +172,19 @@ typedef struct HprtHsdp HprtHsdp;
 typedef struct HprtHsdpParam HprtHsdpParam;
 
 /*
+ Keyed swap: layers registered per module tag, tensors packed and unpacked by key.
+ */
+typedef struct HprtKeyedSwap HprtKeyedSwap;
+
+/*
  Page-locked host memory.
  */
 typedef struct HprtPinnedBuffer HprtPinnedBuffer;
+
+/*
+ Megatron-LM's pipeline offload.
+ */
+typedef struct HprtPipelineOffload HprtPipelineOffload;
 
 /*
  A platform: the process-wide one (`hprt_platform_get`) or one opened for the caller
@@ -360,6 +370,16 @@ typedef struct HprtAllocator {
   int32_t (*allocate)(void *user_data, size_t bytes, size_t *out_ptr, void **out_owner);
   void (*release)(void *user_data, void *owner);
 } HprtAllocator;
+
+/*
+ What `hprt_keyed_swap_out_cur_and_release_prev` returned: `swapped` = 0 when the tensor
+ stayed on the device (not eligible, or its tag's last layer keeps it: read it directly).
+ */
+typedef struct HprtTensorKey {
+  int32_t swapped;
+  size_t layer;
+  size_t index;
+} HprtTensorKey;
 
 
 
@@ -1287,6 +1307,218 @@ enum HprtStatus hprt_swap_get_borrowed(struct HprtSwapManager *manager,
                                        struct HprtSavedRef saved,
                                        size_t *out_ptr,
                                        void **out_owner);
+
+/*
+ A keyed swap on `platform`: tensors below `min_bytes` stay on the device; `host_budget`
+ bounds the pinned pool (0 = unbounded).
+
+ # Safety
+ `platform` live; `out_swap` valid for writing.
+ */
+enum HprtStatus hprt_keyed_create(const struct HprtPlatform *platform,
+                                  size_t host_budget,
+                                  size_t min_bytes,
+                                  struct HprtKeyedSwap **out_swap);
+
+/*
+ Synchronizes the copies and releases the swap (values not unpacked are dropped).
+
+ # Safety
+ `swap` from `hprt_keyed_create`, not used afterwards.
+ */
+enum HprtStatus hprt_keyed_destroy(struct HprtKeyedSwap *swap);
+
+/*
+ Registers the next layer under `module_tag` (`*` matches one path component); `*out_layer`
+ names it in the other calls.
+
+ # Safety
+ `swap` live; `module_tag` NUL-terminated; `out_layer` valid for writing.
+ */
+enum HprtStatus hprt_keyed_register_layer(struct HprtKeyedSwap *swap,
+                                          const char *module_tag,
+                                          size_t *out_layer);
+
+/*
+ The pack hook: saves `bytes` of `storage` from `offset` in `layer` (its producer queued on
+ `compute`); a new layer first releases the previous one's device bytes.
+
+ # Safety
+ `swap`, `storage`, `compute` live; `out_key` valid for writing.
+ */
+enum HprtStatus hprt_keyed_swap_out_cur_and_release_prev(struct HprtKeyedSwap *swap,
+                                                         size_t layer,
+                                                         const struct HprtDeviceBuffer *storage,
+                                                         size_t offset,
+                                                         size_t bytes,
+                                                         int32_t dtype,
+                                                         const struct HprtStream *compute,
+                                                         struct HprtTensorKey *out_key);
+
+/*
+ The unpack hook: waits for the tensor's reload (`compute` waits for it), then (with
+ `prefetch`) starts its share of the previous layer; `*out_ptr` is its device address.
+
+ # Safety
+ `swap`, `compute` live; `out_ptr` valid for writing.
+ */
+enum HprtStatus hprt_keyed_wait_cur_and_prefetch_next(struct HprtKeyedSwap *swap,
+                                                      struct HprtTensorKey key,
+                                                      const struct HprtStream *compute,
+                                                      bool prefetch,
+                                                      size_t *out_ptr);
+
+/*
+ Compress-then-swap for the tensors packed from now on.
+
+ # Safety
+ `swap` live.
+ */
+enum HprtStatus hprt_keyed_set_compression(struct HprtKeyedSwap *swap, enum HprtCompression mode);
+
+/*
+ Ends the iteration: waits for the copies and drops what was not unpacked.
+
+ # Safety
+ `swap` live.
+ */
+enum HprtStatus hprt_keyed_end_iteration(struct HprtKeyedSwap *swap);
+
+/*
+ # Safety
+ `swap` live; `out_stats` valid for writing.
+ */
+enum HprtStatus hprt_keyed_stats(struct HprtKeyedSwap *swap, struct HprtSwapStats *out_stats);
+
+/*
+ Megatron-LM's pipeline offload on `platform`: tensors under `min_tensor_elems` elements stay
+ on the device, at most `max_inflight_offloads` groups are in flight, and after warm-up the
+ last `keep_last_groups` groups of each chunk stay on the device.
+
+ # Safety
+ `platform` live; `out_offload` valid for writing.
+ */
+enum HprtStatus hprt_pipeline_create(const struct HprtPlatform *platform,
+                                     size_t min_tensor_elems,
+                                     size_t max_inflight_offloads,
+                                     size_t keep_last_groups,
+                                     size_t host_budget,
+                                     enum HprtCompression mode,
+                                     struct HprtPipelineOffload **out_offload);
+
+/*
+ Synchronizes the copies and releases the offload manager.
+
+ # Safety
+ `offload` from `hprt_pipeline_create`, not used afterwards.
+ */
+enum HprtStatus hprt_pipeline_destroy(struct HprtPipelineOffload *offload);
+
+/*
+ A micro-batch's forward through virtual-pipeline stage `vp_stage` of `vp_size` begins
+ (Megatron's `init_chunk_handler`).
+
+ # Safety
+ `offload` live.
+ */
+enum HprtStatus hprt_pipeline_init_chunk(struct HprtPipelineOffload *offload,
+                                         size_t vp_size,
+                                         size_t vp_stage);
+
+/*
+ `group_start(name)`: a layer group's forward begins in the current chunk.
+
+ # Safety
+ `offload` live; `name` NUL-terminated.
+ */
+enum HprtStatus hprt_pipeline_group_start(struct HprtPipelineOffload *offload, const char *name);
+
+/*
+ Saves `bytes` of `storage` from `offset` in the open group; `*out_tag` names it for
+ `hprt_pipeline_get` (`*out_offloaded` = 0: it stays on the device).
+
+ # Safety
+ `offload`, `storage` live; `out_tag`, `out_offloaded` valid for writing.
+ */
+enum HprtStatus hprt_pipeline_save(struct HprtPipelineOffload *offload,
+                                   const struct HprtDeviceBuffer *storage,
+                                   size_t offset,
+                                   size_t bytes,
+                                   int32_t dtype,
+                                   size_t *out_tag,
+                                   int32_t *out_offloaded);
+
+/*
+ `group_commit`: the open group's forward was queued on `compute`; its offload is launched
+ (or, with `delay`, at `hprt_pipeline_flush_delayed_groups`).
+
+ # Safety
+ `offload`, `compute` live.
+ */
+enum HprtStatus hprt_pipeline_group_commit(struct HprtPipelineOffload *offload,
+                                           const struct HprtStream *compute,
+                                           bool delay);
+
+/*
+ Launches every delayed group's offload.
+
+ # Safety
+ `offload`, `compute` live.
+ */
+enum HprtStatus hprt_pipeline_flush_delayed_groups(struct HprtPipelineOffload *offload,
+                                                   const struct HprtStream *compute);
+
+/*
+ Group `name`'s backward is about to run on `compute` (the commit mark's backward).
+
+ # Safety
+ `offload`, `compute` live; `name` NUL-terminated.
+ */
+enum HprtStatus hprt_pipeline_backward_group_begin(struct HprtPipelineOffload *offload,
+                                                   const char *name,
+                                                   const struct HprtStream *compute);
+
+/*
+ A saved tensor's device address for backward work queued on `compute`.
+
+ # Safety
+ `offload`, `compute` live; `out_ptr` valid for writing.
+ */
+enum HprtStatus hprt_pipeline_get(struct HprtPipelineOffload *offload,
+                                  size_t tag,
+                                  const struct HprtStream *compute,
+                                  size_t *out_ptr);
+
+/*
+ The current backward group finished (the start mark's backward): the next group reloads.
+
+ # Safety
+ `offload` live.
+ */
+enum HprtStatus hprt_pipeline_backward_group_end(struct HprtPipelineOffload *offload);
+
+/*
+ Ends the iteration (Megatron's `reset`); after the first, call `hprt_pipeline_post_warmup`.
+
+ # Safety
+ `offload` live.
+ */
+enum HprtStatus hprt_pipeline_reset(struct HprtPipelineOffload *offload);
+
+/*
+ Ends the warm-up: the keep-last margin applies and iterations feed the summary.
+
+ # Safety
+ `offload` live.
+ */
+enum HprtStatus hprt_pipeline_post_warmup(struct HprtPipelineOffload *offload);
+
+/*
+ # Safety
+ `offload` live; `out_stats` valid for writing.
+ */
+enum HprtStatus hprt_pipeline_stats(struct HprtPipelineOffload *offload,
+                                    struct HprtSwapStats *out_stats);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -414,3 +414,109 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
         ok(hprt_platform_close(p));
     }
 }
+
+/// `n` bytes of a device buffer filled with `v`, through pinned memory.
+///
+/// # Safety
+/// `p`, `s` live.
+unsafe fn filled_buffer(p: *mut HprtPlatform, s: *mut HprtStream, n: usize, v: u8) -> *mut HprtDeviceBuffer {
+    // SAFETY: live handles and valid out-pointers.
+    unsafe {
+        let (mut b, mut h, mut hp) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+        ok(hprt_device_alloc(p, n, &mut b));
+        ok(hprt_pinned_alloc(p, n, &mut h));
+        ok(hprt_pinned_info(h, &mut hp, ptr::null_mut()));
+        std::slice::from_raw_parts_mut(hp.cast::<u8>(), n).fill(v);
+        let d = HprtMemRef { device: b, pinned: ptr::null(), offset: 0 };
+        let hm = HprtMemRef { device: ptr::null(), pinned: h, offset: 0 };
+        ok(hprt_copy_async(p, d, hm, n, s));
+        ok(hprt_stream_synchronize(p, s));
+        ok(hprt_pinned_free(p, h));
+        b
+    }
+}
+
+/// The bytes at device address `addr` (on the cpu backend device memory is host memory).
+fn bytes_at(addr: usize, n: usize) -> Vec<u8> {
+    // SAFETY: a live cpu-backend device allocation of at least `n` bytes, synchronized.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, n) }.to_vec()
+}
+
+#[test]
+fn keyed_and_pipeline_front_ends_through_the_c_abi() {
+    let p = open_cpu();
+    let n = 8192usize;
+    // SAFETY: every handle is made here, used while live and released once.
+    unsafe {
+        let mut s = ptr::null_mut();
+        ok(hprt_stream_create(p, &mut s));
+        // Keyed: three layers of two tensors; the last layer stays, the others come back.
+        let mut k = ptr::null_mut();
+        ok(hprt_keyed_create(p, 0, 0, &mut k));
+        ok(hprt_keyed_set_compression(k, HprtCompression::Device));
+        let mut layers = [0usize; 3];
+        for l in &mut layers {
+            ok(hprt_keyed_register_layer(k, c"model.layer.*".as_ptr(), l));
+        }
+        let mut saved = Vec::new();
+        for (i, &l) in layers.iter().enumerate() {
+            for j in 0..2u8 {
+                let v = 10 * i as u8 + j;
+                let b = filled_buffer(p, s, n, v);
+                let mut key = HprtTensorKey::default();
+                ok(hprt_keyed_swap_out_cur_and_release_prev(
+                    k, l, b, 0, n, HprtDtype::Bf16 as i32, s, &mut key,
+                ));
+                assert_eq!(key.swapped, 1);
+                saved.push((key, b, v));
+            }
+        }
+        for &(key, _, v) in saved.iter().rev() {
+            let mut addr = 0;
+            ok(hprt_keyed_wait_cur_and_prefetch_next(k, key, s, true, &mut addr));
+            ok(hprt_stream_synchronize(p, s));
+            assert!(bytes_at(addr, n).iter().all(|&x| x == v), "keyed value {v}");
+        }
+        let mut st = HprtSwapStats::default();
+        ok(hprt_keyed_stats(k, &mut st));
+        assert_eq!(st.compressed_tensors, 4, "two layers of two were compressed");
+        ok(hprt_keyed_end_iteration(k));
+        ok(hprt_keyed_destroy(k));
+        // Pipeline: one chunk of three groups.
+        let mut o = ptr::null_mut();
+        ok(hprt_pipeline_create(p, 1, 1, 1, 0, HprtCompression::Off, &mut o));
+        ok(hprt_pipeline_init_chunk(o, 1, 0));
+        let names = [c"attn", c"mlp", c"out"];
+        let mut tags = Vec::new();
+        for (g, name) in names.iter().enumerate() {
+            ok(hprt_pipeline_group_start(o, name.as_ptr()));
+            let b = filled_buffer(p, s, n, 100 + g as u8);
+            let (mut tag, mut offloaded) = (0, 0);
+            ok(hprt_pipeline_save(o, b, 0, n, HprtDtype::U8 as i32, &mut tag, &mut offloaded));
+            assert_eq!(offloaded, 1);
+            ok(hprt_pipeline_group_commit(o, s, false));
+            tags.push((tag, b));
+        }
+        for (g, name) in names.iter().enumerate().rev() {
+            ok(hprt_pipeline_backward_group_begin(o, name.as_ptr(), s));
+            let mut addr = 0;
+            ok(hprt_pipeline_get(o, tags[g].0, s, &mut addr));
+            ok(hprt_stream_synchronize(p, s));
+            assert!(bytes_at(addr, n).iter().all(|&x| x == 100 + g as u8), "group {g}");
+            ok(hprt_pipeline_backward_group_end(o));
+        }
+        let mut st = HprtSwapStats::default();
+        ok(hprt_pipeline_stats(o, &mut st));
+        assert!(st.offloaded_tensors >= 2, "{st:?}");
+        ok(hprt_pipeline_reset(o));
+        ok(hprt_pipeline_destroy(o));
+        for (_, b, _) in saved {
+            ok(hprt_device_free(p, b));
+        }
+        for (_, b) in tags {
+            ok(hprt_device_free(p, b));
+        }
+        ok(hprt_stream_destroy(p, s));
+        ok(hprt_platform_close(p));
+    }
+}

@@ -17,6 +17,7 @@ pub(crate) mod handle;
 mod hsdp;
 mod platform;
 mod swap;
+mod swap_fronts;
 
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
@@ -27,6 +28,7 @@ pub(crate) use handle::{arg, arg_mut, opt_arg, publish, release};
 pub use hsdp::*;
 pub use platform::*;
 pub use swap::*;
+pub use swap_fronts::*;
 
 /// Status of every C entry point.
 #[repr(C)]

@@ -151,7 +151,7 @@ impl Allocator for CAllocator {
     }
 }
 
-fn compression(c: HprtCompression) -> Compression {
+pub(crate) fn compression(c: HprtCompression) -> Compression {
     match c {
         HprtCompression::Off => Compression::Off,
         HprtCompression::Device => Compression::Device,
@@ -164,7 +164,7 @@ fn compression(c: HprtCompression) -> Compression {
 ///
 /// # Safety
 /// `name` null or NUL-terminated.
-unsafe fn name_arg<'a>(name: *const c_char) -> FfiResult<&'a str> {
+pub(crate) unsafe fn name_arg<'a>(name: *const c_char) -> FfiResult<&'a str> {
     if name.is_null() {
         return Err(FfiError::null("group_name"));
     }
@@ -183,7 +183,7 @@ fn c_ref(r: SavedRef) -> HprtSavedRef {
 }
 
 /// A tensor of `bytes` at `offset` in `storage`.
-fn view(storage: &DeviceBuffer, offset: usize, bytes: usize, dtype: i32) -> FfiResult<DeviceTensor> {
+pub(crate) fn view(storage: &DeviceBuffer, offset: usize, bytes: usize, dtype: i32) -> FfiResult<DeviceTensor> {
     let dtype: DType = dtype_arg(dtype)?;
     if bytes % dtype.size() != 0 {
         return Err(FfiError::invalid(format!(
@@ -455,24 +455,29 @@ pub unsafe extern "C" fn hprt_swap_stats(
 ) -> HprtStatus {
     guard("hprt_swap_stats", || {
         let m = manager_mut(manager)?;
-        let (e, p) = (m.manager.engine().stats(), m.manager.engine().pool_stats());
-        let s = HprtSwapStats {
-            offloaded_tensors: e.offloaded_tensors,
-            offloaded_bytes: e.offloaded_bytes,
-            reloaded_tensors: e.reloaded_tensors,
-            reloaded_bytes: e.reloaded_bytes,
-            link_d2h_bytes: e.link_d2h_bytes,
-            link_h2d_bytes: e.link_h2d_bytes,
-            compressed_tensors: e.compressed_tensors,
-            codec_ns: e.codec_ns,
-            pinned_bytes_held: p.bytes_held,
-            pinned_high_water: p.high_water,
-            pool_hits: p.hits,
-            pool_misses: p.misses,
-        };
+        let s = stats_of(m.manager.engine());
         // SAFETY: the caller's contract.
         unsafe { out(out_stats, "out_stats", s) }
     })
+}
+
+/// A front end's counters for C.
+pub(crate) fn stats_of(engine: &hprt_swap::SwapEngine) -> HprtSwapStats {
+    let (e, p) = (engine.stats(), engine.pool_stats());
+    HprtSwapStats {
+        offloaded_tensors: e.offloaded_tensors,
+        offloaded_bytes: e.offloaded_bytes,
+        reloaded_tensors: e.reloaded_tensors,
+        reloaded_bytes: e.reloaded_bytes,
+        link_d2h_bytes: e.link_d2h_bytes,
+        link_h2d_bytes: e.link_h2d_bytes,
+        compressed_tensors: e.compressed_tensors,
+        codec_ns: e.codec_ns,
+        pinned_bytes_held: p.bytes_held,
+        pinned_high_water: p.high_water,
+        pool_hits: p.hits,
+        pool_misses: p.misses,
+    }
 }
 
 /// Compress-then-swap for the tensors offloaded from now on.

@@ -1,0 +1,504 @@
+//! C entry points of the keyed swap (`hprt_keyed_*`: `swap_out_cur_and_release_prev` /
+//! `wait_cur_and_prefetch_next`) and of Megatron-LM's chunked pipeline offload
+//! (`hprt_pipeline_*`: chunk handlers, `group_start` / `group_commit`, backward group marks).
+//! Both take hprt device storage; framework tensors as borrowed payloads go through the layer
+//! groups' `hprt_swap_add_borrowed`.
+
+use std::ffi::c_char;
+
+use hprt_swap::{
+    KeyedSwap, OffloadTag, Packed, PipelineConfig, PipelineOffload, PoolConfig, Saved,
+    SwapContext, SwapEngine,
+};
+
+use super::platform::{into_raw, take, HprtDeviceBuffer, HprtPlatform, HprtStream};
+use super::swap::{compression, name_arg, stats_of, view, HprtCompression, HprtSwapStats};
+use super::{arg, guard, out, FfiError, FfiResult, HprtStatus};
+
+/// Keyed swap: layers registered per module tag, tensors packed and unpacked by key.
+pub struct HprtKeyedSwap {
+    swap: KeyedSwap,
+    /// Registered layers: C names one by this index.
+    layers: Vec<SwapContext>,
+}
+
+/// What `hprt_keyed_swap_out_cur_and_release_prev` returned: `swapped` = 0 when the tensor
+/// stayed on the device (not eligible, or its tag's last layer keeps it: read it directly).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HprtTensorKey {
+    pub swapped: i32,
+    pub layer: usize,
+    pub index: usize,
+}
+
+/// Megatron-LM's pipeline offload.
+pub struct HprtPipelineOffload {
+    offload: PipelineOffload,
+    /// Tags handed out this iteration: C names one by this index.
+    tags: Vec<OffloadTag>,
+}
+
+/// # Safety
+/// `p` null or live and not used by another thread during the call.
+unsafe fn live<'a, T>(p: *mut T, what: &str) -> FfiResult<&'a mut T> {
+    // SAFETY: the caller's contract.
+    unsafe { p.as_mut() }.ok_or_else(|| FfiError::null(what))
+}
+
+fn pool(host_budget: usize) -> PoolConfig {
+    PoolConfig {
+        host_budget: (host_budget > 0).then_some(host_budget),
+    }
+}
+
+/// # Safety
+/// `out_stats` valid for writing.
+unsafe fn write_stats(engine: &SwapEngine, out_stats: *mut HprtSwapStats) -> FfiResult {
+    // SAFETY: the caller's contract.
+    unsafe { out(out_stats, "out_stats", stats_of(engine)) }
+}
+
+/// A keyed swap on `platform`: tensors below `min_bytes` stay on the device; `host_budget`
+/// bounds the pinned pool (0 = unbounded).
+///
+/// # Safety
+/// `platform` live; `out_swap` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_keyed_create(
+    platform: *const HprtPlatform,
+    host_budget: usize,
+    min_bytes: usize,
+    out_swap: *mut *mut HprtKeyedSwap,
+) -> HprtStatus {
+    guard("hprt_keyed_create", || {
+        // SAFETY: the caller's contract.
+        let p = unsafe { arg(platform, "platform") }?;
+        let mut swap = KeyedSwap::with_pool(p.handle(), pool(host_budget))?;
+        swap.set_min_bytes(min_bytes);
+        let k = HprtKeyedSwap {
+            swap,
+            layers: Vec::new(),
+        };
+        // SAFETY: the caller's contract.
+        unsafe { out(out_swap, "out_swap", into_raw(k)) }
+    })
+}
+
+/// Synchronizes the copies and releases the swap (values not unpacked are dropped).
+///
+/// # Safety
+/// `swap` from `hprt_keyed_create`, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_keyed_destroy(swap: *mut HprtKeyedSwap) -> HprtStatus {
+    guard("hprt_keyed_destroy", || {
+        // SAFETY: the caller's contract.
+        unsafe { take(swap, "swap") }?.swap.end_iteration()?;
+        Ok(())
+    })
+}
+
+/// Registers the next layer under `module_tag` (`*` matches one path component); `*out_layer`
+/// names it in the other calls.
+///
+/// # Safety
+/// `swap` live; `module_tag` NUL-terminated; `out_layer` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_keyed_register_layer(
+    swap: *mut HprtKeyedSwap,
+    module_tag: *const c_char,
+    out_layer: *mut usize,
+) -> HprtStatus {
+    guard("hprt_keyed_register_layer", || {
+        // SAFETY: the caller's contract.
+        let (k, tag) = unsafe { (live(swap, "swap")?, name_arg(module_tag)?) };
+        let ctx = k.swap.register_layer(tag);
+        k.layers.push(ctx);
+        // SAFETY: the caller's contract.
+        unsafe { out(out_layer, "out_layer", k.layers.len() - 1) }
+    })
+}
+
+/// The pack hook: saves `bytes` of `storage` from `offset` in `layer` (its producer queued on
+/// `compute`); a new layer first releases the previous one's device bytes.
+///
+/// # Safety
+/// `swap`, `storage`, `compute` live; `out_key` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_keyed_swap_out_cur_and_release_prev(
+    swap: *mut HprtKeyedSwap,
+    layer: usize,
+    storage: *const HprtDeviceBuffer,
+    offset: usize,
+    bytes: usize,
+    dtype: i32,
+    compute: *const HprtStream,
+    out_key: *mut HprtTensorKey,
+) -> HprtStatus {
+    guard("hprt_keyed_swap_out_cur_and_release_prev", || {
+        // SAFETY: the caller's contract.
+        let (k, s, c) = unsafe {
+            (
+                live(swap, "swap")?,
+                arg(storage, "storage")?,
+                arg(compute, "compute")?,
+            )
+        };
+        let ctx = k
+            .layers
+            .get(layer)
+            .ok_or_else(|| FfiError::invalid(format!("layer {layer} was not registered")))?
+            .clone();
+        let t = Saved::Tensor(view(&s.0, offset, bytes, dtype)?);
+        let key = match k.swap.swap_out_cur_and_release_prev(&ctx, t, &c.0)? {
+            Packed::Kept(_) => HprtTensorKey::default(),
+            Packed::Swapped((layer, index)) => HprtTensorKey {
+                swapped: 1,
+                layer,
+                index,
+            },
+        };
+        // SAFETY: the caller's contract.
+        unsafe { out(out_key, "out_key", key) }
+    })
+}
+
+/// The unpack hook: waits for the tensor's reload (`compute` waits for it), then (with
+/// `prefetch`) starts its share of the previous layer; `*out_ptr` is its device address.
+///
+/// # Safety
+/// `swap`, `compute` live; `out_ptr` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_keyed_wait_cur_and_prefetch_next(
+    swap: *mut HprtKeyedSwap,
+    key: HprtTensorKey,
+    compute: *const HprtStream,
+    prefetch: bool,
+    out_ptr: *mut usize,
+) -> HprtStatus {
+    guard("hprt_keyed_wait_cur_and_prefetch_next", || {
+        // SAFETY: the caller's contract.
+        let (k, c) = unsafe { (live(swap, "swap")?, arg(compute, "compute")?) };
+        if key.swapped == 0 {
+            return Err(FfiError::invalid("the key is of a tensor that was not swapped"));
+        }
+        let packed = Packed::Swapped((key.layer, key.index));
+        let v = k.swap.wait_cur_and_prefetch_next(packed, &c.0, prefetch)?;
+        let ptr = v
+            .tensor()
+            .map(|t| t.storage.device_ptr() + t.offset)
+            .ok_or_else(|| FfiError::invalid("the saved value is not a tensor"))?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_ptr, "out_ptr", ptr) }
+    })
+}
+
+/// Compress-then-swap for the tensors packed from now on.
+///
+/// # Safety
+/// `swap` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_keyed_set_compression(
+    swap: *mut HprtKeyedSwap,
+    mode: HprtCompression,
+) -> HprtStatus {
+    guard("hprt_keyed_set_compression", || {
+        // SAFETY: the caller's contract.
+        let k = unsafe { live(swap, "swap") }?;
+        k.swap.engine_mut().set_compression(compression(mode));
+        Ok(())
+    })
+}
+
+/// Ends the iteration: waits for the copies and drops what was not unpacked.
+///
+/// # Safety
+/// `swap` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_keyed_end_iteration(swap: *mut HprtKeyedSwap) -> HprtStatus {
+    guard("hprt_keyed_end_iteration", || {
+        // SAFETY: the caller's contract.
+        unsafe { live(swap, "swap") }?.swap.end_iteration()?;
+        Ok(())
+    })
+}
+
+/// # Safety
+/// `swap` live; `out_stats` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_keyed_stats(
+    swap: *mut HprtKeyedSwap,
+    out_stats: *mut HprtSwapStats,
+) -> HprtStatus {
+    guard("hprt_keyed_stats", || {
+        // SAFETY: the caller's contract.
+        let k = unsafe { live(swap, "swap") }?;
+        // SAFETY: the caller's contract.
+        unsafe { write_stats(k.swap.engine(), out_stats) }
+    })
+}
+
+/// Megatron-LM's pipeline offload on `platform`: tensors under `min_tensor_elems` elements stay
+/// on the device, at most `max_inflight_offloads` groups are in flight, and after warm-up the
+/// last `keep_last_groups` groups of each chunk stay on the device.
+///
+/// # Safety
+/// `platform` live; `out_offload` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_create(
+    platform: *const HprtPlatform,
+    min_tensor_elems: usize,
+    max_inflight_offloads: usize,
+    keep_last_groups: usize,
+    host_budget: usize,
+    mode: HprtCompression,
+    out_offload: *mut *mut HprtPipelineOffload,
+) -> HprtStatus {
+    guard("hprt_pipeline_create", || {
+        // SAFETY: the caller's contract.
+        let p = unsafe { arg(platform, "platform") }?;
+        let cfg = PipelineConfig {
+            min_tensor_elems,
+            max_inflight_offloads,
+            keep_last_groups,
+            pool: pool(host_budget),
+            compression: compression(mode),
+        };
+        let o = HprtPipelineOffload {
+            offload: PipelineOffload::new(p.handle(), cfg)?,
+            tags: Vec::new(),
+        };
+        // SAFETY: the caller's contract.
+        unsafe { out(out_offload, "out_offload", into_raw(o)) }
+    })
+}
+
+/// Synchronizes the copies and releases the offload manager.
+///
+/// # Safety
+/// `offload` from `hprt_pipeline_create`, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_destroy(offload: *mut HprtPipelineOffload) -> HprtStatus {
+    guard("hprt_pipeline_destroy", || {
+        // SAFETY: the caller's contract.
+        unsafe { take(offload, "offload") }?.offload.reset()?;
+        Ok(())
+    })
+}
+
+/// A micro-batch's forward through virtual-pipeline stage `vp_stage` of `vp_size` begins
+/// (Megatron's `init_chunk_handler`).
+///
+/// # Safety
+/// `offload` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_init_chunk(
+    offload: *mut HprtPipelineOffload,
+    vp_size: usize,
+    vp_stage: usize,
+) -> HprtStatus {
+    guard("hprt_pipeline_init_chunk", || {
+        // SAFETY: the caller's contract.
+        let o = unsafe { live(offload, "offload") }?;
+        o.offload.init_chunk(vp_size, Some(vp_stage))?;
+        Ok(())
+    })
+}
+
+/// `group_start(name)`: a layer group's forward begins in the current chunk.
+///
+/// # Safety
+/// `offload` live; `name` NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_group_start(
+    offload: *mut HprtPipelineOffload,
+    name: *const c_char,
+) -> HprtStatus {
+    guard("hprt_pipeline_group_start", || {
+        // SAFETY: the caller's contract.
+        let (o, name) = unsafe { (live(offload, "offload")?, name_arg(name)?) };
+        o.offload.group_start(name)?;
+        Ok(())
+    })
+}
+
+/// Saves `bytes` of `storage` from `offset` in the open group; `*out_tag` names it for
+/// `hprt_pipeline_get` (`*out_offloaded` = 0: it stays on the device).
+///
+/// # Safety
+/// `offload`, `storage` live; `out_tag`, `out_offloaded` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_save(
+    offload: *mut HprtPipelineOffload,
+    storage: *const HprtDeviceBuffer,
+    offset: usize,
+    bytes: usize,
+    dtype: i32,
+    out_tag: *mut usize,
+    out_offloaded: *mut i32,
+) -> HprtStatus {
+    guard("hprt_pipeline_save", || {
+        // SAFETY: the caller's contract.
+        let (o, s) = unsafe { (live(offload, "offload")?, arg(storage, "storage")?) };
+        let tag = o
+            .offload
+            .save(Saved::Tensor(view(&s.0, offset, bytes, dtype)?))?;
+        let offloaded = i32::from(matches!(tag, OffloadTag::Offloaded { .. }));
+        o.tags.push(tag);
+        // SAFETY: the caller's contract.
+        unsafe {
+            out(out_tag, "out_tag", o.tags.len() - 1)?;
+            out(out_offloaded, "out_offloaded", offloaded)
+        }
+    })
+}
+
+/// `group_commit`: the open group's forward was queued on `compute`; its offload is launched
+/// (or, with `delay`, at `hprt_pipeline_flush_delayed_groups`).
+///
+/// # Safety
+/// `offload`, `compute` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_group_commit(
+    offload: *mut HprtPipelineOffload,
+    compute: *const HprtStream,
+    delay: bool,
+) -> HprtStatus {
+    guard("hprt_pipeline_group_commit", || {
+        // SAFETY: the caller's contract.
+        let (o, c) = unsafe { (live(offload, "offload")?, arg(compute, "compute")?) };
+        o.offload.group_commit(&c.0, Vec::new(), delay)?;
+        Ok(())
+    })
+}
+
+/// Launches every delayed group's offload.
+///
+/// # Safety
+/// `offload`, `compute` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_flush_delayed_groups(
+    offload: *mut HprtPipelineOffload,
+    compute: *const HprtStream,
+) -> HprtStatus {
+    guard("hprt_pipeline_flush_delayed_groups", || {
+        // SAFETY: the caller's contract.
+        let (o, c) = unsafe { (live(offload, "offload")?, arg(compute, "compute")?) };
+        o.offload.flush_delayed_groups(&c.0)?;
+        Ok(())
+    })
+}
+
+/// Group `name`'s backward is about to run on `compute` (the commit mark's backward).
+///
+/// # Safety
+/// `offload`, `compute` live; `name` NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_backward_group_begin(
+    offload: *mut HprtPipelineOffload,
+    name: *const c_char,
+    compute: *const HprtStream,
+) -> HprtStatus {
+    guard("hprt_pipeline_backward_group_begin", || {
+        // SAFETY: the caller's contract.
+        let (o, name, c) = unsafe {
+            (
+                live(offload, "offload")?,
+                name_arg(name)?,
+                arg(compute, "compute")?,
+            )
+        };
+        o.offload.backward_group_begin(name, &c.0)?;
+        Ok(())
+    })
+}
+
+/// A saved tensor's device address for backward work queued on `compute`.
+///
+/// # Safety
+/// `offload`, `compute` live; `out_ptr` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_get(
+    offload: *mut HprtPipelineOffload,
+    tag: usize,
+    compute: *const HprtStream,
+    out_ptr: *mut usize,
+) -> HprtStatus {
+    guard("hprt_pipeline_get", || {
+        // SAFETY: the caller's contract.
+        let (o, c) = unsafe { (live(offload, "offload")?, arg(compute, "compute")?) };
+        let tag = o
+            .tags
+            .get(tag)
+            .ok_or_else(|| FfiError::invalid(format!("tag {tag} was not handed out")))?;
+        let v = o.offload.get(tag, &c.0)?;
+        let ptr = v
+            .tensor()
+            .map(|t| t.storage.device_ptr() + t.offset)
+            .ok_or_else(|| FfiError::invalid("the saved value is not a tensor"))?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_ptr, "out_ptr", ptr) }
+    })
+}
+
+/// The current backward group finished (the start mark's backward): the next group reloads.
+///
+/// # Safety
+/// `offload` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_backward_group_end(
+    offload: *mut HprtPipelineOffload,
+) -> HprtStatus {
+    guard("hprt_pipeline_backward_group_end", || {
+        // SAFETY: the caller's contract.
+        unsafe { live(offload, "offload") }?
+            .offload
+            .backward_group_end()?;
+        Ok(())
+    })
+}
+
+/// Ends the iteration (Megatron's `reset`); after the first, call `hprt_pipeline_post_warmup`.
+///
+/// # Safety
+/// `offload` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_reset(offload: *mut HprtPipelineOffload) -> HprtStatus {
+    guard("hprt_pipeline_reset", || {
+        // SAFETY: the caller's contract.
+        let o = unsafe { live(offload, "offload") }?;
+        o.offload.reset()?;
+        o.tags.clear();
+        Ok(())
+    })
+}
+
+/// Ends the warm-up: the keep-last margin applies and iterations feed the summary.
+///
+/// # Safety
+/// `offload` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_post_warmup(
+    offload: *mut HprtPipelineOffload,
+) -> HprtStatus {
+    guard("hprt_pipeline_post_warmup", || {
+        // SAFETY: the caller's contract.
+        unsafe { live(offload, "offload") }?.offload.post_warmup();
+        Ok(())
+    })
+}
+
+/// # Safety
+/// `offload` live; `out_stats` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_stats(
+    offload: *mut HprtPipelineOffload,
+    out_stats: *mut HprtSwapStats,
+) -> HprtStatus {
+    guard("hprt_pipeline_stats", || {
+        // SAFETY: the caller's contract.
+        let o = unsafe { live(offload, "offload") }?;
+        // SAFETY: the caller's contract.
+        unsafe { write_stats(o.offload.engine(), out_stats) }
+    })
+}
