@@ -369,26 +369,57 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
         hslice.copy_from_slice(&data);
         let mem = |b, pinned| {
             if pinned {
-                HprtMemRef { device: ptr::null(), pinned: host, offset: 0 }
+                HprtMemRef {
+                    device: ptr::null(),
+                    pinned: host,
+                    offset: 0,
+                }
             } else {
-                HprtMemRef { device: b, pinned: ptr::null(), offset: 0 }
+                HprtMemRef {
+                    device: b,
+                    pinned: ptr::null(),
+                    offset: 0,
+                }
             }
         };
-        ok(hprt_copy_async(p, mem(orig, false), mem(orig, true), bytes, s));
+        ok(hprt_copy_async(
+            p,
+            mem(orig, false),
+            mem(orig, true),
+            bytes,
+            s,
+        ));
         ok(hprt_stream_synchronize(p, s));
         let mut addr = 0;
         ok(hprt_device_info(orig, &mut addr, ptr::null_mut()));
         let mut r = HprtSavedRef::default();
         let g = c"layer0".as_ptr();
         ok(hprt_swap_add_borrowed(
-            m, p, g, addr, bytes, HprtDtype::F32 as i32, orig.cast(), alloc, &mut r,
+            m,
+            p,
+            g,
+            addr,
+            bytes,
+            HprtDtype::F32 as i32,
+            orig.cast(),
+            alloc,
+            &mut r,
         ));
         ok(hprt_swap_launch_offload(m, g, s));
         ok(hprt_swap_wait_offload(m, g));
-        assert_eq!(fw.released.load(Ordering::SeqCst), 1, "the framework got its memory back");
+        assert_eq!(
+            fw.released.load(Ordering::SeqCst),
+            1,
+            "the framework got its memory back"
+        );
         // The framework is out of memory once: the host copy stays for the retry.
         fw.fail_next = true;
-        assert_eq!(hprt_swap_launch_load(m, g), HprtStatus::ErrorOutOfMemory, "{}", last_error());
+        assert_eq!(
+            hprt_swap_launch_load(m, g),
+            HprtStatus::ErrorOutOfMemory,
+            "{}",
+            last_error()
+        );
         ok(hprt_swap_launch_load(m, g));
         ok(hprt_swap_wait_load(m, g, s));
         let (mut back, mut owner) = (0usize, ptr::null_mut());
@@ -396,15 +427,28 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
         let reloaded: *mut HprtDeviceBuffer = owner.cast();
         assert_eq!(reloaded, fw.buffers[0]);
         hslice.fill(0);
-        ok(hprt_copy_async(p, mem(reloaded, true), mem(reloaded, false), bytes, s));
+        ok(hprt_copy_async(
+            p,
+            mem(reloaded, true),
+            mem(reloaded, false),
+            bytes,
+            s,
+        ));
         ok(hprt_stream_synchronize(p, s));
-        assert!(hslice == &data[..], "the reload landed in the framework's new memory");
+        assert!(
+            hslice == &data[..],
+            "the reload landed in the framework's new memory"
+        );
         let mut stats = HprtSwapStats::default();
         ok(hprt_swap_stats(m, &mut stats));
         assert_eq!(stats.compressed_tensors, 1);
         ok(hprt_swap_end_iteration(m));
         ok(hprt_swap_manager_destroy(m));
-        assert_eq!(fw.released.load(Ordering::SeqCst), 2, "the reloaded memory went back too");
+        assert_eq!(
+            fw.released.load(Ordering::SeqCst),
+            2,
+            "the reloaded memory went back too"
+        );
         ok(hprt_device_free(p, orig));
         for b in fw.buffers.drain(..) {
             ok(hprt_device_free(p, b));
@@ -419,7 +463,12 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
 ///
 /// # Safety
 /// `p`, `s` live.
-unsafe fn filled_buffer(p: *mut HprtPlatform, s: *mut HprtStream, n: usize, v: u8) -> *mut HprtDeviceBuffer {
+unsafe fn filled_buffer(
+    p: *mut HprtPlatform,
+    s: *mut HprtStream,
+    n: usize,
+    v: u8,
+) -> *mut HprtDeviceBuffer {
     // SAFETY: live handles and valid out-pointers.
     unsafe {
         let (mut b, mut h, mut hp) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
@@ -427,8 +476,16 @@ unsafe fn filled_buffer(p: *mut HprtPlatform, s: *mut HprtStream, n: usize, v: u
         ok(hprt_pinned_alloc(p, n, &mut h));
         ok(hprt_pinned_info(h, &mut hp, ptr::null_mut()));
         std::slice::from_raw_parts_mut(hp.cast::<u8>(), n).fill(v);
-        let d = HprtMemRef { device: b, pinned: ptr::null(), offset: 0 };
-        let hm = HprtMemRef { device: ptr::null(), pinned: h, offset: 0 };
+        let d = HprtMemRef {
+            device: b,
+            pinned: ptr::null(),
+            offset: 0,
+        };
+        let hm = HprtMemRef {
+            device: ptr::null(),
+            pinned: h,
+            offset: 0,
+        };
         ok(hprt_copy_async(p, d, hm, n, s));
         ok(hprt_stream_synchronize(p, s));
         ok(hprt_pinned_free(p, h));
@@ -465,7 +522,14 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
                 let b = filled_buffer(p, s, n, v);
                 let mut key = HprtTensorKey::default();
                 ok(hprt_keyed_swap_out_cur_and_release_prev(
-                    k, l, b, 0, n, HprtDtype::Bf16 as i32, s, &mut key,
+                    k,
+                    l,
+                    b,
+                    0,
+                    n,
+                    HprtDtype::Bf16 as i32,
+                    s,
+                    &mut key,
                 ));
                 assert_eq!(key.swapped, 1);
                 saved.push((key, b, v));
@@ -473,18 +537,31 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
         }
         for &(key, _, v) in saved.iter().rev() {
             let mut addr = 0;
-            ok(hprt_keyed_wait_cur_and_prefetch_next(k, key, s, true, &mut addr));
+            ok(hprt_keyed_wait_cur_and_prefetch_next(
+                k, key, s, true, &mut addr,
+            ));
             ok(hprt_stream_synchronize(p, s));
             assert!(bytes_at(addr, n).iter().all(|&x| x == v), "keyed value {v}");
         }
         let mut st = HprtSwapStats::default();
         ok(hprt_keyed_stats(k, &mut st));
-        assert_eq!(st.compressed_tensors, 4, "two layers of two were compressed");
+        assert_eq!(
+            st.compressed_tensors, 4,
+            "two layers of two were compressed"
+        );
         ok(hprt_keyed_end_iteration(k));
         ok(hprt_keyed_destroy(k));
         // Pipeline: one chunk of three groups.
         let mut o = ptr::null_mut();
-        ok(hprt_pipeline_create(p, 1, 1, 1, 0, HprtCompression::Off, &mut o));
+        ok(hprt_pipeline_create(
+            p,
+            1,
+            1,
+            1,
+            0,
+            HprtCompression::Off,
+            &mut o,
+        ));
         ok(hprt_pipeline_init_chunk(o, 1, 0));
         let names = [c"attn", c"mlp", c"out"];
         let mut tags = Vec::new();
@@ -492,7 +569,15 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
             ok(hprt_pipeline_group_start(o, name.as_ptr()));
             let b = filled_buffer(p, s, n, 100 + g as u8);
             let (mut tag, mut offloaded) = (0, 0);
-            ok(hprt_pipeline_save(o, b, 0, n, HprtDtype::U8 as i32, &mut tag, &mut offloaded));
+            ok(hprt_pipeline_save(
+                o,
+                b,
+                0,
+                n,
+                HprtDtype::U8 as i32,
+                &mut tag,
+                &mut offloaded,
+            ));
             assert_eq!(offloaded, 1);
             ok(hprt_pipeline_group_commit(o, s, false));
             tags.push((tag, b));
@@ -502,7 +587,10 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
             let mut addr = 0;
             ok(hprt_pipeline_get(o, tags[g].0, s, &mut addr));
             ok(hprt_stream_synchronize(p, s));
-            assert!(bytes_at(addr, n).iter().all(|&x| x == 100 + g as u8), "group {g}");
+            assert!(
+                bytes_at(addr, n).iter().all(|&x| x == 100 + g as u8),
+                "group {g}"
+            );
             ok(hprt_pipeline_backward_group_end(o));
         }
         let mut st = HprtSwapStats::default();

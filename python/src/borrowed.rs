@@ -31,7 +31,12 @@ struct Shared {
 
 impl Shared {
     /// Borrows `nbytes` at `ptr`, kept alive by `owner` until hprt drops its last reference.
-    fn borrow(self: &Arc<Self>, ptr: usize, nbytes: usize, owner: Py<PyAny>) -> Result<DeviceBuffer> {
+    fn borrow(
+        self: &Arc<Self>,
+        ptr: usize,
+        nbytes: usize,
+        owner: Py<PyAny>,
+    ) -> Result<DeviceBuffer> {
         if ptr == 0 && nbytes > 0 {
             return Err(invalid("cannot borrow a null pointer"));
         }
@@ -60,7 +65,9 @@ impl Shared {
     ) -> Result<DeviceTensor> {
         let (ptr, nbytes) = framework_memory(obj)?;
         if nbytes % dtype.size() != 0 {
-            return Err(invalid(format!("{nbytes} bytes are no whole number of {dtype}")));
+            return Err(invalid(format!(
+                "{nbytes} bytes are no whole number of {dtype}"
+            )));
         }
         let storage = self.borrow(ptr, nbytes, obj.clone().unbind())?;
         let allocator = Arc::new(PyAllocator {
@@ -131,7 +138,9 @@ impl Allocator for PyAllocator {
         made.map_err(|e| match e {
             BindError::Swap(s) => s,
             BindError::Platform(p) => hprt_swap::SwapError::Platform(p),
-            other => hprt_swap::SwapError::Order(format!("the framework allocator failed: {other}")),
+            other => {
+                hprt_swap::SwapError::Order(format!("the framework allocator failed: {other}"))
+            }
         })
     }
 }
@@ -203,7 +212,9 @@ impl PyFrameworkMemory {
         dtype: &str,
     ) -> Result<PyBorrowedTensor> {
         Ok(PyBorrowedTensor {
-            t: self.shared.tensor(py, t, allocate, crate::dtype::parse(dtype)?)?,
+            t: self
+                .shared
+                .tensor(py, t, allocate, crate::dtype::parse(dtype)?)?,
         })
     }
 
@@ -219,7 +230,8 @@ impl PyFrameworkMemory {
     /// Starts a new peak measurement from the current usage.
     fn reset_peak(&self) {
         let c = &self.shared.counters;
-        c.peak.store(c.current.load(Ordering::Acquire), Ordering::Release);
+        c.peak
+            .store(c.current.load(Ordering::Acquire), Ordering::Release);
     }
 }
 

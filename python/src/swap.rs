@@ -233,10 +233,15 @@ impl PySwapManager {
 impl PySwapManager {
     #[new]
     #[pyo3(signature = (platform=None, host_budget=None, compression="off"))]
-    fn new(platform: Option<&PyPlatform>, host_budget: Option<usize>, compression: &str) -> Result<Self> {
+    fn new(
+        platform: Option<&PyPlatform>,
+        host_budget: Option<usize>,
+        compression: &str,
+    ) -> Result<Self> {
         let p = crate::platform::resolve(platform)?;
         let mut m = SwapManager::with_pool(p.clone(), pool(host_budget))?;
-        m.engine_mut().set_compression(parse_compression(compression)?);
+        m.engine_mut()
+            .set_compression(parse_compression(compression)?);
         Ok(PySwapManager {
             p: p.clone(),
             inner: Mutex::new(m),
@@ -271,7 +276,9 @@ impl PySwapManager {
     /// hyper_parallel's `add_storage(group_name, storage)`: adds a value to a named group.
     fn add_storage(&self, group_name: &str, value: &Bound<'_, PyAny>) -> Result<Ref> {
         let saved = to_saved(value);
-        Ok(saved_ref(locked(&self.inner).add_storage(group_name, saved)?))
+        Ok(saved_ref(
+            locked(&self.inner).add_storage(group_name, saved)?,
+        ))
     }
     fn launch_offload(&self, py: Python<'_>, group_name: &str, stream: &PyStream) -> Result<()> {
         py.detach(|| Ok(locked(&self.inner).launch_offload(group_name, &stream.s)?))
@@ -286,7 +293,9 @@ impl PySwapManager {
         py.detach(|| Ok(locked(&self.inner).wait_load(group_name, &stream.s)?))
     }
     fn get_current_group_name(&self) -> Option<String> {
-        locked(&self.inner).get_current_group_name().map(str::to_owned)
+        locked(&self.inner)
+            .get_current_group_name()
+            .map(str::to_owned)
     }
     fn set_current_group_name(&self, name: &str) {
         locked(&self.inner).set_current_group_name(name)
@@ -418,7 +427,8 @@ impl PyKeyedSwap {
         let p = crate::platform::resolve(platform)?;
         let mut k = KeyedSwap::with_pool(p.clone(), pool(host_budget))?;
         k.set_min_bytes(min_bytes);
-        k.engine_mut().set_compression(parse_compression(compression)?);
+        k.engine_mut()
+            .set_compression(parse_compression(compression)?);
         Ok(PyKeyedSwap {
             p: p.clone(),
             inner: Mutex::new(k),

@@ -7,8 +7,8 @@
 use std::ffi::c_char;
 
 use hprt_swap::{
-    KeyedSwap, OffloadTag, Packed, PipelineConfig, PipelineOffload, PoolConfig, Saved,
-    SwapContext, SwapEngine,
+    KeyedSwap, OffloadTag, Packed, PipelineConfig, PipelineOffload, PoolConfig, Saved, SwapContext,
+    SwapEngine,
 };
 
 use super::platform::{into_raw, take, HprtDeviceBuffer, HprtPlatform, HprtStream};
@@ -180,7 +180,9 @@ pub unsafe extern "C" fn hprt_keyed_wait_cur_and_prefetch_next(
         // SAFETY: the caller's contract.
         let (k, c) = unsafe { (live(swap, "swap")?, arg(compute, "compute")?) };
         if key.swapped == 0 {
-            return Err(FfiError::invalid("the key is of a tensor that was not swapped"));
+            return Err(FfiError::invalid(
+                "the key is of a tensor that was not swapped",
+            ));
         }
         let packed = Packed::Swapped((key.layer, key.index));
         let v = k.swap.wait_cur_and_prefetch_next(packed, &c.0, prefetch)?;

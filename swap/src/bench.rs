@@ -65,7 +65,12 @@ pub fn bench(platform: impl Into<PlatformHandle>, max_bytes: usize) -> Result<St
 
 /// Host time of issuing a device-to-host copy of every buffer into its slot of `host`, then
 /// the copies back (the raw baseline of the per-tensor costs; the copies run outside it).
-fn raw_issue(p: &dyn Platform, bufs: &[DeviceBuffer], host: &PinnedBuffer, s: &Stream) -> Result<Duration> {
+fn raw_issue(
+    p: &dyn Platform,
+    bufs: &[DeviceBuffer],
+    host: &PinnedBuffer,
+    s: &Stream,
+) -> Result<Duration> {
     let mut t = Duration::ZERO;
     for d2h in [true, false] {
         let start = Instant::now();
@@ -241,10 +246,19 @@ fn compressed_link_bytes(platform: &PlatformHandle, out: &mut String) -> Result<
          The device codec is the host fallback on this backend (no device kernels): its own staging copies are not counted, as a device codec would not make them; `auto` picks the host stage for it, which moves the raw bytes but holds no pinned memory while offloaded.\n\n\
          | data | mode | link MiB | link ratio | pinned held while offloaded MiB | codec ms |\n|---|---|---:|---:|---:|---:|"
     );
-    for kind in [DataKind::Gelu, DataKind::LayerNorm, DataKind::Softmax, DataKind::Gaussian] {
+    for kind in [
+        DataKind::Gelu,
+        DataKind::LayerNorm,
+        DataKind::Softmax,
+        DataKind::Gaussian,
+    ] {
         let data = generate(kind, CodecDType::BF16, NUMEL, 3);
         let mut plain = 0u64;
-        for mode in [Compression::Off, Compression::Device, Compression::HostStage] {
+        for mode in [
+            Compression::Off,
+            Compression::Device,
+            Compression::HostStage,
+        ] {
             let mut engine = SwapEngine::new(
                 platform.clone(),
                 EngineConfig {

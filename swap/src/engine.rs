@@ -473,7 +473,10 @@ impl SwapEngine {
                     let key = t.release_key;
                     self.platform.resize_device(&tensor.storage, 0)?;
                     let bucket = self.released.entry(key).or_default();
-                    match bucket.iter_mut().find(|r| r.storage.same_as(&tensor.storage)) {
+                    match bucket
+                        .iter_mut()
+                        .find(|r| r.storage.same_as(&tensor.storage))
+                    {
                         Some(r) => r.pending += 1,
                         None => bucket.push(Released {
                             storage: tensor.storage.clone(),
@@ -496,28 +499,29 @@ impl SwapEngine {
     /// After the offload completed: the host stage's encoding replaces its staging block (the
     /// raw bytes stay if the encode failed, so nothing is lost).
     fn keep_host_copy(&mut self, t: &mut SwapTensor) {
-        match t.host.as_mut() {
-            Some(HostCopy::Staged {
-                staging,
-                slot,
-                encoded,
-                ..
-            }) => match take(slot) {
-                Some(Ok(bytes)) => {
-                    self.stats.compressed_tensors += 1;
-                    self.stats.compressed_bytes += bytes.len() as u64;
-                    *encoded = Some(Arc::new(bytes));
-                    *staging = None;
+        let Some(HostCopy::Staged {
+            staging,
+            slot,
+            encoded,
+            ..
+        }) = t.host.as_mut()
+        else {
+            return;
+        };
+        match take(slot) {
+            Some(Ok(bytes)) => {
+                self.stats.compressed_tensors += 1;
+                self.stats.compressed_bytes += bytes.len() as u64;
+                *encoded = Some(Arc::new(bytes));
+                *staging = None;
+            }
+            failed => {
+                if let Some(Err(e)) = failed {
+                    tracing::warn!(error = %e, "host-stage encode failed; keeping raw bytes");
                 }
-                failed => {
-                    if let Some(Err(e)) = failed {
-                        tracing::warn!(error = %e, "host-stage encode failed; keeping raw bytes");
-                    }
-                    let block = staging.take().expect("staged offload holds its block");
-                    t.host = Some(HostCopy::Plain(block));
-                }
-            },
-            _ => {}
+                let block = staging.take().expect("staged offload holds its block");
+                t.host = Some(HostCopy::Plain(block));
+            }
         }
     }
 
@@ -630,7 +634,9 @@ impl SwapEngine {
                             self.order_after(&self.h2d, c, false)?;
                             d
                         }
-                        None => self.codec.decode_async(p, &enc, dst.at(offset), &self.h2d)?,
+                        None => self
+                            .codec
+                            .decode_async(p, &enc, dst.at(offset), &self.h2d)?,
                     };
                     self.codec_ns
                         .fetch_add(elapsed_ns(start), Ordering::Relaxed);

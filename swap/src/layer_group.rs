@@ -265,7 +265,9 @@ impl SwapManager {
     /// `forward_post`).
     pub fn save(&mut self, value: Saved) -> Result<SavedRef> {
         let layer = self.current.ok_or_else(|| {
-            SwapError::Order("save outside a forward (no forward_pre without its forward_post)".into())
+            SwapError::Order(
+                "save outside a forward (no forward_pre without its forward_post)".into(),
+            )
         })?;
         self.save_into(layer, value)
     }

@@ -39,8 +39,8 @@ pub use keyed::{
     proportional_slice, KeyedSwap, ModuleTag, Packed, SwapContext, SwapPredicate, TensorKey,
     TensorKeyManager,
 };
-pub use payload::{Allocator, Compression, CompressionPolicy, FrameworkHandle, Origin, Reacquired};
 pub use layer_group::{LayerId, SavedRef, SwapManager};
+pub use payload::{Allocator, Compression, CompressionPolicy, FrameworkHandle, Origin, Reacquired};
 pub use pipeline::{offload_summary_table, ChunkId, OffloadTag, PipelineConfig, PipelineOffload};
 pub use pool::{PinnedBlock, PinnedPool, PoolConfig, PoolStats};
 pub use tensor::{DeviceTensor, Saved, SwapTensor, VersionCounter};

@@ -26,7 +26,6 @@ use hprt_compress::device::PendingDecode;
 use hprt_compress::CodecDType;
 use hprt_platform::{DType, DeviceBuffer};
 
-
 use crate::error::Result;
 use crate::pool::PinnedBlock;
 use crate::tensor::{DeviceTensor, VersionCounter};

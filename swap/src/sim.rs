@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use hprt_platform::{DType, DeviceBuffer, Platform, Stream};
 
 use crate::engine::{EngineStats, Faults, PlatformHandle, SwapEngine};
-use crate::payload::{Allocator, Compression, Reacquired};
 use crate::error::{Result, SwapError};
 use crate::keyed::{KeyedSwap, Packed, SwapContext};
 use crate::layer_group::{LayerId, SavedRef, SwapManager};
+use crate::payload::{Allocator, Compression, Reacquired};
 use crate::pipeline::{OffloadTag, PipelineConfig, PipelineOffload};
 use crate::pool::PoolStats;
 use crate::tensor::{DeviceTensor, Saved, VersionCounter};
@@ -230,10 +230,7 @@ impl Driver {
             (Driver::NoSwap, Handles::Plain(v)) => Ok(v),
             (Driver::LayerGroup(m, ids), Handles::Group(refs)) => {
                 m.backward_pre(ids[layer], s)?;
-                let values = refs
-                    .iter()
-                    .map(|r| m.take(*r))
-                    .collect::<Result<_>>()?;
+                let values = refs.iter().map(|r| m.take(*r)).collect::<Result<_>>()?;
                 m.backward_post(ids[layer])?;
                 Ok(values)
             }

@@ -348,7 +348,9 @@ fn a_recycled_pinned_block_waits_for_its_last_reload() {
         ..Faults::default()
     };
     assert!(
-        jitter_seeds().into_iter().any(|seed| !reuse_round(seed, faulty)),
+        jitter_seeds()
+            .into_iter()
+            .any(|seed| !reuse_round(seed, faulty)),
         "removing the pinned-reuse wait went unnoticed"
     );
 }

@@ -106,8 +106,18 @@ fn elems(dtype: DType, data: &[u8]) -> Vec<usize> {
 /// subnormals, extremes, and ordinary activations, interleaved.
 fn float_patterns(dtype: DType, n: usize) -> Vec<u8> {
     let special32: [u32; 12] = [
-        0x7fc0_0001, 0xffc1_2345, 0x7f80_0001, 0xff80_0000, 0x7f80_0000, 0x0000_0000,
-        0x8000_0000, 0x0000_0001, 0x807f_ffff, 0x7f7f_ffff, 0x0080_0000, 0x3f80_0000,
+        0x7fc0_0001,
+        0xffc1_2345,
+        0x7f80_0001,
+        0xff80_0000,
+        0x7f80_0000,
+        0x0000_0000,
+        0x8000_0000,
+        0x0000_0001,
+        0x807f_ffff,
+        0x7f7f_ffff,
+        0x0080_0000,
+        0x3f80_0000,
     ];
     let special16: [u16; 12] = [
         0x7e01, 0xfd23, 0x7c01, 0xfc00, 0x7c00, 0x0000, 0x8000, 0x0001, 0x83ff, 0x7bff, 0x0400,
@@ -122,7 +132,11 @@ fn float_patterns(dtype: DType, n: usize) -> Vec<u8> {
         let act = ((i % 97) as f32 - 48.0) * 0.03125;
         match dtype {
             DType::F32 => {
-                let v = if i % 5 == 0 { special32[i / 5 % 12] } else { act.to_bits() };
+                let v = if i % 5 == 0 {
+                    special32[i / 5 % 12]
+                } else {
+                    act.to_bits()
+                };
                 out.extend_from_slice(&v.to_le_bytes());
             }
             DType::F16 => {
@@ -162,8 +176,14 @@ fn compress_then_swap_is_bit_exact_for_every_float_dtype_and_special_value() {
                 let t = if borrowed {
                     let released = Arc::new(AtomicBool::new(false));
                     let storage = borrow(&*f.p, buf.clone(), released);
-                    DeviceTensor::borrowed(storage, dtype, elems(dtype, &data), None, allocator(&f.p))
-                        .unwrap()
+                    DeviceTensor::borrowed(
+                        storage,
+                        dtype,
+                        elems(dtype, &data),
+                        None,
+                        allocator(&f.p),
+                    )
+                    .unwrap()
                 } else {
                     DeviceTensor::whole(buf.clone(), dtype, elems(dtype, &data))
                 };
@@ -201,7 +221,11 @@ fn host_stage_holds_no_pinned_memory_between_offload_and_reload() {
     .unwrap();
     f.engine.offload([&mut t], &f.s).unwrap();
     f.engine.finish_offload([&mut t]).unwrap();
-    assert_eq!(f.engine.pool_stats().bytes_in_use, 0, "staging block returned");
+    assert_eq!(
+        f.engine.pool_stats().bytes_in_use,
+        0,
+        "staging block returned"
+    );
     assert!(t.link_bytes() == data.len());
 }
 
@@ -213,12 +237,19 @@ fn a_borrowed_payload_goes_back_to_its_framework_and_reloads_through_its_allocat
         let released = Arc::new(AtomicBool::new(false));
         let storage = borrow(&*f.p, upload(&f, &data), Arc::clone(&released));
         let alloc = allocator(&f.p);
-        let t = DeviceTensor::borrowed(storage, DType::U8, vec![4096], None, alloc.clone()).unwrap();
+        let t =
+            DeviceTensor::borrowed(storage, DType::U8, vec![4096], None, alloc.clone()).unwrap();
         let mut t = SwapTensor::new(Saved::Tensor(t)).unwrap();
         f.engine.offload([&mut t], &f.s).unwrap();
-        assert!(!released.load(Ordering::SeqCst), "held while the copy is queued");
+        assert!(
+            !released.load(Ordering::SeqCst),
+            "held while the copy is queued"
+        );
         f.engine.finish_offload([&mut t]).unwrap();
-        assert!(released.load(Ordering::SeqCst), "seed {seed}: handed back after the copy");
+        assert!(
+            released.load(Ordering::SeqCst),
+            "seed {seed}: handed back after the copy"
+        );
         f.engine.start_reload([&mut t]).unwrap();
         f.engine.finish_reload([&mut t], &f.s).unwrap();
         assert_eq!(alloc.calls.load(Ordering::SeqCst), 1);
@@ -237,8 +268,14 @@ fn oom_round(compression: Compression, borrowed: bool) {
     let alloc = allocator(&f.p);
     let t = if borrowed {
         let storage = borrow(&*f.p, buf, Arc::default());
-        DeviceTensor::borrowed(storage, DType::F32, elems(DType::F32, &data), None, alloc.clone())
-            .unwrap()
+        DeviceTensor::borrowed(
+            storage,
+            DType::F32,
+            elems(DType::F32, &data),
+            None,
+            alloc.clone(),
+        )
+        .unwrap()
     } else {
         DeviceTensor::whole(buf, DType::F32, elems(DType::F32, &data))
     };
@@ -250,7 +287,11 @@ fn oom_round(compression: Compression, borrowed: bool) {
     let free = f.p.mem_info().unwrap().free;
     let filler = f.p.alloc_device(free - 1024).unwrap();
     let e = f.engine.start_reload([&mut t]).unwrap_err();
-    assert_eq!(e.platform_kind(), Some(ErrorKind::OutOfMemory), "{what}: {e}");
+    assert_eq!(
+        e.platform_kind(),
+        Some(ErrorKind::OutOfMemory),
+        "{what}: {e}"
+    );
     assert_eq!(t.state(), SwapState::Host, "{what}");
     assert!(t.link_bytes() > 0, "{what}: the host copy is kept");
     f.p.free_device(&filler).unwrap();
@@ -261,7 +302,11 @@ fn oom_round(compression: Compression, borrowed: bool) {
 
 #[test]
 fn out_of_memory_during_a_reacquire_keeps_the_host_copy_and_a_retry_succeeds() {
-    for compression in [Compression::Off, Compression::Device, Compression::HostStage] {
+    for compression in [
+        Compression::Off,
+        Compression::Device,
+        Compression::HostStage,
+    ] {
         for borrowed in [false, true] {
             oom_round(compression, borrowed);
         }
@@ -274,8 +319,14 @@ fn a_failing_framework_allocator_keeps_the_host_copy() {
     let data = float_patterns(DType::BF16, 4096);
     let alloc = allocator(&f.p);
     let storage = borrow(&*f.p, upload(&f, &data), Arc::default());
-    let t = DeviceTensor::borrowed(storage, DType::BF16, elems(DType::BF16, &data), None, alloc.clone())
-        .unwrap();
+    let t = DeviceTensor::borrowed(
+        storage,
+        DType::BF16,
+        elems(DType::BF16, &data),
+        None,
+        alloc.clone(),
+    )
+    .unwrap();
     let mut t = SwapTensor::new(Saved::Tensor(t)).unwrap();
     f.engine.offload([&mut t], &f.s).unwrap();
     f.engine.finish_offload([&mut t]).unwrap();
@@ -292,8 +343,12 @@ fn a_failing_framework_allocator_keeps_the_host_copy() {
 fn a_storage_reacquired_and_written_outside_swap_is_refused_at_reload() {
     let mut f = fixture(1 << 20, None, Compression::Off);
     let buf = upload(&f, &[5u8; 512]);
-    let mut t = SwapTensor::new(Saved::Tensor(DeviceTensor::whole(buf.clone(), DType::U8, vec![512])))
-        .unwrap();
+    let mut t = SwapTensor::new(Saved::Tensor(DeviceTensor::whole(
+        buf.clone(),
+        DType::U8,
+        vec![512],
+    )))
+    .unwrap();
     f.engine.offload([&mut t], &f.s).unwrap();
     f.engine.finish_offload([&mut t]).unwrap();
     // Someone resizes the released storage back (same size) and writes it.
@@ -303,7 +358,11 @@ fn a_storage_reacquired_and_written_outside_swap_is_refused_at_reload() {
     assert!(matches!(e, SwapError::ReacquiredOutsideSwap), "{e}");
     let mut now = vec![0u8; 512];
     f.p.read_device_sync(&buf, 0, &mut now, &f.s).unwrap();
-    assert_eq!(now, vec![9u8; 512], "the other writer's bytes are left alone");
+    assert_eq!(
+        now,
+        vec![9u8; 512],
+        "the other writer's bytes are left alone"
+    );
 }
 
 #[test]
@@ -325,7 +384,13 @@ fn a_write_during_an_in_flight_offload_is_reported_at_reload() {
         f.engine.finish_offload([&mut t]).unwrap();
         let e = f.engine.start_reload([&mut t]).unwrap_err();
         assert!(
-            matches!(e, SwapError::ModifiedSinceOffload { saved: 0, current: 1 }),
+            matches!(
+                e,
+                SwapError::ModifiedSinceOffload {
+                    saved: 0,
+                    current: 1
+                }
+            ),
             "borrowed={borrowed}: {e}"
         );
     }
@@ -338,7 +403,8 @@ fn a_borrowed_payload_is_not_watched_after_its_memory_went_back() {
     let mut f = fixture(1 << 20, None, Compression::Off);
     let storage = borrow(&*f.p, upload(&f, &[3u8; 256]), Arc::default());
     let version = VersionCounter::new();
-    let mut t = DeviceTensor::borrowed(storage, DType::U8, vec![256], None, allocator(&f.p)).unwrap();
+    let mut t =
+        DeviceTensor::borrowed(storage, DType::U8, vec![256], None, allocator(&f.p)).unwrap();
     t.version = version.clone();
     let mut t = SwapTensor::new(Saved::Tensor(t)).unwrap();
     f.engine.offload([&mut t], &f.s).unwrap();

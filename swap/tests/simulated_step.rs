@@ -146,9 +146,17 @@ fn every_payload_kind_returns_every_byte_and_releases_device_memory() {
             assert_eq!(r.digest, none.digest, "{what}");
             // Two layers (the one computing, the one moving), plus, for the device codec, its
             // scratch buffers (encodings of up to two layers are counted until freed in stream order).
-            let layers = if compression == Compression::Device { 4 } else { 2 };
+            let layers = if compression == Compression::Device {
+                4
+            } else {
+                2
+            };
             let bound = layers * r.layer_bytes + (16 << 10);
-            assert!(r.device_peak <= bound, "{what}: peak {} > {bound}", r.device_peak);
+            assert!(
+                r.device_peak <= bound,
+                "{what}: peak {} > {bound}",
+                r.device_peak
+            );
             assert!(none.device_peak > r.device_peak, "{what}");
             let e = r.engine;
             assert!(e.offloaded_tensors > 0, "{what}: {e:?}");
@@ -164,7 +172,10 @@ fn every_payload_kind_returns_every_byte_and_releases_device_memory() {
             }
             if compression == Compression::Device {
                 // Random f32 bits do not compress: the encoding may be a little larger.
-                assert!(e.link_d2h_bytes <= e.offloaded_bytes + e.offloaded_tensors * 4096, "{what}: {e:?}");
+                assert!(
+                    e.link_d2h_bytes <= e.offloaded_bytes + e.offloaded_tensors * 4096,
+                    "{what}: {e:?}"
+                );
                 assert!(e.link_d2h_bytes < e.offloaded_bytes * 2, "{what}: {e:?}");
             }
         }
