@@ -63,6 +63,23 @@ pub fn bench(platform: impl Into<PlatformHandle>, max_bytes: usize) -> Result<St
     Ok(out)
 }
 
+/// `n` device buffers of `bytes`, a stream, and the raw baseline of the per-tensor costs:
+/// [`raw_issue`] of them, best of the trials.
+fn small_tensors(
+    platform: &PlatformHandle,
+    n: usize,
+    bytes: usize,
+) -> Result<(Stream, Vec<DeviceBuffer>, Duration)> {
+    let p: &dyn Platform = &**platform;
+    let s = p.create_stream()?;
+    let bufs = (0..n)
+        .map(|_| p.alloc_device(bytes))
+        .collect::<Result<Vec<_>, _>>()?;
+    let host = p.alloc_pinned(n * bytes)?;
+    let raw = best(|| raw_issue(p, &bufs, &host, &s))?;
+    Ok((s, bufs, raw))
+}
+
 /// Host time of issuing a device-to-host copy of every buffer into its slot of `host`, then
 /// the copies back (the raw baseline of the per-tensor costs; the copies run outside it).
 fn raw_issue(
@@ -110,13 +127,7 @@ fn front_end_cost(platform: &PlatformHandle, out: &mut String) -> Result<()> {
     const PER_LAYER: usize = 16;
     const BYTES: usize = 256;
     const N: usize = LAYERS * PER_LAYER;
-    let p: &dyn Platform = &**platform;
-    let s = p.create_stream()?;
-    let bufs = (0..N)
-        .map(|_| p.alloc_device(BYTES))
-        .collect::<Result<Vec<_>, _>>()?;
-    let host = p.alloc_pinned(N * BYTES)?;
-    let raw = best(|| raw_issue(p, &bufs, &host, &s))?;
+    let (s, bufs, raw) = small_tensors(platform, N, BYTES)?;
     let _ = writeln!(
         out,
         "##### Front-end cost per saved tensor ({BYTES} B tensors, {LAYERS} layers of {PER_LAYER}; host time of a forward + backward through the front end, its waits for the copies included, minus issuing the same two raw copies; goal <= 2 us)\n\n\
@@ -308,13 +319,8 @@ fn per_tensor_cost(platform: &PlatformHandle, out: &mut String) -> Result<()> {
     const N: usize = 2000;
     const BYTES: usize = 256;
     let p: &dyn Platform = &**platform;
-    let s = p.create_stream()?;
-    let bufs = (0..N)
-        .map(|_| p.alloc_device(BYTES))
-        .collect::<Result<Vec<_>, _>>()?;
-    let host = p.alloc_pinned(N * BYTES)?;
+    let (s, bufs, raw) = small_tensors(platform, N, BYTES)?;
     let mut engine = SwapEngine::new(platform.clone(), EngineConfig::default())?;
-    let raw = best(|| raw_issue(p, &bufs, &host, &s))?;
     let mut engine_time = |batch: usize| {
         best(|| {
             let mut t = Duration::ZERO;
