@@ -356,9 +356,58 @@ impl PySwapManager {
             .set_compression(parse_compression(compression)?);
         Ok(())
     }
+    /// Per-tensor compression: `policy(tensor) -> "off" | "device" | "host_stage" | "auto"`
+    /// (`None` removes it).
+    fn set_compression_policy(&self, policy: Option<Py<PyAny>>) {
+        let policy = py_policy(&self.p, policy);
+        locked(&self.inner)
+            .engine_mut()
+            .set_compression_policy(policy)
+    }
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         stats_dict(py, locked(&self.inner).engine())
     }
+}
+
+/// A per-tensor compression policy from Python: `policy(t)` returns a mode name (`t` the
+/// framework tensor of a borrowed payload, else a `DeviceTensor`); a policy that raises or
+/// returns something else means `off`, its exception reported as unraisable.
+fn py_policy(
+    p: &PlatformHandle,
+    policy: Option<Py<PyAny>>,
+) -> Option<hprt_swap::CompressionPolicy> {
+    let p = p.clone();
+    policy.map(|f| {
+        Arc::new(move |t: &DeviceTensor| {
+            Python::attach(|py| {
+                let arg = match handle_object(py, t) {
+                    Some(obj) => Ok(obj),
+                    None => Py::new(
+                        py,
+                        PyDeviceTensor {
+                            p: p.clone(),
+                            t: t.clone(),
+                        },
+                    )
+                    .map(Py::into_any),
+                };
+                let chosen = arg
+                    .and_then(|a| f.call1(py, (a,)))
+                    .and_then(|r| r.extract::<String>(py));
+                match chosen.map(|name| parse_compression(&name)) {
+                    Ok(Ok(c)) => c,
+                    Ok(Err(e)) => {
+                        PyErr::from(e).write_unraisable(py, None);
+                        Compression::Off
+                    }
+                    Err(e) => {
+                        e.write_unraisable(py, None);
+                        Compression::Off
+                    }
+                }
+            })
+        }) as hprt_swap::CompressionPolicy
+    })
 }
 
 /// A compression mode by name.
@@ -455,6 +504,13 @@ impl PyKeyedSwap {
     /// Tensors smaller than this stay on the device.
     fn set_min_bytes(&self, bytes: usize) {
         locked(&self.inner).set_min_bytes(bytes)
+    }
+    /// Per-tensor compression: `policy(tensor) -> "off" | "device" | "host_stage" | "auto"`.
+    fn set_compression_policy(&self, policy: Option<Py<PyAny>>) {
+        let policy = py_policy(&self.p, policy);
+        locked(&self.inner)
+            .engine_mut()
+            .set_compression_policy(policy)
     }
     /// `off`, `device`, `host_stage` or `auto`.
     fn set_compression(&self, compression: &str) -> Result<()> {
@@ -682,6 +738,13 @@ impl PyPipelineOffload {
     fn post_warmup(&self) {
         locked(&self.inner).post_warmup()
     }
+    /// Per-tensor compression: `policy(tensor) -> "off" | "device" | "host_stage" | "auto"`.
+    fn set_compression_policy(&self, policy: Option<Py<PyAny>>) {
+        let policy = py_policy(&self.p, policy);
+        locked(&self.inner)
+            .engine_mut()
+            .set_compression_policy(policy)
+    }
     fn reset(&self, py: Python<'_>) -> Result<()> {
         py.detach(|| Ok(locked(&self.inner).reset()?))
     }
@@ -700,6 +763,32 @@ pub fn offload_summary_table(per_rank: Vec<std::collections::BTreeMap<String, u6
     hprt_swap::offload_summary_table(&per_rank)
 }
 
+/// The per-rank table of link bytes, compressed tensors, pinned high water and codec time, from
+/// each rank's front-end `stats()`.
+#[pyfunction]
+pub fn link_summary_table(per_rank: Vec<std::collections::HashMap<String, u64>>) -> String {
+    let rows: Vec<_> = per_rank
+        .iter()
+        .map(|d| {
+            let get = |k: &str| d.get(k).copied().unwrap_or(0);
+            let e = hprt_swap::EngineStats {
+                offloaded_bytes: get("offloaded_bytes"),
+                link_d2h_bytes: get("link_d2h_bytes"),
+                link_h2d_bytes: get("link_h2d_bytes"),
+                compressed_tensors: get("compressed_tensors"),
+                codec_ns: get("codec_ns"),
+                ..Default::default()
+            };
+            let p = hprt_swap::PoolStats {
+                high_water: get("pinned_high_water") as usize,
+                ..Default::default()
+            };
+            (e, p)
+        })
+        .collect();
+    hprt_swap::link_summary_table(&rows)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDeviceTensor>()?;
     m.add_class::<PySwapManager>()?;
@@ -710,5 +799,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPipelineOffload>()?;
     m.add_function(wrap_pyfunction!(proportional_slice, m)?)?;
     m.add_function(wrap_pyfunction!(offload_summary_table, m)?)?;
+    m.add_function(wrap_pyfunction!(link_summary_table, m)?)?;
     Ok(())
 }

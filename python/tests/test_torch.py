@@ -292,3 +292,24 @@ def test_layer_group_swap_survives_an_iteration_aborted_in_backward(platform, ba
         for p, g in zip(model.parameters(), baseline[1][step]):
             assert torch.equal(p.grad, g)
         opt.step()
+
+
+def test_a_per_tensor_policy_chooses_compress_then_swap(platform):
+    """Large tensors compressed, small ones plain, by a policy on the torch tensor."""
+    rt = ht.Runtime(platform)
+    mgr = hprt.SwapManager(platform)
+    mgr.set_compression_policy(lambda t: "host_stage" if t.numel() >= 1024 else "off")
+    s = rt.compute_stream(None)
+    big, small = torch.randn(64, 32), torch.randn(8)
+    expected = [big.clone(), small.clone()]
+    refs = [mgr.add_storage("g", rt.borrow(t)) for t in (big, small)]
+    mgr.launch_offload("g", s)
+    mgr.wait_offload("g")
+    mgr.launch_load("g")
+    mgr.wait_load("g", s)
+    for r, e in zip(refs, expected):
+        assert torch.equal(rt.wait_host(mgr.get(r)), e)
+    st = mgr.stats()
+    assert st["offloaded_tensors"] == 2 and st["compressed_tensors"] == 1
+    table = hprt.link_summary_table([st])
+    assert table.splitlines()[2].startswith(f"| 0 | {st['offloaded_bytes']} | {st['link_d2h_bytes']} |")

@@ -41,6 +41,8 @@ pub use keyed::{
 };
 pub use layer_group::{LayerId, SavedRef, SwapManager};
 pub use payload::{Allocator, Compression, CompressionPolicy, FrameworkHandle, Origin, Reacquired};
-pub use pipeline::{offload_summary_table, ChunkId, OffloadTag, PipelineConfig, PipelineOffload};
+pub use pipeline::{
+    link_summary_table, offload_summary_table, ChunkId, OffloadTag, PipelineConfig, PipelineOffload,
+};
 pub use pool::{PinnedBlock, PinnedPool, PoolConfig, PoolStats};
 pub use tensor::{DeviceTensor, Saved, SwapTensor, VersionCounter};

@@ -6,10 +6,10 @@ use std::fmt::Write as _;
 
 use hprt_platform::{DeviceBuffer, Stream};
 
-use crate::engine::{EngineConfig, Faults, PlatformHandle, SwapEngine};
+use crate::engine::{EngineConfig, EngineStats, Faults, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError, SwapState};
 use crate::payload::Compression;
-use crate::pool::PoolConfig;
+use crate::pool::{PoolConfig, PoolStats};
 use crate::tensor::{DeviceTensor, Saved, SwapTensor};
 
 /// Settings of a [`PipelineOffload`].
@@ -533,6 +533,35 @@ impl PipelineOffload {
     pub fn offload_summary_total_bytes(&self) -> u64 {
         self.summary.values().sum()
     }
+}
+
+/// A table of what each rank's engine moved: offloaded bytes, bytes over the host link each
+/// way (compressed bytes for compressed payloads), tensors compressed, the pinned pool's high
+/// water and the codec's time.
+///
+/// ```
+/// use hprt_swap::{EngineStats, PoolStats};
+/// let s = EngineStats { offloaded_bytes: 4096, link_d2h_bytes: 2048, ..Default::default() };
+/// let table = hprt_swap::link_summary_table(&[(s, PoolStats::default())]);
+/// assert!(table.lines().any(|l| l.starts_with("| 0 | 4096 | 2048 |")));
+/// ```
+pub fn link_summary_table(per_rank: &[(EngineStats, PoolStats)]) -> String {
+    let mut out = String::from(
+        "| rank | offloaded bytes | link d2h bytes | link h2d bytes | compressed tensors | pinned high water | codec ms |\n|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for (rank, (e, p)) in per_rank.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "| {rank} | {} | {} | {} | {} | {} | {:.3} |",
+            e.offloaded_bytes,
+            e.link_d2h_bytes,
+            e.link_h2d_bytes,
+            e.compressed_tensors,
+            p.high_water,
+            e.codec_ns as f64 / 1e6
+        );
+    }
+    out
 }
 
 /// An ASCII table of offloaded bytes: one row per rank, one column per group name (the union

@@ -414,3 +414,39 @@ fn a_borrowed_payload_is_not_watched_after_its_memory_went_back() {
     f.engine.finish_reload([&mut t], &f.s).unwrap();
     assert_eq!(download(&f, t.describe().unwrap()), vec![3u8; 256]);
 }
+
+#[test]
+fn a_per_tensor_policy_chooses_the_compression() {
+    let mut f = fixture(1 << 20, None, Compression::Off);
+    f.engine
+        .set_compression_policy(Some(Arc::new(|t: &DeviceTensor| {
+            if t.len >= 4096 {
+                Compression::Device
+            } else {
+                Compression::Off
+            }
+        })));
+    let (big, small) = (
+        float_patterns(DType::F32, 2048),
+        float_patterns(DType::F32, 64),
+    );
+    let mut ts: Vec<SwapTensor> = [&big, &small]
+        .into_iter()
+        .map(|d| {
+            let t = DeviceTensor::whole(upload(&f, d), DType::F32, elems(DType::F32, d));
+            SwapTensor::new(Saved::Tensor(t)).unwrap()
+        })
+        .collect();
+    f.engine.offload(ts.iter_mut(), &f.s).unwrap();
+    f.engine.finish_offload(ts.iter_mut()).unwrap();
+    assert!(
+        ts[0].host_bytes() < big.len(),
+        "the large tensor is kept compressed"
+    );
+    assert_eq!(ts[1].host_bytes(), small.len(), "the small one raw");
+    f.engine.start_reload(ts.iter_mut()).unwrap();
+    f.engine.finish_reload(ts.iter_mut(), &f.s).unwrap();
+    assert!(download(&f, ts[0].describe().unwrap()) == big);
+    assert!(download(&f, ts[1].describe().unwrap()) == small);
+    assert_eq!(f.engine.stats().compressed_tensors, 1);
+}
