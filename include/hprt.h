@@ -1324,7 +1324,7 @@ enum HprtStatus hprt_keyed_create(const struct HprtPlatform *platform,
  Synchronizes the copies and releases the swap (values not unpacked are dropped).
 
  # Safety
- `swap` from `hprt_keyed_create`, not used afterwards.
+ `swap` from `hprt_keyed_create`; afterwards the handle is invalid.
  */
 enum HprtStatus hprt_keyed_destroy(struct HprtKeyedSwap *swap);
 
@@ -1410,7 +1410,7 @@ enum HprtStatus hprt_pipeline_create(const struct HprtPlatform *platform,
  Synchronizes the copies and releases the offload manager.
 
  # Safety
- `offload` from `hprt_pipeline_create`, not used afterwards.
+ `offload` from `hprt_pipeline_create`; afterwards the handle is invalid.
  */
 enum HprtStatus hprt_pipeline_destroy(struct HprtPipelineOffload *offload);
 

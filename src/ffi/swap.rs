@@ -135,7 +135,10 @@ impl Allocator for CAllocator {
                 hprt_platform::ErrorKind::OutOfMemory,
                 self.platform.backend(),
                 "HprtAllocator.allocate",
-                format!("the framework allocator returned {rc} for {} bytes", like.len),
+                format!(
+                    "the framework allocator returned {rc} for {} bytes",
+                    like.len
+                ),
             )
             .into());
         }
@@ -183,7 +186,12 @@ fn c_ref(r: SavedRef) -> HprtSavedRef {
 }
 
 /// A tensor of `bytes` at `offset` in `storage`.
-pub(crate) fn view(storage: &DeviceBuffer, offset: usize, bytes: usize, dtype: i32) -> FfiResult<DeviceTensor> {
+pub(crate) fn view(
+    storage: &DeviceBuffer,
+    offset: usize,
+    bytes: usize,
+    dtype: i32,
+) -> FfiResult<DeviceTensor> {
     let dtype: DType = dtype_arg(dtype)?;
     if bytes % dtype.size() != 0 {
         return Err(FfiError::invalid(format!(
@@ -349,7 +357,9 @@ pub unsafe extern "C" fn hprt_swap_save(
 ) -> HprtStatus {
     guard("hprt_swap_save", || {
         let (m, s) = (manager_mut(manager)?, arg(storage, "storage")?);
-        let r = m.manager.save(Saved::Tensor(view(&s.0, offset, bytes, dtype)?))?;
+        let r = m
+            .manager
+            .save(Saved::Tensor(view(&s.0, offset, bytes, dtype)?))?;
         // SAFETY: the caller's contract.
         unsafe { out(out_ref, "out_ref", c_ref(r)) }
     })

@@ -11,9 +11,10 @@ use hprt_swap::{
     SwapEngine,
 };
 
-use super::platform::{into_raw, take, HprtDeviceBuffer, HprtPlatform, HprtStream};
+use super::handle::{handle_kind, Exclusive};
+use super::platform::{HprtDeviceBuffer, HprtPlatform, HprtStream};
 use super::swap::{compression, name_arg, stats_of, view, HprtCompression, HprtSwapStats};
-use super::{arg, guard, out, FfiError, FfiResult, HprtStatus};
+use super::{arg, arg_mut, guard, out, publish, release, FfiError, FfiResult, HprtStatus};
 
 /// Keyed swap: layers registered per module tag, tensors packed and unpacked by key.
 pub struct HprtKeyedSwap {
@@ -39,12 +40,8 @@ pub struct HprtPipelineOffload {
     tags: Vec<OffloadTag>,
 }
 
-/// # Safety
-/// `p` null or live and not used by another thread during the call.
-unsafe fn live<'a, T>(p: *mut T, what: &str) -> FfiResult<&'a mut T> {
-    // SAFETY: the caller's contract.
-    unsafe { p.as_mut() }.ok_or_else(|| FfiError::null(what))
-}
+handle_kind!(exclusive HprtKeyedSwap, 11, "keyed swap");
+handle_kind!(exclusive HprtPipelineOffload, 12, "pipeline offload");
 
 fn pool(host_budget: usize) -> PoolConfig {
     PoolConfig {
@@ -72,28 +69,31 @@ pub unsafe extern "C" fn hprt_keyed_create(
     out_swap: *mut *mut HprtKeyedSwap,
 ) -> HprtStatus {
     guard("hprt_keyed_create", || {
+        let p = arg(platform, "platform")?;
         // SAFETY: the caller's contract.
-        let p = unsafe { arg(platform, "platform") }?;
-        let mut swap = KeyedSwap::with_pool(p.handle(), pool(host_budget))?;
-        swap.set_min_bytes(min_bytes);
-        let k = HprtKeyedSwap {
-            swap,
-            layers: Vec::new(),
-        };
-        // SAFETY: the caller's contract.
-        unsafe { out(out_swap, "out_swap", into_raw(k)) }
+        unsafe {
+            publish(out_swap, "out_swap", || {
+                let mut swap = KeyedSwap::with_pool(p.handle(), pool(host_budget))?;
+                swap.set_min_bytes(min_bytes);
+                Ok(Exclusive::new(HprtKeyedSwap {
+                    swap,
+                    layers: Vec::new(),
+                }))
+            })
+        }
     })
 }
 
 /// Synchronizes the copies and releases the swap (values not unpacked are dropped).
 ///
 /// # Safety
-/// `swap` from `hprt_keyed_create`, not used afterwards.
+/// `swap` from `hprt_keyed_create`; afterwards the handle is invalid.
 #[no_mangle]
 pub unsafe extern "C" fn hprt_keyed_destroy(swap: *mut HprtKeyedSwap) -> HprtStatus {
     guard("hprt_keyed_destroy", || {
-        // SAFETY: the caller's contract.
-        unsafe { take(swap, "swap") }?.swap.end_iteration()?;
+        let k = arg_mut(swap, "swap")?;
+        release(swap, "swap")?;
+        k.swap.end_iteration()?;
         Ok(())
     })
 }
@@ -110,8 +110,9 @@ pub unsafe extern "C" fn hprt_keyed_register_layer(
     out_layer: *mut usize,
 ) -> HprtStatus {
     guard("hprt_keyed_register_layer", || {
+        let k = arg_mut(swap, "swap")?;
         // SAFETY: the caller's contract.
-        let (k, tag) = unsafe { (live(swap, "swap")?, name_arg(module_tag)?) };
+        let tag = unsafe { name_arg(module_tag) }?;
         let ctx = k.swap.register_layer(tag);
         k.layers.push(ctx);
         // SAFETY: the caller's contract.
@@ -136,14 +137,11 @@ pub unsafe extern "C" fn hprt_keyed_swap_out_cur_and_release_prev(
     out_key: *mut HprtTensorKey,
 ) -> HprtStatus {
     guard("hprt_keyed_swap_out_cur_and_release_prev", || {
-        // SAFETY: the caller's contract.
-        let (k, s, c) = unsafe {
-            (
-                live(swap, "swap")?,
-                arg(storage, "storage")?,
-                arg(compute, "compute")?,
-            )
-        };
+        let (k, s, c) = (
+            arg_mut(swap, "swap")?,
+            arg(storage, "storage")?,
+            arg(compute, "compute")?,
+        );
         let ctx = k
             .layers
             .get(layer)
@@ -177,8 +175,7 @@ pub unsafe extern "C" fn hprt_keyed_wait_cur_and_prefetch_next(
     out_ptr: *mut usize,
 ) -> HprtStatus {
     guard("hprt_keyed_wait_cur_and_prefetch_next", || {
-        // SAFETY: the caller's contract.
-        let (k, c) = unsafe { (live(swap, "swap")?, arg(compute, "compute")?) };
+        let (k, c) = (arg_mut(swap, "swap")?, arg(compute, "compute")?);
         if key.swapped == 0 {
             return Err(FfiError::invalid(
                 "the key is of a tensor that was not swapped",
@@ -205,8 +202,7 @@ pub unsafe extern "C" fn hprt_keyed_set_compression(
     mode: HprtCompression,
 ) -> HprtStatus {
     guard("hprt_keyed_set_compression", || {
-        // SAFETY: the caller's contract.
-        let k = unsafe { live(swap, "swap") }?;
+        let k = arg_mut(swap, "swap")?;
         k.swap.engine_mut().set_compression(compression(mode));
         Ok(())
     })
@@ -219,8 +215,7 @@ pub unsafe extern "C" fn hprt_keyed_set_compression(
 #[no_mangle]
 pub unsafe extern "C" fn hprt_keyed_end_iteration(swap: *mut HprtKeyedSwap) -> HprtStatus {
     guard("hprt_keyed_end_iteration", || {
-        // SAFETY: the caller's contract.
-        unsafe { live(swap, "swap") }?.swap.end_iteration()?;
+        arg_mut(swap, "swap")?.swap.end_iteration()?;
         Ok(())
     })
 }
@@ -233,8 +228,7 @@ pub unsafe extern "C" fn hprt_keyed_stats(
     out_stats: *mut HprtSwapStats,
 ) -> HprtStatus {
     guard("hprt_keyed_stats", || {
-        // SAFETY: the caller's contract.
-        let k = unsafe { live(swap, "swap") }?;
+        let k = arg_mut(swap, "swap")?;
         // SAFETY: the caller's contract.
         unsafe { write_stats(k.swap.engine(), out_stats) }
     })
@@ -257,8 +251,7 @@ pub unsafe extern "C" fn hprt_pipeline_create(
     out_offload: *mut *mut HprtPipelineOffload,
 ) -> HprtStatus {
     guard("hprt_pipeline_create", || {
-        // SAFETY: the caller's contract.
-        let p = unsafe { arg(platform, "platform") }?;
+        let p = arg(platform, "platform")?;
         let cfg = PipelineConfig {
             min_tensor_elems,
             max_inflight_offloads,
@@ -266,24 +259,28 @@ pub unsafe extern "C" fn hprt_pipeline_create(
             pool: pool(host_budget),
             compression: compression(mode),
         };
-        let o = HprtPipelineOffload {
-            offload: PipelineOffload::new(p.handle(), cfg)?,
-            tags: Vec::new(),
-        };
         // SAFETY: the caller's contract.
-        unsafe { out(out_offload, "out_offload", into_raw(o)) }
+        unsafe {
+            publish(out_offload, "out_offload", || {
+                Ok(Exclusive::new(HprtPipelineOffload {
+                    offload: PipelineOffload::new(p.handle(), cfg)?,
+                    tags: Vec::new(),
+                }))
+            })
+        }
     })
 }
 
 /// Synchronizes the copies and releases the offload manager.
 ///
 /// # Safety
-/// `offload` from `hprt_pipeline_create`, not used afterwards.
+/// `offload` from `hprt_pipeline_create`; afterwards the handle is invalid.
 #[no_mangle]
 pub unsafe extern "C" fn hprt_pipeline_destroy(offload: *mut HprtPipelineOffload) -> HprtStatus {
     guard("hprt_pipeline_destroy", || {
-        // SAFETY: the caller's contract.
-        unsafe { take(offload, "offload") }?.offload.reset()?;
+        let o = arg_mut(offload, "offload")?;
+        release(offload, "offload")?;
+        o.offload.reset()?;
         Ok(())
     })
 }
@@ -300,8 +297,7 @@ pub unsafe extern "C" fn hprt_pipeline_init_chunk(
     vp_stage: usize,
 ) -> HprtStatus {
     guard("hprt_pipeline_init_chunk", || {
-        // SAFETY: the caller's contract.
-        let o = unsafe { live(offload, "offload") }?;
+        let o = arg_mut(offload, "offload")?;
         o.offload.init_chunk(vp_size, Some(vp_stage))?;
         Ok(())
     })
@@ -317,8 +313,9 @@ pub unsafe extern "C" fn hprt_pipeline_group_start(
     name: *const c_char,
 ) -> HprtStatus {
     guard("hprt_pipeline_group_start", || {
+        let o = arg_mut(offload, "offload")?;
         // SAFETY: the caller's contract.
-        let (o, name) = unsafe { (live(offload, "offload")?, name_arg(name)?) };
+        let name = unsafe { name_arg(name) }?;
         o.offload.group_start(name)?;
         Ok(())
     })
@@ -340,8 +337,7 @@ pub unsafe extern "C" fn hprt_pipeline_save(
     out_offloaded: *mut i32,
 ) -> HprtStatus {
     guard("hprt_pipeline_save", || {
-        // SAFETY: the caller's contract.
-        let (o, s) = unsafe { (live(offload, "offload")?, arg(storage, "storage")?) };
+        let (o, s) = (arg_mut(offload, "offload")?, arg(storage, "storage")?);
         let tag = o
             .offload
             .save(Saved::Tensor(view(&s.0, offset, bytes, dtype)?))?;
@@ -367,8 +363,7 @@ pub unsafe extern "C" fn hprt_pipeline_group_commit(
     delay: bool,
 ) -> HprtStatus {
     guard("hprt_pipeline_group_commit", || {
-        // SAFETY: the caller's contract.
-        let (o, c) = unsafe { (live(offload, "offload")?, arg(compute, "compute")?) };
+        let (o, c) = (arg_mut(offload, "offload")?, arg(compute, "compute")?);
         o.offload.group_commit(&c.0, Vec::new(), delay)?;
         Ok(())
     })
@@ -384,8 +379,7 @@ pub unsafe extern "C" fn hprt_pipeline_flush_delayed_groups(
     compute: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_pipeline_flush_delayed_groups", || {
-        // SAFETY: the caller's contract.
-        let (o, c) = unsafe { (live(offload, "offload")?, arg(compute, "compute")?) };
+        let (o, c) = (arg_mut(offload, "offload")?, arg(compute, "compute")?);
         o.offload.flush_delayed_groups(&c.0)?;
         Ok(())
     })
@@ -402,14 +396,9 @@ pub unsafe extern "C" fn hprt_pipeline_backward_group_begin(
     compute: *const HprtStream,
 ) -> HprtStatus {
     guard("hprt_pipeline_backward_group_begin", || {
+        let (o, c) = (arg_mut(offload, "offload")?, arg(compute, "compute")?);
         // SAFETY: the caller's contract.
-        let (o, name, c) = unsafe {
-            (
-                live(offload, "offload")?,
-                name_arg(name)?,
-                arg(compute, "compute")?,
-            )
-        };
+        let name = unsafe { name_arg(name) }?;
         o.offload.backward_group_begin(name, &c.0)?;
         Ok(())
     })
@@ -427,8 +416,7 @@ pub unsafe extern "C" fn hprt_pipeline_get(
     out_ptr: *mut usize,
 ) -> HprtStatus {
     guard("hprt_pipeline_get", || {
-        // SAFETY: the caller's contract.
-        let (o, c) = unsafe { (live(offload, "offload")?, arg(compute, "compute")?) };
+        let (o, c) = (arg_mut(offload, "offload")?, arg(compute, "compute")?);
         let tag = o
             .tags
             .get(tag)
@@ -452,10 +440,7 @@ pub unsafe extern "C" fn hprt_pipeline_backward_group_end(
     offload: *mut HprtPipelineOffload,
 ) -> HprtStatus {
     guard("hprt_pipeline_backward_group_end", || {
-        // SAFETY: the caller's contract.
-        unsafe { live(offload, "offload") }?
-            .offload
-            .backward_group_end()?;
+        arg_mut(offload, "offload")?.offload.backward_group_end()?;
         Ok(())
     })
 }
@@ -467,8 +452,7 @@ pub unsafe extern "C" fn hprt_pipeline_backward_group_end(
 #[no_mangle]
 pub unsafe extern "C" fn hprt_pipeline_reset(offload: *mut HprtPipelineOffload) -> HprtStatus {
     guard("hprt_pipeline_reset", || {
-        // SAFETY: the caller's contract.
-        let o = unsafe { live(offload, "offload") }?;
+        let o = arg_mut(offload, "offload")?;
         o.offload.reset()?;
         o.tags.clear();
         Ok(())
@@ -484,8 +468,7 @@ pub unsafe extern "C" fn hprt_pipeline_post_warmup(
     offload: *mut HprtPipelineOffload,
 ) -> HprtStatus {
     guard("hprt_pipeline_post_warmup", || {
-        // SAFETY: the caller's contract.
-        unsafe { live(offload, "offload") }?.offload.post_warmup();
+        arg_mut(offload, "offload")?.offload.post_warmup();
         Ok(())
     })
 }
@@ -498,8 +481,7 @@ pub unsafe extern "C" fn hprt_pipeline_stats(
     out_stats: *mut HprtSwapStats,
 ) -> HprtStatus {
     guard("hprt_pipeline_stats", || {
-        // SAFETY: the caller's contract.
-        let o = unsafe { live(offload, "offload") }?;
+        let o = arg_mut(offload, "offload")?;
         // SAFETY: the caller's contract.
         unsafe { write_stats(o.offload.engine(), out_stats) }
     })

@@ -44,18 +44,18 @@ fn every_front_end(p: &Arc<dyn Platform>) {
             none.device_peak
         );
     }
-    // Every payload kind (borrowed memory, the device codec, the host stage) on the npu
-    // backend, with the emulator's asynchronous streams.
+    // Every payload kind (borrowed memory, the device codec, the host stage) with the
+    // emulator's asynchronous streams.
     for (payload, compression) in PAYLOADS {
         let cfg = SimConfig {
             payload,
             compression,
             ..cfg.clone()
         };
-        let none = simulate(&p, FrontEnd::NoSwap, &cfg).unwrap();
+        let none = simulate(p, FrontEnd::NoSwap, &cfg).unwrap();
         for front in FrontEnd::SWAPPING {
             let what = format!("{front:?} {payload:?} {compression:?}");
-            let r = simulate(&p, front, &cfg).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let r = simulate(p, front, &cfg).unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_eq!(r.mismatched_tensors, 0, "{what}: {:?}", r.first_mismatch);
             assert_eq!(r.digest, none.digest, "{what}");
             assert!(r.device_peak < none.device_peak, "{what}");
