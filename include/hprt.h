@@ -1262,6 +1262,20 @@ enum HprtStatus hprt_swap_set_current_group_name(struct HprtSwapManager *manager
                                                  const char *group_name);
 
 /*
+ hyper_parallel's `get_current_group_name`: the group `hprt_swap_save` fills, written to
+ `out_name` with a terminating NUL; `*out_len` is the name's length without it (0 and an
+ empty string when none was set). A `capacity` below `*out_len + 1` is
+ `HPRT_STATUS_ERROR_BUFFER_TOO_SMALL` (`*out_len` is still set, to size the buffer).
+
+ # Safety
+ `manager` live; `out_name` valid for `capacity` bytes; `out_len` valid for writing.
+ */
+enum HprtStatus hprt_swap_get_current_group_name(struct HprtSwapManager *manager,
+                                                 char *out_name,
+                                                 size_t capacity,
+                                                 size_t *out_len);
+
+/*
  hyper_parallel's `add_storage`: saves `bytes` of `storage` from `offset` into group
  `group_name` (made on first use).
 
@@ -1450,13 +1464,18 @@ enum HprtStatus hprt_pipeline_save(struct HprtPipelineOffload *offload,
 
 /*
  `group_commit`: the open group's forward was queued on `compute`; its offload is launched
- (or, with `delay`, at `hprt_pipeline_flush_delayed_groups`).
+ (or, with `delay`, at `hprt_pipeline_flush_delayed_groups`). The `n_forced` storages of
+ `forced_release` (Megatron's forced released tensors: buffers the group's tensors were
+ computed from) are released once the group's offload completed.
 
  # Safety
- `offload`, `compute` live.
+ `offload`, `compute` live; `forced_release` valid for `n_forced` live storages (may be null
+ when `n_forced` is 0).
  */
 enum HprtStatus hprt_pipeline_group_commit(struct HprtPipelineOffload *offload,
                                            const struct HprtStream *compute,
+                                           const struct HprtDeviceBuffer *const *forced_release,
+                                           size_t n_forced,
                                            bool delay);
 
 /*

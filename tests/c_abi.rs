@@ -392,6 +392,20 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
         ok(hprt_stream_synchronize(p, s));
         let mut addr = 0;
         ok(hprt_device_info(orig, &mut addr, ptr::null_mut()));
+        // hyper_parallel's current group name: none yet, then the one set.
+        let mut name = [0 as std::ffi::c_char; 8];
+        let mut len = usize::MAX;
+        ok(hprt_swap_get_current_group_name(m, name.as_mut_ptr(), 8, &mut len));
+        assert_eq!((len, name[0]), (0, 0));
+        ok(hprt_swap_set_current_group_name(m, c"layer0".as_ptr()));
+        ok(hprt_swap_get_current_group_name(m, name.as_mut_ptr(), 8, &mut len));
+        assert_eq!(std::ffi::CStr::from_ptr(name.as_ptr()), c"layer0");
+        assert_eq!(len, 6);
+        assert_eq!(
+            hprt_swap_get_current_group_name(m, name.as_mut_ptr(), 6, &mut len),
+            HprtStatus::ErrorBufferTooSmall
+        );
+        assert_eq!(len, 6, "the length is reported to size the buffer");
         let mut r = HprtSavedRef::default();
         let g = c"layer0".as_ptr();
         ok(hprt_swap_add_borrowed(
@@ -564,7 +578,7 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
         ));
         ok(hprt_pipeline_init_chunk(o, 1, 0));
         let names = [c"attn", c"mlp", c"out"];
-        let mut tags = Vec::new();
+        let (mut tags, mut extras) = (Vec::new(), Vec::new());
         for (g, name) in names.iter().enumerate() {
             ok(hprt_pipeline_group_start(o, name.as_ptr()));
             let b = filled_buffer(p, s, n, 100 + g as u8);
@@ -579,9 +593,18 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
                 &mut offloaded,
             ));
             assert_eq!(offloaded, 1);
-            ok(hprt_pipeline_group_commit(o, s, false));
+            // Megatron's forced released tensors: freed with the group's offload.
+            let mut extra = ptr::null_mut();
+            ok(hprt_device_alloc(p, 1000, &mut extra));
+            let forced = [extra.cast_const()];
+            ok(hprt_pipeline_group_commit(o, s, forced.as_ptr(), 1, false));
             tags.push((tag, b));
+            extras.push(extra);
         }
+        assert_eq!(
+            hprt_pipeline_group_commit(o, s, ptr::null(), 1, false),
+            HprtStatus::ErrorNullArgument
+        );
         for (g, name) in names.iter().enumerate().rev() {
             ok(hprt_pipeline_backward_group_begin(o, name.as_ptr(), s));
             let mut addr = 0;
@@ -596,6 +619,17 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
         let mut st = HprtSwapStats::default();
         ok(hprt_pipeline_stats(o, &mut st));
         assert!(st.offloaded_tensors >= 2, "{st:?}");
+        // One offload in flight at a time: committing a group finished the one before, which
+        // released its forced buffer. (The last group's offload may have been taken back
+        // before it finished, which keeps its buffer.)
+        for (g, &extra) in extras.iter().enumerate() {
+            let mut len = usize::MAX;
+            ok(hprt_device_info(extra, ptr::null_mut(), &mut len));
+            if g < 2 {
+                assert_eq!(len, 0, "group {g}'s forced released buffer kept its memory");
+            }
+            ok(hprt_device_free(p, extra));
+        }
         ok(hprt_pipeline_reset(o));
         ok(hprt_pipeline_destroy(o));
         for (_, b, _) in saved {

@@ -8,6 +8,7 @@ use hprt_platform::{DType, DeviceBuffer};
 use hprt_swap::{
     Compression, DeviceTensor, KeyedSwap, OffloadTag, Packed, PipelineConfig, PipelineOffload,
     PlatformHandle, PoolConfig, Saved, SavedRef, SwapContext, SwapManager, TensorKey,
+    TensorKeyManager,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -632,6 +633,33 @@ pub fn proportional_slice(index: usize, cur: usize, prev: usize) -> (usize, usiz
     (r.start, r.end)
 }
 
+/// The keyed swap's (layer, index) keys: `get_key(layer)` gives the next saved tensor's key and
+/// whether it starts a new layer; `get_prefetch_keys(key)` the previous layer's keys that
+/// tensor's unpack prefetches (its proportional share). `KeyedSwap` keeps one of its own.
+#[pyclass(name = "TensorKeyManager", module = "hprt._native", frozen)]
+#[derive(Default)]
+pub struct PyTensorKeyManager {
+    inner: Mutex<TensorKeyManager>,
+}
+
+#[pymethods]
+impl PyTensorKeyManager {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+    fn get_key(&self, layer: usize) -> (TensorKey, bool) {
+        locked(&self.inner).get_key(layer)
+    }
+    fn get_prefetch_keys(&self, key: TensorKey) -> Vec<TensorKey> {
+        locked(&self.inner).get_prefetch_keys(key)
+    }
+    /// Tensors of `layer` counted in this step.
+    fn count(&self, layer: usize) -> usize {
+        locked(&self.inner).count(layer)
+    }
+}
+
 /// What `PipelineOffload.save` returned.
 #[pyclass(name = "OffloadTag", module = "hprt._native", frozen)]
 pub struct PyOffloadTag {
@@ -795,6 +823,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySwapContext>()?;
     m.add_class::<PyPacked>()?;
     m.add_class::<PyKeyedSwap>()?;
+    m.add_class::<PyTensorKeyManager>()?;
     m.add_class::<PyOffloadTag>()?;
     m.add_class::<PyPipelineOffload>()?;
     m.add_function(wrap_pyfunction!(proportional_slice, m)?)?;

@@ -163,3 +163,21 @@ def test_proportional_slice_and_summary_table():
     assert hprt.proportional_slice(1, 2, 4) == (2, 4)
     table = hprt.offload_summary_table([{"attn": 10}, {"attn": 5, "mlp": 7}])
     assert "| 1 | 5 | 7 | 12 |" in table
+
+
+def test_tensor_key_manager_upstream_names():
+    """hyper_parallel's TensorKeyManager: keys in save order, a new layer after the previous one,
+    a lower layer restarts the step, and the previous layer's keys split proportionally."""
+    km = hprt.TensorKeyManager()
+    assert km.get_key(0) == ((0, 0), False)
+    assert km.get_key(0) == ((0, 1), False)
+    assert km.get_key(0) == ((0, 2), False)
+    assert km.get_key(1) == ((1, 0), True)
+    assert km.get_key(1) == ((1, 1), False)
+    assert km.count(0) == 3 and km.count(1) == 2
+    # Layer 1's two tensors prefetch layer 0's three, each exactly once.
+    assert km.get_prefetch_keys((1, 0)) == [(0, 0)]
+    assert km.get_prefetch_keys((1, 1)) == [(0, 1), (0, 2)]
+    assert km.get_prefetch_keys((0, 0)) == []
+    assert km.get_key(0) == ((0, 0), False)  # the next step
+    assert km.count(1) == 0

@@ -525,6 +525,46 @@ pub unsafe extern "C" fn hprt_swap_set_current_group_name(
     })
 }
 
+/// hyper_parallel's `get_current_group_name`: the group `hprt_swap_save` fills, written to
+/// `out_name` with a terminating NUL; `*out_len` is the name's length without it (0 and an
+/// empty string when none was set). A `capacity` below `*out_len + 1` is
+/// `HPRT_STATUS_ERROR_BUFFER_TOO_SMALL` (`*out_len` is still set, to size the buffer).
+///
+/// # Safety
+/// `manager` live; `out_name` valid for `capacity` bytes; `out_len` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_swap_get_current_group_name(
+    manager: *mut HprtSwapManager,
+    out_name: *mut c_char,
+    capacity: usize,
+    out_len: *mut usize,
+) -> HprtStatus {
+    guard("hprt_swap_get_current_group_name", || {
+        let m = manager_mut(manager)?;
+        if out_name.is_null() {
+            return Err(FfiError::null("out_name"));
+        }
+        let name = m.manager.get_current_group_name().unwrap_or("");
+        // SAFETY: the caller's contract.
+        unsafe { out(out_len, "out_len", name.len()) }?;
+        if name.len() >= capacity {
+            return Err(FfiError {
+                status: HprtStatus::ErrorBufferTooSmall,
+                message: format!(
+                    "the group name needs {} bytes with its NUL, the buffer has {capacity}",
+                    name.len() + 1
+                ),
+            });
+        }
+        // SAFETY: `out_name` holds `capacity > len` bytes by contract.
+        unsafe {
+            std::ptr::copy_nonoverlapping(name.as_ptr().cast::<c_char>(), out_name, name.len());
+            out_name.add(name.len()).write(0);
+        }
+        Ok(())
+    })
+}
+
 /// hyper_parallel's `add_storage`: saves `bytes` of `storage` from `offset` into group
 /// `group_name` (made on first use).
 ///

@@ -352,19 +352,37 @@ pub unsafe extern "C" fn hprt_pipeline_save(
 }
 
 /// `group_commit`: the open group's forward was queued on `compute`; its offload is launched
-/// (or, with `delay`, at `hprt_pipeline_flush_delayed_groups`).
+/// (or, with `delay`, at `hprt_pipeline_flush_delayed_groups`). The `n_forced` storages of
+/// `forced_release` (Megatron's forced released tensors: buffers the group's tensors were
+/// computed from) are released once the group's offload completed.
 ///
 /// # Safety
-/// `offload`, `compute` live.
+/// `offload`, `compute` live; `forced_release` valid for `n_forced` live storages (may be null
+/// when `n_forced` is 0).
 #[no_mangle]
 pub unsafe extern "C" fn hprt_pipeline_group_commit(
     offload: *mut HprtPipelineOffload,
     compute: *const HprtStream,
+    forced_release: *const *const HprtDeviceBuffer,
+    n_forced: usize,
     delay: bool,
 ) -> HprtStatus {
     guard("hprt_pipeline_group_commit", || {
         let (o, c) = (arg_mut(offload, "offload")?, arg(compute, "compute")?);
-        o.offload.group_commit(&c.0, Vec::new(), delay)?;
+        let forced = if n_forced == 0 {
+            Vec::new()
+        } else {
+            if forced_release.is_null() {
+                return Err(FfiError::null("forced_release"));
+            }
+            // SAFETY: `forced_release` holds `n_forced` pointers by contract.
+            let storages = unsafe { std::slice::from_raw_parts(forced_release, n_forced) };
+            storages
+                .iter()
+                .map(|&b| Ok(arg(b, "forced_release[i]")?.0.clone()))
+                .collect::<FfiResult<Vec<_>>>()?
+        };
+        o.offload.group_commit(&c.0, forced, delay)?;
         Ok(())
     })
 }
