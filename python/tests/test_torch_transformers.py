@@ -41,8 +41,15 @@ def keyed(rt, blocks):
     ht.TensorSwapContext.reset()
     for block in blocks:
         ctx = ht.TensorSwapContext(module_tag="model.layers.*", runtime_=rt)
-        block.register_forward_pre_hook(lambda m, a, ctx=ctx: ctx.__enter__())
-        block.register_forward_hook(lambda m, a, o, ctx=ctx: ctx.__exit__(None, None, None))
+
+        def enter(module, args, ctx=ctx):
+            ctx.__enter__()
+
+        def leave(module, args, output, ctx=ctx):
+            ctx.__exit__(None, None, None)
+
+        block.register_forward_pre_hook(enter)
+        block.register_forward_hook(leave)
 
 
 def layer_group(rt, blocks):
