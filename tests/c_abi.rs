@@ -395,10 +395,20 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
         // hyper_parallel's current group name: none yet, then the one set.
         let mut name = [0 as std::ffi::c_char; 8];
         let mut len = usize::MAX;
-        ok(hprt_swap_get_current_group_name(m, name.as_mut_ptr(), 8, &mut len));
+        ok(hprt_swap_get_current_group_name(
+            m,
+            name.as_mut_ptr(),
+            8,
+            &mut len,
+        ));
         assert_eq!((len, name[0]), (0, 0));
         ok(hprt_swap_set_current_group_name(m, c"layer0".as_ptr()));
-        ok(hprt_swap_get_current_group_name(m, name.as_mut_ptr(), 8, &mut len));
+        ok(hprt_swap_get_current_group_name(
+            m,
+            name.as_mut_ptr(),
+            8,
+            &mut len,
+        ));
         assert_eq!(std::ffi::CStr::from_ptr(name.as_ptr()), c"layer0");
         assert_eq!(len, 6);
         assert_eq!(

@@ -3,12 +3,12 @@
 //! re-acquire, and modifications the reload must refuse.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 
 use hprt_platform::{CpuBackend, CpuConfig, DType, DeviceBuffer, ErrorKind, Platform, Stream};
 use hprt_swap::{
-    Allocator, Compression, DeviceTensor, EngineConfig, Reacquired, Saved, SwapEngine, SwapError,
-    SwapState, SwapTensor, VersionCounter,
+    Allocator, Compression, DeviceTensor, EngineConfig, Faults, Reacquired, Saved, SwapEngine,
+    SwapError, SwapState, SwapTensor, VersionCounter,
 };
 
 mod common;
@@ -449,4 +449,123 @@ fn a_per_tensor_policy_chooses_the_compression() {
     assert!(download(&f, ts[0].describe().unwrap()) == big);
     assert!(download(&f, ts[1].describe().unwrap()) == small);
     assert_eq!(f.engine.stats().compressed_tensors, 1);
+}
+
+/// One round of the pinned-reuse race for one payload kind: start reloading tensor A, abandon
+/// its tracker while the reload is queued (its pinned block returns to the pool), offload
+/// tensor B of the same size (which gets that block), then read A's reloaded bytes. Returns
+/// whether they came back right: nothing but the block's reuse wait orders B's write into the
+/// block after A's read from it (with the device codec, a compressed block; with the host
+/// stage, the staging block of A's decode).
+fn reuse_round(seed: u64, faults: Faults, compression: Compression, borrowed: bool) -> bool {
+    let mut f = fixture(1 << 20, Some(seed), compression);
+    f.engine.set_faults(faults);
+    let values = |k: f32| -> Vec<u8> {
+        (0..2048)
+            .flat_map(|i| ((i % 61) as f32 * 0.25 + k).to_le_bytes())
+            .collect()
+    };
+    let (da, db) = (values(1.0), values(2.0));
+    let made = Arc::new(Mutex::new(Vec::new()));
+    let alloc: Arc<dyn Allocator> = {
+        let (p, made) = (Arc::clone(&f.p), Arc::clone(&made));
+        Arc::new(move |like: &DeviceTensor| {
+            let storage = borrow(&*p, p.alloc_device(like.len)?, Arc::default());
+            made.lock().unwrap().push(storage.clone());
+            Ok(Reacquired {
+                storage,
+                offset: 0,
+                handle: None,
+                version: VersionCounter::new(),
+            })
+        })
+    };
+    let tensor = |data: &[u8]| {
+        let buf = upload(&f, data);
+        let t = if borrowed {
+            let storage = borrow(&*f.p, buf.clone(), Arc::default());
+            DeviceTensor::borrowed(storage, DType::F32, vec![2048], None, alloc.clone()).unwrap()
+        } else {
+            DeviceTensor::whole(buf.clone(), DType::F32, vec![2048])
+        };
+        (buf, SwapTensor::new(Saved::Tensor(t)).unwrap())
+    };
+    let (a, mut ta) = tensor(&da);
+    let (_b, mut tb) = tensor(&db);
+    f.engine.offload([&mut ta], &f.s).unwrap();
+    f.engine.finish_offload([&mut ta]).unwrap();
+    // A's copy out of the block is held behind a gate on the reload stream until B's offload
+    // had time to run, so a missing reuse wait shows up on every seed. Not for the host stage:
+    // there A's reload first decodes into the block, then copies out of it, and B's write
+    // corrupts A only between the two, which a gate before both cannot produce (the jitter
+    // does).
+    let gate = Arc::new((
+        Mutex::new(compression == Compression::HostStage),
+        Condvar::new(),
+    ));
+    let g = Arc::clone(&gate);
+    f.p.launch_host_fn(
+        f.engine.h2d_stream(),
+        Box::new(move || {
+            let (open, cv) = &*g;
+            let mut open = open.lock().unwrap();
+            while !*open {
+                open = cv.wait(open).unwrap();
+            }
+        }),
+    )
+    .unwrap();
+    f.engine.start_reload([&mut ta]).unwrap();
+    drop(ta);
+    let hits = f.engine.pool_stats().hits;
+    f.engine.offload([&mut tb], &f.s).unwrap();
+    assert!(
+        f.engine.pool_stats().hits > hits,
+        "{compression:?} borrowed={borrowed}: B reused A's block"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    *gate.0.lock().unwrap() = true;
+    gate.1.notify_all();
+    f.engine.synchronize().unwrap();
+    f.p.synchronize_device().unwrap();
+    let reloaded = if borrowed {
+        made.lock().unwrap()[0].clone()
+    } else {
+        a
+    };
+    let mut out = vec![0u8; da.len()];
+    f.p.read_device_sync(&reloaded, 0, &mut out, &f.s).unwrap();
+    out == da
+}
+
+#[test]
+fn a_recycled_pinned_block_waits_for_its_last_reload_for_every_payload_kind() {
+    let faulty = Faults {
+        skip_pinned_reuse_wait: true,
+        ..Faults::default()
+    };
+    for compression in [
+        Compression::Off,
+        Compression::Device,
+        Compression::HostStage,
+    ] {
+        for borrowed in [false, true] {
+            let what = format!("{compression:?} borrowed={borrowed}");
+            for seed in jitter_seeds() {
+                assert!(
+                    reuse_round(seed, Faults::default(), compression, borrowed),
+                    "{what}: jitter seed {seed}"
+                );
+            }
+            assert!(
+                jitter_seeds().into_iter().any(|seed| !reuse_round(
+                    seed,
+                    faulty,
+                    compression,
+                    borrowed
+                )),
+                "{what}: removing the pinned-reuse wait went unnoticed"
+            );
+        }
+    }
 }
