@@ -7,7 +7,8 @@
   owner)``, ``Platform.wrap_stream(raw)``).
 - Swap: ``SwapManager`` (hyper_parallel's layer groups: module hooks and ``add_storage`` /
   ``launch_offload`` / ``wait_offload`` / ``launch_load`` / ``wait_load``), ``KeyedSwap`` /
-  ``TensorSwapContext`` (``swap_out_cur_and_release_prev`` / ``wait_cur_and_prefetch_next``),
+  ``TensorSwapContext`` (``swap_out_cur_and_release_prev`` / ``wait_cur_and_prefetch_next``;
+  ``TensorKeyManager`` with ``get_key`` / ``get_prefetch_keys``),
   ``PipelineOffload`` (Megatron's ``group_start`` / ``group_commit``); each takes hprt
   ``DeviceTensor``s or a framework's own tensors as borrowed payloads
   (``FrameworkMemory.tensor``; what ``hprt.torch`` uses), and ``compression="device" |
@@ -31,7 +32,7 @@ __all__ = [name for name in dir(_native) if not name.startswith("_")] + ["Tensor
 
 
 class TensorSwapContext:
-    """One layer of keyed swap (seed 001): ``TensorSwapContext(module_tag="model.layer.*")``.
+    """One layer of keyed swap (a ``saved_tensors_hooks`` design): ``TensorSwapContext(module_tag="model.layer.*")``.
 
     Every context made with the same tag is the next layer under that tag; all contexts share
     one ``KeyedSwap`` (per platform unless ``swap`` is given). ``pack(value, stream)`` where a

@@ -1,4 +1,4 @@
-//! `hprt.ActivationManager`: hprt-compress's per-layer activation manager (seed 003). Saved
+//! `hprt.ActivationManager`: hprt-compress's per-layer activation manager (MindSpeed). Saved
 //! tensors are registered per layer; during each operator window the previous layer's tensors
 //! that fit are encoded on a side stream and their device memory released; in backward the
 //! next layer's are decoded in the window, and whatever is still compressed when its layer's

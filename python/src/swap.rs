@@ -426,7 +426,7 @@ fn parse_compression(name: &str) -> Result<Compression> {
     })
 }
 
-/// A layer registered under a module tag (the seed's `TensorSwapContext` position).
+/// A layer registered under a module tag (hyper_parallel's `TensorSwapContext` position).
 #[pyclass(name = "SwapContext", module = "hprt._native", frozen)]
 pub struct PySwapContext {
     ctx: SwapContext,

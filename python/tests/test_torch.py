@@ -64,7 +64,7 @@ def train(mode, rt=None):
         mgr = ht.SwapManager(rt)
         for a, b in zip(model.layers[:-1], model.layers[1:]):
             mgr.set_forward_prefetch_layer(a, b)
-            mgr.set_forward_prefetch_layer(a, b)  # idempotent, as in the seed
+            mgr.set_forward_prefetch_layer(a, b)  # idempotent, as in hyper_parallel
     elif mode == "keep":
         wrap = lambda i: ht.keep_saved_tensors(rt)  # noqa: E731
     elif mode == "compress":

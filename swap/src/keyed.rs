@@ -105,7 +105,7 @@ impl ModuleTag {
     }
 }
 
-/// A layer registered under a tag: the seed's `TensorSwapContext`.
+/// A layer registered under a tag: hyper_parallel's `TensorSwapContext`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SwapContext {
     tag: usize,
@@ -194,7 +194,7 @@ impl KeyedSwap {
         self.min_bytes = bytes;
     }
 
-    /// An extra eligibility test (the seed's `custom_check_fn`).
+    /// An extra eligibility test (hyper_parallel's `custom_check_fn`).
     pub fn set_predicate(&mut self, predicate: Option<SwapPredicate>) {
         self.predicate = predicate;
     }

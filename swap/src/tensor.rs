@@ -65,7 +65,7 @@ impl std::fmt::Debug for VersionCounter {
 /// A device tensor as a framework describes it: `len` bytes at `offset` in `storage`.
 ///
 /// A tensor covering its whole storage swaps the storage; a view (a smaller range) copies only
-/// its own bytes. As in the seeds, offloading a view still releases the whole storage, and
+/// its own bytes. As in hyper_parallel and Megatron-LM, offloading a view still releases the whole storage, and
 /// reloading re-acquires the whole storage and restores the view's bytes only: bytes of the
 /// storage outside every saved view are unspecified after reload.
 ///

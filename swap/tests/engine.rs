@@ -90,7 +90,7 @@ fn calls_in_the_wrong_state_are_typed_errors() {
         wrong_state(f.engine.finish_offload([&mut t])),
         SwapState::Device
     );
-    // Already at the target: a no-op, as the seed's wait_load on a loaded tensor.
+    // Already at the target: a no-op, as hyper_parallel's wait_load on a loaded tensor.
     f.engine.finish_reload([&mut t], &f.s).unwrap();
     f.engine.offload([&mut t], &f.s).unwrap();
     assert!(matches!(
