@@ -370,6 +370,22 @@ impl PySwapManager {
     }
 }
 
+/// What a Python callback sees of a tensor: the framework's own object for a borrowed payload,
+/// else a `DeviceTensor`.
+fn tensor_object(py: Python<'_>, p: &PlatformHandle, t: &DeviceTensor) -> PyResult<Py<PyAny>> {
+    match handle_object(py, t) {
+        Some(obj) => Ok(obj),
+        None => Py::new(
+            py,
+            PyDeviceTensor {
+                p: p.clone(),
+                t: t.clone(),
+            },
+        )
+        .map(Py::into_any),
+    }
+}
+
 /// A per-tensor compression policy from Python: `policy(t)` returns a mode name (`t` the
 /// framework tensor of a borrowed payload, else a `DeviceTensor`); a policy that raises or
 /// returns something else means `off`, its exception reported as unraisable.
@@ -381,18 +397,7 @@ fn py_policy(
     policy.map(|f| {
         Arc::new(move |t: &DeviceTensor| {
             Python::attach(|py| {
-                let arg = match handle_object(py, t) {
-                    Some(obj) => Ok(obj),
-                    None => Py::new(
-                        py,
-                        PyDeviceTensor {
-                            p: p.clone(),
-                            t: t.clone(),
-                        },
-                    )
-                    .map(Py::into_any),
-                };
-                let chosen = arg
+                let chosen = tensor_object(py, &p, t)
                     .and_then(|a| f.call1(py, (a,)))
                     .and_then(|r| r.extract::<String>(py));
                 match chosen.map(|name| parse_compression(&name)) {
@@ -530,18 +535,7 @@ impl PyKeyedSwap {
         let boxed = predicate.map(|f| {
             Box::new(move |t: &DeviceTensor| {
                 Python::attach(|py| {
-                    let arg = match handle_object(py, t) {
-                        Some(obj) => Ok(obj),
-                        None => Py::new(
-                            py,
-                            PyDeviceTensor {
-                                p: p.clone(),
-                                t: t.clone(),
-                            },
-                        )
-                        .map(Py::into_any),
-                    };
-                    match arg
+                    match tensor_object(py, &p, t)
                         .and_then(|a| f.call1(py, (a,)))
                         .and_then(|r| r.is_truthy(py))
                     {
