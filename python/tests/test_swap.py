@@ -181,3 +181,36 @@ def test_tensor_key_manager_upstream_names():
     assert km.get_prefetch_keys((0, 0)) == []
     assert km.get_key(0) == ((0, 0), False)  # the next step
     assert km.count(1) == 0
+
+
+def test_a_storage_resized_back_and_written_before_its_reload_is_refused(p):
+    """Issue 20's reproduction: an offloaded tensor's storage re-acquired outside swap
+    (``DeviceBuffer.resize``) and written; the reload must not overwrite the new bytes."""
+    s = p.create_stream()
+    m = hprt.SwapManager(p)
+    t, arr = tensor(p, s, np.arange(64))
+    ref = m.add_storage("g", t)
+    m.launch_offload("g", s)
+    m.wait_offload("g")
+    assert t.buffer.nbytes == 0
+    t.buffer.resize(arr.nbytes)
+    new = np.full(64, 7.0, dtype=np.float32)
+    p.write(t.buffer, new.tobytes(), s)
+    with pytest.raises(hprt.SwapStateError) as e:
+        m.launch_load("g")
+    assert e.value.status == "HP_SWAP_REACQUIRED_OUTSIDE_SWAP"
+    assert np.array_equal(read(p, s, t), new)  # the new bytes stand
+    del ref
+
+
+def test_a_version_bumped_between_offload_and_reload_is_refused(p):
+    s = p.create_stream()
+    m = hprt.SwapManager(p)
+    t, _ = tensor(p, s, np.arange(64))
+    m.add_storage("g", t)
+    m.launch_offload("g", s)
+    m.wait_offload("g")
+    t.bump_version()  # what a framework's in-place write does to its version counter
+    with pytest.raises(hprt.SwapStateError) as e:
+        m.launch_load("g")
+    assert e.value.status == "HP_SWAP_MODIFIED_SINCE_OFFLOAD"

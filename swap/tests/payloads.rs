@@ -569,3 +569,43 @@ fn a_recycled_pinned_block_waits_for_its_last_reload_for_every_payload_kind() {
         }
     }
 }
+
+/// f64 has no codec: with compression on, an f64 tensor (NaN payloads, infinities, subnormals
+/// included) travels as raw bytes and comes back bit-exact.
+#[test]
+fn f64_tensors_travel_raw_under_compression_and_come_back_bit_exact() {
+    let special: [u64; 8] = [
+        0x7ff8_0000_0000_0001,
+        0xfff4_0000_dead_beef,
+        0x7ff0_0000_0000_0000,
+        0x8000_0000_0000_0000,
+        0x0000_0000_0000_0001,
+        0x800f_ffff_ffff_ffff,
+        0x7fef_ffff_ffff_ffff,
+        0x3ff0_0000_0000_0000,
+    ];
+    let data: Vec<u8> = (0..4096)
+        .flat_map(|i| {
+            let v = if i % 3 == 0 {
+                special[i / 3 % 8]
+            } else {
+                (i as f64 * 0.125 - 7.0).to_bits()
+            };
+            v.to_le_bytes()
+        })
+        .collect();
+    for compression in [Compression::Device, Compression::HostStage, Compression::Auto] {
+        let mut f = fixture(1 << 20, None, compression);
+        let buf = upload(&f, &data);
+        let t = DeviceTensor::whole(buf, DType::F64, vec![4096]);
+        let mut t = SwapTensor::new(Saved::Tensor(t)).unwrap();
+        f.engine.offload([&mut t], &f.s).unwrap();
+        f.engine.finish_offload([&mut t]).unwrap();
+        f.engine.start_reload([&mut t]).unwrap();
+        f.engine.finish_reload([&mut t], &f.s).unwrap();
+        assert!(download(&f, t.describe().unwrap()) == data, "{compression:?}");
+        let st = f.engine.stats();
+        assert_eq!(st.compressed_tensors, 0, "{compression:?}");
+        assert_eq!(st.link_d2h_bytes, data.len() as u64, "{compression:?}");
+    }
+}
