@@ -203,6 +203,11 @@ typedef struct HprtStream HprtStream;
 typedef struct HprtSwapManager HprtSwapManager;
 
 /*
+ hyper_parallel's `TensorKeyManager`: (layer, index) keys in save order.
+ */
+typedef struct HprtTensorKeyManager HprtTensorKeyManager;
+
+/*
  What an encoding holds, read from its (checksummed) header and chunk table.
  */
 typedef struct HprtCompressedInfo {
@@ -1538,6 +1543,60 @@ enum HprtStatus hprt_pipeline_post_warmup(struct HprtPipelineOffload *offload);
  */
 enum HprtStatus hprt_pipeline_stats(struct HprtPipelineOffload *offload,
                                     struct HprtSwapStats *out_stats);
+
+/*
+ Megatron's offload summary: a table of the bytes offloaded per group in the last iteration
+ after warm-up (this process's row), written to `out_text` with a NUL; `*out_len` is its
+ length (set also when `capacity` is too small, to size the buffer).
+
+ # Safety
+ `offload` live; `out_text` valid for `capacity` bytes; `out_len` valid for writing.
+ */
+enum HprtStatus hprt_pipeline_summary_table(struct HprtPipelineOffload *offload,
+                                            char *out_text,
+                                            size_t capacity,
+                                            size_t *out_len);
+
+/*
+ hyper_parallel's `TensorKeyManager`.
+
+ # Safety
+ `out_manager` valid for writing.
+ */
+enum HprtStatus hprt_tensor_key_manager_create(struct HprtTensorKeyManager **out_manager);
+
+/*
+ # Safety
+ `manager` from `hprt_tensor_key_manager_create`; afterwards the handle is invalid.
+ */
+enum HprtStatus hprt_tensor_key_manager_destroy(struct HprtTensorKeyManager *manager);
+
+/*
+ `get_key(layer)`: the key `(layer, *out_index)` of the next tensor `layer` saves, and
+ whether it starts a new layer after layer `layer - 1` (`*out_previous_done`: that layer's
+ device copies may be released). A layer below the current one starts a new step.
+
+ # Safety
+ `manager` live; out-pointers valid for writing.
+ */
+enum HprtStatus hprt_tensor_key_manager_get_key(struct HprtTensorKeyManager *manager,
+                                                size_t layer,
+                                                size_t *out_index,
+                                                bool *out_previous_done);
+
+/*
+ `get_prefetch_keys((layer, index))`: the keys of layer `layer - 1` that tensor
+ `(layer, index)` prefetches are `(layer - 1, i)` for `i` in `[*out_first, *out_end)` (its
+ proportional share; empty for layer 0).
+
+ # Safety
+ `manager` live; out-pointers valid for writing.
+ */
+enum HprtStatus hprt_tensor_key_manager_get_prefetch_keys(struct HprtTensorKeyManager *manager,
+                                                          size_t layer,
+                                                          size_t index,
+                                                          size_t *out_first,
+                                                          size_t *out_end);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -652,3 +652,119 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
         ok(hprt_platform_close(p));
     }
 }
+
+#[test]
+fn tensor_key_manager_and_pipeline_summary_through_the_c_abi() {
+    let p = open_cpu();
+    let n = 4096usize;
+    // SAFETY: every handle is made here, used while live and released once.
+    unsafe {
+        // hyper_parallel's TensorKeyManager: three tensors in layer 0, two in layer 1.
+        let mut km = ptr::null_mut();
+        ok(hprt_tensor_key_manager_create(&mut km));
+        let (mut index, mut previous_done) = (usize::MAX, true);
+        let mut key = |layer| {
+            ok(hprt_tensor_key_manager_get_key(
+                km,
+                layer,
+                &mut index,
+                &mut previous_done,
+            ));
+            (index, previous_done)
+        };
+        assert_eq!(
+            [key(0), key(0), key(0)],
+            [(0, false), (1, false), (2, false)]
+        );
+        assert_eq!([key(1), key(1)], [(0, true), (1, false)]);
+        let (mut first, mut end) = (usize::MAX, usize::MAX);
+        ok(hprt_tensor_key_manager_get_prefetch_keys(
+            km, 1, 1, &mut first, &mut end,
+        ));
+        assert_eq!(
+            (first, end),
+            (1, 3),
+            "layer 1's second tensor prefetches 0.1 and 0.2"
+        );
+        ok(hprt_tensor_key_manager_get_prefetch_keys(
+            km, 0, 0, &mut first, &mut end,
+        ));
+        assert_eq!(first, end, "layer 0 prefetches nothing");
+        ok(hprt_tensor_key_manager_destroy(km));
+        assert_eq!(
+            hprt_tensor_key_manager_destroy(km),
+            HprtStatus::ErrorInvalidHandle
+        );
+
+        // Megatron's summary: a warm-up iteration, then one summarized (the last group is kept
+        // on the device by the keep-last margin).
+        let mut s = ptr::null_mut();
+        ok(hprt_stream_create(p, &mut s));
+        let mut o = ptr::null_mut();
+        ok(hprt_pipeline_create(
+            p,
+            1,
+            1,
+            1,
+            0,
+            HprtCompression::Off,
+            &mut o,
+        ));
+        let names = [c"attn", c"mlp", c"out"];
+        for iteration in 0..2 {
+            ok(hprt_pipeline_init_chunk(o, 1, 0));
+            let mut saved = Vec::new();
+            for name in &names {
+                ok(hprt_pipeline_group_start(o, name.as_ptr()));
+                let b = filled_buffer(p, s, n, 1);
+                let (mut tag, mut offloaded) = (0, 0);
+                ok(hprt_pipeline_save(
+                    o,
+                    b,
+                    0,
+                    n,
+                    HprtDtype::U8 as i32,
+                    &mut tag,
+                    &mut offloaded,
+                ));
+                ok(hprt_pipeline_group_commit(o, s, ptr::null(), 0, false));
+                saved.push((tag, b));
+            }
+            for (g, name) in names.iter().enumerate().rev() {
+                ok(hprt_pipeline_backward_group_begin(o, name.as_ptr(), s));
+                let mut addr = 0;
+                ok(hprt_pipeline_get(o, saved[g].0, s, &mut addr));
+                ok(hprt_pipeline_backward_group_end(o));
+            }
+            if iteration == 0 {
+                ok(hprt_pipeline_post_warmup(o));
+            }
+            ok(hprt_pipeline_reset(o));
+            for (_, b) in saved {
+                ok(hprt_device_free(p, b));
+            }
+        }
+        let mut text = vec![0 as std::ffi::c_char; 256];
+        let mut len = 0;
+        ok(hprt_pipeline_summary_table(
+            o,
+            text.as_mut_ptr(),
+            text.len(),
+            &mut len,
+        ));
+        let table = std::ffi::CStr::from_ptr(text.as_ptr()).to_str().unwrap();
+        assert_eq!(
+            table,
+            "| rank | attn | mlp | total |\n|---:|---:|---:|---:|\n| 0 | 4096 | 4096 | 8192 |\n"
+        );
+        assert_eq!(len, table.len());
+        assert_eq!(
+            hprt_pipeline_summary_table(o, text.as_mut_ptr(), 8, &mut len),
+            HprtStatus::ErrorBufferTooSmall
+        );
+        assert_eq!(len, table.len(), "the length sizes the buffer");
+        ok(hprt_pipeline_destroy(o));
+        ok(hprt_stream_destroy(p, s));
+        ok(hprt_platform_close(p));
+    }
+}

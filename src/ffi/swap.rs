@@ -541,28 +541,44 @@ pub unsafe extern "C" fn hprt_swap_get_current_group_name(
 ) -> HprtStatus {
     guard("hprt_swap_get_current_group_name", || {
         let m = manager_mut(manager)?;
-        if out_name.is_null() {
-            return Err(FfiError::null("out_name"));
-        }
         let name = m.manager.get_current_group_name().unwrap_or("");
         // SAFETY: the caller's contract.
-        unsafe { out(out_len, "out_len", name.len()) }?;
-        if name.len() >= capacity {
-            return Err(FfiError {
-                status: HprtStatus::ErrorBufferTooSmall,
-                message: format!(
-                    "the group name needs {} bytes with its NUL, the buffer has {capacity}",
-                    name.len() + 1
-                ),
-            });
-        }
-        // SAFETY: `out_name` holds `capacity > len` bytes by contract.
-        unsafe {
-            std::ptr::copy_nonoverlapping(name.as_ptr().cast::<c_char>(), out_name, name.len());
-            out_name.add(name.len()).write(0);
-        }
-        Ok(())
+        unsafe { write_text(name, "the group name", out_name, capacity, out_len) }
     })
+}
+
+/// Writes `text` and a NUL to `out_text` (capacity `capacity`) and its length without the NUL
+/// to `*out_len`, which is set even when the capacity is too small (to size the buffer).
+///
+/// # Safety
+/// `out_text` valid for `capacity` bytes; `out_len` valid for writing.
+pub(super) unsafe fn write_text(
+    text: &str,
+    what: &str,
+    out_text: *mut c_char,
+    capacity: usize,
+    out_len: *mut usize,
+) -> FfiResult {
+    if out_text.is_null() {
+        return Err(FfiError::null("out_text"));
+    }
+    // SAFETY: the caller's contract.
+    unsafe { out(out_len, "out_len", text.len()) }?;
+    if text.len() >= capacity {
+        return Err(FfiError {
+            status: HprtStatus::ErrorBufferTooSmall,
+            message: format!(
+                "{what} needs {} bytes with its NUL, the buffer has {capacity}",
+                text.len() + 1
+            ),
+        });
+    }
+    // SAFETY: `out_text` holds `capacity > len` bytes by contract.
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr().cast::<c_char>(), out_text, text.len());
+        out_text.add(text.len()).write(0);
+    }
+    Ok(())
 }
 
 /// hyper_parallel's `add_storage`: saves `bytes` of `storage` from `offset` into group

@@ -1,19 +1,22 @@
 //! C entry points of the keyed swap (`hprt_keyed_*`: `swap_out_cur_and_release_prev` /
 //! `wait_cur_and_prefetch_next`) and of Megatron-LM's chunked pipeline offload
-//! (`hprt_pipeline_*`: chunk handlers, `group_start` / `group_commit`, backward group marks).
+//! (`hprt_pipeline_*`: chunk handlers, `group_start` / `group_commit`, backward group marks,
+//! the summary), and hyper_parallel's `TensorKeyManager` (`hprt_tensor_key_manager_*`).
 //! Both take hprt device storage; framework tensors as borrowed payloads go through the layer
 //! groups' `hprt_swap_add_borrowed`.
 
 use std::ffi::c_char;
 
 use hprt_swap::{
-    KeyedSwap, OffloadTag, Packed, PipelineConfig, PipelineOffload, PoolConfig, Saved, SwapContext,
-    SwapEngine,
+    offload_summary_table, KeyedSwap, OffloadTag, Packed, PipelineConfig, PipelineOffload,
+    PoolConfig, Saved, SwapContext, SwapEngine, TensorKeyManager,
 };
 
 use super::handle::{handle_kind, Exclusive};
 use super::platform::{HprtDeviceBuffer, HprtPlatform, HprtStream};
-use super::swap::{compression, name_arg, stats_of, view, HprtCompression, HprtSwapStats};
+use super::swap::{
+    compression, name_arg, stats_of, view, write_text, HprtCompression, HprtSwapStats,
+};
 use super::{arg, arg_mut, guard, out, publish, release, FfiError, FfiResult, HprtStatus};
 
 /// Keyed swap: layers registered per module tag, tensors packed and unpacked by key.
@@ -40,8 +43,12 @@ pub struct HprtPipelineOffload {
     tags: Vec<OffloadTag>,
 }
 
+/// hyper_parallel's `TensorKeyManager`: (layer, index) keys in save order.
+pub struct HprtTensorKeyManager(TensorKeyManager);
+
 handle_kind!(exclusive HprtKeyedSwap, 11, "keyed swap");
 handle_kind!(exclusive HprtPipelineOffload, 12, "pipeline offload");
+handle_kind!(exclusive HprtTensorKeyManager, 13, "tensor key manager");
 
 fn pool(host_budget: usize) -> PoolConfig {
     PoolConfig {
@@ -502,5 +509,114 @@ pub unsafe extern "C" fn hprt_pipeline_stats(
         let o = arg_mut(offload, "offload")?;
         // SAFETY: the caller's contract.
         unsafe { write_stats(o.offload.engine(), out_stats) }
+    })
+}
+
+/// Megatron's offload summary: a table of the bytes offloaded per group in the last iteration
+/// after warm-up (this process's row), written to `out_text` with a NUL; `*out_len` is its
+/// length (set also when `capacity` is too small, to size the buffer).
+///
+/// # Safety
+/// `offload` live; `out_text` valid for `capacity` bytes; `out_len` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_summary_table(
+    offload: *mut HprtPipelineOffload,
+    out_text: *mut c_char,
+    capacity: usize,
+    out_len: *mut usize,
+) -> HprtStatus {
+    guard("hprt_pipeline_summary_table", || {
+        let o = arg_mut(offload, "offload")?;
+        let table = offload_summary_table(std::slice::from_ref(o.offload.offload_summary_bytes()));
+        // SAFETY: the caller's contract.
+        unsafe { write_text(&table, "the summary table", out_text, capacity, out_len) }
+    })
+}
+
+/// hyper_parallel's `TensorKeyManager`.
+///
+/// # Safety
+/// `out_manager` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_tensor_key_manager_create(
+    out_manager: *mut *mut HprtTensorKeyManager,
+) -> HprtStatus {
+    guard("hprt_tensor_key_manager_create", || {
+        // SAFETY: the caller's contract.
+        unsafe {
+            publish(out_manager, "out_manager", || {
+                Ok(Exclusive::new(
+                    HprtTensorKeyManager(TensorKeyManager::new()),
+                ))
+            })
+        }
+    })
+}
+
+/// # Safety
+/// `manager` from `hprt_tensor_key_manager_create`; afterwards the handle is invalid.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_tensor_key_manager_destroy(
+    manager: *mut HprtTensorKeyManager,
+) -> HprtStatus {
+    guard("hprt_tensor_key_manager_destroy", || {
+        release(manager, "manager")?;
+        Ok(())
+    })
+}
+
+/// `get_key(layer)`: the key `(layer, *out_index)` of the next tensor `layer` saves, and
+/// whether it starts a new layer after layer `layer - 1` (`*out_previous_done`: that layer's
+/// device copies may be released). A layer below the current one starts a new step.
+///
+/// # Safety
+/// `manager` live; out-pointers valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_tensor_key_manager_get_key(
+    manager: *mut HprtTensorKeyManager,
+    layer: usize,
+    out_index: *mut usize,
+    out_previous_done: *mut bool,
+) -> HprtStatus {
+    guard("hprt_tensor_key_manager_get_key", || {
+        let m = arg_mut(manager, "manager")?;
+        if out_index.is_null() || out_previous_done.is_null() {
+            return Err(FfiError::null("out_index / out_previous_done"));
+        }
+        let ((_, index), previous_done) = m.0.get_key(layer);
+        // SAFETY: the caller's contract.
+        unsafe {
+            out(out_index, "out_index", index)?;
+            out(out_previous_done, "out_previous_done", previous_done)
+        }
+    })
+}
+
+/// `get_prefetch_keys((layer, index))`: the keys of layer `layer - 1` that tensor
+/// `(layer, index)` prefetches are `(layer - 1, i)` for `i` in `[*out_first, *out_end)` (its
+/// proportional share; empty for layer 0).
+///
+/// # Safety
+/// `manager` live; out-pointers valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_tensor_key_manager_get_prefetch_keys(
+    manager: *mut HprtTensorKeyManager,
+    layer: usize,
+    index: usize,
+    out_first: *mut usize,
+    out_end: *mut usize,
+) -> HprtStatus {
+    guard("hprt_tensor_key_manager_get_prefetch_keys", || {
+        let m = arg_mut(manager, "manager")?;
+        if out_first.is_null() || out_end.is_null() {
+            return Err(FfiError::null("out_first / out_end"));
+        }
+        let keys = m.0.get_prefetch_keys((layer, index));
+        let first = keys.first().map_or(0, |k| k.1);
+        // SAFETY: the caller's contract.
+        unsafe {
+            out(out_first, "out_first", first)?;
+            out(out_end, "out_end", first + keys.len())
+        }
     })
 }

@@ -594,7 +594,11 @@ fn f64_tensors_travel_raw_under_compression_and_come_back_bit_exact() {
             v.to_le_bytes()
         })
         .collect();
-    for compression in [Compression::Device, Compression::HostStage, Compression::Auto] {
+    for compression in [
+        Compression::Device,
+        Compression::HostStage,
+        Compression::Auto,
+    ] {
         let mut f = fixture(1 << 20, None, compression);
         let buf = upload(&f, &data);
         let t = DeviceTensor::whole(buf, DType::F64, vec![4096]);
@@ -603,7 +607,10 @@ fn f64_tensors_travel_raw_under_compression_and_come_back_bit_exact() {
         f.engine.finish_offload([&mut t]).unwrap();
         f.engine.start_reload([&mut t]).unwrap();
         f.engine.finish_reload([&mut t], &f.s).unwrap();
-        assert!(download(&f, t.describe().unwrap()) == data, "{compression:?}");
+        assert!(
+            download(&f, t.describe().unwrap()) == data,
+            "{compression:?}"
+        );
         let st = f.engine.stats();
         assert_eq!(st.compressed_tensors, 0, "{compression:?}");
         assert_eq!(st.link_d2h_bytes, data.len() as u64, "{compression:?}");
