@@ -673,3 +673,126 @@ pub(crate) fn split_bad_rank_lists(p: &dyn Platform) -> Result<()> {
         Ok(())
     })
 }
+
+/// A queued error reaches everything ordered after the failed work, as a GPU's sticky errors
+/// do: events recorded after it, streams that waited on such an event (directly or through
+/// another stream's event), and a device synchronize. Once reported, later work is clean again.
+pub(crate) fn queued_error_reaches_waiters(p: &dyn Platform) -> Result<()> {
+    if p.backend() == hprt_platform::BackendKind::Cuda {
+        return Err(crate::util::Skipped(
+            "NCCL does not detect ranks that disagree, so no queued error can be made here".into(),
+        )
+        .into());
+    }
+    let phase = std::sync::Barrier::new(2);
+    run_world(p, 2, |r| {
+        let b = r.p.alloc_device(256)?;
+        let count = if r.rank == 0 { 4 } else { 8 };
+        r.p.all_reduce(
+            b.at(0),
+            b.at(64),
+            count,
+            DType::F32,
+            ReduceOp::Sum,
+            &r.comm,
+            &r.stream,
+        )?;
+        let after = r.p.create_event(false)?;
+        r.p.record_event(&after, &r.stream)?;
+        let waiter = r.p.create_stream()?;
+        r.p.stream_wait_event(&waiter, &after)?;
+        let d = r.p.alloc_device(64)?;
+        r.p.memset_async(&d, 0, 1, 64, &waiter)?;
+        let later = r.p.create_event(false)?;
+        r.p.record_event(&later, &waiter)?;
+        let third = r.p.create_stream()?;
+        r.p.stream_wait_event(&third, &later)?;
+        r.p.memset_async(&d, 0, 2, 64, &third)?;
+        expect_err(
+            r.p.synchronize_event(&after),
+            "an event recorded after the failed collective",
+        )?;
+        expect_err(
+            r.p.synchronize_event(&later),
+            "an event recorded on a stream after it waited on the failed work",
+        )?;
+        expect_err(
+            r.p.synchronize_stream(&third),
+            "a stream that waited on the failed work through two events",
+        )?;
+        expect_err(
+            r.p.synchronize_stream(&waiter),
+            "a stream that waited on an event recorded after the failed collective",
+        )?;
+        // Device synchronizes see every rank's streams of a shared platform: one rank checks,
+        // between barriers, while each rank's collective stream still holds its error.
+        phase.wait();
+        if r.rank == 0 {
+            let e = expect_err(
+                r.p.synchronize_device(),
+                "a device synchronize after the failed collective",
+            );
+            phase.wait();
+            e?;
+        } else {
+            phase.wait();
+        }
+        // Reported: a wait on a point recorded after the report is clean.
+        r.p.synchronize_stream(&r.stream).ok();
+        r.p.record_event(&after, &r.stream)?;
+        r.p.stream_wait_event(&waiter, &after)?;
+        r.p.memset_async(&d, 0, 3, 64, &waiter)?;
+        r.p.synchronize_stream(&waiter)
+            .context("a wait on an event recorded after the error was reported")?;
+        r.p.destroy_stream(&waiter)?;
+        r.p.destroy_stream(&third)?;
+        Ok(())
+    })
+}
+
+/// A failed collective aborts its communicator on every rank, as `ncclCommAbort` does: the
+/// collectives queued behind it and those issued later fail at once, instead of each waiting
+/// out the timeout or (worse) running on a communicator whose ranks are out of step.
+pub(crate) fn failed_collective_aborts_communicator(p: &dyn Platform) -> Result<()> {
+    if p.backend() == hprt_platform::BackendKind::Cuda {
+        return Err(crate::util::Skipped(
+            "NCCL does not detect ranks that disagree, so no collective fails here".into(),
+        )
+        .into());
+    }
+    run_world(p, 2, |r| {
+        let b = r.p.alloc_device(256)?;
+        r.p.memset_async(&b, 0, 0x3F, 256, &r.stream)?;
+        let out = r.p.alloc_device(64)?;
+        r.p.memset_async(&out, 0, 0, 64, &r.stream)?;
+        let count = if r.rank == 0 { 4 } else { 8 };
+        let all_reduce = |count: usize, recv: &hprt_platform::DeviceBuffer| {
+            r.p.all_reduce(
+                b.at(0),
+                recv.at(0),
+                count,
+                DType::F32,
+                ReduceOp::Sum,
+                &r.comm,
+                &r.stream,
+            )
+        };
+        all_reduce(count, &b)?;
+        for _ in 0..4 {
+            // Matching on both ranks: would run, out of step, on a communicator left as it was.
+            all_reduce(4, &out)?;
+        }
+        expect_err(r.p.synchronize_stream(&r.stream), "the failed collective")?;
+        check_bytes(
+            "the output of collectives queued behind a failed one",
+            &[0u8; 64],
+            &crate::util::download(r.p, &out, 0, 64, &r.stream)?,
+        )?;
+        all_reduce(4, &out)?;
+        expect_err(
+            r.p.synchronize_stream(&r.stream),
+            "a collective issued after the communicator failed",
+        )?;
+        Ok(())
+    })
+}

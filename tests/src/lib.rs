@@ -236,6 +236,16 @@ static CASES: &[Case] = &[
         "collective_bad_arguments",
         errors::collective_bad_arguments
     ),
+    case!(
+        "error",
+        "queued_error_reaches_waiters",
+        errors::queued_error_reaches_waiters
+    ),
+    case!(
+        "error",
+        "failed_collective_aborts_communicator",
+        errors::failed_collective_aborts_communicator
+    ),
     case!("error", "comm_init_bad_rank", errors::comm_init_bad_rank),
     case!("error", "group_end_unopened", errors::group_end_unopened),
     case!(

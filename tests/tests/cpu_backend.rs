@@ -246,6 +246,93 @@ fn collective_times_out_when_a_rank_never_issues_it() {
     });
 }
 
+/// Ten all-reduces queued behind one a live peer never issues cost one timeout, not ten: the
+/// first failure aborts the communicator (the first cause is what every later one reports).
+#[test]
+fn queued_collectives_behind_a_timeout_fail_at_once() {
+    let p = cpu(CpuConfig {
+        collective_timeout: Duration::from_millis(400),
+        ..CpuConfig::default()
+    });
+    let id = p.unique_id().unwrap();
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let (p, id) = (&p, &id);
+    std::thread::scope(|scope| {
+        let peer = scope.spawn(move || {
+            let comm = p.comm_init(id, 1, 2).unwrap();
+            let _ = done_rx.recv();
+            drop(comm);
+        });
+        let comm = p.comm_init(id, 0, 2).unwrap();
+        let s = p.create_stream().unwrap();
+        let b = p.alloc_device(64).unwrap();
+        let start = Instant::now();
+        for _ in 0..10 {
+            p.all_reduce(b.at(0), b.at(32), 4, DType::F32, ReduceOp::Sum, &comm, &s)
+                .unwrap();
+        }
+        let e = p.synchronize_stream(&s).expect_err("all_reduce succeeded");
+        let waited = start.elapsed();
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+        assert!(
+            waited < Duration::from_millis(1200),
+            "10 queued all-reduces took {waited:?} at a 400 ms timeout"
+        );
+        // Issued later: fails at once with the first cause.
+        let start = Instant::now();
+        p.all_reduce(b.at(0), b.at(32), 4, DType::F32, ReduceOp::Sum, &comm, &s)
+            .unwrap();
+        let e = p.synchronize_stream(&s).expect_err("all_reduce succeeded");
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+        assert!(e.message.contains("aborted"), "{e}");
+        assert!(start.elapsed() < Duration::from_millis(300));
+        done_tx.send(()).unwrap();
+        peer.join().unwrap();
+    });
+}
+
+/// A rank whose thread failed (its communicator dropped) costs its peers no timeout at all:
+/// collectives and receives waiting for it fail at once; sends between other ranks go on.
+#[test]
+fn a_dead_peer_fails_collectives_at_once() {
+    let p = cpu(CpuConfig {
+        collective_timeout: Duration::from_secs(60),
+        ..CpuConfig::default()
+    });
+    let id = p.unique_id().unwrap();
+    let (p, id) = (&p, &id);
+    std::thread::scope(|scope| {
+        let peer = scope.spawn(move || {
+            let _comm = p.comm_init(id, 1, 2).unwrap();
+            // Fails (returns) before issuing anything.
+        });
+        let comm = p.comm_init(id, 0, 2).unwrap();
+        peer.join().unwrap();
+        let s = p.create_stream().unwrap();
+        let b = p.alloc_device(64).unwrap();
+        let start = Instant::now();
+        for _ in 0..10 {
+            p.all_reduce(b.at(0), b.at(32), 4, DType::F32, ReduceOp::Sum, &comm, &s)
+                .unwrap();
+        }
+        let e = p.synchronize_stream(&s).expect_err("all_reduce succeeded");
+        assert!(e.message.contains("rank 1"), "{e}");
+        let recv = hprt_platform::Collective::Recv {
+            recv: b.at(0),
+            count: 4,
+            dtype: DType::F32,
+            peer: 1,
+        };
+        p.collective(&comm, recv, &s).unwrap();
+        p.synchronize_stream(&s).expect_err("recv from a dead peer");
+        let waited = start.elapsed();
+        assert!(
+            waited < Duration::from_secs(5),
+            "a dead peer cost {waited:?} at a 60 s timeout"
+        );
+    });
+}
+
 #[test]
 fn small_device_capacity() {
     const CAP: usize = 1 << 20;

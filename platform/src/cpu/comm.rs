@@ -6,7 +6,7 @@
 //! until every rank finished (so no one reuses a buffer a peer still reads). Sends and receives
 //! meet in per-pair mailboxes instead, matched in order.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -57,29 +57,67 @@ struct Round<T> {
     left: usize,
 }
 
+struct Rounds<T> {
+    by_seq: HashMap<u64, Round<T>>,
+    /// Set once the communicator is aborted: every round not yet complete fails with it.
+    aborted: Option<Error>,
+    /// Ranks whose communicator is gone: a round still waiting for one of them fails.
+    departed: Vec<bool>,
+}
+
 /// Numbered meeting points of the `world` ranks of one communicator.
 pub(crate) struct Rendezvous<T> {
     world: usize,
-    rounds: Mutex<HashMap<u64, Round<T>>>,
+    rounds: Mutex<Rounds<T>>,
     cv: Condvar,
+}
+
+/// The error a collective issued on an aborted communicator reports: the first cause, named.
+fn aborted(op: &'static str, cause: &Error) -> Error {
+    Error {
+        operation: op.into(),
+        message: format!(
+            "the communicator was aborted by an earlier failure ({}: {})",
+            cause.operation, cause.message
+        ),
+        ..cause.clone()
+    }
 }
 
 impl<T> Rendezvous<T> {
     fn new(world: usize) -> Self {
         Rendezvous {
             world,
-            rounds: Mutex::new(HashMap::new()),
+            rounds: Mutex::new(Rounds {
+                by_seq: HashMap::new(),
+                aborted: None,
+                departed: vec![false; world],
+            }),
             cv: Condvar::new(),
         }
     }
 
-    fn round(rounds: &mut HashMap<u64, Round<T>>, seq: u64, world: usize) -> &mut Round<T> {
-        rounds.entry(seq).or_insert_with(|| Round {
+    fn round(rounds: &mut Rounds<T>, seq: u64, world: usize) -> &mut Round<T> {
+        rounds.by_seq.entry(seq).or_insert_with(|| Round {
             arrivals: (0..world).map(|_| None).collect(),
             arrived: 0,
             outcome: None,
             left: 0,
         })
+    }
+
+    /// Fails every round not yet complete, now and later, with `cause` (the first one kept).
+    fn abort(&self, cause: &Error) {
+        let mut rounds = lock(&self.rounds);
+        if rounds.aborted.is_none() {
+            rounds.aborted = Some(cause.clone());
+        }
+        self.cv.notify_all();
+    }
+
+    fn depart(&self, rank: usize) {
+        lock(&self.rounds).departed[rank] = true;
+        self.cv.notify_all();
     }
 
     /// Deposits this rank's value in round `seq` and returns every rank's once all arrived and
@@ -95,14 +133,19 @@ impl<T> Rendezvous<T> {
     ) -> Result<Arc<Vec<T>>> {
         let deadline = Instant::now() + timeout;
         let mut rounds = lock(&self.rounds);
-        let round = Self::round(&mut rounds, seq, self.world);
+        let world = self.world;
+        let round = Self::round(&mut rounds, seq, world);
         if let Some(outcome) = &round.outcome {
             // The round already failed (a peer timed out waiting for this rank).
             return outcome.clone();
         }
+        if let Some(cause) = &rounds.aborted {
+            return Err(aborted(op, cause));
+        }
+        let round = Self::round(&mut rounds, seq, world);
         round.arrivals[rank] = Some(value);
         round.arrived += 1;
-        if round.arrived == self.world {
+        if round.arrived == world {
             let all: Vec<T> = round
                 .arrivals
                 .iter_mut()
@@ -111,24 +154,43 @@ impl<T> Rendezvous<T> {
             round.outcome = Some(check(&all).map(|()| Arc::new(all)));
             self.cv.notify_all();
         }
+        let gone = |r: &Rounds<T>| {
+            let round = r.by_seq.get(&seq)?;
+            (0..world).find(|&q| round.arrivals[q].is_none() && r.departed[q] && q != rank)
+        };
         let (mut rounds, timed_out) = wait_until(&self.cv, rounds, deadline, |r| {
-            r.get(&seq).is_some_and(|r| r.outcome.is_some())
+            r.aborted.is_some()
+                || r.by_seq.get(&seq).is_some_and(|r| r.outcome.is_some())
+                || gone(r).is_some()
         });
-        let round = Self::round(&mut rounds, seq, self.world);
-        if timed_out {
-            let missing: Vec<usize> = (0..self.world)
-                .filter(|&r| round.arrivals[r].is_none() && r != rank)
-                .collect();
-            let e = err(
-                ErrorKind::Timeout,
-                op,
-                format!("ranks {missing:?} did not reach this collective within {timeout:?}"),
-            );
-            round.outcome = Some(Err(e.clone()));
-            self.cv.notify_all();
-            return Err(e);
+        let cause = rounds.aborted.clone();
+        let departed = gone(&rounds);
+        let round = Self::round(&mut rounds, seq, world);
+        if let Some(outcome) = &round.outcome {
+            return outcome.clone();
         }
-        round.outcome.clone().expect("outcome set")
+        let e = match (cause, departed) {
+            (Some(cause), _) => aborted(op, &cause),
+            (None, Some(q)) => err(
+                ErrorKind::Internal,
+                op,
+                format!("rank {q} destroyed its communicator before reaching this collective"),
+            ),
+            (None, None) => {
+                debug_assert!(timed_out);
+                let missing: Vec<usize> = (0..world)
+                    .filter(|&r| round.arrivals[r].is_none() && r != rank)
+                    .collect();
+                err(
+                    ErrorKind::Timeout,
+                    op,
+                    format!("ranks {missing:?} did not reach this collective within {timeout:?}"),
+                )
+            }
+        };
+        round.outcome = Some(Err(e.clone()));
+        self.cv.notify_all();
+        Err(e)
     }
 
     /// Marks this rank done with round `seq` without waiting for the others.
@@ -137,7 +199,7 @@ impl<T> Rendezvous<T> {
         let round = Self::round(&mut rounds, seq, self.world);
         round.left += 1;
         if round.left == self.world {
-            rounds.remove(&seq);
+            rounds.by_seq.remove(&seq);
             self.cv.notify_all();
         }
     }
@@ -147,7 +209,7 @@ impl<T> Rendezvous<T> {
         self.leave(seq);
         let rounds = lock(&self.rounds);
         let (_guard, timed_out) = wait_until(&self.cv, rounds, Instant::now() + timeout, |r| {
-            !r.contains_key(&seq)
+            !r.by_seq.contains_key(&seq)
         });
         if timed_out {
             return Err(err(
@@ -181,6 +243,16 @@ struct Deposit {
     ack: Arc<Ack>,
 }
 
+#[derive(Default)]
+struct Mail {
+    /// (from, to) → sends not yet received.
+    queues: HashMap<(usize, usize), VecDeque<Deposit>>,
+    /// Set once the communicator is aborted: receives fail with it instead of waiting.
+    aborted: Option<Error>,
+    /// Ranks whose communicator is gone: nothing more comes from them or reaches them.
+    departed: HashSet<usize>,
+}
+
 /// A sub-communicator being handed out, and how many of its members took it.
 type PendingSplit = (Arc<CommShared>, usize);
 
@@ -190,8 +262,7 @@ pub(crate) struct CommShared {
     timeout: Duration,
     streams: Rendezvous<Arrival>,
     host: Rendezvous<Vec<Vec<usize>>>,
-    /// (from, to) → sends not yet received.
-    mail: Mutex<HashMap<(usize, usize), VecDeque<Deposit>>>,
+    mail: Mutex<Mail>,
     mail_cv: Condvar,
     /// (split round, list index) → the sub-communicator and how many members took it.
     splits: Mutex<HashMap<(u64, usize), PendingSplit>>,
@@ -204,11 +275,54 @@ impl CommShared {
             timeout,
             streams: Rendezvous::new(world),
             host: Rendezvous::new(world),
-            mail: Mutex::new(HashMap::new()),
+            mail: Mutex::new(Mail::default()),
             mail_cv: Condvar::new(),
             splits: Mutex::new(HashMap::new()),
         })
     }
+}
+
+impl CommShared {
+    /// Aborts the communicator as `ncclCommAbort` does, on every rank at once: collectives
+    /// queued or issued later fail with `cause` (the first cause is kept) instead of each
+    /// waiting out the timeout for a peer that will never come.
+    pub(crate) fn abort(&self, cause: &Error) {
+        self.streams.abort(cause);
+        self.host.abort(cause);
+        let mut mail = lock(&self.mail);
+        let cause = mail.aborted.get_or_insert_with(|| cause.clone()).clone();
+        for d in mail.queues.values_mut().flat_map(|q| q.drain(..)) {
+            *lock(&d.ack.outcome) = Some(Err(aborted("send", &cause)));
+            d.ack.cv.notify_all();
+        }
+        self.mail_cv.notify_all();
+    }
+
+    /// `rank` will never issue anything again: rounds and receives waiting for it, and sends
+    /// to it, fail at once. (Pairs of other ranks keep exchanging messages.)
+    fn depart(&self, rank: usize) {
+        self.streams.depart(rank);
+        self.host.depart(rank);
+        let mut mail = lock(&self.mail);
+        mail.departed.insert(rank);
+        for ((_, to), queue) in mail.queues.iter_mut() {
+            if *to == rank {
+                for d in queue.drain(..) {
+                    *lock(&d.ack.outcome) = Some(Err(gone_peer("send", rank)));
+                    d.ack.cv.notify_all();
+                }
+            }
+        }
+        self.mail_cv.notify_all();
+    }
+}
+
+fn gone_peer(op: &'static str, rank: usize) -> Error {
+    err(
+        ErrorKind::Internal,
+        op,
+        format!("rank {rank} destroyed its communicator (its thread failed or finished)"),
+    )
 }
 
 /// One rank's communicator.
@@ -220,6 +334,14 @@ pub struct CommMember {
 }
 
 pub(crate) type CpuComm = Arc<CommMember>;
+
+/// A rank whose last handle is gone (its thread failed, or it finished) will never reach
+/// another collective: its peers fail at once instead of waiting for it.
+impl Drop for CommMember {
+    fn drop(&mut self) {
+        self.shared.depart(self.rank);
+    }
+}
 
 impl CommMember {
     pub(crate) fn new(shared: Arc<CommShared>, rank: usize) -> CpuComm {
@@ -258,7 +380,10 @@ impl CommMember {
             }
         });
         sh.host.leave(seq);
-        outcome?;
+        if let Err(e) = outcome {
+            sh.abort(&e);
+            return Err(e);
+        }
         let Some((index, list)) = rank_lists
             .iter()
             .enumerate()
@@ -342,11 +467,13 @@ pub(crate) fn run_group(ops: Vec<Issued>) -> Result<()> {
             ),
         };
         if let Err(e) = outcome {
+            issued.comm.shared.abort(&e);
             first_error.get_or_insert(e);
         }
     }
     for (comm, ack) in acks {
         if let Err(e) = wait_send(&comm, &ack) {
+            comm.shared.abort(&e);
             first_error.get_or_insert(e);
         }
     }
@@ -365,7 +492,16 @@ fn post_send(
         cv: Condvar::new(),
     });
     let sh = &comm.shared;
-    lock(&sh.mail)
+    let mut mail = lock(&sh.mail);
+    if let Some(cause) = &mail.aborted {
+        *lock(&ack.outcome) = Some(Err(aborted("send", cause)));
+        return ack;
+    }
+    if mail.departed.contains(&peer) {
+        *lock(&ack.outcome) = Some(Err(gone_peer("send", peer)));
+        return ack;
+    }
+    mail.queues
         .entry((comm.rank, peer))
         .or_default()
         .push_back(Deposit {
@@ -390,7 +526,7 @@ fn wait_send(comm: &CommMember, ack: &Arc<Ack>) -> Result<()> {
     drop(guard);
     // Withdraw the deposit so a late receiver cannot read a buffer the sender may reuse.
     let mut mail = lock(&sh.mail);
-    for queue in mail.values_mut() {
+    for queue in mail.queues.values_mut() {
         queue.retain(|d| !Arc::ptr_eq(&d.ack, ack));
     }
     drop(mail);
@@ -416,9 +552,17 @@ fn receive(
     let key = (peer, comm.rank);
     let mail = lock(&sh.mail);
     let (mut mail, _) = wait_until(&sh.mail_cv, mail, Instant::now() + sh.timeout, |m| {
-        m.get(&key).is_some_and(|q| !q.is_empty())
+        m.aborted.is_some()
+            || m.queues.get(&key).is_some_and(|q| !q.is_empty())
+            || m.departed.contains(&peer)
     });
-    let Some(deposit) = mail.get_mut(&key).and_then(VecDeque::pop_front) else {
+    if let Some(cause) = &mail.aborted {
+        return Err(aborted("recv", cause));
+    }
+    let Some(deposit) = mail.queues.get_mut(&key).and_then(VecDeque::pop_front) else {
+        if mail.departed.contains(&peer) {
+            return Err(gone_peer("recv", peer));
+        }
         return Err(err(
             ErrorKind::Timeout,
             "recv",

@@ -178,7 +178,9 @@ pub struct CpuBackend {
     /// One per device: a block freed on one device is reused only there.
     caches: Vec<Arc<BlockCache>>,
     pinned: Arc<MemoryCounter>,
+    /// Streams whose worker still runs (destroyed ones until their queue drained).
     streams: Mutex<HashMap<usize, Weak<StreamCore>>>,
+    orphans: stream::Orphans,
     next_stream: AtomicUsize,
     next_id: AtomicU64,
     inits: Mutex<HashMap<Vec<u8>, PendingInit>>,
@@ -201,6 +203,7 @@ impl CpuBackend {
             devices,
             instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
             streams: Mutex::new(HashMap::new()),
+            orphans: Arc::default(),
             next_stream: AtomicUsize::new(1),
             next_id: AtomicU64::new(0),
             inits: Mutex::new(HashMap::new()),
@@ -339,9 +342,9 @@ impl Backend for CpuBackend {
 
     fn create_stream(&self) -> Result<(CpuStream, RawStream)> {
         let id = self.next_stream.fetch_add(1, Ordering::Relaxed);
-        let core = StreamCore::spawn(id, self.config.jitter)?;
+        let core = StreamCore::spawn(id, self.config.jitter, Arc::clone(&self.orphans))?;
         let mut streams = lock(&self.streams);
-        streams.retain(|_, s| s.upgrade().is_some_and(|s| s.is_open()));
+        streams.retain(|_, s| s.strong_count() > 0);
         streams.insert(id, Arc::downgrade(&core));
         Ok((Arc::new(StreamRef { core, owned: true }), RawStream(id)))
     }
@@ -361,8 +364,8 @@ impl Backend for CpuBackend {
     }
     fn destroy_stream(&self, stream: CpuStream) -> Result<()> {
         if stream.owned {
+            // Stays in `streams` while its worker drains, so a device synchronize waits for it.
             stream.core.close();
-            lock(&self.streams).remove(&stream.core.id);
         }
         Ok(())
     }
@@ -380,10 +383,12 @@ impl Backend for CpuBackend {
         let mut first = Ok(());
         for s in live {
             if let Err(e) = s.synchronize() {
-                if first.is_ok() {
-                    first = Err(e);
-                }
+                first = first.and(Err(e));
             }
+        }
+        // Errors of destroyed streams nobody synchronized are reported here, once.
+        for e in std::mem::take(&mut *lock(&self.orphans)) {
+            first = first.and(Err(e));
         }
         first
     }

@@ -24,20 +24,26 @@ struct Done {
     error: Option<Error>,
 }
 
+/// Errors of destroyed streams that no synchronize reported; the next device synchronize does.
+pub(crate) type Orphans = Arc<Mutex<Vec<Error>>>;
+
 /// The part of a stream its worker shares with every handle.
 pub(crate) struct StreamCore {
-    pub id: usize,
     queue: Mutex<Queue>,
     done: Mutex<Done>,
     done_cv: Condvar,
 }
 
 impl StreamCore {
-    /// Starts the worker. `jitter` (a seed) delays each job pseudo-randomly.
-    pub(crate) fn spawn(id: usize, jitter: Option<u64>) -> Result<Arc<StreamCore>> {
+    /// Starts the worker. `jitter` (a seed) delays each job pseudo-randomly; an error still
+    /// unreported when the destroyed stream's worker exits goes to `orphans`.
+    pub(crate) fn spawn(
+        id: usize,
+        jitter: Option<u64>,
+        orphans: Orphans,
+    ) -> Result<Arc<StreamCore>> {
         let (tx, rx) = mpsc::channel::<Job>();
         let core = Arc::new(StreamCore {
-            id,
             queue: Mutex::new(Queue {
                 tx: Some(tx),
                 submitted: 0,
@@ -64,6 +70,9 @@ impl StreamCore {
                         d.error.get_or_insert(e);
                     }
                     worker.done_cv.notify_all();
+                }
+                if let Some(e) = lock(&worker.done).error.take() {
+                    lock(&orphans).push(e);
                 }
             })
             .map_err(|e| {
@@ -231,7 +240,9 @@ impl EventCore {
         Ok(())
     }
 
-    /// Queues on `stream` a wait for the event's current generation.
+    /// Queues on `stream` a wait for the event's current generation. An error queued before
+    /// that record becomes the waiting stream's error too, as a GPU's sticky errors reach every
+    /// stream ordered after the failed work: whoever synchronizes after the wait sees it.
     pub(crate) fn make_stream_wait(self: &Arc<Self>, stream: &StreamCore) -> Result<()> {
         let target = lock(&self.state).recorded;
         if target == 0 {
@@ -240,9 +251,9 @@ impl EventCore {
         let me = Arc::clone(self);
         stream.enqueue(
             "stream_wait_event",
-            Box::new(move |_: &StreamCore| {
-                drop(me.wait_for(target));
-                Ok(())
+            Box::new(move |_: &StreamCore| match &me.wait_for(target).error {
+                Some(e) => Err(e.clone()),
+                None => Ok(()),
             }),
         )?;
         Ok(())
