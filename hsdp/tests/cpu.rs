@@ -974,3 +974,52 @@ fn bench_reports_both_collectives_per_size() -> Result<()> {
     }
     Ok(())
 }
+
+/// Ranks that disagree on a parameter's shape, or a rank that skips an unshard: the failed
+/// all-gather must reach the compute stream that waited on it,
+/// never an all-zero parameter with success; a dead peer costs no timeout.
+#[test]
+fn a_failed_gather_reaches_the_compute_stream() -> Result<()> {
+    let p = cpu(2);
+    for skip in [false, true] {
+        let start = std::time::Instant::now();
+        run_world(&p, 2, |rk| {
+            let n = if rk.rank == 0 || skip { 8 } else { 12 };
+            let src = rk.upload(DType::F32, &values(3, n))?;
+            let spec = ParamSpec::new("w", &[n], DType::F32);
+            let config = ParamConfig::default();
+            let mut w = ShardedParam::new(
+                &rk.cache,
+                &rk.streams,
+                &fsdp(2),
+                spec,
+                &config,
+                (&src).into(),
+            )?;
+            if skip && rk.rank == 1 {
+                // This rank fails before its unshard: its communicators go with it.
+                return Ok(());
+            }
+            w.unshard(false)?;
+            ensure!(
+                w.unsharded().is_ok(),
+                "the parameter is not unsharded after unshard(false)"
+            );
+            let synced = rk.p.synchronize_stream(&rk.streams.compute);
+            ensure!(
+                synced.is_err(),
+                "rank {} (skip {skip}): the compute stream synchronized after a failed all-gather",
+                rk.rank
+            );
+            // Reported on the gather stream too (once); what is left is clean.
+            ensure!(rk.p.synchronize_stream(&rk.streams.all_gather).is_err());
+            Ok(())
+        })?;
+        ensure!(
+            start.elapsed() < std::time::Duration::from_secs(20),
+            "a failed gather took {:?} (collective timeout 60 s)",
+            start.elapsed()
+        );
+    }
+    Ok(())
+}

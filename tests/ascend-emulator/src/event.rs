@@ -1,6 +1,10 @@
 //! Events: each `aclrtRecordEvent` queues a fresh completion mark on the stream and makes it the
 //! event's latest; waits and queries look at the latest mark as of the call, as on hardware where
 //! a re-record replaces what later waiters see but not what earlier waits captured.
+//!
+//! A mark carries the stream's asynchronous error as of the point it marks (one not yet reported
+//! by `aclrtSynchronizeStream`): `aclrtSynchronizeEvent` returns it and a stream that waits on
+//! the mark takes it as its own error, so a failure reaches all work ordered after it.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -86,8 +90,9 @@ pub unsafe extern "C" fn aclrtRecordEvent(event: *mut c_void, stream: *mut c_voi
         let s = stream::resolve(stream)?;
         let mark = Arc::new(Mark::default());
         *lock(&ev.latest) = Some(mark.clone());
+        let on = s.clone();
         s.enqueue(Box::new(move || {
-            mark.complete();
+            mark.complete(on.pending_error());
             Ok(())
         }));
         Ok(())
@@ -101,10 +106,7 @@ pub unsafe extern "C" fn aclrtStreamWaitEvent(stream: *mut c_void, event: *mut c
         state::require_device()?;
         let s = stream::resolve(stream)?;
         if let Some(mark) = resolve(event)?.latest() {
-            s.enqueue(Box::new(move || {
-                mark.wait();
-                Ok(())
-            }));
+            s.enqueue(Box::new(move || mark.wait()));
         }
         Ok(())
     })
@@ -114,10 +116,10 @@ pub unsafe extern "C" fn aclrtStreamWaitEvent(stream: *mut c_void, event: *mut c
 pub unsafe extern "C" fn aclrtSynchronizeEvent(event: *mut c_void) -> AclError {
     acl_entry("aclrtSynchronizeEvent", || {
         state::require_device()?;
-        if let Some(mark) = resolve(event)?.latest() {
-            mark.wait();
+        match resolve(event)?.latest() {
+            Some(mark) => mark.wait(),
+            None => Ok(()),
         }
-        Ok(())
     })
 }
 

@@ -6,7 +6,9 @@
 //! rank issued the same operation and performs it for all of them, so no rank's job finishes
 //! before every rank's buffers have been read and written (the completion barrier). A mismatch, or
 //! a peer that does not arrive within the HCCL timeout, fails every participant's stream with
-//! `ACL_ERROR_RT_INTERNAL_ERROR` instead of hanging.
+//! `ACL_ERROR_RT_INTERNAL_ERROR` instead of hanging. The communicator is broken from then on, as
+//! HCCL is after a failed operation: everything queued behind it or issued later, on every rank,
+//! fails at once (one timeout for a dead peer, not one per queued operation).
 //!
 //! Call-time rules follow CANN's `op_base.cc`: the calling thread needs a device, checked before
 //! anything else (CANN passes on its runtime query's failure; the emulator answers
@@ -45,6 +47,9 @@ struct Shared {
 struct Meetings {
     colls: HashMap<u64, Meeting>,
     p2p: HashMap<P2pKey, P2p>,
+    /// The first failure on this communicator: HCCL is unusable after a failed operation, so
+    /// every operation not yet complete, on every rank, fails at once with it.
+    broken: Option<AclError>,
 }
 
 /// (src rank, dst rank, n-th transfer between them)
@@ -336,20 +341,36 @@ impl Shared {
             left: 0,
             result: None,
         });
+        if m.result.is_none() {
+            if let Some(code) = st.broken {
+                let m = st.colls.get_mut(&seq).expect("just inserted");
+                m.result = Some(Err(code));
+                self.cv.notify_all();
+            }
+        }
+        let m = st.colls.get_mut(&seq).expect("just inserted");
         // A meeting that already failed (a peer timed out) is not joined, only left.
         if m.result.is_none() {
             m.descs[rank as usize] = Some(desc);
             m.arrived += 1;
             if m.arrived == n {
-                m.result = Some(perform(&m.descs));
+                let r = perform(&m.descs);
+                m.result = Some(r);
+                if let Err(code) = r {
+                    st.broken.get_or_insert(code);
+                }
                 self.cv.notify_all();
             }
         }
         loop {
+            let broken = st.broken;
             let m = st
                 .colls
                 .get_mut(&seq)
                 .expect("meeting lives until every rank left");
+            if m.result.is_none() {
+                m.result = broken.map(Err);
+            }
             if let Some(r) = m.result {
                 m.left += 1;
                 if m.left == n {
@@ -363,6 +384,7 @@ impl Shared {
                     st = lock(&self.st);
                     let m = st.colls.get_mut(&seq).expect("meeting lives");
                     m.result.get_or_insert(Err(ASYNC_ERR));
+                    st.broken.get_or_insert(ASYNC_ERR);
                     self.cv.notify_all();
                     st
                 }
@@ -372,13 +394,23 @@ impl Shared {
 
     fn p2p_post(&self, key: P2pKey, is_send: bool, desc: PDesc) {
         let mut st = lock(&self.st);
+        let broken = st.broken;
         let p = st.p2p.entry(key).or_default();
         if p.result.is_some() {
             return;
         }
+        if let Some(code) = broken {
+            p.result = Some(Err(code));
+            self.cv.notify_all();
+            return;
+        }
         *(if is_send { &mut p.send } else { &mut p.recv }) = Some(desc);
         if let (Some(s), Some(r)) = (&p.send, &p.recv) {
-            p.result = Some(transfer(s, r));
+            let r = transfer(s, r);
+            p.result = Some(r);
+            if let Err(code) = r {
+                st.broken.get_or_insert(code);
+            }
             self.cv.notify_all();
         }
     }
@@ -404,6 +436,7 @@ impl Shared {
                         .or_default()
                         .result
                         .get_or_insert(Err(ASYNC_ERR));
+                    st.broken.get_or_insert(ASYNC_ERR);
                     self.cv.notify_all();
                     st
                 }

@@ -852,6 +852,7 @@ fn send_recv_pairs_and_groups() {
 fn hccl_mismatch_and_missing_peer_fail_the_stream() {
     let _g = setup();
     crate::control::hprtEmuSetHcclTimeoutMs(300);
+    // Each failure on its own communicator: after one, the communicator is broken.
     ranks(2, |r, comm, s| unsafe {
         let buf = malloc(64);
         let count = if r == 0 { 4 } else { 8 };
@@ -860,6 +861,10 @@ fn hccl_mismatch_and_missing_peer_fail_the_stream() {
             0
         );
         assert_eq!(sync(s), ACL_ERROR_RT_INTERNAL_ERROR);
+        free(buf);
+    });
+    ranks(2, |r, comm, s| unsafe {
+        let buf = malloc(64);
         // Different ops also disagree.
         let op = if r == 0 {
             HCCL_REDUCE_SUM
@@ -868,6 +873,10 @@ fn hccl_mismatch_and_missing_peer_fail_the_stream() {
         };
         assert_eq!(HcclAllReduce(buf, buf, 4, F32, op, comm, s), 0);
         assert_eq!(sync(s), ACL_ERROR_RT_INTERNAL_ERROR);
+        free(buf);
+    });
+    ranks(2, |r, comm, s| unsafe {
+        let buf = malloc(64);
         // Send/recv whose counts disagree.
         if r == 0 {
             assert_eq!(HcclSend(buf, 4, F32, 1, comm, s), 0);
@@ -875,15 +884,54 @@ fn hccl_mismatch_and_missing_peer_fail_the_stream() {
             assert_eq!(HcclRecv(buf, 2, F32, 0, comm, s), 0);
         }
         assert_eq!(sync(s), ACL_ERROR_RT_INTERNAL_ERROR);
-        // Rank 1 never joins: rank 0 times out instead of hanging. (Both ranks then agree on
-        // the next sequence number again, because rank 1 skips one: sequence numbers are
-        // per call, so rank 1 issues nothing here.)
+        free(buf);
+    });
+    ranks(2, |r, comm, s| unsafe {
+        let buf = malloc(64);
+        // Rank 1 never joins: rank 0 times out instead of hanging, once; the communicator is
+        // broken then, so what was queued behind and what comes later fails at once.
         if r == 0 {
             let t0 = Instant::now();
-            assert_eq!(HcclAllReduce(buf, buf, 4, F32, HCCL_REDUCE_SUM, comm, s), 0);
+            for _ in 0..5 {
+                assert_eq!(HcclAllReduce(buf, buf, 4, F32, HCCL_REDUCE_SUM, comm, s), 0);
+            }
             assert_eq!(sync(s), ACL_ERROR_RT_INTERNAL_ERROR);
-            assert!(t0.elapsed() >= Duration::from_millis(250));
+            let waited = t0.elapsed();
+            assert!(waited >= Duration::from_millis(250), "{waited:?}");
+            assert!(waited < Duration::from_millis(1000), "{waited:?}");
         }
+        free(buf);
+    });
+}
+
+/// A failure reaches every stream ordered after it through event waits, and event
+/// synchronizes, as a GPU's sticky errors do.
+#[test]
+fn stream_errors_pass_through_event_waits() {
+    let _g = setup();
+    crate::control::hprtEmuSetHcclTimeoutMs(300);
+    ranks(2, |r, comm, s| unsafe {
+        let buf = malloc(64);
+        let count = if r == 0 { 4 } else { 8 };
+        assert_eq!(
+            HcclAllReduce(buf, buf, count, F32, HCCL_REDUCE_SUM, comm, s),
+            0
+        );
+        let mut ev = null_mut();
+        assert_eq!(aclrtCreateEvent(&mut ev), 0);
+        assert_eq!(aclrtRecordEvent(ev, s), 0);
+        let mut b = null_mut();
+        assert_eq!(aclrtCreateStream(&mut b), 0);
+        assert_eq!(aclrtStreamWaitEvent(b, ev), 0);
+        assert_eq!(aclrtSynchronizeEvent(ev), ACL_ERROR_RT_INTERNAL_ERROR);
+        assert_eq!(sync(b), ACL_ERROR_RT_INTERNAL_ERROR);
+        assert_eq!(sync(b), 0, "reported once");
+        assert_eq!(sync(s), ACL_ERROR_RT_INTERNAL_ERROR);
+        assert_eq!(aclrtRecordEvent(ev, s), 0);
+        assert_eq!(aclrtStreamWaitEvent(b, ev), 0);
+        assert_eq!(sync(b), 0, "a record after the report is clean");
+        assert_eq!(aclrtDestroyStream(b), 0);
+        assert_eq!(aclrtDestroyEvent(ev), 0);
         free(buf);
     });
 }

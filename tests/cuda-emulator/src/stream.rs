@@ -320,7 +320,7 @@ pub extern "C" fn cuEventRecord(h: *mut c_void, hstream: *mut c_void) -> CuResul
         let mark = Arc::new(Mark::default());
         *lock(&ev.latest) = Some(mark.clone());
         s.enqueue(Box::new(move || {
-            mark.complete();
+            mark.complete(None);
             Ok(())
         }));
         Ok(())
@@ -337,10 +337,7 @@ pub extern "C" fn cuStreamWaitEvent(hstream: *mut c_void, h: *mut c_void, flags:
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         if let Some(mark) = ev.latest() {
-            s.enqueue(Box::new(move || {
-                mark.wait();
-                Ok(())
-            }));
+            s.enqueue(Box::new(move || mark.wait().map_err(|c| c as CuResult)));
         }
         Ok(())
     })
@@ -357,10 +354,10 @@ pub extern "C" fn cuEventQuery(h: *mut c_void) -> CuResult {
 #[no_mangle]
 pub extern "C" fn cuEventSynchronize(h: *mut c_void) -> CuResult {
     cu_entry("cuEventSynchronize", || {
-        if let Some(m) = event(h)?.latest() {
-            m.wait();
+        match event(h)?.latest() {
+            Some(m) => m.wait().map_err(|c| c as CuResult),
+            None => Ok(()),
         }
-        Ok(())
     })
 }
 
