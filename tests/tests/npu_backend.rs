@@ -35,6 +35,9 @@ impl Emu {
     fn stats(&self) -> Stats {
         self.0.stats()
     }
+    fn faults(&self, spec: &str) {
+        self.0.faults(spec)
+    }
 }
 
 fn live(s: &Stats) -> [u64; 5] {
@@ -297,6 +300,77 @@ fn injected_faults_become_typed_named_errors_without_leaks() {
         ),
     ];
     check_fault_cases(&emu.0, |c| live(&c.stats()), &p, &s, cases);
+}
+
+/// One failed `aclrtSetDevice` on the report thread (its second call) must not disable host
+/// functions, and the kernels and `Avg` reductions built on them, for the whole process: the
+/// next use starts the thread again.
+#[test]
+fn a_failed_report_thread_start_is_retried() {
+    let _g = serial();
+    let emu = Emu::open();
+    emu.faults("aclrtSetDevice:2:507000");
+    let p = NpuBackend::open_with(&explicit()).unwrap();
+    let s = p.create_stream().unwrap();
+    emu.faults("");
+    let ran = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = std::sync::Arc::clone(&ran);
+    p.launch_host_fn(
+        &s,
+        Box::new(move || flag.store(true, std::sync::atomic::Ordering::SeqCst)),
+    )
+    .expect("a host function after one failed aclrtSetDevice");
+    p.synchronize_stream(&s).unwrap();
+    assert!(ran.load(std::sync::atomic::Ordering::SeqCst));
+    let failed: Vec<String> = hprt_conformance::run_cases(&p, Some("kernel"))
+        .into_iter()
+        .filter(|o| !o.passed)
+        .map(|o| format!("{}: {}", o.name, o.detail))
+        .collect();
+    assert!(failed.is_empty(), "{failed:#?}");
+}
+
+/// Freeing memory whose queued work cannot be shown finished (the event wait failed and the
+/// work is still pending) leaks it, reported and still counted, instead of freeing it under
+/// that work; once the wait succeeds, memory is freed as usual.
+#[test]
+fn memory_is_not_freed_when_its_last_use_is_not_known_finished() {
+    let _g = serial();
+    let emu = Emu::open();
+    let p = NpuBackend::open_with(&explicit()).unwrap();
+    let s = p.create_stream().unwrap();
+    let (release, gate) = std::sync::mpsc::channel::<()>();
+    p.launch_host_fn(
+        &s,
+        Box::new(move || {
+            let _ = gate.recv();
+        }),
+    )
+    .unwrap();
+    let d = p.alloc_device(4096).unwrap();
+    p.memset_async(&d, 0, 7, 4096, &s).unwrap();
+    let before = emu.stats().live_device_allocations;
+    emu.faults("aclrtSynchronizeEvent:1:507000");
+    drop(d);
+    emu.faults("");
+    assert_eq!(
+        emu.stats().live_device_allocations,
+        before,
+        "memory was freed while the memset queued on it had not run"
+    );
+    assert_eq!(
+        p.memory_stats().device_current,
+        4096,
+        "the leak is not counted"
+    );
+    release.send(()).unwrap();
+    p.synchronize_stream(&s)
+        .expect("the memset ran on memory that is still allocated");
+    // The ordinary path frees.
+    let d = p.alloc_device(4096).unwrap();
+    p.memset_async(&d, 0, 7, 4096, &s).unwrap();
+    drop(d);
+    assert_eq!(emu.stats().live_device_allocations, before);
 }
 
 #[test]

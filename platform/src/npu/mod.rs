@@ -61,7 +61,10 @@ struct Shared {
     devices: Vec<Arc<MemoryCounter>>,
     pinned: Arc<MemoryCounter>,
     streams: Mutex<HashMap<usize, Weak<StreamObj>>>,
-    reporter: OnceLock<Option<Reporter>>,
+    /// Started on first need; a failed start (say, `aclrtSetDevice` failing on its thread) is
+    /// retried at the next need rather than disabling host functions for the process.
+    reporter: OnceLock<Reporter>,
+    reporter_start: Mutex<()>,
     /// Pinned staging buffers for the host scale step of `Avg`, by size, returned after use.
     staging: Arc<Mutex<HashMap<usize, Vec<usize>>>>,
 }
@@ -80,18 +83,23 @@ impl Shared {
     }
 
     fn reporter(&self) -> Option<&Reporter> {
-        self.reporter
-            .get_or_init(|| {
-                if !host_fn::available(&self.api) {
+        if let Some(r) = self.reporter.get() {
+            return Some(r);
+        }
+        if !host_fn::available(&self.api) {
+            return None;
+        }
+        let _one_at_a_time = lock(&self.reporter_start);
+        if self.reporter.get().is_none() {
+            match Reporter::start(Arc::clone(&self.api), 0) {
+                Ok(r) => drop(self.reporter.set(r)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "npu host-function thread unavailable (retried at next use)");
                     return None;
                 }
-                Reporter::start(Arc::clone(&self.api), 0)
-                    .inspect_err(
-                        |e| tracing::warn!(error = %e, "npu host-function thread unavailable"),
-                    )
-                    .ok()
-            })
-            .as_ref()
+            }
+        }
+        self.reporter.get()
     }
 }
 
@@ -115,14 +123,32 @@ pub struct StreamObj {
     shared: Arc<Shared>,
     raw: usize,
     owned: bool,
-    subscribed: bool,
+    /// Subscribed to the report thread (host functions can run on it); tried again at each need
+    /// until it succeeds.
+    subscribed: AtomicBool,
+}
+
+impl StreamObj {
+    fn host_fns_ready(&self) -> bool {
+        if self.subscribed.load(Ordering::Acquire) {
+            return true;
+        }
+        let ok = self
+            .shared
+            .reporter()
+            .is_some_and(|r| r.subscribe(self.raw).is_ok());
+        if ok {
+            self.subscribed.store(true, Ordering::Release);
+        }
+        ok
+    }
 }
 
 impl Drop for StreamObj {
     fn drop(&mut self) {
         lock(&self.shared.streams).remove(&self.raw);
-        if self.subscribed {
-            if let Some(r) = self.shared.reporter() {
+        if self.subscribed.load(Ordering::Acquire) {
+            if let Some(r) = self.shared.reporter.get() {
                 let _ = r.unsubscribe(self.raw);
             }
         }
@@ -197,18 +223,59 @@ impl MemObj {
     }
 }
 
+impl MemObj {
+    /// Whether every operation queued on this memory is known to have finished. An error from
+    /// `aclrtSynchronizeEvent` may only report failed work queued before the mark (finished, so
+    /// the status query says complete), or the wait itself failing: then nothing is known.
+    fn uses_finished(&self) -> bool {
+        let api = &self.shared.api.acl;
+        if self.shared.bind().is_err() {
+            return lock(&self.uses).is_empty();
+        }
+        let mut uses = lock(&self.uses);
+        while let Some(&(_, e)) = uses.last() {
+            // SAFETY: an event this object created and has not destroyed.
+            let waited = unsafe { api.aclrtSynchronizeEvent(e as _) };
+            if waited != 0 {
+                let mut status = aclrtEventRecordedStatus(0);
+                // SAFETY: as above.
+                let queried = unsafe { api.aclrtQueryEventStatus(e as _, &mut status) };
+                if queried != 0 || status.0 != 1 {
+                    tracing::error!(
+                        waited,
+                        queried,
+                        "npu: cannot tell whether queued work on {} bytes at {:#x} finished",
+                        self.len,
+                        self.ptr
+                    );
+                    return false;
+                }
+            }
+            uses.pop();
+            // SAFETY: as above; no longer waited on.
+            unsafe { api.aclrtDestroyEvent(e as _) };
+        }
+        true
+    }
+}
+
 impl Drop for MemObj {
     fn drop(&mut self) {
         let api = &self.shared.api.acl;
-        if self.shared.bind().is_ok() {
-            // Memory is never freed (or handed back) under queued work, as cudaFree guarantees.
-            for (_, e) in lock(&self.uses).drain(..) {
-                // SAFETY: events this object created.
-                unsafe {
-                    api.aclrtSynchronizeEvent(e as _);
-                    api.aclrtDestroyEvent(e as _);
-                }
-            }
+        // Memory is never freed (or handed back) under queued work, as cudaFree guarantees. When
+        // that cannot be established (the event wait failed), the memory is leaked and stays
+        // counted as in use, rather than freed under work that may still touch it.
+        if !self.uses_finished() {
+            let origin = match &self.origin {
+                Origin::Device(_) => "device",
+                Origin::Pinned => "pinned",
+                Origin::Borrowed(_) => "borrowed (its release is not run)",
+            };
+            tracing::error!(
+                bytes = self.len,
+                "npu: leaking {origin} memory whose queued work is not known to have finished"
+            );
+            return;
         }
         match &mut self.origin {
             Origin::Device(d) => {
@@ -361,6 +428,7 @@ impl NpuBackend {
             pinned: Arc::new(MemoryCounter::new(None)),
             streams: Mutex::new(HashMap::new()),
             reporter: OnceLock::new(),
+            reporter_start: Mutex::new(()),
             staging: Arc::new(Mutex::new(HashMap::new())),
             api,
         });
@@ -375,16 +443,13 @@ impl NpuBackend {
     }
 
     fn stream_obj(&self, raw: usize, owned: bool) -> Arc<StreamObj> {
-        let subscribed = self
-            .shared
-            .reporter()
-            .is_some_and(|r| r.subscribe(raw).is_ok());
         let s = Arc::new(StreamObj {
             shared: Arc::clone(&self.shared),
             raw,
             owned,
-            subscribed,
+            subscribed: AtomicBool::new(false),
         });
+        s.host_fns_ready();
         lock(&self.shared.streams).insert(raw, Arc::downgrade(&s));
         s
     }
@@ -435,7 +500,7 @@ impl NpuBackend {
         stream: &StreamObj,
         compute: impl FnOnce(&[usize]) + Send + 'static,
     ) -> Result<()> {
-        if !stream.subscribed {
+        if !stream.host_fns_ready() {
             return Err(host_fn_unsupported(op));
         }
         let api = self.api();
@@ -917,7 +982,7 @@ impl Backend for NpuBackend {
         })
     }
     fn host_fn(&self, stream: &Arc<StreamObj>, f: HostFn) -> Result<()> {
-        if !stream.subscribed {
+        if !stream.host_fns_ready() {
             return Err(host_fn_unsupported("launch_host_fn"));
         }
         host_fn::launch(self.api(), stream.raw, true, f)
