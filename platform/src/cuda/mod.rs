@@ -449,14 +449,27 @@ impl Drop for MemObj {
         let (ptr, len) = (self.ptr, self.len);
         self.shared.reaper.run_or_defer(move || {
             // Memory is never freed (or handed back) under queued work, as cudaFree guarantees.
+            // Where that cannot be established (a failed wait on work that is not complete, or
+            // no context), it is leaked, reported and still counted instead.
+            let mut finished = true;
             for u in uses {
-                if shared.bind(u.device).is_ok() {
-                    // SAFETY: events this object created.
-                    unsafe {
-                        cu::cuEventSynchronize(u.event as cu::CUevent);
-                        cu::cuEventDestroy_v2(u.event as cu::CUevent);
-                    }
+                // SAFETY (the calls below): events this object created, destroyed once.
+                let known = shared.bind(u.device).is_ok()
+                    && (unsafe { cu::cuEventSynchronize(u.event as cu::CUevent) }
+                        == cu::CUresult::CUDA_SUCCESS
+                        || unsafe { cu::cuEventQuery(u.event as cu::CUevent) }
+                            == cu::CUresult::CUDA_SUCCESS);
+                if known {
+                    unsafe { cu::cuEventDestroy_v2(u.event as cu::CUevent) };
                 }
+                finished &= known;
+            }
+            if !finished {
+                tracing::error!(
+                    bytes = len,
+                    "cuda: leaking memory whose queued work is not known to have finished"
+                );
+                return;
             }
             match origin {
                 Origin::Device(d) => {
