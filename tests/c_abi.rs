@@ -28,6 +28,12 @@ fn bad_arguments_are_typed_errors() {
     assert_eq!(s, HprtStatus::ErrorInvalidValue);
     assert!(last_error().contains("gpu9000"), "{}", last_error());
     assert!(out.is_null(), "out-pointers are written only on success");
+    for name in [c"", c"CPU ", c" cpu"] {
+        // SAFETY: as above.
+        let s = unsafe { hprt_platform_open(name.as_ptr(), &mut out) };
+        assert_eq!(s, HprtStatus::ErrorInvalidValue, "{name:?}");
+        assert!(out.is_null());
+    }
 
     let p = open_cpu();
     // SAFETY: null out-pointer and null handles must be reported, not dereferenced.

@@ -255,3 +255,32 @@ fn the_command_prints_the_report_and_writes_the_trace_named_by_hp_trace() -> Res
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+/// With 1 MiB of pinned memory a rank fails with the pinned out-of-memory error; its peers,
+/// waiting for it in a collective, fail at once (its communicator is gone) instead of waiting
+/// out the 120 s collective timeout, and the report names the cause, not a peer's timeout.
+#[test]
+fn a_rank_out_of_pinned_memory_is_reported_at_once() -> Result<()> {
+    let start = std::time::Instant::now();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hprt"))
+        .args(["demo", "--layers", "2", "--seq", "64", "--steps", "1"])
+        .env("HP_PLATFORM", "cpu")
+        .env("HP_CPU_PINNED_MEMORY", "1M")
+        .env("HP_CPU_COLLECTIVE_TIMEOUT_MS", "120000")
+        .output()?;
+    let took = start.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success(),
+        "the demo succeeded with 1 MiB pinned"
+    );
+    ensure!(
+        stderr.contains("alloc_pinned") && stderr.contains("OUT_OF_MEMORY"),
+        "not the pinned out-of-memory error:\n{stderr}"
+    );
+    ensure!(
+        took < std::time::Duration::from_secs(60),
+        "the failure took {took:?} to report"
+    );
+    Ok(())
+}

@@ -404,6 +404,15 @@ impl<B: Backend> Platform for B {
                 format!("rank {rank} is not a rank of a world of {world}"),
             ));
         }
+        // NCCL counts ranks in an `int`, HCCL in a `uint32_t`: a larger world would wrap.
+        if i32::try_from(world).is_err() {
+            return Err(Error::new(
+                ErrorKind::InvalidValue,
+                self.kind(),
+                "comm_init",
+                format!("a world of {world} ranks is more than any backend counts"),
+            ));
+        }
         let obj = Backend::comm_init(self, id, rank, world)?;
         Ok(Communicator {
             handle: ObjectHandle::new(owner(self), "communicator", obj),

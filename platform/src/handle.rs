@@ -234,6 +234,13 @@ impl BufferHandle {
         Ok(st)
     }
 
+    /// The liveness and bounds checks of an access to `offset..offset + bytes`.
+    pub(crate) fn check(&self, op: &'static str, offset: usize, bytes: usize) -> Result<()> {
+        let owner = self.0.owner;
+        let st = self.state(owner, op)?;
+        check_range(owner.backend, op, self.0.what, offset, bytes, st.len)
+    }
+
     /// The backend memory object behind `offset..offset + bytes`, after a bounds check.
     pub(crate) fn mem_for<T: Clone + 'static>(
         &self,
@@ -285,6 +292,11 @@ pub struct DeviceBuffer {
 }
 
 impl DeviceBuffer {
+    /// Whether `offset..offset + bytes` lies inside the live buffer: the typed error an access
+    /// would give, before anything is sized from `bytes`.
+    pub fn check_range(&self, op: &'static str, offset: usize, bytes: usize) -> Result<()> {
+        self.handle.check(op, offset, bytes)
+    }
     /// Current size in bytes (0 while released).
     pub fn len(&self) -> usize {
         self.handle.unlocked().len
@@ -343,6 +355,10 @@ pub struct PinnedBuffer {
 }
 
 impl PinnedBuffer {
+    /// As [`DeviceBuffer::check_range`].
+    pub fn check_range(&self, op: &'static str, offset: usize, bytes: usize) -> Result<()> {
+        self.handle.check(op, offset, bytes)
+    }
     pub fn len(&self) -> usize {
         self.handle.unlocked().len
     }

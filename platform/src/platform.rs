@@ -246,6 +246,7 @@ pub trait Platform: Send + Sync {
         data: &[u8],
         stream: &Stream,
     ) -> Result<()> {
+        dst.check_range("write_device_sync", offset, data.len())?;
         let staging = self.alloc_pinned(data.len())?;
         staging.write(0, data)?;
         self.copy_async(dst.into(), offset, (&staging).into(), 0, data.len(), stream)?;
@@ -260,6 +261,7 @@ pub trait Platform: Send + Sync {
         out: &mut [u8],
         stream: &Stream,
     ) -> Result<()> {
+        src.check_range("read_device_sync", offset, out.len())?;
         let staging = self.alloc_pinned(out.len())?;
         self.copy_async((&staging).into(), 0, src.into(), offset, out.len(), stream)?;
         self.synchronize_stream(stream)?;

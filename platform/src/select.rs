@@ -38,6 +38,21 @@ impl PlatformRequest {
             })
     }
 
+    /// Parses a backend name given by a program (the C ABI's and Python's `open`): exactly
+    /// `auto`, `cpu`, `cuda` or `npu`. Unlike the environment variable, an empty or padded name
+    /// is an error rather than a guess.
+    pub fn parse_name(name: &str) -> Result<Self> {
+        if name == "auto" || BackendKind::ALL.iter().any(|k| k.name() == name) {
+            return Self::parse(Some(name));
+        }
+        Err(Error::new(
+            ErrorKind::InvalidValue,
+            BackendKind::Cpu,
+            "open_platform",
+            format!("{name:?} is not a backend name; valid names: auto, cpu, cuda, npu"),
+        ))
+    }
+
     pub fn from_env() -> Result<Self> {
         Self::parse(std::env::var("HP_PLATFORM").ok().as_deref())
     }

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hprt_platform::{
-    BackendKind, CpuBackend, CpuConfig, DeviceBuffer, Event, Mem, PinnedBuffer, Platform,
-    PlatformRequest, Stream,
+    BackendKind, CpuBackend, CpuConfig, DeviceBuffer, ErrorKind, Event, Mem, PinnedBuffer,
+    Platform, PlatformRequest, Stream,
 };
 use hprt_swap::PlatformHandle;
 use pyo3::prelude::*;
@@ -58,11 +58,27 @@ pub fn platform_selection_reason() -> Result<String> {
 /// A new platform value of the named backend (not the process-wide one).
 #[pyfunction]
 pub fn open_platform(name: &str) -> Result<PyPlatform> {
-    let request = PlatformRequest::parse(Some(name))?;
+    let request = PlatformRequest::parse_name(name)?;
     let selection = hprt_platform::select_platform(request)?;
     Ok(PyPlatform {
         p: PlatformHandle::Shared(Arc::from(selection.platform)),
     })
+}
+
+/// `n` zero bytes to read into; a size the host cannot provide is an out-of-memory error, not an
+/// abort (sizes are checked against the buffer before this).
+fn zeroed(backend: BackendKind, n: usize) -> Result<Vec<u8>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        hprt_platform::Error::new(
+            ErrorKind::OutOfMemory,
+            backend,
+            "read",
+            format!("cannot allocate {n} host bytes to read into"),
+        )
+    })?;
+    v.resize(n, 0);
+    Ok(v)
 }
 
 /// A private cpu platform with its own capacity, devices, pinned limit and jitter seed.
@@ -87,9 +103,6 @@ pub fn cpu_platform(
     if let Some(bytes) = device_memory {
         cfg.device_memory = bytes;
     }
-    if devices == 0 {
-        return Err(invalid("a cpu platform needs at least one device"));
-    }
     cfg.devices = devices;
     if pinned_memory.is_some() || !from_env {
         cfg.pinned_memory = pinned_memory;
@@ -102,7 +115,7 @@ pub fn cpu_platform(
             .map_err(|_| invalid(format!("collective_timeout_s={s} is not a duration")))?;
     }
     Ok(PyPlatform {
-        p: PlatformHandle::Shared(Arc::new(CpuBackend::new(cfg))),
+        p: PlatformHandle::Shared(Arc::new(CpuBackend::try_new(cfg)?)),
     })
 }
 
@@ -365,7 +378,8 @@ impl PyPlatform {
         stream: &PyStream,
         offset: usize,
     ) -> Result<Bound<'py, PyBytes>> {
-        let mut out = vec![0u8; nbytes];
+        src.b.check_range("read", offset, nbytes)?;
+        let mut out = zeroed(self.p.backend(), nbytes)?;
         py.detach(|| self.p.read_device_sync(&src.b, offset, &mut out, &stream.s))?;
         Ok(PyBytes::new(py, &out))
     }
@@ -521,7 +535,8 @@ impl PyPinnedBuffer {
         nbytes: Option<usize>,
     ) -> Result<Bound<'py, PyBytes>> {
         let n = nbytes.unwrap_or_else(|| self.b.len().saturating_sub(offset));
-        let mut out = vec![0u8; n];
+        self.b.check_range("read", offset, n)?;
+        let mut out = zeroed(self.p.backend(), n)?;
         self.b.read(offset, &mut out)?;
         Ok(PyBytes::new(py, &out))
     }

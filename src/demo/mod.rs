@@ -29,6 +29,7 @@ mod report;
 use std::sync::Arc;
 #[cfg(test)]
 use std::time::Duration;
+use std::time::Instant;
 
 use hprt_platform::PlatformHandle;
 use hprt_platform::{CopyKind, DType, Platform};
@@ -324,20 +325,23 @@ fn run_ranks(
 ) -> Result<Vec<model::RankResult>> {
     let p: &dyn Platform = traced.as_ref();
     let id = p.unique_id()?;
-    let outcomes: Vec<Result<model::RankResult>> = std::thread::scope(|sc| {
+    let outcomes: Vec<(Instant, Result<model::RankResult>)> = std::thread::scope(|sc| {
         let handles: Vec<_> = (0..config.ranks)
             .map(|rank| {
                 let id = &id;
                 sc.spawn(move || {
-                    crate::trace::set_thread_rank(rank);
-                    p.set_device(rank % p.device_count().max(1))?;
-                    let comm = p.comm_init(id, rank, config.ranks)?;
-                    let tick = |n: u64| {
-                        if rank == 0 {
-                            progress(n)
-                        }
-                    };
-                    model::train(traced, comm, config, strategy, &tick)
+                    let outcome = (|| {
+                        crate::trace::set_thread_rank(rank);
+                        p.set_device(rank % p.device_count().max(1))?;
+                        let comm = p.comm_init(id, rank, config.ranks)?;
+                        let tick = |n: u64| {
+                            if rank == 0 {
+                                progress(n)
+                            }
+                        };
+                        model::train(traced, comm, config, strategy, &tick)
+                    })();
+                    (Instant::now(), outcome)
                 })
             })
             .collect();
@@ -346,16 +350,31 @@ fn run_ranks(
             .enumerate()
             .map(|(rank, h)| {
                 h.join().unwrap_or_else(|_| {
-                    Err(DemoError::Rank {
+                    let panicked = DemoError::Rank {
                         rank,
                         message: "panicked".into(),
-                    })
+                    };
+                    (Instant::now(), Err(panicked))
                 })
             })
             .collect()
     });
-    // The first failing rank's error; a peer's timeout caused by it is less useful.
-    outcomes.into_iter().collect()
+    // The error that happened first is the cause: its peers' failures (their communicator
+    // aborted, or a timeout) follow from it.
+    let first_failure = outcomes
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, r))| r.is_err())
+        .min_by_key(|(_, (at, _))| *at)
+        .map(|(rank, _)| rank);
+    let mut results = Vec::new();
+    for (rank, (_, r)) in outcomes.into_iter().enumerate() {
+        match r {
+            Err(e) if Some(rank) == first_failure => return Err(e),
+            r => results.push(r),
+        }
+    }
+    results.into_iter().collect()
 }
 
 #[cfg(test)]

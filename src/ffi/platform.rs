@@ -195,7 +195,7 @@ pub unsafe extern "C" fn hprt_platform_open(
             let s = unsafe { CStr::from_ptr(request) }
                 .to_str()
                 .map_err(|_| FfiError::invalid("request is not UTF-8"))?;
-            PlatformRequest::parse(Some(s))?
+            PlatformRequest::parse_name(s)?
         };
         // SAFETY: the caller's contract.
         unsafe {

@@ -333,6 +333,41 @@ fn a_dead_peer_fails_collectives_at_once() {
     });
 }
 
+/// Sizes are checked before anything is sized from them: a device count or a world past what a
+/// cpu platform models is a typed error, not an abort allocating per-device or per-rank state.
+#[test]
+fn huge_device_counts_and_worlds_are_typed_errors() {
+    let e = CpuBackend::try_new(CpuConfig {
+        devices: 1 << 40,
+        ..CpuConfig::default()
+    })
+    .err()
+    .expect("2^40 devices accepted");
+    assert_eq!(e.kind(), ErrorKind::InvalidValue, "{e}");
+    let p = cpu(CpuConfig::default());
+    let id = p.unique_id().unwrap();
+    for world in [1usize << 40, usize::MAX] {
+        let e = p
+            .comm_init(&id, 0, world)
+            .err()
+            .expect("a huge world accepted");
+        assert_eq!(e.kind(), ErrorKind::InvalidValue, "{world}: {e}");
+    }
+    // Reading more than the buffer holds is refused before any staging is allocated.
+    let b = p.alloc_device(64).unwrap();
+    let s = p.create_stream().unwrap();
+    let e = b.check_range("read", 0, 1 << 45).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::OutOfRange, "{e}");
+    let mut small = [0u8; 65];
+    let e = p.read_device_sync(&b, 0, &mut small, &s).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::OutOfRange, "{e}");
+    assert_eq!(
+        p.memory_stats().pinned_allocations,
+        0,
+        "staging allocated first"
+    );
+}
+
 #[test]
 fn small_device_capacity() {
     const CAP: usize = 1 << 20;
@@ -632,6 +667,18 @@ fn platform_request_parsing_and_selection() {
         PlatformRequest::parse(Some("CPU")).unwrap(),
         PlatformRequest::Forced(BackendKind::Cpu)
     );
+    // A name a program passes (C ABI, Python) is exact: no guessing at "" or "CPU ".
+    for name in ["", "CPU ", "CPU", " cpu", "Auto", "bogus"] {
+        let e = PlatformRequest::parse_name(name).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidValue, "{name:?}");
+    }
+    for (name, want) in [
+        ("auto", PlatformRequest::Auto),
+        ("cpu", PlatformRequest::Forced(BackendKind::Cpu)),
+        ("npu", PlatformRequest::Forced(BackendKind::Npu)),
+    ] {
+        assert_eq!(PlatformRequest::parse_name(name).unwrap(), want);
+    }
     let auto = select_platform(PlatformRequest::Auto).unwrap_or_else(|e| panic!("auto: {e}"));
     assert_eq!(
         auto.platform.backend(),

@@ -103,6 +103,27 @@ fn env_value<T>(name: &str, parse: impl Fn(&str) -> Option<T>, expect: &str) -> 
 }
 
 impl CpuConfig {
+    /// The most devices a cpu platform models (each is a memory counter and a block cache).
+    pub const MAX_DEVICES: usize = 1024;
+    /// The largest world a cpu communicator accepts: its ranks are threads of this process.
+    pub const MAX_WORLD: usize = 1 << 16;
+
+    /// Checks the settings before anything is sized from them.
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=Self::MAX_DEVICES).contains(&self.devices) {
+            return Err(cpu_err(
+                ErrorKind::InvalidValue,
+                "configure",
+                format!(
+                    "a cpu platform has 1 to {} devices, not {} (HP_CPU_DEVICES)",
+                    Self::MAX_DEVICES,
+                    self.devices
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Defaults overridden by `HP_CPU_DEVICE_MEMORY`, `HP_CPU_DEVICES`, `HP_CPU_PINNED_MEMORY`,
     /// `HP_CPU_JITTER` and `HP_CPU_COLLECTIVE_TIMEOUT_MS`; a malformed value is an error.
     pub fn from_env() -> Result<Self> {
@@ -134,6 +155,7 @@ impl CpuConfig {
         if let Some(v) = env_value("HP_CPU_ALLOC_CACHE", parse_bytes, bytes)? {
             c.alloc_cache = v;
         }
+        c.validate()?;
         Ok(c)
     }
 }
@@ -190,7 +212,21 @@ pub struct CpuBackend {
 const ID_MAGIC: &[u8; 8] = b"hprt-cpu";
 
 impl CpuBackend {
+    /// A cpu platform with these settings, checked first ([`CpuConfig::validate`]).
+    pub fn try_new(config: CpuConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Self::new(config))
+    }
+
+    /// [`CpuBackend::try_new`] for settings known to be valid.
+    ///
+    /// # Panics
+    /// If [`CpuConfig::validate`] rejects `config` (say, `devices` past
+    /// [`CpuConfig::MAX_DEVICES`]), rather than sizing anything from it.
     pub fn new(config: CpuConfig) -> Self {
+        if let Err(e) = config.validate() {
+            panic!("{e}");
+        }
         let devices = (0..config.devices.max(1))
             .map(|_| Arc::new(MemoryCounter::new(Some(config.device_memory))))
             .collect();
@@ -214,7 +250,7 @@ impl CpuBackend {
 
     /// A cpu platform configured from the environment.
     pub fn from_env() -> Result<Self> {
-        Ok(Self::new(CpuConfig::from_env()?))
+        Self::try_new(CpuConfig::from_env()?)
     }
 
     pub fn config(&self) -> &CpuConfig {
@@ -537,6 +573,16 @@ impl Backend for CpuBackend {
                 ErrorKind::InvalidValue,
                 OP,
                 "the unique id was not made by this cpu platform value (ranks must share one)",
+            ));
+        }
+        if world > CpuConfig::MAX_WORLD {
+            return Err(cpu_err(
+                ErrorKind::InvalidValue,
+                OP,
+                format!(
+                    "a cpu communicator has at most {} ranks (threads of this process), not {world}",
+                    CpuConfig::MAX_WORLD
+                ),
             ));
         }
         let timeout = self.config.collective_timeout;
