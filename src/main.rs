@@ -126,10 +126,26 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("hprt: {e:#}");
+            eprintln!("hprt: {}", describe(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes, each once: many error types already end their message with their
+/// source's (an I/O error's OS message), which `{:#}` would print a second time.
+fn describe(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if !text.ends_with(&part) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&part);
+        }
+    }
+    text
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {

@@ -284,3 +284,23 @@ fn a_rank_out_of_pinned_memory_is_reported_at_once() -> Result<()> {
     );
     Ok(())
 }
+
+/// A CLI I/O error names the path and the OS error once.
+#[test]
+fn an_io_error_prints_the_os_error_once() -> Result<()> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hprt"))
+        .args([
+            "decompress",
+            "/nonexistent/hprt-input",
+            "/nonexistent/hprt-output",
+        ])
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success());
+    ensure!(stderr.contains("/nonexistent/hprt-input"), "{stderr}");
+    ensure!(
+        stderr.matches("os error 2").count() == 1,
+        "the OS error is not printed exactly once:\n{stderr}"
+    );
+    Ok(())
+}
