@@ -19,6 +19,7 @@
 //!   `MixedPrecisionPolicy`, `ShardedParam`: sharded parameters (FSDP / HSDP).
 //! - [`error`] — `BindError` and the `HprtError` exception family; every failure becomes one,
 //!   carrying the backend's status name.
+//! - [`wait`] — blocking calls Ctrl-C can interrupt (`comm_init`, synchronize).
 
 pub mod borrowed;
 pub mod collective;
@@ -30,6 +31,7 @@ pub mod hsdp;
 pub mod manager;
 pub mod platform;
 pub mod swap;
+pub mod wait;
 
 pub use error::{BindError, Result};
 

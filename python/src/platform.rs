@@ -18,6 +18,7 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::dlpack::TensorView;
 use crate::dtype;
 use crate::error::{invalid, BindError, Result};
+use crate::wait::interruptible;
 
 /// A platform: the process-wide one ([`get_platform`]) or a private cpu one ([`cpu_platform`]).
 ///
@@ -263,7 +264,8 @@ impl PyPlatform {
 
     /// Blocks until every stream of the platform is idle.
     fn synchronize(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| self.p.synchronize_device())?)
+        let p = self.p.clone();
+        Ok(interruptible(py, move || p.synchronize_device())??)
     }
 
     #[pyo3(signature = (timing=false))]
@@ -365,7 +367,8 @@ impl PyPlatform {
         offset: usize,
     ) -> Result<()> {
         let bytes = data.as_bytes().to_vec();
-        Ok(py.detach(|| self.p.write_device_sync(&dst.b, offset, &bytes, &stream.s))?)
+        let (p, b, s) = (self.p.clone(), dst.b.clone(), stream.s.clone());
+        Ok(interruptible(py, move || p.write_device_sync(&b, offset, &bytes, &s))??)
     }
 
     /// `nbytes` of device memory at `offset`, after the work queued on `stream` so far.
@@ -380,7 +383,10 @@ impl PyPlatform {
     ) -> Result<Bound<'py, PyBytes>> {
         src.b.check_range("read", offset, nbytes)?;
         let mut out = zeroed(self.p.backend(), nbytes)?;
-        py.detach(|| self.p.read_device_sync(&src.b, offset, &mut out, &stream.s))?;
+        let (p, b, s) = (self.p.clone(), src.b.clone(), stream.s.clone());
+        let out = interruptible(py, move || {
+            p.read_device_sync(&b, offset, &mut out, &s).map(|()| out)
+        })??;
         Ok(PyBytes::new(py, &out))
     }
 
@@ -398,7 +404,8 @@ impl PyPlatform {
         world: usize,
     ) -> Result<crate::collective::PyCommunicator> {
         let id = hprt_platform::UniqueId(unique_id.as_bytes().to_vec());
-        let c = py.detach(|| self.p.comm_init(&id, rank, world))?;
+        let p = self.p.clone();
+        let c = interruptible(py, move || p.comm_init(&id, rank, world))??;
         Ok(crate::collective::PyCommunicator {
             p: self.p.clone(),
             c,
@@ -422,7 +429,8 @@ impl PyStream {
         self.s.is_external()
     }
     fn synchronize(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| self.p.synchronize_stream(&self.s))?)
+        let (p, s) = (self.p.clone(), self.s.clone());
+        Ok(interruptible(py, move || p.synchronize_stream(&s))??)
     }
     /// Whether all work queued so far completed.
     fn query(&self) -> Result<bool> {
@@ -465,7 +473,8 @@ impl PyEvent {
         Ok(self.p.record_event(&self.e, &stream.s)?)
     }
     fn synchronize(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| self.p.synchronize_event(&self.e))?)
+        let (p, e) = (self.p.clone(), self.e.clone());
+        Ok(interruptible(py, move || p.synchronize_event(&e))??)
     }
     fn query(&self) -> Result<bool> {
         Ok(self.p.query_event(&self.e)?)

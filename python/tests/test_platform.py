@@ -178,3 +178,80 @@ def test_wrap_stream_shares_the_stream(p):
     w = p.wrap_stream(s.raw)
     assert w.is_external and w.raw == s.raw
     w.synchronize()
+
+
+def test_sizes_are_checked_before_anything_is_sized_from_them(p):
+    s = p.create_stream()
+    dev = p.alloc_device(64)
+    for read in (lambda: p.read(dev, 2**45, s), lambda: p.alloc_pinned(64).read(0, 2**45)):
+        with pytest.raises(hprt.HprtError) as e:
+            read()
+        assert e.value.status == "HP_ERROR_OUT_OF_RANGE"
+    with pytest.raises(hprt.InvalidValueError):
+        hprt.cpu_platform(devices=2**40)
+    with pytest.raises(hprt.InvalidValueError):
+        p.comm_init(p.unique_id(), 0, 2**40)
+
+
+def test_backend_names_are_exact():
+    for name in ["", "CPU ", " cpu", "Cpu"]:
+        with pytest.raises(hprt.InvalidValueError):
+            hprt.open_platform(name)
+    assert hprt.open_platform("cpu").backend == "cpu"
+
+
+def _interrupt_soon(delay=0.3):
+    import signal
+
+    timer = threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def test_ctrl_c_interrupts_a_comm_init_waiting_for_a_missing_rank():
+    import time
+
+    q = hprt.cpu_platform(collective_timeout_s=60)
+    uid = q.unique_id()
+    t0 = time.monotonic()
+    timer = _interrupt_soon()
+    with pytest.raises(KeyboardInterrupt):
+        q.comm_init(uid, 0, 2)  # rank 1 never comes
+    timer.join()
+    assert time.monotonic() - t0 < 10
+
+
+def test_ctrl_c_interrupts_a_synchronize_behind_a_stuck_collective():
+    import time
+
+    q = hprt.cpu_platform(collective_timeout_s=60)
+    uid = q.unique_id()
+    joined = threading.Event()
+    release = threading.Event()
+    comms = {}
+
+    def peer():
+        comms[1] = q.comm_init(uid, 1, 2)
+        joined.set()
+        release.wait(30)  # joined, but never issues the all-reduce
+
+    t = threading.Thread(target=peer)
+    t.start()
+    comm = q.comm_init(uid, 0, 2)
+    assert joined.wait(10)
+    s = q.create_stream()
+    buf = q.alloc_device(64)
+    comm.all_reduce(buf, buf, 4, "f32", "sum", s)
+    t0 = time.monotonic()
+    timer = _interrupt_soon()
+    try:
+        for sync in (s.synchronize, q.synchronize):
+            with pytest.raises(KeyboardInterrupt):
+                sync()
+            timer.join()
+            timer = _interrupt_soon()
+    finally:
+        timer.cancel()
+        release.set()
+        t.join()
+    assert time.monotonic() - t0 < 10
