@@ -17,8 +17,12 @@ use crate::memory::{MemInfo, MemoryStats};
 /// One backend, chosen at run time (see [`crate::get_platform`]).
 ///
 /// Everything that moves data is asynchronous and ordered by the stream it is issued on: the call
-/// returns once the work is queued. Errors of queued work surface at the next synchronization
-/// of that stream (or of an event recorded after it).
+/// returns once the work is queued. An error of queued work reaches everything ordered after it,
+/// as a GPU's sticky errors do: the next synchronize of its stream, every event recorded after
+/// it, every stream that waited on such an event (and events recorded there after the wait), and
+/// a device synchronize; each reports it once and later work is clean again. A collective that
+/// fails aborts its communicator on every rank (as `ncclCommAbort` does): what is queued behind it
+/// and issued later fails at once with the first cause.
 pub trait Platform: Send + Sync {
     fn backend(&self) -> BackendKind;
     fn info(&self) -> PlatformInfo;
@@ -46,7 +50,8 @@ pub trait Platform: Send + Sync {
     fn synchronize_stream(&self, stream: &Stream) -> Result<()>;
     /// Whether all work queued on `stream` completed.
     fn query_stream(&self, stream: &Stream) -> Result<bool>;
-    /// Blocks until all work on every stream of this platform completed.
+    /// Blocks until all work on every stream of this platform completed; reports the first error
+    /// not yet reported, including one left on a stream destroyed since.
     fn synchronize_device(&self) -> Result<()>;
 
     // --- events --------------------------------------------------------------------------
@@ -55,7 +60,8 @@ pub trait Platform: Send + Sync {
     fn destroy_event(&self, event: &Event) -> Result<()>;
     /// Marks the point in `stream` reached by the work queued so far.
     fn record_event(&self, event: &Event, stream: &Stream) -> Result<()>;
-    /// Work queued on `stream` after this call waits for the event's last recorded point.
+    /// Work queued on `stream` after this call waits for the event's last recorded point; an
+    /// error queued before that point becomes `stream`'s error too.
     fn stream_wait_event(&self, stream: &Stream, event: &Event) -> Result<()>;
     /// Whether the last recorded point was reached (true for a never-recorded event).
     fn query_event(&self, event: &Event) -> Result<bool>;
@@ -128,6 +134,10 @@ pub trait Platform: Send + Sync {
         comm: &Communicator,
         rank_lists: &[Vec<usize>],
     ) -> Result<Option<Communicator>>;
+    /// Releases this rank's membership once its queued collectives ran. A rank whose
+    /// communicator is gone (destroyed, or dropped when its thread failed) will never reach
+    /// another collective: on the cpu backend, peers' collectives and receives waiting for it
+    /// fail at once.
     fn destroy_comm(&self, comm: &Communicator) -> Result<()>;
     /// Enqueues one collective on `stream`.
     fn collective(
