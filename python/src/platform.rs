@@ -368,7 +368,9 @@ impl PyPlatform {
     ) -> Result<()> {
         let bytes = data.as_bytes().to_vec();
         let (p, b, s) = (self.p.clone(), dst.b.clone(), stream.s.clone());
-        Ok(interruptible(py, move || p.write_device_sync(&b, offset, &bytes, &s))??)
+        Ok(interruptible(py, move || {
+            p.write_device_sync(&b, offset, &bytes, &s)
+        })??)
     }
 
     /// `nbytes` of device memory at `offset`, after the work queued on `stream` so far.

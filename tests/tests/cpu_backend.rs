@@ -349,8 +349,7 @@ fn huge_device_counts_and_worlds_are_typed_errors() {
     for world in [1usize << 40, usize::MAX] {
         let e = p
             .comm_init(&id, 0, world)
-            .err()
-            .expect("a huge world accepted");
+            .expect_err("a huge world accepted");
         assert_eq!(e.kind(), ErrorKind::InvalidValue, "{world}: {e}");
     }
     // Reading more than the buffer holds is refused before any staging is allocated.
