@@ -368,15 +368,10 @@ pub(crate) fn pinned_host_access(p: &dyn Platform) -> Result<()> {
 /// Ascend runtime a generic runtime error). Each disagreement runs on a fresh world so no case
 /// depends on a communicator's state after one.
 ///
-/// Not on cuda: NCCL does not check that ranks agree, so a mismatch there hangs or corrupts
-/// instead of failing, and hprt has no watchdog that would abort the communicator.
+/// Not on real cuda: NCCL does not check that ranks agree, so a mismatch there hangs or corrupts
+/// instead of failing (the CUDA emulator reports it, as `ncclInvalidUsage`).
 pub(crate) fn mismatched_collective(p: &dyn Platform) -> Result<()> {
-    if p.backend() == hprt_platform::BackendKind::Cuda && !crate::cuda_emulator::is_emulated(p) {
-        return Err(crate::util::Skipped(
-            "NCCL does not detect ranks that disagree; a mismatch hangs instead of failing (the CUDA emulator does)".into(),
-        )
-        .into());
-    }
+    mismatches_are_detected(p)?;
     type Issue =
         fn(&crate::collective::Rank<'_>, &hprt_platform::DeviceBuffer) -> hprt_platform::Result<()>;
     let variants: [(&str, Issue); 5] = [
@@ -674,29 +669,44 @@ pub(crate) fn split_bad_rank_lists(p: &dyn Platform) -> Result<()> {
     })
 }
 
+/// Collectives the ranks disagree on fail (a queued error) everywhere but on real cuda, where
+/// NCCL does not notice and hangs: cases that need one are skipped there (not on the emulator).
+fn mismatches_are_detected(p: &dyn Platform) -> Result<()> {
+    if p.backend() == hprt_platform::BackendKind::Cuda && !crate::cuda_emulator::is_emulated(p) {
+        return Err(crate::util::Skipped(
+            "NCCL does not detect ranks that disagree; a mismatch hangs instead of failing (the CUDA emulator does)".into(),
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// An all-reduce of 4 elements on rank 0 and 8 on the others: a queued error on every rank.
+fn disagreeing_all_reduce(
+    r: &crate::collective::Rank<'_>,
+    b: &hprt_platform::DeviceBuffer,
+) -> hprt_platform::Result<()> {
+    let count = if r.rank == 0 { 4 } else { 8 };
+    r.p.all_reduce(
+        b.at(0),
+        b.at(64),
+        count,
+        DType::F32,
+        ReduceOp::Sum,
+        &r.comm,
+        &r.stream,
+    )
+}
+
 /// A queued error reaches everything ordered after the failed work, as a GPU's sticky errors
 /// do: events recorded after it, streams that waited on such an event (directly or through
 /// another stream's event), and a device synchronize. Once reported, later work is clean again.
 pub(crate) fn queued_error_reaches_waiters(p: &dyn Platform) -> Result<()> {
-    if p.backend() == hprt_platform::BackendKind::Cuda {
-        return Err(crate::util::Skipped(
-            "NCCL does not detect ranks that disagree, so no queued error can be made here".into(),
-        )
-        .into());
-    }
+    mismatches_are_detected(p)?;
     let phase = std::sync::Barrier::new(2);
     run_world(p, 2, |r| {
         let b = r.p.alloc_device(256)?;
-        let count = if r.rank == 0 { 4 } else { 8 };
-        r.p.all_reduce(
-            b.at(0),
-            b.at(64),
-            count,
-            DType::F32,
-            ReduceOp::Sum,
-            &r.comm,
-            &r.stream,
-        )?;
+        disagreeing_all_reduce(r, &b)?;
         let after = r.p.create_event(false)?;
         r.p.record_event(&after, &r.stream)?;
         let waiter = r.p.create_stream()?;
@@ -754,33 +764,27 @@ pub(crate) fn queued_error_reaches_waiters(p: &dyn Platform) -> Result<()> {
 /// collectives queued behind it and those issued later fail at once, instead of each waiting
 /// out the timeout or (worse) running on a communicator whose ranks are out of step.
 pub(crate) fn failed_collective_aborts_communicator(p: &dyn Platform) -> Result<()> {
-    if p.backend() == hprt_platform::BackendKind::Cuda {
-        return Err(crate::util::Skipped(
-            "NCCL does not detect ranks that disagree, so no collective fails here".into(),
-        )
-        .into());
-    }
+    mismatches_are_detected(p)?;
     run_world(p, 2, |r| {
         let b = r.p.alloc_device(256)?;
         r.p.memset_async(&b, 0, 0x3F, 256, &r.stream)?;
         let out = r.p.alloc_device(64)?;
         r.p.memset_async(&out, 0, 0, 64, &r.stream)?;
-        let count = if r.rank == 0 { 4 } else { 8 };
-        let all_reduce = |count: usize, recv: &hprt_platform::DeviceBuffer| {
+        disagreeing_all_reduce(r, &b)?;
+        let all_reduce = || {
             r.p.all_reduce(
                 b.at(0),
-                recv.at(0),
-                count,
+                out.at(0),
+                4,
                 DType::F32,
                 ReduceOp::Sum,
                 &r.comm,
                 &r.stream,
             )
         };
-        all_reduce(count, &b)?;
         for _ in 0..4 {
             // Matching on both ranks: would run, out of step, on a communicator left as it was.
-            all_reduce(4, &out)?;
+            all_reduce()?;
         }
         expect_err(r.p.synchronize_stream(&r.stream), "the failed collective")?;
         check_bytes(
@@ -788,7 +792,7 @@ pub(crate) fn failed_collective_aborts_communicator(p: &dyn Platform) -> Result<
             &[0u8; 64],
             &crate::util::download(r.p, &out, 0, 64, &r.stream)?,
         )?;
-        all_reduce(4, &out)?;
+        all_reduce()?;
         expect_err(
             r.p.synchronize_stream(&r.stream),
             "a collective issued after the communicator failed",

@@ -860,7 +860,23 @@ fn hccl_mismatch_and_missing_peer_fail_the_stream() {
             HcclAllReduce(buf, buf, count, F32, HCCL_REDUCE_SUM, comm, s),
             0
         );
+        // The failure reaches what is ordered after it through an event: the event's
+        // synchronize and a stream that waited on it, as a GPU's sticky errors do.
+        let mut ev = null_mut();
+        assert_eq!(aclrtCreateEvent(&mut ev), 0);
+        assert_eq!(aclrtRecordEvent(ev, s), 0);
+        let mut b = null_mut();
+        assert_eq!(aclrtCreateStream(&mut b), 0);
+        assert_eq!(aclrtStreamWaitEvent(b, ev), 0);
+        assert_eq!(aclrtSynchronizeEvent(ev), ACL_ERROR_RT_INTERNAL_ERROR);
+        assert_eq!(sync(b), ACL_ERROR_RT_INTERNAL_ERROR);
+        assert_eq!(sync(b), 0, "reported once");
         assert_eq!(sync(s), ACL_ERROR_RT_INTERNAL_ERROR);
+        assert_eq!(aclrtRecordEvent(ev, s), 0);
+        assert_eq!(aclrtStreamWaitEvent(b, ev), 0);
+        assert_eq!(sync(b), 0, "a record after the report is clean");
+        assert_eq!(aclrtDestroyStream(b), 0);
+        assert_eq!(aclrtDestroyEvent(ev), 0);
         free(buf);
     });
     ranks(2, |r, comm, s| unsafe {
@@ -900,38 +916,6 @@ fn hccl_mismatch_and_missing_peer_fail_the_stream() {
             assert!(waited >= Duration::from_millis(250), "{waited:?}");
             assert!(waited < Duration::from_millis(1000), "{waited:?}");
         }
-        free(buf);
-    });
-}
-
-/// A failure reaches every stream ordered after it through event waits, and event
-/// synchronizes, as a GPU's sticky errors do.
-#[test]
-fn stream_errors_pass_through_event_waits() {
-    let _g = setup();
-    crate::control::hprtEmuSetHcclTimeoutMs(300);
-    ranks(2, |r, comm, s| unsafe {
-        let buf = malloc(64);
-        let count = if r == 0 { 4 } else { 8 };
-        assert_eq!(
-            HcclAllReduce(buf, buf, count, F32, HCCL_REDUCE_SUM, comm, s),
-            0
-        );
-        let mut ev = null_mut();
-        assert_eq!(aclrtCreateEvent(&mut ev), 0);
-        assert_eq!(aclrtRecordEvent(ev, s), 0);
-        let mut b = null_mut();
-        assert_eq!(aclrtCreateStream(&mut b), 0);
-        assert_eq!(aclrtStreamWaitEvent(b, ev), 0);
-        assert_eq!(aclrtSynchronizeEvent(ev), ACL_ERROR_RT_INTERNAL_ERROR);
-        assert_eq!(sync(b), ACL_ERROR_RT_INTERNAL_ERROR);
-        assert_eq!(sync(b), 0, "reported once");
-        assert_eq!(sync(s), ACL_ERROR_RT_INTERNAL_ERROR);
-        assert_eq!(aclrtRecordEvent(ev, s), 0);
-        assert_eq!(aclrtStreamWaitEvent(b, ev), 0);
-        assert_eq!(sync(b), 0, "a record after the report is clean");
-        assert_eq!(aclrtDestroyStream(b), 0);
-        assert_eq!(aclrtDestroyEvent(ev), 0);
         free(buf);
     });
 }
