@@ -375,18 +375,7 @@ pub(crate) fn mismatched_collective(p: &dyn Platform) -> Result<()> {
     type Issue =
         fn(&crate::collective::Rank<'_>, &hprt_platform::DeviceBuffer) -> hprt_platform::Result<()>;
     let variants: [(&str, Issue); 5] = [
-        ("all_reduce count 4 vs 8", |r, b| {
-            let count = if r.rank == 0 { 4 } else { 8 };
-            r.p.all_reduce(
-                b.at(0),
-                b.at(64),
-                count,
-                DType::F32,
-                ReduceOp::Sum,
-                &r.comm,
-                &r.stream,
-            )
-        }),
+        ("all_reduce count 4 vs 8", disagreeing_all_reduce),
         ("all_reduce sum vs max", |r, b| {
             let op = if r.rank == 0 {
                 ReduceOp::Sum

@@ -173,6 +173,20 @@ fn comm_init_times_out_naming_the_missing_rank() {
     );
 }
 
+/// Queues ten all-reduces of 4 f32 on a new stream; returns it and the buffer they use.
+fn ten_all_reduces(
+    p: &dyn Platform,
+    comm: &hprt_platform::Communicator,
+) -> (hprt_platform::Stream, hprt_platform::DeviceBuffer) {
+    let s = p.create_stream().unwrap();
+    let b = p.alloc_device(64).unwrap();
+    for _ in 0..10 {
+        p.all_reduce(b.at(0), b.at(32), 4, DType::F32, ReduceOp::Sum, comm, &s)
+            .unwrap();
+    }
+    (s, b)
+}
+
 #[test]
 fn comm_init_with_another_process_id_says_ranks_are_threads() {
     // Ranks of the cpu backend are threads of one process: an id that crossed a process
@@ -212,15 +226,10 @@ fn collective_times_out_when_a_rank_never_issues_it() {
             drop(comm);
         });
         let comm = p.comm_init(id, 0, 2).unwrap();
-        let s = p.create_stream().unwrap();
-        let b = p.alloc_device(64).unwrap();
         let start = Instant::now();
         // Ten queued behind the first cost one timeout, not ten: the first failure aborts the
         // communicator, and the first cause is what every later one reports.
-        for _ in 0..10 {
-            p.all_reduce(b.at(0), b.at(32), 4, DType::F32, ReduceOp::Sum, &comm, &s)
-                .unwrap();
-        }
+        let (s, b) = ten_all_reduces(p, &comm);
         let e = p
             .synchronize_stream(&s)
             .expect_err("all_reduce without rank 1 succeeded");
@@ -276,13 +285,8 @@ fn a_dead_peer_fails_collectives_at_once() {
         });
         let comm = p.comm_init(id, 0, 2).unwrap();
         peer.join().unwrap();
-        let s = p.create_stream().unwrap();
-        let b = p.alloc_device(64).unwrap();
         let start = Instant::now();
-        for _ in 0..10 {
-            p.all_reduce(b.at(0), b.at(32), 4, DType::F32, ReduceOp::Sum, &comm, &s)
-                .unwrap();
-        }
+        let (s, b) = ten_all_reduces(p, &comm);
         let e = p.synchronize_stream(&s).expect_err("all_reduce succeeded");
         assert!(e.message.contains("rank 1"), "{e}");
         let recv = hprt_platform::Collective::Recv {
