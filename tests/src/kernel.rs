@@ -8,7 +8,7 @@ use anyhow::{bail, Result};
 use half::{bf16, f16};
 use hprt_platform::{DType, ErrorKind, Kernel, Platform};
 
-use crate::util::{check_bytes, download, expect_kind, pinned_with, upload};
+use crate::util::{check_bytes, download, expect_err, expect_kind, pinned_with, upload};
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
@@ -488,5 +488,26 @@ pub(crate) fn matmul_f32(p: &dyn Platform) -> Result<()> {
         "matmul with an empty inner dimension",
     )?;
     p.synchronize_stream(&stream)?;
+    Ok(())
+}
+
+/// A host function that panics is an error at its stream's next synchronize (reported once),
+/// never swallowed; the stream keeps working.
+pub(crate) fn host_fn_panic_is_reported(p: &dyn Platform) -> Result<()> {
+    let stream = p.create_stream()?;
+    let d = p.alloc_device(64)?;
+    p.launch_host_fn(&stream, Box::new(|| panic!("a host function failed")))?;
+    p.memset_async(&d, 0, 5, 64, &stream)?;
+    expect_err(
+        p.synchronize_stream(&stream),
+        "synchronize after a panicking host function",
+    )?;
+    p.synchronize_stream(&stream)?;
+    check_bytes(
+        "work queued after the panicking host function",
+        &[5u8; 64],
+        &download(p, &d, 0, 64, &stream)?,
+    )?;
+    p.destroy_stream(&stream)?;
     Ok(())
 }

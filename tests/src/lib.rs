@@ -212,6 +212,11 @@ static CASES: &[Case] = &[
         "host_fn_in_stream_order",
         kernel::host_fn_in_stream_order
     ),
+    case!(
+        "kernel",
+        "host_fn_panic_is_reported",
+        kernel::host_fn_panic_is_reported
+    ),
     case!("kernel", "kernel_bad_arguments", kernel::bad_arguments),
     case!("kernel", "matmul_f32", kernel::matmul_f32),
     // error

@@ -39,7 +39,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
 use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
-use crate::kernel::{HostFn, Kernel};
+use crate::kernel::{HostFn, HostFnPanics, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
 use check::{cu, cu_error, cuda_err};
 use host_fn::Reaper;
@@ -322,6 +322,7 @@ pub struct StreamObj {
     raw: usize,
     device: usize,
     owned: bool,
+    panics: HostFnPanics,
 }
 
 impl Drop for StreamObj {
@@ -744,6 +745,7 @@ impl CudaBackend {
             raw,
             device,
             owned,
+            panics: HostFnPanics::default(),
         });
         self.shared.register(&s);
         s
@@ -1155,7 +1157,8 @@ impl Backend for CudaBackend {
     fn synchronize_stream(&self, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind(stream.device)?;
         // SAFETY: live stream.
-        cu_call!(cuStreamSynchronize(stream.raw as cu::CUstream))
+        cu_call!(cuStreamSynchronize(stream.raw as cu::CUstream))?;
+        stream.panics.take()
     }
     fn query_stream(&self, stream: &Arc<StreamObj>) -> Result<bool> {
         self.shared.bind(stream.device)?;
@@ -1377,7 +1380,7 @@ impl Backend for CudaBackend {
     }
     fn host_fn(&self, stream: &Arc<StreamObj>, f: HostFn) -> Result<()> {
         self.shared.bind(stream.device)?;
-        host_fn::launch(stream.raw, f)
+        host_fn::launch(stream.raw, stream.panics.guard(BackendKind::Cuda, f))
     }
 
     fn unique_id(&self) -> Result<UniqueId> {

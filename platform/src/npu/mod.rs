@@ -27,7 +27,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
 use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
-use crate::kernel::{run_on_host, Access, HostFn, Kernel};
+use crate::kernel::{run_on_host, Access, HostFn, HostFnPanics, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
 use check::{acl, hccl, npu_err};
 use host_fn::Reporter;
@@ -126,6 +126,7 @@ pub struct StreamObj {
     /// Subscribed to the report thread (host functions can run on it); tried again at each need
     /// until it succeeds.
     subscribed: AtomicBool,
+    panics: HostFnPanics,
 }
 
 impl StreamObj {
@@ -448,6 +449,7 @@ impl NpuBackend {
             raw,
             owned,
             subscribed: AtomicBool::new(false),
+            panics: HostFnPanics::default(),
         });
         s.host_fns_ready();
         lock(&self.shared.streams).insert(raw, Arc::downgrade(&s));
@@ -757,7 +759,8 @@ impl Backend for NpuBackend {
     fn synchronize_stream(&self, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind()?;
         // SAFETY: live stream.
-        acl_call!(self.api(), aclrtSynchronizeStream(stream.raw as _))
+        acl_call!(self.api(), aclrtSynchronizeStream(stream.raw as _))?;
+        stream.panics.take()
     }
     fn query_stream(&self, stream: &Arc<StreamObj>) -> Result<bool> {
         if self.api().acl.aclrtStreamQuery.is_ok() {
@@ -985,6 +988,7 @@ impl Backend for NpuBackend {
         if !stream.host_fns_ready() {
             return Err(host_fn_unsupported("launch_host_fn"));
         }
+        let f = stream.panics.guard(BackendKind::Npu, f);
         host_fn::launch(self.api(), stream.raw, true, f)
     }
 
