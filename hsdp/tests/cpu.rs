@@ -976,15 +976,23 @@ fn bench_reports_both_collectives_per_size() -> Result<()> {
 }
 
 /// Ranks that disagree on a parameter's shape, or a rank that skips an unshard: the failed
-/// all-gather must reach the compute stream that waited on it,
-/// never an all-zero parameter with success; a dead peer costs no timeout.
+/// all-gather (or reduce-scatter) must reach the compute stream that waited on it, never an
+/// all-zero parameter or gradient with success; a dead peer costs no timeout.
 #[test]
 fn a_failed_gather_reaches_the_compute_stream() -> Result<()> {
     let p = cpu(2);
-    for skip in [false, true] {
+    for (shapes_differ, skip, reduce) in [
+        (true, false, false),
+        (false, true, false),
+        (true, false, true),
+    ] {
         let start = std::time::Instant::now();
         run_world(&p, 2, |rk| {
-            let n = if rk.rank == 0 || skip { 8 } else { 12 };
+            let n = if rk.rank == 0 || !shapes_differ {
+                8
+            } else {
+                12
+            };
             let src = rk.upload(DType::F32, &values(3, n))?;
             let spec = ParamSpec::new("w", &[n], DType::F32);
             let config = ParamConfig::default();
@@ -1000,24 +1008,35 @@ fn a_failed_gather_reaches_the_compute_stream() -> Result<()> {
                 // This rank fails before its unshard: its communicators go with it.
                 return Ok(());
             }
-            w.unshard(false)?;
-            ensure!(
-                w.unsharded().is_ok(),
-                "the parameter is not unsharded after unshard(false)"
-            );
+            let side = if reduce {
+                let grad = rk.upload(DType::F32, &grad_of(rk.rank, n))?;
+                let input = GradInput {
+                    buf: (&grad).into(),
+                    dtype: DType::F32,
+                };
+                w.reduce_grad(Some(input), ReduceOptions::default())?;
+                &rk.streams.reduce
+            } else {
+                w.unshard(false)?;
+                ensure!(
+                    w.unsharded().is_ok(),
+                    "the parameter is not unsharded after unshard(false)"
+                );
+                &rk.streams.all_gather
+            };
             let synced = rk.p.synchronize_stream(&rk.streams.compute);
             ensure!(
                 synced.is_err(),
-                "rank {} (skip {skip}): the compute stream synchronized after a failed all-gather",
+                "rank {} ({shapes_differ} {skip} {reduce}): the compute stream synchronized after a failed collective",
                 rk.rank
             );
-            // Reported on the gather stream too (once); what is left is clean.
-            ensure!(rk.p.synchronize_stream(&rk.streams.all_gather).is_err());
+            // Reported on the collective's stream too (once); what is left is clean.
+            ensure!(rk.p.synchronize_stream(side).is_err());
             Ok(())
         })?;
         ensure!(
             start.elapsed() < std::time::Duration::from_secs(20),
-            "a failed gather took {:?} (collective timeout 60 s)",
+            "a failed collective took {:?} (collective timeout 60 s)",
             start.elapsed()
         );
     }
