@@ -7,6 +7,11 @@
 //! synchronisation, `ncclCommGetAsyncError` says `ncclInvalidUsage`) — an error, never a hang. A rank that waits longer than
 //! `HP_EMU_NCCL_TIMEOUT_MS` for its peers fails the same way with `ncclTimeout`.
 //!
+//! A failed operation breaks its communicator on every rank: the operations queued behind it and
+//! those issued later fail at once with the first cause (their outputs untouched), and every
+//! rank's `ncclCommGetAsyncError` reports it. On NCCL they would hang until the application
+//! reacted to the async error with `ncclCommAbort`; the emulator fails them instead of hanging.
+//!
 //! Data moves on the streams: the last rank to reach a collective on its stream reads every
 //! rank's input and writes every rank's output. Sends are buffered (the bytes are taken when the
 //! send runs on its stream), receives wait for their message; between `ncclGroupStart` and
@@ -87,6 +92,8 @@ struct GroupState {
     slots: HashMap<u64, Slot>,
     /// (from, to) → messages in send order
     mail: HashMap<(usize, usize), VecDeque<Msg>>,
+    /// The first failure of any rank's operation: the communicator is broken on every rank.
+    failed: Option<NcclResult>,
 }
 
 /// What the ranks of one communicator share.
@@ -322,7 +329,10 @@ pub extern "C" fn ncclCommAbort(h: *mut c_void) -> NcclResult {
 pub unsafe extern "C" fn ncclCommGetAsyncError(h: *mut c_void, err: *mut NcclResult) -> NcclResult {
     nccl_entry("ncclCommGetAsyncError", || {
         let c = comm(h)?;
-        let e = *lock(&c.async_error);
+        let e = match *lock(&c.async_error) {
+            NCCL_SUCCESS => broken(&c).unwrap_or(NCCL_SUCCESS),
+            own => own,
+        };
         // SAFETY: API contract.
         unsafe { state::put(err, e, NCCL_INVALID_ARGUMENT) }
     })
@@ -413,6 +423,10 @@ impl Op {
                 dtype,
                 held,
             } => {
+                if let Some(code) = broken(&comm) {
+                    drop(held);
+                    return Self::failed(&comm, code);
+                }
                 let size = dtype_of(dtype).map(DType::size).unwrap_or(1);
                 // SAFETY: a held device range of `count` elements.
                 let data =
@@ -440,11 +454,17 @@ impl Op {
                 (comm, r)
             }
         };
-        r.map_err(|code| {
-            *lock(&comm.async_error) = code;
-            CUDA_ERROR_LAUNCH_FAILED
-        })
+        r.or_else(|code| Self::failed(&comm, code))
     }
+
+    /// Breaks the communicator on every rank, keeping the first cause; fails the stream.
+    fn failed(comm: &Comm, code: NcclResult) -> Result<(), CuResult> {
+        let first = *lock(&comm.clique.state).failed.get_or_insert(code);
+        comm.clique.cv.notify_all();
+        *lock(&comm.async_error) = first;
+        Err(CUDA_ERROR_LAUNCH_FAILED)
+    }
+
 }
 
 fn receive(
@@ -458,6 +478,9 @@ fn receive(
     let deadline = Instant::now() + state::nccl_timeout();
     let mut st = lock(&c.state);
     let msg = loop {
+        if let Some(code) = st.failed {
+            return Err(code);
+        }
         if let Some(m) = st
             .mail
             .get_mut(&(peer, comm.rank))
@@ -560,9 +583,13 @@ fn run_collective(comm: &Comm, seq: u64, send: usize, recv: usize) -> Result<(),
     let deadline = Instant::now() + state::nccl_timeout();
     let mut st = lock(&c.state);
     let result = loop {
+        let failed = st.failed;
         let slot = st.slots.get_mut(&seq).expect("registered at the call");
         if let Some((code, _)) = &slot.poisoned {
             break Err(*code);
+        }
+        if let (Some(code), false) = (failed, slot.done) {
+            break Err(code);
         }
         if slot.done {
             break Ok(());
@@ -686,6 +713,11 @@ fn submit(s: Arc<Stream>, op: Op) {
     if let Some(op) = held {
         s.enqueue(Box::new(move || op.run()));
     }
+}
+
+/// The first failure of the communicator on any rank, if any.
+fn broken(comm: &Comm) -> Option<NcclResult> {
+    lock(&comm.clique.state).failed
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -5,7 +5,11 @@
 //! context's default stream; the emulator does not model the legacy stream's implicit
 //! synchronisation with blocking streams (hprt creates only non-blocking ones). A job's error is
 //! the stream's asynchronous error: the next `cuStreamSynchronize` (or `cuCtxSynchronize`)
-//! returns and clears it. Functions queued with `cuLaunchHostFunc` run on the worker with driver
+//! returns and clears it. An event record carries the stream's error as of that point, so
+//! `cuEventSynchronize` returns it and a stream that waits on the record takes it as its own:
+//! the error reaches all work ordered after the failure, as a GPU's sticky errors do. Unlike a
+//! GPU, the error is per stream and cleared once reported, not sticky for the whole context
+//! (hprt's tests then go on in the same process). Functions queued with `cuLaunchHostFunc` run on the worker with driver
 //! calls forbidden (`CUDA_ERROR_NOT_PERMITTED`), as CUDA documents.
 
 use std::collections::HashMap;
@@ -46,6 +50,10 @@ impl Stream {
 
     pub(crate) fn synchronize(&self) -> Result<(), CuResult> {
         self.worker.synchronize().map_err(|c| c as CuResult)
+    }
+
+    fn pending_error(&self) -> Option<i32> {
+        self.worker.pending_error()
     }
 }
 
@@ -319,8 +327,9 @@ pub extern "C" fn cuEventRecord(h: *mut c_void, hstream: *mut c_void) -> CuResul
         }
         let mark = Arc::new(Mark::default());
         *lock(&ev.latest) = Some(mark.clone());
+        let on = s.clone();
         s.enqueue(Box::new(move || {
-            mark.complete(None);
+            mark.complete(on.pending_error());
             Ok(())
         }));
         Ok(())
