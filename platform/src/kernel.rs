@@ -25,40 +25,6 @@ use crate::error::{BackendKind, Error, ErrorKind, Result};
 /// functions for the same stream.
 pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
 
-/// Panics of host functions on one stream of a driver whose callbacks cannot fail the stream
-/// (`cuLaunchHostFunc`, `aclrtLaunchCallback`): kept for the stream's next synchronize, as the
-/// cpu backend reports them, instead of being swallowed.
-#[derive(Clone, Default)]
-pub(crate) struct HostFnPanics(std::sync::Arc<std::sync::Mutex<Option<Error>>>);
-
-impl HostFnPanics {
-    /// `f`, with its panic caught and kept.
-    pub(crate) fn guard(&self, backend: BackendKind, f: HostFn) -> HostFn {
-        let slot = self.clone();
-        Box::new(move || {
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
-                let mut s = slot.0.lock().unwrap_or_else(|p| p.into_inner());
-                s.get_or_insert_with(|| {
-                    Error::new(
-                        ErrorKind::Internal,
-                        backend,
-                        "launch_host_fn",
-                        "the host function panicked",
-                    )
-                });
-            }
-        })
-    }
-
-    /// The first panic since the last call, as an error.
-    pub(crate) fn take(&self) -> Result<()> {
-        match self.0.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    }
-}
-
 /// One elementwise kernel over `count` elements; `B` is a place in device memory (a
 /// [`crate::BufRef`] for callers).
 #[derive(Clone, Copy, Debug)]

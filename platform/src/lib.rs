@@ -22,6 +22,7 @@ mod dispatch;
 mod dtype;
 mod error;
 mod handle;
+mod host_errors;
 mod info;
 mod kernel;
 mod memory;

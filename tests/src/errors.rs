@@ -749,6 +749,45 @@ pub(crate) fn queued_error_reaches_waiters(p: &dyn Platform) -> Result<()> {
     })
 }
 
+/// An error left on a stream destroyed before any synchronize reported it is reported by the
+/// next device synchronize, once: destroying the stream does not drop it.
+pub(crate) fn destroyed_stream_error_reaches_device_synchronize(p: &dyn Platform) -> Result<()> {
+    mismatches_are_detected(p)?;
+    let phase = std::sync::Barrier::new(2);
+    run_world(p, 2, |r| {
+        let b = r.p.alloc_device(256)?;
+        let s = r.p.create_stream()?;
+        let count = if r.rank == 0 { 4 } else { 8 };
+        r.p.all_reduce(
+            b.at(0),
+            b.at(64),
+            count,
+            DType::F32,
+            ReduceOp::Sum,
+            &r.comm,
+            &s,
+        )?;
+        r.p.destroy_stream(&s)?;
+        // One rank checks, between barriers, the device synchronize seeing every rank's streams.
+        phase.wait();
+        let checked = if r.rank == 0 {
+            expect_err(
+                r.p.synchronize_device(),
+                "a device synchronize after the stream of a failed collective was destroyed",
+            )
+            .map(drop)
+            .and_then(|()| {
+                r.p.synchronize_device()
+                    .context("a second device synchronize (the error was reported)")
+            })
+        } else {
+            Ok(())
+        };
+        phase.wait();
+        checked
+    })
+}
+
 /// A failed collective aborts its communicator on every rank, as `ncclCommAbort` does: the
 /// collectives queued behind it and those issued later fail at once, instead of each waiting
 /// out the timeout or (worse) running on a communicator whose ranks are out of step.

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
 use hprt_platform::{DType, ErrorKind, Kernel, Platform};
 
@@ -509,5 +509,48 @@ pub(crate) fn host_fn_panic_is_reported(p: &dyn Platform) -> Result<()> {
         &download(p, &d, 0, 64, &stream)?,
     )?;
     p.destroy_stream(&stream)?;
+    Ok(())
+}
+
+/// A panicking host function's error reaches what is ordered after it, as a queued device error
+/// does (`error/queued_error_reaches_waiters`): an event recorded after it, a stream that waited
+/// on that event, and a device synchronize once its stream was destroyed. What was recorded
+/// before it, and what is recorded after its stream reported it, is clean.
+pub(crate) fn host_fn_panic_reaches_waiters(p: &dyn Platform) -> Result<()> {
+    let (a, b) = (p.create_stream()?, p.create_stream()?);
+    let d = p.alloc_device(64)?;
+    let (before, after) = (p.create_event(false)?, p.create_event(false)?);
+    p.record_event(&before, &a)?;
+    p.launch_host_fn(&a, Box::new(|| panic!("a host function failed")))?;
+    p.record_event(&after, &a)?;
+    p.stream_wait_event(&b, &after)?;
+    p.memset_async(&d, 0, 5, 64, &b)?;
+    p.synchronize_event(&before)
+        .context("an event recorded before the panicking host function")?;
+    expect_err(
+        p.synchronize_event(&after),
+        "an event recorded after the panicking host function",
+    )?;
+    expect_err(
+        p.synchronize_stream(&b),
+        "a stream that waited on an event recorded after the panicking host function",
+    )?;
+    expect_err(p.synchronize_stream(&a), "the host function's own stream")?;
+    p.record_event(&after, &a)?;
+    p.stream_wait_event(&b, &after)?;
+    p.synchronize_stream(&b)
+        .context("a wait on an event recorded after the panic was reported")?;
+
+    let c = p.create_stream()?;
+    p.launch_host_fn(&c, Box::new(|| panic!("a host function failed")))?;
+    p.destroy_stream(&c)?;
+    expect_err(
+        p.synchronize_device(),
+        "a device synchronize after the panicking host function's stream was destroyed",
+    )?;
+    p.synchronize_device()
+        .context("a second device synchronize (the panic was reported)")?;
+    p.destroy_stream(&a)?;
+    p.destroy_stream(&b)?;
     Ok(())
 }

@@ -217,6 +217,11 @@ static CASES: &[Case] = &[
         "host_fn_panic_is_reported",
         kernel::host_fn_panic_is_reported
     ),
+    case!(
+        "kernel",
+        "host_fn_panic_reaches_waiters",
+        kernel::host_fn_panic_reaches_waiters
+    ),
     case!("kernel", "kernel_bad_arguments", kernel::bad_arguments),
     case!("kernel", "matmul_f32", kernel::matmul_f32),
     // error
@@ -245,6 +250,11 @@ static CASES: &[Case] = &[
         "error",
         "queued_error_reaches_waiters",
         errors::queued_error_reaches_waiters
+    ),
+    case!(
+        "error",
+        "destroyed_stream_error_reaches_device_synchronize",
+        errors::destroyed_stream_error_reaches_device_synchronize
     ),
     case!(
         "error",

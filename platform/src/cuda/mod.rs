@@ -39,7 +39,8 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
 use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
-use crate::kernel::{HostFn, HostFnPanics, Kernel};
+use crate::host_errors::{first_error, Retired, Span, StreamErrors};
+use crate::kernel::{HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
 use check::{cu, cu_error, cuda_err};
 use host_fn::Reaper;
@@ -322,7 +323,7 @@ pub struct StreamObj {
     raw: usize,
     device: usize,
     owned: bool,
-    panics: HostFnPanics,
+    errors: StreamErrors,
 }
 
 impl Drop for StreamObj {
@@ -346,6 +347,8 @@ pub struct EventObj {
     raw: usize,
     device: usize,
     recorded: AtomicBool,
+    /// The backend's errors the latest record carries (`host_errors`).
+    carries: Mutex<Vec<Span>>,
 }
 
 impl Drop for EventObj {
@@ -535,6 +538,7 @@ impl Drop for CommObj {
 /// ```
 pub struct CudaBackend {
     shared: Arc<Shared>,
+    retired: Retired<Arc<StreamObj>>,
 }
 
 fn unavailable(op: &'static str, msg: impl Into<String>) -> Error {
@@ -701,6 +705,7 @@ impl CudaBackend {
                 reaper: Reaper::new(),
                 _driver: found.lib,
             }),
+            retired: Retired::default(),
         })
     }
 
@@ -745,7 +750,7 @@ impl CudaBackend {
             raw,
             device,
             owned,
-            panics: HostFnPanics::default(),
+            errors: StreamErrors::default(),
         });
         self.shared.register(&s);
         s
@@ -1151,14 +1156,18 @@ impl Backend for CudaBackend {
         Ok(self.stream_obj(raw.0, device, false))
     }
     fn destroy_stream(&self, stream: Arc<StreamObj>) -> Result<()> {
-        drop(stream);
+        self.retired.retire(
+            stream,
+            |s| Backend::query_stream(self, s).unwrap_or(true),
+            |s| Backend::synchronize_stream(self, s),
+        );
         Ok(())
     }
     fn synchronize_stream(&self, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind(stream.device)?;
         // SAFETY: live stream.
         cu_call!(cuStreamSynchronize(stream.raw as cu::CUstream))?;
-        stream.panics.take()
+        stream.errors.take()
     }
     fn query_stream(&self, stream: &Arc<StreamObj>) -> Result<bool> {
         self.shared.bind(stream.device)?;
@@ -1179,7 +1188,7 @@ impl Backend for CudaBackend {
                 first = first.and(Err(e));
             }
         }
-        first
+        first.and(self.retired.take())
     }
 
     fn create_event(&self, timing: bool) -> Result<Arc<EventObj>> {
@@ -1197,6 +1206,7 @@ impl Backend for CudaBackend {
             raw: raw as usize,
             device,
             recorded: AtomicBool::new(false),
+            carries: Mutex::default(),
         }))
     }
     fn destroy_event(&self, event: Arc<EventObj>) -> Result<()> {
@@ -1210,6 +1220,7 @@ impl Backend for CudaBackend {
             event.raw as cu::CUevent,
             stream.raw as cu::CUstream
         ))?;
+        *lock(&event.carries) = stream.errors.record();
         event.recorded.store(true, Ordering::Release);
         Ok(())
     }
@@ -1223,7 +1234,9 @@ impl Backend for CudaBackend {
             stream.raw as cu::CUstream,
             event.raw as cu::CUevent,
             0
-        ))
+        ))?;
+        stream.errors.wait(&lock(&event.carries));
+        Ok(())
     }
     fn query_event(&self, event: &Arc<EventObj>) -> Result<bool> {
         if !event.recorded.load(Ordering::Acquire) {
@@ -1242,7 +1255,8 @@ impl Backend for CudaBackend {
         }
         self.shared.bind(event.device)?;
         // SAFETY: live handle.
-        cu_call!(cuEventSynchronize(event.raw as cu::CUevent))
+        cu_call!(cuEventSynchronize(event.raw as cu::CUevent))?;
+        first_error(&lock(&event.carries)).map_or(Ok(()), Err)
     }
     fn event_elapsed_ms(&self, start: &Arc<EventObj>, end: &Arc<EventObj>) -> Result<f32> {
         for (e, what) in [(start, "start"), (end, "end")] {
@@ -1380,7 +1394,7 @@ impl Backend for CudaBackend {
     }
     fn host_fn(&self, stream: &Arc<StreamObj>, f: HostFn) -> Result<()> {
         self.shared.bind(stream.device)?;
-        host_fn::launch(stream.raw, stream.panics.guard(BackendKind::Cuda, f))
+        host_fn::launch(stream.raw, stream.errors.guard(BackendKind::Cuda, f))
     }
 
     fn unique_id(&self) -> Result<UniqueId> {

@@ -27,7 +27,8 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
 use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
-use crate::kernel::{run_on_host, Access, HostFn, HostFnPanics, Kernel};
+use crate::host_errors::{first_error, Retired, Span, StreamErrors};
+use crate::kernel::{run_on_host, Access, HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
 use check::{acl, hccl, npu_err};
 use host_fn::Reporter;
@@ -126,7 +127,7 @@ pub struct StreamObj {
     /// Subscribed to the report thread (host functions can run on it); tried again at each need
     /// until it succeeds.
     subscribed: AtomicBool,
-    panics: HostFnPanics,
+    errors: StreamErrors,
 }
 
 impl StreamObj {
@@ -166,6 +167,8 @@ pub struct EventObj {
     raw: usize,
     timing: bool,
     recorded: AtomicBool,
+    /// The backend's errors the latest record carries (`host_errors`).
+    carries: Mutex<Vec<Span>>,
 }
 
 impl Drop for EventObj {
@@ -321,6 +324,7 @@ impl Drop for CommObj {
 pub struct NpuBackend {
     shared: Arc<Shared>,
     device_count: usize,
+    retired: Retired<Arc<StreamObj>>,
 }
 
 fn hccl_dtype(d: DType) -> HcclDataType {
@@ -436,6 +440,7 @@ impl NpuBackend {
         Ok(NpuBackend {
             shared,
             device_count: count as usize,
+            retired: Retired::default(),
         })
     }
 
@@ -449,7 +454,7 @@ impl NpuBackend {
             raw,
             owned,
             subscribed: AtomicBool::new(false),
-            panics: HostFnPanics::default(),
+            errors: StreamErrors::default(),
         });
         s.host_fns_ready();
         lock(&self.shared.streams).insert(raw, Arc::downgrade(&s));
@@ -753,14 +758,18 @@ impl Backend for NpuBackend {
         Ok(self.stream_obj(raw.0, false))
     }
     fn destroy_stream(&self, stream: Arc<StreamObj>) -> Result<()> {
-        drop(stream);
+        self.retired.retire(
+            stream,
+            |s| Backend::query_stream(self, s).unwrap_or(true),
+            |s| Backend::synchronize_stream(self, s),
+        );
         Ok(())
     }
     fn synchronize_stream(&self, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind()?;
         // SAFETY: live stream.
         acl_call!(self.api(), aclrtSynchronizeStream(stream.raw as _))?;
-        stream.panics.take()
+        stream.errors.take()
     }
     fn query_stream(&self, stream: &Arc<StreamObj>) -> Result<bool> {
         if self.api().acl.aclrtStreamQuery.is_ok() {
@@ -787,7 +796,7 @@ impl Backend for NpuBackend {
                 first = first.and(Err(e));
             }
         }
-        first
+        first.and(self.retired.take())
     }
 
     fn create_event(&self, timing: bool) -> Result<Arc<EventObj>> {
@@ -805,6 +814,7 @@ impl Backend for NpuBackend {
             raw: raw as usize,
             timing,
             recorded: AtomicBool::new(false),
+            carries: Mutex::default(),
         }))
     }
     fn destroy_event(&self, event: Arc<EventObj>) -> Result<()> {
@@ -818,6 +828,7 @@ impl Backend for NpuBackend {
             self.api(),
             aclrtRecordEvent(event.raw as _, stream.raw as _)
         )?;
+        *lock(&event.carries) = stream.errors.record();
         event.recorded.store(true, Ordering::Release);
         Ok(())
     }
@@ -830,7 +841,9 @@ impl Backend for NpuBackend {
         acl_call!(
             self.api(),
             aclrtStreamWaitEvent(stream.raw as _, event.raw as _)
-        )
+        )?;
+        stream.errors.wait(&lock(&event.carries));
+        Ok(())
     }
     fn query_event(&self, event: &Arc<EventObj>) -> Result<bool> {
         if !event.recorded.load(Ordering::Acquire) {
@@ -851,7 +864,8 @@ impl Backend for NpuBackend {
         }
         self.shared.bind()?;
         // SAFETY: live handle.
-        acl_call!(self.api(), aclrtSynchronizeEvent(event.raw as _))
+        acl_call!(self.api(), aclrtSynchronizeEvent(event.raw as _))?;
+        first_error(&lock(&event.carries)).map_or(Ok(()), Err)
     }
     fn event_elapsed_ms(&self, start: &Arc<EventObj>, end: &Arc<EventObj>) -> Result<f32> {
         for (e, what) in [(start, "start"), (end, "end")] {
@@ -988,7 +1002,7 @@ impl Backend for NpuBackend {
         if !stream.host_fns_ready() {
             return Err(host_fn_unsupported("launch_host_fn"));
         }
-        let f = stream.panics.guard(BackendKind::Npu, f);
+        let f = stream.errors.guard(BackendKind::Npu, f);
         host_fn::launch(self.api(), stream.raw, true, f)
     }
 

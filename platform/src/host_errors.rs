@@ -1,0 +1,201 @@
+//! Errors a driver's stream cannot carry, kept in the stream's order by the backend: a host
+//! function's panic (`cuLaunchHostFunc` and `aclrtLaunchCallback` callbacks cannot fail their
+//! stream) and, on cuda, a collective queued on a communicator already aborted.
+//!
+//! Each such error sits at a point of its stream's order. It reaches what is ordered after that
+//! point, as the driver's own queued errors do: the stream's next synchronize, an event recorded
+//! after it, and a stream that waited on such an event (directly or through further events),
+//! until the stream's own synchronize has reported it — a point recorded after that is clean.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::error::{BackendKind, Error, ErrorKind, Result};
+use crate::kernel::HostFn;
+
+/// Errors kept per stream, oldest dropped beyond this (only a bound on a pathological loop:
+/// any of them already fails the synchronizes that see it).
+const KEPT: usize = 64;
+
+#[derive(Default)]
+struct Log {
+    /// The last point handed out in the stream's order.
+    next: u64,
+    /// Points up to here were reported by the stream's own synchronize.
+    reported: u64,
+    errors: Vec<(u64, Error)>,
+    /// What the stream waited on since its last synchronize.
+    upstream: Vec<Span>,
+}
+
+/// The errors of `log` at points in `(lo, hi]`: what an event record or a wait captures.
+#[derive(Clone)]
+pub(crate) struct Span {
+    log: Arc<Mutex<Log>>,
+    lo: u64,
+    hi: u64,
+}
+
+impl Span {
+    fn first_error(&self) -> Option<Error> {
+        lock(&self.log)
+            .errors
+            .iter()
+            .find(|(at, _)| self.lo < *at && *at <= self.hi)
+            .map(|(_, e)| e.clone())
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One stream's errors and what it waited on.
+#[derive(Clone, Default)]
+pub(crate) struct StreamErrors(Arc<Mutex<Log>>);
+
+impl StreamErrors {
+    fn point(log: &mut Log) -> u64 {
+        log.next += 1;
+        log.next
+    }
+
+    fn push(log: &Arc<Mutex<Log>>, at: u64, e: Error) {
+        let mut l = lock(log);
+        if l.errors.len() == KEPT {
+            l.errors.remove(0);
+        }
+        l.errors.push((at, e));
+    }
+
+    /// `f`, with its panic caught and kept at its place in the stream's order.
+    pub(crate) fn guard(&self, backend: BackendKind, f: HostFn) -> HostFn {
+        let at = Self::point(&mut lock(&self.0));
+        let log = self.0.clone();
+        Box::new(move || {
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+                let e = Error::new(
+                    ErrorKind::Internal,
+                    backend,
+                    "launch_host_fn",
+                    "the host function panicked",
+                );
+                Self::push(&log, at, e);
+            }
+        })
+    }
+
+    /// `e` as the error of work queued now (known on the host at the call).
+    pub(crate) fn queue(&self, e: Error) {
+        let at = Self::point(&mut lock(&self.0));
+        Self::push(&self.0, at, e);
+    }
+
+    /// What an event recorded now carries: this stream's unreported errors up to here, and
+    /// those it waited on.
+    pub(crate) fn record(&self) -> Vec<Span> {
+        let mut l = lock(&self.0);
+        let hi = Self::point(&mut l);
+        let mut spans = l.upstream.clone();
+        spans.push(Span {
+            log: self.0.clone(),
+            lo: l.reported,
+            hi,
+        });
+        spans
+    }
+
+    /// The stream waits on an event that carries `spans`.
+    pub(crate) fn wait(&self, spans: &[Span]) {
+        let mut l = lock(&self.0);
+        for s in spans {
+            // One span per source stream: the widest.
+            match l.upstream.iter_mut().find(|u| Arc::ptr_eq(&u.log, &s.log)) {
+                Some(u) => {
+                    u.lo = u.lo.min(s.lo);
+                    u.hi = u.hi.max(s.hi);
+                }
+                None if !Arc::ptr_eq(&s.log, &self.0) => l.upstream.push(s.clone()),
+                None => {}
+            }
+        }
+    }
+
+    /// For the stream's synchronize, once the driver's has returned (every host function queued
+    /// before it has run): the first error since the last report, its own or one it waited on.
+    pub(crate) fn take(&self) -> Result<()> {
+        let (own, upstream) = {
+            let mut l = lock(&self.0);
+            let (lo, hi) = (l.reported, l.next);
+            l.reported = hi;
+            let own = l
+                .errors
+                .iter()
+                .find(|(at, _)| lo < *at && *at <= hi)
+                .map(|(_, e)| e.clone());
+            (own, std::mem::take(&mut l.upstream))
+        };
+        match own.or_else(|| first_error(&upstream)) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The first error `spans` carry (for an event's synchronize, after the driver's).
+pub(crate) fn first_error(spans: &[Span]) -> Option<Error> {
+    spans.iter().find_map(Span::first_error)
+}
+
+/// Streams the user destroyed, kept until their errors are known: a device synchronize reports
+/// what no stream synchronize did (the driver drops a destroyed stream's error).
+pub(crate) struct Retired<S> {
+    /// Destroyed while work was still queued; live for the device synchronize to wait on.
+    busy: Mutex<Vec<S>>,
+    /// Errors of destroyed streams, for the next device synchronize.
+    orphans: Mutex<Vec<Error>>,
+}
+
+impl<S> Default for Retired<S> {
+    fn default() -> Self {
+        Retired {
+            busy: Mutex::default(),
+            orphans: Mutex::default(),
+        }
+    }
+}
+
+impl<S> Retired<S> {
+    /// Takes a destroyed stream; it (and any kept before) goes once idle, its error kept.
+    /// `idle` asks the driver without blocking; `sync` is the stream's synchronize.
+    pub(crate) fn retire(
+        &self,
+        stream: S,
+        idle: impl Fn(&S) -> bool,
+        sync: impl Fn(&S) -> Result<()>,
+    ) {
+        let mut busy = lock(&self.busy);
+        busy.push(stream);
+        let mut kept = Vec::new();
+        for s in busy.drain(..) {
+            if !idle(&s) {
+                kept.push(s);
+            } else if let Err(e) = sync(&s) {
+                let mut o = lock(&self.orphans);
+                if o.len() < KEPT {
+                    o.push(e);
+                }
+            }
+        }
+        *busy = kept;
+    }
+
+    /// For the device synchronize, once it has synchronized every live stream (the busy ones
+    /// among them): the destroyed streams go, and the first error kept of one.
+    pub(crate) fn take(&self) -> Result<()> {
+        lock(&self.busy).clear();
+        match std::mem::take(&mut *lock(&self.orphans)).into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
