@@ -707,3 +707,52 @@ fn a_use_that_cannot_be_recorded_never_lets_a_buffer_be_freed_under_queued_work(
         );
     }
 }
+
+/// A failed collective (ranks disagree on the count, which the emulator reports as NCCL's
+/// `ncclInvalidUsage`) makes the backend abort the communicator on each rank
+/// (`ncclCommGetAsyncError`, then `ncclCommAbort`) at its next operation, which fails on its
+/// stream with that first cause instead of being handed to a broken communicator; dropping the
+/// aborted communicator does not destroy it a second time.
+#[test]
+fn a_failed_collective_aborts_the_communicator_on_every_rank() {
+    let _g = serial();
+    let emu = Emu::open();
+    let p = open().unwrap();
+    let id = p.unique_id().unwrap();
+    let comms_before = emu.stats().live_comms;
+    let both = std::sync::Barrier::new(2);
+    let live_while_held = Mutex::new(None);
+    let rank_run = |rank: usize| -> hprt_platform::Result<(String, String)> {
+        p.set_device(rank)?;
+        let s = p.create_stream()?;
+        let c = p.comm_init(&id, rank, 2)?;
+        let b = p.alloc_device(256)?;
+        let all_reduce = |count| {
+            p.all_reduce(b.at(0), b.at(64), count, DType::F32, ReduceOp::Sum, &c, &s)
+        };
+        all_reduce(if rank == 0 { 4 } else { 8 })?;
+        let first = p.synchronize_stream(&s).unwrap_err();
+        all_reduce(4)?;
+        let later = p.synchronize_stream(&s).unwrap_err();
+        both.wait();
+        if rank == 0 {
+            *live_while_held.lock().unwrap() = Some(emu.stats().live_comms);
+        }
+        both.wait();
+        Ok((first.code_name.to_string(), later.code_name.to_string()))
+    };
+    let results: Vec<(String, String)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2).map(|rank| sc.spawn(move || rank_run(rank))).collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    for (first, later) in &results {
+        assert_eq!(first, "CUDA_ERROR_LAUNCH_FAILED", "{results:?}");
+        assert_eq!(later, "ncclInvalidUsage", "{results:?}");
+    }
+    assert_eq!(
+        *live_while_held.lock().unwrap(),
+        Some(comms_before),
+        "the failed communicator was not aborted on every rank"
+    );
+    assert_eq!(emu.stats().live_comms, comms_before);
+}

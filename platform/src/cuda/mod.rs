@@ -42,7 +42,7 @@ use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
 use crate::host_errors::{first_error, Retired, Span, StreamErrors};
 use crate::kernel::{HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
-use check::{cu, cu_error, cuda_err};
+use check::{cu, cu_error, cuda_err, nccl_error};
 use host_fn::Reaper;
 use nccl::{check_supported, nccl_dtype, nccl_op, Nccl, NcclApi, UNIQUE_ID_BYTES};
 use nvrtc::{Nvrtc, NvrtcApi};
@@ -508,10 +508,46 @@ pub struct CommObj {
     rank: usize,
     world: usize,
     scratch: Arc<MemObj>,
+    /// Set once NCCL reported an asynchronous error and the communicator was aborted
+    /// (`ncclCommAbort` freed it): the first cause, which every later operation fails with.
+    aborted: Mutex<Option<Error>>,
+}
+
+impl CommObj {
+    /// The error the communicator failed with, if it did. NCCL's asynchronous error (a failed
+    /// or timed-out operation, a peer gone) makes it abort the communicator, as NCCL requires, so
+    /// its queued kernels exit and later operations fail at once instead of hanging.
+    fn broken(&self, n: &Nccl) -> Option<Error> {
+        let mut aborted = lock(&self.aborted);
+        if aborted.is_none() {
+            let mut code = 0;
+            // SAFETY: a live communicator (not aborted yet, under the lock).
+            let asked = unsafe { (n.api.ncclCommGetAsyncError)(self.raw as ncclComm_t, &mut code) };
+            if asked == 0 && code == 0 {
+                return None;
+            }
+            let code = if asked == 0 { code } else { asked };
+            tracing::error!(code, "cuda: NCCL communicator failed; aborting it");
+            // SAFETY: as above; the handle is not used again.
+            let _ = n.check(
+                unsafe { (n.api.ncclCommAbort)(self.raw as ncclComm_t) },
+                "ncclCommAbort",
+            );
+            *aborted = Some(nccl_error(
+                code,
+                "ncclCommGetAsyncError",
+                "the communicator failed and was aborted",
+            ));
+        }
+        aborted.clone()
+    }
 }
 
 impl Drop for CommObj {
     fn drop(&mut self) {
+        if lock(&self.aborted).is_some() {
+            return;
+        }
         let (shared, raw, device) = (Arc::clone(&self.shared), self.raw, self.device);
         self.shared.reaper.run_or_defer(move || {
             if let (Ok(n), Ok(())) = (shared.nccl(), shared.bind(device)) {
@@ -1005,6 +1041,7 @@ impl CudaBackend {
             rank,
             world,
             scratch,
+            aborted: Mutex::new(None),
         }))
     }
 }
@@ -1505,6 +1542,10 @@ impl Backend for CudaBackend {
             check_supported(n, dtype, reduce, name)?;
         }
         self.shared.bind(comm.device)?;
+        if let Some(e) = comm.broken(n) {
+            stream.errors.queue(e);
+            return Ok(());
+        }
         let a = &n.api;
         let (c, s) = (comm.raw as ncclComm_t, stream.raw as *mut c_void);
         // Avg without ncclAvg: a sum, then the scale kernel below.

@@ -19,6 +19,8 @@ dyn_table! {
             fn ncclGetUniqueId(id: *mut ncclUniqueId) -> c_int;
             fn ncclCommInitRank(comm: *mut ncclComm_t, nranks: c_int, id: ncclUniqueId, rank: c_int) -> c_int;
             fn ncclCommDestroy(comm: ncclComm_t) -> c_int;
+            fn ncclCommAbort(comm: ncclComm_t) -> c_int;
+            fn ncclCommGetAsyncError(comm: ncclComm_t, error: *mut c_int) -> c_int;
             fn ncclGetErrorString(result: c_int) -> *const c_char;
             fn ncclAllReduce(send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int, op: c_int, comm: ncclComm_t, stream: Stream) -> c_int;
             fn ncclReduceScatter(send: *const c_void, recv: *mut c_void, recv_count: usize, dtype: c_int, op: c_int, comm: ncclComm_t, stream: Stream) -> c_int;
