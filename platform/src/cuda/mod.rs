@@ -1203,8 +1203,9 @@ impl Backend for CudaBackend {
     fn synchronize_stream(&self, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind(stream.device)?;
         // SAFETY: live stream.
-        cu_call!(cuStreamSynchronize(stream.raw as cu::CUstream))?;
-        stream.errors.take()
+        let driver = cu_call!(cuStreamSynchronize(stream.raw as cu::CUstream));
+        // Both reported at once: the backend's are not left for a later synchronize.
+        driver.and(stream.errors.take())
     }
     fn query_stream(&self, stream: &Arc<StreamObj>) -> Result<bool> {
         self.shared.bind(stream.device)?;

@@ -768,8 +768,9 @@ impl Backend for NpuBackend {
     fn synchronize_stream(&self, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind()?;
         // SAFETY: live stream.
-        acl_call!(self.api(), aclrtSynchronizeStream(stream.raw as _))?;
-        stream.errors.take()
+        let driver = acl_call!(self.api(), aclrtSynchronizeStream(stream.raw as _));
+        // Both reported at once: the backend's are not left for a later synchronize.
+        driver.and(stream.errors.take())
     }
     fn query_stream(&self, stream: &Arc<StreamObj>) -> Result<bool> {
         if self.api().acl.aclrtStreamQuery.is_ok() {
