@@ -756,3 +756,54 @@ fn a_failed_collective_aborts_the_communicator_on_every_rank() {
     );
     assert_eq!(emu.stats().live_comms, comms_before);
 }
+
+/// When the backend cannot show that a buffer's queued work finished (the wait on its use event
+/// fails and the event is not complete), dropping the buffer leaks it (logged) instead of freeing
+/// memory that work may still use; when the event says the work finished, it is freed.
+#[test]
+fn a_buffer_whose_last_use_cannot_be_shown_finished_is_leaked_not_freed() {
+    let _g = serial();
+    let emu = Emu::open();
+    let p = open().unwrap();
+    let s = p.create_stream().unwrap();
+    let frees_under_work = emu.stats().frees_under_queued_work;
+    let allocations = emu.stats().live_device_allocations;
+    let d = p.alloc_device(1 << 16).unwrap();
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    // Keeps the memset queued while the buffer is dropped.
+    p.launch_host_fn(
+        &s,
+        Box::new(move || {
+            let _ = held.recv_timeout(std::time::Duration::from_secs(10));
+        }),
+    )
+    .unwrap();
+    p.memset_async(&d, 0, 1, 1 << 16, &s).unwrap();
+    emu.faults("cuEventSynchronize:1:999");
+    drop(d);
+    emu.faults("");
+    let _ = release.send(());
+    p.synchronize_stream(&s).unwrap();
+    assert_eq!(
+        emu.stats().frees_under_queued_work,
+        frees_under_work,
+        "a buffer was freed while queued work still used it"
+    );
+    assert_eq!(
+        emu.stats().live_device_allocations,
+        allocations + 1,
+        "the buffer whose last use could not be shown finished was not leaked"
+    );
+
+    let d = p.alloc_device(1 << 16).unwrap();
+    p.memset_async(&d, 0, 1, 1 << 16, &s).unwrap();
+    p.synchronize_stream(&s).unwrap();
+    emu.faults("cuEventSynchronize:1:999");
+    drop(d);
+    emu.faults("");
+    assert_eq!(
+        emu.stats().live_device_allocations,
+        allocations + 1,
+        "a buffer whose use event is complete was not freed when the wait on it failed"
+    );
+}
