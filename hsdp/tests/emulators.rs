@@ -1,6 +1,7 @@
 //! A subset of the hsdp cases on the npu backend over the Ascend emulator and on the cuda backend
 //! over the CUDA emulator (`cargo build -p hprt-ascend-emulator -p hprt-cuda-emulator` first):
-//! 1-D over 2 ranks, 2-D 2 × 2, mixed precision, each against the host f64 reference. The
+//! 1-D over 2 ranks, 2-D 2 × 2, mixed precision, each against the host f64 reference, and
+//! failed gathers and reduces reaching the compute stream. The
 //! emulators' state is process-global, so the cases run under one lock.
 
 mod common;
@@ -21,10 +22,18 @@ enum Emulated {
     Cuda,
 }
 
+/// A dead peer costs the emulators one HCCL / NCCL timeout: this one, in these tests.
+const PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The backend on its emulator. NCCL wants a device per rank: the CUDA emulator gets four.
 fn open(which: Emulated) -> Box<dyn Platform> {
     static DEVICES: std::sync::Once = std::sync::Once::new();
-    DEVICES.call_once(|| std::env::set_var("HP_EMU_DEVICES", "4"));
+    DEVICES.call_once(|| {
+        std::env::set_var("HP_EMU_DEVICES", "4");
+        let ms = PEER_TIMEOUT.as_millis().to_string();
+        std::env::set_var("HP_EMU_HCCL_TIMEOUT_MS", &ms);
+        std::env::set_var("HP_EMU_NCCL_TIMEOUT_MS", &ms);
+    });
     match which {
         Emulated::Npu => Box::new(emulator::open().expect("the npu backend opens on the emulator")),
         Emulated::Cuda => {
@@ -150,7 +159,9 @@ fn every_case(which: Emulated) -> Result<()> {
     let _g = serial();
     fsdp_two_ranks(which).with_context(|| format!("fsdp over 2 ranks on {which:?}"))?;
     hsdp_2x2(which).with_context(|| format!("hsdp 2 x 2 on {which:?}"))?;
-    mixed_precision(which).with_context(|| format!("mixed precision on {which:?}"))
+    mixed_precision(which).with_context(|| format!("mixed precision on {which:?}"))?;
+    failed_collectives_reach_compute(open(which).as_ref(), PEER_TIMEOUT * 3)
+        .with_context(|| format!("failed collectives on {which:?}"))
 }
 
 #[test]

@@ -727,9 +727,8 @@ fn a_failed_collective_aborts_the_communicator_on_every_rank() {
         let s = p.create_stream()?;
         let c = p.comm_init(&id, rank, 2)?;
         let b = p.alloc_device(256)?;
-        let all_reduce = |count| {
-            p.all_reduce(b.at(0), b.at(64), count, DType::F32, ReduceOp::Sum, &c, &s)
-        };
+        let all_reduce =
+            |count| p.all_reduce(b.at(0), b.at(64), count, DType::F32, ReduceOp::Sum, &c, &s);
         all_reduce(if rank == 0 { 4 } else { 8 })?;
         let first = p.synchronize_stream(&s).unwrap_err();
         all_reduce(4)?;
@@ -742,7 +741,9 @@ fn a_failed_collective_aborts_the_communicator_on_every_rank() {
         Ok((first.code_name.to_string(), later.code_name.to_string()))
     };
     let results: Vec<(String, String)> = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..2).map(|rank| sc.spawn(move || rank_run(rank))).collect();
+        let hs: Vec<_> = (0..2)
+            .map(|rank| sc.spawn(move || rank_run(rank)))
+            .collect();
         hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
     });
     for (first, later) in &results {

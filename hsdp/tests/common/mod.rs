@@ -231,3 +231,69 @@ pub fn expected_shard(geom: &hprt_hsdp::ShardGeometry, k: usize, full: &[f64]) -
     }
     out
 }
+
+/// Ranks that disagree on a parameter's shape, or a rank that skips an unshard: the failed
+/// all-gather (or reduce-scatter) must reach the compute stream that waited on it, never an
+/// all-zero parameter or gradient with success; each case takes less than `bound` (a dead peer
+/// costs at most one collective timeout, not one per queued collective).
+pub fn failed_collectives_reach_compute(p: &dyn Platform, bound: Duration) -> Result<()> {
+    use hprt_hsdp::{
+        DataParallelMesh, DeviceMesh, GradInput, ParamConfig, ParamSpec, ReduceOptions,
+        ShardedParam,
+    };
+    let fsdp = DataParallelMesh::fsdp(DeviceMesh::contiguous(&[2])?)?;
+    for (shapes_differ, skip, reduce) in [
+        (true, false, false),
+        (false, true, false),
+        (true, false, true),
+    ] {
+        let start = std::time::Instant::now();
+        run_world(p, 2, |rk| {
+            let n = if rk.rank == 0 || !shapes_differ {
+                8
+            } else {
+                12
+            };
+            let src = rk.upload(DType::F32, &values(3, n))?;
+            let spec = ParamSpec::new("w", &[n], DType::F32);
+            let config = ParamConfig::default();
+            let mut w =
+                ShardedParam::new(&rk.cache, &rk.streams, &fsdp, spec, &config, (&src).into())?;
+            if skip && rk.rank == 1 {
+                // This rank fails before its unshard: its communicators go with it.
+                return Ok(());
+            }
+            let side = if reduce {
+                let grad = rk.upload(DType::F32, &values(1000 + rk.rank as u64, n))?;
+                let input = GradInput {
+                    buf: (&grad).into(),
+                    dtype: DType::F32,
+                };
+                w.reduce_grad(Some(input), ReduceOptions::default())?;
+                &rk.streams.reduce
+            } else {
+                w.unshard(false)?;
+                anyhow::ensure!(
+                    w.unsharded().is_ok(),
+                    "the parameter is not unsharded after unshard(false)"
+                );
+                &rk.streams.all_gather
+            };
+            let synced = rk.p.synchronize_stream(&rk.streams.compute);
+            anyhow::ensure!(
+                synced.is_err(),
+                "rank {} (shapes differ {shapes_differ}, skipped {skip}, reduce {reduce}): the compute stream synchronized after a failed collective",
+                rk.rank
+            );
+            // Reported on the collective's stream too (once); what is left is clean.
+            anyhow::ensure!(rk.p.synchronize_stream(side).is_err());
+            Ok(())
+        })?;
+        anyhow::ensure!(
+            start.elapsed() < bound,
+            "a failed collective took {:?} (bound {bound:?})",
+            start.elapsed()
+        );
+    }
+    Ok(())
+}

@@ -464,7 +464,6 @@ impl Op {
         *lock(&comm.async_error) = first;
         Err(CUDA_ERROR_LAUNCH_FAILED)
     }
-
 }
 
 fn receive(

@@ -9,8 +9,8 @@
 //! `cuEventSynchronize` returns it and a stream that waits on the record takes it as its own:
 //! the error reaches all work ordered after the failure, as a GPU's sticky errors do. Unlike a
 //! GPU, the error is per stream and cleared once reported, not sticky for the whole context
-//! (hprt's tests then go on in the same process). Functions queued with `cuLaunchHostFunc` run on the worker with driver
-//! calls forbidden (`CUDA_ERROR_NOT_PERMITTED`), as CUDA documents.
+//! (hprt's tests then go on in the same process). Functions queued with `cuLaunchHostFunc` run
+//! on the worker with driver calls forbidden (`CUDA_ERROR_NOT_PERMITTED`), as CUDA documents.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -362,11 +362,9 @@ pub extern "C" fn cuEventQuery(h: *mut c_void) -> CuResult {
 
 #[no_mangle]
 pub extern "C" fn cuEventSynchronize(h: *mut c_void) -> CuResult {
-    cu_entry("cuEventSynchronize", || {
-        match event(h)?.latest() {
-            Some(m) => m.wait().map_err(|c| c as CuResult),
-            None => Ok(()),
-        }
+    cu_entry("cuEventSynchronize", || match event(h)?.latest() {
+        Some(m) => m.wait().map_err(|c| c as CuResult),
+        None => Ok(()),
     })
 }
 
