@@ -140,8 +140,9 @@ impl PyCommunicator {
     /// The communicator of the rank list holding this rank (`None` if no list does); every
     /// rank calls it with the same lists.
     fn split(&self, py: Python<'_>, rank_lists: Vec<Vec<usize>>) -> Result<Option<PyCommunicator>> {
-        let (p, comm) = (self.p.clone(), self.c.clone());
-        let c = crate::wait::interruptible(py, move || p.comm_split(&comm, &rank_lists))??;
+        let comm = self.c.clone();
+        let c =
+            crate::wait::interruptible(py, &self.p, move |p| p.comm_split(&comm, &rank_lists))??;
         Ok(c.map(|c| PyCommunicator {
             p: self.p.clone(),
             c,

@@ -264,8 +264,7 @@ impl PyPlatform {
 
     /// Blocks until every stream of the platform is idle.
     fn synchronize(&self, py: Python<'_>) -> Result<()> {
-        let p = self.p.clone();
-        Ok(interruptible(py, move || p.synchronize_device())??)
+        Ok(interruptible(py, &self.p, |p| p.synchronize_device())??)
     }
 
     #[pyo3(signature = (timing=false))]
@@ -367,8 +366,8 @@ impl PyPlatform {
         offset: usize,
     ) -> Result<()> {
         let bytes = data.as_bytes().to_vec();
-        let (p, b, s) = (self.p.clone(), dst.b.clone(), stream.s.clone());
-        Ok(interruptible(py, move || {
+        let (b, s) = (dst.b.clone(), stream.s.clone());
+        Ok(interruptible(py, &self.p, move |p| {
             p.write_device_sync(&b, offset, &bytes, &s)
         })??)
     }
@@ -385,8 +384,8 @@ impl PyPlatform {
     ) -> Result<Bound<'py, PyBytes>> {
         src.b.check_range("read", offset, nbytes)?;
         let mut out = zeroed(self.p.backend(), nbytes)?;
-        let (p, b, s) = (self.p.clone(), src.b.clone(), stream.s.clone());
-        let out = interruptible(py, move || {
+        let (b, s) = (src.b.clone(), stream.s.clone());
+        let out = interruptible(py, &self.p, move |p| {
             p.read_device_sync(&b, offset, &mut out, &s).map(|()| out)
         })??;
         Ok(PyBytes::new(py, &out))
@@ -406,8 +405,7 @@ impl PyPlatform {
         world: usize,
     ) -> Result<crate::collective::PyCommunicator> {
         let id = hprt_platform::UniqueId(unique_id.as_bytes().to_vec());
-        let p = self.p.clone();
-        let c = interruptible(py, move || p.comm_init(&id, rank, world))??;
+        let c = interruptible(py, &self.p, move |p| p.comm_init(&id, rank, world))??;
         Ok(crate::collective::PyCommunicator {
             p: self.p.clone(),
             c,
@@ -431,8 +429,10 @@ impl PyStream {
         self.s.is_external()
     }
     fn synchronize(&self, py: Python<'_>) -> Result<()> {
-        let (p, s) = (self.p.clone(), self.s.clone());
-        Ok(interruptible(py, move || p.synchronize_stream(&s))??)
+        let s = self.s.clone();
+        Ok(interruptible(py, &self.p, move |p| {
+            p.synchronize_stream(&s)
+        })??)
     }
     /// Whether all work queued so far completed.
     fn query(&self) -> Result<bool> {
@@ -475,8 +475,10 @@ impl PyEvent {
         Ok(self.p.record_event(&self.e, &stream.s)?)
     }
     fn synchronize(&self, py: Python<'_>) -> Result<()> {
-        let (p, e) = (self.p.clone(), self.e.clone());
-        Ok(interruptible(py, move || p.synchronize_event(&e))??)
+        let e = self.e.clone();
+        Ok(interruptible(py, &self.p, move |p| {
+            p.synchronize_event(&e)
+        })??)
     }
     fn query(&self) -> Result<bool> {
         Ok(self.p.query_event(&self.e)?)

@@ -7,24 +7,29 @@
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::Duration;
 
+use hprt_platform::{Platform, PlatformHandle};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
 const POLL: Duration = Duration::from_millis(50);
 
-/// Runs `f` off the GIL and returns its result, or the exception a signal handler raised
-/// meanwhile (`KeyboardInterrupt`). On interruption the helper thread finishes `f` on its own
-/// (a synchronize completes with its stream; a `comm_init` joins or times out, and a joined
-/// communicator is dropped, which its peers see as a departed rank) and its result is dropped.
+/// Runs `f` on `platform` off the GIL and returns its result, or the exception a signal handler
+/// raised meanwhile (`KeyboardInterrupt`). The helper thread works on the caller's current
+/// device (a per-thread setting: `comm_init` joins on it). On interruption the helper thread
+/// finishes `f` on its own (a synchronize completes with its stream; a `comm_init` joins or
+/// times out, and a joined communicator is dropped, which its peers see as a departed rank) and
+/// its result is dropped.
 pub(crate) fn interruptible<T: Send + 'static>(
     py: Python<'_>,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> PyResult<T> {
+    platform: &PlatformHandle,
+    f: impl FnOnce(&dyn Platform) -> hprt_platform::Result<T> + Send + 'static,
+) -> PyResult<hprt_platform::Result<T>> {
+    let (p, device) = (platform.clone(), platform.current_device());
     let (tx, rx) = mpsc::sync_channel(1);
     std::thread::Builder::new()
         .name("hprt-wait".into())
         .spawn(move || {
-            let _ = tx.send(f());
+            let _ = tx.send(p.set_device(device).and_then(|()| f(&*p)));
         })
         .map_err(|e| PyRuntimeError::new_err(format!("cannot start a waiting thread: {e}")))?;
     let mut rx = rx;
