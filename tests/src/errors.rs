@@ -675,6 +675,15 @@ fn disagreeing_all_reduce(
     r: &crate::collective::Rank<'_>,
     b: &hprt_platform::DeviceBuffer,
 ) -> hprt_platform::Result<()> {
+    disagreeing_all_reduce_on(r, b, &r.stream)
+}
+
+/// [`disagreeing_all_reduce`] on stream `s`.
+fn disagreeing_all_reduce_on(
+    r: &crate::collective::Rank<'_>,
+    b: &hprt_platform::DeviceBuffer,
+    s: &hprt_platform::Stream,
+) -> hprt_platform::Result<()> {
     let count = if r.rank == 0 { 4 } else { 8 };
     r.p.all_reduce(
         b.at(0),
@@ -683,7 +692,7 @@ fn disagreeing_all_reduce(
         DType::F32,
         ReduceOp::Sum,
         &r.comm,
-        &r.stream,
+        s,
     )
 }
 
@@ -757,16 +766,7 @@ pub(crate) fn destroyed_stream_error_reaches_device_synchronize(p: &dyn Platform
     run_world(p, 2, |r| {
         let b = r.p.alloc_device(256)?;
         let s = r.p.create_stream()?;
-        let count = if r.rank == 0 { 4 } else { 8 };
-        r.p.all_reduce(
-            b.at(0),
-            b.at(64),
-            count,
-            DType::F32,
-            ReduceOp::Sum,
-            &r.comm,
-            &s,
-        )?;
+        disagreeing_all_reduce_on(r, &b, &s)?;
         r.p.destroy_stream(&s)?;
         // One rank checks, between barriers, the device synchronize seeing every rank's streams.
         phase.wait();

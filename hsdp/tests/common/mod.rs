@@ -232,8 +232,8 @@ pub fn expected_shard(geom: &hprt_hsdp::ShardGeometry, k: usize, full: &[f64]) -
     out
 }
 
-/// Ranks that disagree on a parameter's shape, or a rank that skips an unshard: the failed
-/// all-gather (or reduce-scatter) must reach the compute stream that waited on it, never an
+/// Ranks that disagree on a parameter's shape, or a rank that skips an unshard or a gradient
+/// reduction: the failed all-gather (or reduce-scatter) must reach the compute stream that waited on it, never an
 /// all-zero parameter or gradient with success; each case takes less than `bound` (a dead peer
 /// costs at most one collective timeout, not one per queued collective).
 pub fn failed_collectives_reach_compute(p: &dyn Platform, bound: Duration) -> Result<()> {
@@ -246,6 +246,7 @@ pub fn failed_collectives_reach_compute(p: &dyn Platform, bound: Duration) -> Re
         (true, false, false),
         (false, true, false),
         (true, false, true),
+        (false, true, true),
     ] {
         let start = std::time::Instant::now();
         run_world(p, 2, |rk| {
