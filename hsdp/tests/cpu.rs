@@ -975,8 +975,9 @@ fn bench_reports_both_collectives_per_size() -> Result<()> {
     Ok(())
 }
 
-/// Ranks that disagree on a parameter's shape, or a rank that skips an unshard or a reduction: the failed
-/// all-gather (or reduce-scatter) reaches the compute stream (`failed_collectives_reach_compute`).
+/// Ranks that disagree on a parameter's shape, or a rank that skips an unshard or a reduction:
+/// the failed all-gather (or reduce-scatter) reaches the compute stream
+/// (`failed_collectives_reach_compute`).
 #[test]
 fn a_failed_gather_reaches_the_compute_stream() -> Result<()> {
     failed_collectives_reach_compute(&cpu(2), std::time::Duration::from_secs(20))
