@@ -758,6 +758,34 @@ pub(crate) fn queued_error_reaches_waiters(p: &dyn Platform) -> Result<()> {
     })
 }
 
+/// A stream that waited on failed work reports the error even when the failed stream's own
+/// synchronize reported it first: each waiter learns of it, whatever the order of the reports.
+pub(crate) fn waiter_reports_error_its_source_reported(p: &dyn Platform) -> Result<()> {
+    mismatches_are_detected(p)?;
+    run_world(p, 2, |r| {
+        let b = r.p.alloc_device(256)?;
+        disagreeing_all_reduce(r, &b)?;
+        let after = r.p.create_event(false)?;
+        r.p.record_event(&after, &r.stream)?;
+        let waiter = r.p.create_stream()?;
+        r.p.stream_wait_event(&waiter, &after)?;
+        r.p.memset_async(&b, 0, 1, 64, &waiter)?;
+        expect_err(r.p.synchronize_stream(&r.stream), "the failed collective")?;
+        expect_err(
+            r.p.synchronize_event(&after),
+            "an event recorded after the failed collective, once its stream reported it",
+        )?;
+        expect_err(
+            r.p.synchronize_stream(&waiter),
+            "a stream that waited on the failed work, once the failed stream reported it",
+        )?;
+        r.p.synchronize_stream(&waiter)
+            .context("a second synchronize of the waiter (it reported the error)")?;
+        r.p.destroy_stream(&waiter)?;
+        Ok(())
+    })
+}
+
 /// An error left on a stream destroyed before any synchronize reported it is reported by the
 /// next device synchronize, once: destroying the stream does not drop it.
 pub(crate) fn destroyed_stream_error_reaches_device_synchronize(p: &dyn Platform) -> Result<()> {

@@ -253,6 +253,11 @@ static CASES: &[Case] = &[
     ),
     case!(
         "error",
+        "waiter_reports_error_its_source_reported",
+        errors::waiter_reports_error_its_source_reported
+    ),
+    case!(
+        "error",
         "destroyed_stream_error_reaches_device_synchronize",
         errors::destroyed_stream_error_reaches_device_synchronize
     ),
