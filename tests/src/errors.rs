@@ -696,6 +696,24 @@ fn disagreeing_all_reduce_on(
     )
 }
 
+/// A disagreeing all-reduce queued on the rank's stream (into the returned buffer), an event
+/// recorded after it, and a new stream that waits on that event.
+fn failed_with_a_waiter(
+    r: &crate::collective::Rank<'_>,
+) -> Result<(
+    hprt_platform::DeviceBuffer,
+    hprt_platform::Event,
+    hprt_platform::Stream,
+)> {
+    let b = r.p.alloc_device(256)?;
+    disagreeing_all_reduce(r, &b)?;
+    let after = r.p.create_event(false)?;
+    r.p.record_event(&after, &r.stream)?;
+    let waiter = r.p.create_stream()?;
+    r.p.stream_wait_event(&waiter, &after)?;
+    Ok((b, after, waiter))
+}
+
 /// A queued error reaches everything ordered after the failed work, as a GPU's sticky errors
 /// do: events recorded after it, streams that waited on such an event (directly or through
 /// another stream's event), and a device synchronize. Once reported, later work is clean again.
@@ -703,12 +721,7 @@ pub(crate) fn queued_error_reaches_waiters(p: &dyn Platform) -> Result<()> {
     mismatches_are_detected(p)?;
     let phase = std::sync::Barrier::new(2);
     run_world(p, 2, |r| {
-        let b = r.p.alloc_device(256)?;
-        disagreeing_all_reduce(r, &b)?;
-        let after = r.p.create_event(false)?;
-        r.p.record_event(&after, &r.stream)?;
-        let waiter = r.p.create_stream()?;
-        r.p.stream_wait_event(&waiter, &after)?;
+        let (_b, after, waiter) = failed_with_a_waiter(r)?;
         let d = r.p.alloc_device(64)?;
         r.p.memset_async(&d, 0, 1, 64, &waiter)?;
         let later = r.p.create_event(false)?;
@@ -763,12 +776,7 @@ pub(crate) fn queued_error_reaches_waiters(p: &dyn Platform) -> Result<()> {
 pub(crate) fn waiter_reports_error_its_source_reported(p: &dyn Platform) -> Result<()> {
     mismatches_are_detected(p)?;
     run_world(p, 2, |r| {
-        let b = r.p.alloc_device(256)?;
-        disagreeing_all_reduce(r, &b)?;
-        let after = r.p.create_event(false)?;
-        r.p.record_event(&after, &r.stream)?;
-        let waiter = r.p.create_stream()?;
-        r.p.stream_wait_event(&waiter, &after)?;
+        let (b, after, waiter) = failed_with_a_waiter(r)?;
         r.p.memset_async(&b, 0, 1, 64, &waiter)?;
         expect_err(r.p.synchronize_stream(&r.stream), "the failed collective")?;
         expect_err(
