@@ -373,6 +373,10 @@ pub(crate) fn check_mantissa_padding(mant: &[u8], n: usize, w: u32, at: usize) -
 /// A parsed and checked header and chunk table, with each chunk's payload offset.
 #[derive(Clone, Debug)]
 pub struct Prefix {
+    /// The format version (1 or 2). For version 2, `header.chunk_elems` is the block size,
+    /// `chunks` are the blocks (mode `Raw` or `Rans`) and their `check` is 0: version 2 checks
+    /// the decoded tensor as a whole.
+    pub version: u16,
     pub header: Header,
     pub chunks: Vec<ChunkEntry>,
     /// Absolute byte offset of each chunk's payload.
@@ -435,6 +439,7 @@ pub fn parse_prefix(bytes: &[u8]) -> Result<Prefix> {
         ));
     }
     Ok(Prefix {
+        version: VERSION,
         header,
         chunks,
         offsets,
@@ -516,6 +521,13 @@ const K2: u64 = 0xD6E8_FEB8_6659_FD93;
 /// blocks can sum partial ranges in any order; the mix is a bijection of the word, so every
 /// single-word change (any bit flip) changes the sum, and the index term catches moved words.
 pub fn checksum(data: &[u8]) -> u64 {
+    checksum_finish(checksum_terms(data, 0), data.len())
+}
+
+/// The wrapping sum of the checksum terms of `data`'s 8-byte words, numbered from
+/// `first_word` (the last word zero-padded): partial sums of ranges that start at multiples of
+/// 8 bytes add up to the whole's, so threads and GPU blocks sum their own ranges.
+pub(crate) fn checksum_terms(data: &[u8], first_word: u64) -> u64 {
     #[inline(always)]
     fn term(w: u64, i: u64) -> u64 {
         let z = (w ^ i.wrapping_mul(K1)).wrapping_mul(K2);
@@ -523,13 +535,13 @@ pub fn checksum(data: &[u8]) -> u64 {
     }
     let mut sums = [0u64; 4];
     let mut blocks = data.chunks_exact(32);
-    let mut i = 0u64;
+    let mut i = first_word;
     for b in &mut blocks {
         for (k, s) in sums.iter_mut().enumerate() {
             let w = u64::from_le_bytes(b[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
-            *s = s.wrapping_add(term(w, i + k as u64));
+            *s = s.wrapping_add(term(w, i.wrapping_add(k as u64)));
         }
-        i += 4;
+        i = i.wrapping_add(4);
     }
     let mut h = sums[0]
         .wrapping_add(sums[1])
@@ -539,9 +551,14 @@ pub fn checksum(data: &[u8]) -> u64 {
         let mut buf = [0u8; 8];
         buf[..w.len()].copy_from_slice(w);
         h = h.wrapping_add(term(u64::from_le_bytes(buf), i));
-        i += 1;
+        i = i.wrapping_add(1);
     }
-    let z = (h ^ (data.len() as u64)).wrapping_mul(K1);
+    h
+}
+
+/// The checksum of `len` bytes whose terms sum to `terms`.
+pub(crate) fn checksum_finish(terms: u64, len: usize) -> u64 {
+    let z = (terms ^ (len as u64)).wrapping_mul(K1);
     z ^ (z >> 31)
 }
 

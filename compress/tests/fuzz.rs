@@ -8,7 +8,9 @@
 
 use std::time::{Duration, Instant};
 
-use hprt_compress::codec::{decode, decode_with, encode, inspect, DecodeOptions, EncodeOptions};
+use hprt_compress::codec::{
+    decode, decode_with, encode, encode_v1, inspect, v2, DecodeOptions, EncodeOptions,
+};
 use hprt_compress::data::{generate, DataKind, SplitMix64};
 use hprt_compress::format::{
     constant_encoding, seal, CHUNK_ENTRY_LEN, HEADER_LEN, MAX_CHUNK_ELEMS,
@@ -30,14 +32,29 @@ fn corpus() -> Vec<Vec<u8>> {
                     threads: 1,
                 };
                 out.push(encode(dtype, &data, &opts).unwrap());
+                out.push(encode_v1(dtype, &data, &opts).unwrap());
             }
         }
     }
     out
 }
 
-/// Header + table length the (possibly edited) header of `v` declares, if it fits `v`.
+fn is_v2(v: &[u8]) -> bool {
+    v.get(4..6) == Some(&v2::VERSION.to_le_bytes()[..])
+}
+
+/// Header + table (+ index, v2) length the (possibly edited) header of `v` declares, if it
+/// fits `v`.
 fn prefix_len(v: &[u8]) -> Option<usize> {
+    if is_v2(v) {
+        let dtype = CodecDType::from_code(*v.get(6)?)?;
+        let block = u32::from_le_bytes(v.get(12..16)?.try_into().ok()?) as u64;
+        let numel = u64::from_le_bytes(v.get(16..24)?.try_into().ok()?);
+        let blocks = numel.checked_div(block)? + u64::from(numel % block != 0);
+        let len = ((v2::HEADER_LEN + v2::table_len(dtype)) as u64)
+            .checked_add(blocks.checked_mul(4)?)?;
+        return (len <= v.len() as u64).then_some(len as usize);
+    }
     let chunk_elems = u32::from_le_bytes(v.get(12..16)?.try_into().ok()?) as u64;
     let numel = u64::from_le_bytes(v.get(16..24)?.try_into().ok()?);
     let chunks = numel.checked_div(chunk_elems)? + u64::from(numel % chunk_elems != 0);
@@ -49,7 +66,11 @@ fn prefix_len(v: &[u8]) -> Option<usize> {
 /// fits.
 fn reseal(v: &mut [u8]) {
     if let Some(p) = prefix_len(v) {
-        seal(&mut v[..p]);
+        if is_v2(v) {
+            v2::seal(&mut v[..p]);
+        } else {
+            seal(&mut v[..p]);
+        }
     }
 }
 
@@ -107,6 +128,30 @@ fn mutate(rng: &mut SplitMix64, base: &[u8], other: &[u8]) -> Vec<u8> {
                 }
                 reseal(&mut v);
             }
+            // v2: a frequency or a block length rewritten, the prefix resealed.
+            6 if is_v2(&v) => {
+                if let Some(p) = prefix_len(&v) {
+                    let table_at = v2::HEADER_LEN;
+                    let index_at = CodecDType::from_code(v[6])
+                        .map_or(p, |d| table_at + v2::table_len(d));
+                    if pick(rng, 2) == 0 && index_at > table_at {
+                        let e = table_at + 2 * pick(rng, (index_at - table_at) / 2);
+                        let f = u16::from_le_bytes([v[e], v[e + 1]]);
+                        let f = match pick(rng, 3) {
+                            0 => f.wrapping_add(1),
+                            1 => f.wrapping_sub(1),
+                            _ => rng.next_u64() as u16,
+                        };
+                        v[e..e + 2].copy_from_slice(&f.to_le_bytes());
+                    } else if p > index_at {
+                        let e = index_at + 4 * pick(rng, (p - index_at) / 4);
+                        let len = u32::from_le_bytes(v[e..e + 4].try_into().unwrap());
+                        let len = len.wrapping_add(pick(rng, 9) as u32).wrapping_sub(4);
+                        v[e..e + 4].copy_from_slice(&len.to_le_bytes());
+                    }
+                    reseal(&mut v);
+                }
+            }
             // A chunk-table entry rewritten, the prefix resealed.
             6 => {
                 if let Some(p) = prefix_len(&v).filter(|&p| p > HEADER_LEN) {
@@ -126,7 +171,7 @@ fn mutate(rng: &mut SplitMix64, base: &[u8], other: &[u8]) -> Vec<u8> {
             }
             // A payload byte changed and the prefix resealed (reaches the coder itself when
             // chunk checksums are off).
-            7 if v.len() > HEADER_LEN => {
+            7 if v.len() > v2::HEADER_LEN => {
                 let i = HEADER_LEN + pick(rng, v.len() - HEADER_LEN);
                 v[i] = rng.next_u64() as u8;
                 reseal(&mut v);
@@ -302,7 +347,7 @@ fn non_zero_mantissa_padding_is_rejected() {
         ),
     ] {
         let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let enc = encode(CodecDType::BF16, &data, &EncodeOptions::single_threaded()).unwrap();
+        let enc = encode_v1(CodecDType::BF16, &data, &EncodeOptions::single_threaded()).unwrap();
         let p = inspect(&enc).unwrap();
         assert_eq!(p.chunks[0].mode.name(), mode);
         // The mantissa stream follows the symbol (single-symbol) or the frequency table (rans).
@@ -368,5 +413,51 @@ fn every_single_bit_flip_of_a_small_encoding_is_caught() {
             decode(&enc[..len]).is_err(),
             "truncation to {len} bytes accepted"
         );
+    }
+}
+
+#[test]
+fn v2_non_zero_mantissa_padding_is_rejected() {
+    // 813 bf16 elements in one coded block: the mantissa stream (712 bytes, 5 padding bits)
+    // starts the block's payload.
+    let data: Vec<u8> = (0..813u16)
+        .flat_map(|i| ((0x3f80 + (i % 7 / 4) * 0x80) | (i * 9 % 128)).to_le_bytes())
+        .collect();
+    let enc = encode(CodecDType::BF16, &data, &EncodeOptions::single_threaded()).unwrap();
+    let p = inspect(&enc).unwrap();
+    assert_eq!((p.version, p.chunks[0].mode.name()), (2, "rans"));
+    let mut bad = enc.clone();
+    bad[p.offsets[0] + 711] ^= 0x80;
+    for verify in [true, false] {
+        let o = DecodeOptions {
+            verify,
+            ..Default::default()
+        };
+        match decode_with(&bad, &o) {
+            Err(CompressError::Corrupt { what, .. }) => assert!(what.contains("padding"), "{what}"),
+            other => panic!("verify {verify}: {other:?}"),
+        }
+    }
+    assert_eq!(decode(&enc).unwrap().data, data);
+}
+
+#[test]
+fn v2_declares_at_most_max_expansion_and_refuses_inflated_headers_before_allocating() {
+    // The densest v2 encoding: one symbol everywhere (only mantissas and states are stored).
+    for dtype in CodecDType::ALL {
+        let zeros = vec![0u8; (1 << 18) * dtype.size()];
+        let enc = encode(dtype, &zeros, &EncodeOptions::single_threaded()).unwrap();
+        assert!(zeros.len() <= enc.len() * v2::MAX_EXPANSION, "{dtype}: {}", enc.len());
+        assert_eq!(decode(&enc).unwrap().data, zeros);
+        // The same file declaring 2^40 elements: its index and lengths no longer fit, so it
+        // is refused by the prefix checks, before any output is sized.
+        let mut bomb = enc.clone();
+        bomb[16..24].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        reseal(&mut bomb);
+        let before = rss();
+        assert!(matches!(decode(&bomb), Err(CompressError::Corrupt { .. })));
+        if let (Some((_, a)), Some((_, b))) = (before, rss()) {
+            assert!(b < a + (1 << 20), "refusing the bomb cost {} bytes", b - a);
+        }
     }
 }

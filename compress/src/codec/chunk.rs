@@ -426,7 +426,7 @@ fn decode_symbols_with<const PB: u32>(
 }
 
 /// Writes element `i` as `syms[i] << mantissa bits | mantissa i`, in element order.
-fn merge<E: Elem>(out: &mut [u8], mant: &[u8], syms: &[u16]) {
+pub(crate) fn merge<E: Elem>(out: &mut [u8], mant: &[u8], syms: &[u16]) {
     let w = E::MANT_BITS as usize;
     let full = syms.len() / LANES;
     let mut groups = out.chunks_exact_mut(LANES * E::BYTES);

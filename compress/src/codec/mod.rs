@@ -1,6 +1,8 @@
-//! The CPU codec: split each element into a sign+exponent symbol (rANS-coded per chunk with
-//! eight interleaved states) and raw mantissa bits; chunks encode and decode independently,
-//! on as many threads as asked.
+//! The CPU codec: split each element into a sign+exponent symbol (rANS-coded) and raw mantissa
+//! bits. [`encode`] writes format version 2 ([`v2`]: one table per tensor, blocks of 32
+//! interleaved states, decoded with AVX2 where the CPU has it); the decoders read versions 1
+//! and 2. Blocks (v2) and chunks (v1) encode and decode independently, on as many threads as
+//! asked.
 //!
 //! ```
 //! use hprt_compress::codec::{decode, encode, EncodeOptions};
@@ -20,13 +22,14 @@ mod chunk;
 mod rans;
 mod simd;
 mod split;
+pub mod v2;
 
 pub use rans::entropy_bits;
 
 use crate::error::{CompressError, Result};
 use crate::format::{
     self, parse_prefix, ChunkEntry, CodecDType, Header, Prefix, CHUNK_ALIGN, CHUNK_ENTRY_LEN,
-    DEFAULT_CHUNK_ELEMS, DEFAULT_PROB_BITS, HEADER_LEN, MAX_CHUNK_ELEMS, PROB_BITS_RANGE,
+    DEFAULT_PROB_BITS, HEADER_LEN, MAX_CHUNK_ELEMS, PROB_BITS_RANGE,
 };
 use split::{BF16, F16, F32};
 
@@ -56,7 +59,8 @@ fn default_threads() -> usize {
 /// How to encode.
 #[derive(Clone, Debug)]
 pub struct EncodeOptions {
-    /// Elements per chunk (a multiple of 8, at most 2^24).
+    /// Elements per block (version 2: a multiple of 32, at most 2^24; [`encode_v1`] takes
+    /// multiples of 8).
     pub chunk_elems: usize,
     /// Probability resolution of the rANS tables (9..=14 bits).
     pub prob_bits: u32,
@@ -67,7 +71,7 @@ pub struct EncodeOptions {
 impl Default for EncodeOptions {
     fn default() -> Self {
         EncodeOptions {
-            chunk_elems: DEFAULT_CHUNK_ELEMS,
+            chunk_elems: v2::DEFAULT_BLOCK_ELEMS,
             prob_bits: DEFAULT_PROB_BITS,
             threads: default_threads(),
         }
@@ -83,13 +87,13 @@ impl EncodeOptions {
         }
     }
 
-    fn validate(&self) -> Result<()> {
+    fn validate(&self, align: usize) -> Result<()> {
         if self.chunk_elems == 0
-            || self.chunk_elems % CHUNK_ALIGN != 0
+            || self.chunk_elems % align != 0
             || self.chunk_elems > MAX_CHUNK_ELEMS
         {
             return Err(CompressError::InvalidArgument(format!(
-                "chunk size {} is not a positive multiple of {CHUNK_ALIGN} up to {MAX_CHUNK_ELEMS}",
+                "block size {} is not a positive multiple of {align} up to {MAX_CHUNK_ELEMS}",
                 self.chunk_elems
             )));
         }
@@ -143,32 +147,47 @@ pub struct Decoded {
     pub data: Vec<u8>,
 }
 
-/// The largest encoding `encode` can produce for this input (see [`format::max_encoded_len`]).
+/// The largest encoding `encode` can produce for this input (see [`v2::max_encoded_len`]).
 pub fn max_encoded_len(dtype: CodecDType, numel: usize, opts: &EncodeOptions) -> usize {
-    format::max_encoded_len(dtype, numel, opts.chunk_elems)
+    v2::max_encoded_len(dtype, numel, opts.chunk_elems)
 }
 
-/// Encodes `data` (little-endian elements of `dtype`) into a new vector.
+/// Encodes `data` (little-endian elements of `dtype`) into a new vector (format version 2).
 pub fn encode(dtype: CodecDType, data: &[u8], opts: &EncodeOptions) -> Result<Vec<u8>> {
     let mut out = Vec::new();
     encode_into(dtype, data, opts, &mut out)?;
     Ok(out)
 }
 
-/// Encodes `data` into `out` (replacing its contents); never longer than [`max_encoded_len`].
-pub fn encode_into(
-    dtype: CodecDType,
-    data: &[u8],
-    opts: &EncodeOptions,
-    out: &mut Vec<u8>,
-) -> Result<()> {
-    opts.validate()?;
+fn check_whole_elements(dtype: CodecDType, data: &[u8]) -> Result<()> {
     if data.len() % dtype.size() != 0 {
         return Err(CompressError::InvalidArgument(format!(
             "{} bytes is not a whole number of {dtype} elements",
             data.len()
         )));
     }
+    Ok(())
+}
+
+/// Encodes `data` into `out` (replacing its contents) as format version 2; never longer than
+/// [`max_encoded_len`].
+pub fn encode_into(
+    dtype: CodecDType,
+    data: &[u8],
+    opts: &EncodeOptions,
+    out: &mut Vec<u8>,
+) -> Result<()> {
+    opts.validate(v2::BLOCK_ALIGN)?;
+    check_whole_elements(dtype, data)?;
+    v2::encode_into(dtype, data, opts.prob_bits, opts.chunk_elems, opts.threads, out)
+}
+
+/// Encodes `data` in format version 1 (chunks of `opts.chunk_elems` with their own tables),
+/// which every decoder still reads; never longer than [`format::max_encoded_len`].
+pub fn encode_v1(dtype: CodecDType, data: &[u8], opts: &EncodeOptions) -> Result<Vec<u8>> {
+    opts.validate(CHUNK_ALIGN)?;
+    check_whole_elements(dtype, data)?;
+    let mut out = Vec::new();
     let numel = data.len() / dtype.size();
     let mut header = Header {
         dtype,
@@ -180,7 +199,6 @@ pub fn encode_into(
     let n_chunks = header.chunk_count();
     let prefix_len = header.prefix_len();
     let chunk_bytes = opts.chunk_elems * dtype.size();
-    out.clear();
     out.reserve(prefix_len + data.len() / 2);
     out.resize(prefix_len, 0);
     let threads = opts.threads.clamp(1, n_chunks.max(1));
@@ -188,7 +206,7 @@ pub fn encode_into(
         if threads == 1 {
             let mut scratch = chunk::Scratch::default();
             data.chunks(chunk_bytes)
-                .map(|c| chunk::encode::<E>(c, opts.prob_bits, out, &mut scratch))
+                .map(|c| chunk::encode::<E>(c, opts.prob_bits, &mut out, &mut scratch))
                 .collect()
         } else {
             let per = n_chunks.div_ceil(threads);
@@ -227,7 +245,7 @@ pub fn encode_into(
         e.write(&mut out[at..at + CHUNK_ENTRY_LEN]);
     }
     format::seal(&mut out[..prefix_len]);
-    Ok(())
+    Ok(out)
 }
 
 /// Decodes an encoding into a new vector.
@@ -240,10 +258,10 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded> {
 /// against `opts.max_output` and fallibly, so a size the allocator refuses is
 /// [`CompressError::OutOfMemory`], never an abort.
 pub fn decode_with(bytes: &[u8], opts: &DecodeOptions) -> Result<Decoded> {
-    let prefix = parse_prefix(bytes)?;
-    let h = prefix.header;
+    let parsed = Parsed::parse(bytes)?;
+    let h = parsed.header();
     let mut data = alloc_output(checked_output_len(&h, opts.max_output)?)?;
-    decode_prefixed(bytes, &prefix, &mut data, opts)?;
+    parsed.decode(bytes, &mut data, opts)?;
     Ok(Decoded {
         dtype: h.dtype,
         numel: h.numel,
@@ -287,14 +305,55 @@ fn alloc_output(len: usize) -> Result<Vec<u8>> {
 /// Decodes into `out`, which must be exactly `numel * dtype size` bytes; returns the header.
 /// `out` is the caller's own bound on the output: nothing is allocated from the declared size.
 pub fn decode_into(bytes: &[u8], out: &mut [u8], opts: &DecodeOptions) -> Result<Header> {
-    let prefix = parse_prefix(bytes)?;
-    decode_prefixed(bytes, &prefix, out, opts)?;
-    Ok(prefix.header)
+    let parsed = Parsed::parse(bytes)?;
+    parsed.decode(bytes, out, opts)?;
+    Ok(parsed.header())
 }
 
-/// Parses and checks header and chunk table without decoding (see [`Prefix`]).
+/// Parses and checks header, table and index (v2) or chunk table (v1) without decoding (see
+/// [`Prefix`]).
 pub fn inspect(bytes: &[u8]) -> Result<Prefix> {
-    parse_prefix(bytes)
+    Ok(match Parsed::parse(bytes)? {
+        Parsed::V1(p) => p,
+        Parsed::V2(p) => p.summary(),
+    })
+}
+
+/// A checked prefix of either version.
+enum Parsed {
+    V1(Prefix),
+    V2(v2::Prefix2),
+}
+
+impl Parsed {
+    fn parse(bytes: &[u8]) -> Result<Parsed> {
+        if bytes.len() >= 6 && bytes[..4] == format::MAGIC && bytes[4..6] == v2::VERSION.to_le_bytes()
+        {
+            return Ok(Parsed::V2(v2::parse(bytes)?));
+        }
+        Ok(Parsed::V1(parse_prefix(bytes)?))
+    }
+    fn header(&self) -> Header {
+        match self {
+            Parsed::V1(p) => p.header,
+            Parsed::V2(p) => p.summary().header,
+        }
+    }
+    fn decode(&self, bytes: &[u8], out: &mut [u8], opts: &DecodeOptions) -> Result<()> {
+        match self {
+            Parsed::V1(p) => decode_prefixed(bytes, p, out, opts),
+            Parsed::V2(p) => {
+                let want = self.header().output_len();
+                if out.len() != want {
+                    return Err(CompressError::InvalidArgument(format!(
+                        "output is {} bytes, the encoding holds {want}",
+                        out.len()
+                    )));
+                }
+                v2::decode_into(bytes, p, out, opts.threads, opts.verify)
+            }
+        }
+    }
 }
 
 fn decode_prefixed(
@@ -445,16 +504,19 @@ mod tests {
             prob_bits: 12,
             threads,
         };
-        for n in [0, 1, 7, 8, 9, 63, 64, 65, 1000] {
+        for n in [0, 1, 7, 8, 9, 31, 32, 33, 63, 64, 65, 1000, 5000] {
             let data = bf16_ramp(n);
             for threads in [1, 3] {
                 let enc = encode(CodecDType::BF16, &data, &opts(threads)).unwrap();
                 assert!(enc.len() <= max_encoded_len(CodecDType::BF16, n, &opts(1)));
                 assert_eq!(decode(&enc).unwrap().data, data, "n = {n}");
+                let v1 = encode_v1(CodecDType::BF16, &data, &opts(threads)).unwrap();
+                assert_eq!(decode(&v1).unwrap().data, data, "v1, n = {n}");
             }
         }
+        // Version 1's chunk modes, which every decoder still reads.
         let constant: Vec<u8> = [0x12u8, 0x3f].repeat(1000);
-        let enc = encode(CodecDType::BF16, &constant, &opts(1)).unwrap();
+        let enc = encode_v1(CodecDType::BF16, &constant, &opts(1)).unwrap();
         let p = inspect(&enc).unwrap();
         assert!(p
             .chunks
@@ -465,7 +527,7 @@ mod tests {
         let single: Vec<u8> = (0..1000u16)
             .flat_map(|i| (0x3f80 | (i % 128)).to_le_bytes())
             .collect();
-        let enc = encode(CodecDType::BF16, &single, &opts(1)).unwrap();
+        let enc = encode_v1(CodecDType::BF16, &single, &opts(1)).unwrap();
         assert_eq!(
             inspect(&enc).unwrap().chunks[0].mode,
             format::ChunkMode::SingleSymbol
@@ -481,7 +543,7 @@ mod tests {
             threads: 1,
         };
         let data = bf16_ramp(256 * 4 + 40);
-        let enc = encode(CodecDType::BF16, &data, &opts).unwrap();
+        let enc = encode_v1(CodecDType::BF16, &data, &opts).unwrap();
         let p = inspect(&enc).unwrap();
         assert!(p.chunks[..4]
             .iter()

@@ -155,7 +155,48 @@ pub(crate) mod avx2 {
         }
         done
     }
+    /// Decodes whole groups of 32 symbols of one version-2 block (lane `k` = symbol `k % 32`)
+    /// while at least 32 words are left; returns how many symbols it decoded. The four 8-lane
+    /// quarters of a group are four independent gather-multiply chains that only share the word
+    /// position, so one block keeps the core as busy as v1's chunk pairs did.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 ([`available`]).
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn decode_groups32(
+        syms: &mut [u16],
+        table: &DecTable,
+        prob_bits: u32,
+        words: &[u8],
+        pos: &mut usize,
+        x: &mut [u32; 4 * LANES],
+    ) -> usize {
+        let c = consts(prob_bits);
+        // SAFETY: `x` is four runs of eight lanes.
+        let mut xv: [__m256i; 4] =
+            std::array::from_fn(|q| _mm256_loadu_si256(x[q * LANES..].as_ptr().cast()));
+        let mut p = *pos;
+        let n = syms.len() / (4 * LANES) * (4 * LANES);
+        let mut done = 0;
+        while done < n && (4 * LANES..=words.len() / 2).contains(&p) {
+            for (q, v) in xv.iter_mut().enumerate() {
+                // SAFETY: AVX2 per the caller; each quarter uses at most eight words, so
+                // `p >= 8` holds for every quarter; `done + 32 <= n`.
+                let at = done + q * LANES;
+                let (nv, used) = group(&c, table, *v, words, p, &mut syms[at..at + LANES]);
+                *v = nv;
+                p -= used;
+            }
+            done += 4 * LANES;
+        }
+        for (q, v) in xv.iter().enumerate() {
+            _mm256_storeu_si256(x[q * LANES..].as_mut_ptr().cast(), *v);
+        }
+        *pos = p;
+        done
+    }
 }
+
 
 /// Whether [`decode_pair_groups`] decodes anything on this CPU.
 pub(crate) fn paired_available() -> bool {
@@ -184,5 +225,24 @@ pub(crate) fn decode_pair_groups(
         return unsafe { avx2::decode_groups(syms, tables, prob_bits, words, pos, x) };
     }
     let _ = (syms, tables, prob_bits, words, pos, x);
+    0
+}
+
+/// Leading whole groups of a version-2 block with AVX2 (see [`avx2::decode_groups32`]);
+/// 0 without it, and the caller's scalar loop decodes everything.
+pub(crate) fn decode_groups32(
+    syms: &mut [u16],
+    table: &DecTable,
+    prob_bits: u32,
+    words: &[u8],
+    pos: &mut usize,
+    x: &mut [u32; 4 * LANES],
+) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { avx2::decode_groups32(syms, table, prob_bits, words, pos, x) };
+    }
+    let _ = (syms, table, prob_bits, words, pos, x);
     0
 }
