@@ -22,6 +22,7 @@ mod chunk;
 mod rans;
 mod simd;
 mod split;
+pub mod cuda;
 pub mod v2;
 
 pub use rans::entropy_bits;

@@ -1,0 +1,241 @@
+//! The v2 codec as CUDA C for NVRTC (`kernels.cu`): histogram, table build, block encode, the
+//! exclusive scan that places blocks, placement and prefix, and the three decode steps. The
+//! source is one module, compiled once per device by whoever launches it; its launch shapes
+//! are in the source's header comment.
+//!
+//! The same source is compiled as host C++ by this module's test and must write exactly the
+//! bytes of the CPU codec (the corpus of `data` and random bit patterns) and decode them back,
+//! as the platform's elementwise kernels are checked.
+//!
+//! Not wired yet: no backend launches this module (the CUDA backend does not expose launching
+//! a foreign NVRTC module); [`crate::device::codec_for`] therefore gives CUDA the host
+//! fallback, and says so in its name.
+
+/// The CUDA C source of the v2 codec kernels.
+pub const SOURCE: &str = include_str!("kernels.cu");
+/// The module's name for NVRTC and a per-device cache.
+pub const MODULE: &str = "hprt_codec_v2.cu";
+/// The kernels, in stream order for an encode and then a decode.
+pub const KERNELS: [&str; 9] = [
+    "hprt_codec_histogram",
+    "hprt_codec_table",
+    "hprt_codec_encode_blocks",
+    "hprt_codec_scan",
+    "hprt_codec_place",
+    "hprt_codec_finish",
+    "hprt_codec_decode_prefix",
+    "hprt_codec_decode_blocks",
+    "hprt_codec_decode_check",
+];
+
+/// What a non-zero decoder status word of the kernels means.
+pub fn status_message(status: u32) -> &'static str {
+    match status {
+        0 => "ok",
+        1 => "bad header",
+        2 => "header/table/index checksum mismatch",
+        3 => "frequencies do not sum to 2^prob_bits",
+        4 => "impossible block length or total length",
+        5 => "non-zero padding bits after the last mantissa",
+        6 => "rANS state outside [2^15, 2^31)",
+        7 => "rANS stream does not end where it should",
+        8 => "decoded data fails the tensor checksum",
+        9 => "dtype or element count differs from the expected tensor",
+        _ => "unknown decoder status",
+    }
+}
+
+#[cfg(test)]
+mod host_compiled {
+    use super::*;
+    use crate::codec::{encode, v2, EncodeOptions};
+    use crate::data::{generate, DataKind, SplitMix64};
+    use crate::CodecDType;
+
+    /// CUDA's launch variables and primitives for a one-thread launch (see `kernels.cu`).
+    const SHIM: &str = r#"
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+struct HprtDim { unsigned int x; };
+static const HprtDim blockIdx = {0}, threadIdx = {0}, blockDim = {1}, gridDim = {1};
+static inline void __syncthreads() {}
+static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { unsigned int o = *p; *p += v; return o; }
+static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { unsigned long long o = *p; *p += v; return o; }
+static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned int o = *p; *p |= v; return o; }
+"#;
+
+    fn compile() -> libloading::Library {
+        let dir = std::env::temp_dir().join(format!("hprt-codec-kernels-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (src, lib) = (dir.join("codec.cpp"), dir.join("libcodec.so"));
+        std::fs::write(&src, format!("{SHIM}\n{SOURCE}")).unwrap();
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let out = std::process::Command::new(&cxx)
+            .args(["-std=c++14", "-O2", "-shared", "-fPIC", "-Wall", "-Werror", "-o"])
+            .arg(&lib)
+            .arg(&src)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run the C++ compiler {cxx:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "the codec kernel source does not compile:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // SAFETY: a library we just built from our own source.
+        unsafe { libloading::Library::new(&lib) }.unwrap()
+    }
+
+    type Hist = unsafe extern "C" fn(*const u8, u64, u32, u32, *mut u64, *mut u64);
+    type Table = unsafe extern "C" fn(*const u64, u32, u32, *mut u32, *mut u32);
+    type EncodeBlocks =
+        unsafe extern "C" fn(*const u8, u64, u32, u32, u32, u32, *const u32, *const u32, *mut u8, *mut u32);
+    type Scan = unsafe extern "C" fn(*const u32, u64, *mut u64, *mut u64);
+    type Place = unsafe extern "C" fn(*const u8, u64, *const u32, *const u64, u64, *mut u8, u64);
+    type Finish = unsafe extern "C" fn(
+        *mut u8, u32, u32, u32, u32, u64, u32, *const u32, *const u32, u64, *const u64, *const u64, *mut u64,
+    );
+    type DecodePrefix = unsafe extern "C" fn(
+        *const u8, u64, u32, u32, u32, u32, u64, u64, *mut u32, *mut u32, *mut u64, *mut u64, *mut u32,
+    );
+    type DecodeBlocks = unsafe extern "C" fn(
+        *const u8, u64, u32, u32, u64, *const u32, *const u32, *const u64, *mut u8, *mut u64, *mut u32,
+    );
+    type DecodeCheck = unsafe extern "C" fn(*const u64, u64, *const u64, *mut u32);
+
+    fn sym<T: Copy>(lib: &libloading::Library, name: &str) -> T {
+        // SAFETY: the types above are the signatures `kernels.cu` defines.
+        unsafe { *lib.get::<T>(format!("{name}\0").as_bytes()).unwrap() }
+    }
+
+    /// The encode kernels in stream order on host memory.
+    fn kernel_encode(lib: &libloading::Library, dtype: CodecDType, data: &[u8], pb: u32, block: usize) -> Vec<u8> {
+        let (size, w) = (dtype.size() as u32, dtype.mantissa_bits());
+        let numel = data.len() / dtype.size();
+        let alphabet = 1u32 << dtype.symbol_bits();
+        let nblocks = numel.div_ceil(block);
+        let slot_bytes = block * dtype.size();
+        let (mut hist, mut terms) = (vec![0u64; 512], 0u64);
+        let (mut freq, mut cum) = (vec![0u32; 512], vec![0u32; 512]);
+        let mut slots = vec![0u8; nblocks * slot_bytes];
+        let mut lens = vec![0u32; nblocks];
+        let (mut offsets, mut total) = (vec![0u64; nblocks], 0u64);
+        let mut out = vec![0u8; v2::max_encoded_len(dtype, numel, block)];
+        let payload_at = (v2::HEADER_LEN + v2::table_len(dtype) + 4 * nblocks) as u64;
+        let mut out_len = 0u64;
+        // SAFETY: every buffer has the size the kernels index (see `kernels.cu`).
+        unsafe {
+            sym::<Hist>(lib, KERNELS[0])(data.as_ptr(), numel as u64, size, w, hist.as_mut_ptr(), &mut terms);
+            sym::<Table>(lib, KERNELS[1])(hist.as_ptr(), alphabet, pb, freq.as_mut_ptr(), cum.as_mut_ptr());
+            sym::<EncodeBlocks>(lib, KERNELS[2])(
+                data.as_ptr(), numel as u64, size, w, pb, block as u32, freq.as_ptr(), cum.as_ptr(),
+                slots.as_mut_ptr(), lens.as_mut_ptr(),
+            );
+            sym::<Scan>(lib, KERNELS[3])(lens.as_ptr(), nblocks as u64, offsets.as_mut_ptr(), &mut total);
+            sym::<Place>(lib, KERNELS[4])(
+                slots.as_ptr(), slot_bytes as u64, lens.as_ptr(), offsets.as_ptr(), nblocks as u64,
+                out.as_mut_ptr(), payload_at,
+            );
+            sym::<Finish>(lib, KERNELS[5])(
+                out.as_mut_ptr(), dtype.code() as u32, alphabet, pb, block as u32, numel as u64, size,
+                freq.as_ptr(), lens.as_ptr(), nblocks as u64, &total, &terms, &mut out_len,
+            );
+        }
+        out.truncate(out_len as usize);
+        out
+    }
+
+    /// The decode kernels in stream order; the decoded bytes and the status word.
+    fn kernel_decode(lib: &libloading::Library, dtype: CodecDType, numel: usize, enc: &[u8]) -> (Vec<u8>, u32) {
+        let (size, w) = (dtype.size() as u32, dtype.mantissa_bits());
+        let alphabet = 1u32 << dtype.symbol_bits();
+        let max_blocks = numel.div_ceil(v2::BLOCK_ALIGN).min(enc.len() / 4);
+        let (mut freq, mut cum) = (vec![0u32; 512], vec![0u32; 512]);
+        let mut offsets = vec![0u64; max_blocks.max(1)];
+        let (mut data_check, mut status, mut terms) = (0u64, 0u32, 0u64);
+        let mut out = vec![0u8; numel * dtype.size()];
+        // SAFETY: as above; decode_prefix bounds the blocks by `max_blocks`.
+        unsafe {
+            sym::<DecodePrefix>(lib, KERNELS[6])(
+                enc.as_ptr(), enc.len() as u64, dtype.code() as u32, alphabet, size, w, numel as u64,
+                max_blocks as u64, freq.as_mut_ptr(), cum.as_mut_ptr(), offsets.as_mut_ptr(),
+                &mut data_check, &mut status,
+            );
+            sym::<DecodeBlocks>(lib, KERNELS[7])(
+                enc.as_ptr(), enc.len() as u64, size, w, numel as u64, freq.as_ptr(), cum.as_ptr(),
+                offsets.as_ptr(), out.as_mut_ptr(), &mut terms, &mut status,
+            );
+            sym::<DecodeCheck>(lib, KERNELS[8])(&terms, out.len() as u64, &data_check, &mut status);
+        }
+        (out, status)
+    }
+
+    fn corpus() -> Vec<(CodecDType, Vec<u8>)> {
+        let mut rng = SplitMix64::new(99);
+        let mut out = Vec::new();
+        for dtype in CodecDType::ALL {
+            for kind in DataKind::ALL {
+                out.push((dtype, generate(kind, dtype, 20_000 + 13, 3)));
+            }
+            // Random bit patterns: every symbol, NaN payloads, subnormals.
+            let n = 5_000 * dtype.size() + dtype.size() * 7;
+            out.push((dtype, (0..n).map(|_| rng.next_u64() as u8).collect()));
+            // Skewed random patterns: few symbols, random mantissas.
+            out.push((
+                dtype,
+                (0..4_001)
+                    .flat_map(|_| {
+                        let r = rng.next_u64();
+                        let v = (r >> 40) as u32 & 0x3 | (r as u32) << 2;
+                        v.to_le_bytes()[..dtype.size()].to_vec()
+                    })
+                    .collect(),
+            ));
+        }
+        out
+    }
+
+    #[test]
+    fn kernels_write_the_cpu_codecs_bytes_and_decode_them() {
+        let lib = compile();
+        for (dtype, data) in corpus() {
+            for (pb, block) in [(12, v2::DEFAULT_BLOCK_ELEMS), (11, 1024), (14, 96)] {
+                let opts = EncodeOptions {
+                    chunk_elems: block,
+                    prob_bits: pb,
+                    threads: 1,
+                };
+                let cpu = encode(dtype, &data, &opts).unwrap();
+                let dev = kernel_encode(&lib, dtype, &data, pb, block);
+                assert!(dev == cpu, "{dtype}, {pb} bits, blocks of {block}: the bytes differ");
+                let numel = data.len() / dtype.size();
+                let (back, status) = kernel_decode(&lib, dtype, numel, &cpu);
+                assert_eq!(status, 0, "{dtype}: {}", status_message(status));
+                assert!(back == data, "{dtype}: the kernels decode other bytes");
+            }
+        }
+    }
+
+    #[test]
+    fn kernel_decoder_rejects_or_survives_every_bit_flip() {
+        let lib = compile();
+        let data = generate(DataKind::Gelu, CodecDType::BF16, 700, 3);
+        let opts = EncodeOptions {
+            chunk_elems: 256,
+            prob_bits: 12,
+            threads: 1,
+        };
+        let enc = encode(CodecDType::BF16, &data, &opts).unwrap();
+        for bit in 0..enc.len() * 8 {
+            let mut m = enc.clone();
+            m[bit / 8] ^= 1 << (bit % 8);
+            let (back, status) = kernel_decode(&lib, CodecDType::BF16, 700, &m);
+            assert!(status != 0 || back == data, "flip of bit {bit} silently changed the data");
+        }
+        for len in 0..enc.len() {
+            assert_ne!(kernel_decode(&lib, CodecDType::BF16, 700, &enc[..len]).1, 0, "truncated to {len}");
+        }
+        assert_eq!(kernel_decode(&lib, CodecDType::BF16, 701, &enc).1, 9);
+    }
+}
