@@ -2,10 +2,12 @@
 //!
 //! [`DeviceCodec`] is what a device implementation (CUDA kernels through NVRTC, CANN encode ops)
 //! provides; it must produce the bytes of `FORMAT.md`, identical to the CPU codec. This build has
-//! one implementation, [`HostCodec`], which every backend gets: in stream order it copies the
-//! tensor to pinned memory, encodes on host threads inside a host function
-//! ([`Platform::launch_host_fn`]), and copies the result back. No device kernels exist yet, so
-//! [`codec_for`] returns it on every platform.
+//! one implementation, [`HostCodec`]: in stream order it copies the tensor to pinned memory,
+//! encodes on host threads inside a host function ([`Platform::launch_host_fn`]), and copies the
+//! result back. [`codec_for`] chooses per backend: on `cpu` that is the CPU codec itself (device
+//! memory is host memory); on `cuda` and `npu` it is the host fallback. The v2 CUDA kernels
+//! exist as source ([`crate::codec::cuda`], checked byte for byte against the CPU codec when
+//! compiled as host C++) but no backend launches them yet, and no Ascend kernel exists.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -35,7 +37,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use hprt_platform::{BufRef, DeviceBuffer, Event, Mem, PinnedBuffer, Platform, Stream};
+use hprt_platform::{
+    BackendKind, BufRef, DeviceBuffer, Event, Mem, PinnedBuffer, Platform, Stream,
+};
 
 use crate::codec::{self, DecodeOptions, EncodeOptions};
 use crate::error::{CompressError, Result};
@@ -148,10 +152,18 @@ impl std::fmt::Debug for dyn DeviceCodec {
     }
 }
 
-/// The device codec for `platform`. No backend has device kernels in this build, so every
-/// backend gets the [`HostCodec`].
-pub fn codec_for(_platform: &dyn Platform) -> Arc<dyn DeviceCodec> {
-    Arc::new(HostCodec::default())
+/// The device codec for `platform`, chosen by its backend: `cpu` gets the CPU codec (named
+/// `"cpu"`), `cuda` and `npu` the host fallback (named `"host-fallback"`) until their kernels
+/// are launched (see the module docs).
+pub fn codec_for(platform: &dyn Platform) -> Arc<dyn DeviceCodec> {
+    let name = match platform.backend() {
+        BackendKind::Cpu => "cpu",
+        BackendKind::Cuda | BackendKind::Npu => "host-fallback",
+    };
+    Arc::new(HostCodec {
+        name,
+        ..HostCodec::default()
+    })
 }
 
 type Slot<T> = Arc<Mutex<Option<Result<T>>>>;
@@ -242,17 +254,31 @@ impl PendingDecode {
     }
 }
 
-/// The host fallback every backend has: D2H into pinned memory, encode or decode in a host
-/// function in stream order, H2D back. The caller's thread never blocks.
-#[derive(Clone, Debug, Default)]
+/// The CPU codec on a platform stream, which every backend can run: D2H into pinned memory,
+/// encode or decode in a host function in stream order, H2D back. The caller's thread never
+/// blocks.
+#[derive(Clone, Debug)]
 pub struct HostCodec {
     pub encode: EncodeOptions,
     pub decode: DecodeOptions,
+    /// What [`DeviceCodec::name`] reports: `"cpu"` on the cpu backend, `"host-fallback"` where
+    /// the device's own memory is elsewhere.
+    pub name: &'static str,
+}
+
+impl Default for HostCodec {
+    fn default() -> Self {
+        HostCodec {
+            encode: EncodeOptions::default(),
+            decode: DecodeOptions::default(),
+            name: "host-fallback",
+        }
+    }
 }
 
 impl DeviceCodec for HostCodec {
     fn name(&self) -> &'static str {
-        "host"
+        self.name
     }
 
     fn max_encoded_len(&self, dtype: CodecDType, numel: usize) -> usize {

@@ -349,3 +349,28 @@ fn collective_bandwidth_is_measured_by_group_size_and_predicts_the_collective() 
         .unwrap();
     assert!(d2 > Duration::ZERO && d3 > Duration::ZERO);
 }
+
+#[test]
+fn the_device_codec_is_chosen_per_backend() {
+    // cpu: the CPU codec itself, writing format v2.
+    let p = platform(None);
+    let codec = hprt_compress::device::codec_for(p.as_ref());
+    assert_eq!(codec.name(), "cpu");
+    let s = p.create_stream().unwrap();
+    let data = generate(DataKind::Gelu, CodecDType::BF16, 4096, 1);
+    let src = p.alloc_device(data.len()).unwrap();
+    p.write_device_sync(&src, 0, &data, &s).unwrap();
+    let scratch = p
+        .alloc_device(codec.max_encoded_len(CodecDType::BF16, 4096))
+        .unwrap();
+    let ct = codec
+        .encode_async(p.as_ref(), src.at(0), CodecDType::BF16, 4096, &scratch, &s)
+        .unwrap()
+        .finish(p.as_ref(), &s)
+        .unwrap();
+    let mut bytes = vec![0u8; ct.byte_len()];
+    p.read_device_sync(ct.device_buffer(), 0, &mut bytes, &s)
+        .unwrap();
+    assert_eq!(hprt_compress::codec::inspect(&bytes).unwrap().version, 2);
+    assert!(ct.byte_len() < data.len());
+}
