@@ -66,6 +66,16 @@ static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long 
 static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned int o = *p; *p |= v; return o; }
 "#;
 
+    /// The compiled source, built once per process; the lock serialises the tests, because
+    /// the host build's `__shared__` arrays are statics.
+    fn library() -> std::sync::MutexGuard<'static, libloading::Library> {
+        static LIB: std::sync::OnceLock<std::sync::Mutex<libloading::Library>> =
+            std::sync::OnceLock::new();
+        LIB.get_or_init(|| std::sync::Mutex::new(compile()))
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
     fn compile() -> libloading::Library {
         let dir = std::env::temp_dir().join(format!("hprt-codec-kernels-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -198,7 +208,7 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
 
     #[test]
     fn kernels_write_the_cpu_codecs_bytes_and_decode_them() {
-        let lib = compile();
+        let lib = library();
         for (dtype, data) in corpus() {
             for (pb, block) in [(12, v2::DEFAULT_BLOCK_ELEMS), (11, 1024), (14, 96)] {
                 let opts = EncodeOptions {
@@ -219,7 +229,7 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
 
     #[test]
     fn kernel_decoder_rejects_or_survives_every_bit_flip() {
-        let lib = compile();
+        let lib = library();
         let data = generate(DataKind::Gelu, CodecDType::BF16, 700, 3);
         let opts = EncodeOptions {
             chunk_elems: 256,

@@ -5,14 +5,14 @@
 //! It computes exactly what the scalar loop computes (same states, same words consumed), so
 //! the choice between them is invisible in the output.
 
-use super::rans::DecTable;
+use super::rans::{DecTable, EncTable};
 use crate::format::LANES;
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::rans::{DecTable, RANS_L};
+    use super::super::rans::{DecTable, EncTable, RANS_L};
     use crate::format::LANES;
 
     /// For each 8-bit refill mask, lane `k`'s index among the refilling lanes
@@ -155,6 +155,94 @@ pub(crate) mod avx2 {
         }
         done
     }
+    /// For each 8-bit emit mask, the emitting lanes from the highest to the lowest (the order
+    /// the sequential encoder emits in), as eight 4-bit fields.
+    const DESCENDING: [u32; 256] = {
+        let mut t = [0u32; 256];
+        let mut m = 0;
+        while m < 256 {
+            let (mut packed, mut at, mut k) = (0u32, 0, 8);
+            while k > 0 {
+                k -= 1;
+                if (m >> k) & 1 == 1 {
+                    packed |= (k as u32) << (4 * at);
+                    at += 1;
+                }
+            }
+            t[m as usize] = packed;
+            m += 1;
+        }
+        t
+    };
+
+    /// Encodes whole groups of 32 symbols of a version-2 block, the last group first (the
+    /// caller has coded the partial tail group, if any, with the scalar coder), exactly as
+    /// `rans::put` does lane by lane: lanes 31 down to 0, words appended in emission order.
+    /// `words` needs room for `*pos + syms.len() + 8` words (each quarter stores eight and
+    /// keeps those of its emitting lanes).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 ([`available`]); `syms.len()` is a multiple of 32.
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn encode_groups32(
+        syms: &[u16],
+        table: &EncTable,
+        words: &mut [u16],
+        pos: &mut usize,
+        x: &mut [u32; 4 * LANES],
+    ) {
+        assert!(syms.len() % (4 * LANES) == 0 && words.len() >= *pos + syms.len() + LANES);
+        let t = table.as_ptr().cast::<i32>();
+        let low16 = _mm256_set1_epi32(0xffff);
+        let seven = _mm256_set1_epi32(7);
+        let field_shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        let (k1, k2, k3) = (_mm256_set1_epi32(1), _mm256_set1_epi32(2), _mm256_set1_epi32(3));
+        // SAFETY (whole body): gathers index `4 * symbol + field` with symbols below 512, inside
+        // the 512 16-byte entries; loads and stores stay inside `x`, `syms` (checked length)
+        // and `words` (asserted room: at most one word per symbol plus eight of slack).
+        let mut xv: [__m256i; 4] =
+            std::array::from_fn(|q| _mm256_loadu_si256(x[q * LANES..].as_ptr().cast()));
+        let mut p = *pos;
+        for grp in syms.chunks_exact(4 * LANES).rev() {
+            for q in (0..4).rev() {
+                let s = _mm256_cvtepu16_epi32(_mm_loadu_si128(grp[q * LANES..].as_ptr().cast()));
+                let s = _mm256_and_si256(s, _mm256_set1_epi32(511));
+                let idx = _mm256_slli_epi32::<2>(s);
+                let x_max = _mm256_i32gather_epi32::<4>(t, idx);
+                let rcp = _mm256_i32gather_epi32::<4>(t, _mm256_add_epi32(idx, k1));
+                let bias = _mm256_i32gather_epi32::<4>(t, _mm256_add_epi32(idx, k2));
+                let cs = _mm256_i32gather_epi32::<4>(t, _mm256_add_epi32(idx, k3));
+                let v = xv[q];
+                // Unsigned v >= x_max (x_max may be 2^31).
+                let emit = _mm256_cmpeq_epi32(_mm256_max_epu32(v, x_max), v);
+                let m = _mm256_movemask_ps(_mm256_castsi256_ps(emit)) as usize;
+                let order = _mm256_and_si256(
+                    _mm256_srlv_epi32(_mm256_set1_epi32(DESCENDING[m] as i32), field_shifts),
+                    seven,
+                );
+                let w = _mm256_and_si256(_mm256_permutevar8x32_epi32(v, order), low16);
+                let w = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(w, w));
+                _mm_storeu_si128(words.as_mut_ptr().add(p).cast(), _mm256_castsi256_si128(w));
+                p += m.count_ones() as usize;
+                let v = _mm256_blendv_epi8(v, _mm256_srli_epi32::<16>(v), emit);
+                // q = mulhi(v, rcp) >> shift, then v + bias + q * cmpl.
+                let even = _mm256_srli_epi64::<32>(_mm256_mul_epu32(v, rcp));
+                let odd = _mm256_mul_epu32(_mm256_srli_epi64::<32>(v), _mm256_srli_epi64::<32>(rcp));
+                let hi = _mm256_blend_epi32::<0b1010_1010>(even, odd);
+                let quot = _mm256_srlv_epi32(hi, _mm256_srli_epi32::<16>(cs));
+                let cmpl = _mm256_and_si256(cs, low16);
+                xv[q] = _mm256_add_epi32(
+                    _mm256_add_epi32(v, bias),
+                    _mm256_mullo_epi32(quot, cmpl),
+                );
+            }
+        }
+        for (q, v) in xv.iter().enumerate() {
+            _mm256_storeu_si256(x[q * LANES..].as_mut_ptr().cast(), *v);
+        }
+        *pos = p;
+    }
+
     /// Decodes whole groups of 32 symbols of one version-2 block (lane `k` = symbol `k % 32`)
     /// while at least 32 words are left; returns how many symbols it decoded. The four 8-lane
     /// quarters of a group are four independent gather-multiply chains that only share the word
@@ -245,4 +333,23 @@ pub(crate) fn decode_groups32(
     }
     let _ = (syms, table, prob_bits, words, pos, x);
     0
+}
+
+/// Whole groups of a version-2 block with AVX2 (see [`avx2::encode_groups32`]); `false`
+/// without it, and the caller codes them with the scalar coder.
+pub(crate) fn encode_groups32(
+    syms: &[u16],
+    table: &EncTable,
+    words: &mut [u16],
+    pos: &mut usize,
+    x: &mut [u32; 4 * LANES],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: the CPU has AVX2; the callee asserts its length requirements.
+        unsafe { avx2::encode_groups32(syms, table, words, pos, x) };
+        return true;
+    }
+    let _ = (syms, table, words, pos, x);
+    false
 }

@@ -246,7 +246,8 @@ fn encode_block<E: Elem>(src: &[u8], enc: &EncTable, out: &mut Vec<u8>, s: &mut 
     let start = out.len();
     let mlen = mantissa_len(n, E::MANT_BITS);
     s.syms.resize(n, 0);
-    s.words.resize(n.max(1), 0);
+    // One word per symbol at most, plus the SIMD coder's eight words of slack.
+    s.words.resize(n + 8, 0);
     symbols_of::<E>(src, &mut s.syms);
     let (nwords, states) = encode_symbols(&s.syms, enc, &mut s.words);
     let len = mlen + 2 * nwords + STATES_LEN;
@@ -268,7 +269,8 @@ fn encode_block<E: Elem>(src: &[u8], enc: &EncTable, out: &mut Vec<u8>, s: &mut 
 }
 
 /// rANS-codes `syms`, last first, symbol `i` on lane `i % 32`; returns the word count and the
-/// final states. `words` has room for one word per symbol (a symbol emits at most one).
+/// final states. `words` has room for one word per symbol (a symbol emits at most one) and
+/// eight more.
 fn encode_symbols(syms: &[u16], enc: &EncTable, words: &mut [u16]) -> (usize, [u32; LANES]) {
     let mut x = [RANS_L; LANES];
     let mut pos = 0usize;
@@ -276,9 +278,11 @@ fn encode_symbols(syms: &[u16], enc: &EncTable, words: &mut [u16]) -> (usize, [u
     for (k, &s) in syms[full..].iter().enumerate().rev() {
         rans::put(&mut x[k], &enc[s as usize & 511], words, &mut pos);
     }
-    for grp in syms[..full].chunks_exact(LANES).rev() {
-        for k in (0..LANES).rev() {
-            rans::put(&mut x[k], &enc[grp[k] as usize & 511], words, &mut pos);
+    if !simd::encode_groups32(&syms[..full], enc, words, &mut pos, &mut x) {
+        for grp in syms[..full].chunks_exact(LANES).rev() {
+            for k in (0..LANES).rev() {
+                rans::put(&mut x[k], &enc[grp[k] as usize & 511], words, &mut pos);
+            }
         }
     }
     (pos, x)
