@@ -51,8 +51,8 @@ fn prefix_len(v: &[u8]) -> Option<usize> {
         let block = u32::from_le_bytes(v.get(12..16)?.try_into().ok()?) as u64;
         let numel = u64::from_le_bytes(v.get(16..24)?.try_into().ok()?);
         let blocks = numel.checked_div(block)? + u64::from(numel % block != 0);
-        let len = ((v2::HEADER_LEN + v2::table_len(dtype)) as u64)
-            .checked_add(blocks.checked_mul(4)?)?;
+        let len =
+            ((v2::HEADER_LEN + v2::table_len(dtype)) as u64).checked_add(blocks.checked_mul(4)?)?;
         return (len <= v.len() as u64).then_some(len as usize);
     }
     let chunk_elems = u32::from_le_bytes(v.get(12..16)?.try_into().ok()?) as u64;
@@ -132,8 +132,8 @@ fn mutate(rng: &mut SplitMix64, base: &[u8], other: &[u8]) -> Vec<u8> {
             6 if is_v2(&v) => {
                 if let Some(p) = prefix_len(&v) {
                     let table_at = v2::HEADER_LEN;
-                    let index_at = CodecDType::from_code(v[6])
-                        .map_or(p, |d| table_at + v2::table_len(d));
+                    let index_at =
+                        CodecDType::from_code(v[6]).map_or(p, |d| table_at + v2::table_len(d));
                     if pick(rng, 2) == 0 && index_at > table_at {
                         let e = table_at + 2 * pick(rng, (index_at - table_at) / 2);
                         let f = u16::from_le_bytes([v[e], v[e + 1]]);
@@ -447,7 +447,11 @@ fn v2_declares_at_most_max_expansion_and_refuses_inflated_headers_before_allocat
     for dtype in CodecDType::ALL {
         let zeros = vec![0u8; (1 << 18) * dtype.size()];
         let enc = encode(dtype, &zeros, &EncodeOptions::single_threaded()).unwrap();
-        assert!(zeros.len() <= enc.len() * v2::MAX_EXPANSION, "{dtype}: {}", enc.len());
+        assert!(
+            zeros.len() <= enc.len() * v2::MAX_EXPANSION,
+            "{dtype}: {}",
+            enc.len()
+        );
         assert_eq!(decode(&enc).unwrap().data, zeros);
         // The same file declaring 2^40 elements: its index and lengths no longer fit, so it
         // is refused by the prefix checks, before any output is sized.

@@ -189,7 +189,10 @@ fn coded_size_stays_within_one_percent_of_the_symbol_entropy() {
             let entropy = symbols.iter().map(|c| c.entropy_bits).sum::<f64>() / 8.0;
             let mant = (n * dtype.mantissa_bits() as usize).div_ceil(8) as f64;
             let overhead = (enc.len() as f64 - mant) / entropy - 1.0;
-            eprintln!("{dtype} {kind:?}: {:.3}% over the entropy", overhead * 100.0);
+            eprintln!(
+                "{dtype} {kind:?}: {:.3}% over the entropy",
+                overhead * 100.0
+            );
             assert!(
                 overhead < 0.01,
                 "{dtype} {kind:?}: {:.3}% over the entropy",

@@ -180,14 +180,17 @@ pub fn decompress_into(
     Ok(())
 }
 
-/// The header of an encoding: dtype, numel, chunk size, encoded and raw sizes.
+/// The header of an encoding: format version, dtype, numel, block (v1: chunk) size, encoded
+/// and raw sizes.
 #[pyfunction]
 pub fn compressed_info<'py>(
     py: Python<'py>,
     blob: &Bound<'py, PyBytes>,
 ) -> Result<Bound<'py, PyDict>> {
-    let h = codec::inspect(blob.as_bytes())?.header;
+    let p = codec::inspect(blob.as_bytes())?;
+    let h = p.header;
     let d = PyDict::new(py);
+    d.set_item("version", p.version)?;
     d.set_item("dtype", h.dtype.dtype().name())?;
     d.set_item("numel", h.numel)?;
     d.set_item("chunk_elems", h.chunk_elems)?;

@@ -83,7 +83,15 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
         std::fs::write(&src, format!("{SHIM}\n{SOURCE}")).unwrap();
         let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
         let out = std::process::Command::new(&cxx)
-            .args(["-std=c++14", "-O2", "-shared", "-fPIC", "-Wall", "-Werror", "-o"])
+            .args([
+                "-std=c++14",
+                "-O2",
+                "-shared",
+                "-fPIC",
+                "-Wall",
+                "-Werror",
+                "-o",
+            ])
             .arg(&lib)
             .arg(&src)
             .output()
@@ -99,18 +107,62 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
 
     type Hist = unsafe extern "C" fn(*const u8, u64, u32, u32, *mut u64, *mut u64);
     type Table = unsafe extern "C" fn(*const u64, u32, u32, *mut u32, *mut u32);
-    type EncodeBlocks =
-        unsafe extern "C" fn(*const u8, u64, u32, u32, u32, u32, *const u32, *const u32, *mut u8, *mut u32);
+    type EncodeBlocks = unsafe extern "C" fn(
+        *const u8,
+        u64,
+        u32,
+        u32,
+        u32,
+        u32,
+        *const u32,
+        *const u32,
+        *mut u8,
+        *mut u32,
+    );
     type Scan = unsafe extern "C" fn(*const u32, u64, *mut u64, *mut u64);
     type Place = unsafe extern "C" fn(*const u8, u64, *const u32, *const u64, u64, *mut u8, u64);
     type Finish = unsafe extern "C" fn(
-        *mut u8, u32, u32, u32, u32, u64, u32, *const u32, *const u32, u64, *const u64, *const u64, *mut u64,
+        *mut u8,
+        u32,
+        u32,
+        u32,
+        u32,
+        u64,
+        u32,
+        *const u32,
+        *const u32,
+        u64,
+        *const u64,
+        *const u64,
+        *mut u64,
     );
     type DecodePrefix = unsafe extern "C" fn(
-        *const u8, u64, u32, u32, u32, u32, u64, u64, *mut u32, *mut u32, *mut u64, *mut u64, *mut u32,
+        *const u8,
+        u64,
+        u32,
+        u32,
+        u32,
+        u32,
+        u64,
+        u64,
+        *mut u32,
+        *mut u32,
+        *mut u64,
+        *mut u64,
+        *mut u32,
     );
     type DecodeBlocks = unsafe extern "C" fn(
-        *const u8, u64, u32, u32, u64, *const u32, *const u32, *const u64, *mut u8, *mut u64, *mut u32,
+        *const u8,
+        u64,
+        u32,
+        u32,
+        u64,
+        *const u32,
+        *const u32,
+        *const u64,
+        *mut u8,
+        *mut u64,
+        *mut u32,
     );
     type DecodeCheck = unsafe extern "C" fn(*const u64, u64, *const u64, *mut u32);
 
@@ -120,7 +172,13 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
     }
 
     /// The encode kernels in stream order on host memory.
-    fn kernel_encode(lib: &libloading::Library, dtype: CodecDType, data: &[u8], pb: u32, block: usize) -> Vec<u8> {
+    fn kernel_encode(
+        lib: &libloading::Library,
+        dtype: CodecDType,
+        data: &[u8],
+        pb: u32,
+        block: usize,
+    ) -> Vec<u8> {
         let (size, w) = (dtype.size() as u32, dtype.mantissa_bits());
         let numel = data.len() / dtype.size();
         let alphabet = 1u32 << dtype.symbol_bits();
@@ -136,20 +194,62 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
         let mut out_len = 0u64;
         // SAFETY: every buffer has the size the kernels index (see `kernels.cu`).
         unsafe {
-            sym::<Hist>(lib, KERNELS[0])(data.as_ptr(), numel as u64, size, w, hist.as_mut_ptr(), &mut terms);
-            sym::<Table>(lib, KERNELS[1])(hist.as_ptr(), alphabet, pb, freq.as_mut_ptr(), cum.as_mut_ptr());
-            sym::<EncodeBlocks>(lib, KERNELS[2])(
-                data.as_ptr(), numel as u64, size, w, pb, block as u32, freq.as_ptr(), cum.as_ptr(),
-                slots.as_mut_ptr(), lens.as_mut_ptr(),
+            sym::<Hist>(lib, KERNELS[0])(
+                data.as_ptr(),
+                numel as u64,
+                size,
+                w,
+                hist.as_mut_ptr(),
+                &mut terms,
             );
-            sym::<Scan>(lib, KERNELS[3])(lens.as_ptr(), nblocks as u64, offsets.as_mut_ptr(), &mut total);
+            sym::<Table>(lib, KERNELS[1])(
+                hist.as_ptr(),
+                alphabet,
+                pb,
+                freq.as_mut_ptr(),
+                cum.as_mut_ptr(),
+            );
+            sym::<EncodeBlocks>(lib, KERNELS[2])(
+                data.as_ptr(),
+                numel as u64,
+                size,
+                w,
+                pb,
+                block as u32,
+                freq.as_ptr(),
+                cum.as_ptr(),
+                slots.as_mut_ptr(),
+                lens.as_mut_ptr(),
+            );
+            sym::<Scan>(lib, KERNELS[3])(
+                lens.as_ptr(),
+                nblocks as u64,
+                offsets.as_mut_ptr(),
+                &mut total,
+            );
             sym::<Place>(lib, KERNELS[4])(
-                slots.as_ptr(), slot_bytes as u64, lens.as_ptr(), offsets.as_ptr(), nblocks as u64,
-                out.as_mut_ptr(), payload_at,
+                slots.as_ptr(),
+                slot_bytes as u64,
+                lens.as_ptr(),
+                offsets.as_ptr(),
+                nblocks as u64,
+                out.as_mut_ptr(),
+                payload_at,
             );
             sym::<Finish>(lib, KERNELS[5])(
-                out.as_mut_ptr(), dtype.code() as u32, alphabet, pb, block as u32, numel as u64, size,
-                freq.as_ptr(), lens.as_ptr(), nblocks as u64, &total, &terms, &mut out_len,
+                out.as_mut_ptr(),
+                dtype.code() as u32,
+                alphabet,
+                pb,
+                block as u32,
+                numel as u64,
+                size,
+                freq.as_ptr(),
+                lens.as_ptr(),
+                nblocks as u64,
+                &total,
+                &terms,
+                &mut out_len,
             );
         }
         out.truncate(out_len as usize);
@@ -157,7 +257,12 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
     }
 
     /// The decode kernels in stream order; the decoded bytes and the status word.
-    fn kernel_decode(lib: &libloading::Library, dtype: CodecDType, numel: usize, enc: &[u8]) -> (Vec<u8>, u32) {
+    fn kernel_decode(
+        lib: &libloading::Library,
+        dtype: CodecDType,
+        numel: usize,
+        enc: &[u8],
+    ) -> (Vec<u8>, u32) {
         let (size, w) = (dtype.size() as u32, dtype.mantissa_bits());
         let alphabet = 1u32 << dtype.symbol_bits();
         let max_blocks = numel.div_ceil(v2::BLOCK_ALIGN).min(enc.len() / 4);
@@ -168,13 +273,32 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
         // SAFETY: as above; decode_prefix bounds the blocks by `max_blocks`.
         unsafe {
             sym::<DecodePrefix>(lib, KERNELS[6])(
-                enc.as_ptr(), enc.len() as u64, dtype.code() as u32, alphabet, size, w, numel as u64,
-                max_blocks as u64, freq.as_mut_ptr(), cum.as_mut_ptr(), offsets.as_mut_ptr(),
-                &mut data_check, &mut status,
+                enc.as_ptr(),
+                enc.len() as u64,
+                dtype.code() as u32,
+                alphabet,
+                size,
+                w,
+                numel as u64,
+                max_blocks as u64,
+                freq.as_mut_ptr(),
+                cum.as_mut_ptr(),
+                offsets.as_mut_ptr(),
+                &mut data_check,
+                &mut status,
             );
             sym::<DecodeBlocks>(lib, KERNELS[7])(
-                enc.as_ptr(), enc.len() as u64, size, w, numel as u64, freq.as_ptr(), cum.as_ptr(),
-                offsets.as_ptr(), out.as_mut_ptr(), &mut terms, &mut status,
+                enc.as_ptr(),
+                enc.len() as u64,
+                size,
+                w,
+                numel as u64,
+                freq.as_ptr(),
+                cum.as_ptr(),
+                offsets.as_ptr(),
+                out.as_mut_ptr(),
+                &mut terms,
+                &mut status,
             );
             sym::<DecodeCheck>(lib, KERNELS[8])(&terms, out.len() as u64, &data_check, &mut status);
         }
@@ -218,7 +342,10 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
                 };
                 let cpu = encode(dtype, &data, &opts).unwrap();
                 let dev = kernel_encode(&lib, dtype, &data, pb, block);
-                assert!(dev == cpu, "{dtype}, {pb} bits, blocks of {block}: the bytes differ");
+                assert!(
+                    dev == cpu,
+                    "{dtype}, {pb} bits, blocks of {block}: the bytes differ"
+                );
                 let numel = data.len() / dtype.size();
                 let (back, status) = kernel_decode(&lib, dtype, numel, &cpu);
                 assert_eq!(status, 0, "{dtype}: {}", status_message(status));
@@ -241,10 +368,17 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
             let mut m = enc.clone();
             m[bit / 8] ^= 1 << (bit % 8);
             let (back, status) = kernel_decode(&lib, CodecDType::BF16, 700, &m);
-            assert!(status != 0 || back == data, "flip of bit {bit} silently changed the data");
+            assert!(
+                status != 0 || back == data,
+                "flip of bit {bit} silently changed the data"
+            );
         }
         for len in 0..enc.len() {
-            assert_ne!(kernel_decode(&lib, CodecDType::BF16, 700, &enc[..len]).1, 0, "truncated to {len}");
+            assert_ne!(
+                kernel_decode(&lib, CodecDType::BF16, 700, &enc[..len]).1,
+                0,
+                "truncated to {len}"
+            );
         }
         assert_eq!(kernel_decode(&lib, CodecDType::BF16, 701, &enc).1, 9);
     }

@@ -19,10 +19,10 @@
 //! ```
 
 mod chunk;
+pub mod cuda;
 mod rans;
 mod simd;
 mod split;
-pub mod cuda;
 pub mod v2;
 
 pub use rans::entropy_bits;
@@ -180,7 +180,14 @@ pub fn encode_into(
 ) -> Result<()> {
     opts.validate(v2::BLOCK_ALIGN)?;
     check_whole_elements(dtype, data)?;
-    v2::encode_into(dtype, data, opts.prob_bits, opts.chunk_elems, opts.threads, out)
+    v2::encode_into(
+        dtype,
+        data,
+        opts.prob_bits,
+        opts.chunk_elems,
+        opts.threads,
+        out,
+    )
 }
 
 /// Encodes `data` in format version 1 (chunks of `opts.chunk_elems` with their own tables),
@@ -328,7 +335,9 @@ enum Parsed {
 
 impl Parsed {
     fn parse(bytes: &[u8]) -> Result<Parsed> {
-        if bytes.len() >= 6 && bytes[..4] == format::MAGIC && bytes[4..6] == v2::VERSION.to_le_bytes()
+        if bytes.len() >= 6
+            && bytes[..4] == format::MAGIC
+            && bytes[4..6] == v2::VERSION.to_le_bytes()
         {
             return Ok(Parsed::V2(v2::parse(bytes)?));
         }

@@ -196,7 +196,11 @@ pub(crate) mod avx2 {
         let low16 = _mm256_set1_epi32(0xffff);
         let seven = _mm256_set1_epi32(7);
         let field_shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-        let (k1, k2, k3) = (_mm256_set1_epi32(1), _mm256_set1_epi32(2), _mm256_set1_epi32(3));
+        let (k1, k2, k3) = (
+            _mm256_set1_epi32(1),
+            _mm256_set1_epi32(2),
+            _mm256_set1_epi32(3),
+        );
         // SAFETY (whole body): gathers index `4 * symbol + field` with symbols below 512, inside
         // the 512 16-byte entries; loads and stores stay inside `x`, `syms` (checked length)
         // and `words` (asserted room: at most one word per symbol plus eight of slack).
@@ -227,14 +231,12 @@ pub(crate) mod avx2 {
                 let v = _mm256_blendv_epi8(v, _mm256_srli_epi32::<16>(v), emit);
                 // q = mulhi(v, rcp) >> shift, then v + bias + q * cmpl.
                 let even = _mm256_srli_epi64::<32>(_mm256_mul_epu32(v, rcp));
-                let odd = _mm256_mul_epu32(_mm256_srli_epi64::<32>(v), _mm256_srli_epi64::<32>(rcp));
+                let odd =
+                    _mm256_mul_epu32(_mm256_srli_epi64::<32>(v), _mm256_srli_epi64::<32>(rcp));
                 let hi = _mm256_blend_epi32::<0b1010_1010>(even, odd);
                 let quot = _mm256_srlv_epi32(hi, _mm256_srli_epi32::<16>(cs));
                 let cmpl = _mm256_and_si256(cs, low16);
-                xv[q] = _mm256_add_epi32(
-                    _mm256_add_epi32(v, bias),
-                    _mm256_mullo_epi32(quot, cmpl),
-                );
+                xv[q] = _mm256_add_epi32(_mm256_add_epi32(v, bias), _mm256_mullo_epi32(quot, cmpl));
             }
         }
         for (q, v) in xv.iter().enumerate() {
@@ -284,7 +286,6 @@ pub(crate) mod avx2 {
         done
     }
 }
-
 
 /// Whether [`decode_pair_groups`] decodes anything on this CPU.
 pub(crate) fn paired_available() -> bool {

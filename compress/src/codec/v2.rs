@@ -79,7 +79,10 @@ impl Header2 {
         if b.len() < HEADER_LEN {
             return Err(CompressError::corrupt(
                 b.len(),
-                format!("{} bytes is shorter than the {HEADER_LEN}-byte v2 header", b.len()),
+                format!(
+                    "{} bytes is shorter than the {HEADER_LEN}-byte v2 header",
+                    b.len()
+                ),
             ));
         }
         let u32_at = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
@@ -152,10 +155,7 @@ pub fn seal(prefix: &mut [u8]) {
 
 /// The largest v2 encoding of `numel` elements: header, table, index and every block raw.
 pub fn max_encoded_len(dtype: CodecDType, numel: usize, block_elems: usize) -> usize {
-    HEADER_LEN
-        + table_len(dtype)
-        + 4 * numel.div_ceil(block_elems.max(1))
-        + numel * dtype.size()
+    HEADER_LEN + table_len(dtype) + 4 * numel.div_ceil(block_elems.max(1)) + numel * dtype.size()
 }
 
 /// Quantises symbol counts to frequencies summing to `2^prob_bits`, in integer arithmetic
@@ -241,7 +241,12 @@ struct EncScratch {
 
 /// Appends block `src` (whole elements) to `out`: `mantissas | words | states`, or the raw
 /// bytes when that would not be shorter. Returns the block's length.
-fn encode_block<E: Elem>(src: &[u8], enc: &EncTable, out: &mut Vec<u8>, s: &mut EncScratch) -> usize {
+fn encode_block<E: Elem>(
+    src: &[u8],
+    enc: &EncTable,
+    out: &mut Vec<u8>,
+    s: &mut EncScratch,
+) -> usize {
     let n = src.len() / E::BYTES;
     let start = out.len();
     let mlen = mantissa_len(n, E::MANT_BITS);
@@ -422,7 +427,10 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<Prefix2> {
         })?;
     let stored = u64::from_le_bytes(bytes[40..48].try_into().expect("8 bytes"));
     if prefix_check(&bytes[..prefix_len]) != stored {
-        return Err(CompressError::corrupt(40, "header/table/index checksum mismatch"));
+        return Err(CompressError::corrupt(
+            40,
+            "header/table/index checksum mismatch",
+        ));
     }
     if h.payload_len.checked_add(prefix_len) != Some(bytes.len()) {
         return Err(CompressError::corrupt(
@@ -463,11 +471,17 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<Prefix2> {
         lens.push(len);
         off += len;
         if off > bytes.len() {
-            return Err(CompressError::corrupt(at, format!("block {i} runs past the end")));
+            return Err(CompressError::corrupt(
+                at,
+                format!("block {i} runs past the end"),
+            ));
         }
     }
     if off != bytes.len() {
-        return Err(CompressError::corrupt(off, "block lengths do not add up to the payload"));
+        return Err(CompressError::corrupt(
+            off,
+            "block lengths do not add up to the payload",
+        ));
     }
     Ok(Prefix2 {
         header: h,
@@ -496,7 +510,11 @@ impl Prefix2 {
                 .iter()
                 .enumerate()
                 .map(|(i, &len)| ChunkEntry {
-                    mode: if len == raw(i) { ChunkMode::Raw } else { ChunkMode::Rans },
+                    mode: if len == raw(i) {
+                        ChunkMode::Raw
+                    } else {
+                        ChunkMode::Rans
+                    },
                     len,
                     check: 0,
                 })
@@ -564,7 +582,10 @@ pub(crate) fn decode_into(
         terms = terms.wrapping_add(s?);
     }
     if verify && checksum_finish(terms, out.len()) != h.data_check {
-        return Err(CompressError::corrupt(32, "decoded data fails the tensor checksum"));
+        return Err(CompressError::corrupt(
+            32,
+            "decoded data fails the tensor checksum",
+        ));
     }
     Ok(())
 }
@@ -640,7 +661,9 @@ mod tests {
 
     #[test]
     fn normalisation_sums_exactly_keeps_every_symbol_and_is_near_the_entropy() {
-        let counts: Vec<u64> = (0..512u64).map(|s| if s % 3 == 0 { 0 } else { (s * 7919) % 1000 + 1 }).collect();
+        let counts: Vec<u64> = (0..512u64)
+            .map(|s| if s % 3 == 0 { 0 } else { (s * 7919) % 1000 + 1 })
+            .collect();
         for pb in PROB_BITS_RANGE {
             let f = normalize(&counts, pb);
             assert_eq!(f.iter().sum::<u32>(), 1 << pb);
