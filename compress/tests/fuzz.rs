@@ -51,9 +51,9 @@ fn prefix_len(v: &[u8]) -> Option<usize> {
         let block = u32::from_le_bytes(v.get(12..16)?.try_into().ok()?) as u64;
         let numel = u64::from_le_bytes(v.get(16..24)?.try_into().ok()?);
         let blocks = numel.checked_div(block)? + u64::from(numel % block != 0);
-        let len =
-            ((v2::HEADER_LEN + v2::table_len(dtype)) as u64).checked_add(blocks.checked_mul(4)?)?;
-        return (len <= v.len() as u64).then_some(len as usize);
+        let bitmap = v.get(v2::HEADER_LEN..v2::HEADER_LEN + v2::bitmap_len(dtype))?;
+        let len = v2::prefix_len(dtype, v2::present_in(bitmap), usize::try_from(blocks).ok()?)?;
+        return (len <= v.len()).then_some(len);
     }
     let chunk_elems = u32::from_le_bytes(v.get(12..16)?.try_into().ok()?) as u64;
     let numel = u64::from_le_bytes(v.get(16..24)?.try_into().ok()?);
@@ -128,23 +128,20 @@ fn mutate(rng: &mut SplitMix64, base: &[u8], other: &[u8]) -> Vec<u8> {
                 }
                 reseal(&mut v);
             }
-            // v2: a frequency or a block length rewritten, the prefix resealed.
+            // v2: a table byte (bitmap or frequency) or a block length rewritten, the prefix
+            // resealed.
             6 if is_v2(&v) => {
-                if let Some(p) = prefix_len(&v) {
-                    let table_at = v2::HEADER_LEN;
-                    let index_at =
-                        CodecDType::from_code(v[6]).map_or(p, |d| table_at + v2::table_len(d));
-                    if pick(rng, 2) == 0 && index_at > table_at {
-                        let e = table_at + 2 * pick(rng, (index_at - table_at) / 2);
-                        let f = u16::from_le_bytes([v[e], v[e + 1]]);
-                        let f = match pick(rng, 3) {
-                            0 => f.wrapping_add(1),
-                            1 => f.wrapping_sub(1),
-                            _ => rng.next_u64() as u16,
-                        };
-                        v[e..e + 2].copy_from_slice(&f.to_le_bytes());
-                    } else if p > index_at {
-                        let e = index_at + 4 * pick(rng, (p - index_at) / 4);
+                if let Some(p) = prefix_len(&v).filter(|&p| p > v2::HEADER_LEN) {
+                    if pick(rng, 2) == 0 {
+                        let e = v2::HEADER_LEN + pick(rng, p - v2::HEADER_LEN);
+                        match pick(rng, 3) {
+                            0 => v[e] = v[e].wrapping_add(1),
+                            1 => v[e] = v[e].wrapping_sub(1),
+                            _ => v[e] ^= 1 << pick(rng, 8),
+                        }
+                    } else if p >= v2::HEADER_LEN + 4 {
+                        // An index entry (the index ends the prefix).
+                        let e = p - 4 * (1 + pick(rng, (p - v2::HEADER_LEN) / 4));
                         let len = u32::from_le_bytes(v[e..e + 4].try_into().unwrap());
                         let len = len.wrapping_add(pick(rng, 9) as u32).wrapping_sub(4);
                         v[e..e + 4].copy_from_slice(&len.to_le_bytes());

@@ -119,8 +119,10 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
         *mut u8,
         *mut u32,
     );
-    type Scan = unsafe extern "C" fn(*const u32, u64, *mut u64, *mut u64);
-    type Place = unsafe extern "C" fn(*const u8, u64, *const u32, *const u64, u64, *mut u8, u64);
+    type Scan =
+        unsafe extern "C" fn(*const u32, u64, *const u32, u32, *mut u64, *mut u64, *mut u64);
+    type Place =
+        unsafe extern "C" fn(*const u8, u64, *const u32, *const u64, u64, *mut u8, *const u64);
     type Finish = unsafe extern "C" fn(
         *mut u8,
         u32,
@@ -132,6 +134,7 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
         *const u32,
         *const u32,
         u64,
+        *const u64,
         *const u64,
         *const u64,
         *mut u64,
@@ -190,8 +193,7 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
         let mut lens = vec![0u32; nblocks];
         let (mut offsets, mut total) = (vec![0u64; nblocks], 0u64);
         let mut out = vec![0u8; v2::max_encoded_len(dtype, numel, block)];
-        let payload_at = (v2::HEADER_LEN + v2::table_len(dtype) + 4 * nblocks) as u64;
-        let mut out_len = 0u64;
+        let (mut prefix_len, mut out_len) = (0u64, 0u64);
         // SAFETY: every buffer has the size the kernels index (see `kernels.cu`).
         unsafe {
             sym::<Hist>(lib, KERNELS[0])(
@@ -224,8 +226,11 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
             sym::<Scan>(lib, KERNELS[3])(
                 lens.as_ptr(),
                 nblocks as u64,
+                freq.as_ptr(),
+                alphabet,
                 offsets.as_mut_ptr(),
                 &mut total,
+                &mut prefix_len,
             );
             sym::<Place>(lib, KERNELS[4])(
                 slots.as_ptr(),
@@ -234,7 +239,7 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
                 offsets.as_ptr(),
                 nblocks as u64,
                 out.as_mut_ptr(),
-                payload_at,
+                &prefix_len,
             );
             sym::<Finish>(lib, KERNELS[5])(
                 out.as_mut_ptr(),
@@ -249,6 +254,7 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
                 nblocks as u64,
                 &total,
                 &terms,
+                &prefix_len,
                 &mut out_len,
             );
         }

@@ -237,9 +237,11 @@ extern "C" __global__ void hprt_codec_encode_blocks(const u8* src, u64 numel, u3
     }
 }
 
-// Exclusive scan of the block lengths into payload offsets, and their total (one block).
-extern "C" __global__ void hprt_codec_scan(const u32* lens, u64 nblocks, u64* offsets,
-                                           u64* total) {
+// Exclusive scan of the block lengths into payload offsets, and their total (one block); also
+// the prefix length (header, bitmap, present frequencies, index), which places the payload.
+extern "C" __global__ void hprt_codec_scan(const u32* lens, u64 nblocks, const u32* freq,
+                                           u32 alphabet, u64* offsets, u64* total,
+                                           u64* prefix_len) {
     __shared__ u64 part[1024];
     u32 t = threadIdx.x, T = blockDim.x;
     u64 per = (nblocks + T - 1) / T;
@@ -253,6 +255,9 @@ extern "C" __global__ void hprt_codec_scan(const u32* lens, u64 nblocks, u64* of
         u64 run = 0;
         for (u32 i = 0; i < T; ++i) { u64 s = part[i]; part[i] = run; run += s; }
         *total = run;
+        u64 present = 0;
+        for (u32 s = 0; s < alphabet; ++s) present += freq[s] != 0;
+        *prefix_len = HPRT_HEADER_LEN + alphabet / 8 + 2 * present + 4 * nblocks;
     }
     __syncthreads();
     for (u32 i = t; i < T; i += blockDim.x) {
@@ -264,10 +269,10 @@ extern "C" __global__ void hprt_codec_scan(const u32* lens, u64 nblocks, u64* of
 // Copies every block from its slot to its place after the prefix.
 extern "C" __global__ void hprt_codec_place(const u8* slots, u64 slot_bytes, const u32* lens,
                                             const u64* offsets, u64 nblocks, u8* out,
-                                            u64 payload_at) {
+                                            const u64* prefix_len) {
     for (u64 b = blockIdx.x; b < nblocks; b += gridDim.x) {
         const u8* from = slots + b * slot_bytes;
-        u8* to = out + payload_at + offsets[b];
+        u8* to = out + *prefix_len + offsets[b];
         for (u64 j = threadIdx.x; j < lens[b]; j += blockDim.x) to[j] = from[j];
     }
 }
@@ -276,9 +281,10 @@ extern "C" __global__ void hprt_codec_place(const u8* slots, u64 slot_bytes, con
 extern "C" __global__ void hprt_codec_finish(u8* out, u32 dtype_code, u32 alphabet, u32 prob_bits,
                                              u32 block_elems, u64 numel, u32 size,
                                              const u32* freq, const u32* lens, u64 nblocks,
-                                             const u64* total, const u64* terms, u64* out_len) {
+                                             const u64* total, const u64* terms,
+                                             const u64* prefix_len, u64* out_len) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    u64 prefix = HPRT_HEADER_LEN + 2ull * alphabet + 4ull * nblocks;
+    u64 prefix = *prefix_len;
     out[0] = 'H'; out[1] = 'P'; out[2] = 'R'; out[3] = 'Z';
     out[4] = 2; out[5] = 0;
     out[6] = (u8)dtype_code;
@@ -290,13 +296,17 @@ extern "C" __global__ void hprt_codec_finish(u8* out, u32 dtype_code, u32 alphab
     hprt_put_u64(out + 24, *total);
     hprt_put_u64(out + 32, hprt_finish_check(*terms, numel * size));
     hprt_put_u64(out + 40, 0);
+    // Table: a presence bitmap, then the frequencies of the present symbols.
+    u64 at = HPRT_HEADER_LEN + alphabet / 8;
+    for (u32 k = 0; k < alphabet / 8; ++k) out[HPRT_HEADER_LEN + k] = 0;
     for (u32 s = 0; s < alphabet; ++s) {
-        out[HPRT_HEADER_LEN + 2 * s] = (u8)freq[s];
-        out[HPRT_HEADER_LEN + 2 * s + 1] = (u8)(freq[s] >> 8);
+        if (freq[s] == 0) continue;
+        out[HPRT_HEADER_LEN + s / 8] |= (u8)(1u << (s % 8));
+        out[at++] = (u8)freq[s];
+        out[at++] = (u8)(freq[s] >> 8);
     }
     for (u64 b = 0; b < nblocks; ++b)
-        for (u32 k = 0; k < 4; ++k)
-            out[HPRT_HEADER_LEN + 2 * alphabet + 4 * b + k] = (u8)(lens[b] >> (8 * k));
+        for (u32 k = 0; k < 4; ++k) out[at + 4 * b + k] = (u8)(lens[b] >> (8 * k));
     u64 sum = 0;
     for (u64 i = 0; i < (prefix + 7) / 8; ++i) sum += hprt_term(hprt_word(out, prefix, i), i);
     hprt_put_u64(out + 40, hprt_finish_check(sum, prefix));
@@ -320,7 +330,10 @@ extern "C" __global__ void hprt_codec_decode_prefix(const u8* enc, u64 enc_len, 
         block_elems > (1u << 24)) { *status = HPRT_BAD_HEADER; return; }
     u64 nblocks = (numel + block_elems - 1) / block_elems;
     if (nblocks > max_blocks) { *status = HPRT_BAD_HEADER; return; }
-    u64 prefix = HPRT_HEADER_LEN + 2ull * alphabet + 4ull * nblocks;
+    u64 table_at = HPRT_HEADER_LEN + alphabet / 8, present = 0;
+    if (table_at > enc_len) { *status = HPRT_BAD_LENGTH; return; }
+    for (u32 s = 0; s < alphabet; ++s) present += (enc[HPRT_HEADER_LEN + s / 8] >> (s % 8)) & 1;
+    u64 index_at = table_at + 2 * present, prefix = index_at + 4ull * nblocks;
     if (prefix > enc_len) { *status = HPRT_BAD_LENGTH; return; }
     u64 sum = 0;
     for (u64 i = 0; i < (prefix + 7) / 8; ++i) {
@@ -333,15 +346,21 @@ extern "C" __global__ void hprt_codec_decode_prefix(const u8* enc, u64 enc_len, 
         *status = HPRT_BAD_LENGTH; return;
     }
     u32 c = 0;
+    u64 at = table_at;
     for (u32 s = 0; s < alphabet; ++s) {
-        freq[s] = (u32)enc[HPRT_HEADER_LEN + 2 * s] | (u32)enc[HPRT_HEADER_LEN + 2 * s + 1] << 8;
+        freq[s] = 0;
+        if ((enc[HPRT_HEADER_LEN + s / 8] >> (s % 8)) & 1) {
+            freq[s] = (u32)enc[at] | (u32)enc[at + 1] << 8;
+            at += 2;
+            if (freq[s] == 0) { *status = HPRT_BAD_TABLE; return; }
+        }
         cum[s] = c;
         c += freq[s];
     }
     if ((numel == 0 && c != 0) || (numel > 0 && c != (1u << prob_bits))) { *status = HPRT_BAD_TABLE; return; }
     u64 off = prefix;
     for (u64 b = 0; b < nblocks; ++b) {
-        u64 len = hprt_get_u32(enc + HPRT_HEADER_LEN + 2 * alphabet + 4 * b);
+        u64 len = hprt_get_u32(enc + index_at + 4 * b);
         u64 n = numel - b * block_elems < block_elems ? numel - b * block_elems : block_elems;
         u64 raw = n * size, min = (n * mant_bits + 7) / 8 + HPRT_STATES_LEN;
         if (len != raw && !(len >= min && len < raw && (len - min) % 2 == 0)) { *status = HPRT_BAD_LENGTH; return; }

@@ -39,9 +39,22 @@ pub const MAX_NUMEL: usize = 1 << 48;
 /// densest block is a single-symbol bf16 block (7 mantissa bits of 16 stored, plus states).
 pub const MAX_EXPANSION: usize = 3;
 
-/// Bytes of the frequency table of `dtype`: one `u16` per symbol of its alphabet.
-pub const fn table_len(dtype: CodecDType) -> usize {
-    2 << dtype.symbol_bits()
+/// Bytes of the presence bitmap that starts the frequency table: one bit per symbol of the
+/// alphabet of `dtype` (64 bytes for f32 and bf16, 8 for f16).
+pub const fn bitmap_len(dtype: CodecDType) -> usize {
+    (1 << dtype.symbol_bits()) / 8
+}
+
+/// Symbols marked present in a table's bitmap.
+pub fn present_in(bitmap: &[u8]) -> usize {
+    bitmap.iter().map(|b| b.count_ones() as usize).sum()
+}
+
+/// Bytes of header, table (bitmap and `present` frequencies) and index of `blocks` blocks.
+pub fn prefix_len(dtype: CodecDType, present: usize, blocks: usize) -> Option<usize> {
+    blocks
+        .checked_mul(4)?
+        .checked_add(HEADER_LEN + bitmap_len(dtype) + 2 * present)
 }
 
 /// The v2 header fields.
@@ -127,11 +140,6 @@ impl Header2 {
             data_check: u64_at(32),
         })
     }
-    fn prefix_len(&self) -> Option<usize> {
-        self.blocks()
-            .checked_mul(4)?
-            .checked_add(HEADER_LEN + table_len(self.dtype))
-    }
 }
 
 /// `checksum` of the prefix (header, table, index) with the `prefix_check` field zeroed.
@@ -153,9 +161,15 @@ pub fn seal(prefix: &mut [u8]) {
     prefix[40..48].copy_from_slice(&c.to_le_bytes());
 }
 
-/// The largest v2 encoding of `numel` elements: header, table, index and every block raw.
+/// The largest v2 encoding of `numel` elements: header, a table of every symbol that can
+/// occur, index and every block raw.
 pub fn max_encoded_len(dtype: CodecDType, numel: usize, block_elems: usize) -> usize {
-    HEADER_LEN + table_len(dtype) + 4 * numel.div_ceil(block_elems.max(1)) + numel * dtype.size()
+    let present = numel.min(1 << dtype.symbol_bits());
+    HEADER_LEN
+        + bitmap_len(dtype)
+        + 2 * present
+        + 4 * numel.div_ceil(block_elems.max(1))
+        + numel * dtype.size()
 }
 
 /// Quantises symbol counts to frequencies summing to `2^prob_bits`, in integer arithmetic
@@ -358,15 +372,23 @@ fn encode_elems<E: Elem>(
         payload_len: parts.iter().map(|p| p.0.len()).sum(),
         data_check: checksum_finish(terms, data.len()),
     };
-    let prefix_len = header.prefix_len().expect("fits: the input is in memory");
+    let present = freq.iter().filter(|&&f| f > 0).count();
+    let prefix_len = prefix_len(E::DTYPE, present, n_blocks).expect("fits: the input is in memory");
     out.clear();
     out.reserve(prefix_len + header.payload_len);
     out.resize(prefix_len, 0);
     header.write(&mut out[..HEADER_LEN]);
-    for (o, f) in out[HEADER_LEN..].chunks_exact_mut(2).zip(&freq) {
+    let (bitmap, rest) = out[HEADER_LEN..].split_at_mut(bitmap_len(E::DTYPE));
+    for (o, f) in rest
+        .chunks_exact_mut(2)
+        .zip(freq.iter().filter(|&&f| f > 0))
+    {
         o.copy_from_slice(&(*f as u16).to_le_bytes());
     }
-    let mut at = HEADER_LEN + table_len(E::DTYPE);
+    for (s, _) in freq.iter().enumerate().filter(|(_, &f)| f > 0) {
+        bitmap[s / 8] |= 1 << (s % 8);
+    }
+    let mut at = HEADER_LEN + bitmap_len(E::DTYPE) + 2 * present;
     for (_, lens) in &parts {
         for l in lens {
             out[at..at + 4].copy_from_slice(&l.to_le_bytes());
@@ -416,8 +438,15 @@ pub(crate) struct Prefix2 {
 /// bounded by the index's length in the input.
 pub(crate) fn parse(bytes: &[u8]) -> Result<Prefix2> {
     let h = Header2::parse(bytes)?;
-    let prefix_len = h
-        .prefix_len()
+    let table_at = HEADER_LEN + bitmap_len(h.dtype);
+    if bytes.len() < table_at {
+        return Err(CompressError::corrupt(
+            bytes.len(),
+            "truncated: the table's bitmap does not fit",
+        ));
+    }
+    let present = present_in(&bytes[HEADER_LEN..table_at]);
+    let prefix_len = prefix_len(h.dtype, present, h.blocks())
         .filter(|&p| p <= bytes.len())
         .ok_or_else(|| {
             CompressError::corrupt(
@@ -438,11 +467,24 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<Prefix2> {
             "length does not match the stored payload length",
         ));
     }
-    let t = &bytes[HEADER_LEN..HEADER_LEN + table_len(h.dtype)];
-    let freq: Vec<u32> = t
+    let bitmap = &bytes[HEADER_LEN..table_at];
+    let mut stored = bytes[table_at..table_at + 2 * present]
         .chunks_exact(2)
-        .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32);
+    let freq: Vec<u32> = (0..1usize << h.dtype.symbol_bits())
+        .map(|s| match bitmap[s / 8] >> (s % 8) & 1 {
+            1 => stored
+                .next()
+                .expect("one stored frequency per present symbol"),
+            _ => 0,
+        })
         .collect();
+    if freq.iter().filter(|&&f| f > 0).count() != present {
+        return Err(CompressError::corrupt(
+            table_at,
+            "a present symbol has frequency 0",
+        ));
+    }
     let total: u32 = freq.iter().sum();
     let m = 1u32 << h.prob_bits;
     if (h.numel == 0 && total != 0) || (h.numel > 0 && total != m) {
@@ -455,9 +497,9 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<Prefix2> {
     let mut lens = Vec::with_capacity(h.blocks());
     let mut offsets = Vec::with_capacity(h.blocks());
     let mut off = prefix_len;
-    let index = &bytes[HEADER_LEN + table_len(h.dtype)..prefix_len];
-    for (i, e) in index.chunks_exact(4).enumerate() {
-        let at = HEADER_LEN + table_len(h.dtype) + 4 * i;
+    let index_at = table_at + 2 * present;
+    for (i, e) in bytes[index_at..prefix_len].chunks_exact(4).enumerate() {
+        let at = index_at + 4 * i;
         let len = u32::from_le_bytes(e.try_into().expect("4 bytes")) as usize;
         let n = h.block_numel(i);
         let (raw, min) = (n * size, mantissa_len(n, w) + STATES_LEN);
