@@ -1,12 +1,15 @@
 //! hprt-compress: lossless compression of activations and weights (f32, f16, bf16), and the
 //! machinery that compresses saved activations while the model computes.
 //!
-//! - [`format`] — the container of `FORMAT.md`: header, chunk table, checksums, worst-case size.
-//! - [`codec`] — the CPU codec: sign+exponent symbols rANS-coded per chunk, mantissas raw,
-//!   multi-threaded; decoding untrusted bytes returns [`CompressError`], never panics.
-//! - [`device`] — the codec on a `Platform` stream ([`device::DeviceCodec`]; the host fallback
-//!   every backend has) and [`device::CompressedTensor`], a [`device::SwapPayload`] a swap engine
-//!   can offload (compress-then-swap).
+//! - [`format`] — the version-1 container of `FORMAT.md` (header, chunk table), the checksum
+//!   and its bounds; version 2's layout is [`codec::v2`].
+//! - [`codec`] — the CPU codec: sign+exponent symbols rANS-coded (v2: one table per tensor,
+//!   blocks of 32 interleaved states, AVX2 where available), mantissas raw, multi-threaded;
+//!   decoding untrusted bytes returns [`CompressError`], never panics. [`codec::cuda`] holds the
+//!   same codec as CUDA C, checked byte for byte as host C++.
+//! - [`device`] — the codec on a `Platform` stream ([`device::DeviceCodec`], chosen per backend
+//!   by [`device::codec_for`]) and [`device::CompressedTensor`], a [`device::SwapPayload`] a swap
+//!   engine can offload (compress-then-swap).
 //! - [`cost`] — measured, cached, overridable throughputs; operator durations and how much the
 //!   codec can do within them.
 //! - [`planner`] — layer order learned in the first step; which tensors fit a window.

@@ -142,17 +142,7 @@ pub(crate) fn encode<E: Elem>(
 fn encode_symbols(syms: &[u16], enc: &EncTable, words: &mut [u16]) -> (usize, [u32; LANES]) {
     let mut x = [RANS_L; LANES];
     let mut pos = 0usize;
-    let full = syms.len() / LANES * LANES;
-    for (k, &s) in syms[full..].iter().enumerate().rev() {
-        rans::put(&mut x[k], &enc[s as usize & 511], words, &mut pos);
-    }
-    // A symbol emits at most one word, so after `i` symbols `pos <= i`: the last group starts
-    // with at most `full - 8` words written and every write below stays inside `words`.
-    for grp in syms[..full].chunks_exact(LANES).rev() {
-        for k in (0..LANES).rev() {
-            rans::put(&mut x[k], &enc[grp[k] as usize & 511], words, &mut pos);
-        }
-    }
+    rans::put_lanes(syms, enc, words, &mut pos, &mut x);
     (pos, x)
 }
 

@@ -251,6 +251,28 @@ pub(crate) fn put(x: &mut u32, e: &EncSym, words: &mut [u16], pos: &mut usize) {
     *x = v + e.bias + q * e.cmpl as u32;
 }
 
+/// rANS-codes `syms` into the `N` states `x`, last first, symbol `i` on lane `i % N` (`syms`
+/// starts on lane 0); `words` has room for one more word per symbol after `*pos`. A tail group shorter than `N` is coded first.
+pub(crate) fn put_lanes<const N: usize>(
+    syms: &[u16],
+    enc: &EncTable,
+    words: &mut [u16],
+    pos: &mut usize,
+    x: &mut [u32; N],
+) {
+    let full = syms.len() / N * N;
+    for (k, &s) in syms[full..].iter().enumerate().rev() {
+        put(&mut x[k], &enc[s as usize & 511], words, pos);
+    }
+    // A symbol emits at most one word, so after `i` symbols `pos <= i`: the last group starts
+    // with at most `full - N` words written and every write below stays inside `words`.
+    for grp in syms[..full].chunks_exact(N).rev() {
+        for k in (0..N).rev() {
+            put(&mut x[k], &enc[grp[k] as usize & 511], words, pos);
+        }
+    }
+}
+
 /// Slots of the largest decoding table (`1 << 14`); smaller tables use a prefix.
 pub(crate) const MAX_SLOTS: usize = 1 << 14;
 
