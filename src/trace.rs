@@ -507,6 +507,30 @@ impl Platform for TracingPlatform {
             self.inner.launch_kernel(kernel, stream)
         })
     }
+    fn launch_module_kernel(
+        &self,
+        module: &hprt_platform::DeviceModule,
+        kernel: &str,
+        shape: hprt_platform::LaunchShape,
+        args: &[hprt_platform::KernelArg<BufRef<'_>>],
+        stream: &Stream,
+    ) -> Result<()> {
+        let written: usize = args
+            .iter()
+            .map(|a| match a {
+                hprt_platform::KernelArg::Ptr { bytes, access, .. }
+                    if *access != hprt_platform::Access::Read =>
+                {
+                    *bytes
+                }
+                _ => 0,
+            })
+            .sum();
+        self.traced(stream, "module_kernel", written as u64, || {
+            self.inner
+                .launch_module_kernel(module, kernel, shape, args, stream)
+        })
+    }
     fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()> {
         self.inner.launch_host_fn(stream, f)
     }

@@ -1,13 +1,13 @@
 //! The codec on a [`Platform`] stream, for device tensors of any backend.
 //!
-//! [`DeviceCodec`] is what a device implementation (CUDA kernels through NVRTC, CANN encode ops)
-//! provides; it must produce the bytes of `FORMAT.md`, identical to the CPU codec. This build has
-//! one implementation, [`HostCodec`]: in stream order it copies the tensor to pinned memory,
-//! encodes on host threads inside a host function ([`Platform::launch_host_fn`]), and copies the
-//! result back. [`codec_for`] chooses per backend: on `cpu` that is the CPU codec itself (device
-//! memory is host memory); on `cuda` and `npu` it is the host fallback. The v2 CUDA kernels
-//! exist as source ([`crate::codec::cuda`], checked byte for byte against the CPU codec when
-//! compiled as host C++) but no backend launches them yet, and no Ascend kernel exists.
+//! [`DeviceCodec`] is what a device implementation provides; it must produce the bytes of
+//! `FORMAT.md`, identical to the CPU codec. [`codec_for`] chooses per backend: on `cpu` the CPU
+//! codec itself (device memory is host memory), on `cuda` [`CudaCodec`], the v2 kernels of
+//! [`crate::codec::cuda`] compiled by the backend's NVRTC and launched in stream order (no
+//! host round trip: the encoding's length and the decoder's status come back as one pinned
+//! word each), and on `npu` [`HostCodec`], the host fallback: in stream order it copies the
+//! tensor to pinned memory, encodes on host threads inside a host function
+//! ([`Platform::launch_host_fn`]) and copies the result back; no Ascend kernel exists yet.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -41,6 +41,7 @@ use hprt_platform::{
     BackendKind, BufRef, DeviceBuffer, Event, Mem, PinnedBuffer, Platform, Stream,
 };
 
+pub use crate::codec::cuda::CudaCodec;
 use crate::codec::{self, DecodeOptions, EncodeOptions};
 use crate::error::{CompressError, Result};
 use crate::format::CodecDType;
@@ -153,17 +154,17 @@ impl std::fmt::Debug for dyn DeviceCodec {
 }
 
 /// The device codec for `platform`, chosen by its backend: `cpu` gets the CPU codec (named
-/// `"cpu"`), `cuda` and `npu` the host fallback (named `"host-fallback"`) until their kernels
-/// are launched (see the module docs).
+/// `"cpu"`), `cuda` the CUDA kernels (`"cuda"`), `npu` the host fallback (`"host-fallback"`)
+/// until an Ascend kernel exists (see the module docs).
 pub fn codec_for(platform: &dyn Platform) -> Arc<dyn DeviceCodec> {
-    let name = match platform.backend() {
-        BackendKind::Cpu => "cpu",
-        BackendKind::Cuda | BackendKind::Npu => "host-fallback",
-    };
-    Arc::new(HostCodec {
-        name,
-        ..HostCodec::default()
-    })
+    match platform.backend() {
+        BackendKind::Cpu => Arc::new(HostCodec {
+            name: "cpu",
+            ..HostCodec::default()
+        }),
+        BackendKind::Cuda => Arc::new(CudaCodec::default()),
+        BackendKind::Npu => Arc::new(HostCodec::default()),
+    }
 }
 
 type Slot<T> = Arc<Mutex<Option<Result<T>>>>;
@@ -179,23 +180,74 @@ fn take_slot<T>(slot: &Slot<T>, what: &str) -> Result<T> {
         })
 }
 
+/// Where a queued operation leaves its result: the slot a host step fills, or a little-endian
+/// word that device kernels computed and the stream copied into pinned memory.
+enum Outcome<T> {
+    Host(Slot<T>),
+    Device(PinnedBuffer),
+}
+
+/// Buffers a queued operation uses, held until the stream passed them (dropping device memory
+/// earlier would make its release wait for the stream on the caller's thread).
+struct Held {
+    _pinned: Vec<PinnedBuffer>,
+    _device: Vec<DeviceBuffer>,
+}
+
 /// An encoding queued on a stream.
 #[must_use = "an encoding is only usable after finish()"]
 pub struct PendingEncode {
     scratch: DeviceBuffer,
     done: Event,
-    len: Slot<usize>,
+    len: Outcome<usize>,
     dtype: CodecDType,
     numel: usize,
-    // Held until the stream passed them.
-    _staging: Vec<PinnedBuffer>,
+    _held: Held,
 }
 
 impl PendingEncode {
+    /// An encoding whose length the device writes as a u64 into `len` (pinned), in stream
+    /// order before `done`.
+    pub(crate) fn from_device(
+        scratch: &DeviceBuffer,
+        done: Event,
+        len: PinnedBuffer,
+        dtype: CodecDType,
+        numel: usize,
+        device: Vec<DeviceBuffer>,
+    ) -> Self {
+        PendingEncode {
+            scratch: scratch.clone(),
+            done,
+            len: Outcome::Device(len),
+            dtype,
+            numel,
+            _held: Held {
+                _pinned: Vec::new(),
+                _device: device,
+            },
+        }
+    }
+
     /// Waits for the encoding (only it, not the rest of the stream) and returns its length.
     pub fn wait_len(&self, platform: &dyn Platform) -> Result<usize> {
         platform.synchronize_event(&self.done)?;
-        let mut slot = self.len.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = match &self.len {
+            Outcome::Host(slot) => slot,
+            Outcome::Device(word) => {
+                let mut b = [0u8; 8];
+                word.read(0, &mut b)?;
+                let len = u64::from_le_bytes(b) as usize;
+                if len > self.scratch.len() {
+                    return Err(CompressError::InvalidState(format!(
+                        "the device encoder reports {len} bytes in a {}-byte scratch buffer",
+                        self.scratch.len()
+                    )));
+                }
+                return Ok(len);
+            }
+        };
+        let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
         match slot.as_ref() {
             Some(Ok(n)) => Ok(*n),
             Some(Err(_)) => Err(slot.take().expect("checked").expect_err("checked")),
@@ -242,15 +294,39 @@ impl PendingEncode {
 #[must_use = "a decoding's errors are only seen by finish()"]
 pub struct PendingDecode {
     done: Event,
-    result: Slot<()>,
-    _staging: Vec<PinnedBuffer>,
+    result: Outcome<()>,
+    _held: Held,
 }
 
 impl PendingDecode {
+    /// A decoding whose kernels leave a status word (u32, 0 = fine, else
+    /// [`crate::codec::cuda::status_message`]) in `status` (pinned) before `done`.
+    pub(crate) fn from_device(
+        done: Event,
+        status: PinnedBuffer,
+        device: Vec<DeviceBuffer>,
+    ) -> Self {
+        PendingDecode {
+            done,
+            result: Outcome::Device(status),
+            _held: Held {
+                _pinned: Vec::new(),
+                _device: device,
+            },
+        }
+    }
+
     /// Waits for the decoding and reports a corrupt input.
     pub fn finish(self, platform: &dyn Platform) -> Result<()> {
         platform.synchronize_event(&self.done)?;
-        take_slot(&self.result, "decode")
+        match &self.result {
+            Outcome::Host(slot) => take_slot(slot, "decode"),
+            Outcome::Device(word) => {
+                let mut b = [0u8; 4];
+                word.read(0, &mut b)?;
+                crate::codec::cuda::status_result(u32::from_le_bytes(b))
+            }
+        }
     }
 }
 
@@ -345,10 +421,13 @@ impl DeviceCodec for HostCodec {
         Ok(PendingEncode {
             scratch: scratch.clone(),
             done,
-            len,
+            len: Outcome::Host(len),
             dtype,
             numel,
-            _staging: vec![input, output],
+            _held: Held {
+                _pinned: vec![input, output],
+                _device: Vec::new(),
+            },
         })
     }
 
@@ -413,8 +492,11 @@ impl DeviceCodec for HostCodec {
         p.record_event(&done, stream)?;
         Ok(PendingDecode {
             done,
-            result,
-            _staging: vec![input, output],
+            result: Outcome::Host(result),
+            _held: Held {
+                _pinned: vec![input, output],
+                _device: Vec::new(),
+            },
         })
     }
 }

@@ -6,10 +6,10 @@
 //! so no backend repeats them.
 
 use crate::collective::Collective;
-use crate::error::{BackendKind, Result};
+use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
 use crate::info::PlatformInfo;
-use crate::kernel::{HostFn, Kernel};
+use crate::kernel::{DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
 use crate::memory::{MemInfo, MemoryStats};
 
 /// A place in a backend's memory: an object and a byte offset into it.
@@ -99,6 +99,28 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()>;
     /// Enqueues a host closure in stream order.
     fn host_fn(&self, stream: &Self::Stream, f: HostFn) -> Result<()>;
+    /// Enqueues kernel `kernel` of `module` with arguments the caller bounds-checked (a pointer
+    /// to no bytes may have no memory). Only a backend with a CUDA C compiler has one.
+    fn module_kernel(
+        &self,
+        module: &DeviceModule,
+        kernel: &str,
+        shape: LaunchShape,
+        args: &[KernelArg<Option<Place<Self::DeviceMemory>>>],
+        stream: &Self::Stream,
+    ) -> Result<()> {
+        let _ = (kernel, shape, args, stream);
+        Err(Error::new(
+            ErrorKind::Unsupported,
+            self.kind(),
+            "launch_module_kernel",
+            format!(
+                "the {} backend has no CUDA C compiler for module {}",
+                self.kind(),
+                module.name
+            ),
+        ))
+    }
 
     fn unique_id(&self) -> Result<UniqueId>;
     /// Joins the communicator named by `id`; blocks until all `world` ranks joined.

@@ -9,7 +9,7 @@ use crate::handle::{
     ObjectHandle, Owner, PinnedBuffer, RawStream, ReleaseFn, Stream, UniqueId,
 };
 use crate::info::PlatformInfo;
-use crate::kernel::{Access, HostFn, Kernel};
+use crate::kernel::{Access, DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
 use crate::memory::{MemInfo, MemoryStats};
 use crate::platform::Platform;
 
@@ -386,6 +386,47 @@ impl<B: Backend> Platform for B {
             })
         })?;
         Backend::kernel(self, resolved, &s)
+    }
+    fn launch_module_kernel(
+        &self,
+        module: &DeviceModule,
+        kernel: &str,
+        shape: LaunchShape,
+        args: &[KernelArg<BufRef<'_>>],
+        stream: &Stream,
+    ) -> Result<()> {
+        const OP: &str = "launch_module_kernel";
+        let s = stream_obj(self, stream, OP)?;
+        if shape.grid == 0 || shape.block == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidValue,
+                self.kind(),
+                OP,
+                format!(
+                    "{}.{kernel}: a launch of {} blocks of {} threads runs nothing",
+                    module.name, shape.grid, shape.block
+                ),
+            ));
+        }
+        let resolved = args
+            .iter()
+            .map(|a| {
+                Ok(match *a {
+                    KernelArg::Ptr { at, bytes, access } => KernelArg::Ptr {
+                        at: at
+                            .buf
+                            .handle
+                            .mem_for::<B::DeviceMemory>(owner(self), OP, at.offset, bytes)?
+                            .map(|m| (m, at.offset)),
+                        bytes,
+                        access,
+                    },
+                    KernelArg::U32(v) => KernelArg::U32(v),
+                    KernelArg::U64(v) => KernelArg::U64(v),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Backend::module_kernel(self, module, kernel, shape, &resolved, &s)
     }
     fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()> {
         let s = stream_obj(self, stream, "launch_host_fn")?;

@@ -25,6 +25,38 @@ use crate::error::{BackendKind, Error, ErrorKind, Result};
 /// functions for the same stream.
 pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
 
+/// CUDA C that a crate above the platform brings (the codec's kernels, `hprt-compress`): the
+/// cuda backend compiles it with NVRTC once per device, like its own elementwise kernels, and
+/// caches it under `name`, which must therefore identify the source. Other backends have no
+/// CUDA C compiler and refuse its launches with `Unsupported`.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceModule {
+    pub name: &'static str,
+    pub source: &'static str,
+}
+
+/// One parameter of a [`DeviceModule`] kernel, in the kernel's order; `B` is a place in device
+/// memory (a [`crate::BufRef`] for callers).
+#[derive(Clone, Copy, Debug)]
+pub enum KernelArg<B> {
+    /// A pointer to `bytes` bytes at `at` (bounds-checked; the memory is not freed before the
+    /// launch ran). The kernel may only touch those bytes, as `access` says.
+    Ptr {
+        at: B,
+        bytes: usize,
+        access: Access,
+    },
+    U32(u32),
+    U64(u64),
+}
+
+/// A one-dimensional launch: `grid` blocks of `block` threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchShape {
+    pub grid: u32,
+    pub block: u32,
+}
+
 /// One elementwise kernel over `count` elements; `B` is a place in device memory (a
 /// [`crate::BufRef`] for callers).
 #[derive(Clone, Copy, Debug)]

@@ -41,7 +41,7 @@ pub use handle::{
     Stream, UniqueId,
 };
 pub use info::{DeviceInfo, LibraryProbe, PlatformInfo};
-pub use kernel::{Access, HostFn, Kernel};
+pub use kernel::{Access, DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
 pub use memory::{MemInfo, MemoryCounter, MemoryStats};
 pub use npu::NpuBackend;
 pub use platform::{Platform, PlatformHandle};

@@ -11,7 +11,7 @@ use crate::handle::{
     UniqueId,
 };
 use crate::info::PlatformInfo;
-use crate::kernel::{HostFn, Kernel};
+use crate::kernel::{DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
 use crate::memory::{MemInfo, MemoryStats};
 
 /// One backend, chosen at run time (see [`crate::get_platform`]).
@@ -118,6 +118,18 @@ pub trait Platform: Send + Sync {
     /// the exact semantics, identical on every backend). A written range may overlap a read
     /// range only in place (same buffer and offset).
     fn launch_kernel(&self, kernel: Kernel<BufRef<'_>>, stream: &Stream) -> Result<()>;
+    /// Enqueues kernel `kernel` of a CUDA C module (compiled once per device and cached) on
+    /// `grid` blocks of `block` threads. Pointer arguments are bounds-checked and their memory
+    /// outlives the launch; what the kernel computes is the module's own contract. Backends
+    /// without a CUDA C compiler (cpu, npu) return `Unsupported`.
+    fn launch_module_kernel(
+        &self,
+        module: &DeviceModule,
+        kernel: &str,
+        shape: LaunchShape,
+        args: &[KernelArg<BufRef<'_>>],
+        stream: &Stream,
+    ) -> Result<()>;
     /// Runs `f` on a host thread in stream order, like `cuLaunchHostFunc`: after the work queued
     /// on `stream` before it and before the work queued after it. `f` must not wait on `stream`.
     fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()>;

@@ -189,6 +189,16 @@ impl Platform for Faulty {
         }
         Platform::launch_kernel(&self.inner, kernel, stream)
     }
+    fn launch_module_kernel(
+        &self,
+        module: &hprt_platform::DeviceModule,
+        kernel: &str,
+        shape: hprt_platform::LaunchShape,
+        args: &[hprt_platform::KernelArg<BufRef<'_>>],
+        stream: &Stream,
+    ) -> Result<()> {
+        Platform::launch_module_kernel(&self.inner, module, kernel, shape, args, stream)
+    }
     fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()> {
         if self.fault == Fault::HostFnImmediate {
             f();

@@ -1,20 +1,31 @@
 //! The v2 codec as CUDA C for NVRTC (`kernels.cu`): histogram, table build, block encode, the
-//! exclusive scan that places blocks, placement and prefix, and the three decode steps. The
-//! source is one module, compiled once per device by whoever launches it; its launch shapes
-//! are in the source's header comment.
+//! exclusive scan that places blocks, placement and prefix, and the three decode steps; and
+//! [`CudaCodec`], which launches them on a platform stream through the backend's NVRTC
+//! ([`Platform::launch_module_kernel`]: compiled once per device and cached, like the
+//! platform's elementwise kernels). Launch shapes are in the source's header comment.
 //!
 //! The same source is compiled as host C++ by this module's test and must write exactly the
 //! bytes of the CPU codec (the corpus of `data` and random bit patterns) and decode them back,
-//! as the platform's elementwise kernels are checked.
-//!
-//! Not wired yet: no backend launches this module (the CUDA backend does not expose launching
-//! a foreign NVRTC module); [`crate::device::codec_for`] therefore gives CUDA the host
-//! fallback, and says so in its name.
+//! as the platform's elementwise kernels are checked; `compress/tests/device.rs` runs
+//! [`CudaCodec`] on the cuda backend over the CUDA emulator, whose NVRTC compiles the source
+//! as host C++ with real blocks and threads.
+
+use hprt_platform::{
+    Access, BufRef, DeviceBuffer, DeviceModule, KernelArg, LaunchShape, Mem, Platform, Stream,
+};
+
+use crate::codec::{v2, EncodeOptions};
+use crate::device::{CompressedTensor, DeviceCodec, PendingDecode, PendingEncode};
+use crate::error::{CompressError, Result};
+use crate::format::CodecDType;
 
 /// The CUDA C source of the v2 codec kernels.
 pub const SOURCE: &str = include_str!("kernels.cu");
-/// The module's name for NVRTC and a per-device cache.
-pub const MODULE: &str = "hprt_codec_v2.cu";
+/// The module for NVRTC; its name keys the backend's per-device cache.
+pub const MODULE: DeviceModule = DeviceModule {
+    name: "hprt_codec_v2.cu",
+    source: SOURCE,
+};
 /// The kernels, in stream order for an encode and then a decode.
 pub const KERNELS: [&str; 9] = [
     "hprt_codec_histogram",
@@ -27,6 +38,11 @@ pub const KERNELS: [&str; 9] = [
     "hprt_codec_decode_blocks",
     "hprt_codec_decode_check",
 ];
+
+/// Symbols of the widest alphabet (f32: sign and exponent); the kernels' tables have this many.
+const TABLE: usize = 512;
+/// Most blocks of one launch; the kernels loop over the rest.
+const MAX_GRID: usize = 4096;
 
 /// What a non-zero decoder status word of the kernels means.
 pub fn status_message(status: u32) -> &'static str {
@@ -41,7 +57,339 @@ pub fn status_message(status: u32) -> &'static str {
         7 => "rANS stream does not end where it should",
         8 => "decoded data fails the tensor checksum",
         9 => "dtype or element count differs from the expected tensor",
+        10 => "format version 1, which only the CPU codec decodes",
         _ => "unknown decoder status",
+    }
+}
+
+/// The decoder's status word as a result: 0 is fine, 10 is a valid version-1 encoding (which
+/// only the CPU codec decodes), anything else is corrupt input.
+pub(crate) fn status_result(status: u32) -> Result<()> {
+    match status {
+        0 => Ok(()),
+        10 => Err(CompressError::UnsupportedFormat(
+            "format version 1 is decoded by the CPU codec (HostCodec), not the CUDA kernels".into(),
+        )),
+        s => Err(CompressError::corrupt(
+            0,
+            format!("the CUDA decoder reports status {s}: {}", status_message(s)),
+        )),
+    }
+}
+
+/// The v2 codec's CUDA kernels on a platform stream: the CPU codec's bytes for the same
+/// options, with every step queued on the stream and nothing waited for until `finish`.
+/// Only the cuda backend launches them; elsewhere launching is a typed `Unsupported` error.
+#[derive(Clone, Debug, Default)]
+pub struct CudaCodec {
+    /// Block size and probability resolution (threads are the GPU's).
+    pub encode: EncodeOptions,
+}
+
+/// Consecutive 8-byte-aligned ranges of one device workspace.
+#[derive(Default)]
+struct Layout {
+    len: usize,
+}
+
+impl Layout {
+    fn take(&mut self, bytes: usize) -> (usize, usize) {
+        let at = self.len;
+        self.len += bytes.div_ceil(8) * 8;
+        (at, bytes)
+    }
+}
+
+fn grid(work_items: usize) -> u32 {
+    work_items.clamp(1, MAX_GRID) as u32
+}
+
+fn shape(grid: u32, block: u32) -> LaunchShape {
+    LaunchShape { grid, block }
+}
+
+/// Runs one kernel of [`MODULE`].
+fn launch(
+    p: &dyn Platform,
+    kernel: usize,
+    shape: LaunchShape,
+    args: &[KernelArg<BufRef<'_>>],
+    s: &Stream,
+) -> Result<()> {
+    Ok(p.launch_module_kernel(&MODULE, KERNELS[kernel], shape, args, s)?)
+}
+
+fn ptr(buf: &DeviceBuffer, (at, bytes): (usize, usize), access: Access) -> KernelArg<BufRef<'_>> {
+    KernelArg::Ptr {
+        at: buf.at(at),
+        bytes,
+        access,
+    }
+}
+
+/// A pinned word the stream copies `range` of `buf` into.
+fn read_back(
+    p: &dyn Platform,
+    buf: &DeviceBuffer,
+    (at, bytes): (usize, usize),
+    s: &Stream,
+) -> Result<hprt_platform::PinnedBuffer> {
+    let word = p.alloc_pinned(bytes)?;
+    p.copy_async(Mem::Pinned(&word), 0, Mem::Device(buf), at, bytes, s)?;
+    Ok(word)
+}
+
+impl DeviceCodec for CudaCodec {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn max_encoded_len(&self, dtype: CodecDType, numel: usize) -> usize {
+        v2::max_encoded_len(dtype, numel, self.encode.chunk_elems)
+    }
+
+    fn encode_async(
+        &self,
+        p: &dyn Platform,
+        src: BufRef<'_>,
+        dtype: CodecDType,
+        numel: usize,
+        scratch: &DeviceBuffer,
+        s: &Stream,
+    ) -> Result<PendingEncode> {
+        use Access::{Read, ReadWrite, Write};
+        use KernelArg::{U32, U64};
+        self.encode.validate(v2::BLOCK_ALIGN)?;
+        if numel >= v2::MAX_NUMEL {
+            return Err(CompressError::InvalidArgument(format!(
+                "{numel} elements: version 2 encodes fewer than 2^48"
+            )));
+        }
+        let max = self.max_encoded_len(dtype, numel);
+        if scratch.len() < max {
+            return Err(CompressError::InvalidArgument(format!(
+                "scratch buffer of {} bytes is below the worst case of {max}",
+                scratch.len()
+            )));
+        }
+        let (size, w, block) = (dtype.size(), dtype.mantissa_bits(), self.encode.chunk_elems);
+        let alphabet = 1u32 << dtype.symbol_bits();
+        let nblocks = numel.div_ceil(block);
+        let slot_bytes = block * size;
+        let mut l = Layout::default();
+        let (hist, terms) = (l.take(TABLE * 8), l.take(8));
+        let (freq, cum) = (l.take(TABLE * 4), l.take(TABLE * 4));
+        let (lens, offsets) = (l.take(nblocks * 4), l.take(nblocks * 8));
+        let (total, prefix, out_len) = (l.take(8), l.take(8), l.take(8));
+        let slots = l.take(nblocks * slot_bytes);
+        let ws = p.alloc_device(l.len)?;
+        let input = KernelArg::Ptr {
+            at: src,
+            bytes: numel * size,
+            access: Read,
+        };
+        let out = ptr(scratch, (0, max), ReadWrite);
+        let (pb, n, nb) = (self.encode.prob_bits, numel as u64, nblocks as u64);
+        // The histogram accumulates into its counts and checksum terms.
+        p.memset_async(&ws, hist.0, 0, terms.0 + terms.1 - hist.0, s)?;
+        let hist_grid = grid(numel.div_ceil(256));
+        launch(
+            p,
+            0,
+            shape(hist_grid, 256),
+            &[
+                input,
+                U64(n),
+                U32(size as u32),
+                U32(w),
+                ptr(&ws, hist, ReadWrite),
+                ptr(&ws, terms, ReadWrite),
+            ],
+            s,
+        )?;
+        launch(
+            p,
+            1,
+            shape(1, 1),
+            &[
+                ptr(&ws, hist, Read),
+                U32(alphabet),
+                U32(pb),
+                ptr(&ws, freq, Write),
+                ptr(&ws, cum, Write),
+            ],
+            s,
+        )?;
+        launch(
+            p,
+            2,
+            shape(grid(nblocks), 32),
+            &[
+                input,
+                U64(n),
+                U32(size as u32),
+                U32(w),
+                U32(pb),
+                U32(block as u32),
+                ptr(&ws, freq, Read),
+                ptr(&ws, cum, Read),
+                ptr(&ws, slots, Write),
+                ptr(&ws, lens, Write),
+            ],
+            s,
+        )?;
+        launch(
+            p,
+            3,
+            shape(1, 256),
+            &[
+                ptr(&ws, lens, Read),
+                U64(nb),
+                ptr(&ws, freq, Read),
+                U32(alphabet),
+                ptr(&ws, offsets, Write),
+                ptr(&ws, total, Write),
+                ptr(&ws, prefix, Write),
+            ],
+            s,
+        )?;
+        launch(
+            p,
+            4,
+            shape(grid(nblocks), 256),
+            &[
+                ptr(&ws, slots, Read),
+                U64(slot_bytes as u64),
+                ptr(&ws, lens, Read),
+                ptr(&ws, offsets, Read),
+                U64(nb),
+                out,
+                ptr(&ws, prefix, Read),
+            ],
+            s,
+        )?;
+        launch(
+            p,
+            5,
+            shape(1, 1),
+            &[
+                out,
+                U32(dtype.code() as u32),
+                U32(alphabet),
+                U32(pb),
+                U32(block as u32),
+                U64(n),
+                U32(size as u32),
+                ptr(&ws, freq, Read),
+                ptr(&ws, lens, Read),
+                U64(nb),
+                ptr(&ws, total, Read),
+                ptr(&ws, terms, Read),
+                ptr(&ws, prefix, Read),
+                ptr(&ws, out_len, Write),
+            ],
+            s,
+        )?;
+        let len = read_back(p, &ws, out_len, s)?;
+        let done = p.create_event(false)?;
+        p.record_event(&done, s)?;
+        Ok(PendingEncode::from_device(
+            scratch,
+            done,
+            len,
+            dtype,
+            numel,
+            vec![ws],
+        ))
+    }
+
+    fn decode_async(
+        &self,
+        p: &dyn Platform,
+        src: &CompressedTensor,
+        dst: BufRef<'_>,
+        s: &Stream,
+    ) -> Result<PendingDecode> {
+        use Access::{Read, ReadWrite, Write};
+        use KernelArg::{U32, U64};
+        let (dtype, numel, enc_len) = (src.dtype(), src.numel(), src.byte_len());
+        let (size, w) = (dtype.size(), dtype.mantissa_bits());
+        // Every block holds at least 32 elements and has a 4-byte index entry: this bounds the
+        // blocks the decoder accepts whatever the header declares.
+        let max_blocks = numel.div_ceil(v2::BLOCK_ALIGN).min(enc_len / 4);
+        let mut l = Layout::default();
+        let (freq, cum) = (l.take(TABLE * 4), l.take(TABLE * 4));
+        let offsets = l.take(max_blocks.max(1) * 8);
+        let (data_check, terms, status) = (l.take(8), l.take(8), l.take(4));
+        let ws = p.alloc_device(l.len)?;
+        let enc = KernelArg::Ptr {
+            at: src.device_buffer().at(0),
+            bytes: enc_len,
+            access: Read,
+        };
+        let out = KernelArg::Ptr {
+            at: dst,
+            bytes: src.original_len(),
+            access: Write,
+        };
+        let (n, el) = (numel as u64, enc_len as u64);
+        p.memset_async(&ws, terms.0, 0, 8, s)?;
+        launch(
+            p,
+            6,
+            shape(1, 1),
+            &[
+                enc,
+                U64(el),
+                U32(dtype.code() as u32),
+                U32(1 << dtype.symbol_bits()),
+                U32(size as u32),
+                U32(w),
+                U64(n),
+                U64(max_blocks as u64),
+                ptr(&ws, freq, Write),
+                ptr(&ws, cum, Write),
+                ptr(&ws, offsets, Write),
+                ptr(&ws, data_check, Write),
+                ptr(&ws, status, Write),
+            ],
+            s,
+        )?;
+        launch(
+            p,
+            7,
+            shape(grid(max_blocks), 32),
+            &[
+                enc,
+                U64(el),
+                U32(size as u32),
+                U32(w),
+                U64(n),
+                ptr(&ws, freq, Read),
+                ptr(&ws, cum, Read),
+                ptr(&ws, offsets, Read),
+                out,
+                ptr(&ws, terms, ReadWrite),
+                ptr(&ws, status, ReadWrite),
+            ],
+            s,
+        )?;
+        launch(
+            p,
+            8,
+            shape(1, 1),
+            &[
+                ptr(&ws, terms, Read),
+                U64(src.original_len() as u64),
+                ptr(&ws, data_check, Read),
+                ptr(&ws, status, ReadWrite),
+            ],
+            s,
+        )?;
+        let status = read_back(p, &ws, status, s)?;
+        let done = p.create_event(false)?;
+        p.record_event(&done, s)?;
+        Ok(PendingDecode::from_device(done, status, vec![ws]))
     }
 }
 

@@ -36,6 +36,7 @@ typedef unsigned char u8;
 #define HPRT_BAD_STREAM 7u
 #define HPRT_BAD_DATA 8u
 #define HPRT_MISMATCH 9u
+#define HPRT_VERSION_1 10u
 
 __device__ __forceinline__ u64 hprt_term(u64 w, u64 i) {
     u64 z = (w ^ (i * HPRT_K1)) * HPRT_K2;
@@ -321,6 +322,8 @@ extern "C" __global__ void hprt_codec_decode_prefix(const u8* enc, u64 enc_len, 
                                                     u64* offsets, u64* data_check, u32* status) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     *status = 0;
+    if (enc_len >= HPRT_HEADER_LEN && enc[0] == 'H' && enc[1] == 'P' && enc[2] == 'R' &&
+        enc[3] == 'Z' && enc[4] == 1 && enc[5] == 0) { *status = HPRT_VERSION_1; return; }
     if (enc_len < HPRT_HEADER_LEN || enc[0] != 'H' || enc[1] != 'P' || enc[2] != 'R' ||
         enc[3] != 'Z' || enc[4] != 2 || enc[5] != 0 || enc[7] != HPRT_LANES || enc[9] ||
         enc[10] || enc[11]) { *status = HPRT_BAD_HEADER; return; }
@@ -382,7 +385,12 @@ extern "C" __global__ void hprt_codec_decode_blocks(const u8* enc, u64 enc_len, 
     __shared__ u32 need[HPRT_LANES];
     __shared__ u32 pos_s;
     __shared__ u32 bad_s;
-    if (*status != 0) return;
+    __shared__ u32 failed_s;
+    // Read once for the whole block: another block may set it meanwhile, and threads that
+    // disagreed would miss each other at the barriers below.
+    if (threadIdx.x == 0) failed_s = *status;
+    __syncthreads();
+    if (failed_s != 0) return;
     u32 prob_bits = enc[8], block_elems = hprt_get_u32(enc + 12), m = 1u << prob_bits;
     u32 alphabet = 1u << (8 * size - mant_bits);
     for (u32 s = 0; s < alphabet; ++s)
@@ -406,6 +414,7 @@ extern "C" __global__ void hprt_codec_decode_blocks(const u8* enc, u64 enc_len, 
                 bad_s = (used != 0 && (p[mlen - 1] >> used) != 0) ? HPRT_BAD_PADDING : 0;
                 pos_s = (u32)((len - mlen - HPRT_STATES_LEN) / 2);
             }
+            __syncthreads();
             const u8* words = p + mlen;
             for (u32 l = threadIdx.x; l < HPRT_LANES; l += blockDim.x) {
                 x[l] = hprt_get_u32(p + len - HPRT_STATES_LEN + 4 * l);
@@ -455,6 +464,8 @@ extern "C" __global__ void hprt_codec_decode_blocks(const u8* enc, u64 enc_len, 
             if (threadIdx.x == 0 && bad_s != 0) atomicOr(status, bad_s);
             __syncthreads();
         }
+        // Every thread's bytes of the block are written before any thread sums its words.
+        __syncthreads();
         // Blocks start at multiples of 8 bytes (block_elems is a multiple of 32).
         u64 w0 = first * size / 8, words_n = (raw + 7) / 8;
         for (u64 i = threadIdx.x; i < words_n; i += blockDim.x)

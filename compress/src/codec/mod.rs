@@ -88,7 +88,7 @@ impl EncodeOptions {
         }
     }
 
-    fn validate(&self, align: usize) -> Result<()> {
+    pub(crate) fn validate(&self, align: usize) -> Result<()> {
         if self.chunk_elems == 0
             || self.chunk_elems % align != 0
             || self.chunk_elems > MAX_CHUNK_ELEMS

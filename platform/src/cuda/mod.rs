@@ -57,6 +57,9 @@ macro_rules! cu_call {
     };
 }
 
+// After the macro, which it uses.
+mod module_kernel;
+
 /// Driver functions the backend calls; checked at open so a missing one is an error, not a
 /// cudarc panic later. All exist since CUDA 10.0.
 const DRIVER_SYMBOLS: &[&str] = &[
@@ -1429,6 +1432,16 @@ impl Backend for CudaBackend {
 
     fn kernel(&self, kernel: Kernel<Place<Arc<MemObj>>>, stream: &Arc<StreamObj>) -> Result<()> {
         self.run_kernel(&kernel, stream)
+    }
+    fn module_kernel(
+        &self,
+        module: &crate::kernel::DeviceModule,
+        kernel: &str,
+        shape: crate::kernel::LaunchShape,
+        args: &[crate::kernel::KernelArg<Option<Place<Arc<MemObj>>>>],
+        stream: &Arc<StreamObj>,
+    ) -> Result<()> {
+        self.run_module_kernel(module, kernel, shape, args, stream)
     }
     fn host_fn(&self, stream: &Arc<StreamObj>, f: HostFn) -> Result<()> {
         self.shared.bind(stream.device)?;
