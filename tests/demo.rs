@@ -104,6 +104,36 @@ fn strategies_stay_bit_exact_under_stream_jitter_and_with_f32_activations() -> R
     Ok(())
 }
 
+/// On the cuda backend (over the CUDA emulator) the codec is the CUDA kernels: compress-then-
+/// swap moves fewer host-link bytes than swap, bit-exact, and the codec itself only reads back
+/// lengths and status words.
+#[test]
+fn compress_then_swap_cuts_host_link_bytes_with_the_cuda_kernels_on_the_cuda_emulator() -> Result<()>
+{
+    let p: Arc<dyn Platform> = Arc::new(hprt_conformance::cuda_emulator::open()?);
+    let config = DemoConfig {
+        layers: 3,
+        steps: 1,
+        strategies: vec![Strategy::Swap, Strategy::CompressSwap],
+        ..tiny(1, false)
+    };
+    let (report, _) = run(p.into(), &config, &|_| {})?;
+    ensure!(report.all_bit_exact(), "{report}");
+    ensure!(report.codec == "cuda", "{report}");
+    let get = |s| report.strategy(s).context("strategy missing");
+    let (swap, both) = (get(Strategy::Swap)?, get(Strategy::CompressSwap)?);
+    ensure!(
+        both.swap_link_bytes < swap.swap_link_bytes && both.swap_link_bytes > 0,
+        "{report}"
+    );
+    // 8 bytes per encoding, 4 per decoding: nothing of the tensors themselves.
+    ensure!(
+        both.codec_link_bytes * 50 < both.swap_link_bytes,
+        "{report}"
+    );
+    Ok(())
+}
+
 /// The trace of the run, parsed back from its JSON text.
 fn trace_of(rec: &Recorder) -> Result<Vec<Value>> {
     let text = serde_json::to_string(&chrome_trace(rec))?;

@@ -166,13 +166,19 @@ fn cache() -> &'static Mutex<HashMap<String, CostTable>> {
     CACHE.get_or_init(Default::default)
 }
 
-fn platform_key(p: &dyn Platform) -> String {
+/// What a measurement depends on: the device and the codec that ran on it.
+fn platform_key(p: &dyn Platform, codec: &dyn DeviceCodec) -> String {
     let info = p.info();
     let dev = info
         .devices
         .get(p.current_device())
         .map_or_else(String::new, |d| d.name.clone());
-    format!("{}:{}:{dev}", info.backend, p.current_device())
+    format!(
+        "{}:{}:{dev}:{}",
+        info.backend,
+        p.current_device(),
+        codec.name()
+    )
 }
 
 impl CostModel {
@@ -184,10 +190,10 @@ impl CostModel {
         }
     }
 
-    /// The model of `platform`: codec throughput measured the first time this process asks
-    /// for this platform and device, then reused; `HP_COST_*` overrides applied on top.
+    /// The model of `platform`: `codec`'s throughput measured the first time this process
+    /// asks for this device and codec, then reused; `HP_COST_*` overrides applied on top.
     pub fn for_platform(platform: &dyn Platform, codec: &dyn DeviceCodec) -> Result<Self> {
-        let key = platform_key(platform);
+        let key = platform_key(platform, codec);
         let cached = cache()
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -415,6 +415,56 @@ fn cost_model_is_measured_cached_overridable_and_predicts_codec_time() {
     );
 }
 
+/// A codec that counts its encodings (the host codec underneath, under another name).
+struct Counting(HostCodec, std::sync::atomic::AtomicUsize);
+
+impl DeviceCodec for Counting {
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+    fn max_encoded_len(&self, dtype: CodecDType, numel: usize) -> usize {
+        self.0.max_encoded_len(dtype, numel)
+    }
+    fn encode_async(
+        &self,
+        p: &dyn Platform,
+        src: hprt_platform::BufRef<'_>,
+        dtype: CodecDType,
+        numel: usize,
+        scratch: &hprt_platform::DeviceBuffer,
+        s: &hprt_platform::Stream,
+    ) -> hprt_compress::Result<hprt_compress::device::PendingEncode> {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.encode_async(p, src, dtype, numel, scratch, s)
+    }
+    fn decode_async(
+        &self,
+        p: &dyn Platform,
+        src: &CompressedTensor,
+        dst: hprt_platform::BufRef<'_>,
+        s: &hprt_platform::Stream,
+    ) -> hprt_compress::Result<hprt_compress::device::PendingDecode> {
+        self.0.decode_async(p, src, dst, s)
+    }
+}
+
+/// The cached figures are the measured codec's: another codec on the same device (the CUDA
+/// kernels after the host fallback, say) is measured, not given the first one's speeds.
+#[test]
+fn cost_model_cache_is_per_device_and_codec() {
+    let p = platform(None);
+    CostModel::for_platform(p.as_ref(), codec_for(p.as_ref()).as_ref()).unwrap();
+    let counting = Counting(HostCodec::default(), Default::default());
+    CostModel::for_platform(p.as_ref(), &counting).unwrap();
+    let measured = counting.1.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(measured > 0, "the other codec's cached figures were used");
+    CostModel::for_platform(p.as_ref(), &counting).unwrap();
+    assert_eq!(
+        counting.1.load(std::sync::atomic::Ordering::Relaxed),
+        measured
+    );
+}
+
 #[test]
 fn collective_bandwidth_is_measured_by_group_size_and_predicts_the_collective() {
     let p = platform(None);

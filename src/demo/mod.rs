@@ -254,6 +254,9 @@ pub fn run(
         devices: platform.device_count(),
         config: config.clone(),
         mesh: model::mesh_name(config.ranks),
+        codec: hprt_compress::device::codec_for(&*platform)
+            .name()
+            .to_string(),
         strategies,
         link: Some(link),
     };

@@ -20,8 +20,9 @@ pub struct StrategyReport {
     pub step_time: Duration,
     /// Bytes the swap engines moved over the host link per step, all ranks, both directions.
     pub swap_link_bytes: u64,
-    /// Bytes the codec's host staging moved per step (the host-fallback codec copies tensors
-    /// to the host to encode them; a device codec would not).
+    /// Bytes the codec itself moved over the host link per step: the host-fallback codec
+    /// copies tensors to the host to encode them; a device codec only reads back each
+    /// encoding's length and each decoding's status word.
     pub codec_link_bytes: u64,
     /// Original and encoded bytes per saved kind ([`SAVED`] order), all ranks and steps.
     pub encoded: [(u64, u64); 2],
@@ -102,6 +103,8 @@ pub struct DemoReport {
     pub devices: usize,
     pub config: DemoConfig,
     pub mesh: String,
+    /// The device codec's name (`hprt_compress::device::codec_for` the platform).
+    pub codec: String,
     /// In run order; the first is the baseline.
     pub strategies: Vec<StrategyReport>,
     pub link: Option<LinkCosts>,
@@ -295,8 +298,14 @@ impl fmt::Display for DemoReport {
             if s.codec_link_bytes > 0 {
                 writeln!(
                     f,
-                    "  the codec itself moved {} per step through host staging (this platform's codec is the host fallback)",
-                    human(s.codec_link_bytes)
+                    "  the {} codec itself moved {} per step over the host link ({})",
+                    self.codec,
+                    human(s.codec_link_bytes),
+                    if self.codec == "host-fallback" {
+                        "host staging: this platform has no device codec"
+                    } else {
+                        "encoded lengths and decoder status words"
+                    }
                 )?;
             }
         }
