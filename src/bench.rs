@@ -135,11 +135,13 @@ pub fn run(p: &'static dyn Platform, max_bytes: usize, only: &[String]) -> Resul
         writeln!(out)?;
     }
     if wanted("compress") {
-        // The codec runs on the host on every backend today (no device codec is built), so
-        // these rows are host CPU figures whatever the platform.
-        writeln!(out, "#### compress (`hprt-compress`, host codec)\n")?;
+        // The CPU codec on one host core, whatever the platform.
+        writeln!(out, "#### compress (`hprt-compress`, CPU codec)\n")?;
         out += &hprt::compress::bench::bench(&hprt::compress::bench::BenchOptions::default())?;
         writeln!(out)?;
+        if p.backend() != BackendKind::Cpu {
+            device_codec(p, max_bytes, &mut out)?;
+        }
     }
     if wanted("hsdp") {
         writeln!(out, "#### hsdp (`hprt-hsdp`)\n")?;
@@ -147,6 +149,42 @@ pub fn run(p: &'static dyn Platform, max_bytes: usize, only: &[String]) -> Resul
         writeln!(out)?;
     }
     Ok(out)
+}
+
+/// The platform's device codec (on cuda the CUDA kernels) against a device-to-device copy of
+/// the same bytes, timed with device events; the bytes are checked against the CPU codec.
+fn device_codec(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<()> {
+    use hprt::compress::bench::device_bench;
+    let codec = hprt::compress::device::codec_for(p);
+    let sizes: Vec<usize> = [64usize << 20, 256 << 20, 1 << 30]
+        .into_iter()
+        .filter(|&b| b <= max_bytes.max(64 << 20))
+        .collect();
+    let opts = hprt::compress::codec::EncodeOptions::default();
+    let rows = device_bench(p, codec.as_ref(), &opts, &sizes, TRIALS)?;
+    writeln!(
+        out,
+        "#### compress: the `{}` device codec vs device-to-device copy (bf16 GELU-like activations, device events, best of {TRIALS}; bytes checked against the CPU codec; goals on a GPU: encode >= 600 GB/s, decode >= 1,500 GB/s)\n",
+        codec.name()
+    )?;
+    writeln!(
+        out,
+        "| size | ratio | encode GB/s | decode GB/s | D2D copy GB/s |"
+    )?;
+    writeln!(out, "|---:|---:|---:|---:|---:|")?;
+    for r in rows {
+        writeln!(
+            out,
+            "| {} | {:.3} | {:.1} | {:.1} | {:.1} |",
+            size_name(r.bytes),
+            r.ratio,
+            r.encode_gbps,
+            r.decode_gbps,
+            r.memcpy_gbps
+        )?;
+    }
+    writeln!(out)?;
+    Ok(())
 }
 
 fn copies(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<()> {

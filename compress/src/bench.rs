@@ -308,3 +308,93 @@ pub fn bench(opts: &BenchOptions) -> Result<String> {
     }
     Ok(s)
 }
+
+/// One size of [`device_bench`].
+#[derive(Clone, Debug)]
+pub struct DeviceBenchRow {
+    pub bytes: usize,
+    pub ratio: f64,
+    pub encode_gbps: f64,
+    pub decode_gbps: f64,
+    /// A device-to-device copy of the same bytes, timed the same way in the same run.
+    pub memcpy_gbps: f64,
+}
+
+/// The device codec on `p`'s stream against a device-to-device copy of the same bytes: bf16
+/// activations (GELU-like) of each size in `sizes` (bytes), each step timed with device events
+/// (best of `trials`). Every encoding is checked against the CPU codec's bytes and every
+/// decoding bit for bit: a wrong codec fails instead of reporting a speed.
+pub fn device_bench(
+    p: &dyn hprt_platform::Platform,
+    codec: &dyn crate::device::DeviceCodec,
+    opts: &EncodeOptions,
+    sizes: &[usize],
+    trials: usize,
+) -> Result<Vec<DeviceBenchRow>> {
+    use hprt_platform::Mem;
+    let dtype = CodecDType::BF16;
+    let s = p.create_stream()?;
+    let (start, end) = (p.create_event(true)?, p.create_event(true)?);
+    let timed = |f: &mut dyn FnMut() -> Result<()>| -> Result<Duration> {
+        let mut b = f32::MAX;
+        for _ in 0..trials.max(1) {
+            p.record_event(&start, &s)?;
+            f()?;
+            p.record_event(&end, &s)?;
+            p.synchronize_event(&end)?;
+            b = b.min(p.event_elapsed_ms(&start, &end)?);
+        }
+        Ok(Duration::from_secs_f64(f64::from(b.max(1e-6)) / 1e3))
+    };
+    let mut rows = Vec::new();
+    for &bytes in sizes {
+        let numel = bytes / dtype.size();
+        let data = generate(DataKind::Gelu, dtype, numel, 7);
+        let src = p.alloc_device(data.len())?;
+        p.write_device_sync(&src, 0, &data, &s)?;
+        let copy = p.alloc_device(data.len())?;
+        let scratch = p.alloc_device(codec.max_encoded_len(dtype, numel))?;
+        let memcpy = timed(&mut || {
+            let n = data.len();
+            Ok(p.copy_async(Mem::Device(&copy), 0, Mem::Device(&src), 0, n, &s)?)
+        })?;
+        let mut packed = None;
+        let encode = timed(&mut || {
+            let pending = codec.encode_async(p, src.at(0), dtype, numel, &scratch, &s)?;
+            packed = Some(pending);
+            Ok(())
+        })?;
+        let packed = packed.expect("timed at least once").finish_in_place(p)?;
+        let mut enc = vec![0u8; packed.byte_len()];
+        p.read_device_sync(packed.device_buffer(), 0, &mut enc, &s)?;
+        if enc != codec::encode(dtype, &data, opts)? {
+            return Err(CompressError::InvalidState(format!(
+                "the {} codec's encoding of {bytes} bytes differs from the CPU codec's",
+                codec.name()
+            )));
+        }
+        let mut decoded = None;
+        let decode = timed(&mut || {
+            decoded = Some(codec.decode_async(p, &packed, copy.at(0), &s)?);
+            Ok(())
+        })?;
+        decoded.expect("timed at least once").finish(p)?;
+        let mut back = vec![0u8; data.len()];
+        p.read_device_sync(&copy, 0, &mut back, &s)?;
+        if back != data {
+            return Err(CompressError::InvalidState(format!(
+                "the {} codec decoded {bytes} bytes to other bytes",
+                codec.name()
+            )));
+        }
+        rows.push(DeviceBenchRow {
+            bytes,
+            ratio: packed.ratio(),
+            encode_gbps: gbps(bytes, encode),
+            decode_gbps: gbps(bytes, decode),
+            memcpy_gbps: gbps(bytes, memcpy),
+        });
+    }
+    p.destroy_stream(&s)?;
+    Ok(rows)
+}

@@ -6,14 +6,15 @@
 //! - [`codec`] — the CPU codec: sign+exponent symbols rANS-coded (v2: one table per tensor,
 //!   blocks of 32 interleaved states, AVX2 where available), mantissas raw, multi-threaded;
 //!   decoding untrusted bytes returns [`CompressError`], never panics. [`codec::cuda`] holds the
-//!   same codec as CUDA C, checked byte for byte as host C++.
+//!   same codec as CUDA C (checked byte for byte as host C++) and [`device::CudaCodec`],
+//!   which launches it through the cuda backend's NVRTC.
 //! - [`device`] — the codec on a `Platform` stream ([`device::DeviceCodec`], chosen per backend
 //!   by [`device::codec_for`]) and [`device::CompressedTensor`], a [`device::SwapPayload`] a swap
 //!   engine can offload (compress-then-swap).
 //! - [`cost`] — measured, cached, overridable throughputs; operator durations and how much the
 //!   codec can do within them.
 //! - [`planner`] — layer order learned in the first step; which tensors fit a window.
-//! - [`manager`] — the per-layer activation manager of seed 003.
+//! - [`manager`] — MindSpeed's per-layer activation manager.
 //! - [`cli`] — `hprt compress`, `hprt decompress`, `hprt codec-stats`.
 //! - [`bench`], [`data`] — the codec benchmark (against zstd level 1) and its synthetic tensors.
 

@@ -72,6 +72,25 @@ fn cuda_kernels_write_the_cpu_codec_bytes_on_the_cuda_emulator() {
     encodes_the_cpu_codec_bytes_and_decodes_bit_exact(&p, &small, &small.encode, "small blocks");
 }
 
+/// The GPU benchmark's code path (device events, the D2D copy beside it, the byte checks) on
+/// the emulator; its speeds mean nothing there.
+#[test]
+fn device_bench_runs_the_cuda_kernels_on_the_cuda_emulator() {
+    let p: Arc<dyn Platform> =
+        Arc::new(hprt_conformance::cuda_emulator::open().expect("cuda on the emulator"));
+    let codec = codec_for(p.as_ref());
+    let rows = hprt_compress::bench::device_bench(
+        p.as_ref(),
+        codec.as_ref(),
+        &EncodeOptions::default(),
+        &[256 << 10],
+        1,
+    )
+    .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert!(rows[0].ratio > 1.2 && rows[0].encode_gbps > 0.0 && rows[0].memcpy_gbps > 0.0);
+}
+
 /// What the CUDA decoder refuses: flipped bytes anywhere (header, table, index, payload), a
 /// truncated encoding, another tensor's shape, and version 1 (which only the CPU codec reads).
 #[test]
