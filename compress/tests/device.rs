@@ -40,6 +40,7 @@ fn device_encoding_is_the_cpu_codec_bytes_and_decodes_bit_exact_under_jitter() {
 /// hprt-cuda-emulator` first), with its streams' real asynchrony.
 #[test]
 fn device_encoding_round_trips_on_the_cuda_emulator() {
+    let _serial = hprt_conformance::emulator::serial();
     let p: Arc<dyn Platform> =
         Arc::new(hprt_conformance::cuda_emulator::open().expect("cuda on the emulator"));
     let codec = HostCodec::default();
@@ -52,6 +53,7 @@ fn device_encoding_round_trips_on_the_cuda_emulator() {
 /// small ones (many blocks, several per launch's block), under `HP_EMU_DELAY_SEED` in CI.
 #[test]
 fn cuda_kernels_write_the_cpu_codec_bytes_on_the_cuda_emulator() {
+    let _serial = hprt_conformance::emulator::serial();
     let p: Arc<dyn Platform> =
         Arc::new(hprt_conformance::cuda_emulator::open().expect("cuda on the emulator"));
     let codec = codec_for(p.as_ref());
@@ -76,6 +78,7 @@ fn cuda_kernels_write_the_cpu_codec_bytes_on_the_cuda_emulator() {
 /// the emulator; its speeds mean nothing there.
 #[test]
 fn device_bench_runs_the_cuda_kernels_on_the_cuda_emulator() {
+    let _serial = hprt_conformance::emulator::serial();
     let p: Arc<dyn Platform> =
         Arc::new(hprt_conformance::cuda_emulator::open().expect("cuda on the emulator"));
     let codec = codec_for(p.as_ref());
@@ -91,10 +94,66 @@ fn device_bench_runs_the_cuda_kernels_on_the_cuda_emulator() {
     assert!(rows[0].ratio > 1.2 && rows[0].encode_gbps > 0.0 && rows[0].memcpy_gbps > 0.0);
 }
 
+/// An injected launch failure in the middle of an encoding and of a decoding (the emulator's
+/// `HP_EMU_FAULTS`): a typed error naming the CUDA status, no memory kept, and the next
+/// encoding and decoding work.
+#[test]
+fn a_failed_codec_kernel_launch_is_a_typed_error_without_leaks_on_the_cuda_emulator() {
+    let _serial = hprt_conformance::emulator::serial();
+    let control =
+        hprt_conformance::emulator::Control::open(&hprt_conformance::cuda_emulator::library_path());
+    let p: Arc<dyn Platform> =
+        Arc::new(hprt_conformance::cuda_emulator::open().expect("cuda on the emulator"));
+    let s = p.create_stream().unwrap();
+    let codec = codec_for(p.as_ref());
+    let n = 4_096;
+    let data = generate(DataKind::Gelu, CodecDType::BF16, n, 2);
+    let src = p.alloc_device(data.len()).unwrap();
+    p.write_device_sync(&src, 0, &data, &s).unwrap();
+    let scratch = p
+        .alloc_device(codec.max_encoded_len(CodecDType::BF16, n))
+        .unwrap();
+    let dst = p.alloc_device(data.len()).unwrap();
+    let round_trip = || -> hprt_compress::Result<()> {
+        let ct = codec
+            .encode_async(p.as_ref(), src.at(0), CodecDType::BF16, n, &scratch, &s)?
+            .finish_in_place(p.as_ref())?;
+        codec
+            .decode_async(p.as_ref(), &ct, dst.at(0), &s)?
+            .finish(p.as_ref())
+    };
+    round_trip().unwrap();
+    p.synchronize_stream(&s).unwrap();
+    let baseline = p.memory_stats();
+    // Six launches encode (the third places blocks' payloads), three decode.
+    for spec in ["cuLaunchKernel:3:701", "cuLaunchKernel:8:701"] {
+        control.faults(spec);
+        let err = round_trip().unwrap_err();
+        control.faults("");
+        assert!(
+            matches!(&err, CompressError::Platform(e)
+                if e.code_name == "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"),
+            "{spec}: {err}"
+        );
+        let _ = p.synchronize_stream(&s);
+        let now = p.memory_stats();
+        assert_eq!(
+            (now.device_current, now.pinned_current),
+            (baseline.device_current, baseline.pinned_current),
+            "{spec}: memory kept"
+        );
+        round_trip().unwrap_or_else(|e| panic!("{spec}: the next round trip failed: {e}"));
+        let mut back = vec![0u8; data.len()];
+        p.read_device_sync(&dst, 0, &mut back, &s).unwrap();
+        assert!(back == data, "{spec}: decoded bytes differ");
+    }
+}
+
 /// What the CUDA decoder refuses: flipped bytes anywhere (header, table, index, payload), a
 /// truncated encoding, another tensor's shape, and version 1 (which only the CPU codec reads).
 #[test]
 fn cuda_kernels_refuse_corrupt_and_foreign_input_on_the_cuda_emulator() {
+    let _serial = hprt_conformance::emulator::serial();
     let p: Arc<dyn Platform> =
         Arc::new(hprt_conformance::cuda_emulator::open().expect("cuda on the emulator"));
     let s = p.create_stream().unwrap();
