@@ -36,13 +36,42 @@ fn device_encoding_is_the_cpu_codec_bytes_and_decodes_bit_exact_under_jitter() {
     }
 }
 
+/// The cuda backend over the CUDA emulator (`cargo build -p hprt-cuda-emulator` first), and
+/// its process-wide lock: fault injection and statistics are global to the emulator.
+fn cuda_emulator() -> (std::sync::MutexGuard<'static, ()>, Arc<dyn Platform>) {
+    let serial = hprt_conformance::emulator::serial();
+    let p = hprt_conformance::cuda_emulator::open().expect("cuda on the emulator");
+    (serial, Arc::new(p))
+}
+
+/// `n` bf16 elements of `kind` (seeded) in device memory, and a scratch buffer `codec` can
+/// encode them into.
+fn upload(
+    p: &dyn Platform,
+    s: &hprt_platform::Stream,
+    codec: &dyn DeviceCodec,
+    kind: DataKind,
+    n: usize,
+    seed: u64,
+) -> (
+    Vec<u8>,
+    hprt_platform::DeviceBuffer,
+    hprt_platform::DeviceBuffer,
+) {
+    let data = generate(kind, CodecDType::BF16, n, seed);
+    let src = p.alloc_device(data.len()).unwrap();
+    p.write_device_sync(&src, 0, &data, s).unwrap();
+    let scratch = p
+        .alloc_device(codec.max_encoded_len(CodecDType::BF16, n))
+        .unwrap();
+    (data, src, scratch)
+}
+
 /// The host fallback on the cuda backend over the CUDA emulator (`cargo build -p
 /// hprt-cuda-emulator` first), with its streams' real asynchrony.
 #[test]
 fn device_encoding_round_trips_on_the_cuda_emulator() {
-    let _serial = hprt_conformance::emulator::serial();
-    let p: Arc<dyn Platform> =
-        Arc::new(hprt_conformance::cuda_emulator::open().expect("cuda on the emulator"));
+    let (_serial, p) = cuda_emulator();
     let codec = HostCodec::default();
     encodes_the_cpu_codec_bytes_and_decodes_bit_exact(&p, &codec, &codec.encode, "host fallback");
 }
@@ -53,9 +82,7 @@ fn device_encoding_round_trips_on_the_cuda_emulator() {
 /// small ones (many blocks, several per launch's block), under `HP_EMU_DELAY_SEED` in CI.
 #[test]
 fn cuda_kernels_write_the_cpu_codec_bytes_on_the_cuda_emulator() {
-    let _serial = hprt_conformance::emulator::serial();
-    let p: Arc<dyn Platform> =
-        Arc::new(hprt_conformance::cuda_emulator::open().expect("cuda on the emulator"));
+    let (_serial, p) = cuda_emulator();
     let codec = codec_for(p.as_ref());
     assert_eq!(codec.name(), "cuda");
     encodes_the_cpu_codec_bytes_and_decodes_bit_exact(
@@ -78,9 +105,7 @@ fn cuda_kernels_write_the_cpu_codec_bytes_on_the_cuda_emulator() {
 /// the emulator; its speeds mean nothing there.
 #[test]
 fn device_bench_runs_the_cuda_kernels_on_the_cuda_emulator() {
-    let _serial = hprt_conformance::emulator::serial();
-    let p: Arc<dyn Platform> =
-        Arc::new(hprt_conformance::cuda_emulator::open().expect("cuda on the emulator"));
+    let (_serial, p) = cuda_emulator();
     let codec = codec_for(p.as_ref());
     let rows = hprt_compress::bench::device_bench(
         p.as_ref(),
@@ -99,20 +124,13 @@ fn device_bench_runs_the_cuda_kernels_on_the_cuda_emulator() {
 /// encoding and decoding work.
 #[test]
 fn a_failed_codec_kernel_launch_is_a_typed_error_without_leaks_on_the_cuda_emulator() {
-    let _serial = hprt_conformance::emulator::serial();
+    let (_serial, p) = cuda_emulator();
     let control =
         hprt_conformance::emulator::Control::open(&hprt_conformance::cuda_emulator::library_path());
-    let p: Arc<dyn Platform> =
-        Arc::new(hprt_conformance::cuda_emulator::open().expect("cuda on the emulator"));
     let s = p.create_stream().unwrap();
     let codec = codec_for(p.as_ref());
     let n = 4_096;
-    let data = generate(DataKind::Gelu, CodecDType::BF16, n, 2);
-    let src = p.alloc_device(data.len()).unwrap();
-    p.write_device_sync(&src, 0, &data, &s).unwrap();
-    let scratch = p
-        .alloc_device(codec.max_encoded_len(CodecDType::BF16, n))
-        .unwrap();
+    let (data, src, scratch) = upload(p.as_ref(), &s, codec.as_ref(), DataKind::Gelu, n, 2);
     let dst = p.alloc_device(data.len()).unwrap();
     let round_trip = || -> hprt_compress::Result<()> {
         let ct = codec
@@ -153,9 +171,7 @@ fn a_failed_codec_kernel_launch_is_a_typed_error_without_leaks_on_the_cuda_emula
 /// truncated encoding, another tensor's shape, and version 1 (which only the CPU codec reads).
 #[test]
 fn cuda_kernels_refuse_corrupt_and_foreign_input_on_the_cuda_emulator() {
-    let _serial = hprt_conformance::emulator::serial();
-    let p: Arc<dyn Platform> =
-        Arc::new(hprt_conformance::cuda_emulator::open().expect("cuda on the emulator"));
+    let (_serial, p) = cuda_emulator();
     let s = p.create_stream().unwrap();
     let codec = CudaCodec {
         encode: EncodeOptions {
@@ -295,12 +311,14 @@ fn corrupt_device_bytes_are_reported_at_finish() {
     let p = platform(None);
     let s = p.create_stream().unwrap();
     let codec = codec_for(p.as_ref());
-    let data = generate(DataKind::Gaussian, CodecDType::BF16, 10_000, 1);
-    let src = p.alloc_device(data.len()).unwrap();
-    p.write_device_sync(&src, 0, &data, &s).unwrap();
-    let scratch = p
-        .alloc_device(codec.max_encoded_len(CodecDType::BF16, 10_000))
-        .unwrap();
+    let (_, src, scratch) = upload(
+        p.as_ref(),
+        &s,
+        codec.as_ref(),
+        DataKind::Gaussian,
+        10_000,
+        1,
+    );
     let ct = codec
         .encode_async(
             p.as_ref(),
@@ -354,12 +372,8 @@ fn compressed_payload_offloads_and_reloads_through_the_swap_interface() {
         let s = p.create_stream().unwrap();
         let codec = codec_for(p.as_ref());
         let n = 65_536;
-        let data = generate(DataKind::LayerNorm, CodecDType::BF16, n, 8);
-        let src = p.alloc_device(data.len()).unwrap();
-        p.write_device_sync(&src, 0, &data, &s).unwrap();
-        let scratch = p
-            .alloc_device(codec.max_encoded_len(CodecDType::BF16, n))
-            .unwrap();
+        let (data, src, scratch) =
+            upload(p.as_ref(), &s, codec.as_ref(), DataKind::LayerNorm, n, 8);
         let ct = codec
             .encode_async(p.as_ref(), src.at(0), CodecDType::BF16, n, &scratch, &s)
             .unwrap()
@@ -605,12 +619,7 @@ fn the_device_codec_is_chosen_per_backend() {
     let codec = hprt_compress::device::codec_for(p.as_ref());
     assert_eq!(codec.name(), "cpu");
     let s = p.create_stream().unwrap();
-    let data = generate(DataKind::Gelu, CodecDType::BF16, 4096, 1);
-    let src = p.alloc_device(data.len()).unwrap();
-    p.write_device_sync(&src, 0, &data, &s).unwrap();
-    let scratch = p
-        .alloc_device(codec.max_encoded_len(CodecDType::BF16, 4096))
-        .unwrap();
+    let (data, src, scratch) = upload(p.as_ref(), &s, codec.as_ref(), DataKind::Gelu, 4096, 1);
     let ct = codec
         .encode_async(p.as_ref(), src.at(0), CodecDType::BF16, 4096, &scratch, &s)
         .unwrap()
