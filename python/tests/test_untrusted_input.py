@@ -75,8 +75,12 @@ def test_non_zero_mantissa_padding_is_corrupt():
     torch = pytest.importorskip("torch")
     vals = torch.tensor([0x3F80 | (i * 9 % 128) for i in range(813)], dtype=torch.int16)
     blob = bytearray(hprt.compress(vals.view(torch.bfloat16)))
-    chunks = 1
-    mant_end = 40 + 16 * chunks + 2 + 712
+    assert hprt.compressed_info(bytes(blob))["version"] == 2
+    # Format v2: 48-byte header, 64-byte presence bitmap (512 bf16 symbols), one 2-byte
+    # frequency, one 4-byte block length; then the block's mantissas, its rANS words (none
+    # for a single symbol) and 128 bytes of final states.
+    mant_end = 48 + 64 + 2 + 4 + 712
+    assert len(blob) == mant_end + 128
     blob[mant_end - 1] ^= 0x80
     with pytest.raises(hprt.CompressError) as e:
         hprt.decompress(bytes(blob))
