@@ -7,11 +7,15 @@
 // communicates between lanes through __shared__ arrays separated by __syncthreads: a single host
 // thread running each phase for every lane before the next computes what the warp computes.
 //
-// Launch shapes (the host side in Rust): histogram <<<G, 256>>>, table <<<1, 1>>>,
+// Launch shapes (the host side is `CudaCodec` in cuda.rs; G = 4096): histogram
+// <<<min(numel / 256, G), 256>>> into zeroed counts and checksum terms, table <<<1, 1>>>,
 // encode_blocks <<<min(blocks, G), 32>>> (one warp per block: lane l owns rANS state l),
-// scan <<<1, 1024>>>, place <<<min(blocks, G), 256>>>, finish <<<1, 1>>>; decode_prefix <<<1, 1>>>,
-// decode_blocks <<<min(blocks, G), 32>>>, decode_check <<<1, 1>>>. All on one stream, with no
-// host round trip: lengths, offsets and the total travel in device memory.
+// scan <<<1, T <= 1024>>> (256), place <<<min(blocks, G), 256>>>, finish <<<1, 1>>>;
+// decode_prefix <<<1, 1>>>, decode_blocks <<<min(max_blocks, G), 32>>> into zeroed checksum
+// terms (the host does not know the block count: max_blocks bounds it, extra blocks return),
+// decode_check <<<1, 1>>>. All on one stream, with no host round trip: lengths, offsets and the
+// total travel in device memory; the host reads back only the encoding's length and the
+// decoder's status word.
 
 typedef unsigned long long u64;
 typedef long long i64;
