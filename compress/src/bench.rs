@@ -1,5 +1,5 @@
 //! The codec benchmark: single-core encode/decode throughput against the goals (2 GB/s encode,
-//! 3 GB/s decode on bf16) and against zstd level 1 on the same bytes in the same run, and the
+//! 3 GB/s decode on bf16) and against zstd level 1 and LZ4 on the same bytes in the same run, and the
 //! coded size against the order-0 entropy bound of the coded symbols, per data kind.
 
 use std::fmt::Write as _;
@@ -57,6 +57,10 @@ pub struct BenchRow {
     pub zstd_bytes: usize,
     pub zstd_encode_gbps: f64,
     pub zstd_decode_gbps: f64,
+    /// LZ4 (block format, `lz4_flex`) on the same bytes in the same run.
+    pub lz4_bytes: usize,
+    pub lz4_encode_gbps: f64,
+    pub lz4_decode_gbps: f64,
 }
 
 impl BenchRow {
@@ -65,6 +69,9 @@ impl BenchRow {
     }
     pub fn zstd_ratio(&self) -> f64 {
         self.raw_bytes as f64 / self.zstd_bytes as f64
+    }
+    pub fn lz4_ratio(&self) -> f64 {
+        self.raw_bytes as f64 / self.lz4_bytes.max(1) as f64
     }
     /// Entropy bound of the whole encoding: coded symbols at their entropy plus raw mantissas.
     pub fn bound_bytes(&self) -> f64 {
@@ -205,6 +212,24 @@ pub fn measure(dtype: CodecDType, kind: DataKind, opts: &BenchOptions) -> Result
             "zstd did not round-trip".into(),
         ));
     }
+    let mut lout = vec![0u8; lz4_flex::block::get_maximum_output_size(data.len())];
+    let mut lz4_len = 0;
+    let lenc = best(opts.trials, || {
+        let t = CoreTimer::start();
+        lz4_len = lz4_flex::block::compress_into(black_box(&data[..]), &mut lout)
+            .map_err(|e| CompressError::InvalidState(format!("lz4: {e}")))?;
+        Ok(t.elapsed())
+    })?;
+    let mut lback = vec![0u8; data.len()];
+    let ldec = best(opts.trials, || {
+        let t = CoreTimer::start();
+        lz4_flex::block::decompress_into(black_box(&lout[..lz4_len]), &mut lback)
+            .map_err(|e| CompressError::InvalidState(format!("lz4: {e}")))?;
+        Ok(t.elapsed())
+    })?;
+    if lback != data {
+        return Err(CompressError::InvalidState("lz4 did not round-trip".into()));
+    }
     Ok(BenchRow {
         dtype,
         kind,
@@ -219,6 +244,9 @@ pub fn measure(dtype: CodecDType, kind: DataKind, opts: &BenchOptions) -> Result
         zstd_bytes: zout.len(),
         zstd_encode_gbps: gbps(data.len(), zenc),
         zstd_decode_gbps: gbps(data.len(), zdec),
+        lz4_bytes: lz4_len,
+        lz4_encode_gbps: gbps(data.len(), lenc),
+        lz4_decode_gbps: gbps(data.len(), ldec),
     })
 }
 
@@ -264,9 +292,12 @@ pub fn bench(opts: &BenchOptions) -> Result<String> {
     );
     let _ = writeln!(
         s,
-        "| dtype | data | ratio | zstd-1 ratio | size / bound | symbols / entropy | huffman / entropy | encode GB/s | decode GB/s (no verify) | zstd-1 enc GB/s | zstd-1 dec GB/s |"
+        "| dtype | data | ratio | zstd-1 ratio | lz4 ratio | size / bound | symbols / entropy | huffman / entropy | encode GB/s | decode GB/s (no verify) | zstd-1 enc GB/s | zstd-1 dec GB/s | lz4 enc GB/s | lz4 dec GB/s |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        s,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     for &dtype in &opts.dtypes {
         for &kind in &opts.kinds {
             let r = measure(dtype, kind, opts)?;
@@ -275,11 +306,12 @@ pub fn bench(opts: &BenchOptions) -> Result<String> {
                 .then(|| r.huffman_symbol_bytes / r.symbol_entropy_bytes - 1.0);
             let _ = writeln!(
                 s,
-                "| {} | {} | {:.3} | {:.3} | {} | {} | {} | {:.2} | {:.2} ({:.2}) | {:.2} | {:.2} |",
+                "| {} | {} | {:.3} | {:.3} | {:.3} | {} | {} | {} | {:.2} | {:.2} ({:.2}) | {:.2} | {:.2} | {:.2} | {:.2} |",
                 dtype,
                 kind.name(),
                 r.ratio(),
                 r.zstd_ratio(),
+                r.lz4_ratio(),
                 if r.bound_bytes() > (HEADER_LEN as f64) {
                     format!("{:.4}", r.coded_bytes as f64 / r.bound_bytes())
                 } else {
@@ -292,6 +324,8 @@ pub fn bench(opts: &BenchOptions) -> Result<String> {
                 r.decode_unverified_gbps,
                 r.zstd_encode_gbps,
                 r.zstd_decode_gbps,
+                r.lz4_encode_gbps,
+                r.lz4_decode_gbps,
             );
         }
     }
