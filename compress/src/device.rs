@@ -1,13 +1,13 @@
 //! The codec on a [`Platform`] stream, for device tensors of any backend.
 //!
 //! [`DeviceCodec`] is what a device implementation provides; it must produce the bytes of
-//! `FORMAT.md`, identical to the CPU codec. [`codec_for`] chooses per backend: on `cpu` the CPU
-//! codec itself (device memory is host memory), on `cuda` [`CudaCodec`], the v2 kernels of
-//! [`crate::codec::cuda`] compiled by the backend's NVRTC and launched in stream order (no
-//! host round trip: the encoding's length and the decoder's status come back as one pinned
-//! word each), and on `npu` [`HostCodec`], the host fallback: in stream order it copies the
-//! tensor to pinned memory, encodes on host threads inside a host function
-//! ([`Platform::launch_host_fn`]) and copies the result back; no Ascend kernel exists yet.
+//! `FORMAT.md`, identical to the CPU codec. [`codec_for`] chooses per backend: on `cuda`
+//! [`CudaCodec`], the v2 kernels of [`crate::codec::cuda`] compiled by the backend's NVRTC and
+//! launched in stream order (no host round trip: the encoding's length and the decoder's status
+//! come back as one pinned word each); on `cpu` (device memory is host memory) and on `npu`
+//! (no Ascend kernel exists yet) [`HostCodec`]: in stream order it copies the tensor to pinned
+//! memory, runs the CPU codec on host threads inside a host function
+//! ([`Platform::launch_host_fn`]) and copies the result back.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -153,17 +153,13 @@ impl std::fmt::Debug for dyn DeviceCodec {
     }
 }
 
-/// The device codec for `platform`, chosen by its backend: `cpu` gets the CPU codec (named
-/// `"cpu"`), `cuda` the CUDA kernels (`"cuda"`), `npu` the host fallback (`"host-fallback"`)
-/// until an Ascend kernel exists (see the module docs).
+/// The device codec for `platform`, chosen by its backend: `cuda` gets the CUDA kernels
+/// ([`CudaCodec`], named `"cuda"`); `cpu`, whose device memory is host memory, and `npu`, until
+/// an Ascend kernel exists, get the CPU codec through [`HostCodec`] (`"host"`).
 pub fn codec_for(platform: &dyn Platform) -> Arc<dyn DeviceCodec> {
     match platform.backend() {
-        BackendKind::Cpu => Arc::new(HostCodec {
-            name: "cpu",
-            ..HostCodec::default()
-        }),
         BackendKind::Cuda => Arc::new(CudaCodec::default()),
-        BackendKind::Npu => Arc::new(HostCodec::default()),
+        BackendKind::Cpu | BackendKind::Npu => Arc::new(HostCodec::default()),
     }
 }
 
@@ -332,29 +328,17 @@ impl PendingDecode {
 
 /// The CPU codec on a platform stream, which every backend can run: D2H into pinned memory,
 /// encode or decode in a host function in stream order, H2D back. The caller's thread never
-/// blocks.
-#[derive(Clone, Debug)]
+/// blocks. Its name is `"host"` (what `hprt-swap` resolves `Compression::Auto` against: where
+/// the codec is the host's, compressing in a host stage moves fewer bytes).
+#[derive(Clone, Debug, Default)]
 pub struct HostCodec {
     pub encode: EncodeOptions,
     pub decode: DecodeOptions,
-    /// What [`DeviceCodec::name`] reports: `"cpu"` on the cpu backend, `"host-fallback"` where
-    /// the device's own memory is elsewhere.
-    pub name: &'static str,
-}
-
-impl Default for HostCodec {
-    fn default() -> Self {
-        HostCodec {
-            encode: EncodeOptions::default(),
-            decode: DecodeOptions::default(),
-            name: "host-fallback",
-        }
-    }
 }
 
 impl DeviceCodec for HostCodec {
     fn name(&self) -> &'static str {
-        self.name
+        "host"
     }
 
     fn max_encoded_len(&self, dtype: CodecDType, numel: usize) -> usize {

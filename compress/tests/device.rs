@@ -101,6 +101,37 @@ fn cuda_kernels_write_the_cpu_codec_bytes_on_the_cuda_emulator() {
     encodes_the_cpu_codec_bytes_and_decodes_bit_exact(&p, &small, &small.encode, "small blocks");
 }
 
+/// The kernels' device workspace is the tensor's size plus fixed tables (512-symbol counts,
+/// frequencies and cumulative frequencies), also for a tensor smaller than one block.
+#[test]
+fn cuda_codec_workspace_is_bounded_by_the_tensor_on_the_cuda_emulator() {
+    let (_serial, p) = cuda_emulator();
+    let s = p.create_stream().unwrap();
+    let codec = codec_for(p.as_ref());
+    let n = 4_096;
+    let (data, src, scratch) = upload(p.as_ref(), &s, codec.as_ref(), DataKind::Gelu, n, 3);
+    let dst = p.alloc_device(data.len()).unwrap();
+    p.synchronize_stream(&s).unwrap();
+    let before = p.memory_stats().device_current;
+    p.reset_peak_memory();
+    let ct = codec
+        .encode_async(p.as_ref(), src.at(0), CodecDType::BF16, n, &scratch, &s)
+        .unwrap()
+        .finish_in_place(p.as_ref())
+        .unwrap();
+    codec
+        .decode_async(p.as_ref(), &ct, dst.at(0), &s)
+        .unwrap()
+        .finish(p.as_ref())
+        .unwrap();
+    let extra = p.memory_stats().device_peak - before;
+    assert!(
+        extra <= data.len() + (10 << 10),
+        "{extra} bytes of workspace for a {}-byte tensor",
+        data.len()
+    );
+}
+
 /// The GPU benchmark's code path (device events, the D2D copy beside it, the byte checks) on
 /// the emulator; its speeds mean nothing there.
 #[test]
@@ -617,7 +648,7 @@ fn the_device_codec_is_chosen_per_backend() {
     // cpu: the CPU codec itself, writing format v2.
     let p = platform(None);
     let codec = hprt_compress::device::codec_for(p.as_ref());
-    assert_eq!(codec.name(), "cpu");
+    assert_eq!(codec.name(), "host");
     let s = p.create_stream().unwrap();
     let (data, src, scratch) = upload(p.as_ref(), &s, codec.as_ref(), DataKind::Gelu, 4096, 1);
     let ct = codec

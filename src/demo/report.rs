@@ -20,8 +20,8 @@ pub struct StrategyReport {
     pub step_time: Duration,
     /// Bytes the swap engines moved over the host link per step, all ranks, both directions.
     pub swap_link_bytes: u64,
-    /// Bytes the codec itself moved over the host link per step: the host-fallback codec
-    /// copies tensors to the host to encode them; a device codec only reads back each
+    /// Bytes the codec itself moved over the host link per step: the host codec copies
+    /// tensors to pinned memory to encode them; a device codec only reads back each
     /// encoding's length and each decoding's status word.
     pub codec_link_bytes: u64,
     /// Original and encoded bytes per saved kind ([`SAVED`] order), all ranks and steps.
@@ -301,8 +301,8 @@ impl fmt::Display for DemoReport {
                     "  the {} codec itself moved {} per step over the host link ({})",
                     self.codec,
                     human(s.codec_link_bytes),
-                    if self.codec == "host-fallback" {
-                        "host staging: this platform has no device codec"
+                    if self.codec == "host" {
+                        "pinned staging: this platform's codec is the CPU codec"
                     } else {
                         "encoded lengths and decoder status words"
                     }

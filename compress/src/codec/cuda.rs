@@ -175,7 +175,8 @@ impl DeviceCodec for CudaCodec {
         let (size, w, block) = (dtype.size(), dtype.mantissa_bits(), self.encode.chunk_elems);
         let alphabet = 1u32 << dtype.symbol_bits();
         let nblocks = numel.div_ceil(block);
-        let slot_bytes = block * size;
+        // A slot holds one block's payload (at most its raw bytes) until it is placed.
+        let slot_bytes = block.min(numel) * size;
         let mut l = Layout::default();
         let (hist, terms) = (l.take(TABLE * 8), l.take(8));
         let (freq, cum) = (l.take(TABLE * 4), l.take(TABLE * 4));
@@ -534,7 +535,7 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
         let numel = data.len() / dtype.size();
         let alphabet = 1u32 << dtype.symbol_bits();
         let nblocks = numel.div_ceil(block);
-        let slot_bytes = block * dtype.size();
+        let slot_bytes = block.min(numel) * dtype.size();
         let (mut hist, mut terms) = (vec![0u64; 512], 0u64);
         let (mut freq, mut cum) = (vec![0u32; 512], vec![0u32; 512]);
         let mut slots = vec![0u8; nblocks * slot_bytes];

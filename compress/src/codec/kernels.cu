@@ -166,7 +166,7 @@ __device__ __forceinline__ u32 hprt_mant_byte(const u8* src, u64 n, u32 size, u3
 }
 
 // One warp per block: the block's payload into its slot of `slot_bytes` (the raw size of a
-// full block), its length into `lens[b]`.
+// full block, or of the whole tensor when it is smaller), its length into `lens[b]`.
 extern "C" __global__ void hprt_codec_encode_blocks(const u8* src, u64 numel, u32 size,
                                                     u32 mant_bits, u32 prob_bits, u32 block_elems,
                                                     const u32* freq, const u32* cum, u8* slots,
@@ -175,7 +175,7 @@ extern "C" __global__ void hprt_codec_encode_blocks(const u8* src, u64 numel, u3
     __shared__ u32 emit[HPRT_LANES];
     __shared__ u32 pos_s;
     u64 nblocks = (numel + block_elems - 1) / block_elems;
-    u64 slot_bytes = (u64)block_elems * size;
+    u64 slot_bytes = (numel < block_elems ? numel : (u64)block_elems) * size;
     u32 m = 1u << prob_bits;
     for (u64 b = blockIdx.x; b < nblocks; b += gridDim.x) {
         u64 first = b * block_elems;
