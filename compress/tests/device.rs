@@ -645,20 +645,15 @@ fn collective_bandwidth_is_measured_by_group_size_and_predicts_the_collective() 
 
 #[test]
 fn the_device_codec_is_chosen_per_backend() {
-    // cpu: the CPU codec itself, writing format v2.
+    // cpu: the CPU codec through the host codec, writing its bytes (format v2); cuda: the
+    // kernels (`cuda_kernels_write_the_cpu_codec_bytes_on_the_cuda_emulator`).
     let p = platform(None);
-    let codec = hprt_compress::device::codec_for(p.as_ref());
+    let codec = codec_for(p.as_ref());
     assert_eq!(codec.name(), "host");
-    let s = p.create_stream().unwrap();
-    let (data, src, scratch) = upload(p.as_ref(), &s, codec.as_ref(), DataKind::Gelu, 4096, 1);
-    let ct = codec
-        .encode_async(p.as_ref(), src.at(0), CodecDType::BF16, 4096, &scratch, &s)
-        .unwrap()
-        .finish(p.as_ref(), &s)
-        .unwrap();
-    let mut bytes = vec![0u8; ct.byte_len()];
-    p.read_device_sync(ct.device_buffer(), 0, &mut bytes, &s)
-        .unwrap();
-    assert_eq!(hprt_compress::codec::inspect(&bytes).unwrap().version, 2);
-    assert!(ct.byte_len() < data.len());
+    encodes_the_cpu_codec_bytes_and_decodes_bit_exact(
+        &p,
+        codec.as_ref(),
+        &EncodeOptions::default(),
+        "codec_for(cpu)",
+    );
 }
