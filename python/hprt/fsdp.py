@@ -26,10 +26,11 @@ backend and the emulators: ranks of one world are threads of one process there);
 ``init_from_process_group()`` makes the hprt communicator of a torchrun-launched process per
 device, passing the unique id through ``torch.distributed``.
 
-Limits (each a clear error where it can be detected): ``fully_shard`` needs torch to address
-hprt device memory, which today only the cpu backend's is (DLPack export of cuda / npu device
-memory is not implemented); parameters are sharded on dim 0 (``shard_placement_fn`` is not
-supported).
+Backends (how torch sees hprt's memory: ``_torch_memory``): on the cpu backend torch's tensors
+are views of hprt's memory; on the Ascend and CUDA emulators (torch computes on the host) the
+gathered parameters and gradients are staged through pinned host memory; where torch has the
+platform's device (CUDA, or NPU through torch_npu) torch's device tensors are copied to and
+from hprt's on torch's current stream — that path is untested on hardware.
 """
 
 import os
@@ -122,7 +123,7 @@ class _RankContext:
     def __init__(self, platform, comm, rank, world_size):
         self.platform, self.comm = platform, comm
         self.rank, self.world_size = rank, world_size
-        self._cache = self._streams = None
+        self._cache = self._streams = self._memory = None
         self.meshes = {}
 
     @property
@@ -133,10 +134,19 @@ class _RankContext:
         return self._cache
 
     @property
+    def memory(self):
+        """How torch sees hprt's memory on this rank (``_torch_memory``)."""
+        if self._memory is None:
+            self._memory = _torch_memory(self.platform)
+        return self._memory
+
+    @property
     def streams(self):
-        """The compute / all-gather / reduce streams every fully_shard module of the rank uses."""
+        """The compute / all-gather / reduce streams every fully_shard module of the rank uses
+        (the compute stream is torch's where torch computes on the platform's device)."""
         if self._streams is None:
-            self._streams = hprt.HsdpStreams(self.platform)
+            compute = self.memory.compute_stream()
+            self._streams = hprt.HsdpStreams(self.platform, compute=compute)
         return self._streams
 
 
@@ -235,7 +245,7 @@ class RankMesh:
 
     def __init__(self, ctx, shape, dim_names):
         self.platform, self.rank, self.world_size = ctx.platform, ctx.rank, ctx.world_size
-        self.cache, self.streams = ctx.cache, ctx.streams
+        self.cache, self.streams, self.memory = ctx.cache, ctx.streams, ctx.memory
         self.mesh = hprt.DeviceMesh(list(shape), dim_names=dim_names)
         if len(shape) == 1:
             self.dp = hprt.DataParallelMesh.fsdp(self.mesh)
@@ -317,6 +327,222 @@ def init_device_mesh(device_type=None, mesh_shape=None, mesh_dim_names=None):
 
 
 # ---------------------------------------------------------------------------------------------
+# How torch sees hprt's memory
+
+
+class _SharedMemory:
+    """The cpu backend: hprt's device memory is host memory, so the shards, the gathered
+    parameters and the sharded gradients are torch tensors *over* hprt's memory (DLPack views),
+    and torch's gradients are reduced in place (DLPack import). No copies."""
+
+    name = "shared"
+
+    def __init__(self, platform):
+        self.platform = platform
+
+    def compute_stream(self):
+        return None  # hprt's own: torch computes on the host
+
+    def host_wait(self, streams):
+        streams.compute.synchronize()  # torch reads on the host what the stream wrote
+
+    def shard(self, sp, streams):
+        return torch.from_dlpack(sp.sharded_data()), None
+
+    def upload_shard(self, p):
+        pass  # the shard torch updates is hprt's
+
+    def upload_grad(self, p):
+        pass  # so is the sharded gradient
+
+    def gathered(self, p):
+        return torch.from_dlpack(p.sp.unsharded())
+
+    def hprt_input(self, t, streams):
+        return t  # borrowed through DLPack
+
+    def sharded_grad(self, p):
+        return torch.from_dlpack(p.sp.sharded_grad())
+
+
+class _CopiedMemory:
+    """torch's tensors are torch's own memory and hprt's are hprt's; bytes move between them by
+    stream-ordered copies on hprt's compute stream (``Platform.copy``): the shard after each
+    in-place change torch made to it (before the next all-gather), the gathered parameters after
+    each all-gather, each gradient before its reduce-scatter, the sharded gradient after the
+    reductions. Under ``CPUOffloadPolicy`` the shards and sharded gradients are pinned host
+    memory, which torch reads directly. Two kinds:
+
+    * ``_StagedMemory`` — the **staging path**, for the Ascend emulator and the CUDA emulator:
+      their device memory is the emulator's and torch runs on CPU tensors, so torch's side is
+      pinned host memory and the copies are D2H / H2D followed by a host wait. It exists so the
+      whole flow runs (bit-exact, under the emulators' delays) in CI; it is not the hardware
+      path.
+    * ``_DeviceMemory`` — **hardware** (torch CUDA tensors on the cuda backend, torch_npu
+      ``device.type == "npu"`` tensors on the npu backend): torch allocates, hprt wraps the
+      pointer (``Platform.wrap_device_memory`` with the tensor as owner), the copies are D2D
+      on hprt's compute stream, which *is* torch's current stream, so nothing waits on the
+      host. Untested on hardware.
+    """
+
+    def __init__(self, platform):
+        self.platform = platform
+
+    def _copy(self, dst, src, streams, nbytes):
+        """``src`` and ``dst``: (buffer, byte offset)."""
+        self.platform.copy(dst[0], src[0], streams.compute, nbytes=nbytes, dst_offset=dst[1], src_offset=src[1])
+
+    def shard(self, sp, streams):
+        dev = sp.sharded_device_tensor()
+        if dev is None:  # offloaded: pinned host memory
+            return torch.from_dlpack(sp.sharded_data()), None
+        t, buf = self.alloc(sp.shard_shape, _torch_dtype(sp.dtype))
+        self._copy((buf, 0), (dev.buffer, dev.offset), streams, dev.nbytes)
+        self.host_wait(streams)
+        return t, buf
+
+    def upload_shard(self, p):
+        """Copies the shard torch holds into hprt's before an all-gather reads it: torch may
+        have changed it (optimizer step, state dict load), also through ``.data``, which no
+        version counter sees, so it is copied every time (1/N of the parameter)."""
+        if p.shard_buf is not None:
+            dev = p.sp.sharded_device_tensor()
+            self._copy((dev.buffer, dev.offset), (p.shard_buf, 0), p.state.streams, dev.nbytes)
+            self.host_wait(p.state.streams)  # torch may change it again once we return
+
+    def upload_grad(self, p):
+        """Copies torch's ``.grad`` of the shard into hprt's sharded gradient before a
+        reduction adds to it: torch may have changed it in place (``zero_grad(set_to_none=
+        False)``, gradient clipping)."""
+        if p.grad_t is not None and p.sharded.grad is p.grad_t:
+            dev = p.sp.sharded_grad_device_tensor()
+            self._copy((dev.buffer, dev.offset), (p.grad_buf, 0), p.state.streams, dev.nbytes)
+            self.host_wait(p.state.streams)
+
+    def gathered(self, p):
+        src = p.sp.unsharded()
+        t, buf = self.alloc(p.shape, p.param_dtype)
+        self._copy((buf, 0), (src.buffer, src.offset), p.state.streams, src.nbytes)
+        return t  # usable after host_wait
+
+    def hprt_input(self, t, streams):
+        """A ``DeviceTensor`` holding ``t`` (a gradient, or a parameter to shard), kept alive
+        by hprt as long as it reads it."""
+        return self.to_device(t.contiguous(), streams)
+
+    def sharded_grad(self, p):
+        dev = p.sp.sharded_grad_device_tensor()
+        if dev is None:  # offloaded: pinned host memory
+            return torch.from_dlpack(p.sp.sharded_grad())
+        if p.grad_t is None or p.sharded.grad is not p.grad_t:
+            p.grad_t, p.grad_buf = self.alloc(p.sp.shard_shape, _torch_dtype(p.sp.dtype))
+        self._copy((p.grad_buf, 0), (dev.buffer, dev.offset), p.state.streams, dev.nbytes)
+        self.host_wait(p.state.streams)
+        return p.grad_t
+
+
+class _StagedMemory(_CopiedMemory):
+    __doc__ = "The staging path (emulators): see ``_CopiedMemory``."
+    name = "staging"
+
+    def compute_stream(self):
+        return None
+
+    def host_wait(self, streams):
+        streams.compute.synchronize()
+
+    def alloc(self, shape, dtype):
+        """A CPU torch tensor over a new pinned host buffer, and the buffer."""
+        shape = list(shape)
+        n = 1
+        for d in shape:
+            n *= d
+        buf = self.platform.alloc_pinned(max(n, 1) * torch.empty((), dtype=dtype).element_size())
+        t = torch.from_dlpack(buf.view(str(dtype), shape))
+        return t, buf
+
+    def to_device(self, t, streams):
+        staged, pinned = self.alloc(t.shape, t.dtype)
+        staged.copy_(t)
+        dev = self.platform.alloc_device(pinned.nbytes)
+        self.platform.copy(dev, pinned, streams.compute)
+        # The H2D copy is queued; the pinned buffer must outlive it.
+        streams.compute.synchronize()
+        return hprt.DeviceTensor(dev, str(t.dtype), list(t.shape))
+
+
+class _DeviceMemory(_CopiedMemory):
+    __doc__ = "The hardware path (torch sees the platform's device): see ``_CopiedMemory``."
+    name = "device"
+
+    def __init__(self, platform, device_type):
+        super().__init__(platform)
+        self.device_type = device_type
+
+    def _torch_module(self):
+        return getattr(torch, self.device_type)  # torch.cuda, or torch.npu with torch_npu
+
+    def device(self):
+        return torch.device(self.device_type, self.platform.current_device())
+
+    def _torch_stream(self):
+        s = self._torch_module().current_stream(self.device())
+        return s.cuda_stream if self.device_type == "cuda" else s.npu_stream
+
+    def compute_stream(self):
+        return self.platform.wrap_stream(self._torch_stream())
+
+    def host_wait(self, streams):
+        self._check_stream(streams)  # torch's stream is hprt's compute stream: ordered
+
+    def _check_stream(self, streams):
+        """Every copy and wait relies on torch computing on the stream hprt wrapped."""
+        if self._torch_stream() != streams.compute.raw:
+            raise hprt.UnsupportedError(
+                f"fully_shard on {self.device_type}: torch's current stream is not the one "
+                "hprt ordered its work on (the current stream when the mesh was made); "
+                "changing streams around fully_shard modules is not supported"
+            )
+
+    def alloc(self, shape, dtype):
+        t = torch.empty(tuple(shape), dtype=dtype, device=self.device())
+        return t, self.platform.wrap_device_memory(t.data_ptr(), t.numel() * t.element_size(), t)
+
+    def to_device(self, t, streams):
+        self._check_stream(streams)
+        if t.device.type == "cpu":
+            t = t.to(self.device())  # a module built on the host, as FSDP2 moves it
+        elif t.device != self.device():
+            raise ValueError(f"a tensor on {t.device}: fully_shard computes on {self.device()}")
+        buf = self.platform.wrap_device_memory(t.data_ptr(), t.numel() * t.element_size(), t)
+        return hprt.DeviceTensor(buf, str(t.dtype), list(t.shape))
+
+
+def _is_emulator(platform):
+    return "emulator" in str(platform.info().get("driver", "")).lower()
+
+
+def _torch_memory(platform):
+    """How torch sees ``platform``'s memory (see ``_CopiedMemory``): shared on the cpu backend;
+    torch's own device tensors where torch has the platform's device (cuda, or npu through
+    torch_npu) and the platform drives real hardware; else the staging path."""
+    backend = platform.backend
+    if backend == "cpu":
+        return _SharedMemory(platform)
+    mod = getattr(torch, backend, None)  # torch.cuda; torch.npu once torch_npu is imported
+    if mod is not None and mod.is_available() and not _is_emulator(platform):
+        return _DeviceMemory(platform, backend)
+    return _StagedMemory(platform)
+
+
+def _torch_dtype(name):
+    return _DTYPES[name]
+
+
+_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64}
+
+
+# ---------------------------------------------------------------------------------------------
 # Parameters
 
 
@@ -348,15 +574,18 @@ class _FSDPParam:
         self.state, self.fqn, self.locations = state, fqn, locations
         self.requires_grad = param.requires_grad
         mesh = state.mesh
-        data = param.detach().contiguous()
+        self.memory = mesh.memory
+        data = self.memory.hprt_input(param.detach(), mesh.streams)
         self.sp = hprt.ShardedParam(
             mesh.cache, mesh.streams, mesh.dp, fqn, data,
             mp_policy=state.mp_policy._hprt(), offload_policy=state.offload_policy._hprt,
         )
         self._source = data  # read by the queued shard copy; dropped after a synchronize
         self.shape = param.shape
-        self.sharded = nn.Parameter(torch.from_dlpack(self.sp.sharded_data()), requires_grad=param.requires_grad)
+        shard, self.shard_buf = self.memory.shard(self.sp, mesh.streams)
+        self.sharded = nn.Parameter(shard, requires_grad=param.requires_grad)
         self.sharded._hprt_fsdp_param = self
+        self.grad_t = self.grad_buf = None  # the copied memory's sharded gradient
         self.param_dtype = state.mp_policy.param_dtype or param.dtype
         self.unsharded = None
         self.base = None  # the gathered tensor while unsharded
@@ -365,15 +594,16 @@ class _FSDPParam:
 
     # the upstream HSDPParamV2 names, over hprt's ShardedParam
     def unshard(self, async_op=False):
+        if self.sp.state == "sharded":  # else a pending all-gather may be reading hprt's shard
+            self.memory.upload_shard(self)
         return self.sp.unshard(async_op=async_op)
 
     def wait_for_unshard(self):
         self.sp.wait_for_unshard()
 
-    def bind_unsharded(self):
-        """Points the unsharded leaf (and the module attributes) at the gathered memory; the
-        compute stream must have been synchronized after ``wait_for_unshard``."""
-        view = torch.from_dlpack(self.sp.unsharded())
+    def bind_unsharded(self, view):
+        """Points the unsharded leaf (and the module attributes) at ``view``, torch's tensor of
+        the gathered parameter (``memory.gathered``, after ``memory.host_wait``)."""
         if self.unsharded is None:
             self.unsharded = nn.Parameter(view, requires_grad=self.requires_grad)
             if self.requires_grad:
@@ -399,39 +629,44 @@ class _FSDPParam:
         st = self.state
         self.keep.append(grad)
         if st.requires_gradient_sync:
-            if self.sharded.grad is None and not self.reduced:
-                self.sp.clear_grad()  # the user dropped .grad (zero_grad): start a new one
+            if not self.reduced:
+                if self.sharded.grad is None:
+                    self.sp.clear_grad()  # the user dropped .grad (zero_grad): start a new one
+                else:
+                    self.memory.upload_grad(self)
             trace, rs = st.mesh.trace, st.streams.reduce
             start = trace.begin(rs) if trace else None
-            self.sp.reduce_grad(grad, op="avg", async_op=True)
+            self.sp.reduce_grad(self.memory.hprt_input(grad, st.streams), op="avg", async_op=True)
             if trace:
                 trace.end("reduce", rs, start)
             self.reduced = True
         else:
-            self.sp.accumulate_grad(grad)
+            self.sp.accumulate_grad(self.memory.hprt_input(grad, st.streams))
         st._grad_arrived()
 
     def full_tensor(self):
-        """The whole parameter in its own dtype (a collective over the shard group)."""
+        """The whole parameter in its own dtype (a collective over the shard group), from the
+        shard torch holds."""
         st = self.state
         mesh, sp = st.mesh, self.sp
-        p = mesh.platform
+        self.memory.host_wait(mesh.streams)
+        shard = self.sharded.detach()
+        rows = self.shape[0]
         if sp.group_size == 1:
-            shard = torch.from_dlpack(sp.sharded_data())
-            mesh.streams.compute.synchronize()
-            return shard.clone()[: self.shape[0]].reshape(self.shape)
+            return shard.clone()[:rows].reshape(self.shape)
+        p = mesh.platform
         group = mesh.cache.group_along("fsdp_shard", mesh.mesh, [mesh.shard_axis])
-        nbytes = sp.shard_numel * torch.empty((), dtype=self.sharded.dtype).element_size()
+        host = shard.cpu().contiguous().reshape(-1)
+        nbytes = host.numel() * host.element_size()
         send, recv = p.alloc_device(nbytes), p.alloc_device(nbytes * sp.group_size)
         s = mesh.streams.compute
-        p.write(send, bytes(sp.read_sharded()), s)
+        p.write(send, host.view(torch.uint8).numpy().tobytes(), s)
         group.communicator.all_gather(send, recv, sp.shard_numel, sp.dtype, s)
-        s.synchronize()
-        out = torch.from_dlpack(recv.view(sp.dtype, [sp.group_size * sp.shard_shape[0]] + list(sp.shard_shape[1:]), 0))
-        full = out[: self.shape[0]].clone().reshape(self.shape)
+        data = bytearray(p.read(recv, nbytes * sp.group_size, s))
         send.free()
         recv.free()
-        return full
+        out = torch.frombuffer(data, dtype=shard.dtype).reshape([-1] + list(sp.shard_shape[1:]))
+        return out[:rows].clone().reshape(self.shape).to(shard.device)
 
     def shard_of(self, full):
         """This rank's padded shard of a whole parameter."""
@@ -500,11 +735,13 @@ class _FSDPState:
         t0 = time.perf_counter()
         for p in self.params:
             p.wait_for_unshard()
-        self.streams.compute.synchronize()  # torch computes on the host (cpu backend)
+        memory = self.mesh.memory
+        views = [memory.gathered(p) for p in self.params]
+        memory.host_wait(self.streams)  # torch reads the gathered memory from here on
         if self.mesh.trace:
             self.mesh.trace.wait(t0, time.perf_counter())
-        for p in self.params:
-            p.bind_unsharded()
+        for p, view in zip(self.params, views):
+            p.bind_unsharded(view)
 
     def reshard(self):
         for p in self.params:
@@ -653,13 +890,13 @@ class _FSDPState:
             for p in st.params:
                 if p.reduced:
                     p.sp.wait_for_reduce()
-        self.streams.compute.synchronize()
+        self.mesh.memory.host_wait(self.streams)
         if self.mesh.trace:
             self.mesh.trace.wait(t0, time.perf_counter())
         for st in states:
             for p in st.params:
                 if p.reduced:
-                    g = torch.from_dlpack(p.sp.sharded_grad())
+                    g = p.memory.sharded_grad(p)
                     if p.sharded.grad is None or p.sharded.grad.data_ptr() != g.data_ptr():
                         p.sharded.grad = g
                 p.reduced = False
@@ -770,12 +1007,6 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True, shard_placemen
     if getattr(module, "_hprt_fsdp", None) is not None:
         raise ValueError(f"{type(module).__name__} was already passed to fully_shard")
     mesh = mesh if mesh is not None else init_device_mesh()
-    if mesh.platform.backend != "cpu":
-        raise hprt.UnsupportedError(
-            f"fully_shard on the {mesh.platform.backend} backend: torch must address hprt's device "
-            "memory, and DLPack export of cuda / npu device memory is not implemented; the cpu "
-            "backend's is"
-        )
     ignored = {id(p) for p in (ignored_params or ())}
     managed = set()
     for m in module.modules():

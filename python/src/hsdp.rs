@@ -418,6 +418,26 @@ impl PyShardedParam {
         }
     }
 
+    /// `r` as a shard-shaped `DeviceTensor` when it is device memory.
+    fn device_tensor(
+        &self,
+        param: &ShardedParam<'static>,
+        r: ShardRef<'_>,
+    ) -> Result<Option<PyDeviceTensor>> {
+        match r {
+            ShardRef::Device(b) => PyDeviceTensor::from_parts(
+                &self.p,
+                b.buf.clone(),
+                b.offset,
+                param.dtype(),
+                param.geometry().shard_shape(),
+                false,
+            )
+            .map(Some),
+            ShardRef::Pinned(_) => Ok(None),
+        }
+    }
+
     /// Starts the reduce-scatter of `grad` (and with `all_reduce` the all-reduce across
     /// replicas), keeping `grad`'s memory until the reduction is applied.
     fn start_reduce(
@@ -692,6 +712,14 @@ impl PyShardedParam {
         let w = g.param.get();
         self.shard_view(w, w.sharded_data())
     }
+    /// This rank's shard as a `DeviceTensor` over hprt's device memory, for stream-ordered
+    /// copies to and from memory torch allocated (`Platform.copy`); `None` under the offload
+    /// policy, where the shard is pinned host memory (`sharded_data()`).
+    fn sharded_device_tensor(&self) -> Result<Option<PyDeviceTensor>> {
+        let g = locked(&self.inner);
+        let w = g.param.get();
+        self.device_tensor(w, w.sharded_data())
+    }
     /// The shard's bytes once the compute stream's work so far completed.
     fn read_sharded<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyBytes>> {
         let bytes = py.detach(|| {
@@ -798,6 +826,16 @@ impl PyShardedParam {
         let g = locked(&self.inner);
         let w = g.param.get();
         w.sharded_grad().map(|r| self.shard_view(w, r)).transpose()
+    }
+    /// The sharded gradient as a `DeviceTensor` (like `sharded_device_tensor()`); `None`
+    /// before the first reduction and under the offload policy.
+    fn sharded_grad_device_tensor(&self) -> Result<Option<PyDeviceTensor>> {
+        let g = locked(&self.inner);
+        let w = g.param.get();
+        match w.sharded_grad() {
+            Some(r) => self.device_tensor(w, r),
+            None => Ok(None),
+        }
     }
     /// The sharded gradient's bytes once the compute stream's work so far completed (`None`
     /// before the first reduction).

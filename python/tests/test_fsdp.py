@@ -64,10 +64,11 @@ def loss_of(model, ids):
 
 class Case:
     def __init__(self, model="gpt2", world=2, mesh=None, bf16=False, reshard=True, micro=1,
-                 offload=False):
+                 offload=False, zero_in_place=False):
         self.model, self.world, self.bf16, self.reshard = model, world, bf16, reshard
         self.mesh = mesh or (world,)
         self.micro, self.offload = micro, offload
+        self.zero_in_place = zero_in_place  # zero_grad(set_to_none=False)
 
     @property
     def mp(self):
@@ -77,7 +78,7 @@ class Case:
 
 
 def shard_model(model, case):
-    mesh = ht.init_device_mesh("cpu", case.mesh)
+    mesh = ht.init_device_mesh(None, case.mesh)
     kw = dict(mesh=mesh, reshard_after_forward=case.reshard, mp_policy=case.mp,
               offload_policy=ht.CPUOffloadPolicy() if case.offload else ht.OffloadPolicy())
     for block in blocks(model):
@@ -101,7 +102,7 @@ def train_rank(rank, template, case, peaks=None):
             losses.append(loss.item())
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not case.zero_in_place)
     if peaks is not None:
         peaks[rank] = platform.memory_stats()["device_peak"]
     shards = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -208,6 +209,7 @@ CASES = {
     "gpt2-fsdp2-keep-gathered": Case("gpt2", 2, reshard=False),
     "llama-fsdp4-accumulate": Case("llama", 4, micro=2),
     "gpt2-fsdp2-offload": Case("gpt2", 2, offload=True),
+    "gpt2-fsdp2-zero-in-place": Case("gpt2", 2, zero_in_place=True),
 }
 
 
@@ -378,18 +380,25 @@ def test_rendezvous_over_a_torch_process_group(tmp_path):
     assert len(uids) == 1 and next(iter(uids)).startswith(b"id-of-rank-0-")
 
 
+EMULATED_CASES = ["gpt2-fsdp2", "llama-hsdp2x2", "gpt2-fsdp2-offload", "gpt2-fsdp2-zero-in-place"]
+
+
+@pytest.mark.parametrize("name", EMULATED_CASES)
 @pytest.mark.parametrize("backend", EMULATED)
-def test_fully_shard_on_an_emulated_accelerator_is_a_clear_error(backend):
-    """torch cannot address npu / cuda device memory through hprt yet (no DLPack export of it):
-    a typed error, not a wrong result."""
+def test_fully_shard_on_an_emulated_accelerator_is_bit_exact(backend, name):
+    """The emulators' device memory is not torch's: the staging path copies gathered
+    parameters D2H and gradients H2D (pinned host memory on torch's side), and the result is
+    the same bits as the single-rank reference (also under HP_EMU_DELAY_SEED)."""
+    case = CASES[name]
+    template = MODELS[case.model]()
     p = hprt.open_platform(backend)
 
-    def rank_fn(rank):
-        with pytest.raises(hprt.UnsupportedError, match="DLPack"):
-            ht.fully_shard(torch.nn.Linear(4, 4))
-        return True
+    def rank_fn(rank, *args):
+        assert ht.init_device_mesh().memory.name == "staging"
+        return train_rank(rank, *args)
 
-    assert ht.run_on_ranks(2, rank_fn, platform=p) == [True, True]
+    out = ht.run_on_ranks(case.world, rank_fn, template, case, platform=p)
+    check(case, out, template)
 
 
 def test_threads_keep_separate_contexts():
