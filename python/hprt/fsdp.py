@@ -590,6 +590,8 @@ class _FSDPParam:
         self.unsharded = None
         self.base = None  # the gathered tensor while unsharded
         self.reduced = False  # a reduction was issued in this backward
+        self.pending = False  # a reduction was issued and not applied yet (wait_for_reduce)
+        self.unpublished = False  # hprt's sharded gradient is ahead of .grad (not last backward)
         self.keep = []  # gradients hprt's streams may still read
 
     # the upstream HSDPParamV2 names, over hprt's ShardedParam
@@ -624,12 +626,20 @@ class _FSDPParam:
             # Nothing may keep pointing at memory that shard() frees.
             self.unsharded.data = torch.zeros((), dtype=self.param_dtype).expand(self.shape)
 
+    def apply_pending(self):
+        """Applies a reduction left in flight by a backward that was not the last one
+        (``set_is_last_backward(False)``): stream-ordered, no host wait."""
+        if self.pending:
+            self.sp.wait_for_reduce()
+            self.pending = False
+
     def _on_grad(self, leaf):
         grad, leaf.grad = leaf.grad, None
         st = self.state
         self.keep.append(grad)
+        self.apply_pending()
         if st.requires_gradient_sync:
-            if not self.reduced:
+            if not self.reduced and not self.unpublished:
                 if self.sharded.grad is None:
                     self.sp.clear_grad()  # the user dropped .grad (zero_grad): start a new one
                 else:
@@ -639,7 +649,7 @@ class _FSDPParam:
             self.sp.reduce_grad(self.memory.hprt_input(grad, st.streams), op="avg", async_op=True)
             if trace:
                 trace.end("reduce", rs, start)
-            self.reduced = True
+            self.reduced = self.pending = True
         else:
             self.sp.accumulate_grad(self.memory.hprt_input(grad, st.streams))
         st._grad_arrived()
@@ -690,6 +700,7 @@ class _FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.is_last_backward = True  # read on the root
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
         self.live = {}
@@ -885,22 +896,27 @@ class _FSDPState:
 
     def _final_callback(self):
         states = self.states or [self]
-        t0 = time.perf_counter()
+        last = self.is_last_backward
+        if last:
+            t0 = time.perf_counter()
+            for st in states:
+                for p in st.params:
+                    p.apply_pending()
+            self.mesh.memory.host_wait(self.streams)
+            if self.mesh.trace:
+                self.mesh.trace.wait(t0, time.perf_counter())
         for st in states:
             for p in st.params:
-                if p.reduced:
-                    p.sp.wait_for_reduce()
-        self.mesh.memory.host_wait(self.streams)
-        if self.mesh.trace:
-            self.mesh.trace.wait(t0, time.perf_counter())
-        for st in states:
-            for p in st.params:
-                if p.reduced:
+                if last and (p.reduced or p.unpublished):
                     g = p.memory.sharded_grad(p)
                     if p.sharded.grad is None or p.sharded.grad.data_ptr() != g.data_ptr():
                         p.sharded.grad = g
+                    p.unpublished = False
+                elif p.reduced:
+                    p.unpublished = True  # in flight; the next backward applies it
                 p.reduced = False
-                p.keep.clear()
+                if last:
+                    p.keep.clear()
             if st.reshard_after_backward:
                 st.reshard()
             st.backward_started = False
@@ -941,6 +957,14 @@ class FSDPModule:
         for st in self._fsdp_states(recurse):
             st.requires_gradient_sync = requires_gradient_sync
 
+    def set_is_last_backward(self, is_last_backward):
+        """Off: the next backward leaves its last gradient reductions in flight (they overlap
+        what comes next, e.g. the next micro-batch's forward) and does not set ``.grad``; the
+        backward after it applies them first. Set it back on for the micro-batch whose
+        backward precedes the optimizer step."""
+        for st in self._fsdp_states(True):
+            st.is_last_backward = is_last_backward
+
     def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
         for st in self._fsdp_states(recurse):
             st.reshard_after_forward = reshard_after_forward
@@ -961,7 +985,9 @@ class FSDPModule:
         """Drops the sharded gradients of this module and every fully_shard module under it."""
         for st in self._fsdp_states(True):
             for p in st.params:
+                p.apply_pending()
                 p.sharded.grad = None
+                p.unpublished = False
                 p.sp.clear_grad()
 
     def forward(self, *args, **kwargs):

@@ -64,11 +64,13 @@ def loss_of(model, ids):
 
 class Case:
     def __init__(self, model="gpt2", world=2, mesh=None, bf16=False, reshard=True, micro=1,
-                 offload=False, zero_in_place=False):
+                 offload=False, zero_in_place=False, last_backward=False):
         self.model, self.world, self.bf16, self.reshard = model, world, bf16, reshard
         self.mesh = mesh or (world,)
         self.micro, self.offload = micro, offload
         self.zero_in_place = zero_in_place  # zero_grad(set_to_none=False)
+        # Every micro-batch reduces, all but the last under set_is_last_backward(False).
+        self.last_backward = last_backward
 
     @property
     def mp(self):
@@ -96,10 +98,16 @@ def train_rank(rank, template, case, peaks=None):
         if step == 1:
             platform.reset_peak_memory()
         for micro in range(case.micro):
-            model.set_requires_gradient_sync(micro == case.micro - 1)
+            last = micro == case.micro - 1
+            if case.last_backward:
+                model.set_is_last_backward(last)
+            else:
+                model.set_requires_gradient_sync(last)
             loss = loss_of(model, batch(step, micro, rank))
             loss.backward()
             losses.append(loss.item())
+            if step == 0 and not last:  # nothing published before the last backward
+                assert all(p.grad is None for p in model.parameters())
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad(set_to_none=not case.zero_in_place)
@@ -117,6 +125,24 @@ def pad_chunks(t, groups):
     padded = torch.zeros((rows * groups,) + tuple(t.shape[1:]), dtype=t.dtype)
     padded[: t.shape[0]] = t
     return list(padded.split(rows))
+
+
+def sum_in_order(ts):
+    s = ts[0]
+    for t in ts[1:]:
+        s = s + t
+    return s
+
+
+def reduce_ranks(per_rank, groups):
+    """hprt's reduction of one gradient per rank: the mean over each shard group in rank
+    order, then the mean over the replicas (HSDP)."""
+    out = {}
+    for n in per_rank[0]:
+        group_means = [sum_in_order([per_rank[r][n] for r in g]) / len(g) for g in groups]
+        s = sum_in_order(group_means)
+        out[n] = s / len(group_means) if len(group_means) > 1 else s
+    return out
 
 
 def reference(template, case):
@@ -137,28 +163,22 @@ def reference(template, case):
         with torch.no_grad():
             for n, p in work.named_parameters():
                 p.data = master[n].to(pdt)
-        acc = []
+        # grads[micro][rank][name] in the reduce dtype
+        grads = [[{} for _ in range(world)] for _ in range(case.micro)]
         for rank in range(world):
-            per = {}
             for micro in range(case.micro):
                 work.zero_grad(set_to_none=True)
                 loss_of(work, batch(step, micro, rank)).backward()
                 for n, p in work.named_parameters():
-                    g = p.grad.to(torch.float32)
-                    per[n] = g if n not in per else per[n] + g
-            acc.append(per)
-        reduced = {}
-        for n in master:
-            group_means = []
-            for g in groups:
-                s = acc[g[0]][n]
-                for r in g[1:]:
-                    s = s + acc[r][n]
-                group_means.append(s / len(g))
-            s = group_means[0]
-            for m in group_means[1:]:
-                s = s + m
-            reduced[n] = s / len(group_means) if len(group_means) > 1 else s
+                    grads[micro][rank][n] = p.grad.to(torch.float32)
+        if case.last_backward:  # a reduction per micro-batch, accumulated into the shard
+            reduced = reduce_ranks(grads[0], groups)
+            for per in grads[1:]:
+                reduced = {n: g + r for (n, g), r in zip(reduced.items(), reduce_ranks(per, groups).values())}
+        else:  # summed unsharded (sync off), then one reduction
+            summed = [{n: sum_in_order([grads[m][r][n] for m in range(case.micro)]) for n in master}
+                      for r in range(world)]
+            reduced = reduce_ranks(summed, groups)
         grads_out = {n: pad_chunks(reduced[n], shard_size) for n in master}
         for k in range(shard_size):
             for n, sp in zip(master, shard_params[k]):
@@ -208,6 +228,7 @@ CASES = {
     "llama-fsdp2-bf16": Case("llama", 2, bf16=True),
     "gpt2-fsdp2-keep-gathered": Case("gpt2", 2, reshard=False),
     "llama-fsdp4-accumulate": Case("llama", 4, micro=2),
+    "gpt2-hsdp2x2-not-last-backward": Case("gpt2", 4, mesh=(2, 2), micro=3, last_backward=True),
     "gpt2-fsdp2-offload": Case("gpt2", 2, offload=True),
     "gpt2-fsdp2-zero-in-place": Case("gpt2", 2, zero_in_place=True),
 }
@@ -380,7 +401,8 @@ def test_rendezvous_over_a_torch_process_group(tmp_path):
     assert len(uids) == 1 and next(iter(uids)).startswith(b"id-of-rank-0-")
 
 
-EMULATED_CASES = ["gpt2-fsdp2", "llama-hsdp2x2", "gpt2-fsdp2-offload", "gpt2-fsdp2-zero-in-place"]
+EMULATED_CASES = ["gpt2-fsdp2", "llama-hsdp2x2", "gpt2-fsdp2-offload", "gpt2-fsdp2-zero-in-place",
+                  "gpt2-hsdp2x2-not-last-backward"]
 
 
 @pytest.mark.parametrize("name", EMULATED_CASES)
