@@ -570,14 +570,14 @@ class _FSDPParam:
     """One managed parameter: the hprt ``ShardedParam``, the shard torch sees as the registered
     parameter, and the persistent unsharded leaf whose data is rebound to each gathered copy."""
 
-    def __init__(self, state, fqn, param, locations):
+    def __init__(self, state, fqn, param, locations, dim):
         self.state, self.fqn, self.locations = state, fqn, locations
         self.requires_grad = param.requires_grad
         mesh = state.mesh
         self.memory = mesh.memory
         data = self.memory.hprt_input(param.detach(), mesh.streams)
         self.sp = hprt.ShardedParam(
-            mesh.cache, mesh.streams, mesh.dp, fqn, data,
+            mesh.cache, mesh.streams, mesh.dp, fqn, data, shard_dim=dim,
             mp_policy=state.mp_policy._hprt(), offload_policy=state.offload_policy._hprt,
         )
         self._source = data  # read by the queued shard copy; dropped after a synchronize
@@ -661,9 +661,9 @@ class _FSDPParam:
         mesh, sp = st.mesh, self.sp
         self.memory.host_wait(mesh.streams)
         shard = self.sharded.detach()
-        rows = self.shape[0]
+        dim, rows = sp.shard_dim, self.shape[sp.shard_dim]
         if sp.group_size == 1:
-            return shard.clone()[:rows].reshape(self.shape)
+            return shard.narrow(dim, 0, rows).clone()
         p = mesh.platform
         group = mesh.cache.group_along("fsdp_shard", mesh.mesh, [mesh.shard_axis])
         host = shard.cpu().contiguous().reshape(-1)
@@ -675,18 +675,18 @@ class _FSDPParam:
         data = bytearray(p.read(recv, nbytes * sp.group_size, s))
         send.free()
         recv.free()
-        out = torch.frombuffer(data, dtype=shard.dtype).reshape([-1] + list(sp.shard_shape[1:]))
-        return out[:rows].clone().reshape(self.shape).to(shard.device)
+        shards = torch.frombuffer(data, dtype=shard.dtype).reshape([sp.group_size] + list(sp.shard_shape))
+        return torch.cat(list(shards), dim).narrow(dim, 0, rows).clone().to(shard.device)
 
     def shard_of(self, full):
         """This rank's padded shard of a whole parameter."""
         sp = self.sp
-        chunk = sp.shard_shape[0]
+        dim = sp.shard_dim
         out = torch.zeros(sp.shard_shape, dtype=self.sharded.dtype)
         rows = sp.valid_rows(sp.shard_index)
         if rows:
-            start = sp.shard_index * chunk
-            out[:rows].copy_(full.reshape(self.shape)[start:start + rows])
+            start = sp.shard_index * sp.shard_shape[dim]
+            out.narrow(dim, 0, rows).copy_(full.reshape(self.shape).narrow(dim, start, rows))
         return out
 
 
@@ -717,8 +717,8 @@ class _FSDPState:
         self.grads_arrived = 0
         self.initialized = False
         self.order_frozen = False
-        for fqn, (param, locations) in params.items():
-            self.params.append(_FSDPParam(self, fqn, param, locations))
+        for fqn, (param, locations, dim) in params.items():
+            self.params.append(_FSDPParam(self, fqn, param, locations, dim))
         for p in self.params:
             for m, attr in p.locations:
                 m._parameters[attr] = p.sharded
@@ -1019,16 +1019,36 @@ def _state_of(module):
 _classes = {}
 
 
+def _shard_dim(shard_placement_fn, fqn, param):
+    """The dim ``shard_placement_fn(param)`` shards on: FSDP2's ``Shard(dim)`` (torch's
+    ``torch.distributed.tensor.Shard``, or anything with an int ``dim``), ``None`` = dim 0;
+    a negative dim counts from the end."""
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        return 0
+    dim = getattr(placement, "dim", None)
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise ValueError(
+            f"shard_placement_fn returned {placement!r} for {fqn!r}: fully_shard takes a "
+            "Shard(dim) or None"
+        )
+    if not -param.ndim <= dim < param.ndim:
+        raise ValueError(f"shard_placement_fn: Shard({dim}) of {fqn!r}, a {param.ndim}-D parameter")
+    return dim % param.ndim
+
+
 def fully_shard(module, *, mesh=None, reshard_after_forward=True, shard_placement_fn=None,
                 mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(), ignored_params=None):
     """Shards ``module``'s parameters (those not already managed by a ``fully_shard`` module
     under it, and not in ``ignored_params``) over ``mesh`` (default: 1-D over the rank's world)
     and returns ``module``, whose class now also derives from ``FSDPModule``. Apply it to each
-    block, then to the root. Collective: every rank shards the same modules in the same order."""
-    if shard_placement_fn is not None:
-        raise NotImplementedError("shard_placement_fn: hprt's fully_shard shards every parameter on dim 0")
+    block, then to the root. Collective: every rank shards the same modules in the same order.
+
+    ``shard_placement_fn(param)`` may return ``Shard(dim)`` to shard a parameter on another dim
+    than 0 (its registered shard is then a slice along ``dim``, padded there)."""
     if isinstance(module, (list, tuple, nn.ModuleList)) and not isinstance(module, nn.Module):
-        return [fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+        return [fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                            shard_placement_fn=shard_placement_fn, mp_policy=mp_policy,
                             offload_policy=offload_policy, ignored_params=ignored_params) for m in module]
     if getattr(module, "_hprt_fsdp", None) is not None:
         raise ValueError(f"{type(module).__name__} was already passed to fully_shard")
@@ -1051,7 +1071,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True, shard_placemen
                 by_id[id(p)][1].append((m, attr))  # a tied parameter: one shard, several homes
                 continue
             fqn = f"{mod_name}.{attr}" if mod_name else attr
-            by_id[id(p)] = params[fqn] = (p, [(m, attr)])
+            by_id[id(p)] = params[fqn] = (p, [(m, attr)], _shard_dim(shard_placement_fn, fqn, p))
     state = _FSDPState(mesh, reshard_after_forward, mp_policy, offload_policy, params)
     cls = type(module)
     state.orig_forward = cls.forward

@@ -14,6 +14,7 @@ import transformers  # noqa: E402  (CI installs it: scripts/test)
 
 import hprt  # noqa: E402
 import hprt.torch as ht  # noqa: E402
+from torch.distributed.tensor import Shard  # noqa: E402  (FSDP2's placement type)
 from emulated import EMULATED  # noqa: E402
 
 BATCH, SEQ, VOCAB, STEPS, LR, WD = 2, 8, 96, 3, 1e-2, 0.1
@@ -64,13 +65,17 @@ def loss_of(model, ids):
 
 class Case:
     def __init__(self, model="gpt2", world=2, mesh=None, bf16=False, reshard=True, micro=1,
-                 offload=False, zero_in_place=False, last_backward=False):
+                 offload=False, zero_in_place=False, last_backward=False, shard_dim=None):
         self.model, self.world, self.bf16, self.reshard = model, world, bf16, reshard
         self.mesh = mesh or (world,)
         self.micro, self.offload = micro, offload
         self.zero_in_place = zero_in_place  # zero_grad(set_to_none=False)
         # Every micro-batch reduces, all but the last under set_is_last_backward(False).
         self.last_backward = last_backward
+        self.shard_dim = shard_dim  # shard_placement_fn: Shard(shard_dim) for matrices
+
+    def dim_of(self, t):
+        return self.shard_dim % t.ndim if self.shard_dim is not None and t.ndim > 1 else 0
 
     @property
     def mp(self):
@@ -83,6 +88,8 @@ def shard_model(model, case):
     mesh = ht.init_device_mesh(None, case.mesh)
     kw = dict(mesh=mesh, reshard_after_forward=case.reshard, mp_policy=case.mp,
               offload_policy=ht.CPUOffloadPolicy() if case.offload else ht.OffloadPolicy())
+    if case.shard_dim is not None:
+        kw["shard_placement_fn"] = lambda p: Shard(case.shard_dim) if p.ndim > 1 else None
     for block in blocks(model):
         ht.fully_shard(block, **kw)
     ht.fully_shard(model, **kw)
@@ -119,12 +126,15 @@ def train_rank(rank, template, case, peaks=None):
     return grads, shards, index, losses, full
 
 
-def pad_chunks(t, groups):
-    """``t`` split into ``groups`` dim-0 chunks, zero-padded to equal size (hprt's shards)."""
-    rows = -(-t.shape[0] // groups)
-    padded = torch.zeros((rows * groups,) + tuple(t.shape[1:]), dtype=t.dtype)
-    padded[: t.shape[0]] = t
-    return list(padded.split(rows))
+def pad_chunks(t, groups, dim=0):
+    """``t`` split into ``groups`` chunks along ``dim``, zero-padded to equal size (hprt's
+    shards)."""
+    rows = -(-t.shape[dim] // groups)
+    shape = list(t.shape)
+    shape[dim] = rows * groups
+    padded = torch.zeros(shape, dtype=t.dtype)
+    padded.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return list(padded.split(rows, dim))
 
 
 def sum_in_order(ts):
@@ -153,7 +163,8 @@ def reference(template, case):
     shard_size = case.mesh[-1]
     groups = [list(range(g * shard_size, (g + 1) * shard_size)) for g in range(world // shard_size)]
     master = {n: p.detach().clone() for n, p in template.named_parameters()}
-    shards = {n: pad_chunks(t, shard_size) for n, t in master.items()}
+    dims = {n: case.dim_of(t) for n, t in master.items()}
+    shards = {n: pad_chunks(t, shard_size, dims[n]) for n, t in master.items()}
     shard_params = [[torch.nn.Parameter(shards[n][k]) for n in master] for k in range(shard_size)]
     opts = [torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=False) for ps in shard_params]
     work = copy.deepcopy(template)
@@ -179,14 +190,14 @@ def reference(template, case):
             summed = [{n: sum_in_order([grads[m][r][n] for m in range(case.micro)]) for n in master}
                       for r in range(world)]
             reduced = reduce_ranks(summed, groups)
-        grads_out = {n: pad_chunks(reduced[n], shard_size) for n in master}
+        grads_out = {n: pad_chunks(reduced[n], shard_size, dims[n]) for n in master}
         for k in range(shard_size):
             for n, sp in zip(master, shard_params[k]):
                 sp.grad = grads_out[n][k].clone()
             opts[k].step()
         for i, n in enumerate(master):
-            full = torch.cat([shard_params[k][i].detach() for k in range(shard_size)])
-            master[n] = full[: master[n].shape[0]].clone()
+            full = torch.cat([shard_params[k][i].detach() for k in range(shard_size)], dims[n])
+            master[n] = full.narrow(dims[n], 0, master[n].shape[dims[n]]).clone()
     return grads_out, [[p.detach() for p in ps] for ps in shard_params], master
 
 
@@ -231,6 +242,9 @@ CASES = {
     "gpt2-hsdp2x2-not-last-backward": Case("gpt2", 4, mesh=(2, 2), micro=3, last_backward=True),
     "gpt2-fsdp2-offload": Case("gpt2", 2, offload=True),
     "gpt2-fsdp2-zero-in-place": Case("gpt2", 2, zero_in_place=True),
+    # Shard(-1) of every matrix over 3 ranks: 32 columns pad to 33.
+    "gpt2-fsdp3-shard-last-dim": Case("gpt2", 3, shard_dim=-1),
+    "llama-hsdp2x2-shard-dim1-bf16": Case("llama", 4, mesh=(2, 2), shard_dim=1, bf16=True),
 }
 
 
@@ -402,7 +416,7 @@ def test_rendezvous_over_a_torch_process_group(tmp_path):
 
 
 EMULATED_CASES = ["gpt2-fsdp2", "llama-hsdp2x2", "gpt2-fsdp2-offload", "gpt2-fsdp2-zero-in-place",
-                  "gpt2-hsdp2x2-not-last-backward"]
+                  "gpt2-hsdp2x2-not-last-backward", "gpt2-fsdp3-shard-last-dim"]
 
 
 @pytest.mark.parametrize("name", EMULATED_CASES)
@@ -421,6 +435,21 @@ def test_fully_shard_on_an_emulated_accelerator_is_bit_exact(backend, name):
 
     out = ht.run_on_ranks(case.world, rank_fn, template, case, platform=p)
     check(case, out, template)
+
+
+def test_shard_placement_fn_takes_shard_or_none():
+    from torch.distributed.tensor import Replicate
+
+    def rank_fn(rank):
+        with pytest.raises(ValueError, match="Shard\\(dim\\) or None"):
+            ht.fully_shard(torch.nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate())
+        with pytest.raises(ValueError, match="Shard\\(2\\) of 'weight', a 2-D parameter"):
+            ht.fully_shard(torch.nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2))
+        lin = ht.fully_shard(torch.nn.Linear(5, 3), shard_placement_fn=lambda p: Shard(p.ndim - 1))
+        return lin.weight.shape, lin.bias.shape
+
+    # Linear(5, 3): weight [3, 5] on dim 1 -> [3, 3] (5 columns padded to 6); bias [3] -> [2].
+    assert ht.run_on_ranks(2, rank_fn) == [(torch.Size([3, 3]), torch.Size([2]))] * 2
 
 
 def test_threads_keep_separate_contexts():
