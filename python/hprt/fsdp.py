@@ -632,6 +632,7 @@ class _FSDPParam:
         if self.pending:
             self.sp.wait_for_reduce()
             self.pending = False
+            self.keep.clear()  # the compute stream is ordered after the reduction's reads
 
     def _on_grad(self, leaf):
         grad, leaf.grad = leaf.grad, None
@@ -715,6 +716,7 @@ class _FSDPState:
         self.backward_started = False
         self.callback_queued = False
         self.grads_arrived = 0
+        self.in_flight = []  # (on the root) modules whose reductions were not applied yet
         self.initialized = False
         self.order_frozen = False
         for fqn, (param, locations, dim) in params.items():
@@ -891,8 +893,16 @@ class _FSDPState:
     def _grad_arrived(self):
         self.grads_arrived += 1
         if self.grads_arrived == sum(p.requires_grad for p in self.params):
-            if self.reshard_after_backward and self is not (self.root or self):
+            root = self.root or self
+            if self.reshard_after_backward and self is not root:
                 self.reshard()
+            # FSDP2's bound on reductions in flight: this module's, and no earlier ones (their
+            # staging and gradient memory is released once applied; stream-ordered, no host
+            # wait). Without it every module's staged gradients lived until the end of backward.
+            for st in root.in_flight:
+                for p in st.params:
+                    p.apply_pending()
+            root.in_flight = [self]
 
     def _final_callback(self):
         states = self.states or [self]
@@ -902,6 +912,7 @@ class _FSDPState:
             for st in states:
                 for p in st.params:
                     p.apply_pending()
+            self.in_flight = []
             self.mesh.memory.host_wait(self.streams)
             if self.mesh.trace:
                 self.mesh.trace.wait(t0, time.perf_counter())
@@ -916,7 +927,7 @@ class _FSDPState:
                     p.unpublished = True  # in flight; the next backward applies it
                 p.reduced = False
                 if last:
-                    p.keep.clear()
+                    p.keep.clear()  # the host waited for every stream (torch's: ordered)
             if st.reshard_after_backward:
                 st.reshard()
             st.backward_started = False

@@ -96,8 +96,8 @@ def shard_model(model, case):
     return model
 
 
-def train_rank(rank, template, case, peaks=None):
-    model = shard_model(copy.deepcopy(template), case)
+def train_rank(rank, template, case, peaks=None, shard=shard_model):
+    model = shard(copy.deepcopy(template), case)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
     platform = model._hprt_fsdp.mesh.platform
     losses = []
@@ -270,6 +270,8 @@ def param_bytes(module):
 
 
 def test_peak_device_memory_is_a_shard_plus_gathered_blocks():
+    """Peak hprt device bytes per rank: the shards and sharded gradients (1/N each), the
+    root's gathered parameters, the computing block and the prefetched one."""
     case = Case("gpt2", 4)
     template = gpt2(layers=4)
     peaks = [None] * case.world
@@ -284,6 +286,34 @@ def test_peak_device_memory_is_a_shard_plus_gathered_blocks():
     for r, peak in enumerate(peaks):
         assert peak <= bound, f"rank {r}: peak {peak} bytes, bound {bound:.0f} ({total} bytes of parameters)"
         assert peak >= total / case.world + block, f"rank {r}: peak {peak} is below a shard and a block"
+
+    # bf16 parameters reduced in f32: each gradient is staged in f32 for its reduction; at most
+    # two modules' reductions are in flight (FSDP2's bound), not every module's until the end
+    # of backward. Eight blocks, so that O(model) staging could not pass.
+    deep = gpt2(layers=8)
+    total8 = param_bytes(deep)
+    root8 = total8 - sum(param_bytes(b) for b in blocks(deep))
+    bf16 = [None] * case.world
+    ht.run_on_ranks(case.world, train_rank, deep, Case("gpt2", 4, bf16=True), peaks=bf16)
+    staged = 2 * block  # two blocks' gradients in f32
+    bound = 2 * total8 / case.world * 1.05 + root8 + 2 * block / 2 + staged + block / 4
+    assert max(bf16) <= bound, (bf16, bound)
+
+    # Without prefetching, one gathered block (the issue's target: a shard and a block, with
+    # the sharded gradients and the root's parameters).
+    def no_prefetch(rank, template, case, peaks):
+        def shard(model, case):
+            model = shard_model(model, case)
+            for b in blocks(model):
+                b.set_modules_to_forward_prefetch([])
+                b.set_modules_to_backward_prefetch([])
+            return model
+        return train_rank(rank, template, case, peaks, shard=shard)
+
+    one = [None] * case.world
+    ht.run_on_ranks(case.world, no_prefetch, template, case, peaks=one)
+    bound = 2 * total / case.world * 1.05 + root + block
+    assert max(one) <= bound < min(peaks), (one, bound, peaks)
 
     keep = Case("gpt2", 4, reshard=False)
     kept = [None] * keep.world
