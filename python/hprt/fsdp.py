@@ -518,6 +518,30 @@ class _DeviceMemory(_CopiedMemory):
         return hprt.DeviceTensor(buf, str(t.dtype), list(t.shape))
 
 
+class _HostDeviceMemory(_DeviceMemory):
+    """``_DeviceMemory`` on the cpu backend (torch's host tensors are the device's memory):
+    the hardware path's torch-allocated tensors, borrowed torch gradients and copies, checked
+    bit-exact in CI (test_fsdp). Only the ordering differs: torch computes on the host, not on
+    a stream, so hprt keeps its own compute stream and the host waits for it."""
+
+    name = "device-on-host"
+
+    def __init__(self, platform):
+        super().__init__(platform, "cpu")
+
+    def device(self):
+        return torch.device("cpu")
+
+    def compute_stream(self):
+        return None
+
+    def host_wait(self, streams):
+        streams.compute.synchronize()
+
+    def _check_stream(self, streams):
+        pass
+
+
 def _is_emulator(platform):
     return "emulator" in str(platform.info().get("driver", "")).lower()
 

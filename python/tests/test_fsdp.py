@@ -482,6 +482,31 @@ def test_shard_placement_fn_takes_shard_or_none():
     assert ht.run_on_ranks(2, rank_fn) == [(torch.Size([3, 3]), torch.Size([2]))] * 2
 
 
+DEVICE_PATH_CASES = ["gpt2-fsdp2", "llama-hsdp2x2-shard-dim1-bf16", "gpt2-fsdp2-offload",
+                     "gpt2-fsdp2-zero-in-place", "gpt2-hsdp2x2-not-last-backward"]
+
+
+@pytest.mark.parametrize("name", DEVICE_PATH_CASES)
+def test_torch_allocated_memory_path_is_bit_exact(name):
+    """The hardware path (torch allocates the gathered parameters and sharded gradients, hprt
+    borrows torch's gradients and copies between the two) on the cpu backend, where torch's
+    host tensors are device memory: what hardware adds is only torch's stream as hprt's
+    compute stream (untested here)."""
+    from hprt import fsdp
+
+    case = CASES[name]
+    template = MODELS[case.model]()
+
+    def rank_fn(rank, *args):
+        ctx = fsdp._context()
+        ctx._memory = fsdp._HostDeviceMemory(ctx.platform)
+        assert ht.init_device_mesh(None, case.mesh).memory is ctx._memory
+        return train_rank(rank, *args)
+
+    out = ht.run_on_ranks(case.world, rank_fn, template, case)
+    check(case, out, template)
+
+
 def test_threads_keep_separate_contexts():
     seen = {}
     lock = threading.Lock()
