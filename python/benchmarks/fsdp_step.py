@@ -70,6 +70,7 @@ def sharded_rank(rank, template, args):
         ht.fully_shard(block, mesh=mesh)
     ht.fully_shard(m, mesh=mesh)
     times = step_times(m, args, rank)  # warm-up included, untraced
+    peak = mesh.platform.memory_stats()["device_peak"]  # this rank's device (one per rank)
     mesh.trace = ht.StreamTrace(mesh.platform)
     t0 = time.perf_counter()
     traced = step_times(m, argparse.Namespace(**{**vars(args), "warmup": 0}), rank)
@@ -79,7 +80,7 @@ def sharded_rank(rank, template, args):
     waits = union([(a, b) for k, a, b in spans if k == "wait"])
     comm_s = sum(b - a for a, b in comm)
     exposed = overlap_len(comm, waits)
-    return times, traced, wall, comm_s, exposed
+    return times, traced, wall, comm_s, exposed, peak
 
 
 def main():
@@ -98,17 +99,22 @@ def main():
     print(f"GPT-2 shaped: {args.layers} layers, width {args.width}, {params / 1e6:.2f} M parameters; "
           f"per-rank batch {args.batch} x {args.seq} tokens; torch threads per rank: 1")
     base = statistics.median(step_times(copy.deepcopy(template), args, 0))
-    print(f"| setup | step (ms, median) | vs unsharded | comm per step (ms) | exposed comm (ms) | overlapped |")
-    print(f"|---|---|---|---|---|---|")
-    print(f"| unsharded, 1 rank (plain torch) | {base * 1e3:.1f} | 1.00 | - | - | - |")
+    mib = 2**20
+    full = 2 * sum(p.numel() * p.element_size() for p in template.parameters()) / mib
+    print("| setup | step (ms, median) | vs unsharded | comm per step (ms) | exposed comm (ms) | overlapped "
+          "| peak device MiB per rank |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| unsharded, 1 rank (plain torch) | {base * 1e3:.1f} | 1.00 | - | - | - | "
+          f"{full:.1f} (parameters + gradients, torch's) |")
     for n in args.ranks:
         out = ht.run_on_ranks(n, sharded_rank, template, args)
         step = max(statistics.median(o[0]) for o in out)
         comm = statistics.mean(o[3] for o in out) / args.steps
         exposed = statistics.mean(o[4] for o in out) / args.steps
         frac = 1 - exposed / comm if comm else 0.0
+        peak = max(o[5] for o in out) / mib
         print(f"| fully_shard, {n} rank threads | {step * 1e3:.1f} | {step / base:.2f} | "
-              f"{comm * 1e3:.1f} | {exposed * 1e3:.1f} | {frac:.0%} |")
+              f"{comm * 1e3:.1f} | {exposed * 1e3:.1f} | {frac:.0%} | {peak:.1f} |")
 
 
 if __name__ == "__main__":
