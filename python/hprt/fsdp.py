@@ -255,10 +255,19 @@ class RankMesh:
             raise ValueError(f"a data-parallel mesh is 1-D (FSDP) or 2-D (HSDP), not {list(shape)}")
         self.shape = tuple(shape)
         self.trace = None  # a StreamTrace to record this rank's streams
+        self._replicate_group = None
 
     @property
     def shard_axis(self):
         return len(self.shape) - 1
+
+    @property
+    def replicate_group(self):
+        """HSDP's group across the replicas (dim 0): made on first use, which every rank
+        reaches at the same point (collective over the world)."""
+        if self._replicate_group is None:
+            self._replicate_group = self.cache.group_along("fsdp_replicate", self.mesh, [0])
+        return self._replicate_group
 
     def __repr__(self):
         return f"RankMesh(shape={list(self.shape)}, rank={self.rank})"
@@ -616,6 +625,10 @@ class _FSDPParam:
         self.reduced = False  # a reduction was issued in this backward
         self.pending = False  # a reduction was issued and not applied yet (wait_for_reduce)
         self.unpublished = False  # hprt's sharded gradient is ahead of .grad (not last backward)
+        # set_requires_all_reduce(False): the sharded gradient holds this replica's partial sum;
+        # the reduction that closes it all-reduces the sum across the replicas once applied.
+        self.partial = self.close_partial = False
+        self.has_replicas = len(self.sp.unsharded_group_ranks) > 1
         self.keep = []  # gradients hprt's streams may still read
 
     # the upstream HSDPParamV2 names, over hprt's ShardedParam
@@ -651,12 +664,41 @@ class _FSDPParam:
             self.unsharded.data = torch.zeros((), dtype=self.param_dtype).expand(self.shape)
 
     def apply_pending(self):
-        """Applies a reduction left in flight by a backward that was not the last one
-        (``set_is_last_backward(False)``): stream-ordered, no host wait."""
+        """Applies the reduction in flight into the sharded gradient: stream-ordered, no host
+        wait."""
         if self.pending:
             self.sp.wait_for_reduce()
             self.pending = False
             self.keep.clear()  # the compute stream is ordered after the reduction's reads
+            if self.close_partial:
+                self._all_reduce_partial()
+
+    def check_partial_start(self):
+        st = self.state
+        starts = self.has_replicas and not st.requires_all_reduce and not self.partial
+        if starts and st.requires_gradient_sync and (
+                self.sharded.grad is not None or self.unpublished or self.reduced):
+            raise hprt.UnsupportedError(
+                f"set_requires_all_reduce(False) on {self.fqn!r}, whose sharded gradient holds "
+                "reduced gradients: hprt accumulates the replicas' partial sums in the sharded "
+                "gradient itself, so start the accumulation with no gradient (zero_grad() "
+                "before it)"
+            )
+
+    def _all_reduce_partial(self):
+        """FSDP2's HSDP accumulation without all-reduce: the partial sum (every reduce-scatter
+        since the partial began, this one included) averaged across the replicas, on the
+        reduce stream where hprt issues its own collectives (same order on every rank)."""
+        st = self.state
+        s = st.streams
+        dev = self.sp.sharded_grad_device_tensor()
+        s.reduce.wait_stream(s.compute)  # after the apply into the sharded gradient
+        st.mesh.replicate_group.communicator.all_reduce(
+            dev.buffer, dev.buffer, self.sp.shard_numel, self.sp.dtype, "avg", s.reduce,
+            send_offset=dev.offset, recv_offset=dev.offset,
+        )
+        s.compute.wait_stream(s.reduce)
+        self.partial = self.close_partial = False
 
     def _on_grad(self, leaf):
         grad, leaf.grad = leaf.grad, None
@@ -664,16 +706,24 @@ class _FSDPParam:
         self.keep.append(grad)
         self.apply_pending()
         if st.requires_gradient_sync:
-            if not self.reduced and not self.unpublished:
+            defer = self.has_replicas and not st.requires_all_reduce
+            if defer and not self.partial:
+                self.check_partial_start()
+                self.sp.clear_grad()
+            elif not self.reduced and not self.unpublished and not self.partial:
                 if self.sharded.grad is None:
                     self.sp.clear_grad()  # the user dropped .grad (zero_grad): start a new one
                 else:
                     self.memory.upload_grad(self)
             trace, rs = st.mesh.trace, st.streams.reduce
             start = trace.begin(rs) if trace else None
-            self.sp.reduce_grad(self.memory.hprt_input(grad, st.streams), op="avg", async_op=True)
+            all_reduce = not (defer or self.partial)
+            self.sp.reduce_grad(self.memory.hprt_input(grad, st.streams), op="avg", async_op=True,
+                                all_reduce=all_reduce)
             if trace:
                 trace.end("reduce", rs, start)
+            self.close_partial = self.partial and not defer
+            self.partial = self.partial or defer
             self.reduced = self.pending = True
         else:
             self.sp.accumulate_grad(self.memory.hprt_input(grad, st.streams))
@@ -725,6 +775,7 @@ class _FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True
         self.is_last_backward = True  # read on the root
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
@@ -789,6 +840,9 @@ class _FSDPState:
     def pre_forward(self, module, args, kwargs):
         if getattr(_tls, "active", None) is None:
             self._lazy_init(module)
+            for st in (self.states or [self]) if torch.is_grad_enabled() else ():
+                for p in st.params:
+                    p.check_partial_start()  # refused before anything starts
             _tls.active = self
             self._push_hooks()
             if not self.order_frozen:
@@ -942,7 +996,7 @@ class _FSDPState:
                 self.mesh.trace.wait(t0, time.perf_counter())
         for st in states:
             for p in st.params:
-                if last and (p.reduced or p.unpublished):
+                if last and (p.reduced or p.unpublished) and not p.partial:
                     g = p.memory.sharded_grad(p)
                     if p.sharded.grad is None or p.sharded.grad.data_ptr() != g.data_ptr():
                         p.sharded.grad = g
@@ -1000,6 +1054,23 @@ class FSDPModule:
         for st in self._fsdp_states(True):
             st.is_last_backward = is_last_backward
 
+    def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
+        """HSDP off: gradients are reduce-scattered within each replica but not all-reduced
+        across the replicas; the partial sums accumulate (``.grad`` is not set) until a backward
+        with it on all-reduces them. Start such an accumulation with no gradient
+        (``zero_grad()``); not with ``CPUOffloadPolicy``."""
+        states = self._fsdp_states(recurse)
+        if not requires_all_reduce:
+            for st in states:
+                if len(st.mesh.shape) == 2 and isinstance(st.offload_policy, CPUOffloadPolicy):
+                    raise hprt.UnsupportedError(
+                        "set_requires_all_reduce(False) with CPUOffloadPolicy: the partial sums "
+                        "would be all-reduced in pinned host memory, which hprt's collectives "
+                        "do not read"
+                    )
+        for st in states:
+            st.requires_all_reduce = requires_all_reduce
+
     def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
         for st in self._fsdp_states(recurse):
             st.reshard_after_forward = reshard_after_forward
@@ -1022,7 +1093,7 @@ class FSDPModule:
             for p in st.params:
                 p.apply_pending()
                 p.sharded.grad = None
-                p.unpublished = False
+                p.unpublished = p.partial = False
                 p.sp.clear_grad()
 
     def forward(self, *args, **kwargs):

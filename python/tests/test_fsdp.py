@@ -65,7 +65,8 @@ def loss_of(model, ids):
 
 class Case:
     def __init__(self, model="gpt2", world=2, mesh=None, bf16=False, reshard=True, micro=1,
-                 offload=False, zero_in_place=False, last_backward=False, shard_dim=None):
+                 offload=False, zero_in_place=False, last_backward=False, shard_dim=None,
+                 partial=False):
         self.model, self.world, self.bf16, self.reshard = model, world, bf16, reshard
         self.mesh = mesh or (world,)
         self.micro, self.offload = micro, offload
@@ -73,6 +74,8 @@ class Case:
         # Every micro-batch reduces, all but the last under set_is_last_backward(False).
         self.last_backward = last_backward
         self.shard_dim = shard_dim  # shard_placement_fn: Shard(shard_dim) for matrices
+        # Every micro-batch reduce-scatters, only the last all-reduces (set_requires_all_reduce).
+        self.partial = partial
 
     def dim_of(self, t):
         return self.shard_dim % t.ndim if self.shard_dim is not None and t.ndim > 1 else 0
@@ -108,6 +111,8 @@ def train_rank(rank, template, case, peaks=None, shard=shard_model):
             last = micro == case.micro - 1
             if case.last_backward:
                 model.set_is_last_backward(last)
+            elif case.partial:
+                model.set_requires_all_reduce(last)
             else:
                 model.set_requires_gradient_sync(last)
             loss = loss_of(model, batch(step, micro, rank))
@@ -182,7 +187,12 @@ def reference(template, case):
                 loss_of(work, batch(step, micro, rank)).backward()
                 for n, p in work.named_parameters():
                     grads[micro][rank][n] = p.grad.to(torch.float32)
-        if case.last_backward:  # a reduction per micro-batch, accumulated into the shard
+        if case.partial:  # per replica: the sum of the micro-batches' group means; then the mean
+            reduced = {}
+            for n in master:
+                sums = [sum_in_order([reduce_ranks(per, [g])[n] for per in grads]) for g in groups]
+                reduced[n] = sum_in_order(sums) / len(sums) if len(sums) > 1 else sums[0]
+        elif case.last_backward:  # a reduction per micro-batch, accumulated into the shard
             reduced = reduce_ranks(grads[0], groups)
             for per in grads[1:]:
                 reduced = {n: g + r for (n, g), r in zip(reduced.items(), reduce_ranks(per, groups).values())}
@@ -240,6 +250,7 @@ CASES = {
     "gpt2-fsdp2-keep-gathered": Case("gpt2", 2, reshard=False),
     "llama-fsdp4-accumulate": Case("llama", 4, micro=2),
     "gpt2-hsdp2x2-not-last-backward": Case("gpt2", 4, mesh=(2, 2), micro=3, last_backward=True),
+    "llama-hsdp2x2-no-all-reduce": Case("llama", 4, mesh=(2, 2), micro=3, partial=True),
     "gpt2-fsdp2-offload": Case("gpt2", 2, offload=True),
     "gpt2-fsdp2-zero-in-place": Case("gpt2", 2, zero_in_place=True),
     # Shard(-1) of every matrix over 3 ranks: 32 columns pad to 33.
@@ -446,7 +457,8 @@ def test_rendezvous_over_a_torch_process_group(tmp_path):
 
 
 EMULATED_CASES = ["gpt2-fsdp2", "llama-hsdp2x2", "gpt2-fsdp2-offload", "gpt2-fsdp2-zero-in-place",
-                  "gpt2-hsdp2x2-not-last-backward", "gpt2-fsdp3-shard-last-dim"]
+                  "gpt2-hsdp2x2-not-last-backward", "gpt2-fsdp3-shard-last-dim",
+                  "llama-hsdp2x2-no-all-reduce"]
 
 
 @pytest.mark.parametrize("name", EMULATED_CASES)
@@ -465,6 +477,26 @@ def test_fully_shard_on_an_emulated_accelerator_is_bit_exact(backend, name):
 
     out = ht.run_on_ranks(case.world, rank_fn, template, case, platform=p)
     check(case, out, template)
+
+
+def test_requires_all_reduce_off_refuses_what_it_cannot_do():
+    def rank_fn(rank):
+        mesh = ht.init_device_mesh("cpu", (2, 2))
+        model = ht.fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+        x = torch.ones(2, 4)
+        model(x).sum().backward()  # reduced across the replicas: .grad set
+        model.set_requires_all_reduce(False)
+        with pytest.raises(hprt.UnsupportedError, match="holds reduced gradients"):
+            model(x)  # refused at the forward, before anything started
+        model.zero_grad()
+        model(x).sum().backward()  # now it starts a partial sum
+        assert model.weight.grad is None
+        offloaded = ht.fully_shard(torch.nn.Linear(4, 4), mesh=mesh, offload_policy=ht.CPUOffloadPolicy())
+        with pytest.raises(hprt.UnsupportedError, match="CPUOffloadPolicy"):
+            offloaded.set_requires_all_reduce(False)
+        return True
+
+    assert ht.run_on_ranks(4, rank_fn) == [True] * 4
 
 
 def test_shard_placement_fn_takes_shard_or_none():
