@@ -772,7 +772,7 @@ class _FSDPParam:
 class _FSDPState:
     def __init__(self, mesh, reshard_after_forward, mp_policy, offload_policy, params):
         self.mesh = mesh
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward  # None: True except on the root
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -880,7 +880,8 @@ class _FSDPState:
 
     def post_forward(self, module, output):
         is_root = _tls.active is self
-        if self.reshard_after_forward and not is_root:
+        reshard = self.reshard_after_forward
+        if reshard if reshard is not None else not is_root:
             self.reshard()
         mp = self.mp_policy
         if mp.output_dtype is not None:
@@ -1072,6 +1073,10 @@ class FSDPModule:
             st.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
+        """Changes ``reshard_after_forward`` at runtime (e.g. ``True`` on the root, which
+        otherwise keeps its parameters gathered for backward)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         for st in self._fsdp_states(recurse):
             st.reshard_after_forward = reshard_after_forward
 
@@ -1143,12 +1148,16 @@ def _shard_dim(shard_placement_fn, fqn, param):
     return dim % param.ndim
 
 
-def fully_shard(module, *, mesh=None, reshard_after_forward=True, shard_placement_fn=None,
+def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
                 mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(), ignored_params=None):
     """Shards ``module``'s parameters (those not already managed by a ``fully_shard`` module
     under it, and not in ``ignored_params``) over ``mesh`` (default: 1-D over the rank's world)
     and returns ``module``, whose class now also derives from ``FSDPModule``. Apply it to each
     block, then to the root. Collective: every rank shards the same modules in the same order.
+
+    ``reshard_after_forward``: ``True`` frees the gathered parameters after forward (gathered
+    again for backward), ``False`` keeps them, ``None`` (the default) is ``True`` except on the
+    root, whose parameters backward needs first (FSDP2's rule).
 
     ``shard_placement_fn(param)`` may return ``Shard(dim)`` to shard a parameter on another dim
     than 0 (its registered shard is then a slice along ``dim``, padded there)."""
@@ -1158,6 +1167,11 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True, shard_placemen
                             offload_policy=offload_policy, ignored_params=ignored_params) for m in module]
     if getattr(module, "_hprt_fsdp", None) is not None:
         raise ValueError(f"{type(module).__name__} was already passed to fully_shard")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise hprt.UnsupportedError(
+            f"reshard_after_forward={reshard_after_forward!r}: resharding to a smaller world "
+            "after forward (FSDP2's int) is not supported; use True, False or None"
+        )
     mesh = mesh if mesh is not None else init_device_mesh()
     ignored = {id(p) for p in (ignored_params or ())}
     managed = set()

@@ -499,6 +499,43 @@ def test_requires_all_reduce_off_refuses_what_it_cannot_do():
     assert ht.run_on_ranks(4, rank_fn) == [True] * 4
 
 
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+        self.scale = torch.nn.Parameter(torch.ones(4))  # the root's own parameter
+
+    def forward(self, x):
+        return self.layers[1](self.layers[0](x)) * self.scale
+
+
+def test_reshard_after_forward_default_keeps_only_the_root_gathered():
+    def states(model):
+        return model._hprt_fsdp.params[0].sp.state, model.layers[0]._hprt_fsdp.params[0].sp.state
+
+    def rank_fn(rank):
+        model = TwoLayers()
+        for layer in model.layers:
+            ht.fully_shard(layer)
+        ht.fully_shard(model)
+        x = torch.ones(2, 4)
+        out = model(x)
+        default = states(model)  # None: the blocks reshard, the root stays gathered
+        out.sum().backward()
+        model.set_reshard_after_forward(True, recurse=False)
+        out = model(x)
+        root_too = states(model)
+        out.sum().backward()
+        with pytest.raises(hprt.UnsupportedError, match="smaller world"):
+            ht.fully_shard(torch.nn.Linear(4, 4), reshard_after_forward=2)
+        with pytest.raises(ValueError, match="should be a bool"):
+            model.set_reshard_after_forward(None)
+        return default, root_too, model.scale.grad is not None
+
+    out = ht.run_on_ranks(2, rank_fn)
+    assert out == [(("unsharded", "sharded"), ("sharded", "sharded"), True)] * 2
+
+
 def test_shard_placement_fn_takes_shard_or_none():
     from torch.distributed.tensor import Replicate
 
