@@ -376,11 +376,11 @@ class _SharedMemory:
 
 class _CopiedMemory:
     """torch's tensors are torch's own memory and hprt's are hprt's; bytes move between them by
-    stream-ordered copies on hprt's compute stream (``Platform.copy``): the shard after each
-    in-place change torch made to it (before the next all-gather), the gathered parameters after
-    each all-gather, each gradient before its reduce-scatter, the sharded gradient after the
-    reductions. Under ``CPUOffloadPolicy`` the shards and sharded gradients are pinned host
-    memory, which torch reads directly. Two kinds:
+    stream-ordered copies on hprt's compute stream (``Platform.copy``): torch's shard into hprt's
+    before each all-gather, the gathered parameters after each all-gather, each gradient before
+    its reduction, the sharded gradient after the reductions (and torch's ``.grad`` back before
+    a reduction adds to it). Under ``CPUOffloadPolicy`` the shards and sharded gradients are
+    pinned host memory, which torch reads directly. Two kinds:
 
     * ``_StagedMemory`` — the **staging path**, for the Ascend emulator and the CUDA emulator:
       their device memory is the emulator's and torch runs on CPU tensors, so torch's side is
@@ -391,7 +391,8 @@ class _CopiedMemory:
       ``device.type == "npu"`` tensors on the npu backend): torch allocates, hprt wraps the
       pointer (``Platform.wrap_device_memory`` with the tensor as owner), the copies are D2D
       on hprt's compute stream, which *is* torch's current stream, so nothing waits on the
-      host. Untested on hardware.
+      host. Its copies and borrowed memory are checked bit-exact on the cpu backend
+      (``_HostDeviceMemory``); the stream ordering has not run on hardware.
     """
 
     def __init__(self, platform):
