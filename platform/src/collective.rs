@@ -308,3 +308,35 @@ fn extent(counts: &[usize], displs: &[usize]) -> usize {
         .max()
         .unwrap_or(0)
 }
+
+/// How long a collective may stay unfinished before its backend gives up on it, unless
+/// `HP_COLLECTIVE_TIMEOUT_MS` (every backend that times collectives out) or a backend's own
+/// variable says otherwise.
+pub const DEFAULT_COLLECTIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// The collective timeout the environment sets: `specific` (a backend's own variable, such as
+/// `HP_CPU_COLLECTIVE_TIMEOUT_MS`) if set, else `HP_COLLECTIVE_TIMEOUT_MS`; `None` when neither
+/// is. A value that is not a whole number of milliseconds is an error naming the variable.
+pub(crate) fn collective_timeout_from_env(
+    backend: BackendKind,
+    specific: Option<&str>,
+) -> Result<Option<std::time::Duration>> {
+    for name in specific.into_iter().chain(["HP_COLLECTIVE_TIMEOUT_MS"]) {
+        match std::env::var(name) {
+            Ok(v) if v.trim().is_empty() => {}
+            Ok(v) => {
+                return match v.trim().parse() {
+                    Ok(ms) => Ok(Some(std::time::Duration::from_millis(ms))),
+                    Err(_) => Err(Error::new(
+                        ErrorKind::InvalidValue,
+                        backend,
+                        "configure",
+                        format!("{name}={v:?} is not milliseconds"),
+                    )),
+                }
+            }
+            Err(_) => {}
+        }
+    }
+    Ok(None)
+}

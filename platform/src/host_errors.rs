@@ -1,6 +1,8 @@
 //! Errors a driver's stream cannot carry, kept in the stream's order by the backend: a host
 //! function's panic (`cuLaunchHostFunc` and `aclrtLaunchCallback` callbacks cannot fail their
-//! stream) and, on cuda, a collective queued on a communicator already aborted.
+//! stream) and, on cuda, a collective queued on a communicator already aborted or aborted by the
+//! NCCL watchdog while the collective was outstanding (NCCL's aborted kernels end without an
+//! error on their stream).
 //!
 //! Each such error sits at a point of its stream's order. It reaches what is ordered after that
 //! point, as the driver's own queued errors do: the stream's next synchronize, an event recorded
@@ -49,12 +51,26 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// One place in a stream's order ([`StreamErrors::point`]).
+pub(crate) struct Point {
+    log: Arc<Mutex<Log>>,
+    at: u64,
+}
+
+impl Point {
+    /// The work at this place failed with `e`: it reaches whatever is ordered after the place
+    /// and has not reported it yet (such a report waits for the work, so it comes later).
+    pub(crate) fn fail(&self, e: Error) {
+        StreamErrors::push(&self.log, self.at, e);
+    }
+}
+
 /// One stream's errors and what it waited on.
 #[derive(Clone, Default)]
 pub(crate) struct StreamErrors(Arc<Mutex<Log>>);
 
 impl StreamErrors {
-    fn point(log: &mut Log) -> u64 {
+    fn next_point(log: &mut Log) -> u64 {
         log.next += 1;
         log.next
     }
@@ -67,34 +83,39 @@ impl StreamErrors {
         l.errors.push((at, e));
     }
 
+    /// A place in the stream's order for work queued now, whose error becomes known later.
+    pub(crate) fn point(&self) -> Point {
+        Point {
+            log: self.0.clone(),
+            at: Self::next_point(&mut lock(&self.0)),
+        }
+    }
+
     /// `f`, with its panic caught and kept at its place in the stream's order.
     pub(crate) fn guard(&self, backend: BackendKind, f: HostFn) -> HostFn {
-        let at = Self::point(&mut lock(&self.0));
-        let log = self.0.clone();
+        let at = self.point();
         Box::new(move || {
             if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
-                let e = Error::new(
+                at.fail(Error::new(
                     ErrorKind::Internal,
                     backend,
                     "launch_host_fn",
                     "the host function panicked",
-                );
-                Self::push(&log, at, e);
+                ));
             }
         })
     }
 
     /// `e` as the error of work queued now (known on the host at the call).
     pub(crate) fn queue(&self, e: Error) {
-        let at = Self::point(&mut lock(&self.0));
-        Self::push(&self.0, at, e);
+        self.point().fail(e);
     }
 
     /// What an event recorded now carries: this stream's unreported errors up to here, and
     /// those it waited on.
     pub(crate) fn record(&self) -> Vec<Span> {
         let mut l = lock(&self.0);
-        let hi = Self::point(&mut l);
+        let hi = Self::next_point(&mut l);
         let mut spans = l.upstream.clone();
         spans.push(Span {
             log: self.0.clone(),

@@ -31,7 +31,7 @@ mod platform;
 mod select;
 
 pub use backend::{Backend, Loc, Place};
-pub use collective::Collective;
+pub use collective::{Collective, DEFAULT_COLLECTIVE_TIMEOUT};
 pub use cpu::{CpuBackend, CpuConfig};
 pub use cuda::CudaBackend;
 pub use dtype::{DType, ReduceOp};

@@ -597,21 +597,14 @@ fn every_shipped_kernel_produces_the_host_references_bytes() {
 }
 
 /// A send that fails (an injected `ncclSend` fault inside an all-to-all's group) is a typed error
-/// naming the NCCL status on its rank; the peer's receive fails on its stream after the NCCL
-/// timeout instead of hanging; a fresh communicator then works on both ranks.
+/// naming the NCCL status on its rank; the peer's receive, which NCCL would leave pending, fails
+/// after the collective timeout (the watchdog) instead of hanging; a fresh communicator then
+/// works on both ranks.
 #[test]
 fn a_failed_send_is_an_error_on_both_ranks_never_a_hang() {
     let _g = serial();
     let emu = Emu::open();
-    // SAFETY: the emulator's export, with its documented signature.
-    let set_timeout = unsafe {
-        let lib = libloading::Library::new(library_path()).unwrap();
-        let f = *lib
-            .get::<unsafe extern "C" fn(u64)>(b"hprtEmuSetNcclTimeoutMs\0")
-            .unwrap();
-        (f, lib)
-    };
-    let p = open().unwrap();
+    let p = open_with_timeout(300);
     let all_to_all = |p: &dyn Platform, rank: usize, id: &hprt_platform::UniqueId| {
         p.set_device(rank)?;
         let s = p.create_stream()?;
@@ -626,8 +619,6 @@ fn a_failed_send_is_an_error_on_both_ranks_never_a_hang() {
         p.collective(&c, op, &s)?;
         p.synchronize_stream(&s)
     };
-    // SAFETY: the export above.
-    unsafe { (set_timeout.0)(300) };
     let frees_under_work = emu.stats().frees_under_queued_work;
     emu.faults("ncclSend:1:4");
     let id = p.unique_id().unwrap();
@@ -655,7 +646,7 @@ fn a_failed_send_is_an_error_on_both_ranks_never_a_hang() {
         .collect();
     assert!(
         names.contains(&"ncclInvalidArgument".to_string())
-            && names.contains(&"CUDA_ERROR_LAUNCH_FAILED".to_string()),
+            && names.contains(&"HP_ERROR_TIMEOUT".to_string()),
         "{names:?}"
     );
     let id = p.unique_id().unwrap();
@@ -665,8 +656,6 @@ fn a_failed_send_is_an_error_on_both_ranks_never_a_hang() {
             sc.spawn(move || all_to_all(p, rank, id).unwrap());
         }
     });
-    // SAFETY: the export above; 0 restores the default.
-    unsafe { (set_timeout.0)(0) };
     assert_eq!(emu.stats().live_comms, 0);
 }
 
@@ -807,4 +796,98 @@ fn a_buffer_whose_last_use_cannot_be_shown_finished_is_leaked_not_freed() {
         allocations + 1,
         "a buffer whose use event is complete was not freed when the wait on it failed"
     );
+}
+
+/// The cuda backend on the emulator with a collective timeout of `ms` (`HP_COLLECTIVE_TIMEOUT_MS`
+/// is read when a platform opens; callers hold `serial()`).
+fn open_with_timeout(ms: u64) -> hprt_platform::CudaBackend {
+    std::env::set_var("HP_COLLECTIVE_TIMEOUT_MS", ms.to_string());
+    let p = open();
+    std::env::remove_var("HP_COLLECTIVE_TIMEOUT_MS");
+    p.unwrap()
+}
+
+/// NCCL never times a collective out: a peer that skips one, or never calls it at all, leaves it
+/// pending (the emulator models that) and every wait on it blocked. The backend's watchdog aborts
+/// the communicator once the collective has been outstanding for the collective timeout: the
+/// waiting synchronize fails within the bound with a `Timeout` naming the collective and the
+/// communicator, the collectives queued behind it and those issued later fail at once with the
+/// same cause, and the aborted communicator can still be destroyed. Without the watchdog the
+/// rank's synchronize never returns, which the outer bound turns into a failure, not a hang.
+#[test]
+fn a_collective_whose_peer_never_comes_fails_within_the_collective_timeout() {
+    use std::sync::mpsc;
+    use std::time::{Duration, Instant};
+    type Outcome = (hprt_platform::Error, Duration, hprt_platform::Error, Duration);
+    let _g = serial();
+    let emu = Emu::open();
+    let p = std::sync::Arc::new(open_with_timeout(1000));
+    let comms_before = emu.stats().live_comms;
+    // Rank 1 issues this many of rank 0's three all-reduces (one: it skips the second; none: it
+    // never calls any), then destroys its communicator.
+    for issued_by_peer in [1usize, 0] {
+        let id = p.unique_id().unwrap();
+        let (report, reports) = mpsc::channel();
+        for rank in 0..2 {
+            let (p, id, report) = (p.clone(), id.clone(), report.clone());
+            std::thread::spawn(move || {
+                let run = || -> hprt_platform::Result<Option<Outcome>> {
+                    p.set_device(rank)?;
+                    let s = p.create_stream()?;
+                    let c = p.comm_init(&id, rank, 2)?;
+                    let b = p.alloc_device(256)?;
+                    let all_reduce =
+                        || p.all_reduce(b.at(0), b.at(64), 4, DType::F32, ReduceOp::Sum, &c, &s);
+                    if rank == 1 {
+                        for _ in 0..issued_by_peer {
+                            all_reduce()?;
+                        }
+                        p.synchronize_stream(&s)?;
+                        return Ok(None);
+                    }
+                    for _ in 0..3 {
+                        all_reduce()?;
+                    }
+                    let start = Instant::now();
+                    let Err(first) = p.synchronize_stream(&s) else {
+                        panic!("a collective no peer joined succeeded");
+                    };
+                    let waited = start.elapsed();
+                    let start = Instant::now();
+                    all_reduce()?;
+                    let Err(later) = p.synchronize_stream(&s) else {
+                        panic!("a collective issued after the abort succeeded");
+                    };
+                    let at_once = start.elapsed();
+                    p.destroy_comm(&c)?;
+                    Ok(Some((first, waited, later, at_once)))
+                };
+                let _ = report.send((rank, run()));
+            });
+        }
+        let mut outcome = None;
+        for _ in 0..2 {
+            let (rank, r) = reports
+                .recv_timeout(Duration::from_secs(10))
+                .expect("a rank hung: nothing ended the collective its peer never joined");
+            let r = r.unwrap_or_else(|e| panic!("rank {rank} (peer issued {issued_by_peer}): {e}"));
+            outcome = outcome.or(r);
+        }
+        let (first, waited, later, at_once) = outcome.expect("rank 0 reported");
+        assert_eq!(first.kind, ErrorKind::Timeout, "{first}");
+        assert!(
+            first
+                .message
+                .contains(&format!("all_reduce #{}", issued_by_peer + 1))
+                && first.message.contains("rank 0 of 2"),
+            "{first}"
+        );
+        assert!(
+            waited >= Duration::from_millis(900) && waited < Duration::from_secs(3),
+            "the synchronize failed after {waited:?}, with a collective timeout of 1 s"
+        );
+        assert_eq!(later.message, first.message, "{later}");
+        assert!(at_once < Duration::from_millis(500), "{at_once:?}");
+    }
+    assert_eq!(emu.stats().live_comms, comms_before);
 }

@@ -40,7 +40,8 @@ pub struct CpuConfig {
     pub pinned_memory: Option<usize>,
     /// Seed for random delays of stream work (`HP_CPU_JITTER`).
     pub jitter: Option<u64>,
-    /// How long a rank waits for its peers (`HP_CPU_COLLECTIVE_TIMEOUT_MS`).
+    /// How long a rank waits for its peers (`HP_CPU_COLLECTIVE_TIMEOUT_MS`, else
+    /// `HP_COLLECTIVE_TIMEOUT_MS`).
     pub collective_timeout: Duration,
     /// Bytes of freed device blocks kept for reuse, like a GPU framework's caching allocator
     /// (`HP_CPU_ALLOC_CACHE`; 0 turns it off). Cached bytes do not count as allocated.
@@ -54,7 +55,7 @@ impl Default for CpuConfig {
             devices: 1,
             pinned_memory: None,
             jitter: None,
-            collective_timeout: Duration::from_secs(120),
+            collective_timeout: crate::collective::DEFAULT_COLLECTIVE_TIMEOUT,
             alloc_cache: 1 << 30,
         }
     }
@@ -125,7 +126,8 @@ impl CpuConfig {
     }
 
     /// Defaults overridden by `HP_CPU_DEVICE_MEMORY`, `HP_CPU_DEVICES`, `HP_CPU_PINNED_MEMORY`,
-    /// `HP_CPU_JITTER` and `HP_CPU_COLLECTIVE_TIMEOUT_MS`; a malformed value is an error.
+    /// `HP_CPU_JITTER` and `HP_CPU_COLLECTIVE_TIMEOUT_MS` (else `HP_COLLECTIVE_TIMEOUT_MS`, the
+    /// setting every backend reads); a malformed value is an error.
     pub fn from_env() -> Result<Self> {
         let mut c = CpuConfig::default();
         let bytes = "a byte count (e.g. 8589934592 or 8G)";
@@ -145,12 +147,11 @@ impl CpuConfig {
             |s| s.trim().parse().ok(),
             "an unsigned integer seed",
         )?;
-        if let Some(ms) = env_value(
-            "HP_CPU_COLLECTIVE_TIMEOUT_MS",
-            |s| s.trim().parse().ok(),
-            "milliseconds",
+        if let Some(t) = crate::collective::collective_timeout_from_env(
+            BackendKind::Cpu,
+            Some("HP_CPU_COLLECTIVE_TIMEOUT_MS"),
         )? {
-            c.collective_timeout = Duration::from_millis(ms);
+            c.collective_timeout = t;
         }
         if let Some(v) = env_value("HP_CPU_ALLOC_CACHE", parse_bytes, bytes)? {
             c.alloc_cache = v;

@@ -23,6 +23,7 @@ mod kernels;
 mod nccl;
 mod nvrtc;
 mod probe;
+mod watchdog;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -42,12 +43,13 @@ use crate::host_errors::{first_error, Retired, Span, StreamErrors};
 use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
 use crate::kernel::{HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
-use check::{cu, cu_error, cuda_err, nccl_error};
+use check::{cu, cu_error, cuda_err};
 use host_fn::Reaper;
 use nccl::{check_supported, nccl_dtype, nccl_op, Nccl, NcclApi, UNIQUE_ID_BYTES};
 use nvrtc::{Nvrtc, NvrtcApi};
 pub use probe::CudaSearch;
 use probe::{search, LibrarySpec};
+use watchdog::{CommWatch, Watchdog};
 
 /// Calls a driver function through cudarc and checks its status, naming the function in the
 /// error. The call is `unsafe`: each use carries the SAFETY reasoning for its arguments.
@@ -155,6 +157,7 @@ struct Shared {
     nvrtc: Result<Nvrtc>,
     probes: Vec<LibraryProbe>,
     reaper: Reaper,
+    watchdog: Arc<Watchdog>,
     /// Keeps the driver library that cudarc resolved mapped.
     _driver: libloading::Library,
 }
@@ -511,54 +514,28 @@ pub struct CommObj {
     rank: usize,
     world: usize,
     scratch: Arc<MemObj>,
-    /// Set once NCCL reported an asynchronous error and the communicator was aborted
-    /// (`ncclCommAbort` freed it): the first cause, which every later operation fails with.
-    aborted: Mutex<Option<Error>>,
-}
-
-impl CommObj {
-    /// The error the communicator failed with, if it did. NCCL's asynchronous error (a failed
-    /// or timed-out operation, a peer gone) makes it abort the communicator, as NCCL requires, so
-    /// its queued kernels exit and later operations fail at once instead of hanging.
-    fn broken(&self, n: &Nccl) -> Option<Error> {
-        let mut aborted = lock(&self.aborted);
-        if aborted.is_none() {
-            let mut code = 0;
-            // SAFETY: a live communicator (not aborted yet, under the lock).
-            let asked = unsafe { (n.api.ncclCommGetAsyncError)(self.raw as ncclComm_t, &mut code) };
-            if asked == 0 && code == 0 {
-                return None;
-            }
-            let code = if asked == 0 { code } else { asked };
-            tracing::error!(code, "cuda: NCCL communicator failed; aborting it");
-            // SAFETY: as above; the handle is not used again.
-            let _ = n.check(
-                unsafe { (n.api.ncclCommAbort)(self.raw as ncclComm_t) },
-                "ncclCommAbort",
-            );
-            *aborted = Some(nccl_error(
-                code,
-                "ncclCommGetAsyncError",
-                "the communicator failed and was aborted",
-            ));
-        }
-        aborted.clone()
-    }
+    /// Whether it was aborted, and the collectives outstanding on it (`watchdog`).
+    watch: Mutex<CommWatch>,
 }
 
 impl Drop for CommObj {
     fn drop(&mut self) {
-        if lock(&self.aborted).is_some() {
-            return;
-        }
+        let watch = self.watch.get_mut().unwrap_or_else(|p| p.into_inner());
+        let aborted = watch.aborted.is_some();
+        let events = watch.take_events();
         let (shared, raw, device) = (Arc::clone(&self.shared), self.raw, self.device);
         self.shared.reaper.run_or_defer(move || {
-            if let (Ok(n), Ok(())) = (shared.nccl(), shared.bind(device)) {
-                // SAFETY: we created this communicator.
+            let Ok(()) = shared.bind(device) else { return };
+            if let (Ok(n), false) = (shared.nccl(), aborted) {
+                // SAFETY: we created this communicator and did not abort it.
                 let _ = n.check(
                     unsafe { (n.api.ncclCommDestroy)(raw as ncclComm_t) },
                     "ncclCommDestroy",
                 );
+            }
+            for e in events {
+                // SAFETY: events the watch created, destroyed once.
+                unsafe { cu::cuEventDestroy_v2(e as cu::CUevent) };
             }
         });
     }
@@ -661,6 +638,9 @@ impl CudaBackend {
     /// `Unavailable` (naming the library and every name or path tried) when the driver cannot
     /// be loaded or initialised or has no device; NCCL and NVRTC are optional.
     pub fn open_with(search_env: &CudaSearch) -> Result<Self> {
+        let timeout =
+            crate::collective::collective_timeout_from_env(BackendKind::Cuda, None)?
+                .unwrap_or(crate::collective::DEFAULT_COLLECTIVE_TIMEOUT);
         let driver = search(&LibrarySpec::driver(), search_env.cuda_lib.as_ref());
         let mut probes = driver.tried.clone();
         let missing = driver.missing_message();
@@ -742,6 +722,7 @@ impl CudaBackend {
                 nvrtc,
                 probes,
                 reaper: Reaper::new(),
+                watchdog: Arc::new(Watchdog::new(timeout)),
                 _driver: found.lib,
             }),
             retired: Retired::default(),
@@ -1044,7 +1025,7 @@ impl CudaBackend {
             rank,
             world,
             scratch,
-            aborted: Mutex::new(None),
+            watch: Mutex::default(),
         }))
     }
 }
@@ -1123,6 +1104,13 @@ impl Backend for CudaBackend {
                 (
                     "pinned memory".into(),
                     "cuMemHostAlloc(PORTABLE), not write-combined".into(),
+                ),
+                (
+                    "collective timeout".into(),
+                    format!(
+                        "{} ms (HP_COLLECTIVE_TIMEOUT_MS; the NCCL watchdog aborts a communicator whose collective takes longer)",
+                        s.watchdog.timeout().as_millis()
+                    ),
                 ),
             ],
         }
@@ -1556,8 +1544,16 @@ impl Backend for CudaBackend {
             check_supported(n, dtype, reduce, name)?;
         }
         self.shared.bind(comm.device)?;
-        if let Some(e) = comm.broken(n) {
-            stream.errors.queue(e);
+        // Held until the collective is queued and watched: the watchdog aborts only between
+        // calls, never under one.
+        let mut watch = lock(&comm.watch);
+        if watch.aborted.is_none() {
+            if let Some(e) = watchdog::async_error(n, comm) {
+                watchdog::abort(n, comm, &mut watch, e);
+            }
+        }
+        if let Some(e) = &watch.aborted {
+            stream.errors.queue(e.clone());
             return Ok(());
         }
         let a = &n.api;
@@ -1725,13 +1721,20 @@ impl Backend for CudaBackend {
             Ok(())
         })();
         // Recorded even when issuing failed part-way (an all-to-all's own block may be queued
-        // before a send fails): the places must never be freed under what was queued.
+        // before a send fails): the places must never be freed under what was queued, nor a
+        // hang in it go unwatched.
+        let watched = self
+            .shared
+            .watchdog
+            .watch(comm, &mut watch, name, stream);
+        drop(watch);
         for (place, _) in op.places(comm.world) {
             if let Some((m, _)) = place {
                 m.used_on(stream)?;
             }
         }
         issued?;
+        watched?;
         match op {
             Collective::AllReduce {
                 recv: Some((m, off)),

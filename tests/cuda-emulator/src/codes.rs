@@ -39,6 +39,7 @@ pub const NCCL_SYSTEM_ERROR: NcclResult = 2;
 pub const NCCL_INTERNAL_ERROR: NcclResult = 3;
 pub const NCCL_INVALID_ARGUMENT: NcclResult = 4;
 pub const NCCL_INVALID_USAGE: NcclResult = 5;
+pub const NCCL_REMOTE_ERROR: NcclResult = 6;
 pub const NCCL_TIMEOUT: NcclResult = 8;
 
 pub const NVRTC_SUCCESS: NvrtcResult = 0;

@@ -4,8 +4,16 @@
 //! collectives meet per call number: the n-th collective of every rank of a communicator is one
 //! operation, and when the ranks' n-th calls disagree (kind, count, dtype, op, root) the
 //! operation fails on every rank's stream (`CUDA_ERROR_LAUNCH_FAILED` at the next
-//! synchronisation, `ncclCommGetAsyncError` says `ncclInvalidUsage`) — an error, never a hang. A rank that waits longer than
-//! `HP_EMU_NCCL_TIMEOUT_MS` for its peers fails the same way with `ncclTimeout`.
+//! synchronisation, `ncclCommGetAsyncError` says `ncclInvalidUsage`) — an error where NCCL
+//! would hang or corrupt data.
+//!
+//! A collective or receive whose peer never comes (a rank that died, skipped the call or
+//! destroyed its communicator) stays pending, as on NCCL: its stream does not finish and
+//! `ncclCommGetAsyncError` says `ncclSuccess`, without end, until `ncclCommAbort`. The abort ends
+//! that rank's pending and queued operations without an error on their streams and without
+//! touching their outputs, as NCCL's aborted kernels exit; its peers' `ncclCommGetAsyncError`
+//! then says `ncclRemoteError` (a peer gone), while their own operations stay pending until they
+//! abort too. Only `ncclCommInitRank` gives up on its own, after `HP_EMU_NCCL_TIMEOUT_MS`.
 //!
 //! A failed operation breaks its communicator on every rank: the operations queued behind it and
 //! those issued later fail at once with the first cause (their outputs untouched), and every
@@ -21,6 +29,7 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -94,6 +103,8 @@ struct GroupState {
     mail: HashMap<(usize, usize), VecDeque<Msg>>,
     /// The first failure of any rank's operation: the communicator is broken on every rank.
     failed: Option<NcclResult>,
+    /// A rank aborted its communicator: its peers' `ncclCommGetAsyncError` says so.
+    aborted_rank: Option<usize>,
 }
 
 /// What the ranks of one communicator share.
@@ -109,6 +120,8 @@ struct Comm {
     ctx: u64,
     next_seq: Mutex<u64>,
     async_error: Mutex<NcclResult>,
+    /// `ncclCommAbort` ran: this rank's pending and queued operations end at once.
+    aborted: AtomicBool,
 }
 
 fn comms() -> MutexGuard<'static, HashMap<u64, Arc<Comm>>> {
@@ -302,6 +315,7 @@ pub unsafe extern "C" fn ncclCommInitRank(
                 ctx: ctx.id,
                 next_seq: Mutex::new(0),
                 async_error: Mutex::new(NCCL_SUCCESS),
+                aborted: AtomicBool::new(false),
             }),
         );
         // SAFETY: checked non-null.
@@ -322,7 +336,13 @@ pub extern "C" fn ncclCommDestroy(h: *mut c_void) -> NcclResult {
 
 #[no_mangle]
 pub extern "C" fn ncclCommAbort(h: *mut c_void) -> NcclResult {
-    nccl_entry("ncclCommAbort", || destroy(h))
+    nccl_entry("ncclCommAbort", || {
+        let c = comm(h)?;
+        c.aborted.store(true, Ordering::Release);
+        lock(&c.clique.state).aborted_rank.get_or_insert(c.rank);
+        c.clique.cv.notify_all();
+        destroy(h)
+    })
 }
 
 #[no_mangle]
@@ -330,7 +350,14 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(h: *mut c_void, err: *mut NcclRes
     nccl_entry("ncclCommGetAsyncError", || {
         let c = comm(h)?;
         let e = match *lock(&c.async_error) {
-            NCCL_SUCCESS => broken(&c).unwrap_or(NCCL_SUCCESS),
+            NCCL_SUCCESS => {
+                let st = lock(&c.clique.state);
+                match (st.failed, st.aborted_rank) {
+                    (Some(code), _) => code,
+                    (None, Some(r)) if r != c.rank => NCCL_REMOTE_ERROR,
+                    _ => NCCL_SUCCESS,
+                }
+            }
             own => own,
         };
         // SAFETY: API contract.
@@ -401,8 +428,17 @@ impl Op {
         matches!(self, Op::Send { .. })
     }
 
+    fn comm(&self) -> &Comm {
+        match self {
+            Op::Collective { comm, .. } | Op::Send { comm, .. } | Op::Recv { comm, .. } => comm,
+        }
+    }
+
     /// Runs on the stream; `Err` fails the stream and sets the communicator's async error.
     fn run(self) -> Result<(), CuResult> {
+        if self.comm().aborted.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let (comm, r) = match self {
             Op::Collective {
                 comm,
@@ -474,9 +510,11 @@ fn receive(
     dtype: c_int,
 ) -> Result<(), NcclResult> {
     let c = &comm.clique;
-    let deadline = Instant::now() + state::nccl_timeout();
     let mut st = lock(&c.state);
     let msg = loop {
+        if comm.aborted.load(Ordering::Acquire) {
+            return Ok(());
+        }
         if let Some(code) = st.failed {
             return Err(code);
         }
@@ -487,18 +525,7 @@ fn receive(
         {
             break m;
         }
-        let now = Instant::now();
-        if now >= deadline {
-            eprintln!(
-                "hprt CUDA emulator: rank {} timed out receiving from rank {peer}",
-                comm.rank
-            );
-            return Err(NCCL_TIMEOUT);
-        }
-        st =
-            c.cv.wait_timeout(st, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+        st = c.cv.wait(st).unwrap_or_else(|e| e.into_inner());
     };
     drop(st);
     if msg.count != count || msg.dtype != dtype {
@@ -579,9 +606,11 @@ fn perform(d: &Desc, ptrs: &[(usize, usize)]) {
 
 fn run_collective(comm: &Comm, seq: u64, send: usize, recv: usize) -> Result<(), NcclResult> {
     let c = &comm.clique;
-    let deadline = Instant::now() + state::nccl_timeout();
     let mut st = lock(&c.state);
     let result = loop {
+        if comm.aborted.load(Ordering::Acquire) {
+            break Ok(());
+        }
         let failed = st.failed;
         let slot = st.slots.get_mut(&seq).expect("registered at the call");
         if let Some((code, _)) = &slot.poisoned {
@@ -607,21 +636,7 @@ fn run_collective(comm: &Comm, seq: u64, send: usize, recv: usize) -> Result<(),
                 continue;
             }
         }
-        let now = Instant::now();
-        if now >= deadline {
-            let waiting: Vec<usize> = (0..c.world)
-                .filter(|&q| slot.arrived[q].is_none())
-                .collect();
-            let why = format!("collective #{seq}: ranks {waiting:?} never reached it");
-            eprintln!("hprt CUDA emulator: {why}");
-            slot.poisoned = Some((NCCL_TIMEOUT, why));
-            c.cv.notify_all();
-            continue;
-        }
-        st =
-            c.cv.wait_timeout(st, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+        st = c.cv.wait(st).unwrap_or_else(|e| e.into_inner());
     };
     leave(&mut st, seq, c.world);
     result

@@ -1,0 +1,254 @@
+//! The NCCL watchdog, as torch's `ProcessGroupNCCL` has one: NCCL never times a collective out
+//! (a peer that died, skipped the call or disagrees on it leaves the kernel spinning and every
+//! host wait on it blocked), so a thread of the platform watches the collectives outstanding on
+//! each communicator. When NCCL reports an asynchronous error, or the oldest outstanding
+//! collective has not finished within the collective timeout (`HP_COLLECTIVE_TIMEOUT_MS`), it
+//! aborts the communicator (`ncclCommAbort` ends its queued kernels, which unblocks the waits)
+//! and fails every collective of it that had not finished at their places in their streams'
+//! order (`host_errors`), so the waits report the cause; later collectives fail at once with it.
+//!
+//! Completion is an event recorded after each collective (kept for reuse once it completed).
+//! The thread exists only while some communicator has collectives outstanding and sleeps a
+//! tenth of the timeout (at most 100 ms) between looks.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys as cu;
+use cudarc::nccl::sys::ncclComm_t;
+
+use super::check::{cu, cuda_err, nccl_error};
+use super::nccl::Nccl;
+use super::{lock, CommObj, StreamObj};
+use crate::error::{Error, ErrorKind, Result};
+use crate::host_errors::Point;
+
+/// `ncclInProgress`: what a communicator reports while a non-blocking call runs; not a failure.
+const NCCL_IN_PROGRESS: i32 = 7;
+
+/// One collective queued on a communicator and not known to have finished.
+struct Work {
+    /// Recorded on the collective's stream right after it.
+    event: usize,
+    /// Its place in the stream's order, where a failure is reported.
+    at: Point,
+    op: &'static str,
+    seq: u64,
+    issued: Instant,
+}
+
+/// What a communicator's watch keeps, under one lock that also serialises its NCCL calls with
+/// the abort (NCCL must not be handed a communicator that another thread is aborting).
+#[derive(Default)]
+pub(crate) struct CommWatch {
+    /// Set once the communicator was aborted: the first cause, which every later operation
+    /// fails with (`ncclCommAbort` freed it, so it is never used or destroyed again).
+    pub(crate) aborted: Option<Error>,
+    issued: u64,
+    outstanding: VecDeque<Work>,
+    /// Events of finished collectives, for the next ones.
+    spare: Vec<usize>,
+}
+
+impl CommWatch {
+    /// The driver events this watch owns (for the communicator's drop).
+    pub(crate) fn take_events(&mut self) -> Vec<usize> {
+        let mut all: Vec<usize> = self.outstanding.drain(..).map(|w| w.event).collect();
+        all.append(&mut self.spare);
+        all
+    }
+}
+
+/// The platform's watchdog: the communicators with collectives outstanding.
+pub(crate) struct Watchdog {
+    timeout: Duration,
+    watched: Mutex<Watched>,
+}
+
+#[derive(Default)]
+struct Watched {
+    comms: Vec<Weak<CommObj>>,
+    running: bool,
+}
+
+fn finished(event: usize) -> bool {
+    // SAFETY: an event this watch created and has not destroyed. Any answer but NOT_READY
+    // means the work is over: an error there is the driver's, reported by the waits themselves.
+    let r = unsafe { cu::cuEventQuery(event as cu::CUevent) };
+    r != cu::CUresult::CUDA_ERROR_NOT_READY
+}
+
+impl Watchdog {
+    pub(crate) fn new(timeout: Duration) -> Self {
+        Watchdog {
+            timeout,
+            watched: Mutex::default(),
+        }
+    }
+
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Watches the collective `op` just queued on `stream` over `comm` (whose device is bound and
+    /// whose watch the caller holds).
+    pub(crate) fn watch(
+        self: &Arc<Self>,
+        comm: &Arc<CommObj>,
+        watch: &mut CommWatch,
+        op: &'static str,
+        stream: &StreamObj,
+    ) -> Result<()> {
+        let event = match watch.spare.pop() {
+            Some(e) => e,
+            None => {
+                let mut e = std::ptr::null_mut();
+                // SAFETY: plain driver call into a local.
+                cu(
+                    unsafe { cu::cuEventCreate(&mut e, super::CU_EVENT_DISABLE_TIMING) },
+                    "cuEventCreate",
+                )?;
+                e as usize
+            }
+        };
+        // SAFETY: a live event and stream of the bound context.
+        let recorded = cu(
+            unsafe { cu::cuEventRecord(event as cu::CUevent, stream.raw as cu::CUstream) },
+            "cuEventRecord",
+        );
+        if let Err(e) = recorded {
+            watch.spare.push(event);
+            return Err(e);
+        }
+        watch.issued += 1;
+        let first = watch.outstanding.is_empty();
+        watch.outstanding.push_back(Work {
+            event,
+            at: stream.errors.point(),
+            op,
+            seq: watch.issued,
+            issued: Instant::now(),
+        });
+        if first {
+            let mut w = lock(&self.watched);
+            w.comms.push(Arc::downgrade(comm));
+            if !w.running {
+                let me = Arc::clone(self);
+                let spawned = std::thread::Builder::new()
+                    .name("hprt-nccl-watchdog".into())
+                    .spawn(move || me.run());
+                if let Err(e) = spawned {
+                    return Err(cuda_err(
+                        ErrorKind::Internal,
+                        "nccl watchdog",
+                        format!("cannot start the watchdog thread: {e}"),
+                    ));
+                }
+                w.running = true;
+            }
+        }
+        Ok(())
+    }
+
+    fn run(self: Arc<Self>) {
+        let tick = (self.timeout / 10).clamp(Duration::from_millis(1), Duration::from_millis(100));
+        loop {
+            std::thread::sleep(tick);
+            let comms: Vec<Weak<CommObj>> = lock(&self.watched).comms.clone();
+            let mut done: Vec<Weak<CommObj>> = Vec::new();
+            for weak in comms {
+                let still = weak.upgrade().is_some_and(|c| self.look(&c));
+                if !still {
+                    done.push(weak);
+                }
+            }
+            let mut w = lock(&self.watched);
+            w.comms.retain(|c| !done.iter().any(|d| d.ptr_eq(c)));
+            if w.comms.is_empty() {
+                w.running = false;
+                return;
+            }
+        }
+    }
+
+    /// One look at `comm`; whether it still has collectives outstanding.
+    fn look(&self, comm: &CommObj) -> bool {
+        let Ok(n) = comm.shared.nccl() else {
+            return false;
+        };
+        let mut watch = lock(&comm.watch);
+        if watch.aborted.is_some() || comm.shared.bind(comm.device).is_err() {
+            return false;
+        }
+        let CommWatch {
+            outstanding, spare, ..
+        } = &mut *watch;
+        outstanding.retain(|w| {
+            let over = finished(w.event);
+            if over {
+                spare.push(w.event);
+            }
+            !over
+        });
+        let Some(oldest) = watch.outstanding.front() else {
+            return false;
+        };
+        let cause = if let Some(e) = async_error(n, comm) {
+            e
+        } else if oldest.issued.elapsed() >= self.timeout {
+            cuda_err(
+                ErrorKind::Timeout,
+                oldest.op,
+                format!(
+                    "{} #{} on the NCCL communicator of rank {} of {} did not finish within the collective timeout of {} ms (HP_COLLECTIVE_TIMEOUT_MS): a peer died, skipped it or disagrees on it; the communicator was aborted",
+                    oldest.op,
+                    oldest.seq,
+                    comm.rank,
+                    comm.world,
+                    self.timeout.as_millis()
+                ),
+            )
+        } else {
+            return true;
+        };
+        abort(n, comm, &mut watch, cause);
+        false
+    }
+}
+
+/// NCCL's asynchronous error on `comm`, if it has one (a failed operation, a peer gone).
+pub(crate) fn async_error(n: &Nccl, comm: &CommObj) -> Option<Error> {
+    let mut code = 0;
+    // SAFETY: a live communicator (not aborted: the caller holds its watch and checked).
+    let asked = unsafe { (n.api.ncclCommGetAsyncError)(comm.raw as ncclComm_t, &mut code) };
+    let code = if asked == 0 { code } else { asked };
+    (code != 0 && code != NCCL_IN_PROGRESS).then(|| {
+        nccl_error(
+            code,
+            "ncclCommGetAsyncError",
+            &format!(
+                "NCCL reported an error on the communicator of rank {} of {}, which was aborted",
+                comm.rank, comm.world
+            ),
+        )
+    })
+}
+
+/// Aborts `comm` (whose device is bound and whose watch is `watch`) with `cause`: its
+/// collectives that had not finished fail with it at their places, then `ncclCommAbort` ends
+/// their kernels.
+pub(crate) fn abort(n: &Nccl, comm: &CommObj, watch: &mut CommWatch, cause: Error) {
+    tracing::error!(error = %cause, "cuda: aborting an NCCL communicator");
+    for w in &watch.outstanding {
+        if !finished(w.event) {
+            w.at.fail(cause.clone());
+        }
+    }
+    // SAFETY: a live communicator; the handle is not used again (aborted is set below).
+    let _ = n.check(
+        unsafe { (n.api.ncclCommAbort)(comm.raw as ncclComm_t) },
+        "ncclCommAbort",
+    );
+    watch.aborted = Some(cause);
+}
