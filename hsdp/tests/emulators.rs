@@ -22,7 +22,8 @@ enum Emulated {
     Cuda,
 }
 
-/// A dead peer costs the emulators one HCCL / NCCL timeout: this one, in these tests.
+/// A dead peer costs one collective timeout (the Ascend emulator's HCCL timeout; on cuda the
+/// backend's NCCL watchdog, as NCCL itself never times out): this one, in these tests.
 const PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The backend on its emulator. NCCL wants a device per rank: the CUDA emulator gets four.
@@ -33,6 +34,7 @@ fn open(which: Emulated) -> Box<dyn Platform> {
         let ms = PEER_TIMEOUT.as_millis().to_string();
         std::env::set_var("HP_EMU_HCCL_TIMEOUT_MS", &ms);
         std::env::set_var("HP_EMU_NCCL_TIMEOUT_MS", &ms);
+        std::env::set_var("HP_COLLECTIVE_TIMEOUT_MS", &ms);
     });
     match which {
         Emulated::Npu => Box::new(emulator::open().expect("the npu backend opens on the emulator")),

@@ -22,7 +22,11 @@ use crate::memory::{MemInfo, MemoryStats};
 /// it, every stream that waited on such an event (and events recorded there after the wait), and
 /// a device synchronize; each reports it once and later work is clean again. A collective that
 /// fails aborts its communicator on every rank (as `ncclCommAbort` does): what is queued behind it
-/// and issued later fails at once with the first cause.
+/// and issued later fails at once with the first cause. No wait on a collective blocks past the
+/// collective timeout (`HP_COLLECTIVE_TIMEOUT_MS`, default 120 s; the cpu backend's
+/// `HP_CPU_COLLECTIVE_TIMEOUT_MS` overrides it there): a peer that died, skipped the collective or
+/// disagrees on it makes the wait fail with a `Timeout` (on cuda, the NCCL watchdog aborts the
+/// communicator, as torch's does; on npu, HCCL's own timeout applies).
 pub trait Platform: Send + Sync {
     fn backend(&self) -> BackendKind;
     fn info(&self) -> PlatformInfo;

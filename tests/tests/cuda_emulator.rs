@@ -824,8 +824,9 @@ fn a_collective_whose_peer_never_comes_fails_within_the_collective_timeout() {
     let p = std::sync::Arc::new(open_with_timeout(1000));
     let comms_before = emu.stats().live_comms;
     // Rank 1 issues this many of rank 0's three all-reduces (one: it skips the second; none: it
-    // never calls any), then destroys its communicator.
-    for issued_by_peer in [1usize, 0] {
+    // never calls any), then destroys its communicator; rank 0 issues them one by one, or in one
+    // NCCL group (queued, and watched, at its end).
+    for (issued_by_peer, grouped) in [(1usize, false), (0, false), (0, true)] {
         let id = p.unique_id().unwrap();
         let (report, reports) = mpsc::channel();
         for rank in 0..2 {
@@ -845,8 +846,14 @@ fn a_collective_whose_peer_never_comes_fails_within_the_collective_timeout() {
                         p.synchronize_stream(&s)?;
                         return Ok(None);
                     }
+                    if grouped {
+                        p.group_start()?;
+                    }
                     for _ in 0..3 {
                         all_reduce()?;
+                    }
+                    if grouped {
+                        p.group_end()?;
                     }
                     let start = Instant::now();
                     let Err(first) = p.synchronize_stream(&s) else {
@@ -870,7 +877,9 @@ fn a_collective_whose_peer_never_comes_fails_within_the_collective_timeout() {
             let (rank, r) = reports
                 .recv_timeout(Duration::from_secs(10))
                 .expect("a rank hung: nothing ended the collective its peer never joined");
-            let r = r.unwrap_or_else(|e| panic!("rank {rank} (peer issued {issued_by_peer}): {e}"));
+            let r = r.unwrap_or_else(|e| {
+                panic!("rank {rank} (peer issued {issued_by_peer}, grouped {grouped}): {e}")
+            });
             outcome = outcome.or(r);
         }
         let (first, waited, later, at_once) = outcome.expect("rank 0 reported");

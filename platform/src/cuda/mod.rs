@@ -121,6 +121,16 @@ static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
 thread_local! {
     /// (platform instance → device selected on this thread with `set_device`).
     static CURRENT: RefCell<HashMap<u64, usize>> = RefCell::new(HashMap::new());
+    /// This thread's `ncclGroupStart` depth, and the collectives issued in the open group, for
+    /// the watchdog once `ncclGroupEnd` queued them.
+    static GROUP: RefCell<(u32, Vec<Grouped>)> = const { RefCell::new((0, Vec::new())) };
+}
+
+/// A collective issued inside an open NCCL group.
+struct Grouped {
+    comm: Arc<CommObj>,
+    op: &'static str,
+    stream: Arc<StreamObj>,
 }
 
 /// A module compiled for one device, with the functions looked up so far.
@@ -1723,10 +1733,23 @@ impl Backend for CudaBackend {
         // Recorded even when issuing failed part-way (an all-to-all's own block may be queued
         // before a send fails): the places must never be freed under what was queued, nor a
         // hang in it go unwatched.
-        let watched = self
-            .shared
-            .watchdog
-            .watch(comm, &mut watch, name, stream);
+        let grouped = GROUP.with(|g| {
+            let mut g = g.borrow_mut();
+            (g.0 > 0).then(|| {
+                g.1.push(Grouped {
+                    comm: Arc::clone(comm),
+                    op: name,
+                    stream: Arc::clone(stream),
+                })
+            })
+        });
+        let watched = match grouped {
+            Some(()) => {
+                watch.in_group += 1;
+                Ok(())
+            }
+            None => self.shared.watchdog.watch(comm, &mut watch, name, stream),
+        };
         drop(watch);
         for (place, _) in op.places(comm.world) {
             if let Some((m, _)) = place {
@@ -1764,12 +1787,37 @@ impl Backend for CudaBackend {
     fn group_start(&self) -> Result<()> {
         let n = self.shared.nccl()?;
         // SAFETY: plain NCCL call.
-        n.check(unsafe { (n.api.ncclGroupStart)() }, "ncclGroupStart")
+        n.check(unsafe { (n.api.ncclGroupStart)() }, "ncclGroupStart")?;
+        GROUP.with(|g| g.borrow_mut().0 += 1);
+        Ok(())
     }
     fn group_end(&self) -> Result<()> {
         let n = self.shared.nccl()?;
         // SAFETY: plain NCCL call.
-        n.check(unsafe { (n.api.ncclGroupEnd)() }, "ncclGroupEnd")
+        let ended = n.check(unsafe { (n.api.ncclGroupEnd)() }, "ncclGroupEnd");
+        let queued = GROUP.with(|g| {
+            let mut g = g.borrow_mut();
+            g.0 = g.0.saturating_sub(1);
+            if g.0 == 0 {
+                std::mem::take(&mut g.1)
+            } else {
+                Vec::new()
+            }
+        });
+        // Now on their streams (or dropped, if the group failed): watched from here.
+        let mut first = ended;
+        for Grouped { comm, op, stream } in queued {
+            let mut watch = lock(&comm.watch);
+            watch.in_group -= 1;
+            let watched = match watch.aborted {
+                Some(_) => Ok(()),
+                None => self.shared.bind(comm.device).and_then(|()| {
+                    self.shared.watchdog.watch(&comm, &mut watch, op, &stream)
+                }),
+            };
+            first = first.and(watched);
+        }
+        first
     }
 }
 

@@ -45,6 +45,10 @@ pub(crate) struct CommWatch {
     /// Set once the communicator was aborted: the first cause, which every later operation
     /// fails with (`ncclCommAbort` freed it, so it is never used or destroyed again).
     pub(crate) aborted: Option<Error>,
+    /// Collectives of an open `ncclGroupStart` are queued by `ncclGroupEnd`: they are watched
+    /// from there, and the communicator is not aborted under the open group (NCCL would use
+    /// the freed communicator at the group's end).
+    pub(crate) in_group: u32,
     issued: u64,
     outstanding: VecDeque<Work>,
     /// Events of finished collectives, for the next ones.
@@ -180,6 +184,9 @@ impl Watchdog {
         let mut watch = lock(&comm.watch);
         if watch.aborted.is_some() || comm.shared.bind(comm.device).is_err() {
             return false;
+        }
+        if watch.in_group > 0 {
+            return true;
         }
         let CommWatch {
             outstanding, spare, ..

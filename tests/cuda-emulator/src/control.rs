@@ -40,7 +40,8 @@ pub unsafe extern "C" fn hprtEmuSetFaults(spec: *const c_char) -> i32 {
     i32::from(state::FAULTS.replace(spec).is_err())
 }
 
-/// How long NCCL ranks wait for their peers before failing; overrides `HP_EMU_NCCL_TIMEOUT_MS`.
+/// How long `ncclCommInitRank` waits for every rank before failing; overrides
+/// `HP_EMU_NCCL_TIMEOUT_MS`.
 #[no_mangle]
 pub extern "C" fn hprtEmuSetNcclTimeoutMs(ms: u64) {
     state::set_nccl_timeout_ms(ms);

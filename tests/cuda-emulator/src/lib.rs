@@ -28,7 +28,9 @@
 //!
 //! Environment (read once, at first use; a value that does not parse makes `cuInit` fail with
 //! `CUDA_ERROR_INVALID_VALUE`): `HP_EMU_DEVICES` (default 1), `HP_EMU_DEVICE_MEMORY` (bytes per
-//! device, default 8 GiB), `HP_EMU_DELAY_SEED`, `HP_EMU_NCCL_TIMEOUT_MS` (default 120 000),
+//! device, default 8 GiB), `HP_EMU_DELAY_SEED`, `HP_EMU_NCCL_TIMEOUT_MS` (how long
+//! `ncclCommInitRank` waits for every rank, default 120 000; collectives never time out, as on
+//! NCCL),
 //! `HP_EMU_FAULTS` (`name:n:code,...`: the n-th call of `name` returns `code`), `CXX` (the
 //! compiler NVRTC runs, default `c++`).
 

@@ -32,7 +32,8 @@ pub(crate) struct Config {
     pub device_memory: u64,
     /// `HP_EMU_DELAY_SEED`: stream workers sleep 0–2 ms before each job when set.
     pub delay_seed: Option<u64>,
-    /// `HP_EMU_NCCL_TIMEOUT_MS` (default 120 000): how long a rank waits for its peers.
+    /// `HP_EMU_NCCL_TIMEOUT_MS` (default 120 000): how long `ncclCommInitRank` waits for every
+    /// rank to join (collectives wait for their peers without end, as on NCCL).
     pub nccl_timeout_ms: u64,
     /// Some `HP_EMU_*` variable could not be parsed; `cuInit` fails instead of guessing.
     pub malformed: bool,
