@@ -321,22 +321,58 @@ pub(crate) fn collective_timeout_from_env(
     backend: BackendKind,
     specific: Option<&str>,
 ) -> Result<Option<std::time::Duration>> {
+    collective_timeout_from(backend, specific, |name| std::env::var(name).ok())
+}
+
+fn collective_timeout_from(
+    backend: BackendKind,
+    specific: Option<&str>,
+    var: impl Fn(&str) -> Option<String>,
+) -> Result<Option<std::time::Duration>> {
     for name in specific.into_iter().chain(["HP_COLLECTIVE_TIMEOUT_MS"]) {
-        match std::env::var(name) {
-            Ok(v) if v.trim().is_empty() => {}
-            Ok(v) => {
-                return match v.trim().parse() {
-                    Ok(ms) => Ok(Some(std::time::Duration::from_millis(ms))),
-                    Err(_) => Err(Error::new(
-                        ErrorKind::InvalidValue,
-                        backend,
-                        "configure",
-                        format!("{name}={v:?} is not milliseconds"),
-                    )),
-                }
-            }
-            Err(_) => {}
-        }
+        let Some(v) = var(name).filter(|v| !v.trim().is_empty()) else {
+            continue;
+        };
+        return match v.trim().parse() {
+            Ok(ms) => Ok(Some(std::time::Duration::from_millis(ms))),
+            Err(_) => Err(Error::new(
+                ErrorKind::InvalidValue,
+                backend,
+                "configure",
+                format!("{name}={v:?} is not milliseconds"),
+            )),
+        };
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod timeout_tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_backends_own_variable_overrides_the_shared_one() {
+        let read = |vars: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                vars.iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let cpu = Some("HP_CPU_COLLECTIVE_TIMEOUT_MS");
+        let both = read(&[
+            ("HP_COLLECTIVE_TIMEOUT_MS", "1000"),
+            ("HP_CPU_COLLECTIVE_TIMEOUT_MS", "250"),
+        ]);
+        let t = |specific, var| collective_timeout_from(BackendKind::Cpu, specific, var);
+        assert_eq!(t(cpu, both).unwrap(), Some(Duration::from_millis(250)));
+        assert_eq!(t(None, both).unwrap(), Some(Duration::from_millis(1000)));
+        let shared = read(&[("HP_COLLECTIVE_TIMEOUT_MS", " 1500 ")]);
+        assert_eq!(t(cpu, shared).unwrap(), Some(Duration::from_millis(1500)));
+        assert_eq!(t(cpu, read(&[])).unwrap(), None);
+        let bad = t(None, read(&[("HP_COLLECTIVE_TIMEOUT_MS", "1s")])).unwrap_err();
+        assert_eq!(bad.kind, ErrorKind::InvalidValue);
+        assert!(bad.message.contains("HP_COLLECTIVE_TIMEOUT_MS"), "{bad}");
+    }
 }

@@ -818,7 +818,12 @@ fn open_with_timeout(ms: u64) -> hprt_platform::CudaBackend {
 fn a_collective_whose_peer_never_comes_fails_within_the_collective_timeout() {
     use std::sync::mpsc;
     use std::time::{Duration, Instant};
-    type Outcome = (hprt_platform::Error, Duration, hprt_platform::Error, Duration);
+    type Outcome = (
+        hprt_platform::Error,
+        Duration,
+        hprt_platform::Error,
+        Duration,
+    );
     let _g = serial();
     let emu = Emu::open();
     let p = std::sync::Arc::new(open_with_timeout(1000));

@@ -648,9 +648,8 @@ impl CudaBackend {
     /// `Unavailable` (naming the library and every name or path tried) when the driver cannot
     /// be loaded or initialised or has no device; NCCL and NVRTC are optional.
     pub fn open_with(search_env: &CudaSearch) -> Result<Self> {
-        let timeout =
-            crate::collective::collective_timeout_from_env(BackendKind::Cuda, None)?
-                .unwrap_or(crate::collective::DEFAULT_COLLECTIVE_TIMEOUT);
+        let timeout = crate::collective::collective_timeout_from_env(BackendKind::Cuda, None)?
+            .unwrap_or(crate::collective::DEFAULT_COLLECTIVE_TIMEOUT);
         let driver = search(&LibrarySpec::driver(), search_env.cuda_lib.as_ref());
         let mut probes = driver.tried.clone();
         let missing = driver.missing_message();
@@ -1811,9 +1810,10 @@ impl Backend for CudaBackend {
             watch.in_group -= 1;
             let watched = match watch.aborted {
                 Some(_) => Ok(()),
-                None => self.shared.bind(comm.device).and_then(|()| {
-                    self.shared.watchdog.watch(&comm, &mut watch, op, &stream)
-                }),
+                None => self
+                    .shared
+                    .bind(comm.device)
+                    .and_then(|()| self.shared.watchdog.watch(&comm, &mut watch, op, &stream)),
             };
             first = first.and(watched);
         }
