@@ -830,8 +830,20 @@ fn a_collective_whose_peer_never_comes_fails_within_the_collective_timeout() {
     let comms_before = emu.stats().live_comms;
     // Rank 1 issues this many of rank 0's three all-reduces (one: it skips the second; none: it
     // never calls any), then destroys its communicator; rank 0 issues them one by one, or in one
-    // NCCL group (queued, and watched, at its end).
-    for (issued_by_peer, grouped) in [(1usize, false), (0, false), (0, true)] {
+    // NCCL group (queued, and watched, at its end), or destroys its communicator before it
+    // synchronizes (the destroy waits for them as NCCL's would, but only as long as the timeout).
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Rank0 {
+        Plain,
+        Grouped,
+        DestroysFirst,
+    }
+    for (issued_by_peer, rank0) in [
+        (1usize, Rank0::Plain),
+        (0, Rank0::Plain),
+        (0, Rank0::Grouped),
+        (0, Rank0::DestroysFirst),
+    ] {
         let id = p.unique_id().unwrap();
         let (report, reports) = mpsc::channel();
         for rank in 0..2 {
@@ -851,20 +863,26 @@ fn a_collective_whose_peer_never_comes_fails_within_the_collective_timeout() {
                         p.synchronize_stream(&s)?;
                         return Ok(None);
                     }
-                    if grouped {
+                    if rank0 == Rank0::Grouped {
                         p.group_start()?;
                     }
                     for _ in 0..3 {
                         all_reduce()?;
                     }
-                    if grouped {
+                    if rank0 == Rank0::Grouped {
                         p.group_end()?;
                     }
                     let start = Instant::now();
+                    if rank0 == Rank0::DestroysFirst {
+                        p.destroy_comm(&c)?;
+                    }
                     let Err(first) = p.synchronize_stream(&s) else {
                         panic!("a collective no peer joined succeeded");
                     };
                     let waited = start.elapsed();
+                    if rank0 == Rank0::DestroysFirst {
+                        return Ok(Some((first.clone(), waited, first, Duration::ZERO)));
+                    }
                     let start = Instant::now();
                     all_reduce()?;
                     let Err(later) = p.synchronize_stream(&s) else {
@@ -883,12 +901,12 @@ fn a_collective_whose_peer_never_comes_fails_within_the_collective_timeout() {
                 .recv_timeout(Duration::from_secs(10))
                 .expect("a rank hung: nothing ended the collective its peer never joined");
             let r = r.unwrap_or_else(|e| {
-                panic!("rank {rank} (peer issued {issued_by_peer}, grouped {grouped}): {e}")
+                panic!("rank {rank} (peer issued {issued_by_peer}, rank 0 {rank0:?}): {e}")
             });
             outcome = outcome.or(r);
         }
         let (first, waited, later, at_once) = outcome.expect("rank 0 reported");
-        assert_eq!(first.kind, ErrorKind::Timeout, "{first}");
+        assert_eq!(first.kind, ErrorKind::Timeout, "{rank0:?}: {first}");
         assert!(
             first
                 .message

@@ -528,24 +528,23 @@ pub struct CommObj {
     watch: Mutex<CommWatch>,
 }
 
+impl CommObj {
+    fn ident(&self) -> watchdog::Ident {
+        watchdog::Ident {
+            raw: self.raw,
+            rank: self.rank,
+            world: self.world,
+        }
+    }
+}
+
 impl Drop for CommObj {
     fn drop(&mut self) {
-        let watch = self.watch.get_mut().unwrap_or_else(|p| p.into_inner());
-        let aborted = watch.aborted.is_some();
-        let events = watch.take_events();
-        let (shared, raw, device) = (Arc::clone(&self.shared), self.raw, self.device);
+        let watch = std::mem::take(self.watch.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let (shared, device, ident) = (Arc::clone(&self.shared), self.device, self.ident());
         self.shared.reaper.run_or_defer(move || {
-            let Ok(()) = shared.bind(device) else { return };
-            if let (Ok(n), false) = (shared.nccl(), aborted) {
-                // SAFETY: we created this communicator and did not abort it.
-                let _ = n.check(
-                    unsafe { (n.api.ncclCommDestroy)(raw as ncclComm_t) },
-                    "ncclCommDestroy",
-                );
-            }
-            for e in events {
-                // SAFETY: events the watch created, destroyed once.
-                unsafe { cu::cuEventDestroy_v2(e as cu::CUevent) };
+            if let (Ok(n), Ok(())) = (shared.nccl(), shared.bind(device)) {
+                watch.close(n, ident, shared.watchdog.timeout());
             }
         });
     }
@@ -1557,8 +1556,8 @@ impl Backend for CudaBackend {
         // calls, never under one.
         let mut watch = lock(&comm.watch);
         if watch.aborted.is_none() {
-            if let Some(e) = watchdog::async_error(n, comm) {
-                watchdog::abort(n, comm, &mut watch, e);
+            if let Some(e) = watchdog::async_error(n, comm.ident()) {
+                watchdog::abort(n, comm.ident(), &mut watch, e);
             }
         }
         if let Some(e) = &watch.aborted {

@@ -55,15 +55,6 @@ pub(crate) struct CommWatch {
     spare: Vec<usize>,
 }
 
-impl CommWatch {
-    /// The driver events this watch owns (for the communicator's drop).
-    pub(crate) fn take_events(&mut self) -> Vec<usize> {
-        let mut all: Vec<usize> = self.outstanding.drain(..).map(|w| w.event).collect();
-        all.append(&mut self.spare);
-        all
-    }
-}
-
 /// The platform's watchdog: the communicators with collectives outstanding.
 pub(crate) struct Watchdog {
     timeout: Duration,
@@ -156,9 +147,8 @@ impl Watchdog {
     }
 
     fn run(self: Arc<Self>) {
-        let tick = (self.timeout / 10).clamp(Duration::from_millis(1), Duration::from_millis(100));
         loop {
-            std::thread::sleep(tick);
+            std::thread::sleep(tick(self.timeout));
             let comms: Vec<Weak<CommObj>> = lock(&self.watched).comms.clone();
             let mut done: Vec<Weak<CommObj>> = Vec::new();
             for weak in comms {
@@ -188,9 +178,42 @@ impl Watchdog {
         if watch.in_group > 0 {
             return true;
         }
+        match watch.look(n, comm.ident(), self.timeout) {
+            Look::Idle => false,
+            Look::Busy => true,
+            Look::Failed(cause) => {
+                abort(n, comm.ident(), &mut watch, cause);
+                false
+            }
+        }
+    }
+}
+
+/// How often the watchdog looks: a tenth of the timeout, at most 100 ms.
+fn tick(timeout: Duration) -> Duration {
+    (timeout / 10).clamp(Duration::from_millis(1), Duration::from_millis(100))
+}
+
+/// What the watchdog needs of a communicator: its handle, and its place for messages.
+#[derive(Clone, Copy)]
+pub(crate) struct Ident {
+    pub(crate) raw: usize,
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+}
+
+enum Look {
+    Idle,
+    Busy,
+    Failed(Error),
+}
+
+impl CommWatch {
+    /// Forgets the finished collectives; says whether the others are still fine.
+    fn look(&mut self, n: &Nccl, comm: Ident, timeout: Duration) -> Look {
         let CommWatch {
             outstanding, spare, ..
-        } = &mut *watch;
+        } = self;
         outstanding.retain(|w| {
             let over = finished(w.event);
             if over {
@@ -198,34 +221,61 @@ impl Watchdog {
             }
             !over
         });
-        let Some(oldest) = watch.outstanding.front() else {
-            return false;
+        let Some(oldest) = self.outstanding.front() else {
+            return Look::Idle;
         };
-        let cause = if let Some(e) = async_error(n, comm) {
-            e
-        } else if oldest.issued.elapsed() >= self.timeout {
-            cuda_err(
-                ErrorKind::Timeout,
+        if let Some(e) = async_error(n, comm) {
+            return Look::Failed(e);
+        }
+        if oldest.issued.elapsed() < timeout {
+            return Look::Busy;
+        }
+        Look::Failed(cuda_err(
+            ErrorKind::Timeout,
+            oldest.op,
+            format!(
+                "{} #{} on the NCCL communicator of rank {} of {} did not finish within the collective timeout of {} ms (HP_COLLECTIVE_TIMEOUT_MS): a peer died, skipped it or disagrees on it; the communicator was aborted",
                 oldest.op,
-                format!(
-                    "{} #{} on the NCCL communicator of rank {} of {} did not finish within the collective timeout of {} ms (HP_COLLECTIVE_TIMEOUT_MS): a peer died, skipped it or disagrees on it; the communicator was aborted",
-                    oldest.op,
-                    oldest.seq,
-                    comm.rank,
-                    comm.world,
-                    self.timeout.as_millis()
-                ),
-            )
-        } else {
-            return true;
-        };
-        abort(n, comm, &mut watch, cause);
-        false
+                oldest.seq,
+                comm.rank,
+                comm.world,
+                timeout.as_millis()
+            ),
+        ))
+    }
+
+    /// Ends a communicator its owner dropped (its device bound): once its collectives finished
+    /// it is destroyed; one that does not finish within the timeout gets it aborted instead, as
+    /// the watchdog would (NCCL's destroy would wait for it without end). Frees the events.
+    pub(crate) fn close(mut self, n: &Nccl, comm: Ident, timeout: Duration) {
+        if self.aborted.is_none() {
+            loop {
+                match self.look(n, comm, timeout) {
+                    Look::Idle => {
+                        // SAFETY: we created this communicator and did not abort it.
+                        let _ = n.check(
+                            unsafe { (n.api.ncclCommDestroy)(comm.raw as ncclComm_t) },
+                            "ncclCommDestroy",
+                        );
+                        break;
+                    }
+                    Look::Busy => std::thread::sleep(tick(timeout)),
+                    Look::Failed(cause) => {
+                        abort(n, comm, &mut self, cause);
+                        break;
+                    }
+                }
+            }
+        }
+        for e in self.outstanding.drain(..).map(|w| w.event).chain(self.spare) {
+            // SAFETY: events this watch created, destroyed once.
+            unsafe { cu::cuEventDestroy_v2(e as cu::CUevent) };
+        }
     }
 }
 
 /// NCCL's asynchronous error on `comm`, if it has one (a failed operation, a peer gone).
-pub(crate) fn async_error(n: &Nccl, comm: &CommObj) -> Option<Error> {
+pub(crate) fn async_error(n: &Nccl, comm: Ident) -> Option<Error> {
     let mut code = 0;
     // SAFETY: a live communicator (not aborted: the caller holds its watch and checked).
     let asked = unsafe { (n.api.ncclCommGetAsyncError)(comm.raw as ncclComm_t, &mut code) };
@@ -245,7 +295,7 @@ pub(crate) fn async_error(n: &Nccl, comm: &CommObj) -> Option<Error> {
 /// Aborts `comm` (whose device is bound and whose watch is `watch`) with `cause`: its
 /// collectives that had not finished fail with it at their places, then `ncclCommAbort` ends
 /// their kernels.
-pub(crate) fn abort(n: &Nccl, comm: &CommObj, watch: &mut CommWatch, cause: Error) {
+pub(crate) fn abort(n: &Nccl, comm: Ident, watch: &mut CommWatch, cause: Error) {
     tracing::error!(error = %cause, "cuda: aborting an NCCL communicator");
     for w in &watch.outstanding {
         if !finished(w.event) {
