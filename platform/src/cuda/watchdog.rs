@@ -267,7 +267,12 @@ impl CommWatch {
                 }
             }
         }
-        for e in self.outstanding.drain(..).map(|w| w.event).chain(self.spare) {
+        for e in self
+            .outstanding
+            .drain(..)
+            .map(|w| w.event)
+            .chain(self.spare)
+        {
             // SAFETY: events this watch created, destroyed once.
             unsafe { cu::cuEventDestroy_v2(e as cu::CUevent) };
         }
