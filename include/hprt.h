@@ -29,6 +29,9 @@
 
 /*
  Status of every C entry point.
+
+ hprt's one table of status numbers: platform error kinds report theirs (`ErrorKind::code`),
+ the C ABI returns them.
  */
 typedef enum HprtStatus {
   HPRT_STATUS_OK = 0,
@@ -385,6 +388,14 @@ typedef struct HprtTensorKey {
   size_t layer;
   size_t index;
 } HprtTensorKey;
+
+
+
+
+
+
+
+
 
 
 

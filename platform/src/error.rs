@@ -1,6 +1,7 @@
 //! The one error type of `hprt-platform`.
 
 use std::borrow::Cow;
+use std::ffi::CStr;
 use std::fmt;
 
 /// Which backend produced a value or an error.
@@ -57,36 +58,141 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
-    /// hprt's own status code for this kind (what the cpu backend and the C ABI report).
-    pub fn code(self) -> i32 {
+    pub const ALL: [ErrorKind; 10] = [
+        ErrorKind::Unavailable,
+        ErrorKind::InvalidValue,
+        ErrorKind::InvalidHandle,
+        ErrorKind::OutOfRange,
+        ErrorKind::OutOfMemory,
+        ErrorKind::NotReady,
+        ErrorKind::Mismatch,
+        ErrorKind::Timeout,
+        ErrorKind::Unsupported,
+        ErrorKind::Internal,
+    ];
+
+    /// The status this kind reports as (the one mapping; [`HprtStatus::kind`] is its inverse).
+    pub fn status(self) -> HprtStatus {
         match self {
-            ErrorKind::Unavailable => 1,
-            ErrorKind::InvalidValue => 2,
-            ErrorKind::InvalidHandle => 3,
-            ErrorKind::OutOfRange => 4,
-            ErrorKind::OutOfMemory => 5,
-            ErrorKind::NotReady => 6,
-            ErrorKind::Mismatch => 7,
-            ErrorKind::Timeout => 8,
-            ErrorKind::Unsupported => 9,
-            ErrorKind::Internal => 10,
+            ErrorKind::Unavailable => HprtStatus::ErrorUnavailable,
+            ErrorKind::InvalidValue => HprtStatus::ErrorInvalidValue,
+            ErrorKind::InvalidHandle => HprtStatus::ErrorInvalidHandle,
+            ErrorKind::OutOfRange => HprtStatus::ErrorOutOfRange,
+            ErrorKind::OutOfMemory => HprtStatus::ErrorOutOfMemory,
+            ErrorKind::NotReady => HprtStatus::ErrorNotReady,
+            ErrorKind::Mismatch => HprtStatus::ErrorCollectiveMismatch,
+            ErrorKind::Timeout => HprtStatus::ErrorTimeout,
+            ErrorKind::Unsupported => HprtStatus::ErrorUnsupported,
+            ErrorKind::Internal => HprtStatus::ErrorInternal,
         }
     }
 
-    /// The name of [`ErrorKind::code`].
+    /// hprt's own status code for this kind (what the cpu backend and the C ABI report).
+    pub fn code(self) -> i32 {
+        self.status() as i32
+    }
+
+    /// The name of [`ErrorKind::code`] in Rust and Python errors (`HP_ERROR_OUT_OF_MEMORY`; the C
+    /// ABI spells the same status `HPRT_STATUS_ERROR_OUT_OF_MEMORY`).
     pub fn code_name(self) -> &'static str {
-        match self {
-            ErrorKind::Unavailable => "HP_ERROR_UNAVAILABLE",
-            ErrorKind::InvalidValue => "HP_ERROR_INVALID_VALUE",
-            ErrorKind::InvalidHandle => "HP_ERROR_INVALID_HANDLE",
-            ErrorKind::OutOfRange => "HP_ERROR_OUT_OF_RANGE",
-            ErrorKind::OutOfMemory => "HP_ERROR_OUT_OF_MEMORY",
-            ErrorKind::NotReady => "HP_ERROR_NOT_READY",
-            ErrorKind::Mismatch => "HP_ERROR_COLLECTIVE_MISMATCH",
-            ErrorKind::Timeout => "HP_ERROR_TIMEOUT",
-            ErrorKind::Unsupported => "HP_ERROR_UNSUPPORTED",
-            ErrorKind::Internal => "HP_ERROR_INTERNAL",
+        self.status().short_name()
+    }
+}
+
+/// Status of every C entry point.
+///
+/// hprt's one table of status numbers: platform error kinds report theirs (`ErrorKind::code`),
+/// the C ABI returns them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HprtStatus {
+    Ok = 0,
+    ErrorUnavailable = 1,
+    ErrorInvalidValue = 2,
+    ErrorInvalidHandle = 3,
+    ErrorOutOfRange = 4,
+    ErrorOutOfMemory = 5,
+    ErrorNotReady = 6,
+    ErrorCollectiveMismatch = 7,
+    ErrorTimeout = 8,
+    ErrorUnsupported = 9,
+    ErrorInternal = 10,
+    /// A required pointer argument was null.
+    ErrorNullArgument = 11,
+    /// hprt panicked; the message says where. The process may continue, the object involved
+    /// should not be used again.
+    ErrorPanic = 12,
+    /// A swap call in the wrong state (e.g. reading a tensor that is offloaded).
+    ErrorWrongState = 13,
+    /// A saved tensor was modified or resized between offload and reload.
+    ErrorModifiedSinceOffload = 14,
+    /// Compressed bytes failed to decode (corrupt, truncated, or of another format version).
+    ErrorCorruptData = 15,
+    /// A caller-provided output buffer is smaller than the result; the message says how many
+    /// bytes are needed.
+    ErrorBufferTooSmall = 16,
+}
+
+/// Each status with the tail of its names: `HPRT_STATUS_<tail>` in C, `HP_<tail>` in Rust and
+/// Python errors.
+macro_rules! status_names {
+    ($($status:ident => $tail:literal,)*) => {
+        impl HprtStatus {
+            pub const ALL: [HprtStatus; [$($tail),*].len()] = [$(HprtStatus::$status),*];
+
+            /// The C constant's name (`HPRT_STATUS_ERROR_OUT_OF_MEMORY`).
+            pub fn name(self) -> &'static CStr {
+                match self {
+                    $(HprtStatus::$status => const {
+                        match CStr::from_bytes_with_nul(
+                            concat!("HPRT_STATUS_", $tail, "\0").as_bytes(),
+                        ) {
+                            Ok(name) => name,
+                            Err(_) => panic!("a status name holds a NUL"),
+                        }
+                    },)*
+                }
+            }
+
+            fn short_name(self) -> &'static str {
+                match self {
+                    $(HprtStatus::$status => concat!("HP_", $tail),)*
+                }
+            }
         }
+    };
+}
+
+status_names! {
+    Ok => "OK",
+    ErrorUnavailable => "ERROR_UNAVAILABLE",
+    ErrorInvalidValue => "ERROR_INVALID_VALUE",
+    ErrorInvalidHandle => "ERROR_INVALID_HANDLE",
+    ErrorOutOfRange => "ERROR_OUT_OF_RANGE",
+    ErrorOutOfMemory => "ERROR_OUT_OF_MEMORY",
+    ErrorNotReady => "ERROR_NOT_READY",
+    ErrorCollectiveMismatch => "ERROR_COLLECTIVE_MISMATCH",
+    ErrorTimeout => "ERROR_TIMEOUT",
+    ErrorUnsupported => "ERROR_UNSUPPORTED",
+    ErrorInternal => "ERROR_INTERNAL",
+    ErrorNullArgument => "ERROR_NULL_ARGUMENT",
+    ErrorPanic => "ERROR_PANIC",
+    ErrorWrongState => "ERROR_WRONG_STATE",
+    ErrorModifiedSinceOffload => "ERROR_MODIFIED_SINCE_OFFLOAD",
+    ErrorCorruptData => "ERROR_CORRUPT_DATA",
+    ErrorBufferTooSmall => "ERROR_BUFFER_TOO_SMALL",
+}
+
+impl HprtStatus {
+    /// The status numbered `code`, if any.
+    pub fn from_code(code: i32) -> Option<HprtStatus> {
+        HprtStatus::ALL.into_iter().find(|s| *s as i32 == code)
+    }
+
+    /// The platform error kind reported as this status; `None` for `Ok` and the statuses only
+    /// the C ABI's own layers report.
+    pub fn kind(self) -> Option<ErrorKind> {
+        ErrorKind::ALL.into_iter().find(|k| k.status() == self)
     }
 }
 
@@ -147,3 +253,42 @@ impl Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn every_kind_has_its_own_status_and_back() {
+        let statuses: HashSet<HprtStatus> = ErrorKind::ALL.iter().map(|k| k.status()).collect();
+        assert_eq!(
+            statuses.len(),
+            ErrorKind::ALL.len(),
+            "two kinds share a status"
+        );
+        for kind in ErrorKind::ALL {
+            let status = kind.status();
+            assert_eq!(status.kind(), Some(kind));
+            assert_eq!(HprtStatus::from_code(kind.code()), Some(status));
+            assert_eq!(
+                status.name().to_str().unwrap(),
+                format!("HPRT_STATUS_{}", &kind.code_name()["HP_".len()..])
+            );
+        }
+        assert_eq!(HprtStatus::Ok.kind(), None);
+    }
+
+    #[test]
+    fn statuses_are_numbered_densely_with_distinct_names() {
+        for (i, status) in HprtStatus::ALL.into_iter().enumerate() {
+            assert_eq!(status as i32, i as i32, "{status:?}");
+            assert_eq!(HprtStatus::from_code(i as i32), Some(status));
+        }
+        let n = HprtStatus::ALL.len() as i32;
+        assert_eq!(HprtStatus::from_code(n), None);
+        assert_eq!(HprtStatus::from_code(-1), None);
+        let names: HashSet<&CStr> = HprtStatus::ALL.iter().map(|s| s.name()).collect();
+        assert_eq!(names.len(), HprtStatus::ALL.len());
+    }
+}

@@ -35,7 +35,7 @@ pub use collective::{Collective, DEFAULT_COLLECTIVE_TIMEOUT};
 pub use cpu::{CpuBackend, CpuConfig};
 pub use cuda::CudaBackend;
 pub use dtype::{DType, ReduceOp};
-pub use error::{BackendKind, Error, ErrorKind, Result};
+pub use error::{BackendKind, Error, ErrorKind, HprtStatus, Result};
 pub use handle::{
     BufRef, Communicator, CopyKind, DeviceBuffer, Event, Mem, PinnedBuffer, RawStream, ReleaseFn,
     Stream, UniqueId,

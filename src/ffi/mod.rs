@@ -20,7 +20,7 @@ mod swap;
 mod swap_fronts;
 
 use std::cell::RefCell;
-use std::ffi::{c_char, CStr, CString};
+use std::ffi::{c_char, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 pub use compress::*;
@@ -30,36 +30,8 @@ pub use platform::*;
 pub use swap::*;
 pub use swap_fronts::*;
 
-/// Status of every C entry point.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HprtStatus {
-    Ok = 0,
-    ErrorUnavailable = 1,
-    ErrorInvalidValue = 2,
-    ErrorInvalidHandle = 3,
-    ErrorOutOfRange = 4,
-    ErrorOutOfMemory = 5,
-    ErrorNotReady = 6,
-    ErrorCollectiveMismatch = 7,
-    ErrorTimeout = 8,
-    ErrorUnsupported = 9,
-    ErrorInternal = 10,
-    /// A required pointer argument was null.
-    ErrorNullArgument = 11,
-    /// hprt panicked; the message says where. The process may continue, the object involved
-    /// should not be used again.
-    ErrorPanic = 12,
-    /// A swap call in the wrong state (e.g. reading a tensor that is offloaded).
-    ErrorWrongState = 13,
-    /// A saved tensor was modified or resized between offload and reload.
-    ErrorModifiedSinceOffload = 14,
-    /// Compressed bytes failed to decode (corrupt, truncated, or of another format version).
-    ErrorCorruptData = 15,
-    /// A caller-provided output buffer is smaller than the result; the message says how many
-    /// bytes are needed.
-    ErrorBufferTooSmall = 16,
-}
+/// Status of every C entry point (numbered once, in hprt-platform).
+pub use hprt_platform::HprtStatus;
 
 /// A failure on its way to C: a status and the sentence for `hprt_last_error_message`.
 pub(crate) struct FfiError {
@@ -69,21 +41,8 @@ pub(crate) struct FfiError {
 
 impl From<hprt_platform::Error> for FfiError {
     fn from(e: hprt_platform::Error) -> Self {
-        use hprt_platform::ErrorKind as K;
-        let status = match e.kind() {
-            K::Unavailable => HprtStatus::ErrorUnavailable,
-            K::InvalidValue => HprtStatus::ErrorInvalidValue,
-            K::InvalidHandle => HprtStatus::ErrorInvalidHandle,
-            K::OutOfRange => HprtStatus::ErrorOutOfRange,
-            K::OutOfMemory => HprtStatus::ErrorOutOfMemory,
-            K::NotReady => HprtStatus::ErrorNotReady,
-            K::Mismatch => HprtStatus::ErrorCollectiveMismatch,
-            K::Timeout => HprtStatus::ErrorTimeout,
-            K::Unsupported => HprtStatus::ErrorUnsupported,
-            K::Internal => HprtStatus::ErrorInternal,
-        };
         FfiError {
-            status,
+            status: e.kind().status(),
             message: e.to_string(),
         }
     }
@@ -163,49 +122,9 @@ pub extern "C" fn hprt_last_error_message() -> *const c_char {
 /// `"HPRT_STATUS_UNKNOWN"` for other values), never null.
 #[no_mangle]
 pub extern "C" fn hprt_status_name(status: i32) -> *const c_char {
-    use HprtStatus as S;
-    let all = [
-        S::Ok,
-        S::ErrorUnavailable,
-        S::ErrorInvalidValue,
-        S::ErrorInvalidHandle,
-        S::ErrorOutOfRange,
-        S::ErrorOutOfMemory,
-        S::ErrorNotReady,
-        S::ErrorCollectiveMismatch,
-        S::ErrorTimeout,
-        S::ErrorUnsupported,
-        S::ErrorInternal,
-        S::ErrorNullArgument,
-        S::ErrorPanic,
-        S::ErrorWrongState,
-        S::ErrorModifiedSinceOffload,
-        S::ErrorCorruptData,
-        S::ErrorBufferTooSmall,
-    ];
-    let Some(status) = all.into_iter().find(|s| *s as i32 == status) else {
-        return c"HPRT_STATUS_UNKNOWN".as_ptr();
-    };
-    let name: &'static CStr = match status {
-        HprtStatus::Ok => c"HPRT_STATUS_OK",
-        HprtStatus::ErrorUnavailable => c"HPRT_STATUS_ERROR_UNAVAILABLE",
-        HprtStatus::ErrorInvalidValue => c"HPRT_STATUS_ERROR_INVALID_VALUE",
-        HprtStatus::ErrorInvalidHandle => c"HPRT_STATUS_ERROR_INVALID_HANDLE",
-        HprtStatus::ErrorOutOfRange => c"HPRT_STATUS_ERROR_OUT_OF_RANGE",
-        HprtStatus::ErrorOutOfMemory => c"HPRT_STATUS_ERROR_OUT_OF_MEMORY",
-        HprtStatus::ErrorNotReady => c"HPRT_STATUS_ERROR_NOT_READY",
-        HprtStatus::ErrorCollectiveMismatch => c"HPRT_STATUS_ERROR_COLLECTIVE_MISMATCH",
-        HprtStatus::ErrorTimeout => c"HPRT_STATUS_ERROR_TIMEOUT",
-        HprtStatus::ErrorUnsupported => c"HPRT_STATUS_ERROR_UNSUPPORTED",
-        HprtStatus::ErrorInternal => c"HPRT_STATUS_ERROR_INTERNAL",
-        HprtStatus::ErrorNullArgument => c"HPRT_STATUS_ERROR_NULL_ARGUMENT",
-        HprtStatus::ErrorPanic => c"HPRT_STATUS_ERROR_PANIC",
-        HprtStatus::ErrorWrongState => c"HPRT_STATUS_ERROR_WRONG_STATE",
-        HprtStatus::ErrorModifiedSinceOffload => c"HPRT_STATUS_ERROR_MODIFIED_SINCE_OFFLOAD",
-        HprtStatus::ErrorCorruptData => c"HPRT_STATUS_ERROR_CORRUPT_DATA",
-        HprtStatus::ErrorBufferTooSmall => c"HPRT_STATUS_ERROR_BUFFER_TOO_SMALL",
-    };
-    name.as_ptr()
+    HprtStatus::from_code(status)
+        .map_or(c"HPRT_STATUS_UNKNOWN", HprtStatus::name)
+        .as_ptr()
 }
 
 /// Deliberately panics inside a guarded entry point: lets C callers (and hprt's tests) check

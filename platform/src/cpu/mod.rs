@@ -103,6 +103,9 @@ fn env_value<T>(name: &str, parse: impl Fn(&str) -> Option<T>, expect: &str) -> 
     }
 }
 
+/// cbindgen:ignore
+///
+/// (The C header is generated from hprt-platform too, for `HprtStatus`; these limits are not C API.)
 impl CpuConfig {
     /// The most devices a cpu platform models (each is a memory counter and a block cache).
     pub const MAX_DEVICES: usize = 1024;
