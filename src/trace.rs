@@ -33,11 +33,12 @@
 //! # Ok::<(), hprt::Error>(())
 //! ```
 
+use hprt_platform::sync::lock;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use hprt_platform::PlatformHandle;
@@ -137,10 +138,6 @@ pub struct Recorder {
     section: Mutex<String>,
     registry: Mutex<Registry>,
     spans: Mutex<Vec<Span>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Recorder {

@@ -45,6 +45,7 @@ pub use crate::codec::cuda::CudaCodec;
 use crate::codec::{self, DecodeOptions, EncodeOptions};
 use crate::error::{CompressError, Result};
 use crate::format::CodecDType;
+use hprt_platform::sync::lock;
 
 /// A compressed tensor in device memory: `byte_len` bytes of `FORMAT.md` at the start of `buf`.
 #[derive(Clone, Debug)]
@@ -243,7 +244,7 @@ impl PendingEncode {
                 return Ok(len);
             }
         };
-        let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = lock(slot);
         match slot.as_ref() {
             Some(Ok(n)) => Ok(*n),
             Some(Err(_)) => Err(slot.take().expect("checked").expect_err("checked")),
@@ -388,7 +389,7 @@ impl DeviceCodec for HostCodec {
                     out.write(0, &enc)?;
                     Ok(enc.len())
                 })();
-                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+                *lock(&slot) = Some(r);
             }),
         )?;
         // The length is not known when this is queued: the worst case is copied.
@@ -461,7 +462,7 @@ impl DeviceCodec for HostCodec {
                     out.write(0, &d.data)?;
                     Ok(())
                 })();
-                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+                *lock(&slot) = Some(r);
             }),
         )?;
         p.copy_async(

@@ -2,8 +2,9 @@
 //! cached by their sorted rank list. A group of one rank is the explicit no-op group: it has no
 //! communicator and every collective over it is a local copy (or nothing).
 
+use hprt_platform::sync::lock;
 use std::collections::{HashMap, HashSet};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 use hprt_platform::{Communicator, Platform};
 
@@ -171,8 +172,4 @@ impl<'p> GroupCache<'p> {
         let lists = mesh.global_split_rank_lists_for_axes(axes)?;
         self.group(name, &lists)
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -27,9 +27,7 @@ struct Slot<S> {
 
 impl<S> Slot<S> {
     fn lock(&self) -> MutexGuard<'_, S> {
-        // A panic while holding the lock cannot leave a slot half-written: every writer replaces
-        // whole fields, so a poisoned lock is still consistent.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     fn check_owner(&self, owner: Owner, op: &'static str) -> Result<()> {

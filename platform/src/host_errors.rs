@@ -9,7 +9,8 @@
 //! after it, and a stream that waited on such an event (directly or through further events),
 //! until the stream's own synchronize has reported it — a point recorded after that is clean.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use crate::sync::lock;
+use std::sync::{Arc, Mutex};
 
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::kernel::HostFn;
@@ -45,10 +46,6 @@ impl Span {
             .find(|(at, _)| self.lo < *at && *at <= self.hi)
             .map(|(_, e)| e.clone())
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// One place in a stream's order ([`StreamErrors::point`]).

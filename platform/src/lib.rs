@@ -12,7 +12,9 @@
 //!   so machines without CUDA get a typed `Unavailable` error (`HP_CUDA_LIB`, `HP_NCCL_LIB`,
 //!   `HP_NVRTC_LIB` override the library search).
 //! - [`npu`] — Ascend ACL + HCCL through `hprt-sys` (verified against the emulator in `tests/`).
-//! - [`Error`] — the crate's one error: backend, operation, status code and name, message.
+//! - [`Error`] — the crate's one error: backend, operation, status code and name, message;
+//!   [`HprtStatus`] — hprt's one table of status numbers (the C ABI returns it).
+//! - [`sync::lock`] — the poison-tolerant mutex lock every hprt crate uses.
 
 mod backend;
 mod collective;
@@ -29,6 +31,7 @@ mod memory;
 pub mod npu;
 mod platform;
 mod select;
+pub mod sync;
 
 pub use backend::{Backend, Loc, Place};
 pub use collective::{Collective, DEFAULT_COLLECTIVE_TIMEOUT};

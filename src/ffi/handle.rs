@@ -90,8 +90,7 @@ impl<T: Send + Sync + 'static> Registry<T> {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Slots<T>> {
-        // The registry's own operations do not panic while holding the lock.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        hprt_platform::sync::lock(&self.inner)
     }
 
     fn id(&self, index: u32, generation: u32) -> usize {

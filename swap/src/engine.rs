@@ -18,6 +18,7 @@ use crate::payload::{
 };
 use crate::pool::{PinnedBlock, PinnedPool, PoolConfig, PoolStats};
 use crate::tensor::{DeviceTensor, Fence, Saved, SwapTensor, VersionCounter};
+use hprt_platform::sync::lock;
 
 /// Settings of a [`SwapEngine`].
 #[derive(Clone, Default)]
@@ -430,7 +431,7 @@ impl SwapEngine {
                             .map_err(SwapError::from)
                     });
                 ns.fetch_add(elapsed_ns(start), Ordering::Relaxed);
-                *out.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+                *lock(&out) = Some(r);
             }),
         )?;
         Ok(HostCopy::Staged {
@@ -664,7 +665,7 @@ impl SwapEngine {
                                 .map_err(SwapError::from)
                                 .and_then(|d| Ok(buf.write(0, &d.data)?));
                             ns.fetch_add(elapsed_ns(start), Ordering::Relaxed);
-                            *out.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+                            *lock(&out) = Some(r);
                         }),
                     )?;
                     p.copy_async(dst.into(), offset, raw.buffer().into(), 0, len, &self.h2d)?;

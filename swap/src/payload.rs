@@ -29,6 +29,7 @@ use hprt_platform::{DType, DeviceBuffer};
 use crate::error::Result;
 use crate::pool::PinnedBlock;
 use crate::tensor::{DeviceTensor, VersionCounter};
+use hprt_platform::sync::lock;
 
 /// A framework's object for some memory (a torch tensor), opaque to swap.
 pub type FrameworkHandle = Arc<dyn Any + Send + Sync>;
@@ -118,7 +119,7 @@ pub(crate) fn codec_dtype(dtype: DType) -> Option<CodecDType> {
 pub(crate) type Slot<T> = Arc<Mutex<Option<Result<T>>>>;
 
 pub(crate) fn take<T>(slot: &Slot<T>) -> Option<Result<T>> {
-    slot.lock().unwrap_or_else(|p| p.into_inner()).take()
+    lock(slot).take()
 }
 
 /// Where a tensor's offloaded bytes are.

@@ -1,7 +1,8 @@
 //! Pinned host blocks reused by exact byte size, with a host budget and accounting.
 
+use hprt_platform::sync::lock;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use hprt_platform::PinnedBuffer;
 
@@ -44,11 +45,6 @@ struct PoolInner {
     idle: HashMap<usize, Vec<Idle>>,
     idle_bytes: usize,
     stats: PoolStats,
-}
-
-fn lock(m: &Mutex<PoolInner>) -> MutexGuard<'_, PoolInner> {
-    // Every writer updates whole fields under the lock, so a poisoned pool is still consistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Pinned host memory for host copies: a block returns to the pool when dropped and is handed

@@ -6,6 +6,7 @@
 //! until every rank finished (so no one reuses a buffer a peer still reads). Sends and receives
 //! meet in per-pair mailboxes instead, matched in order.
 
+use crate::sync::lock;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -19,10 +20,6 @@ use crate::dtype::DType;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 
 pub(crate) type Op = Collective<Option<Place<MemRef>>>;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 fn err(kind: ErrorKind, op: &'static str, msg: impl Into<String>) -> Error {
     Error::new(kind, BackendKind::Cpu, op, msg)

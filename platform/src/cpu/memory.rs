@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::ReleaseFn;
 use crate::memory::MemoryCounter;
+use crate::sync::lock;
 
 /// Alignment of every allocation, as `cudaMalloc` gives.
 pub(crate) const ALIGN: usize = 256;
@@ -34,7 +35,7 @@ impl BlockCache {
     }
 
     fn take(&self, layout: Layout) -> Option<*mut u8> {
-        let mut c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = lock(&self.inner);
         let base = c.by_size.get_mut(&layout.size())?.pop()?;
         c.bytes -= layout.size();
         Some(base as *mut u8)
@@ -42,7 +43,7 @@ impl BlockCache {
 
     /// Keeps the block if it fits under the cap; false means the caller frees it.
     fn put(&self, base: *mut u8, layout: Layout) -> bool {
-        let mut c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = lock(&self.inner);
         if c.bytes + layout.size() > self.cap {
             return false;
         }

@@ -11,10 +11,11 @@ mod memory;
 mod reduce;
 mod stream;
 
+use crate::sync::lock;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, Loc, Place};
@@ -162,10 +163,6 @@ impl CpuConfig {
         c.validate()?;
         Ok(c)
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn cpu_err(kind: ErrorKind, op: &'static str, msg: impl Into<String>) -> Error {

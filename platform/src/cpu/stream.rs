@@ -1,5 +1,6 @@
 //! cpu streams: one worker thread per stream draining a FIFO of jobs; events as completion marks.
 
+use crate::sync::lock;
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -8,10 +9,6 @@ use crate::error::{BackendKind, Error, ErrorKind, Result};
 
 /// A unit of queued work. It receives the stream it runs on so it can see that stream's state.
 pub(crate) type Job = Box<dyn FnOnce(&StreamCore) -> Result<()> + Send>;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 struct Queue {
     tx: Option<Sender<Job>>,

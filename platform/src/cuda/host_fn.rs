@@ -15,6 +15,7 @@ use cudarc::driver::sys as cu;
 use super::check::{cu, cuda_err};
 use crate::error::{ErrorKind, Result};
 use crate::kernel::HostFn;
+use crate::sync::lock;
 
 type Job = Box<dyn FnOnce() + Send + 'static>;
 
@@ -63,7 +64,7 @@ impl Reaper {
     }
 
     fn sender(&self) -> Result<Sender<Job>> {
-        let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        let mut tx = lock(&self.tx);
         if let Some(tx) = tx.as_ref() {
             return Ok(tx.clone());
         }

@@ -25,11 +25,12 @@ mod nvrtc;
 mod probe;
 mod watchdog;
 
+use crate::sync::lock;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys::{ncclComm_t, ncclUniqueId};
@@ -111,10 +112,6 @@ const CU_EVENT_DISABLE_TIMING: u32 = 0x2;
 /// Page-locked for every context; deliberately not `CU_MEMHOSTALLOC_WRITECOMBINED`, which makes
 /// host reads of D2H targets uncached and slow.
 const CU_MEMHOSTALLOC_PORTABLE: u32 = 0x1;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
 

@@ -7,11 +7,12 @@
 mod check;
 mod host_fn;
 
+use crate::sync::lock;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use half::{bf16, f16};
 use hprt_sys::types::{
@@ -42,10 +43,6 @@ macro_rules! acl_call {
 }
 
 const ROOT_INFO_BYTES: usize = std::mem::size_of::<HcclRootInfo>();
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
 
