@@ -142,10 +142,10 @@ impl<B> Kernel<B> {
         !matches!(self, Kernel::Matmul { .. })
     }
 
-    /// The element type of each place, in the order of [`Kernel::places`].
-    pub fn place_dtypes(&self) -> Vec<DType> {
+    /// The element type the kernel converts from and the one it converts to (the same for
+    /// single-dtype kernels): the one place kernels' dtypes are read.
+    pub(crate) fn dtypes(&self) -> (DType, DType) {
         match *self {
-            Kernel::Fill { dtype, .. } | Kernel::Scale { dtype, .. } => vec![dtype],
             Kernel::Cast {
                 src_dtype,
                 dst_dtype,
@@ -155,8 +155,20 @@ impl<B> Kernel<B> {
                 src_dtype,
                 dst_dtype,
                 ..
-            } => vec![src_dtype, dst_dtype],
-            Kernel::Matmul { dtype, .. } => vec![dtype; 3],
+            } => (src_dtype, dst_dtype),
+            Kernel::Fill { dtype, .. }
+            | Kernel::Scale { dtype, .. }
+            | Kernel::Matmul { dtype, .. } => (dtype, dtype),
+        }
+    }
+
+    /// The element type of each place, in the order of [`Kernel::places`].
+    pub fn place_dtypes(&self) -> Vec<DType> {
+        let (src, dst) = self.dtypes();
+        match self {
+            Kernel::Fill { .. } | Kernel::Scale { .. } => vec![dst],
+            Kernel::Cast { .. } | Kernel::Axpy { .. } => vec![src, dst],
+            Kernel::Matmul { .. } => vec![dst; 3],
         }
     }
 
@@ -283,21 +295,8 @@ impl<B> Kernel<B> {
     pub(crate) fn validate(&self, backend: BackendKind) -> Result<()> {
         let name = self.name();
         let err = |kind, msg: String| Err(Error::new(kind, backend, name, msg));
-        let widest = match self {
-            Kernel::Cast {
-                src_dtype,
-                dst_dtype,
-                ..
-            }
-            | Kernel::Axpy {
-                src_dtype,
-                dst_dtype,
-                ..
-            } => src_dtype.size().max(dst_dtype.size()),
-            Kernel::Fill { dtype, .. }
-            | Kernel::Scale { dtype, .. }
-            | Kernel::Matmul { dtype, .. } => dtype.size(),
-        };
+        let (src, dst) = self.dtypes();
+        let widest = src.size().max(dst.size());
         let elements = match *self {
             Kernel::Matmul { m, n, k, .. } => {
                 [m.checked_mul(n), m.checked_mul(k), k.checked_mul(n)]

@@ -45,25 +45,14 @@ pub(crate) fn c_type(d: DType) -> &'static str {
 
 /// The exported name of the kernel that runs `k`, or `None` for a same-dtype cast (a copy).
 pub(crate) fn kernel_name<B>(k: &Kernel<B>) -> Option<String> {
+    let (src, dst) = k.dtypes();
     Some(match k {
-        Kernel::Fill { dtype, .. } => format!("hprt_fill_{dtype}"),
-        Kernel::Cast {
-            src_dtype,
-            dst_dtype,
-            ..
-        } if src_dtype == dst_dtype => return None,
-        Kernel::Cast {
-            src_dtype,
-            dst_dtype,
-            ..
-        } => format!("hprt_cast_{src_dtype}_to_{dst_dtype}"),
-        Kernel::Scale { dtype, .. } => format!("hprt_scale_{dtype}"),
-        Kernel::Axpy {
-            src_dtype,
-            dst_dtype,
-            ..
-        } => format!("hprt_axpy_{src_dtype}_to_{dst_dtype}"),
-        Kernel::Matmul { dtype, .. } => format!("hprt_matmul_{dtype}"),
+        Kernel::Fill { .. } => format!("hprt_fill_{dst}"),
+        Kernel::Cast { .. } if src == dst => return None,
+        Kernel::Cast { .. } => format!("hprt_cast_{src}_to_{dst}"),
+        Kernel::Scale { .. } => format!("hprt_scale_{dst}"),
+        Kernel::Axpy { .. } => format!("hprt_axpy_{src}_to_{dst}"),
+        Kernel::Matmul { .. } => format!("hprt_matmul_{dst}"),
     })
 }
 
@@ -520,20 +509,7 @@ mod host_compiled {
     fn both(lib: &libloading::Library, k: &Kernel<()>, skew: usize) -> (Vec<u8>, Vec<u8>) {
         let name = kernel_name(k).unwrap();
         let n = k.count();
-        let (src_dtype, dst_dtype) = match *k {
-            Kernel::Cast {
-                src_dtype,
-                dst_dtype,
-                ..
-            }
-            | Kernel::Axpy {
-                src_dtype,
-                dst_dtype,
-                ..
-            } => (src_dtype, dst_dtype),
-            Kernel::Fill { dtype, .. } | Kernel::Scale { dtype, .. } => (dtype, dtype),
-            Kernel::Matmul { .. } => unreachable!("matmuls are checked by their own test"),
-        };
+        let (src_dtype, dst_dtype) = k.dtypes();
         let seed = name
             .bytes()
             .fold(7u64, |h, b| h.wrapping_mul(31) ^ b as u64);
