@@ -11,7 +11,7 @@
 //! - [`cuda`] — CUDA driver API through cudarc, NCCL and NVRTC loaded at run time; probed first,
 //!   so machines without CUDA get a typed `Unavailable` error (`HP_CUDA_LIB`, `HP_NCCL_LIB`,
 //!   `HP_NVRTC_LIB` override the library search).
-//! - [`npu`] — Ascend ACL + HCCL through `hprt-sys` (verified against the emulator in `tests/`).
+//! - [`npu`] — Ascend ACL + HCCL through `hprt-sys` (verified against the emulator in `tests/ascend-emulator`).
 //! - [`Error`] — the crate's one error: backend, operation, status code and name, message;
 //!   [`HprtStatus`] — hprt's one table of status numbers (the C ABI returns it).
 //! - [`sync::lock`] — the poison-tolerant mutex lock every hprt crate uses.
