@@ -34,6 +34,7 @@ use crate::data::{generate, DataKind};
 use crate::device::DeviceCodec;
 use crate::error::{CompressError, Result};
 use crate::format::CodecDType;
+use hprt_platform::sync::lock;
 
 /// Collectives the model knows bandwidths for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -194,19 +195,12 @@ impl CostModel {
     /// asks for this device and codec, then reused; `HP_COST_*` overrides applied on top.
     pub fn for_platform(platform: &dyn Platform, codec: &dyn DeviceCodec) -> Result<Self> {
         let key = platform_key(platform, codec);
-        let cached = cache()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-            .cloned();
+        let cached = lock(cache()).get(&key).cloned();
         let table = match cached {
             Some(t) => t,
             None => {
                 let t = measure_codec(platform, codec, 1 << 20)?;
-                cache()
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(key, t.clone());
+                lock(cache()).insert(key, t.clone());
                 t
             }
         };

@@ -167,14 +167,11 @@ pub fn codec_for(platform: &dyn Platform) -> Arc<dyn DeviceCodec> {
 type Slot<T> = Arc<Mutex<Option<Result<T>>>>;
 
 fn take_slot<T>(slot: &Slot<T>, what: &str) -> Result<T> {
-    slot.lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take()
-        .unwrap_or_else(|| {
-            Err(CompressError::InvalidState(format!(
-                "the {what} host step did not run (its stream reported no error)"
-            )))
-        })
+    lock(slot).take().unwrap_or_else(|| {
+        Err(CompressError::InvalidState(format!(
+            "the {what} host step did not run (its stream reported no error)"
+        )))
+    })
 }
 
 /// Where a queued operation leaves its result: the slot a host step fills, or a little-endian

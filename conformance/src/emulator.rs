@@ -83,7 +83,7 @@ pub fn open() -> hprt_platform::Result<NpuBackend> {
 /// The emulator's state is process-global: tests of one binary that use it take this lock.
 pub fn serial() -> MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+    hprt_platform::sync::lock(&SERIAL)
 }
 
 /// One fault-injection case: the `HP_EMU_FAULTS` spec, the error kind and status name it must

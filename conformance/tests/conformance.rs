@@ -10,7 +10,7 @@ use hprt_conformance::{report, run_cases, Outcome};
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn run_group(group: &str) {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = hprt_platform::sync::lock(&SERIAL);
     let platform = hprt_platform::get_platform().expect("get_platform");
     if let Ok(forced) = std::env::var("HP_PLATFORM") {
         assert_eq!(

@@ -47,7 +47,7 @@ fn serial() -> MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
     static DEVICES: std::sync::Once = std::sync::Once::new();
     DEVICES.call_once(|| std::env::set_var("HP_EMU_DEVICES", "2"));
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+    hprt_platform::sync::lock(&SERIAL)
 }
 
 fn live(s: &Stats) -> [u64; 7] {

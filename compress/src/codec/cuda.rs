@@ -420,9 +420,7 @@ static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned 
     fn library() -> std::sync::MutexGuard<'static, libloading::Library> {
         static LIB: std::sync::OnceLock<std::sync::Mutex<libloading::Library>> =
             std::sync::OnceLock::new();
-        LIB.get_or_init(|| std::sync::Mutex::new(compile()))
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        hprt_platform::sync::lock(LIB.get_or_init(|| std::sync::Mutex::new(compile())))
     }
 
     fn compile() -> libloading::Library {
