@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use hprt_platform::{DType, Platform, ReduceOp};
+use hprt_platform::{DType, Platform, PlatformHandle, ReduceOp};
 
 use crate::error::{HsdpError, Result};
 use crate::grad::{GradInput, ReduceOptions};
@@ -36,7 +36,8 @@ struct Timings {
 ///   reduce-scatter from the same gradient into the same sharded-gradient buffer.
 ///
 /// Times are per operation on rank 0, best of 5 trials; ranks are threads of this process.
-pub fn bench(platform: &dyn Platform, max_bytes: usize) -> Result<String, HsdpError> {
+pub fn bench(platform: impl Into<PlatformHandle>, max_bytes: usize) -> Result<String, HsdpError> {
+    let platform = platform.into();
     let devices = platform.device_count().max(1);
     let world = if devices > 1 { devices.min(4) } else { 4 };
     let unit = 4 * world;
@@ -56,7 +57,7 @@ pub fn bench(platform: &dyn Platform, max_bytes: usize) -> Result<String, HsdpEr
     );
     let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|");
     for bytes in sizes {
-        let t = run_size(platform, world, bytes)?;
+        let t = run_size(&platform, world, bytes)?;
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let _ = writeln!(
             out,
@@ -78,7 +79,7 @@ pub fn bench(platform: &dyn Platform, max_bytes: usize) -> Result<String, HsdpEr
     Ok(out)
 }
 
-fn run_size(p: &dyn Platform, world: usize, bytes: usize) -> Result<Timings> {
+fn run_size(p: &PlatformHandle, world: usize, bytes: usize) -> Result<Timings> {
     let id = p.unique_id()?;
     let go = Barrier::new(world);
     let results: Vec<Result<Timings>> = std::thread::scope(|sc| {
@@ -88,7 +89,7 @@ fn run_size(p: &dyn Platform, world: usize, bytes: usize) -> Result<Timings> {
                 sc.spawn(move || -> Result<Timings> {
                     p.set_device(rank % p.device_count().max(1))?;
                     let comm = p.comm_init(id, rank, world)?;
-                    rank_timings(p, GroupCache::new(p, comm), world, bytes, go)
+                    rank_timings(&**p, GroupCache::new(p.clone(), comm), world, bytes, go)
                 })
             })
             .collect();
@@ -111,7 +112,7 @@ fn run_size(p: &dyn Platform, world: usize, bytes: usize) -> Result<Timings> {
 
 fn rank_timings(
     p: &dyn Platform,
-    cache: GroupCache<'_>,
+    cache: GroupCache,
     world: usize,
     bytes: usize,
     go: &Barrier,

@@ -87,7 +87,7 @@ fn check_reduce_op(op: ReduceOp) -> Result<()> {
     }
 }
 
-impl ShardedParam<'_> {
+impl ShardedParam {
     fn check_grad(&self, grad: &GradInput<'_>) -> Result<()> {
         if !grad.dtype.is_float() {
             return Err(HsdpError::UnsupportedDType {
@@ -127,7 +127,7 @@ impl ShardedParam<'_> {
         if self.grad.pending.is_some() {
             return Err(self.state_error("accumulate a gradient while its reduction is pending"));
         }
-        let p = self.platform;
+        let p = self.platform.clone();
         let cs = &self.streams.compute;
         let (n, rdt) = (self.geom.numel(), self.reduce_dtype);
         let acc = &self.grad.unsharded;
@@ -203,7 +203,7 @@ impl ShardedParam<'_> {
         if let (Some(g), true) = (grad, self.grad.has_unsharded) {
             self.accumulate_grad(g)?;
         }
-        let p = self.platform;
+        let p = self.platform.clone();
         let rs = &self.streams.reduce.clone();
         self.order_after(&self.grad.ready, &self.streams.compute, rs)?;
         let (rdt, rsz) = (self.reduce_dtype, self.reduce_dtype.size());
@@ -325,7 +325,7 @@ impl ShardedParam<'_> {
         };
         let (buf, off) = self.pending_target()?;
         let target = buf.at(off);
-        let p = self.platform;
+        let p = self.platform.clone();
         let rs = &self.streams.reduce;
         if let Some(comm) = self.groups.unsharded.communicator() {
             let n = self.geom.shard_numel();
@@ -389,7 +389,7 @@ impl ShardedParam<'_> {
             )?;
         }
         let pending = self.grad.pending.take().expect("checked above");
-        let p = self.platform;
+        let p = self.platform.clone();
         let cs = self.streams.compute.clone();
         if scale.is_some() {
             p.record_event(&pending.done, &self.streams.reduce)?;
@@ -491,7 +491,7 @@ impl ShardedParam<'_> {
 ///
 /// ```no_run
 /// # use hprt_hsdp::*;
-/// # fn demo(params: &mut [ShardedParam<'_>], grads: &[hprt_platform::DeviceBuffer]) -> Result<()> {
+/// # fn demo(params: &mut [ShardedParam], grads: &[hprt_platform::DeviceBuffer]) -> Result<()> {
 /// let mut queue = GradQueue::default();
 /// for i in (0..params.len()).rev() {
 ///     let g = GradInput { buf: (&grads[i]).into(), dtype: params[i].param_dtype() };
@@ -510,7 +510,7 @@ impl GradQueue {
     /// Starts `params[index]`'s reduction and queues it.
     pub fn issue(
         &mut self,
-        params: &mut [ShardedParam<'_>],
+        params: &mut [ShardedParam],
         index: usize,
         grad: Option<GradInput<'_>>,
         opts: ReduceOptions,
@@ -528,7 +528,7 @@ impl GradQueue {
     }
 
     /// Applies the oldest queued reduction; returns its parameter index (`None` when empty).
-    pub fn apply_next(&mut self, params: &mut [ShardedParam<'_>]) -> Result<Option<usize>> {
+    pub fn apply_next(&mut self, params: &mut [ShardedParam]) -> Result<Option<usize>> {
         let Some(index) = self.order.pop_front() else {
             return Ok(None);
         };
@@ -545,7 +545,7 @@ impl GradQueue {
     }
 
     /// Applies everything queued, in order; returns how many were applied.
-    pub fn finish(&mut self, params: &mut [ShardedParam<'_>]) -> Result<usize> {
+    pub fn finish(&mut self, params: &mut [ShardedParam]) -> Result<usize> {
         let mut count = 0;
         while self.apply_next(params)?.is_some() {
             count += 1;

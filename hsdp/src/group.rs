@@ -1,4 +1,4 @@
-//! Process groups: sub-communicators made collectively through [`Platform::comm_split`] and
+//! Process groups: sub-communicators made collectively through [`Platform::comm_split`](hprt_platform::Platform::comm_split) and
 //! cached by their sorted rank list. A group of one rank is the explicit no-op group: it has no
 //! communicator and every collective over it is a local copy (or nothing).
 
@@ -6,7 +6,7 @@ use hprt_platform::sync::lock;
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
-use hprt_platform::{Communicator, Platform};
+use hprt_platform::{Communicator, PlatformHandle};
 
 use crate::error::{HsdpError, Result};
 use crate::mesh::DeviceMesh;
@@ -63,9 +63,9 @@ impl ProcessGroup {
 /// (the cache's or a [`ProcessGroup`]'s) is dropped.
 ///
 /// Every method that may split is collective over the world communicator: all ranks call it in
-/// the same order with the same arguments, as [`Platform::comm_split`] requires.
-pub struct GroupCache<'p> {
-    platform: &'p dyn Platform,
+/// the same order with the same arguments, as [`Platform::comm_split`](hprt_platform::Platform::comm_split) requires.
+pub struct GroupCache {
+    platform: PlatformHandle,
     world: Communicator,
     /// Every list ever split, whether or not this rank is in it (`None` then), so that all ranks
     /// make the same decision about whether a split is needed.
@@ -73,19 +73,20 @@ pub struct GroupCache<'p> {
     splits: Mutex<usize>,
 }
 
-impl<'p> GroupCache<'p> {
+impl GroupCache {
     /// A cache over `world`, whose ranks are the global ranks meshes name.
-    pub fn new(platform: &'p dyn Platform, world: Communicator) -> Self {
+    pub fn new(platform: impl Into<PlatformHandle>, world: Communicator) -> Self {
         GroupCache {
-            platform,
+            platform: platform.into(),
             world,
             entries: Mutex::new(HashMap::new()),
             splits: Mutex::new(0),
         }
     }
 
-    pub fn platform(&self) -> &'p dyn Platform {
-        self.platform
+    /// The platform the cache splits on; parameters built over the cache keep a clone of it.
+    pub fn platform(&self) -> &PlatformHandle {
+        &self.platform
     }
     /// This rank in the world communicator.
     pub fn rank(&self) -> usize {

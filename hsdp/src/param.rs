@@ -8,7 +8,9 @@
 //! stream's gradient is ready and are applied on the compute stream in
 //! [`ShardedParam::wait_for_reduce`].
 
-use hprt_platform::{BufRef, DType, DeviceBuffer, Event, Kernel, PinnedBuffer, Platform, Stream};
+use hprt_platform::{
+    BufRef, DType, DeviceBuffer, Event, Kernel, PinnedBuffer, Platform, PlatformHandle, Stream,
+};
 
 use crate::error::{HsdpError, Result};
 use crate::group::GroupCache;
@@ -287,7 +289,7 @@ struct PendingUnshard {
 /// ```no_run
 /// # use hprt_hsdp::*;
 /// # use hprt_platform::{DType, Platform};
-/// # fn demo(p: &dyn Platform, cache: &GroupCache<'_>, dp: &DataParallelMesh,
+/// # fn demo(p: &dyn Platform, cache: &GroupCache, dp: &DataParallelMesh,
 /// #         full: &hprt_platform::DeviceBuffer) -> Result<()> {
 /// let streams = HsdpStreams::new(p)?;
 /// let spec = ParamSpec::new("w", &[1024, 256], DType::F32);
@@ -298,8 +300,9 @@ struct PendingUnshard {
 /// w.shard()?; // gathered storage released
 /// # Ok(()) }
 /// ```
-pub struct ShardedParam<'p> {
-    pub(crate) platform: &'p dyn Platform,
+pub struct ShardedParam {
+    /// A clone of the cache's handle: the parameter keeps its platform alive by itself.
+    pub(crate) platform: PlatformHandle,
     pub(crate) name: String,
     pub(crate) dtype: DType,
     pub(crate) param_dtype: DType,
@@ -327,19 +330,19 @@ fn elems_fit(buf: &BufRef<'_>, count: usize, dtype: DType) -> bool {
         .is_some_and(|end| end <= buf.buf.len())
 }
 
-impl<'p> ShardedParam<'p> {
+impl ShardedParam {
     /// Shards `full` (the whole local parameter in `spec.dtype`, identical on every rank, ready
     /// in compute-stream order) and keeps this rank's shard. Collective over the cache's world:
     /// every rank creates its parameters in the same order.
     pub fn new(
-        cache: &GroupCache<'p>,
+        cache: &GroupCache,
         streams: &HsdpStreams,
         dp: &DataParallelMesh,
         spec: ParamSpec,
         config: &ParamConfig,
         full: BufRef<'_>,
     ) -> Result<Self> {
-        let platform = cache.platform();
+        let platform = cache.platform().clone();
         let invalid = |m: String| HsdpError::InvalidParam {
             param: spec.name.clone(),
             message: m,
@@ -410,7 +413,6 @@ impl<'p> ShardedParam<'p> {
         };
 
         Ok(ShardedParam {
-            platform,
             param_dtype: config.mp.param_dtype_for(spec.dtype),
             reduce_dtype: config.mp.reduce_dtype_for(spec.dtype),
             dtype: spec.dtype,
@@ -426,7 +428,8 @@ impl<'p> ShardedParam<'p> {
             state: ParamState::Sharded,
             pending: None,
             ready: platform.create_event(false)?,
-            grad: crate::grad::GradState::new(platform)?,
+            grad: crate::grad::GradState::new(&*platform)?,
+            platform,
         })
     }
 
@@ -497,7 +500,7 @@ impl<'p> ShardedParam<'p> {
             return Ok(None);
         }
         self.alloc_all_gather_outputs()?;
-        let p = self.platform;
+        let p = self.platform.clone();
         let ag = &self.streams.all_gather;
         self.order_after(&self.ready, &self.streams.compute, ag)?;
         let g = &self.geom;

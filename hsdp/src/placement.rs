@@ -300,7 +300,7 @@ impl GroupInfos {
     /// Makes (or reuses) the groups `layout` needs, in a fixed order: sharded, unsharded, partial.
     /// Collective over the cache's world (the seed's `_init_group_infos`).
     pub fn build(
-        cache: &GroupCache<'_>,
+        cache: &GroupCache,
         dp: &DataParallelMesh,
         layout: &SpmdLayout,
     ) -> Result<Self> {

@@ -356,7 +356,7 @@ fn mixed_precision_gathers_in_param_dtype_and_reduces_in_f32() -> Result<()> {
             // The output policy casts what compute produced from the gathered parameter.
             let out = rk.p.alloc_device(numel * 4)?;
             let written = cfg.mp.cast_output(
-                rk.p,
+                &*rk.p,
                 w.unsharded()?,
                 param_dtype,
                 (&out).into(),
@@ -431,7 +431,7 @@ fn prefetch_is_a_handle_and_a_second_unshard_is_a_no_op() -> Result<()> {
         ensure!(w.unshard(true)?.is_none(), "second unshard while pending");
         ensure!(w.unshard(false)?.is_none());
         rk.p.synchronize_stream(&rk.streams.all_gather)?;
-        ensure!(handle.is_complete(rk.p)?);
+        ensure!(handle.is_complete(&*rk.p)?);
         w.wait_for_unshard()?;
         ensure!(w.state() == ParamState::Unsharded);
         ensure!(w.unshard(true)?.is_none(), "unshard while unsharded");
@@ -981,4 +981,34 @@ fn bench_reports_both_collectives_per_size() -> Result<()> {
 #[test]
 fn a_failed_gather_reaches_the_compute_stream() -> Result<()> {
     failed_collectives_reach_compute(&cpu(2), std::time::Duration::from_secs(20))
+}
+
+/// hsdp's objects hold their platform as a handle, not a borrow: a parameter built over a
+/// platform opened in an inner scope (not the process-wide one) outlives that scope, its cache
+/// and every other handle, stays usable, and releases the platform when it is dropped.
+#[test]
+fn a_parameter_keeps_a_scoped_platform_alive() -> Result<()> {
+    let full = values(3, 24);
+    let dtype = DType::F32;
+    let (mut w, streams, weak) = {
+        let p = cpu(1);
+        let comm = p.comm_init(&p.unique_id()?, 0, 1)?;
+        let cache = hprt_hsdp::GroupCache::new(&p, comm);
+        let streams = hprt_hsdp::HsdpStreams::new(&*p)?;
+        let src = upload(&*p, &streams.compute, dtype, &full)?;
+        let spec = ParamSpec::new("w", &[4, 6], dtype);
+        let cfg = ParamConfig::default();
+        let w = ShardedParam::new(&cache, &streams, &fsdp(1), spec, &cfg, (&src).into())?;
+        (w, streams, std::sync::Arc::downgrade(&p))
+    };
+    ensure!(weak.strong_count() == 1, "only the parameter holds the platform");
+    w.unshard(false)?;
+    let p = weak.upgrade().expect("the parameter kept its platform");
+    let gathered = download(&*p, &streams.compute, w.unsharded()?, dtype, full.len())?;
+    assert_close("unsharded", &gathered, &full, 0.0, 0.0)?;
+    w.shard()?;
+    p.synchronize_stream(&streams.compute)?;
+    drop((p, w));
+    ensure!(weak.upgrade().is_none(), "dropping the parameter released the platform");
+    Ok(())
 }

@@ -27,7 +27,7 @@ enum Emulated {
 const PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The backend on its emulator. NCCL wants a device per rank: the CUDA emulator gets four.
-fn open(which: Emulated) -> Box<dyn Platform> {
+fn open(which: Emulated) -> std::sync::Arc<dyn Platform> {
     static DEVICES: std::sync::Once = std::sync::Once::new();
     DEVICES.call_once(|| {
         std::env::set_var("HP_EMU_DEVICES", "4");
@@ -37,9 +37,9 @@ fn open(which: Emulated) -> Box<dyn Platform> {
         std::env::set_var("HP_COLLECTIVE_TIMEOUT_MS", &ms);
     });
     match which {
-        Emulated::Npu => Box::new(emulator::open().expect("the npu backend opens on the emulator")),
+        Emulated::Npu => std::sync::Arc::new(emulator::open().expect("the npu backend opens on the emulator")),
         Emulated::Cuda => {
-            Box::new(cuda_emulator::open().expect("the cuda backend opens on the emulator"))
+            std::sync::Arc::new(cuda_emulator::open().expect("the cuda backend opens on the emulator"))
         }
     }
 }
@@ -68,7 +68,7 @@ fn case(
     let total: Vec<f64> = (0..numel)
         .map(|i| grads.iter().map(|g| g[i]).sum::<f64>() / div)
         .collect();
-    run_world(p.as_ref(), world, |rk| {
+    run_world(&p, world, |rk| {
         let src = rk.upload(DType::F32, &full)?;
         let mut w = ShardedParam::new(
             &rk.cache,
@@ -91,7 +91,7 @@ fn case(
         w.wait_for_unshard()?;
         let got = rk.download(w.unsharded()?, pdt, numel)?;
         assert_close("gathered", &got, &round_to(pdt, &full), 0.0, 0.0)?;
-        ensure!(handle.is_complete(rk.p)?);
+        ensure!(handle.is_complete(&*rk.p)?);
         w.shard()?;
         let g = rk.upload(pdt, &grads[rk.rank])?;
         w.reduce_grad(
@@ -162,7 +162,7 @@ fn every_case(which: Emulated) -> Result<()> {
     fsdp_two_ranks(which).with_context(|| format!("fsdp over 2 ranks on {which:?}"))?;
     hsdp_2x2(which).with_context(|| format!("hsdp 2 x 2 on {which:?}"))?;
     mixed_precision(which).with_context(|| format!("mixed precision on {which:?}"))?;
-    failed_collectives_reach_compute(open(which).as_ref(), PEER_TIMEOUT * 3)
+    failed_collectives_reach_compute(&open(which), PEER_TIMEOUT * 3)
         .with_context(|| format!("failed collectives on {which:?}"))
 }
 

@@ -2,29 +2,31 @@
 //! deterministic data and tolerance checks against f64 references.
 #![allow(dead_code)]
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use half::{bf16, f16};
 use hprt_hsdp::{GroupCache, HsdpStreams, ShardRef};
-use hprt_platform::{BufRef, CpuBackend, CpuConfig, DType, DeviceBuffer, Platform};
+use hprt_platform::{BufRef, CpuBackend, CpuConfig, DType, DeviceBuffer, Platform, PlatformHandle};
 
 /// A cpu platform with one device per rank (so memory accounting is per rank), honouring
-/// `HP_CPU_JITTER` and the other `HP_CPU_*` variables.
-pub fn cpu(world: usize) -> CpuBackend {
+/// `HP_CPU_JITTER` and the other `HP_CPU_*` variables. Opened here, not process-wide: hsdp's
+/// objects keep it alive through their handles.
+pub fn cpu(world: usize) -> Arc<dyn Platform> {
     let mut c = CpuConfig::from_env().expect("HP_CPU_* variables");
     c.devices = world.max(1);
     c.device_memory = 256 << 20;
     c.collective_timeout = Duration::from_secs(60);
-    CpuBackend::new(c)
+    Arc::new(CpuBackend::new(c))
 }
 
 /// What one rank's closure gets.
 pub struct Rank<'p> {
     pub rank: usize,
     pub world: usize,
-    pub p: &'p dyn Platform,
-    pub cache: GroupCache<'p>,
+    pub p: PlatformHandle,
+    pub cache: GroupCache,
     pub streams: HsdpStreams,
     barrier: &'p std::sync::Barrier,
 }
@@ -58,11 +60,11 @@ impl Rank<'_> {
         }
     }
     pub fn upload(&self, dtype: DType, values: &[f64]) -> Result<DeviceBuffer> {
-        upload(self.p, &self.streams.compute, dtype, values)
+        upload(&*self.p, &self.streams.compute, dtype, values)
     }
     /// Reads `count` elements after the compute stream's queued work.
     pub fn download(&self, buf: BufRef<'_>, dtype: DType, count: usize) -> Result<Vec<f64>> {
-        download(self.p, &self.streams.compute, buf, dtype, count)
+        download(&*self.p, &self.streams.compute, buf, dtype, count)
     }
     pub fn read_shard(&self, r: ShardRef<'_>, dtype: DType, count: usize) -> Result<Vec<f64>> {
         match r {
@@ -78,7 +80,7 @@ impl Rank<'_> {
 }
 
 /// Runs `f` on `world` rank threads sharing `p`; the first failure (or panic) fails the call.
-pub fn run_world<F>(p: &dyn Platform, world: usize, f: F) -> Result<()>
+pub fn run_world<F>(p: &Arc<dyn Platform>, world: usize, f: F) -> Result<()>
 where
     F: Fn(&Rank<'_>) -> Result<()> + Sync,
 {
@@ -94,9 +96,9 @@ where
                     let ctx = Rank {
                         rank,
                         world,
-                        p,
+                        p: p.into(),
                         cache: GroupCache::new(p, comm),
-                        streams: HsdpStreams::new(p)?,
+                        streams: HsdpStreams::new(&**p)?,
                         barrier,
                     };
                     let out = f(&ctx).with_context(|| format!("rank {rank} of {world}"));
@@ -236,7 +238,7 @@ pub fn expected_shard(geom: &hprt_hsdp::ShardGeometry, k: usize, full: &[f64]) -
 /// reduction: the failed all-gather (or reduce-scatter) must reach the compute stream that waited on it, never an
 /// all-zero parameter or gradient with success; each case takes less than `bound` (a dead peer
 /// costs at most one collective timeout, not one per queued collective).
-pub fn failed_collectives_reach_compute(p: &dyn Platform, bound: Duration) -> Result<()> {
+pub fn failed_collectives_reach_compute(p: &Arc<dyn Platform>, bound: Duration) -> Result<()> {
     use hprt_hsdp::{
         DataParallelMesh, DeviceMesh, GradInput, ParamConfig, ParamSpec, ReduceOptions,
         ShardedParam,
