@@ -109,7 +109,7 @@ struct Rank<'p> {
     config: &'p DemoConfig,
     strategy: Strategy,
     streams: HsdpStreams,
-    params: Vec<ShardedParam<'p>>,
+    params: Vec<ShardedParam>,
     engine: Option<SwapEngine>,
     codec: Arc<dyn DeviceCodec>,
     codec_stream: Option<Stream>,
@@ -131,7 +131,7 @@ pub(crate) fn train(
     let tp: &TracingPlatform = traced;
     let p: &dyn Platform = tp;
     let rank = comm.rank();
-    let cache = GroupCache::new(p, comm);
+    let cache = GroupCache::new(Arc::clone(traced) as Arc<dyn Platform>, comm);
     let streams = HsdpStreams::new(p)?;
     tp.name_stream(&streams.compute, Role::Compute, "compute");
     tp.name_stream(&streams.all_gather, Role::Comm, "comm all-gather");

@@ -10,8 +10,7 @@ use hprt_hsdp::{
     MixedPrecisionPolicy, OffloadPolicy, ParamConfig, ParamSpec, ParamState, Placement,
     ReduceOptions, ShardRef, ShardedParam,
 };
-use hprt_platform::PlatformHandle;
-use hprt_platform::{DType, Platform, ReduceOp};
+use hprt_platform::{DType, ReduceOp};
 
 use super::handle::{handle_kind, Exclusive};
 use super::platform::{
@@ -139,34 +138,19 @@ pub struct HprtShardView {
 /// One rank's data-parallel context: the mesh, the sub-communicators split from the world
 /// communicator, and the all-gather and reduce streams beside the caller's compute stream.
 pub struct HprtHsdp {
-    // Field order is drop order: everything borrowing the platform precedes `platform`.
-    cache: GroupCache<'static>,
+    /// Holds the platform; every parameter keeps its own handle to it.
+    cache: GroupCache,
     mode: HprtDpMode,
     dp: DataParallelMesh,
     streams: HsdpStreams,
     /// Cloned into every parameter, which runs on `streams`: destroy refuses while any lives.
     params: Arc<()>,
-    platform: PlatformHandle,
 }
 
 /// One rank's sharded parameter.
 pub struct HprtHsdpParam {
-    param: ShardedParam<'static>,
+    param: ShardedParam,
     _context: Arc<()>,
-    /// Keeps the platform `param` borrows alive (dropped after it).
-    _platform: PlatformHandle,
-}
-
-/// The platform behind `handle`, for `'static`.
-///
-/// # Safety
-/// The reference must not be used once `handle` and all its clones are gone: every holder keeps
-/// a clone in a field declared (so dropped) after the fields that use the reference. The
-/// pointee never moves: it is a `&'static` or the contents of an `Arc`.
-unsafe fn extend_platform(handle: &PlatformHandle) -> &'static dyn Platform {
-    let p: *const dyn Platform = &**handle;
-    // SAFETY: the function's contract.
-    unsafe { &*p }
 }
 
 fn c_dtype(d: DType) -> i32 {
@@ -293,16 +277,13 @@ pub unsafe extern "C" fn hprt_hsdp_create(
             HprtDpMode::Hsdp => DataParallelMesh::hsdp(mesh)?,
             HprtDpMode::Ddp => DataParallelMesh::ddp(mesh)?,
         };
-        let handle = p.handle();
-        // SAFETY: `handle` is stored in the context's last field, after every user.
-        let platform = unsafe { extend_platform(&handle) };
+        let platform = p.handle();
         let h = HprtHsdp {
+            streams: HsdpStreams::with_compute(&*platform, s.0.clone())?,
             cache: GroupCache::new(platform, c.0.clone()),
             mode,
             dp,
-            streams: HsdpStreams::with_compute(platform, s.0.clone())?,
             params: Arc::new(()),
-            platform: handle,
         };
         // SAFETY: the caller's contract.
         unsafe { publish(out_hsdp, "out_hsdp", || Ok(h)) }
@@ -351,7 +332,7 @@ pub unsafe extern "C" fn hprt_hsdp_destroy(hsdp: *mut HprtHsdp) -> HprtStatus {
         }
         let h = arg(hsdp, "hsdp")?;
         release(hsdp, "hsdp")?;
-        let p = &*h.platform;
+        let p = h.cache.platform();
         p.destroy_stream(&h.streams.all_gather)?;
         p.destroy_stream(&h.streams.reduce)?;
         Ok(())
@@ -432,7 +413,6 @@ pub unsafe extern "C" fn hprt_hsdp_param_create(
         let p = HprtHsdpParam {
             param,
             _context: Arc::clone(&h.params),
-            _platform: h.platform.clone(),
         };
         // SAFETY: the caller's contract.
         unsafe { publish(out_param, "out_param", || Ok(Exclusive::new(p))) }
