@@ -299,11 +299,7 @@ impl GroupInfos {
 
     /// Makes (or reuses) the groups `layout` needs, in a fixed order: sharded, unsharded, partial.
     /// Collective over the cache's world (the seed's `_init_group_infos`).
-    pub fn build(
-        cache: &GroupCache,
-        dp: &DataParallelMesh,
-        layout: &SpmdLayout,
-    ) -> Result<Self> {
+    pub fn build(cache: &GroupCache, dp: &DataParallelMesh, layout: &SpmdLayout) -> Result<Self> {
         let sharded = match (layout.uses_param_shard, dp.shard_dim()) {
             (true, Some(d)) => cache.group_along("fully_shard_sharded_group", dp.mesh(), &[d])?,
             _ => ProcessGroup::noop("fully_shard_sharded_group", cache.rank()),

@@ -1001,7 +1001,10 @@ fn a_parameter_keeps_a_scoped_platform_alive() -> Result<()> {
         let w = ShardedParam::new(&cache, &streams, &fsdp(1), spec, &cfg, (&src).into())?;
         (w, streams, std::sync::Arc::downgrade(&p))
     };
-    ensure!(weak.strong_count() == 1, "only the parameter holds the platform");
+    ensure!(
+        weak.strong_count() == 1,
+        "only the parameter holds the platform"
+    );
     w.unshard(false)?;
     let p = weak.upgrade().expect("the parameter kept its platform");
     let gathered = download(&*p, &streams.compute, w.unsharded()?, dtype, full.len())?;
@@ -1009,6 +1012,9 @@ fn a_parameter_keeps_a_scoped_platform_alive() -> Result<()> {
     w.shard()?;
     p.synchronize_stream(&streams.compute)?;
     drop((p, w));
-    ensure!(weak.upgrade().is_none(), "dropping the parameter released the platform");
+    ensure!(
+        weak.upgrade().is_none(),
+        "dropping the parameter released the platform"
+    );
     Ok(())
 }

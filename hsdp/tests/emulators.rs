@@ -37,10 +37,12 @@ fn open(which: Emulated) -> std::sync::Arc<dyn Platform> {
         std::env::set_var("HP_COLLECTIVE_TIMEOUT_MS", &ms);
     });
     match which {
-        Emulated::Npu => std::sync::Arc::new(emulator::open().expect("the npu backend opens on the emulator")),
-        Emulated::Cuda => {
-            std::sync::Arc::new(cuda_emulator::open().expect("the cuda backend opens on the emulator"))
+        Emulated::Npu => {
+            std::sync::Arc::new(emulator::open().expect("the npu backend opens on the emulator"))
         }
+        Emulated::Cuda => std::sync::Arc::new(
+            cuda_emulator::open().expect("the cuda backend opens on the emulator"),
+        ),
     }
 }
 

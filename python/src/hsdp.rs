@@ -23,7 +23,7 @@ use crate::collective::PyCommunicator;
 use crate::dlpack::TensorView;
 use crate::dtype;
 use crate::error::{invalid, Result};
-use crate::platform::{Anchored, PyEvent, PyPlatform, PyStream};
+use crate::platform::{PyEvent, PyPlatform, PyStream};
 use crate::swap::PyDeviceTensor;
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -158,39 +158,29 @@ impl PyProcessGroup {
 /// order with the same arguments.
 #[pyclass(name = "GroupCache", module = "hprt._native", frozen)]
 pub struct PyGroupCache {
-    cache: Anchored<GroupCache<'static>>,
-    p: PlatformHandle,
+    cache: GroupCache,
 }
 
 #[pymethods]
 impl PyGroupCache {
     #[new]
-    fn new(world: &PyCommunicator) -> Result<Self> {
-        let comm = world.c.clone();
-        // SAFETY: the cache keeps the reference inside itself; `ShardedParam`s made from it
-        // anchor the same platform handle (see `PyShardedParam::new`).
-        let cache = unsafe {
-            Anchored::new(world.p.clone(), |p| {
-                Ok::<_, crate::BindError>(GroupCache::new(p, comm))
-            })?
-        };
-        Ok(PyGroupCache {
-            cache,
-            p: world.p.clone(),
-        })
+    fn new(world: &PyCommunicator) -> Self {
+        PyGroupCache {
+            cache: GroupCache::new(world.p.clone(), world.c.clone()),
+        }
     }
     #[getter]
     fn rank(&self) -> usize {
-        self.cache.get().rank()
+        self.cache.rank()
     }
     #[getter]
     fn world_size(&self) -> usize {
-        self.cache.get().world_size()
+        self.cache.world_size()
     }
     /// How many `comm_split` calls the cache made (cache hits make none).
     #[getter]
     fn split_calls(&self) -> usize {
-        self.cache.get().split_calls()
+        self.cache.split_calls()
     }
     /// The group among `rank_lists` holding this rank (the no-op group when none does or its
     /// list has one rank). Collective over the world.
@@ -200,9 +190,9 @@ impl PyGroupCache {
         name: &str,
         rank_lists: Vec<Vec<usize>>,
     ) -> Result<PyProcessGroup> {
-        let g = py.detach(|| self.cache.get().group(name, &rank_lists))?;
+        let g = py.detach(|| self.cache.group(name, &rank_lists))?;
         Ok(PyProcessGroup {
-            p: self.p.clone(),
+            p: self.cache.platform().clone(),
             g,
         })
     }
@@ -214,9 +204,9 @@ impl PyGroupCache {
         mesh: &PyDeviceMesh,
         axes: Vec<usize>,
     ) -> Result<PyProcessGroup> {
-        let g = py.detach(|| self.cache.get().group_along(name, &mesh.m, &axes))?;
+        let g = py.detach(|| self.cache.group_along(name, &mesh.m, &axes))?;
         Ok(PyProcessGroup {
-            p: self.p.clone(),
+            p: self.cache.platform().clone(),
             g,
         })
     }
@@ -354,7 +344,7 @@ impl PyUnshardHandle {
 }
 
 struct ParamInner {
-    param: Anchored<ShardedParam<'static>>,
+    param: ShardedParam,
     /// The gradient an issued reduction may still read directly; kept until it was applied.
     reducing: Option<DeviceBuffer>,
 }
@@ -403,12 +393,12 @@ fn reduce_op(name: &str) -> Result<hprt_platform::ReduceOp> {
 }
 
 impl PyShardedParam {
-    fn with<R>(&self, f: impl FnOnce(&ShardedParam<'static>) -> R) -> R {
-        f(locked(&self.inner).param.get())
+    fn with<R>(&self, f: impl FnOnce(&ShardedParam) -> R) -> R {
+        f(&locked(&self.inner).param)
     }
 
     /// A shard-shaped view of `r` (the shard or the sharded gradient).
-    fn shard_view(&self, param: &ShardedParam<'static>, r: ShardRef<'_>) -> Result<TensorView> {
+    fn shard_view(&self, param: &ShardedParam, r: ShardRef<'_>) -> Result<TensorView> {
         let shape = param.geometry().shard_shape();
         match r {
             ShardRef::Device(b) => {
@@ -421,7 +411,7 @@ impl PyShardedParam {
     /// `r` as a shard-shaped `DeviceTensor` when it is device memory.
     fn device_tensor(
         &self,
-        param: &ShardedParam<'static>,
+        param: &ShardedParam,
         r: ShardRef<'_>,
     ) -> Result<Option<PyDeviceTensor>> {
         match r {
@@ -459,7 +449,7 @@ impl PyShardedParam {
                 buf: g.storage.at(g.offset),
                 dtype: g.dtype,
             });
-            let w = inner.param.get_mut();
+            let w = &mut inner.param;
             w.reduce_scatter_grad(input, opts)?;
             if all_reduce {
                 w.all_reduce_grad()?;
@@ -470,11 +460,7 @@ impl PyShardedParam {
     }
 
     /// The bytes of `r` once the compute stream's work so far completed.
-    fn read_shard_ref(
-        p: &dyn Platform,
-        param: &ShardedParam<'static>,
-        r: ShardRef<'_>,
-    ) -> Result<Vec<u8>> {
+    fn read_shard_ref(p: &dyn Platform, param: &ShardedParam, r: ShardRef<'_>) -> Result<Vec<u8>> {
         let n = param.geometry().shard_numel() * param.dtype().size();
         let mut out = vec![0u8; n];
         let cs = &param.streams().compute;
@@ -512,7 +498,7 @@ impl PyShardedParam {
         offload_policy: &str,
         threshold: usize,
     ) -> Result<Self> {
-        let full = tensor_arg(&cache.p, full)?;
+        let full = tensor_arg(cache.cache.platform(), full)?;
         let config = ParamConfig {
             shard: Some(Placement::Shard(shard_dim)),
             mp: mp_policy.map(|m| m.mp).unwrap_or_default(),
@@ -530,23 +516,17 @@ impl PyShardedParam {
         let dp = &dp_mesh.dp;
         let s = &streams.s;
         let param = py.detach(|| {
-            // SAFETY: the parameter keeps the cache's platform reference inside itself, and
-            // anchors the same handle the cache does.
-            unsafe {
-                Anchored::new(cache.p.clone(), |_| {
-                    ShardedParam::new(
-                        cache.cache.get(),
-                        s,
-                        dp,
-                        spec,
-                        &config,
-                        full.storage.at(full.offset),
-                    )
-                })
-            }
+            ShardedParam::new(
+                &cache.cache,
+                s,
+                dp,
+                spec,
+                &config,
+                full.storage.at(full.offset),
+            )
         })?;
         Ok(PyShardedParam {
-            p: cache.p.clone(),
+            p: cache.cache.platform().clone(),
             inner: Mutex::new(ParamInner {
                 param,
                 reducing: None,
@@ -641,7 +621,7 @@ impl PyShardedParam {
     /// and returns `None`. A no-op returning `None` while unsharding or unsharded.
     #[pyo3(signature = (async_op=false))]
     fn unshard(&self, py: Python<'_>, async_op: bool) -> Result<Option<PyUnshardHandle>> {
-        let h = py.detach(|| locked(&self.inner).param.get_mut().unshard(async_op))?;
+        let h = py.detach(|| locked(&self.inner).param.unshard(async_op))?;
         Ok(h.map(|h| PyUnshardHandle {
             p: self.p.clone(),
             h,
@@ -649,37 +629,34 @@ impl PyShardedParam {
     }
     /// Orders the compute stream after the pending all-gather (the host does not block).
     fn wait_for_unshard(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| locked(&self.inner).param.get_mut().wait_for_unshard())?)
+        Ok(py.detach(|| locked(&self.inner).param.wait_for_unshard())?)
     }
     /// Back to sharded; the gathered storage is released.
     fn shard(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| locked(&self.inner).param.get_mut().shard())?)
+        Ok(py.detach(|| locked(&self.inner).param.shard())?)
     }
     /// hyper_parallel's name for `shard()`.
     fn to_sharded(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| locked(&self.inner).param.get_mut().to_sharded())?)
+        Ok(py.detach(|| locked(&self.inner).param.to_sharded())?)
     }
     /// Unsharded from any state (an all-gather is started if none is pending), the compute
     /// stream ordered after it.
     fn to_unsharded(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| locked(&self.inner).param.get_mut().to_unsharded())?)
+        Ok(py.detach(|| locked(&self.inner).param.to_unsharded())?)
     }
     /// Sizes the all-gather output to full capacity (`unshard` does this itself).
     fn alloc_all_gather_outputs(&self) -> Result<()> {
-        Ok(locked(&self.inner)
-            .param
-            .get_mut()
-            .alloc_all_gather_outputs()?)
+        Ok(locked(&self.inner).param.alloc_all_gather_outputs()?)
     }
     /// Releases the all-gather output; only while sharded (`shard()` calls it).
     fn free_unsharded_param(&self) -> Result<()> {
-        Ok(locked(&self.inner).param.get_mut().free_unsharded_param()?)
+        Ok(locked(&self.inner).param.free_unsharded_param()?)
     }
     /// The full parameter in `param_dtype`, valid in compute-stream order while unsharded.
     /// Its memory is released by `shard()`: read it (or export it by DLPack) before that.
     fn unsharded(&self) -> Result<PyDeviceTensor> {
         let g = locked(&self.inner);
-        let w = g.param.get();
+        let w = &g.param;
         let full = w.unsharded()?;
         PyDeviceTensor::from_parts(
             &self.p,
@@ -694,7 +671,7 @@ impl PyShardedParam {
     fn read_unsharded<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyBytes>> {
         let bytes = py.detach(|| -> Result<Vec<u8>> {
             let g = locked(&self.inner);
-            let w = g.param.get();
+            let w = &g.param;
             let full = w.unsharded()?;
             let mut out = vec![0u8; w.geometry().numel() * w.param_dtype().size()];
             self.p
@@ -709,7 +686,7 @@ impl PyShardedParam {
     /// before reading or writing it on the host.
     fn sharded_data(&self) -> Result<TensorView> {
         let g = locked(&self.inner);
-        let w = g.param.get();
+        let w = &g.param;
         self.shard_view(w, w.sharded_data())
     }
     /// This rank's shard as a `DeviceTensor` over hprt's device memory, for stream-ordered
@@ -717,14 +694,14 @@ impl PyShardedParam {
     /// policy, where the shard is pinned host memory (`sharded_data()`).
     fn sharded_device_tensor(&self) -> Result<Option<PyDeviceTensor>> {
         let g = locked(&self.inner);
-        let w = g.param.get();
+        let w = &g.param;
         self.device_tensor(w, w.sharded_data())
     }
     /// The shard's bytes once the compute stream's work so far completed.
     fn read_sharded<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyBytes>> {
         let bytes = py.detach(|| {
             let g = locked(&self.inner);
-            let w = g.param.get();
+            let w = &g.param;
             Self::read_shard_ref(&*self.p, w, w.sharded_data())
         })?;
         Ok(PyBytes::new(py, &bytes))
@@ -734,7 +711,7 @@ impl PyShardedParam {
         let data = data.as_bytes().to_vec();
         py.detach(|| {
             let g = locked(&self.inner);
-            let w = g.param.get();
+            let w = &g.param;
             let n = w.geometry().shard_numel() * w.dtype().size();
             if data.len() != n {
                 return Err(invalid(format!(
@@ -760,7 +737,7 @@ impl PyShardedParam {
         let g = tensor_arg(&self.p, grad)?;
         py.detach(|| {
             let mut inner = locked(&self.inner);
-            inner.param.get_mut().accumulate_grad(GradInput {
+            inner.param.accumulate_grad(GradInput {
                 buf: g.storage.at(g.offset),
                 dtype: g.dtype,
             })?;
@@ -808,14 +785,14 @@ impl PyShardedParam {
     /// hyper_parallel's second half: all-reduces the reduce-scattered gradient across the
     /// replicas (HSDP); a no-op without replicas.
     fn all_reduce_grad(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| locked(&self.inner).param.get_mut().all_reduce_grad())?)
+        Ok(py.detach(|| locked(&self.inner).param.all_reduce_grad())?)
     }
     /// Orders the compute stream after the pending reduction and accumulates its result into
     /// the sharded gradient.
     fn wait_for_reduce(&self, py: Python<'_>) -> Result<()> {
         py.detach(|| {
             let mut inner = locked(&self.inner);
-            inner.param.get_mut().wait_for_reduce()?;
+            inner.param.wait_for_reduce()?;
             inner.reducing = None;
             Ok(())
         })
@@ -824,14 +801,14 @@ impl PyShardedParam {
     /// reduction.
     fn sharded_grad(&self) -> Result<Option<TensorView>> {
         let g = locked(&self.inner);
-        let w = g.param.get();
+        let w = &g.param;
         w.sharded_grad().map(|r| self.shard_view(w, r)).transpose()
     }
     /// The sharded gradient as a `DeviceTensor` (like `sharded_device_tensor()`); `None`
     /// before the first reduction and under the offload policy.
     fn sharded_grad_device_tensor(&self) -> Result<Option<PyDeviceTensor>> {
         let g = locked(&self.inner);
-        let w = g.param.get();
+        let w = &g.param;
         match w.sharded_grad() {
             Some(r) => self.device_tensor(w, r),
             None => Ok(None),
@@ -842,7 +819,7 @@ impl PyShardedParam {
     fn read_sharded_grad<'py>(&self, py: Python<'py>) -> Result<Option<Bound<'py, PyBytes>>> {
         let bytes = py.detach(|| {
             let g = locked(&self.inner);
-            let w = g.param.get();
+            let w = &g.param;
             w.sharded_grad()
                 .map(|r| Self::read_shard_ref(&*self.p, w, r))
                 .transpose()
@@ -851,11 +828,11 @@ impl PyShardedParam {
     }
     /// Forgets the sharded gradient (the next reduction starts a new one).
     fn clear_grad(&self) -> Result<()> {
-        Ok(locked(&self.inner).param.get_mut().clear_grad()?)
+        Ok(locked(&self.inner).param.clear_grad()?)
     }
     /// Releases the sharded gradient's storage too.
     fn free_grad(&self) -> Result<()> {
-        Ok(locked(&self.inner).param.get_mut().free_grad()?)
+        Ok(locked(&self.inner).param.free_grad()?)
     }
     fn __repr__(&self) -> String {
         self.with(|w| {
