@@ -1,5 +1,6 @@
-//! Process groups: sub-communicators made collectively through [`Platform::comm_split`](hprt_platform::Platform::comm_split) and
-//! cached by their sorted rank list. A group of one rank is the explicit no-op group: it has no
+//! Process groups: sub-communicators made collectively through
+//! [`Platform::comm_split`](hprt_platform::Platform::comm_split) and cached by their sorted rank
+//! list. A group of one rank is the explicit no-op group: it has no
 //! communicator and every collective over it is a local copy (or nothing).
 
 use hprt_platform::sync::lock;
@@ -63,7 +64,8 @@ impl ProcessGroup {
 /// (the cache's or a [`ProcessGroup`]'s) is dropped.
 ///
 /// Every method that may split is collective over the world communicator: all ranks call it in
-/// the same order with the same arguments, as [`Platform::comm_split`](hprt_platform::Platform::comm_split) requires.
+/// the same order with the same arguments, as
+/// [`Platform::comm_split`](hprt_platform::Platform::comm_split) requires.
 pub struct GroupCache {
     platform: PlatformHandle,
     world: Communicator,

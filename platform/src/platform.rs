@@ -296,7 +296,8 @@ pub trait Platform: Send + Sync {
 }
 
 /// A platform an object keeps: shared (`Arc`), or the process-wide one from [`crate::get_platform`]
-/// (`&'static`). Swap engines, the compression manager and the tracing decorator hold one.
+/// (`&'static`). Swap engines, the compression manager, the tracing decorator and hsdp's group
+/// caches and sharded parameters hold one.
 #[derive(Clone)]
 pub enum PlatformHandle {
     Shared(Arc<dyn Platform>),
