@@ -794,3 +794,54 @@ fn upstream_per_parameter_names_on_hsdp_2x2() {
         }
     });
 }
+
+/// A context and its parameters keep the platform they were made on (as swap's and compress's
+/// objects do): both stay usable after `hprt_platform_close` released the caller's handle.
+#[test]
+fn a_parameter_outlives_its_platform_handle() {
+    let p = open_cpu();
+    let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
+    let mut len = 0;
+    // SAFETY: live handles and valid out-pointers; after the close only the hsdp handles (and
+    // the stream and communicator they keep, left to the process) are used.
+    unsafe {
+        ok(hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len));
+        let (mut s, mut comm) = (ptr::null_mut(), ptr::null_mut());
+        ok(hprt_stream_create(p, &mut s));
+        ok(hprt_comm_init(p, id.as_ptr(), len, 0, 1, &mut comm));
+        let rk = Rank {
+            p,
+            s,
+            comm,
+            rank: 0,
+            world: 1,
+        };
+        let full: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let src = rk.upload(&bytes(&full));
+        let h = rk.hsdp(HprtDpMode::Fsdp, &[1]);
+        let shape = [3usize, 4];
+        let mut w = ptr::null_mut();
+        ok(hprt_hsdp_param_create(
+            h,
+            c"w".as_ptr(),
+            shape.as_ptr(),
+            2,
+            HprtDtype::F32 as i32,
+            ptr::null(),
+            src,
+            0,
+            &mut w,
+        ));
+        ok(hprt_stream_synchronize(p, s));
+        ok(hprt_device_free(p, src));
+        ok(hprt_platform_close(p));
+
+        ok(hprt_hsdp_param_to_unsharded(w));
+        let (mut address, mut n) = (0, 0);
+        ok(hprt_hsdp_param_unsharded(w, &mut address, &mut n));
+        assert_eq!(n, full.len() * 4);
+        ok(hprt_hsdp_param_shard(w));
+        ok(hprt_hsdp_param_destroy(w));
+        ok(hprt_hsdp_destroy(h));
+    }
+}
