@@ -104,6 +104,35 @@ impl Rank {
     }
 }
 
+/// An f32 parameter of `shape` sharded from `src` (at offset 0) with `config` (null: defaults).
+///
+/// # Safety
+/// `h` and `src` live; `config` null or readable.
+unsafe fn f32_param(
+    h: *const HprtHsdp,
+    name: &std::ffi::CStr,
+    shape: &[usize],
+    config: *const HprtHsdpParamConfig,
+    src: *const HprtDeviceBuffer,
+) -> *mut HprtHsdpParam {
+    let mut w = ptr::null_mut();
+    // SAFETY: the caller's contract; `name` and `shape` are live for the call.
+    ok(unsafe {
+        hprt_hsdp_param_create(
+            h,
+            name.as_ptr(),
+            shape.as_ptr(),
+            shape.len(),
+            HprtDtype::F32 as i32,
+            config,
+            src,
+            0,
+            &mut w,
+        )
+    });
+    w
+}
+
 /// Runs `f` on `world` rank threads of one opened cpu platform, each with its own compute
 /// stream and world communicator, and checks every device byte was released at the end.
 fn run_ranks(world: usize, f: impl Fn(&Rank) + Sync) {
@@ -240,19 +269,7 @@ fn check_rows(mode: HprtDpMode, mesh: &[usize], rows: usize, cols: usize, async_
             assert_eq!(hi.shard_size * hi.replicate_size, world);
 
             let src = rk.upload(&bytes(&full));
-            let mut w = ptr::null_mut();
-            let shape = [rows, cols];
-            ok(hprt_hsdp_param_create(
-                h,
-                c"w".as_ptr(),
-                shape.as_ptr(),
-                2,
-                HprtDtype::F32 as i32,
-                ptr::null(),
-                src,
-                0,
-                &mut w,
-            ));
+            let w = f32_param(h, c"w", &[rows, cols], ptr::null(), src);
             ok(hprt_device_free(rk.p, src));
             let i = info(w);
             let k = rk.rank % shards;
@@ -373,19 +390,7 @@ fn ddp_keeps_the_whole_parameter_and_all_reduces() {
         // SAFETY: handles made here, used while live, released once.
         unsafe {
             let src = rk.upload(&bytes(&full));
-            let mut w = ptr::null_mut();
-            let shape = [rows, cols];
-            ok(hprt_hsdp_param_create(
-                h,
-                c"bias".as_ptr(),
-                shape.as_ptr(),
-                2,
-                HprtDtype::F32 as i32,
-                ptr::null(),
-                src,
-                0,
-                &mut w,
-            ));
+            let w = f32_param(h, c"bias", &[rows, cols], ptr::null(), src);
             let i = info(w);
             assert!(!i.is_sharded);
             assert_eq!((i.shard_count, i.shard_numel), (1, rows * cols));
@@ -428,19 +433,7 @@ fn shard_dim_1_with_bf16_gather() {
                 threshold: 0,
                 offload_to_host: false,
             };
-            let mut w = ptr::null_mut();
-            let shape = [rows, cols];
-            ok(hprt_hsdp_param_create(
-                h,
-                c"proj".as_ptr(),
-                shape.as_ptr(),
-                2,
-                HprtDtype::F32 as i32,
-                &config,
-                src,
-                0,
-                &mut w,
-            ));
+            let w = f32_param(h, c"proj", &[rows, cols], &config, src);
             let i = info(w);
             assert_eq!((i.shard_dim, i.rows_per_shard, i.shard_numel), (1, 3, 9));
             assert_eq!(i.param_dtype, HprtDtype::Bf16 as i32);
@@ -819,19 +812,7 @@ fn a_parameter_outlives_its_platform_handle() {
         let full: Vec<f32> = (0..12).map(|i| i as f32).collect();
         let src = rk.upload(&bytes(&full));
         let h = rk.hsdp(HprtDpMode::Fsdp, &[1]);
-        let shape = [3usize, 4];
-        let mut w = ptr::null_mut();
-        ok(hprt_hsdp_param_create(
-            h,
-            c"w".as_ptr(),
-            shape.as_ptr(),
-            2,
-            HprtDtype::F32 as i32,
-            ptr::null(),
-            src,
-            0,
-            &mut w,
-        ));
+        let w = f32_param(h, c"w", &[3, 4], ptr::null(), src);
         ok(hprt_stream_synchronize(p, s));
         ok(hprt_device_free(p, src));
         ok(hprt_platform_close(p));
