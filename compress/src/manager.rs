@@ -378,6 +378,17 @@ impl ActivationManager {
         Ok(v.remove(pos).tensor.buf)
     }
 
+    /// Forgets a registered tensor its framework will never read (the graph that saved it was
+    /// dropped: a forward without backward, a partial backward): its buffer and any compressed
+    /// copy go. Unknown keys are ignored (already taken or discarded).
+    pub fn discard(&mut self, key: TensorKey) -> Result<()> {
+        self.no_window("discard")?;
+        if let Some(v) = self.layers.get_mut(&key.layer) {
+            v.retain(|e| e.index != key.index);
+        }
+        Ok(())
+    }
+
     /// Whether the tensor is currently held compressed.
     pub fn is_compressed(&self, key: TensorKey) -> bool {
         self.layers

@@ -29,6 +29,9 @@ Sharded data parallel (``fully_shard``, ``run_on_ranks``, ``MixedPrecisionPolicy
 (bytes of torch memory hprt keeps referenced) and the front ends' engine counters.
 """
 
+import threading
+import weakref
+
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
@@ -55,6 +58,9 @@ from hprt.fsdp import (  # noqa: F401  (sharded data parallel: see hprt.fsdp)
 __all__ = _fsdp.__all__ + [
     "Runtime",
     "runtime",
+    "attach",
+    "Attached",
+    "find_layers",
     "TensorSwapContext",
     "SwapManager",
     "keep_saved_tensors",
@@ -62,6 +68,9 @@ __all__ = _fsdp.__all__ + [
     "ManagedCompression",
     "is_swappable",
 ]
+
+# Modes of ``attach`` and what they are upstream.
+MODES = ("keep", "keyed", "swap", "pipeline", "compress", "managed_compress")
 
 
 def _is_dense(t):
@@ -74,18 +83,32 @@ def _is_dense(t):
     return True
 
 
+def _in_backward():
+    """Whether autograd is executing a backward on this thread (a checkpoint's recomputation
+    runs its forward there: torch keeps those tensors only until they are used)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _empty_like_layout(shape, stride, offset, dtype, device):
+    """A tensor of ``shape`` and ``stride`` at storage offset ``offset``."""
+    if offset == 0:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    span = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+    return torch.empty(span, dtype=dtype, device=device).as_strided(shape, stride, offset)
+
+
 # torch dtypes under hprt's names (what compress-then-swap can encode; others travel as bytes).
 _HPRT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
                 torch.float64: "f64"}
 
 _COUNTERS = ("offloaded_tensors", "offloaded_bytes", "reloaded_tensors", "reloaded_bytes",
              "link_d2h_bytes", "link_h2d_bytes", "compressed_tensors", "compressed_bytes",
-             "codec_ns")
+             "codec_ns", "pinned_bytes_in_use", "pinned_bytes_held")
 
 
 class Runtime:
-    """hprt's side of the integration for one platform: the framework-memory accounting, one
-    keyed and one layer-group front end, and the compute stream standing for torch's."""
+    """hprt's side of the integration for one platform: the framework-memory accounting, the
+    front ends it made, and the compute stream standing for torch's."""
 
     def __init__(self, platform=None, host_budget=None, compression="off"):
         self.platform = platform if platform is not None else hprt.get_platform()
@@ -93,14 +116,20 @@ class Runtime:
         self.host_budget, self.compression = host_budget, compression
         self.layers = hprt.SwapManager(self.platform, host_budget=host_budget,
                                        compression=compression)
-        self._keyed = []
+        self._fronts = [self.layers]
         self._host_stream = self.platform.create_stream()
 
     def new_keyed(self):
         k = hprt.KeyedSwap(self.platform, host_budget=self.host_budget,
                            compression=self.compression)
-        self._keyed.append(k)
+        self._fronts.append(k)
         return k
+
+    def new_pipeline(self):
+        off = hprt.PipelineOffload(self.platform, min_tensor_elems=1, host_budget=self.host_budget,
+                                   compression=self.compression)
+        self._fronts.append(off)
+        return off
 
     def compute_stream(self, device=None):
         """torch's current stream for ``device`` as an hprt stream."""
@@ -124,21 +153,21 @@ class Runtime:
         )
 
     def borrow(self, t):
-        """``t`` as a borrowed swap payload whose reload makes a tensor of its shape and
-        strides."""
-        shape, stride, dtype, device = t.size(), t.stride(), t.dtype, t.device
-        return self.memory.tensor(
-            t, lambda: torch.empty_strided(shape, stride, dtype=dtype, device=device),
-            _HPRT_DTYPES.get(dtype, "u8"))
+        """``t`` as a borrowed swap payload whose reload makes a tensor of its shape, strides and
+        storage offset. hprt holds ``t.detach()``: the same memory, but not ``t``'s autograd node,
+        which holds what the pack hook returned (a cycle no collector sees through)."""
+        layout = (t.size(), t.stride(), t.storage_offset(), t.dtype, t.device)
+        return self.memory.tensor(t.detach(), lambda: _empty_like_layout(*layout),
+                                  _HPRT_DTYPES.get(t.dtype, "u8"))
 
     def stats(self):
         s = dict(self.memory.stats())
         for k in _COUNTERS:
             s[k] = 0
-        for front in [self.layers] + self._keyed:
+        for front in self._fronts:
             fs = front.stats()
             for k in _COUNTERS:
-                s[k] += fs[k]
+                s[k] += fs.get(k, 0)
         return s
 
     def reset_peak(self):
@@ -174,37 +203,183 @@ def is_swappable(t, rt, min_bytes=0, custom_check_fn=None):
     return custom_check_fn is None or bool(custom_check_fn(t))
 
 
+# ---- what every mode shares: torch's in-place check, retained graphs, one pass at a time -------
+
+_lock = threading.Lock()
+
+
+class _Witness:
+    """torch's check that a saved tensor was not modified in place, for a tensor hprt no longer
+    references: its version at save time, and weak references to it and to its base (which
+    share its version counter; any view that could still write it keeps the base alive)."""
+
+    __slots__ = ("version", "refs", "shape", "grad_fn", "output_nr")
+
+    def __init__(self, t):
+        self.version = t._version
+        base = t._base
+        self.refs = (weakref.ref(t),) if base is None else (weakref.ref(t), weakref.ref(base))
+        fn = t.grad_fn
+        self.shape, self.grad_fn, self.output_nr = list(t.shape), fn and fn.name(), t.output_nr
+
+    def check(self):
+        for r in self.refs:
+            t = r()
+            if t is not None:
+                if t._version != self.version:
+                    what = (f"output {self.output_nr} of {self.grad_fn}" if self.grad_fn
+                            else "a leaf Variable")
+                    raise RuntimeError(
+                        "one of the variables needed for gradient computation has been modified "
+                        f"by an inplace operation: [{t.type()} {self.shape}], which is {what}, is "
+                        f"at version {t._version}; expected version {self.version} instead. "
+                        "Hint: the tensor was saved through hprt.torch; enable anomaly detection "
+                        "to find the operation that failed to compute its gradient, with "
+                        "torch.autograd.set_detect_anomaly(True).")
+                return
+
+
+class _Pass:
+    """The saved tensors of one forward pass a front end follows: how many are still referenced
+    by autograd (read ones and those of dropped graphs are gone)."""
+
+    __slots__ = ("live", "begun")
+
+    def __init__(self):
+        self.live = 0
+        self.begun = set()  # layers whose backward began
+
+    def add(self):
+        with _lock:
+            self.live += 1
+
+    def drop(self):
+        with _lock:
+            self.live -= 1
+
+
 class _Packed:
-    """What the pack hook returns for a tensor handed to a front end; ``out`` keeps the unpacked
-    tensor, so that a second unpack of the same value (``retain_graph``) gets the same one."""
+    """What a pack hook returns for a tensor hprt took: the front end's reference, torch's
+    in-place check, and the tensor once read (a retained graph's second backward gets the
+    same one). Its death (read, or its graph dropped) is counted in its pass."""
 
-    __slots__ = ("ref", "out")
+    __slots__ = ("ref", "out", "witness", "layer", "pass_")
 
-    def __init__(self, ref):
-        self.ref = ref
-        self.out = None
+    def __init__(self, ref, t, layer=None, pass_=None):
+        self.ref, self.out, self.witness, self.layer = ref, None, _Witness(t), layer
+        self.pass_ = pass_
+        if pass_ is not None:
+            pass_.add()
 
+    def __del__(self):
+        if self.pass_ is not None:
+            self.pass_.drop()
+
+    def read(self, load):
+        self.witness.check()
+        if self.out is None:
+            self.out = load(self)
+        return self.out
+
+
+def _unpack_with(load):
+    def unpack(packed):
+        return packed.read(load) if isinstance(packed, _Packed) else packed
+    return unpack
+
+
+class _Flow:
+    """The forward passes a front end sees. Its rules follow one forward and then its backward;
+    a forward that starts while an earlier pass's saved tensors are still referenced (a second
+    forward before the backward, DPO-style; a metric computed with grad on; a graph kept for
+    ``retain_graph``) is left to autograd (its tensors stay where torch put them, unswapped), so
+    the front end never sees two passes interleaved. Once none of a pass's tensors is referenced
+    (all read, or the graph dropped: a forward without backward, a partial backward, an
+    exception), the front end's ``end_iteration`` frees what it still holds, at the next pass or
+    ``settle()``."""
+
+    def __init__(self, end_iteration):
+        self.end_iteration = end_iteration
+        self.current = None
+        self.active = False
+
+    def start(self):
+        """A forward pass begins (its first layer); returns whether the front end takes it."""
+        self.active = False
+        if not torch.is_grad_enabled() or _in_backward():
+            return False  # nothing is saved (no_grad), or a checkpoint recomputes in backward
+        if self.current is not None:
+            if self.current.live > 0:
+                return False
+            self.settle()
+        self.current = _Pass()
+        self.active = True
+        return True
+
+    def taking(self):
+        """Whether the layer running now belongs to the pass the front end takes."""
+        return self.active and torch.is_grad_enabled() and not _in_backward()
+
+    def settle(self):
+        """Ends the current pass in the front end if none of its tensors is referenced."""
+        cur = self.current
+        if cur is not None and cur.live == 0:
+            self.current, self.active = None, False
+            self.end_iteration()
+
+
+def _pushed(pack, unpack):
+    ctx = saved_tensors_hooks(pack, unpack)
+    ctx.__enter__()
+    return ctx
+
+
+def _on_output_grad(output, fn):
+    """Calls ``fn()`` when the gradient of ``output`` (a layer's output: its backward begins)
+    is computed, once."""
+    if isinstance(output, (tuple, list)):
+        output = next((o for o in output if isinstance(o, torch.Tensor)), None)
+    elif not isinstance(output, torch.Tensor):
+        output = getattr(output, "last_hidden_state", None)
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        fired = []
+
+        def hook(grad):
+            if not fired:
+                fired.append(True)
+                fn()
+
+        output.register_hook(hook)
+
+
+# ---- keyed swap ---------------------------------------------------------------------------------
 
 _keyed_handlers = {}
 
 
 class TensorSwapContext:
-    """``with TensorSwapContext(module_tag="model.layer.*"):`` around one layer's forward."""
+    """``with TensorSwapContext(module_tag="model.layer.*"):`` around one layer's forward (the
+    keyed swap). Entering the tag's first layer begins a forward pass."""
 
     context_map = {}
 
-    def __init__(self, module_tag="default", custom_check_fn=None, prefetch=True, min_bytes=0, runtime_=None):
+    def __init__(self, module_tag="default", custom_check_fn=None, prefetch=True, min_bytes=0,
+                 runtime_=None, swap=None):
         self.module_tag = module_tag
         self.prefetch = prefetch
         self.rt = runtime_ if runtime_ is not None else runtime()
-        self.swap = _keyed_handlers.get(id(self.rt))
-        if self.swap is None:
-            self.swap = _keyed_handlers[id(self.rt)] = self.rt.new_keyed()
+        if swap is None:
+            swap = _keyed_handlers.get(id(self.rt))
+            if swap is None:
+                front = self.rt.new_keyed()
+                swap = _keyed_handlers[id(self.rt)] = (front, _Flow(front.end_iteration))
+        self.swap, self.flow = swap
         self._ctx = self.swap.register_layer(module_tag)
         TensorSwapContext.context_map[module_tag] = self._ctx.layer
         self.swap.set_min_bytes(min_bytes)
-        self.set_custom_check_fn(custom_check_fn)
-        self._hooks = None
+        if custom_check_fn is not None:
+            self.set_custom_check_fn(custom_check_fn)
+        self._hooks = []
 
     @property
     def layer_idx(self):
@@ -221,25 +396,27 @@ class TensorSwapContext:
         if not is_swappable(t, self.rt):
             return t
         stream = self.rt.compute_stream(t.device)
-        return _Packed(self.swap.swap_out_cur_and_release_prev(self._ctx, self.rt.borrow(t), stream))
+        ref = self.swap.swap_out_cur_and_release_prev(self._ctx, self.rt.borrow(t), stream)
+        return _Packed(ref, t, self._ctx.layer, self.flow.current)
 
-    def _unpack(self, packed):
-        if not isinstance(packed, _Packed):
-            return packed
-        if packed.out is None:
-            stream = self.rt.compute_stream(None)
-            out = self.swap.wait_cur_and_prefetch_next(packed.ref, stream, self.prefetch)
-            packed.out = self.rt.wait_host(out)
-        return packed.out
+    def _load(self, packed):
+        out = self.swap.wait_cur_and_prefetch_next(packed.ref, self.rt.compute_stream(None),
+                                                   self.prefetch)
+        return self.rt.wait_host(out)
 
     def __enter__(self):
-        self._hooks = saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        if self._ctx.layer == 0:
+            self.flow.start()
+        ctx = None
+        if self.flow.taking():
+            ctx = _pushed(self._pack, _unpack_with(self._load))
+        self._hooks.append(ctx)
         return self
 
     def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        self._hooks = None
+        ctx = self._hooks.pop()
+        if ctx is not None:
+            ctx.__exit__(*exc)
 
     @classmethod
     def reset(cls):
@@ -248,27 +425,52 @@ class TensorSwapContext:
         _keyed_handlers.clear()
 
 
+# ---- hyper_parallel's layer groups -------------------------------------------------------------
+
+
 class SwapManager:
-    """hyper_parallel's layer-group swap on torch modules (one per runtime, like its
-    singleton): module hooks call the Rust ``SwapManager``."""
+    """hyper_parallel's layer-group swap on torch modules, a singleton per runtime like
+    upstream's: ``set_forward_prefetch_layer(a, b)`` installs module hooks that call the Rust
+    ``SwapManager``; a layer never named second begins a forward pass. ``detach()`` (and the
+    ``reset()`` class method) removes every hook."""
 
     _instances = {}
 
-    def __new__(cls, runtime_=None, min_bytes=0, custom_check_fn=None):
+    def __new__(cls, runtime_=None, min_bytes=None, custom_check_fn=None):
         rt = runtime_ if runtime_ is not None else runtime()
         inst = cls._instances.get(id(rt))
         if inst is None:
             inst = super().__new__(cls)
             inst.rt = rt
-            inst.min_bytes = min_bytes
+            inst.min_bytes = min_bytes or 0
             inst.custom_check_fn = custom_check_fn
             inst.layers = {}
+            inst.seconds = set()
+            inst.handles = []
+            inst.flow = _Flow(rt.layers.end_iteration)
             cls._instances[id(rt)] = inst
+        elif (min_bytes is not None and min_bytes != inst.min_bytes) or (
+                custom_check_fn is not None and custom_check_fn is not inst.custom_check_fn):
+            raise ValueError(
+                "SwapManager is a singleton (one per runtime): it was made with min_bytes="
+                f"{inst.min_bytes}; call SwapManager.reset() first to change its settings")
         return inst
+
+    def __init__(self, runtime_=None, min_bytes=None, custom_check_fn=None):
+        pass
 
     @classmethod
     def reset(cls):
+        """Removes every instance's hooks and forgets the instances."""
+        for inst in list(cls._instances.values()):
+            inst.detach()
         cls._instances.clear()
+
+    def detach(self):
+        for h in self.handles:
+            h.remove()
+        self.handles, self.layers, self.seconds = [], {}, set()
+        self.flow.settle()
 
     def _layer(self, module):
         layer = self.layers.get(id(module))
@@ -279,94 +481,118 @@ class SwapManager:
 
     def set_forward_prefetch_layer(self, first_layer, second_layer):
         """``second_layer`` runs after ``first_layer`` in forward; idempotent."""
-        self.rt.layers.set_forward_prefetch_layer(self._layer(first_layer), self._layer(second_layer))
+        a, b = self._layer(first_layer), self._layer(second_layer)
+        self.seconds.add(b)
+        self.rt.layers.set_forward_prefetch_layer(a, b)
+
+    # hyper_parallel's group calls, by name
+    def add_storage(self, group_name, storage):
+        return self.rt.layers.add_storage(group_name, storage)
+
+    def launch_offload(self, group_name, copy_stream=None):
+        self.rt.layers.launch_offload(group_name, self.rt.compute_stream(None))
+
+    def wait_offload(self, group_name):
+        self.rt.layers.wait_offload(group_name)
+
+    def launch_load(self, group_name, copy_stream=None):
+        self.rt.layers.launch_load(group_name)
+
+    def wait_load(self, group_name):
+        self.rt.layers.wait_load(group_name, self.rt.compute_stream(None))
+
+    def get_current_group_name(self):
+        return self.rt.layers.get_current_group_name()
+
+    def set_current_group_name(self, name):
+        self.rt.layers.set_current_group_name(name)
+
+    def stats(self):
+        return self.rt.stats()
 
     def _pack(self, t):
         if not is_swappable(t, self.rt, self.min_bytes, self.custom_check_fn):
             return t
-        return _Packed(self.rt.layers.save(self.rt.borrow(t)))
+        return _Packed(self.rt.layers.save(self.rt.borrow(t)), t, None, self.flow.current)
 
-    def _unpack(self, packed):
-        if not isinstance(packed, _Packed):
-            return packed
-        if packed.out is None:
-            packed.out = self.rt.wait_host(self.rt.layers.take(packed.ref))
-        return packed.out
+    def _begin_backward(self, layer, pass_):
+        if pass_ is not None and layer not in pass_.begun:
+            pass_.begun.add(layer)
+            self.rt.layers.backward_pre(layer, self.rt.compute_stream(None))
+
+    def _load(self, packed):
+        # A layer whose backward hook did not run (a partial backward) is loaded here.
+        self._begin_backward(packed.ref[0], packed.pass_)
+        return self.rt.wait_host(self.rt.layers.take(packed.ref))
 
     def _register_hooks(self, module, layer):
-        front, rt = self.rt.layers, self.rt
-        open_hooks = {}
+        front, rt, flow = self.rt.layers, self.rt, self.flow
+        open_hooks = []
+        unpack = _unpack_with(self._load)
 
         def forward_pre(mod, args):
-            if front.forward_pre(layer):
-                ctx = saved_tensors_hooks(self._pack, self._unpack)
-                ctx.__enter__()
-                open_hooks[id(mod)] = ctx
+            if layer not in self.seconds:
+                flow.start()
+            ctx = None
+            if flow.taking() and front.forward_pre(layer):
+                ctx = _pushed(self._pack, unpack)
+            open_hooks.append(ctx)
 
         def forward_post(mod, args, output):
-            ctx = open_hooks.pop(id(mod), None)
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
+            ctx = open_hooks.pop() if open_hooks else None
+            if ctx is None:
+                return
+            ctx.__exit__(None, None, None)
             front.forward_post(layer, rt.compute_stream(None))
+            pass_ = flow.current
+            _on_output_grad(output, lambda: self._begin_backward(layer, pass_))
 
-        def backward_pre(mod, grad_output):
-            front.backward_pre(layer, rt.compute_stream(None))
-
-        def backward_post(mod, grad_input, grad_output):
-            front.backward_post(layer)
-
-        module.register_forward_pre_hook(forward_pre)
-        module.register_forward_hook(forward_post)
-        module.register_full_backward_pre_hook(backward_pre)
-        module.register_full_backward_hook(backward_post)
+        self.handles.append(module.register_forward_pre_hook(forward_pre))
+        self.handles.append(module.register_forward_hook(forward_post, always_call=True))
 
 
-class keep_saved_tensors:
+# ---- no swap, compression ----------------------------------------------------------------------
+
+
+class _Hooks:
+    """A ``with`` block that installs ``_pack`` / ``_unpack`` as torch's saved-tensor hooks."""
+
+    def __enter__(self):
+        self._ctx = _pushed(self._pack, self._unpack)
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        self._ctx = None
+
+
+class keep_saved_tensors(_Hooks):
     """The no-swap baseline: saved tensors stay on the device, counted by the runtime's
     accounting like swapped ones (``with keep_saved_tensors(): loss = model(x)``)."""
 
     def __init__(self, runtime_=None, min_bytes=0):
         self.rt = runtime_ if runtime_ is not None else runtime()
         self.min_bytes = min_bytes
-        self._hooks = None
 
     def _pack(self, t):
         if not is_swappable(t, self.rt, self.min_bytes):
             return t
-        return self.rt.borrow(t)
+        return _Packed(self.rt.borrow(t), t)
 
-    @staticmethod
-    def _unpack(packed):
-        if isinstance(packed, hprt.BorrowedTensor):
-            return packed.tensor
-        return packed
-
-    def __enter__(self):
-        self._hooks = saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        self._hooks = None
+    _unpack = staticmethod(_unpack_with(lambda packed: packed.ref.tensor))
 
 
 _CODEC_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
-class _Compressed:
-    __slots__ = ("blob", "shape", "dtype", "nbytes")
-
-
-class compress_saved_tensors:
-    """Lossless compression of saved f32/f16/bf16 CPU tensors (``hprt.compress`` in pack,
-    ``hprt.decompress_into`` a fresh tensor in unpack); ``stats`` counts raw and compressed
-    bytes."""
+class compress_saved_tensors(_Hooks):
+    """Lossless compression of saved f32/f16/bf16 dense CPU tensors (``hprt.compress`` of the
+    tensor's memory in pack, ``hprt.decompress_into`` a tensor of the same shape, strides and
+    storage offset in unpack); ``stats`` counts raw and compressed bytes."""
 
     def __init__(self, min_bytes=0):
         self.min_bytes = min_bytes
         self.stats = {"tensors": 0, "raw_bytes": 0, "compressed_bytes": 0}
-        self._hooks = None
 
     def _pack(self, t):
         if (
@@ -376,55 +602,61 @@ class compress_saved_tensors:
             or (t.is_leaf and t.requires_grad)
             or t.numel() == 0
             or t.nbytes < self.min_bytes
+            or not _is_dense(t)
         ):
             return t
-        c = _Compressed()
-        c.blob = hprt.compress(t.detach().contiguous())
-        c.shape, c.dtype, c.nbytes = t.size(), t.dtype, t.nbytes
+        flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())  # memory order
+        blob = hprt.compress(flat)
         self.stats["tensors"] += 1
         self.stats["raw_bytes"] += t.nbytes
-        self.stats["compressed_bytes"] += len(c.blob)
-        return c
+        self.stats["compressed_bytes"] += len(blob)
+        return _Packed((blob, t.size(), t.stride(), t.storage_offset(), t.dtype), t)
 
     @staticmethod
-    def _unpack(packed):
-        if not isinstance(packed, _Compressed):
-            return packed
-        out = torch.empty(packed.shape, dtype=packed.dtype)
-        hprt.decompress_into(packed.blob, out)
+    def _decompress(packed):
+        blob, shape, stride, offset, dtype = packed.ref
+        out = _empty_like_layout(shape, stride, offset, dtype, "cpu")
+        flat = out.as_strided((out.numel(),), (1,), offset)
+        hprt.decompress_into(blob, flat)
         return out
 
-    def __enter__(self):
-        self._hooks = saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
+    _unpack = staticmethod(_unpack_with(_decompress.__func__))
 
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        self._hooks = None
+
+# ---- MindSpeed-style managed compression -------------------------------------------------------
 
 
 class _ManagedKey:
-    __slots__ = ("key",)
+    """A tensor registered with the ActivationManager; if its graph is dropped before the
+    tensor was read, the key is queued for ``discard`` (done at the next layer boundary, not in
+    the collector's context)."""
 
-    def __init__(self, key):
-        self.key = key
+    __slots__ = ("key", "out", "witness", "owner", "taken", "pass_")
+
+    def __init__(self, key, t, owner, pass_):
+        self.key, self.out, self.witness, self.owner, self.taken = key, None, _Witness(t), owner, False
+        self.pass_ = pass_
+        pass_.add()
+
+    def __del__(self):
+        if not self.taken:
+            self.owner._dropped.append(self.key)
+        self.pass_.drop()
 
 
 class ManagedCompression:
-    """Seed-003 activation compression through hprt's ``ActivationManager``.
+    """MindSpeed's activation compression through hprt's ``ActivationManager``.
 
     ``with comp.layer(i): x = block(x)`` around each layer's forward: tensors the layer saves
-    (f32/f16/bf16, dense, at least ``min_numel`` elements, not parameters) are copied into
-    hprt device memory and registered under layer ``i``; the layer's forward is an operator
-    window of ``window_ms`` in which the previous layer's tensors are encoded on the manager's
-    side stream and released. In backward, the first tensor read of a layer starts that layer's
-    backward, which decodes its tensors still compressed; the tensor comes back as a view of
-    hprt memory. ``stats()`` is ``ActivationManager.layer_stats()``.
+    (f32/f16/bf16, contiguous, at least ``min_numel`` elements, not parameters) are registered
+    under layer ``i``; the layer's forward is an operator window of ``window_ms`` in which the
+    previous layer's tensors are encoded on the manager's side stream and released. In backward,
+    the first tensor read of a layer starts that layer's backward, which decodes its tensors
+    still compressed. Layer 0 begins a forward pass (see ``_Flow``: a pass overlapping a live one
+    is left to autograd). ``stats()`` is ``ActivationManager.layer_stats()``.
 
-    Throughputs are measured on the platform unless ``encode_gbps`` and ``decode_gbps`` are
-    given. Works where the platform addresses torch's memory as device memory (the cpu backend
-    with CPU tensors); other tensors are left to autograd.
+    Works where the platform addresses torch's memory as device memory (the cpu backend with
+    CPU tensors); other tensors are left to autograd.
     """
 
     def __init__(self, platform=None, min_numel=32768, window_ms=10.0, encode_gbps=None,
@@ -436,6 +668,12 @@ class ManagedCompression:
             min_numel=min_numel)
         self.window_ms = window_ms
         self._backward_layer = None
+        self._dropped = []
+        self.flow = _Flow(self._discard_dropped)
+
+    def _discard_dropped(self):
+        while self._dropped:
+            self.manager.discard(self._dropped.pop())
 
     def _eligible(self, t):
         return (
@@ -445,6 +683,7 @@ class ManagedCompression:
             and not isinstance(t, nn.Parameter)
             and not (t.is_leaf and t.requires_grad)
             and t.is_contiguous()
+            and t.storage_offset() == 0
             and t.numel() > 0
         )
 
@@ -452,18 +691,22 @@ class ManagedCompression:
         if not self._eligible(t):
             return t
         key = self.manager.save(layer, t.detach())
-        return t if key is None else _ManagedKey(key)
+        return t if key is None else _ManagedKey(key, t, self, self.flow.current)
 
     def _unpack(self, packed):
         if not isinstance(packed, _ManagedKey):
             return packed
-        layer = packed.key[0]
-        if self._backward_layer != layer:
-            self.manager.backward_start(layer)
-            self._backward_layer = layer
-        out = self.manager.take(packed.key)
-        self.stream.synchronize()
-        return torch.from_dlpack(out)
+        packed.witness.check()
+        if packed.out is None:
+            layer = packed.key[0]
+            if self._backward_layer != layer:
+                self.manager.backward_start(layer)
+                self._backward_layer = layer
+            out = self.manager.take(packed.key)
+            packed.taken = True
+            self.stream.synchronize()
+            packed.out = torch.from_dlpack(out)
+        return packed.out
 
     def layer(self, layer):
         """The context manager around layer ``layer``'s forward."""
@@ -481,16 +724,194 @@ class _ManagedLayer:
 
     def __enter__(self):
         o = self.owner
+        if self.layer == 0:
+            o.flow.start()
+        if not o.flow.taking():
+            return self
+        o._discard_dropped()
         o._backward_layer = None
         o.manager.forward_start(self.layer)
         self._window = o.manager.window(fixed_ms=o.window_ms)
         self._window.__enter__()
-        self._hooks = saved_tensors_hooks(lambda t: o._pack(self.layer, t), o._unpack)
-        self._hooks.__enter__()
+        self._hooks = _pushed(lambda t: o._pack(self.layer, t), o._unpack)
         return self
 
     def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        self._hooks = None
-        self._window.__exit__(*exc)
-        self._window = None
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._hooks = None
+        if self._window is not None:
+            self._window.__exit__(*exc)
+            self._window = None
+
+
+# ---- attach: a mode on an ordinary model --------------------------------------------------------
+
+_LAYER_PATHS = ("layers", "model.layers", "transformer.h", "transformer.layers", "gpt_neox.layers",
+                "model.decoder.layers", "encoder.layer", "h", "blocks")
+
+
+def find_layers(model, path=None):
+    """The model's list of layers: ``path`` (dotted, e.g. ``"model.layers"``) or the first of
+    the usual places (``model.layers``, ``model.model.layers``, ``model.transformer.h``, ...)."""
+    for p in (path,) if path is not None else _LAYER_PATHS:
+        obj = model
+        try:
+            for part in p.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        if isinstance(obj, (nn.ModuleList, nn.Sequential, list, tuple)) and len(obj) > 0:
+            return list(obj)
+    raise ValueError(f"no layer list found in {type(model).__name__} (looked at "
+                     f"{', '.join(_LAYER_PATHS) if path is None else path}); pass layers=")
+
+
+class _PipelineFront:
+    """Megatron's pipeline offload driven per layer: one chunk per forward pass, one group per
+    layer; reads reload on demand."""
+
+    def __init__(self, rt, min_bytes, predicate):
+        self.rt, self.min_bytes, self.predicate = rt, min_bytes, predicate
+        self.off = rt.new_pipeline()
+        self.flow = _Flow(self.off.reset)
+
+    def _pack(self, t):
+        if not is_swappable(t, self.rt, self.min_bytes, self.predicate):
+            return t
+        return _Packed(self.off.save(self.rt.borrow(t)), t, None, self.flow.current)
+
+    def _load(self, packed):
+        return self.rt.wait_host(self.off.get(packed.ref, self.rt.compute_stream(None)))
+
+    def enter(self, i):
+        if i == 0 and self.flow.start():
+            self.off.init_chunk()
+        if not self.flow.taking():
+            return None
+        self.off.group_start(f"layer{i}")
+        return _pushed(self._pack, _unpack_with(self._load))
+
+    def exit(self, i, ctx):
+        ctx.__exit__(None, None, None)
+        self.off.group_commit(self.rt.compute_stream(None))
+
+
+class _ContextFront:
+    """A mode whose per-layer work is a ``with`` block (keyed swap, keep, compression)."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def enter(self, i):
+        ctx = self.make(i)
+        ctx.__enter__()
+        return ctx
+
+    def exit(self, i, ctx):
+        ctx.__exit__(None, None, None)
+
+
+class Attached:
+    """What ``attach`` returns: ``detach()`` removes every hook it installed (also as a context
+    manager), ``stats()`` reports hprt's statistics for the model."""
+
+    def __init__(self, mode, layers, rt, settle, stats_extra=None):
+        self.mode, self.layers, self.runtime = mode, layers, rt
+        self._handles, self._settle, self._stats_extra = [], settle, stats_extra
+
+    def detach(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for settle in self._settle:
+            settle()
+
+    @property
+    def attached(self):
+        return bool(self._handles)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.detach()
+
+    def stats(self):
+        """Bytes of torch memory hprt keeps referenced (``device_current`` / ``device_peak``),
+        offloaded / reloaded / compressed tensors and bytes, host-link bytes, pinned bytes in use
+        and held, ``device_allocated`` where torch reports device memory; compression modes add
+        ``raw_bytes`` / ``compressed_bytes`` (or per-layer ``layers``)."""
+        for settle in self._settle:
+            settle()
+        s = self.runtime.stats()
+        if torch.cuda.is_available() and self.runtime.platform.backend == "cuda":
+            s["device_allocated"] = torch.cuda.memory_allocated()
+        if self._stats_extra is not None:
+            s.update(self._stats_extra())
+        return s
+
+
+def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, compression="off",
+           platform=None, runtime_=None, prefetch=True):
+    """Applies a mode to ``model``'s layers (``find_layers``, or ``layers`` given as a list or a
+    dotted path) and returns an ``Attached`` handle.
+
+    Modes: ``"swap"`` (hyper_parallel's layer groups), ``"keyed"`` (the keyed swap),
+    ``"pipeline"`` (Megatron's fine-grained offload, a group per layer), ``"keep"`` (no swap,
+    counted), ``"compress"`` (lossless compression in the pack hook), ``"managed_compress"``
+    (MindSpeed's ActivationManager). ``compression`` (``off`` | ``device`` | ``host_stage`` |
+    ``auto``) makes the swap modes compress-then-swap. Saved tensors smaller than
+    ``min_bytes`` or refused by ``predicate(tensor)`` stay with autograd.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown hprt.torch mode {mode!r}; one of {', '.join(MODES)}")
+    if isinstance(layers, str) or layers is None:
+        layers = find_layers(model, layers)
+    layers = list(layers)
+    rt = runtime_ if runtime_ is not None else Runtime(platform, compression=compression)
+    if mode == "swap":
+        mgr = SwapManager(rt, min_bytes=min_bytes, custom_check_fn=predicate)
+        for a, b in zip(layers[:-1], layers[1:]):
+            mgr.set_forward_prefetch_layer(a, b)
+        if len(layers) == 1:
+            mgr._layer(layers[0])
+        handle = Attached(mode, layers, rt, [mgr.detach])
+        handle._handles = mgr.handles
+        return handle
+    settle, extra = [], None
+    if mode == "keyed":
+        front_end = rt.new_keyed()
+        flow = _Flow(front_end.end_iteration)
+        tag = f"attach{id(rt)}.layers.*"
+        ctxs = [TensorSwapContext(tag, predicate, prefetch, min_bytes, rt, (front_end, flow))
+                for _ in layers]
+        front, settle = _ContextFront(lambda i: ctxs[i]), [flow.settle]
+    elif mode == "pipeline":
+        front = _PipelineFront(rt, min_bytes, predicate)
+        settle = [front.flow.settle]
+    elif mode == "keep":
+        front = _ContextFront(lambda i: keep_saved_tensors(rt, min_bytes))
+    elif mode == "compress":
+        comp = compress_saved_tensors(min_bytes)
+        front, extra = _ContextFront(lambda i: comp), lambda: dict(comp.stats)
+    else:
+        comp = ManagedCompression(rt.platform, min_numel=max(1, min_bytes // 4),
+                                  encode_gbps=1.0, decode_gbps=1.0)
+        front, settle = _ContextFront(comp.layer), [comp.flow.settle]
+        extra = lambda: {"layers": comp.stats()}  # noqa: E731
+    handle = Attached(mode, layers, rt, settle, extra)
+    for i, layer in enumerate(layers):
+        opened = []
+
+        def pre(mod, args, i=i, opened=opened):
+            opened.append(front.enter(i))
+
+        def post(mod, args, output, i=i, opened=opened):
+            ctx = opened.pop() if opened else None
+            if ctx is not None:
+                front.exit(i, ctx)
+
+        handle._handles.append(layer.register_forward_pre_hook(pre))
+        handle._handles.append(layer.register_forward_hook(post, always_call=True))
+    return handle

@@ -254,6 +254,15 @@ impl PyActivationManager {
         PyDeviceTensor::from_parts(&self.p, buf, 0, dtype, shape, false)
     }
 
+    /// Forgets a registered tensor that will never be taken (its graph was dropped).
+    fn discard(&self, py: Python<'_>, key: (u64, usize)) -> Result<()> {
+        py.detach(|| {
+            let mut g = locked(&self.inner);
+            g.shapes.remove(&key);
+            Ok(g.m.discard(key_of(key))?)
+        })
+    }
+
     /// Whether the tensor is currently held compressed.
     fn is_compressed(&self, key: (u64, usize)) -> bool {
         locked(&self.inner).m.is_compressed(key_of(key))
