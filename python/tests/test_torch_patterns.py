@@ -266,7 +266,7 @@ def platform():
 
 
 def assert_released(handle):
-    gc.collect()
+    # No gc.collect(): what hprt.torch keeps must go by reference counting, when autograd lets go.
     st = handle.stats()
     assert st["device_current"] == 0, st
     assert st["pinned_bytes_in_use"] == 0, st
@@ -397,7 +397,7 @@ def test_reloads_keep_strides_and_storage_offsets(mode, platform):
 
 # ---- leaks: repeated patterns leave nothing behind ---------------------------------------------
 
-LEAK_CYCLES = 20  # x 6 patterns x 2 models; a per-step leak shows from the second cycle on
+LEAK_CYCLES = 3  # x 6 patterns after a warm-up cycle: one tensor kept per cycle already shows
 
 
 def live_tensors():
