@@ -29,6 +29,8 @@ Sharded data parallel (``fully_shard``, ``run_on_ranks``, ``MixedPrecisionPolicy
 (bytes of torch memory hprt keeps referenced) and the front ends' engine counters.
 """
 
+import contextlib
+import enum
 import threading
 import weakref
 
@@ -67,6 +69,15 @@ __all__ = _fsdp.__all__ + [
     "compress_saved_tensors",
     "ManagedCompression",
     "is_swappable",
+    "ActivationPolicy",
+    "swap_wrapper",
+    "SwapWrapper",
+    "PipelineOffloadManager",
+    "fine_grained_offloading_init_chunk_handler",
+    "fine_grained_offloading_group_start",
+    "fine_grained_offloading_group_commit",
+    "fine_grained_offloading_reset",
+    "get_fine_grained_offloading_context",
 ]
 
 # Modes of ``attach`` and what they are upstream.
@@ -194,7 +205,7 @@ def is_swappable(t, rt, min_bytes=0, custom_check_fn=None):
     """The torch side of eligibility: a non-empty dense tensor on this platform's device, not a
     parameter (nor a leaf that requires grad). ``min_bytes`` and ``custom_check_fn`` are the
     front end's own rules, applied here only for direct callers."""
-    if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
+    if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
         return False
     if t.is_leaf and t.requires_grad:
         return False
@@ -280,6 +291,17 @@ class _Packed:
         if self.out is None:
             self.out = load(self)
         return self.out
+
+
+class _Kept(_Packed):
+    """A tensor left on the device but counted by the runtime's accounting (a borrowed payload
+    hprt only holds)."""
+
+    __slots__ = ()
+
+    def read(self, load):
+        self.witness.check()
+        return self.ref.tensor
 
 
 def _unpack_with(load):
@@ -448,6 +470,8 @@ class SwapManager:
             inst.seconds = set()
             inst.handles = []
             inst.flow = _Flow(rt.layers.end_iteration)
+            inst.wrapped = 0  # swap_wrapper regions: then only they save into the layer's group
+            inst.recording = None
             cls._instances[id(rt)] = inst
         elif (min_bytes is not None and min_bytes != inst.min_bytes) or (
                 custom_check_fn is not None and custom_check_fn is not inst.custom_check_fn):
@@ -510,10 +534,22 @@ class SwapManager:
     def stats(self):
         return self.rt.stats()
 
-    def _pack(self, t):
+    def _pack(self, t, policy_fn=None):
         if not is_swappable(t, self.rt, self.min_bytes, self.custom_check_fn):
             return t
+        if policy_fn is not None:
+            policy = policy_fn(t)
+            if policy is ActivationPolicy.SAVE:
+                return _Kept(self.rt.borrow(t), t)
+            if policy is not ActivationPolicy.SWAP:
+                raise ValueError(f"swap_wrapper policy_fn returned {policy!r}, not an ActivationPolicy")
         return _Packed(self.rt.layers.save(self.rt.borrow(t)), t, None, self.flow.current)
+
+    def _region(self, policy_fn):
+        """The saved-tensor hooks of a ``swap_wrapper`` region, or None outside a recorded layer."""
+        if self.recording is None or not self.flow.taking():
+            return None
+        return saved_tensors_hooks(lambda t: self._pack(t, policy_fn), _unpack_with(self._load))
 
     def _begin_backward(self, layer, pass_):
         if pass_ is not None and layer not in pass_.begun:
@@ -535,14 +571,18 @@ class SwapManager:
                 flow.start()
             ctx = None
             if flow.taking() and front.forward_pre(layer):
-                ctx = _pushed(self._pack, unpack)
+                self.recording = layer
+                # Without swap_wrapper regions the whole layer saves into its group.
+                ctx = _pushed(self._pack, unpack) if not self.wrapped else False
             open_hooks.append(ctx)
 
         def forward_post(mod, args, output):
             ctx = open_hooks.pop() if open_hooks else None
             if ctx is None:
                 return
-            ctx.__exit__(None, None, None)
+            self.recording = None
+            if ctx is not False:
+                ctx.__exit__(None, None, None)
             front.forward_post(layer, rt.compute_stream(None))
             pass_ = flow.current
             _on_output_grad(output, lambda: self._begin_backward(layer, pass_))
@@ -577,9 +617,9 @@ class keep_saved_tensors(_Hooks):
     def _pack(self, t):
         if not is_swappable(t, self.rt, self.min_bytes):
             return t
-        return _Packed(self.rt.borrow(t), t)
+        return _Kept(self.rt.borrow(t), t)
 
-    _unpack = staticmethod(_unpack_with(lambda packed: packed.ref.tensor))
+    _unpack = staticmethod(_unpack_with(None))
 
 
 _CODEC_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -743,6 +783,193 @@ class _ManagedLayer:
         if self._window is not None:
             self._window.__exit__(*exc)
             self._window = None
+
+
+# ---- hyper_parallel's swap_wrapper -------------------------------------------------------------
+
+
+class ActivationPolicy(enum.Enum):
+    """hyper_parallel's per-tensor choice in a ``swap_wrapper`` region."""
+
+    SAVE = "save"
+    SWAP = "swap"
+
+
+_WRAPPED = "_swap_wrapped_module"
+
+
+def _replace_prefix(state_dict, old, new):
+    for key in [k for k in state_dict if k.startswith(old)]:
+        state_dict[new + key[len(old):]] = state_dict.pop(key)
+
+
+class SwapWrapper(nn.Module):
+    """hyper_parallel's ``swap_wrapper`` module: the wrapped module's saved tensors join the
+    current layer's group of the ``SwapManager`` (the layers linked by
+    ``set_forward_prefetch_layer``); ``policy_fn(tensor)`` returns ``ActivationPolicy.SAVE`` to
+    keep one on the device. Attribute access and indexing reach the wrapped module;
+    ``state_dict()`` / ``named_parameters()`` carry no wrapper prefix."""
+
+    def __init__(self, module, policy_fn=None, manager=None):
+        super().__init__()
+        self._swap_wrapped_module = module
+        self.policy_fn = policy_fn
+        self._manager = manager if manager is not None else SwapManager()
+        self._manager.wrapped += 1
+        self._register_state_dict_hook(self._strip_prefix)
+        self.register_load_state_dict_pre_hook(self._add_prefix)
+
+    def forward(self, *args, **kwargs):
+        region = self._manager._region(self.policy_fn)
+        if region is None:
+            return self._swap_wrapped_module(*args, **kwargs)
+        with region:
+            return self._swap_wrapped_module(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._swap_wrapped_module, name)
+
+    def __getitem__(self, key):
+        return self._swap_wrapped_module[key]
+
+    def named_parameters(self, *args, **kwargs):
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield name.replace(_WRAPPED + ".", ""), p
+
+    @staticmethod
+    def _strip_prefix(module, state_dict, prefix, *args):
+        _replace_prefix(state_dict, f"{prefix}{_WRAPPED}.", prefix)
+        return state_dict
+
+    @staticmethod
+    def _add_prefix(module, state_dict, prefix, *args):
+        _replace_prefix(state_dict, prefix, f"{prefix}{_WRAPPED}.")
+
+
+def swap_wrapper(module, policy_fn=None):
+    """hyper_parallel's ``swap_wrapper(module, policy_fn=None)`` (a ``SwapWrapper``)."""
+    return SwapWrapper(module, policy_fn)
+
+
+# ---- Megatron-LM's fine-grained activation offloading -----------------------------------------
+
+
+class PipelineOffloadManager:
+    """Megatron-LM's ``PipelineOffloadManager`` (``get_instance()``) over hprt's
+    ``PipelineOffload``: a ``with`` block (``get_fine_grained_offloading_context(True)``) around a
+    model chunk's forward installs the saved-tensor hooks; ``fine_grained_offloading_group_start``
+    / ``_commit`` mark a group; the commit's backward reloads it, the start's backward ends it;
+    ``fine_grained_offloading_reset()`` starts an iteration."""
+
+    _instance = None
+
+    @classmethod
+    def get_instance(cls):
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    @classmethod
+    def reset_instance(cls, runtime_=None):
+        """A fresh singleton (on ``runtime_``)."""
+        cls._instance = cls(runtime_)
+        return cls._instance
+
+    def __init__(self, runtime_=None):
+        self.rt = runtime_ if runtime_ is not None else runtime()
+        self.off = self.rt.new_pipeline()
+        self.min_elems = 1024 * 1024
+        self.group_open = False
+        self._hooks = []
+
+    def init_model_chunk_offload_handler(self, vp_size=1, vp_stage=None,
+                                         min_offloaded_tensor_size=1024 * 1024):
+        self.min_elems = min_offloaded_tensor_size
+        self.off.init_chunk(vp_size, vp_stage)
+
+    def reset(self):
+        self.off.reset()
+
+    def stats(self):
+        return self.rt.stats()
+
+    def _pack(self, t):
+        if not self.group_open or t.numel() < self.min_elems or not is_swappable(t, self.rt):
+            return t
+        return _Packed(self.off.save(self.rt.borrow(t)), t)
+
+    def _load(self, packed):
+        return self.rt.wait_host(self.off.get(packed.ref, self.rt.compute_stream(None)))
+
+    def __enter__(self):
+        self._hooks.append(_pushed(self._pack, _unpack_with(self._load)))
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.pop().__exit__(*exc)
+
+
+class _GroupStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, manager, name):
+        ctx.manager = manager
+        manager.off.group_start(name)
+        manager.group_open = True
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.manager.off.backward_group_end()
+        return grad, None, None
+
+
+class _GroupCommit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, manager, name):
+        ctx.manager, ctx.name = manager, name
+        manager.group_open = False
+        manager.off.group_commit(manager.rt.compute_stream(None))
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        m = ctx.manager
+        m.off.backward_group_begin(ctx.name, m.rt.compute_stream(None))
+        return grad, None, None
+
+
+def fine_grained_offloading_init_chunk_handler(vp_size=1, vp_stage=None,
+                                               min_offloaded_tensor_size=1024 * 1024):
+    """Megatron-LM: at the start of a micro-batch's forward through one model chunk."""
+    PipelineOffloadManager.get_instance().init_model_chunk_offload_handler(
+        vp_size, vp_stage, min_offloaded_tensor_size)
+
+
+def fine_grained_offloading_group_start(tensor, name=None):
+    """Megatron-LM: the group ``name`` begins (identity on ``tensor``)."""
+    return _GroupStart.apply(tensor, PipelineOffloadManager.get_instance(), name or "group")
+
+
+def fine_grained_offloading_group_commit(tensor, name=None, forced_released_tensors=None):
+    """Megatron-LM: the group ``name`` ends and is offloaded (identity on ``tensor``).
+    ``forced_released_tensors`` is refused: torch memory hprt does not own cannot be freed early."""
+    if forced_released_tensors:
+        raise NotImplementedError(
+            "hprt.torch: forced_released_tensors (releasing torch tensors after the offload) is "
+            "not supported; the offloaded tensors' memory is released when autograd drops them")
+    return _GroupCommit.apply(tensor, PipelineOffloadManager.get_instance(), name or "group")
+
+
+def fine_grained_offloading_reset():
+    """Megatron-LM: the start of a training iteration."""
+    PipelineOffloadManager.get_instance().reset()
+
+
+def get_fine_grained_offloading_context(flag):
+    return PipelineOffloadManager.get_instance() if flag else contextlib.nullcontext()
 
 
 # ---- attach: a mode on an ordinary model --------------------------------------------------------

@@ -1,0 +1,182 @@
+"""The peers' swap APIs from hprt.torch, used as their own tests use them (imports changed,
+``.npu()`` dropped): hyper_parallel's ``SwapManager`` + ``swap_wrapper`` / ``ActivationPolicy``
+and Megatron-LM's fine-grained offloading. Losses and gradients are compared with plain torch by
+``torch.equal``; the device bytes of saved tensors are hprt's accounting of what stays referenced."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import hprt.torch as ht  # noqa: E402
+from hprt.torch import ActivationPolicy, SwapManager, swap_wrapper  # noqa: E402
+
+DIM, HEADS, DEPTH, BATCH, SEQ, VOCAB, STEPS = 64, 4, 16, 4, 32, 128, 3
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.attn = nn.MultiheadAttention(DIM, HEADS, batch_first=True)
+        self.norm2 = nn.LayerNorm(DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class SimpleTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(DEPTH))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def apply_swap(model, mode):
+    """hyper_parallel's test_act_swap.apply_swap, imports changed."""
+    if mode == "none":
+        return model
+    policy_fn = None
+    if mode == "swap_with_policy":
+        threshold = BATCH * SEQ * DIM  # tensors the size of the layer input stay; larger ones swap
+
+        def policy_fn(x):
+            if x.untyped_storage().size() // x.element_size() <= threshold:
+                return ActivationPolicy.SAVE
+            return ActivationPolicy.SWAP
+
+    for i, layer in enumerate(model.layers):
+        model.layers[i].attn = swap_wrapper(layer.attn, policy_fn)
+    for i in range(len(model.layers) - 1):
+        SwapManager().set_forward_prefetch_layer(model.layers[i], model.layers[i + 1])
+    return model
+
+
+def train_one_mode(mode):
+    SwapManager.reset()
+    rt = ht.runtime()
+    torch.manual_seed(0)
+    model = apply_swap(SimpleTransformer(), mode)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+    rt.reset_peak()
+    observed = []
+    for ids in data:
+        opt.zero_grad()
+        # Everything autograd keeps outside the swapped regions is counted by the same accounting.
+        with ht.keep_saved_tensors(rt):
+            logits = model(ids)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        loss.backward()
+        opt.step()
+        observed.append(loss.detach().clone())
+        observed.extend(p.grad.clone() for p in model.parameters())
+    peak = rt.stats()["device_peak"]
+    assert rt.stats()["device_current"] == 0
+    SwapManager.reset()
+    return observed, peak, model
+
+
+def test_hyper_parallel_act_swap_memory_comparison():
+    results = {mode: train_one_mode(mode) for mode in ("none", "swap", "swap_with_policy")}
+    base, peak_none, plain = results["none"]
+    for mode in ("swap", "swap_with_policy"):
+        got, _, wrapped = results[mode]
+        attn = wrapped.layers[0].attn
+        assert isinstance(attn, ht.SwapWrapper) and attn.embed_dim == DIM  # attributes reach through
+        assert [n for n, _ in attn.named_parameters()] == [
+            n for n, _ in plain.layers[0].attn.named_parameters()]  # no wrapper prefix
+        assert len(got) == len(base)
+        for a, b in zip(got, base):
+            assert torch.equal(a, b)
+        # Checkpoints load into the unwrapped model and back.
+        assert list(wrapped.state_dict()) == list(plain.state_dict())
+        wrapped.load_state_dict(plain.state_dict())
+    peak_swap, peak_policy = results["swap"][1], results["swap_with_policy"][1]
+    assert peak_none > peak_policy > peak_swap, (peak_none, peak_policy, peak_swap)
+
+
+def test_swap_manager_is_a_singleton_that_refuses_other_settings():
+    SwapManager.reset()
+    assert SwapManager() is SwapManager()
+    with pytest.raises(ValueError, match="singleton"):
+        SwapManager(min_bytes=4096)
+    SwapManager.reset()
+    assert SwapManager(min_bytes=4096).min_bytes == 4096
+    SwapManager.reset()
+
+
+def test_swap_manager_reset_removes_its_hooks():
+    SwapManager.reset()
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    SwapManager().set_forward_prefetch_layer(a, b)
+    assert a._forward_pre_hooks and b._forward_hooks
+    SwapManager.reset()
+    assert not a._forward_pre_hooks and not a._forward_hooks and not b._forward_pre_hooks
+
+
+class MegatronLayer(nn.Module):
+    """A layer marking Megatron-LM's offload groups around its norm and MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x):
+        h = ht.fine_grained_offloading_group_start(x, name="mlp_norm")
+        h = self.norm(h)
+        h = ht.fine_grained_offloading_group_commit(h, name="mlp_norm")
+        h = ht.fine_grained_offloading_group_start(h, name="mlp")
+        h = self.mlp(h)
+        h = ht.fine_grained_offloading_group_commit(h, name="mlp")
+        return x + h
+
+
+def megatron_run(offload):
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(MegatronLayer() for _ in range(4)))
+    opt = torch.optim.SGD(layers.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    observed = []
+    for _ in range(STEPS):
+        x = torch.randn(BATCH, SEQ, DIM, generator=g)
+        opt.zero_grad()
+        ht.fine_grained_offloading_reset()
+        ht.fine_grained_offloading_init_chunk_handler(vp_size=1, vp_stage=None,
+                                                      min_offloaded_tensor_size=1)
+        with ht.get_fine_grained_offloading_context(offload):
+            loss = layers(x).square().mean()
+        loss.backward()
+        opt.step()
+        observed.append(loss.detach().clone())
+        observed.extend(p.grad.clone() for p in layers.parameters())
+    return observed
+
+
+def test_megatron_fine_grained_offloading_is_bit_exact():
+    manager = ht.PipelineOffloadManager.reset_instance()
+    want = megatron_run(False)
+    got = megatron_run(True)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # The first group's start saw an input that needs no gradient, so its backward (which ends
+    # the group) never runs: as in Megatron-LM, the next reset frees it.
+    ht.fine_grained_offloading_reset()
+    st = manager.stats()
+    assert st["offloaded_tensors"] > 0 and st["reloaded_tensors"] > 0
+    assert st["device_current"] == 0
+    with pytest.raises(NotImplementedError, match="forced_released_tensors"):
+        ht.fine_grained_offloading_group_commit(torch.ones(2), "g", [torch.ones(2)])
