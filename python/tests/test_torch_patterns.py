@@ -4,6 +4,7 @@ transformers configs: every mode must give the plain-torch run's losses and grad
 bytes, pinned blocks, torch tensors) once a pattern's graphs are gone and the mode is detached."""
 
 import gc
+import shutil
 import re
 
 import pytest
@@ -426,3 +427,54 @@ def test_repeated_patterns_leak_nothing(mode, platform):
         assert st["device_current"] == 0 and st["pinned_bytes_in_use"] == 0, st
         assert after == before, (before, after)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+# ---- torch.compile: compiled layers' saved tensors go through every mode ----------------------
+
+
+class CompiledAttention(torch.nn.Module):
+    """q, k, v are non-dense chunks of one projection: inductor's backward asserts the saved
+    tensors' strides, so a mode that changed them fails here."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.proj = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return x + self.proj(torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v)
+
+
+class CompiledLayer(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="inductor needs a C++ compiler")
+def test_torch_compile_in_every_mode(platform):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(CompiledAttention() for _ in range(2))
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(CompiledLayer(torch.compile(b)) for b in blocks)
+    x = torch.randn(2, 8, 32)
+
+    def grads():
+        for p in blocks.parameters():
+            p.grad = None
+        y = x
+        for layer in model.layers:
+            y = layer(y)
+        y.square().mean().backward()
+        return [p.grad.clone() for p in blocks.parameters()]
+
+    want = grads()
+    for mode in MODES:
+        with ht.attach(model, platform=platform, min_bytes=0, **MODES[mode]) as handle:
+            got = grads()
+        assert_identical(got, want)
+        assert took_tensors(handle), (mode, handle.stats())
