@@ -4,29 +4,43 @@ Importable only where torch is installed. This module is glue: hooks call hprt-s
 ends, which hold every swap rule. A saved tensor becomes a *borrowed* payload
 (``FrameworkMemory.tensor``): hprt borrows its memory, copies it to pinned memory on its d2h
 stream after the framework's current stream and drops its reference (so torch frees it) only
-after that copy completed; the reload lands in a fresh ``torch.empty_strided`` tensor (shape and
-strides kept) made by the allocator callback, through hprt's h2d stream, which the current stream
+after that copy completed; the reload lands in a fresh tensor (shape, strides and storage offset
+kept) made by the allocator callback, through hprt's h2d stream, which the current stream
 (and, for CPU tensors, the host) waits for before autograd sees it.
 
-Front ends, with the upstream names and semantics:
+``attach(model, mode=...)`` applies a mode to a model's layer list and returns a handle
+(``detach()``, a context manager, ``stats()``). Modes and the front ends under them, with the
+upstream names and semantics:
 
-- ``TensorSwapContext(module_tag=...)`` (keyed swap, ``KeyedSwap``): a ``with`` block around one
-  layer's forward; each new context of a tag is that tag's next layer.
-- ``SwapManager().set_forward_prefetch_layer(a, b)`` (hyper_parallel layer groups, the Rust
-  ``SwapManager``): module hooks on ``a`` and ``b`` drive ``forward_pre`` / ``forward_post`` /
-  ``backward_pre`` / ``backward_post``.
-- ``keep_saved_tensors()``: the no-swap baseline, counted by the same accounting.
-- ``compress_saved_tensors()``: lossless compression of saved floating-point tensors, in the
-  pack hook.
-- ``ManagedCompression`` (MindSpeed): saved tensors registered per layer with hprt's
-  ``ActivationManager``.
+- ``"keyed"``: ``TensorSwapContext(module_tag=...)`` (the keyed swap, ``KeyedSwap``), a ``with``
+  block around one layer's forward; each new context of a tag is that tag's next layer.
+- ``"swap"``: ``SwapManager().set_forward_prefetch_layer(a, b)`` (hyper_parallel's layer groups,
+  the Rust ``SwapManager``); with ``swap_wrapper(module, policy_fn)`` regions only they save into
+  the current layer's group (``ActivationPolicy.SAVE`` / ``SWAP`` per tensor).
+- ``"pipeline"``: Megatron-LM's fine-grained offload (``PipelineOffload``), a group per layer;
+  ``fine_grained_offloading_group_start`` / ``_commit`` and ``PipelineOffloadManager`` are the
+  upstream names for marking groups inside a layer.
+- ``"keep"``: ``keep_saved_tensors()``, the no-swap baseline counted by the same accounting.
+- ``"compress"``: ``compress_saved_tensors()``, lossless compression in the pack hook.
+- ``"managed_compress"``: ``ManagedCompression`` (MindSpeed), saved tensors registered per
+  layer with hprt's ``ActivationManager``.
+
+Every mode gives torch's own results under the patterns training uses: a front end follows one
+forward pass and its backward at a time (``_Flow``: a forward that starts while an earlier pass's
+saved tensors are still referenced is left to autograd; what a dropped graph left is freed at the
+next pass), a second read of a saved tensor (``retain_graph``) returns the same tensor, an
+in-place write to a saved tensor raises torch's error (``_Witness``), reloads keep strides and
+storage offsets, and hooks are removed when a layer raises.
 
 Sharded data parallel (``fully_shard``, ``run_on_ranks``, ``MixedPrecisionPolicy``, ...) lives in
 ``hprt.fsdp`` and is re-exported here.
 
-``Runtime(compression=...)`` selects compress-then-swap (``off``, ``device``, ``host_stage``,
-``auto``) for its front ends. ``runtime().stats()`` reports ``device_current`` / ``device_peak``
-(bytes of torch memory hprt keeps referenced) and the front ends' engine counters.
+``Runtime(compression=...)`` (``attach(..., compression=...)``) selects compress-then-swap
+(``off``, ``device``, ``host_stage``, ``auto``) for its front ends. ``stats()`` reports
+``device_current`` / ``device_peak`` (bytes of torch memory hprt keeps referenced) and the front
+ends' engine counters (offloaded, reloaded, compressed, link bytes, pinned bytes). CPU tensors
+take the cpu backend's path and CUDA tensors the cuda backend's (torch's current stream
+wrapped); other devices' tensors (NPU included) are left to autograd.
 """
 
 import contextlib
@@ -72,6 +86,9 @@ __all__ = _fsdp.__all__ + [
     "ActivationPolicy",
     "swap_wrapper",
     "SwapWrapper",
+    "CheckpointPolicy",
+    "checkpoint_wrapper",
+    "CheckpointWrapper",
     "PipelineOffloadManager",
     "fine_grained_offloading_init_chunk_handler",
     "fine_grained_offloading_group_start",
@@ -852,6 +869,64 @@ class SwapWrapper(nn.Module):
 def swap_wrapper(module, policy_fn=None):
     """hyper_parallel's ``swap_wrapper(module, policy_fn=None)`` (a ``SwapWrapper``)."""
     return SwapWrapper(module, policy_fn)
+
+
+class CheckpointPolicy(enum.Enum):
+    """hyper_parallel's selective-checkpointing policy per operator: torch's four, and
+    ``MUST_SWAP`` (the output is saved, and swapped with the current layer's group)."""
+
+    MUST_SAVE = "must_save"
+    PREFER_SAVE = "prefer_save"
+    MUST_RECOMPUTE = "must_recompute"
+    PREFER_RECOMPUTE = "prefer_recompute"
+    MUST_SWAP = "must_swap"
+
+
+class CheckpointWrapper(SwapWrapper):
+    """hyper_parallel's ``checkpoint_wrapper``: the wrapped module runs under torch's
+    non-reentrant checkpoint with selective checkpointing, ``policy_fn(ctx, op, *args,
+    **kwargs)`` choosing per operator whether its output is saved, recomputed or swapped.
+    Swapped outputs are torch's SAC cache entries, routed through hprt's hooks
+    (``respect_saved_tensors_hooks``) into the ``SwapManager``'s current layer group."""
+
+    def __init__(self, module, policy_fn=None, manager=None):
+        super().__init__(module, self._swap_choice if policy_fn is not None else None, manager)
+        self.checkpoint_policy = policy_fn
+        self._swap_next = False
+
+    def _torch_policy(self, ctx, op, *args, **kwargs):
+        policy = self.checkpoint_policy(ctx, op, *args, **kwargs)
+        if isinstance(policy, bool):
+            policy = CheckpointPolicy.MUST_SAVE if policy else CheckpointPolicy.PREFER_RECOMPUTE
+        if not isinstance(policy, CheckpointPolicy):
+            raise ValueError(f"checkpoint_wrapper policy_fn returned {policy!r}, not a CheckpointPolicy")
+        if not ctx.is_recompute:
+            self._swap_next = policy is CheckpointPolicy.MUST_SWAP
+        name = "MUST_SAVE" if policy is CheckpointPolicy.MUST_SWAP else policy.name
+        return torch.utils.checkpoint.CheckpointPolicy[name]
+
+    def _swap_choice(self, t):
+        """The pack hook's choice for a tensor SAC caches: the policy of the op that made it."""
+        return ActivationPolicy.SWAP if self._swap_next else ActivationPolicy.SAVE
+
+    def forward(self, *args, **kwargs):
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        options = {}
+        if self.checkpoint_policy is not None:
+            options = dict(
+                context_fn=lambda: create_selective_checkpoint_contexts(self._torch_policy),
+                respect_saved_tensors_hooks=True)
+        region = self._manager._region(self.policy_fn) if self.policy_fn is not None else None
+        with region if region is not None else contextlib.nullcontext():
+            return checkpoint(self._swap_wrapped_module, *args, use_reentrant=False, **options,
+                              **kwargs)
+
+
+def checkpoint_wrapper(module, policy_fn=None):
+    """hyper_parallel's ``checkpoint_wrapper(module, policy_fn=None)`` (a ``CheckpointWrapper``);
+    without ``policy_fn`` the module is checkpointed whole."""
+    return CheckpointWrapper(module, policy_fn)
 
 
 # ---- Megatron-LM's fine-grained activation offloading -----------------------------------------

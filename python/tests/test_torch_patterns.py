@@ -175,20 +175,21 @@ class Boom(RuntimeError):
     pass
 
 
+def step_raising_once(model, opt, ids, rec, register):
+    """A step in which the hook that ``register(hook)`` installs raises ``Boom``."""
+
+    def boom(*args):
+        raise Boom()
+
+    h = register(boom)
+    with pytest.raises(Boom):
+        step(model, opt, ids, rec)
+    h.remove()
+
+
 def p_exception_in_forward(model, opt, data, rec):
     """A layer's MLP raises in the middle of a forward; training goes on."""
-    mlp = layers_of(model)[1].mlp
-    armed = [True]
-
-    def boom(mod, args):
-        if armed[0]:
-            armed[0] = False
-            raise Boom("forward")
-
-    h = mlp.register_forward_pre_hook(boom)
-    with pytest.raises(Boom):
-        step(model, opt, data[0], rec)
-    h.remove()
+    step_raising_once(model, opt, data[0], rec, layers_of(model)[1].mlp.register_forward_pre_hook)
     # No saved-tensor hook may be left active by the aborted layer.
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     step(model, opt, data[1], rec)
@@ -196,18 +197,8 @@ def p_exception_in_forward(model, opt, data, rec):
 
 
 def p_exception_in_backward(model, opt, data, rec):
-    layer = layers_of(model)[1]
-    armed = [True]
-
-    def boom(mod, grad_output):
-        if armed[0]:
-            armed[0] = False
-            raise Boom("backward")
-
-    h = layer.register_full_backward_pre_hook(boom)
-    with pytest.raises(Boom):
-        step(model, opt, data[0], rec)
-    h.remove()
+    step_raising_once(model, opt, data[0], rec,
+                      layers_of(model)[1].register_full_backward_pre_hook)
     step(model, opt, data[1], rec)
     step(model, opt, data[2], rec)
 

@@ -1,0 +1,163 @@
+"""hprt.torch's modes against plain torch and torch's own ``save_on_cpu``, measured in one run:
+
+- the training step of a 16-layer transformer (the hyper_parallel swap test's shape) per mode,
+  as a ratio to the plain-torch step;
+- the hook cost per saved tensor: a chain of small element-wise ops (one saved tensor each),
+  forward and backward, minus the plain-torch time, divided by the number of saved tensors.
+
+    python python/benchmarks/torch_swap_step.py [--layers 16] [--dim 256] [--seq 128] [--steps 6]
+
+On the cpu backend "device" memory is host memory and the copies are host memcpys on hprt's
+stream threads: the numbers describe hprt.torch's overhead, not accelerator performance."""
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import hprt
+import hprt.torch as ht
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(args.dim, 4) for _ in range(args.layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+MODES = {
+    "keep": dict(mode="keep"),
+    "swap": dict(mode="swap"),
+    "keyed": dict(mode="keyed"),
+    "pipeline": dict(mode="pipeline"),
+    "swap, host-stage compress-then-swap": dict(mode="swap", compression="host_stage"),
+    "compress": dict(mode="compress"),
+    "managed_compress": dict(mode="managed_compress"),
+}
+
+
+def timed(fn, steps):
+    fn()  # warm-up: pools, first allocations
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def step_times(args):
+    torch.manual_seed(0)
+    model = Transformer(args)
+    x = torch.randn(args.batch, args.seq, args.dim)
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        model(x).backward()
+
+    rows = [("plain torch", timed(step, args.steps), None)]
+
+    def on_cpu():
+        with torch.autograd.graph.save_on_cpu(pin_memory=False):
+            step()
+
+    rows.append(("torch save_on_cpu", timed(on_cpu, args.steps), None))
+    platform = hprt.cpu_platform(device_memory=4 << 30)
+    for name, kw in MODES.items():
+        with ht.attach(model, platform=platform, min_bytes=args.min_bytes, **kw) as h:
+            t = timed(step, args.steps)
+            st = h.stats()
+        rows.append((name, t, st))
+    return rows
+
+
+def hook_cost(args):
+    """Per saved tensor: ``n`` sigmoids in a row (each saves its output) on ``numel`` floats."""
+    n, numel = args.hook_tensors, args.hook_numel
+    x = torch.randn(numel, requires_grad=True)
+
+    class Layer(nn.Module):
+        def forward(self, y):
+            for _ in range(n):
+                y = torch.sigmoid(y)
+            return y
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([Layer(), Layer()])
+
+    def run():
+        y = x
+        for layer in model.layers:
+            y = layer(y)
+        y.sum().backward()
+        x.grad = None
+
+    saved = 2 * n
+    base = timed(run, args.steps)
+
+    def on_cpu():
+        with torch.autograd.graph.save_on_cpu(pin_memory=False):
+            run()
+
+    rows = [("torch save_on_cpu", (timed(on_cpu, args.steps) - base) / saved * 1e6)]
+    platform = hprt.cpu_platform(device_memory=1 << 30)
+    for name, kw in MODES.items():
+        with ht.attach(model, platform=platform, min_bytes=0, **kw):
+            rows.append((name, (timed(run, args.steps) - base) / saved * 1e6))
+    return base, saved, rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--min-bytes", type=int, default=64 << 10)
+    ap.add_argument("--hook-tensors", type=int, default=500)
+    ap.add_argument("--hook-numel", type=int, default=256)
+    args = ap.parse_args()
+    print(f"{args.layers}-layer transformer, dim {args.dim}, batch {args.batch} x {args.seq} tokens, "
+          f"f32; hprt modes with min_bytes={args.min_bytes}; torch threads: {torch.get_num_threads()}")
+    rows = step_times(args)
+    base = rows[0][1]
+    print("| mode | step (ms, median) | vs plain torch | offloaded MiB | compressed tensors |")
+    print("|---|---|---|---|---|")
+    for name, t, st in rows:
+        off = "-" if st is None else f"{st['offloaded_bytes'] / (1 << 20):.1f}"
+        comp = "-" if st is None else st.get("compressed_tensors", 0) + st.get("tensors", 0)
+        print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f} | {off} | {comp} |")
+    base, saved, hooks = hook_cost(args)
+    print(f"\nHook cost per saved tensor ({saved} saved tensors of {args.hook_numel} f32 per "
+          f"forward + backward; plain torch {base * 1e3:.2f} ms):")
+    print("| mode | µs per saved tensor over plain torch |")
+    print("|---|---|")
+    for name, us in hooks:
+        print(f"| {name} | {us:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
