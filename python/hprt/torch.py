@@ -38,9 +38,11 @@ Sharded data parallel (``fully_shard``, ``run_on_ranks``, ``MixedPrecisionPolicy
 ``Runtime(compression=...)`` (``attach(..., compression=...)``) selects compress-then-swap
 (``off``, ``device``, ``host_stage``, ``auto``) for its front ends. ``stats()`` reports
 ``device_current`` / ``device_peak`` (bytes of torch memory hprt keeps referenced) and the front
-ends' engine counters (offloaded, reloaded, compressed, link bytes, pinned bytes). CPU tensors
-take the cpu backend's path and CUDA tensors the cuda backend's (torch's current stream
-wrapped); other devices' tensors (NPU included) are left to autograd.
+ends' engine counters (offloaded, reloaded, compressed, link bytes, pinned bytes). A backend
+takes the tensors of its own device type: CPU tensors on the cpu backend, CUDA tensors on the
+cuda backend and torch_npu's NPU tensors on the npu backend, ordered after torch's current stream
+(wrapped: ``cuda_stream`` / ``npu_stream``) by events, never a host wait; other tensors are left
+to autograd. The CUDA and NPU paths are tested with stand-ins, not on hardware.
 """
 
 import contextlib
@@ -134,6 +136,16 @@ _COUNTERS = ("offloaded_tensors", "offloaded_bytes", "reloaded_tensors", "reload
              "codec_ns", "pinned_bytes_in_use", "pinned_bytes_held")
 
 
+def _device_type(device):
+    """``"npu"`` of ``"npu:1"`` or of a device object (without parsing: "npu" is torch's only
+    once torch_npu is imported)."""
+    return getattr(device, "type", None) or str(device).split(":")[0]
+
+
+# Backends whose tensors torch runs on a stream of its own, and the raw handle's attribute.
+_STREAM_ATTR = {"cuda": "cuda_stream", "npu": "npu_stream"}
+
+
 class Runtime:
     """hprt's side of the integration for one platform: the framework-memory accounting, the
     front ends it made, and the compute stream standing for torch's."""
@@ -160,9 +172,13 @@ class Runtime:
         return off
 
     def compute_stream(self, device=None):
-        """torch's current stream for ``device`` as an hprt stream."""
-        if device is not None and torch.device(device).type == "cuda" and self.platform.backend == "cuda":
-            return self.platform.wrap_stream(torch.cuda.current_stream(device).cuda_stream)
+        """torch's current stream (of ``device``, or of the current device) as an hprt stream:
+        ``torch.cuda.current_stream().cuda_stream`` on the cuda backend,
+        ``torch.npu.current_stream().npu_stream`` (torch_npu's ``aclrtStream``) on the npu one."""
+        kind = self.platform.backend
+        if kind in _STREAM_ATTR and (device is None or _device_type(device) == kind):
+            stream = getattr(torch, kind).current_stream(device)
+            return self.platform.wrap_stream(getattr(stream, _STREAM_ATTR[kind]))
         # CPU tensors: torch's work is done when its call returns, so an idle hprt stream
         # orders after all of it.
         return self._host_stream
@@ -174,11 +190,9 @@ class Runtime:
         return t
 
     def addressable(self, t):
-        """Whether this platform's device memory holds ``t``."""
-        backend = self.platform.backend
-        return (backend == "cpu" and t.device.type == "cpu") or (
-            backend == "cuda" and t.device.type == "cuda"
-        )
+        """Whether this platform's device memory holds ``t`` (cpu backend: CPU tensors; cuda:
+        CUDA tensors; npu: torch_npu's NPU tensors)."""
+        return _device_type(t.device) == self.platform.backend
 
     def borrow(self, t):
         """``t`` as a borrowed swap payload whose reload makes a tensor of its shape, strides and
@@ -1147,8 +1161,9 @@ class Attached:
         for settle in self._settle:
             settle()
         s = self.runtime.stats()
-        if torch.cuda.is_available() and self.runtime.platform.backend == "cuda":
-            s["device_allocated"] = torch.cuda.memory_allocated()
+        kind = self.runtime.platform.backend
+        if kind in _STREAM_ATTR and hasattr(torch, kind) and getattr(torch, kind).is_available():
+            s["device_allocated"] = getattr(torch, kind).memory_allocated()
         if self._stats_extra is not None:
             s.update(self._stats_extra())
         return s

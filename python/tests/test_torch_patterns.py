@@ -5,6 +5,7 @@ bytes, pinned blocks, torch tensors) once a pattern's graphs are gone and the mo
 
 import gc
 import shutil
+import types
 import re
 
 import pytest
@@ -469,3 +470,47 @@ def test_torch_compile_in_every_mode(platform):
             got = grads()
         assert_identical(got, want)
         assert took_tensors(handle), (mode, handle.stats())
+
+
+# ---- devices: the accelerator paths with stand-ins (no GPU / NPU here) ------------------------
+
+
+class StandInStream:
+    def __init__(self, attr, raw):
+        setattr(self, attr, raw)
+
+
+class StandInPlatform:
+    """What Runtime asks of a platform for stream selection; records the raw streams wrapped."""
+
+    def __init__(self, backend):
+        self.backend, self.wrapped = backend, []
+
+    def wrap_stream(self, raw):
+        self.wrapped.append(raw)
+        return ("hprt stream of", raw)
+
+
+@pytest.mark.parametrize("kind,attr", [("cuda", "cuda_stream"), ("npu", "npu_stream")])
+def test_accelerator_tensors_use_torchs_current_stream(kind, attr, platform, monkeypatch):
+    """On the cuda / npu backend, hprt orders its copies after torch's current stream of that
+    device (``torch.cuda.current_stream().cuda_stream``, torch_npu's ``npu_stream``), takes that
+    device's tensors and leaves others to autograd."""
+    rt = ht.Runtime(platform)
+    standin = StandInPlatform(kind)
+    rt.platform = standin
+    module = type("StandInTorchDevice", (), {})()
+    module.current_stream = lambda device=None: StandInStream(
+        attr, 0xABC0 + (0 if device is None else int(str(device).split(":")[1])))
+    monkeypatch.setattr(torch, kind, module, raising=False)
+    assert rt.compute_stream() == ("hprt stream of", 0xABC0)
+    assert rt.compute_stream(f"{kind}:1") == ("hprt stream of", 0xABC1)
+    assert standin.wrapped == [0xABC0, 0xABC1]
+    assert rt.compute_stream("cpu") is rt._host_stream  # a CPU tensor on an accelerator backend
+
+    class Like:
+        def __init__(self, device_type):
+            self.device = types.SimpleNamespace(type=device_type)
+
+    assert rt.addressable(Like(kind)) and not rt.addressable(Like("cpu"))
+    assert not ht.Runtime(platform).addressable(Like(kind))  # the cpu backend takes CPU tensors
