@@ -64,7 +64,26 @@ def timed(fn, steps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def interleaved(model, run, args, platform, min_bytes):
+    """Per mode the median step over ``args.rounds`` rounds that visit every mode in turn (a
+    load change on the machine hits every mode alike), with the last round's statistics."""
+    times, stats = {}, {}
+
+    def on_cpu():
+        with torch.autograd.graph.save_on_cpu(pin_memory=False):
+            run()
+
+    for _ in range(args.rounds):
+        times.setdefault("plain torch", []).extend(timed(run, args.steps))
+        times.setdefault("torch save_on_cpu", []).extend(timed(on_cpu, args.steps))
+        for name, kw in MODES.items():
+            with ht.attach(model, platform=platform, min_bytes=min_bytes, **kw) as h:
+                times.setdefault(name, []).extend(timed(run, args.steps))
+                stats[name] = h.stats()
+    return [(name, statistics.median(t), stats.get(name)) for name, t in times.items()]
 
 
 def step_times(args):
@@ -77,20 +96,7 @@ def step_times(args):
             p.grad = None
         model(x).backward()
 
-    rows = [("plain torch", timed(step, args.steps), None)]
-
-    def on_cpu():
-        with torch.autograd.graph.save_on_cpu(pin_memory=False):
-            step()
-
-    rows.append(("torch save_on_cpu", timed(on_cpu, args.steps), None))
-    platform = hprt.cpu_platform(device_memory=4 << 30)
-    for name, kw in MODES.items():
-        with ht.attach(model, platform=platform, min_bytes=args.min_bytes, **kw) as h:
-            t = timed(step, args.steps)
-            st = h.stats()
-        rows.append((name, t, st))
-    return rows
+    return interleaved(model, step, args, hprt.cpu_platform(device_memory=4 << 30), args.min_bytes)
 
 
 def hook_cost(args):
@@ -115,18 +121,9 @@ def hook_cost(args):
         x.grad = None
 
     saved = 2 * n
-    base = timed(run, args.steps)
-
-    def on_cpu():
-        with torch.autograd.graph.save_on_cpu(pin_memory=False):
-            run()
-
-    rows = [("torch save_on_cpu", (timed(on_cpu, args.steps) - base) / saved * 1e6)]
-    platform = hprt.cpu_platform(device_memory=1 << 30)
-    for name, kw in MODES.items():
-        with ht.attach(model, platform=platform, min_bytes=0, **kw):
-            rows.append((name, (timed(run, args.steps) - base) / saved * 1e6))
-    return base, saved, rows
+    rows = interleaved(model, run, args, hprt.cpu_platform(device_memory=1 << 30), 0)
+    base = rows[0][1]
+    return base, saved, [(name, (t - base) / saved * 1e6) for name, t, _ in rows[1:]]
 
 
 def main():
@@ -135,7 +132,8 @@ def main():
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per mode and round")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-bytes", type=int, default=64 << 10)
     ap.add_argument("--hook-tensors", type=int, default=500)
     ap.add_argument("--hook-numel", type=int, default=256)
@@ -144,11 +142,13 @@ def main():
           f"f32; hprt modes with min_bytes={args.min_bytes}; torch threads: {torch.get_num_threads()}")
     rows = step_times(args)
     base = rows[0][1]
-    print("| mode | step (ms, median) | vs plain torch | offloaded MiB | compressed tensors |")
+    print("| mode | step (ms, median) | vs plain torch | offloaded MiB per step | compressed tensors per step |")
     print("|---|---|---|---|---|")
+    per_attach = args.steps + 1  # warm-up included
     for name, t, st in rows:
-        off = "-" if st is None else f"{st['offloaded_bytes'] / (1 << 20):.1f}"
-        comp = "-" if st is None else st.get("compressed_tensors", 0) + st.get("tensors", 0)
+        off = "-" if st is None else f"{st['offloaded_bytes'] / (1 << 20) / per_attach:.1f}"
+        comp = "-" if st is None else (
+            st.get("compressed_tensors", 0) + st.get("tensors", 0)) // per_attach
         print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f} | {off} | {comp} |")
     base, saved, hooks = hook_cost(args)
     print(f"\nHook cost per saved tensor ({saved} saved tensors of {args.hook_numel} f32 per "

@@ -183,6 +183,12 @@ class Runtime:
         # orders after all of it.
         return self._host_stream
 
+    def host_wait(self):
+        """On the cpu backend the host uses tensors at once: it waits for what the compute
+        stream waits for (on accelerators the stream order suffices)."""
+        if self.platform.backend == "cpu":
+            self._host_stream.synchronize()
+
     def wait_host(self, t):
         """CPU tensors are used by the host at once: it waits for what the stream waits for."""
         if t.device.type == "cpu":
@@ -583,14 +589,18 @@ class SwapManager:
         return saved_tensors_hooks(lambda t: self._pack(t, policy_fn), _unpack_with(self._load))
 
     def _begin_backward(self, layer, pass_):
-        if pass_ is not None and layer not in pass_.begun:
-            pass_.begun.add(layer)
-            self.rt.layers.backward_pre(layer, self.rt.compute_stream(None))
+        if pass_ is None or layer not in pass_.begun:
+            if pass_ is not None:
+                pass_.begun.add(layer)
+            self.rt.layers.backward_pre(layer, self.rt.compute_stream())
+            # The compute stream now waits for the whole group: one host wait covers every
+            # CPU tensor of the layer.
+            self.rt.host_wait()
 
     def _load(self, packed):
         # A layer whose backward hook did not run (a partial backward) is loaded here.
         self._begin_backward(packed.ref[0], packed.pass_)
-        return self.rt.wait_host(self.rt.layers.take(packed.ref))
+        return self.rt.layers.take(packed.ref)
 
     def _register_hooks(self, module, layer):
         front, rt, flow = self.rt.layers, self.rt, self.flow
@@ -1132,16 +1142,18 @@ class Attached:
     """What ``attach`` returns: ``detach()`` removes every hook it installed (also as a context
     manager), ``stats()`` reports hprt's statistics for the model."""
 
-    def __init__(self, mode, layers, rt, settle, stats_extra=None):
+    def __init__(self, mode, layers, rt, settle, stats_extra=None, on_detach=()):
         self.mode, self.layers, self.runtime = mode, layers, rt
         self._handles, self._settle, self._stats_extra = [], settle, stats_extra
+        self._on_detach = list(on_detach)
 
     def detach(self):
         for h in self._handles:
             h.remove()
         self._handles = []
-        for settle in self._settle:
-            settle()
+        for fn in self._settle + self._on_detach:
+            fn()
+        self._on_detach = []
 
     @property
     def attached(self):
@@ -1193,7 +1205,10 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
             mgr.set_forward_prefetch_layer(a, b)
         if len(layers) == 1:
             mgr._layer(layers[0])
-        handle = Attached(mode, layers, rt, [mgr.detach])
+        on_detach = [mgr.detach]
+        if runtime_ is None:  # the handle's own runtime: its SwapManager goes with the handle
+            on_detach.append(lambda: SwapManager._instances.pop(id(rt), None))
+        handle = Attached(mode, layers, rt, [mgr.flow.settle], on_detach=on_detach)
         handle._handles = mgr.handles
         return handle
     settle, extra = [], None

@@ -514,3 +514,27 @@ def test_accelerator_tensors_use_torchs_current_stream(kind, attr, platform, mon
 
     assert rt.addressable(Like(kind)) and not rt.addressable(Like("cpu"))
     assert not ht.Runtime(platform).addressable(Like(kind))  # the cpu backend takes CPU tensors
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_detach_removes_every_hook(mode, platform):
+    torch.manual_seed(0)
+    model = gpt2()
+    singletons = dict(ht.SwapManager._instances)
+    handle = ht.attach(model, platform=platform, min_bytes=0, **MODES[mode])
+    assert handle.attached and handle.layers == list(model.transformer.h)
+    assert any(m._forward_pre_hooks for m in model.modules())
+    handle.detach()
+    assert not handle.attached
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert ht.SwapManager._instances == singletons
+
+
+def test_layers_are_found_or_named():
+    model = llama()
+    assert ht.find_layers(model) == list(model.model.layers)
+    assert ht.find_layers(model, "model.layers") == list(model.model.layers)
+    with pytest.raises(ValueError, match="no layer list"):
+        ht.find_layers(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="unknown hprt.torch mode"):
+        ht.attach(model, mode="offload_everything")
