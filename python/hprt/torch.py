@@ -270,32 +270,40 @@ class _Witness:
         fn = t.grad_fn
         self.shape, self.grad_fn, self.output_nr = list(t.shape), fn and fn.name(), t.output_nr
 
-    def check(self):
+    def modified(self):
+        t = self._alive()
+        return t is not None and t._version != self.version
+
+    def _alive(self):
         for r in self.refs:
             t = r()
             if t is not None:
-                if t._version != self.version:
-                    what = (f"output {self.output_nr} of {self.grad_fn}" if self.grad_fn
-                            else "a leaf Variable")
-                    raise RuntimeError(
-                        "one of the variables needed for gradient computation has been modified "
-                        f"by an inplace operation: [{t.type()} {self.shape}], which is {what}, is "
-                        f"at version {t._version}; expected version {self.version} instead. "
-                        "Hint: the tensor was saved through hprt.torch; enable anomaly detection "
-                        "to find the operation that failed to compute its gradient, with "
-                        "torch.autograd.set_detect_anomaly(True).")
-                return
+                return t
+        return None
+
+    def check(self):
+        """Raises torch's error (same class and message shape) if the tensor was modified."""
+        if self.modified():
+            t = self._alive()
+            what = f"output {self.output_nr} of {self.grad_fn}" if self.grad_fn else "a leaf Variable"
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{t.type()} {self.shape}], which is {what}, is at version "
+                f"{t._version}; expected version {self.version} instead. Hint: the tensor was "
+                "saved through hprt.torch; enable anomaly detection to find the operation that "
+                "failed to compute its gradient, with torch.autograd.set_detect_anomaly(True).")
 
 
 class _Pass:
     """The saved tensors of one forward pass a front end follows: how many are still referenced
     by autograd (read ones and those of dropped graphs are gone)."""
 
-    __slots__ = ("live", "begun")
+    __slots__ = ("live", "begun", "by_layer")
 
     def __init__(self):
         self.live = 0
         self.begun = set()  # layers whose backward began
+        self.by_layer = {}  # layer -> weak references to its packed tensors not yet loaded
 
     def add(self):
         with _lock:
@@ -311,13 +319,15 @@ class _Packed:
     in-place check, and the tensor once read (a retained graph's second backward gets the
     same one). Its death (read, or its graph dropped) is counted in its pass."""
 
-    __slots__ = ("ref", "out", "witness", "layer", "pass_")
+    __slots__ = ("ref", "out", "witness", "layer", "pass_", "__weakref__")
 
     def __init__(self, ref, t, layer=None, pass_=None):
         self.ref, self.out, self.witness, self.layer = ref, None, _Witness(t), layer
         self.pass_ = pass_
         if pass_ is not None:
             pass_.add()
+            if layer is not None:
+                pass_.by_layer.setdefault(layer, []).append(weakref.ref(self))
 
     def __del__(self):
         if self.pass_ is not None:
@@ -339,6 +349,23 @@ class _Kept(_Packed):
     def read(self, load):
         self.witness.check()
         return self.ref.tensor
+
+
+def _load_layer(packed, load_one, rt):
+    """Loads ``packed`` and every other tensor of its layer still referenced in its pass, then
+    makes the host wait once for all of them (the front ends hand out one tensor at a time; on
+    the cpu backend a host wait per tensor would cost more than the copies)."""
+    pass_ = packed.pass_
+    group = pass_.by_layer.pop(packed.layer, ()) if pass_ is not None else ()
+    for ref in group:
+        other = ref()
+        # A modified one is left to its own read, which raises torch's error for it.
+        if other is not None and other is not packed and other.out is None and (
+                not other.witness.modified()):
+            other.out = load_one(other)
+    out = load_one(packed)
+    rt.host_wait()
+    return out
 
 
 def _unpack_with(load):
@@ -458,10 +485,12 @@ class TensorSwapContext:
         ref = self.swap.swap_out_cur_and_release_prev(self._ctx, self.rt.borrow(t), stream)
         return _Packed(ref, t, self._ctx.layer, self.flow.current)
 
+    def _load_one(self, packed):
+        return self.swap.wait_cur_and_prefetch_next(packed.ref, self.rt.compute_stream(),
+                                                    self.prefetch)
+
     def _load(self, packed):
-        out = self.swap.wait_cur_and_prefetch_next(packed.ref, self.rt.compute_stream(None),
-                                                   self.prefetch)
-        return self.rt.wait_host(out)
+        return _load_layer(packed, self._load_one, self.rt)
 
     def __enter__(self):
         if self._ctx.layer == 0:
@@ -1101,20 +1130,25 @@ class _PipelineFront:
         self.rt, self.min_bytes, self.predicate = rt, min_bytes, predicate
         self.off = rt.new_pipeline()
         self.flow = _Flow(self.off.reset)
+        self.layer = None
 
     def _pack(self, t):
         if not is_swappable(t, self.rt, self.min_bytes, self.predicate):
             return t
-        return _Packed(self.off.save(self.rt.borrow(t)), t, None, self.flow.current)
+        return _Packed(self.off.save(self.rt.borrow(t)), t, self.layer, self.flow.current)
+
+    def _load_one(self, packed):
+        return self.off.get(packed.ref, self.rt.compute_stream())
 
     def _load(self, packed):
-        return self.rt.wait_host(self.off.get(packed.ref, self.rt.compute_stream(None)))
+        return _load_layer(packed, self._load_one, self.rt)
 
     def enter(self, i):
         if i == 0 and self.flow.start():
             self.off.init_chunk()
         if not self.flow.taking():
             return None
+        self.layer = i
         self.off.group_start(f"layer{i}")
         return _pushed(self._pack, _unpack_with(self._load))
 
