@@ -1229,6 +1229,9 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
     """
     if mode not in MODES:
         raise ValueError(f"unknown hprt.torch mode {mode!r}; one of {', '.join(MODES)}")
+    if predicate is not None and mode not in ("swap", "keyed", "pipeline"):
+        raise ValueError(f"hprt.torch mode {mode!r} takes no predicate (the swap modes do); "
+                         "use min_bytes")
     if isinstance(layers, str) or layers is None:
         layers = find_layers(model, layers)
     layers = list(layers)

@@ -538,3 +538,28 @@ def test_layers_are_found_or_named():
         ht.find_layers(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="unknown hprt.torch mode"):
         ht.attach(model, mode="offload_everything")
+    with pytest.raises(ValueError, match="takes no predicate"):
+        ht.attach(model, mode="compress", predicate=lambda t: True)
+
+
+@pytest.mark.parametrize("mode", ["swap", "keyed", "pipeline"])
+def test_a_predicate_chooses_the_swapped_tensors(mode, platform):
+    """Only tensors the predicate accepts are offloaded; the gradients stay exact."""
+    want = baseline("gpt2", "steps")
+    torch.manual_seed(0)
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rec = Recorder(model)
+    seen = []
+
+    def big(t):
+        seen.append(t.numel())
+        return t.numel() >= 512
+
+    with ht.attach(model, mode=mode, platform=platform, min_bytes=0, predicate=big) as handle:
+        p_steps(model, opt, data_for(), rec)
+        st = handle.stats()
+    assert_identical(rec.values, want)
+    taken = sum(n for n in seen if n >= 512) * 4
+    assert st["offloaded_tensors"] > 0 and any(n < 512 for n in seen)
+    assert st["offloaded_bytes"] <= taken
