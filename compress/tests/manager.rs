@@ -357,3 +357,48 @@ fn filters_and_misuse_are_typed() {
     m.end_window().unwrap();
     assert_eq!(m.window_records().unwrap().last().unwrap().predicted, None);
 }
+
+/// A tensor whose graph was dropped (a forward without backward): `discard` forgets it,
+/// compressed copy included, and the layer's next forward starts; without it the next step
+/// is refused.
+#[test]
+fn discarded_tensors_free_their_layer_for_the_next_step() {
+    let p = platform(None);
+    let s = p.create_stream().unwrap();
+    let mut m = ActivationManager::new(p.clone(), s.clone(), ManagerConfig::new(model())).unwrap();
+    let n = 1 << 16;
+    let data = generate(DataKind::Gelu, CodecDType::BF16, n, 3);
+    let saved = |m: &mut ActivationManager, layer| {
+        let buf = produce(p.as_ref(), &s, &data);
+        let t = SavedTensor {
+            buf,
+            dtype: DType::BF16,
+            numel: n,
+        };
+        m.save(LayerId(layer), t).unwrap().unwrap()
+    };
+    m.forward_start(LayerId(0)).unwrap();
+    let k0 = saved(&mut m, 0);
+    m.forward_start(LayerId(1)).unwrap();
+    m.window(&Op::Fixed(Duration::from_millis(5)), || ())
+        .unwrap();
+    let k1 = saved(&mut m, 1);
+    assert!(m.is_compressed(k0));
+    // The graph is dropped: the next step's forward is refused while the layers hold tensors.
+    assert!(matches!(
+        m.forward_start(LayerId(0)),
+        Err(CompressError::InvalidState(_))
+    ));
+    m.discard(k0).unwrap();
+    m.discard(k1).unwrap();
+    m.discard(k1).unwrap(); // already gone: nothing to do
+    p.synchronize_device().unwrap();
+    m.forward_start(LayerId(0)).unwrap();
+    let k = saved(&mut m, 0);
+    m.backward_start(LayerId(0)).unwrap();
+    let back = m.take(k).unwrap();
+    let mut bytes = vec![0u8; data.len()];
+    p.read_device_sync(&back, 0, &mut bytes, &s).unwrap();
+    assert!(bytes == data);
+    assert!(matches!(m.take(k0), Err(CompressError::InvalidState(_))));
+}
