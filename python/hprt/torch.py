@@ -443,9 +443,11 @@ def _on_output_grad(output, fn):
 _keyed_handlers = {}
 
 
-class TensorSwapContext:
+class TensorSwapContext(hprt.TensorSwapContext):
     """``with TensorSwapContext(module_tag="model.layer.*"):`` around one layer's forward (the
-    keyed swap). Entering the tag's first layer begins a forward pass."""
+    keyed swap). Entering the tag's first layer begins a forward pass. It is an
+    ``hprt.TensorSwapContext`` (``pack`` / ``unpack`` with explicit streams work too) whose
+    ``KeyedSwap`` is its runtime's."""
 
     context_map = {}
 
@@ -466,14 +468,6 @@ class TensorSwapContext:
         if custom_check_fn is not None:
             self.set_custom_check_fn(custom_check_fn)
         self._hooks = []
-
-    @property
-    def layer_idx(self):
-        return self._ctx.layer
-
-    @property
-    def layer_nums(self):
-        return self.swap.layer_count(self._ctx)
 
     def set_custom_check_fn(self, fn):
         self.swap.set_predicate(fn)
@@ -509,6 +503,7 @@ class TensorSwapContext:
     @classmethod
     def reset(cls):
         """Forgets every tag's layers (a new model)."""
+        super().reset()
         cls.context_map.clear()
         _keyed_handlers.clear()
 

@@ -530,6 +530,15 @@ def test_detach_removes_every_hook(mode, platform):
     assert ht.SwapManager._instances == singletons
 
 
+def test_one_keyed_swap_context_class():
+    """hprt.torch's TensorSwapContext is hprt's, with the with-block added."""
+    assert issubclass(ht.TensorSwapContext, hprt.TensorSwapContext)
+    ht.TensorSwapContext.reset()
+    ctxs = [ht.TensorSwapContext(module_tag="blocks.*") for _ in range(3)]
+    assert [c.layer_idx for c in ctxs] == [0, 1, 2] and ctxs[0].layer_nums == 3
+    ht.TensorSwapContext.reset()
+
+
 def test_layers_are_found_or_named():
     model = llama()
     assert ht.find_layers(model) == list(model.model.layers)
