@@ -693,11 +693,11 @@ _CODEC_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf
 class compress_saved_tensors(_Hooks):
     """Lossless compression of saved f32/f16/bf16 dense CPU tensors (``hprt.compress`` of the
     tensor's memory in pack, ``hprt.decompress_into`` a tensor of the same shape, strides and
-    storage offset in unpack); ``stats`` counts raw and compressed bytes."""
+    storage offset in unpack); ``stats()`` counts raw and compressed bytes."""
 
     def __init__(self, min_bytes=0):
         self.min_bytes = min_bytes
-        self.stats = {"tensors": 0, "raw_bytes": 0, "compressed_bytes": 0}
+        self._stats = {"tensors": 0, "raw_bytes": 0, "compressed_bytes": 0}
 
     def _pack(self, t):
         if (
@@ -712,10 +712,14 @@ class compress_saved_tensors(_Hooks):
             return t
         flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())  # memory order
         blob = hprt.compress(flat)
-        self.stats["tensors"] += 1
-        self.stats["raw_bytes"] += t.nbytes
-        self.stats["compressed_bytes"] += len(blob)
+        self._stats["tensors"] += 1
+        self._stats["raw_bytes"] += t.nbytes
+        self._stats["compressed_bytes"] += len(blob)
         return _Packed((blob, t.size(), t.stride(), t.storage_offset(), t.dtype), t)
+
+    def stats(self):
+        """Tensors compressed, their raw and compressed bytes."""
+        return dict(self._stats)
 
     @staticmethod
     def _decompress(packed):
@@ -1258,7 +1262,7 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
         front = _ContextFront(lambda i: keep_saved_tensors(rt, min_bytes))
     elif mode == "compress":
         comp = compress_saved_tensors(min_bytes)
-        front, extra = _ContextFront(lambda i: comp), lambda: dict(comp.stats)
+        front, extra = _ContextFront(lambda i: comp), comp.stats
     else:
         comp = ManagedCompression(rt.platform, min_numel=max(1, min_bytes // 4),
                                   encode_gbps=1.0, decode_gbps=1.0)

@@ -82,7 +82,7 @@ def train(mode, rt=None):
         grads.append([p.grad.clone() for p in model.parameters()])
         opt.step()
     if mode == "compress":
-        return losses, grads, comp.stats
+        return losses, grads, comp.stats()
     if mode == "managed":
         return losses, grads, comp.stats()
     return losses, grads, None
