@@ -572,3 +572,13 @@ def test_a_predicate_chooses_the_swapped_tensors(mode, platform):
     taken = sum(n for n in seen if n >= 512) * 4
     assert st["offloaded_tensors"] > 0 and any(n < 512 for n in seen)
     assert st["offloaded_bytes"] <= taken
+
+
+@pytest.mark.parametrize("pattern", ["dropped_graph", "partial_backward", "exception_in_backward"])
+@pytest.mark.parametrize("mode", ["keyed", "layers", "pipeline_host_stage"])
+def test_patterns_under_stream_jitter(mode, pattern):
+    """Random delays on hprt's streams: a wait missing anywhere shows up as wrong bytes."""
+    jittered = hprt.cpu_platform(device_memory=64 << 20, jitter=11)
+    got, handle = run("llama", pattern, mode, jittered)
+    assert_identical(got, baseline("llama", pattern))
+    assert_released(handle)
