@@ -380,10 +380,13 @@ impl DeviceCodec for HostCodec {
         p.launch_host_fn(
             stream,
             Box::new(move || {
+                // SAFETY (both accesses): stream order: the copy into `inp` is queued before
+                // this host function on its stream, the copy out of `out` after it.
                 let r = (|| {
-                    let raw = inp.to_vec()?;
+                    let mut raw = vec![0u8; inp.len()];
+                    unsafe { inp.read_unsynchronized(0, &mut raw) }?;
                     let enc = codec::encode(dtype, &raw, &opts)?;
-                    out.write(0, &enc)?;
+                    unsafe { out.write_unsynchronized(0, &enc) }?;
                     Ok(enc.len())
                 })();
                 *lock(&slot) = Some(r);
@@ -442,8 +445,10 @@ impl DeviceCodec for HostCodec {
         p.launch_host_fn(
             stream,
             Box::new(move || {
+                // SAFETY (both accesses): as in `encode_async`.
                 let r = (|| {
-                    let enc = inp.to_vec()?;
+                    let mut enc = vec![0u8; inp.len()];
+                    unsafe { inp.read_unsynchronized(0, &mut enc) }?;
                     // The expected size, not the declared one, bounds what decoding allocates.
                     let h = codec::inspect(&enc)?.header;
                     if h.dtype != dtype || h.numel != numel {
@@ -456,7 +461,7 @@ impl DeviceCodec for HostCodec {
                         ));
                     }
                     let d = codec::decode_with(&enc, &opts)?;
-                    out.write(0, &d.data)?;
+                    unsafe { out.write_unsynchronized(0, &d.data) }?;
                     Ok(())
                 })();
                 *lock(&slot) = Some(r);

@@ -1,8 +1,10 @@
 //! copy: every copy kind with offsets and odd lengths, memset, and the sync helpers. Every
 //! destination is prefilled so bytes outside the copied range are checked too.
 
+use std::time::Duration;
+
 use anyhow::{Context, Result};
-use hprt_platform::{ErrorKind, Platform};
+use hprt_platform::{ErrorKind, Platform, Stream};
 
 use crate::util::{check_bytes, download, expect_kind, pattern, pinned_with, upload};
 
@@ -97,6 +99,54 @@ pub(crate) fn memset_with_offset(p: &dyn Platform) -> Result<()> {
         &want,
         &download(p, &d, 0, 5_000, &stream)?,
     )?;
+    p.destroy_stream(&stream)?;
+    Ok(())
+}
+
+/// Queues a host function that holds `stream` for `ms` milliseconds, so the work queued after it
+/// is certainly not done when the host looks next.
+fn hold(p: &dyn Platform, stream: &Stream, ms: u64) -> Result<()> {
+    p.launch_host_fn(
+        stream,
+        Box::new(move || std::thread::sleep(Duration::from_millis(ms))),
+    )?;
+    Ok(())
+}
+
+/// Host access of pinned memory waits for the copies queued on it (no synchronize in between):
+/// a read right after a queued D2H sees the copied bytes, and a write right after a queued H2D
+/// does not change what the H2D delivers.
+pub(crate) fn pinned_access_waits_for_queued_copies(p: &dyn Platform) -> Result<()> {
+    let stream = p.create_stream()?;
+    let data = pattern(5, 8_191);
+    let d = upload(p, &data, &stream)?;
+    let h = pinned_with(p, &[0x77; 8_191])?;
+    hold(p, &stream, 50)?;
+    p.copy_async((&h).into(), 0, (&d).into(), 0, 8_191, &stream)?;
+    check_bytes("pinned read right after a queued D2H", &data, &h.to_vec()?)?;
+
+    // H2D from the pinned buffer, then the host overwrites it at once.
+    let d2 = p.alloc_device(8_191)?;
+    hold(p, &stream, 50)?;
+    p.copy_async((&d2).into(), 0, (&h).into(), 0, 8_191, &stream)?;
+    h.write(0, &[0x11; 8_191])?;
+    check_bytes(
+        "device bytes of an H2D whose pinned source was written right after it was queued",
+        &data,
+        &download(p, &d2, 0, 8_191, &stream)?,
+    )?;
+
+    // Copies from two streams into halves of one buffer: a read waits for both.
+    let other = p.create_stream()?;
+    let h2 = pinned_with(p, &[0; 8_191])?;
+    hold(p, &stream, 30)?;
+    hold(p, &other, 60)?;
+    p.copy_async((&h2).into(), 0, (&d).into(), 0, 4_000, &stream)?;
+    p.copy_async((&h2).into(), 4_000, (&d).into(), 4_000, 4_191, &other)?;
+    let mut whole = vec![0u8; 8_191];
+    h2.read(0, &mut whole)?;
+    check_bytes("pinned read after D2H copies on two streams", &data, &whole)?;
+    p.destroy_stream(&other)?;
     p.destroy_stream(&stream)?;
     Ok(())
 }

@@ -109,6 +109,11 @@ static CASES: &[Case] = &[
     case!("copy", "d2d_within_one_buffer", copy::d2d_within_one_buffer),
     case!("copy", "memset_with_offset", copy::memset_with_offset),
     case!("copy", "sync_helpers", copy::sync_helpers),
+    case!(
+        "copy",
+        "pinned_access_waits_for_queued_copies",
+        copy::pinned_access_waits_for_queued_copies
+    ),
     case!("copy", "empty_copies", copy::empty_copies),
     // stream
     case!("stream", "ordering_chain", stream::ordering_chain),

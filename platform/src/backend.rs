@@ -57,6 +57,9 @@ pub trait Backend: Send + Sync + 'static {
     fn stream_wait_event(&self, stream: &Self::Stream, event: &Self::Event) -> Result<()>;
     fn query_event(&self, event: &Self::Event) -> Result<bool>;
     fn synchronize_event(&self, event: &Self::Event) -> Result<()>;
+    /// `synchronize_event` for a caller that holds only the event: host access of a pinned
+    /// buffer waits for the copies queued on it this way.
+    fn wait_event(event: &Self::Event) -> Result<()>;
     /// Milliseconds between two completed timing events.
     fn event_elapsed_ms(&self, start: &Self::Event, end: &Self::Event) -> Result<f32>;
 

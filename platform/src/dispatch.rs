@@ -6,7 +6,8 @@ use crate::collective::Collective;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{
     copy_kind, BufRef, BufferHandle, BufferState, Communicator, DeviceBuffer, Event, Mem,
-    ObjectHandle, Owner, PinnedBuffer, RawStream, ReleaseFn, Stream, UniqueId,
+    ObjectHandle, Owner, PinnedBuffer, QueuedUse, RawStream, ReleaseFn, Stream, UniqueId,
+    run_host_fn,
 };
 use crate::info::PlatformInfo;
 use crate::kernel::{Access, DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
@@ -35,9 +36,50 @@ fn buffer_state(mem: Option<ErasedMem>, len: usize, ptr: usize, borrowed: bool) 
         ptr,
         freed: false,
         borrowed,
+        queued: Vec::new(),
     }
 }
 type ErasedMem = Box<dyn std::any::Any + Send + Sync>;
+
+fn wait_erased<B: Backend>(event: &(dyn std::any::Any + Send + Sync)) -> Result<()> {
+    B::wait_event(
+        event
+            .downcast_ref::<B::Event>()
+            .expect("a queued use holds the event type of the backend that recorded it"),
+    )
+}
+
+/// Notes that a copy just queued on `stream` touches pinned buffer `buf`, so host access of it
+/// waits for the copy (`PinnedBuffer::read`). When the mark cannot be recorded, the stream is
+/// drained before the error returns: host access would otherwise not wait for the copy.
+fn note_pinned_use<B: Backend>(
+    b: &B,
+    buf: &PinnedBuffer,
+    stream: &Stream,
+    s: &B::Stream,
+) -> Result<()> {
+    let mut st = buf.handle.unlocked();
+    let known = st
+        .queued
+        .iter()
+        .find(|u| u.stream.same(&stream.handle))
+        .map(|u| u.event.downcast_ref::<B::Event>().cloned());
+    let event = match known.flatten() {
+        Some(e) => Ok(e),
+        None => Backend::create_event(b, false).inspect(|e| {
+            st.queued.push(QueuedUse {
+                stream: stream.handle.clone(),
+                event: std::sync::Arc::new(e.clone()),
+                wait: wait_erased::<B>,
+            })
+        }),
+    };
+    let recorded = event.and_then(|e| Backend::record_event(b, &e, s));
+    if recorded.is_err() {
+        let _ = Backend::synchronize_stream(b, s);
+    }
+    recorded
+}
 
 fn loc<B: Backend>(
     b: &B,
@@ -312,6 +354,7 @@ impl<B: Backend> Platform for B {
         st.freed = true;
         st.len = 0;
         st.ptr = 0;
+        st.queued.clear();
         drop(st.mem.take());
         Ok(())
     }
@@ -329,9 +372,18 @@ impl<B: Backend> Platform for B {
         let s = stream_obj(self, stream, OP)?;
         let d = loc(self, &dst, OP, dst_offset, bytes)?;
         let r = loc(self, &src, OP, src_offset, bytes)?;
-        match (d, r) {
-            (Some(d), Some(r)) => Backend::copy(self, copy_kind(&dst, &src), d, r, bytes, &s),
+        let (Some(d), Some(r)) = (d, r) else {
             // Bounds checks passed with no storage: the copy is empty.
+            return Ok(());
+        };
+        Backend::copy(self, copy_kind(&dst, &src), d, r, bytes, &s)?;
+        match (dst, src) {
+            (Mem::Pinned(a), Mem::Pinned(b)) if a.same_as(b) => note_pinned_use(self, a, stream, &s),
+            (Mem::Pinned(a), Mem::Pinned(b)) => {
+                note_pinned_use(self, a, stream, &s)?;
+                note_pinned_use(self, b, stream, &s)
+            }
+            (Mem::Pinned(p), _) | (_, Mem::Pinned(p)) => note_pinned_use(self, p, stream, &s),
             _ => Ok(()),
         }
     }
@@ -430,7 +482,7 @@ impl<B: Backend> Platform for B {
     }
     fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()> {
         let s = stream_obj(self, stream, "launch_host_fn")?;
-        Backend::host_fn(self, &s, f)
+        Backend::host_fn(self, &s, Box::new(move || run_host_fn(f)))
     }
 
     fn unique_id(&self) -> Result<UniqueId> {

@@ -6,6 +6,7 @@
 //! the backend object.
 
 use std::any::Any;
+use std::cell::Cell;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{BackendKind, Error, ErrorKind, Result};
@@ -95,7 +96,7 @@ impl ObjectHandle {
         self.0.lock().is_some()
     }
 
-    fn same(&self, other: &Self) -> bool {
+    pub(crate) fn same(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }
 }
@@ -196,6 +197,38 @@ impl std::fmt::Debug for Communicator {
 /// dropped or freed and every queued operation on it has finished).
 pub type ReleaseFn = Box<dyn FnOnce() + Send>;
 
+thread_local! {
+    static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f`, a host function a stream reached, marked as one: host access of pinned memory
+/// refuses to wait there (a host function waiting for a copy queued after it on its own stream
+/// never returns, and CUDA forbids the driver call).
+pub(crate) fn run_host_fn(f: crate::kernel::HostFn) {
+    let outer = IN_HOST_FN.try_with(|c| c.replace(true)).unwrap_or(false);
+    // Unwinds pass through: the backends' own host-function runners catch them.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let _ = IN_HOST_FN.try_with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(outer);
+    f()
+}
+
+/// The last copy one stream queued on a pinned buffer: an event recorded after it (re-recorded
+/// after each later copy on that stream, so waiting for it covers them all, streams being FIFO).
+#[derive(Clone)]
+pub(crate) struct QueuedUse {
+    /// The stream's handle, compared by identity.
+    pub stream: ObjectHandle,
+    /// The backend's event.
+    pub event: Arc<dyn Any + Send + Sync>,
+    /// Waits for `event` on the host ([`crate::Backend::wait_event`] of the backend that made it).
+    pub wait: fn(&(dyn Any + Send + Sync)) -> Result<()>,
+}
+
 pub(crate) struct BufferState {
     /// `None` while the storage is released (size 0) or after `free`.
     pub mem: Option<Erased>,
@@ -204,6 +237,8 @@ pub(crate) struct BufferState {
     pub ptr: usize,
     pub freed: bool,
     pub borrowed: bool,
+    /// Pinned buffers: the copies queued on them, which host access waits for.
+    pub queued: Vec<QueuedUse>,
 }
 
 #[derive(Clone)]
@@ -252,7 +287,7 @@ impl BufferHandle {
         Ok(st.mem.as_ref().map(downcast))
     }
 
-    fn unlocked(&self) -> MutexGuard<'_, BufferState> {
+    pub(crate) fn unlocked(&self) -> MutexGuard<'_, BufferState> {
         self.0.lock()
     }
 
@@ -345,8 +380,13 @@ impl<'a> From<&'a DeviceBuffer> for BufRef<'a> {
 
 /// Page-locked host memory: the host end of every asynchronous device copy.
 ///
-/// The host may read and write it directly, but only after synchronizing with the work that
-/// touches it, exactly as with a GPU: an unsynchronized read sees unspecified bytes.
+/// The platform records an event after every copy it queues on the buffer, and
+/// [`PinnedBuffer::read`] / [`PinnedBuffer::write`] wait for those events first (as cudarc's
+/// `PinnedHostSlice` does), so safe host access never races a queued copy: a read right after
+/// a queued device-to-host copy sees the copied bytes. A copy that failed fails the access with
+/// its error. The forms that do not wait are `unsafe`
+/// ([`PinnedBuffer::read_unsynchronized`]), for host functions whose stream order already
+/// guarantees the copies finished.
 #[derive(Clone)]
 pub struct PinnedBuffer {
     pub(crate) handle: BufferHandle,
@@ -385,12 +425,60 @@ impl PinnedBuffer {
         Ok(st)
     }
 
-    /// Copies `out.len()` bytes starting at `offset` out of the buffer.
+    /// Waits on the host for every copy queued on this buffer so far; the error of a copy that
+    /// failed, if one did.
+    ///
+    /// Refused (`Unsupported`) inside a host function: there stream order is what orders the
+    /// access, so host functions use [`PinnedBuffer::read_unsynchronized`] and its kin.
+    pub fn wait_queued(&self) -> Result<()> {
+        if IN_HOST_FN.try_with(Cell::get).unwrap_or(false) {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                self.handle.0.owner.backend,
+                "pinned_wait",
+                "a host function cannot wait for the copies queued on a pinned buffer (one \
+                 queued after it would never finish); stream order orders its access, so it \
+                 uses read_unsynchronized / write_unsynchronized",
+            ));
+        }
+        // Waited for outside the lock: a host function queued before the copies may itself
+        // need the buffer.
+        let queued = self.handle.unlocked().queued.clone();
+        for u in &queued {
+            (u.wait)(&*u.event)?;
+        }
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes starting at `offset` out of the buffer, once the copies queued
+    /// on it finished.
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        drop(self.host_range("pinned_read", offset, out.len())?);
+        self.wait_queued()?;
+        // SAFETY: the queued copies finished.
+        unsafe { self.read_unsynchronized(offset, out) }
+    }
+
+    /// Copies `data` into the buffer starting at `offset`, once the copies queued on it
+    /// finished (a queued host-to-device copy may still be reading the old bytes).
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        drop(self.host_range("pinned_write", offset, data.len())?);
+        self.wait_queued()?;
+        // SAFETY: as in `read`.
+        unsafe { self.write_unsynchronized(offset, data) }
+    }
+
+    /// [`PinnedBuffer::read`] without waiting for queued copies (no driver call: usable in a
+    /// host function, where CUDA forbids them).
+    ///
+    /// # Safety
+    /// No queued device copy may write `offset..offset + out.len()` while this runs (for example
+    /// the caller runs in stream order after the copies that touch it).
+    pub unsafe fn read_unsynchronized(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         let st = self.host_range("pinned_read", offset, out.len())?;
         if !out.is_empty() {
             // SAFETY: the range was checked against the live allocation, which the held lock
-            // keeps from being freed; device-side writers are the caller's to synchronize with.
+            // keeps from being freed; device-side writers are excluded by the caller.
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     (st.ptr as *const u8).add(offset),
@@ -402,11 +490,14 @@ impl PinnedBuffer {
         Ok(())
     }
 
-    /// Copies `data` into the buffer starting at `offset`.
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+    /// [`PinnedBuffer::write`] without waiting for queued copies.
+    ///
+    /// # Safety
+    /// No queued device copy may read or write `offset..offset + data.len()` while this runs.
+    pub unsafe fn write_unsynchronized(&self, offset: usize, data: &[u8]) -> Result<()> {
         let st = self.host_range("pinned_write", offset, data.len())?;
         if !data.is_empty() {
-            // SAFETY: as in `read`.
+            // SAFETY: as in `read_unsynchronized`.
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     data.as_ptr(),
@@ -429,7 +520,8 @@ impl PinnedBuffer {
     ///
     /// # Safety
     /// The pointer is valid for [`PinnedBuffer::len`] bytes until the buffer is freed or its last
-    /// handle dropped; accesses must be synchronized with device work on the buffer.
+    /// handle dropped; accesses must be synchronized with device work on the buffer (for
+    /// example by [`PinnedBuffer::wait_queued`]).
     pub unsafe fn as_ptr(&self) -> *mut u8 {
         self.handle.unlocked().ptr as *mut u8
     }

@@ -13,7 +13,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 
 use crate::dtype;
-use crate::error::{invalid, Result};
+use crate::error::{invalid, BindError, Result};
 use crate::platform::{device_is_host, unsupported, PyPlatform};
 use crate::swap::PyDeviceTensor;
 
@@ -27,7 +27,9 @@ enum Backing {
 /// A typed, dense, row-major window on hprt memory that numpy and torch can import without a
 /// copy (`numpy.from_dlpack(view)`, `torch.from_dlpack(view)`).
 ///
-/// The consumer reads the memory directly: synchronize with the copies that write it first.
+/// The consumer reads the memory directly. A view of pinned memory is exported once the copies
+/// queued on the buffer finished; device memory (host memory on the cpu backend) is the
+/// caller's to synchronize first.
 /// Resizing or freeing the buffer while a consumer holds the memory leaves it dangling, exactly
 /// as freeing a framework's storage under a view would; every export re-checks the bounds.
 #[pyclass(name = "TensorView", module = "hprt._native", frozen)]
@@ -120,8 +122,13 @@ impl DlpackExporter for TensorView {
     fn flags(&self) -> DlpackFlags {
         DlpackFlags::empty()
     }
-    fn prepare_export(&self, _py: Python<'_>, _request: &ExportRequest<'_>) -> PyResult<()> {
-        Ok(())
+    fn prepare_export(&self, py: Python<'_>, _request: &ExportRequest<'_>) -> PyResult<()> {
+        match &self.backing {
+            Backing::Pinned(b) => py
+                .detach(|| b.wait_queued())
+                .map_err(|e| PyErr::from(BindError::from(e))),
+            Backing::Device(_) => Ok(()),
+        }
     }
     fn export_legacy(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensor>> {
         self.managed()

@@ -539,7 +539,7 @@ impl PyPinnedBuffer {
     fn nbytes(&self) -> usize {
         self.b.len()
     }
-    /// Bytes of the buffer (valid only after synchronizing with the copies that wrote them).
+    /// Bytes of the buffer, once the copies queued on it finished.
     #[pyo3(signature = (offset=0, nbytes=None))]
     fn read<'py>(
         &self,
@@ -550,12 +550,14 @@ impl PyPinnedBuffer {
         let n = nbytes.unwrap_or_else(|| self.b.len().saturating_sub(offset));
         self.b.check_range("read", offset, n)?;
         let mut out = zeroed(self.p.backend(), n)?;
-        self.b.read(offset, &mut out)?;
+        py.detach(|| self.b.read(offset, &mut out))?;
         Ok(PyBytes::new(py, &out))
     }
+    /// Writes `data` at `offset`, once the copies queued on the buffer finished.
     #[pyo3(signature = (data, offset=0))]
-    fn write(&self, data: &Bound<'_, PyBytes>, offset: usize) -> Result<()> {
-        Ok(self.b.write(offset, data.as_bytes())?)
+    fn write(&self, py: Python<'_>, data: &Bound<'_, PyBytes>, offset: usize) -> Result<()> {
+        let data = data.as_bytes();
+        Ok(py.detach(|| self.b.write(offset, data))?)
     }
     fn free(&self, py: Python<'_>) -> Result<()> {
         Ok(py.detach(|| self.p.free_pinned(&self.b))?)

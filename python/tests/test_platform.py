@@ -63,6 +63,28 @@ def test_copy_round_trip_through_pinned_memory(p):
     assert back.read() == bytes(range(256))
 
 
+def test_pinned_access_waits_for_queued_copies():
+    # Under the cpu backend's jitter every queued copy is late: a read, a DLPack export or a
+    # write of the pinned buffer right after the copy is queued must wait for it.
+    p = hprt.cpu_platform(jitter=7)
+    s = p.create_stream()
+    data = bytes(i * 13 % 251 for i in range(4096))
+    dev = p.alloc_device(4096)
+    p.write(dev, data, s)
+    for _ in range(8):
+        pin = p.alloc_pinned(4096)
+        pin.write(b"\x00" * 4096)
+        p.copy(pin, dev, s)
+        assert pin.read() == data
+        pin = p.alloc_pinned(4096)
+        p.copy(pin, dev, s)
+        assert np.from_dlpack(pin.view("u8", [4096])).tobytes() == data
+        dev2 = p.alloc_device(4096)
+        p.copy(dev2, pin, s)
+        pin.write(b"\xff" * 4096)
+        assert p.read(dev2, 4096, s) == data
+
+
 def test_events_order_streams(p):
     a, b = p.create_stream(), p.create_stream()
     dev = p.alloc_device(64)

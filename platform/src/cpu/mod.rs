@@ -446,6 +446,9 @@ impl Backend for CpuBackend {
         Ok(event.query())
     }
     fn synchronize_event(&self, event: &CpuEvent) -> Result<()> {
+        Self::wait_event(event)
+    }
+    fn wait_event(event: &CpuEvent) -> Result<()> {
         event.synchronize()
     }
     fn event_elapsed_ms(&self, start: &CpuEvent, end: &CpuEvent) -> Result<f32> {

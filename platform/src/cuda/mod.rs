@@ -1284,10 +1284,13 @@ impl Backend for CudaBackend {
         )
     }
     fn synchronize_event(&self, event: &Arc<EventObj>) -> Result<()> {
+        Self::wait_event(event)
+    }
+    fn wait_event(event: &Arc<EventObj>) -> Result<()> {
         if !event.recorded.load(Ordering::Acquire) {
             return Ok(());
         }
-        self.shared.bind(event.device)?;
+        event.shared.bind(event.device)?;
         // SAFETY: live handle.
         cu_call!(cuEventSynchronize(event.raw as cu::CUevent))?;
         first_error(&lock(&event.carries)).map_or(Ok(()), Err)

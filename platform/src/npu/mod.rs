@@ -857,12 +857,15 @@ impl Backend for NpuBackend {
         Ok(status.0 == 1)
     }
     fn synchronize_event(&self, event: &Arc<EventObj>) -> Result<()> {
+        Self::wait_event(event)
+    }
+    fn wait_event(event: &Arc<EventObj>) -> Result<()> {
         if !event.recorded.load(Ordering::Acquire) {
             return Ok(());
         }
-        self.shared.bind()?;
+        event.shared.bind()?;
         // SAFETY: live handle.
-        acl_call!(self.api(), aclrtSynchronizeEvent(event.raw as _))?;
+        acl_call!(event.shared.api, aclrtSynchronizeEvent(event.raw as _))?;
         first_error(&lock(&event.carries)).map_or(Ok(()), Err)
     }
     fn event_elapsed_ms(&self, start: &Arc<EventObj>, end: &Arc<EventObj>) -> Result<f32> {
