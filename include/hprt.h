@@ -998,8 +998,8 @@ enum HprtStatus hprt_pinned_free(const struct HprtPlatform *platform,
                                  struct HprtPinnedBuffer *buffer);
 
 /*
- The pinned buffer's host address and size. The host may read or write it only after
- synchronizing with the work that touches it.
+ The pinned buffer's host address and size. The host may read or write it only after the
+ copies queued on it finished (`hprt_pinned_wait`, or a synchronize that covers them).
 
  # Safety
  `buffer` live; out-pointers valid for writing (either may be null).
@@ -1007,6 +1007,16 @@ enum HprtStatus hprt_pinned_free(const struct HprtPlatform *platform,
 enum HprtStatus hprt_pinned_info(const struct HprtPinnedBuffer *buffer,
                                  void **out_ptr,
                                  size_t *out_bytes);
+
+/*
+ Waits until the copies queued on the pinned buffer so far finished, so the host may access
+ it through the address of `hprt_pinned_info`; the status of a copy that failed, if one did.
+ Refused (`HPRT_STATUS_ERROR_UNSUPPORTED`) inside a host function, which its stream orders.
+
+ # Safety
+ `buffer` live.
+ */
+enum HprtStatus hprt_pinned_wait(const struct HprtPinnedBuffer *buffer);
 
 /*
  Enqueues a copy of `bytes` on `stream` (H2D, D2H, D2D or H2H, from the two ends).

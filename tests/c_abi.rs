@@ -98,6 +98,45 @@ fn messages_are_per_thread() {
 }
 
 #[test]
+fn pinned_wait_orders_host_access_after_queued_copies() {
+    let p = open_cpu();
+    let n = 64 * 1024;
+    // SAFETY: every handle below is made here, used while live and released once; the pinned
+    // address is used for its `n` bytes while the buffer lives.
+    unsafe {
+        let (mut s, mut dev, mut host) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+        ok(hprt_stream_create(p, &mut s));
+        ok(hprt_device_alloc(p, n, &mut dev));
+        ok(hprt_pinned_alloc(p, n, &mut host));
+        let mut hp = ptr::null_mut();
+        ok(hprt_pinned_info(host, &mut hp, ptr::null_mut()));
+        let bytes = std::slice::from_raw_parts_mut(hp.cast::<u8>(), n);
+        let (d, h) = (
+            HprtMemRef {
+                device: dev,
+                pinned: ptr::null(),
+                offset: 0,
+            },
+            HprtMemRef {
+                device: ptr::null(),
+                pinned: host,
+                offset: 0,
+            },
+        );
+        for round in 1..=8u8 {
+            ok(hprt_memset_async(p, dev, 0, round, n, s));
+            ok(hprt_copy_async(p, h, d, n, s));
+            ok(hprt_pinned_wait(host));
+            assert!(bytes.iter().all(|&b| b == round), "round {round}");
+        }
+        ok(hprt_device_free(p, dev));
+        ok(hprt_pinned_free(p, host));
+        ok(hprt_stream_destroy(p, s));
+        ok(hprt_platform_close(p));
+    }
+}
+
+#[test]
 fn copies_and_an_all_reduce_across_threads() {
     let p = open_cpu();
     let world = 3usize;

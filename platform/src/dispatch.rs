@@ -5,9 +5,8 @@ use crate::backend::{Backend, Loc, Place};
 use crate::collective::Collective;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{
-    copy_kind, BufRef, BufferHandle, BufferState, Communicator, DeviceBuffer, Event, Mem,
-    ObjectHandle, Owner, PinnedBuffer, QueuedUse, RawStream, ReleaseFn, Stream, UniqueId,
-    run_host_fn,
+    copy_kind, run_host_fn, BufRef, BufferHandle, BufferState, Communicator, DeviceBuffer, Event,
+    Mem, ObjectHandle, Owner, PinnedBuffer, QueuedUse, RawStream, ReleaseFn, Stream, UniqueId,
 };
 use crate::info::PlatformInfo;
 use crate::kernel::{Access, DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
@@ -378,7 +377,9 @@ impl<B: Backend> Platform for B {
         };
         Backend::copy(self, copy_kind(&dst, &src), d, r, bytes, &s)?;
         match (dst, src) {
-            (Mem::Pinned(a), Mem::Pinned(b)) if a.same_as(b) => note_pinned_use(self, a, stream, &s),
+            (Mem::Pinned(a), Mem::Pinned(b)) if a.same_as(b) => {
+                note_pinned_use(self, a, stream, &s)
+            }
             (Mem::Pinned(a), Mem::Pinned(b)) => {
                 note_pinned_use(self, a, stream, &s)?;
                 note_pinned_use(self, b, stream, &s)

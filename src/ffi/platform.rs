@@ -662,8 +662,8 @@ pub unsafe extern "C" fn hprt_pinned_free(
     })
 }
 
-/// The pinned buffer's host address and size. The host may read or write it only after
-/// synchronizing with the work that touches it.
+/// The pinned buffer's host address and size. The host may read or write it only after the
+/// copies queued on it finished (`hprt_pinned_wait`, or a synchronize that covers them).
 ///
 /// # Safety
 /// `buffer` live; out-pointers valid for writing (either may be null).
@@ -683,6 +683,20 @@ pub unsafe extern "C" fn hprt_pinned_info(
             // SAFETY: as above.
             unsafe { out_bytes.write(b.0.len()) };
         }
+        Ok(())
+    })
+}
+
+/// Waits until the copies queued on the pinned buffer so far finished, so the host may access
+/// it through the address of `hprt_pinned_info`; the status of a copy that failed, if one did.
+/// Refused (`HPRT_STATUS_ERROR_UNSUPPORTED`) inside a host function, which its stream orders.
+///
+/// # Safety
+/// `buffer` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pinned_wait(buffer: *const HprtPinnedBuffer) -> HprtStatus {
+    guard("hprt_pinned_wait", || {
+        arg(buffer, "buffer")?.0.wait_queued()?;
         Ok(())
     })
 }
