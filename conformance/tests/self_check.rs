@@ -358,13 +358,21 @@ fn broken_kernels_and_host_functions_are_caught() {
     );
 }
 
+/// Reads of pinned memory wait for the copies queued on it by themselves, so a skipped
+/// `synchronize_stream` shows where the stream's state or a host function's effects are read.
 #[test]
 fn missing_synchronization_is_caught() {
     detects(
         Fault::NoSync,
         Some(8),
-        "copy",
-        &["all_kinds_with_offsets", "sync_helpers"],
+        "stream",
+        &["query_after_synchronize"],
+    );
+    detects(
+        Fault::NoSync,
+        Some(8),
+        "host_fn_in_stream_order",
+        &["host_fn_in_stream_order"],
     );
 }
 
