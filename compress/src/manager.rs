@@ -1,4 +1,4 @@
-//! The per-layer activation manager (seed 003): saved tensors are registered per layer; during
+//! The per-layer activation manager (MindSpeed): saved tensors are registered per layer; during
 //! each asynchronous operator's window the previous layer's tensors that fit are encoded on a
 //! side stream and their originals freed; in backward the next layer's tensors are decoded in
 //! the window; whatever is still compressed when its layer's backward starts is recovered

@@ -20,7 +20,7 @@
 //! on the device, swapped to pinned host memory with [`hprt_swap::SwapEngine`], compressed on
 //! the device ([`hprt_compress::device`]), or compressed then swapped. The last layer's
 //! activations stay on the device in every strategy (they are needed at once, as in the
-//! layer-group swap of seed 000). Every strategy's gradients and weights are compared with the
+//! hyper_parallel layer-group swap). Every strategy's gradients and weights are compared with the
 //! baseline's bit for bit.
 
 mod model;

@@ -36,7 +36,7 @@ fn bytes_of(p: &Arc<dyn Platform>, s: &Stream, v: &Saved) -> Vec<u8> {
     out
 }
 
-// --- layer groups (seed 000) --------------------------------------------------------------
+// --- layer groups (hyper_parallel) --------------------------------------------------------
 
 #[test]
 fn linking_is_idempotent_and_first_link_wins() {
@@ -230,7 +230,7 @@ fn hyper_parallel_group_calls_by_name() {
     assert!(m.take(r).is_err(), "taken twice");
 }
 
-// --- keyed (seed 001) ---------------------------------------------------------------------
+// --- keyed (saved_tensors_hooks swap) -----------------------------------------------------
 
 #[test]
 fn key_manager_new_layer_same_layer_and_restart() {
@@ -366,7 +366,7 @@ fn keyed_layer_never_released_is_taken_back_without_a_copy() {
     assert_eq!(k.engine().stats().reloaded_tensors, 0);
 }
 
-// --- chunked pipeline (seed 002) ----------------------------------------------------------
+// --- chunked pipeline (Megatron-LM) -------------------------------------------------------
 
 fn pipeline(p: &Arc<dyn Platform>, min_elems: usize) -> PipelineOffload {
     let cfg = PipelineConfig {
