@@ -1,7 +1,12 @@
 //! hprt — hyper-parallel runtime: the native layer under large-model training frameworks.
 //!
 //! This facade re-exports the workspace's crates; the `hprt` binary (`hprt info`,
-//! `hprt conformance`, `hprt bench`) lives beside it.
+//! `hprt conformance`, `hprt bench`, `hprt demo`, `hprt compress`) lives beside it.
+//!
+//! The default feature `tooling` builds the binary, [`demo`] and [`trace`], and turns on the
+//! workspace crates' bench / CLI / simulation modules. The C library is built without it
+//! (`cargo build --lib --no-default-features`), so `libhprt.so` carries neither zstd, lz4_flex,
+//! anyhow, clap nor the conformance crate.
 //!
 //! - [`platform`] — the `Platform` trait, handles, and the cpu / cuda / npu backends.
 //! - [`swap`] — activation swap to pinned host memory (arrives with its issue).
@@ -15,7 +20,9 @@
 #[allow(clippy::too_many_arguments)]
 pub mod ffi;
 
+#[cfg(feature = "tooling")]
 pub mod demo;
+#[cfg(feature = "tooling")]
 pub mod trace;
 
 pub use hprt_compress as compress;

@@ -15,10 +15,15 @@
 //!   codec can do within them.
 //! - [`planner`] — layer order learned in the first step; which tensors fit a window.
 //! - [`manager`] — MindSpeed's per-layer activation manager.
-//! - [`cli`] — `hprt compress`, `hprt decompress`, `hprt codec-stats`.
-//! - [`bench`], [`data`] — the codec benchmark (against zstd level 1) and its synthetic tensors.
+//! - [`data`] — synthetic tensors (the cost model calibrates the codec on them).
+//! - `cli` — `hprt compress`, `hprt decompress`, `hprt codec-stats`; `bench` — the codec
+//!   benchmark (against zstd level 1 and LZ4). Both only with the non-default feature
+//!   `tooling`, so the library the C ABI and the Python wheel link carries neither zstd nor
+//!   lz4_flex.
 
+#[cfg(feature = "tooling")]
 pub mod bench;
+#[cfg(feature = "tooling")]
 pub mod cli;
 pub mod codec;
 pub mod cost;

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Builds examples/cpp against the hprt C library of the current cargo profile and runs it.
-# Usage: examples/cpp/run.sh [debug|release]   (builds the library first)
+# Usage: examples/cpp/run.sh [debug|release]   (builds the library first, as shipped: without the
+# `hprt` binary's feature `tooling`)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 profile="${1:-debug}"
 flags=()
 [ "$profile" = release ] && flags=(--release)
-cargo build --lib "${flags[@]}" 2>/dev/null || cargo build --lib "${flags[@]}"
+flags+=(--lib --no-default-features)
+cargo build "${flags[@]}" 2>/dev/null || cargo build "${flags[@]}"
 target="${CARGO_TARGET_DIR:-target}"
 [[ "$target" = /* ]] || target="$(pwd)/$target"
 lib="$target/$profile"

@@ -14,7 +14,8 @@
 //!   [`ShardGeometry`] for `Shard(dim)` layouts.
 //! - [`grad`] — gradient accumulation, reduce-scatter + all-reduce ([`ReduceOptions`]; in two
 //!   halves as `reduce_scatter_grad` / `all_reduce_grad`) and the ordered [`GradQueue`].
-//! - [`bench`] — all-gather / reduce-scatter through hsdp against the direct collective.
+//! - `bench` — all-gather / reduce-scatter through hsdp against the direct collective (only with
+//!   the non-default feature `tooling`, which the `hprt` binary enables).
 //! - [`error`] — [`HsdpError`], the crate's one error.
 //!
 //! Ranks are whatever the platform's communicators connect (threads of one process on the cpu
@@ -22,6 +23,7 @@
 //! in the same order as every other rank. torch modules are sharded with these parameters by
 //! `hprt.torch.fully_shard` (the Python package's `hprt/fsdp.py`).
 
+#[cfg(feature = "tooling")]
 pub mod bench;
 pub mod error;
 pub mod grad;
@@ -31,6 +33,7 @@ pub mod param;
 pub mod placement;
 pub mod policy;
 
+#[cfg(feature = "tooling")]
 pub use bench::bench;
 pub use error::{HsdpError, Result};
 pub use grad::{GradInput, GradQueue, ReduceOptions};

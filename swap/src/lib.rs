@@ -16,9 +16,11 @@
 //!   `wait_cur_and_prefetch_next` with proportional prefetch.
 //! - [`PipelineOffload`] — chunked pipeline offload with groups, delays, warm-up and a summary
 //!   (Megatron-LM).
-//! - [`sim`] — a simulated N-layer step driven through each front end (tests, benchmark);
-//!   [`bench()`] — the swap rows of `hprt bench`.
+//! - `sim` — a simulated N-layer step driven through each front end (tests, benchmark);
+//!   `bench()` — the swap rows of `hprt bench`. Both only with the non-default feature
+//!   `tooling` (the `hprt` binary, the tests and examples enable it).
 
+#[cfg(feature = "tooling")]
 mod bench;
 mod engine;
 mod error;
@@ -27,9 +29,11 @@ mod layer_group;
 mod payload;
 mod pipeline;
 mod pool;
+#[cfg(feature = "tooling")]
 pub mod sim;
 mod tensor;
 
+#[cfg(feature = "tooling")]
 pub use bench::bench;
 #[doc(hidden)]
 pub use engine::Faults;
