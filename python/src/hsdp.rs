@@ -7,7 +7,8 @@
 //! communicator and its parameters in the same order as every other rank; every call that can
 //! wait for the other ranks (sub-communicator splits) releases the GIL.
 
-use std::sync::{Mutex, MutexGuard};
+use hprt_platform::sync::lock;
+use std::sync::Mutex;
 
 use hprt_hsdp::{
     DataParallelMesh, DeviceMesh, GradInput, GroupCache, HsdpStreams, MixedPrecisionPolicy,
@@ -25,12 +26,6 @@ use crate::dtype;
 use crate::error::{invalid, Result};
 use crate::platform::{PyEvent, PyPlatform, PyStream};
 use crate::swap::PyDeviceTensor;
-
-fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every method updates the parameter through hprt-hsdp's own methods, which leave it
-    // consistent on error; a panic cannot have left it half-written.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 fn opt_dtype(name: Option<&str>) -> Result<Option<DType>> {
     name.map(dtype::parse).transpose()
@@ -394,7 +389,7 @@ fn reduce_op(name: &str) -> Result<hprt_platform::ReduceOp> {
 
 impl PyShardedParam {
     fn with<R>(&self, f: impl FnOnce(&ShardedParam) -> R) -> R {
-        f(&locked(&self.inner).param)
+        f(&lock(&self.inner).param)
     }
 
     /// A shard-shaped view of `r` (the shard or the sharded gradient).
@@ -444,7 +439,7 @@ impl PyShardedParam {
             scale,
         };
         py.detach(|| {
-            let mut inner = locked(&self.inner);
+            let mut inner = lock(&self.inner);
             let input = g.as_ref().map(|g| GradInput {
                 buf: g.storage.at(g.offset),
                 dtype: g.dtype,
@@ -621,7 +616,7 @@ impl PyShardedParam {
     /// and returns `None`. A no-op returning `None` while unsharding or unsharded.
     #[pyo3(signature = (async_op=false))]
     fn unshard(&self, py: Python<'_>, async_op: bool) -> Result<Option<PyUnshardHandle>> {
-        let h = py.detach(|| locked(&self.inner).param.unshard(async_op))?;
+        let h = py.detach(|| lock(&self.inner).param.unshard(async_op))?;
         Ok(h.map(|h| PyUnshardHandle {
             p: self.p.clone(),
             h,
@@ -629,33 +624,33 @@ impl PyShardedParam {
     }
     /// Orders the compute stream after the pending all-gather (the host does not block).
     fn wait_for_unshard(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| locked(&self.inner).param.wait_for_unshard())?)
+        Ok(py.detach(|| lock(&self.inner).param.wait_for_unshard())?)
     }
     /// Back to sharded; the gathered storage is released.
     fn shard(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| locked(&self.inner).param.shard())?)
+        Ok(py.detach(|| lock(&self.inner).param.shard())?)
     }
     /// hyper_parallel's name for `shard()`.
     fn to_sharded(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| locked(&self.inner).param.to_sharded())?)
+        Ok(py.detach(|| lock(&self.inner).param.to_sharded())?)
     }
     /// Unsharded from any state (an all-gather is started if none is pending), the compute
     /// stream ordered after it.
     fn to_unsharded(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| locked(&self.inner).param.to_unsharded())?)
+        Ok(py.detach(|| lock(&self.inner).param.to_unsharded())?)
     }
     /// Sizes the all-gather output to full capacity (`unshard` does this itself).
     fn alloc_all_gather_outputs(&self) -> Result<()> {
-        Ok(locked(&self.inner).param.alloc_all_gather_outputs()?)
+        Ok(lock(&self.inner).param.alloc_all_gather_outputs()?)
     }
     /// Releases the all-gather output; only while sharded (`shard()` calls it).
     fn free_unsharded_param(&self) -> Result<()> {
-        Ok(locked(&self.inner).param.free_unsharded_param()?)
+        Ok(lock(&self.inner).param.free_unsharded_param()?)
     }
     /// The full parameter in `param_dtype`, valid in compute-stream order while unsharded.
     /// Its memory is released by `shard()`: read it (or export it by DLPack) before that.
     fn unsharded(&self) -> Result<PyDeviceTensor> {
-        let g = locked(&self.inner);
+        let g = lock(&self.inner);
         let w = &g.param;
         let full = w.unsharded()?;
         PyDeviceTensor::from_parts(
@@ -670,7 +665,7 @@ impl PyShardedParam {
     /// The bytes of the full parameter once the compute stream's work so far completed.
     fn read_unsharded<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyBytes>> {
         let bytes = py.detach(|| -> Result<Vec<u8>> {
-            let g = locked(&self.inner);
+            let g = lock(&self.inner);
             let w = &g.param;
             let full = w.unsharded()?;
             let mut out = vec![0u8; w.geometry().numel() * w.param_dtype().size()];
@@ -685,7 +680,7 @@ impl PyShardedParam {
     /// backend, or pinned memory under the offload policy). Synchronize the compute stream
     /// before reading or writing it on the host.
     fn sharded_data(&self) -> Result<TensorView> {
-        let g = locked(&self.inner);
+        let g = lock(&self.inner);
         let w = &g.param;
         self.shard_view(w, w.sharded_data())
     }
@@ -693,14 +688,14 @@ impl PyShardedParam {
     /// copies to and from memory torch allocated (`Platform.copy`); `None` under the offload
     /// policy, where the shard is pinned host memory (`sharded_data()`).
     fn sharded_device_tensor(&self) -> Result<Option<PyDeviceTensor>> {
-        let g = locked(&self.inner);
+        let g = lock(&self.inner);
         let w = &g.param;
         self.device_tensor(w, w.sharded_data())
     }
     /// The shard's bytes once the compute stream's work so far completed.
     fn read_sharded<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyBytes>> {
         let bytes = py.detach(|| {
-            let g = locked(&self.inner);
+            let g = lock(&self.inner);
             let w = &g.param;
             Self::read_shard_ref(&*self.p, w, w.sharded_data())
         })?;
@@ -710,7 +705,7 @@ impl PyShardedParam {
     fn write_sharded(&self, py: Python<'_>, data: &Bound<'_, PyBytes>) -> Result<()> {
         let data = data.as_bytes().to_vec();
         py.detach(|| {
-            let g = locked(&self.inner);
+            let g = lock(&self.inner);
             let w = &g.param;
             let n = w.geometry().shard_numel() * w.dtype().size();
             if data.len() != n {
@@ -736,7 +731,7 @@ impl PyShardedParam {
     fn accumulate_grad(&self, py: Python<'_>, grad: &Bound<'_, PyAny>) -> Result<()> {
         let g = tensor_arg(&self.p, grad)?;
         py.detach(|| {
-            let mut inner = locked(&self.inner);
+            let mut inner = lock(&self.inner);
             inner.param.accumulate_grad(GradInput {
                 buf: g.storage.at(g.offset),
                 dtype: g.dtype,
@@ -785,13 +780,13 @@ impl PyShardedParam {
     /// hyper_parallel's second half: all-reduces the reduce-scattered gradient across the
     /// replicas (HSDP); a no-op without replicas.
     fn all_reduce_grad(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| locked(&self.inner).param.all_reduce_grad())?)
+        Ok(py.detach(|| lock(&self.inner).param.all_reduce_grad())?)
     }
     /// Orders the compute stream after the pending reduction and accumulates its result into
     /// the sharded gradient.
     fn wait_for_reduce(&self, py: Python<'_>) -> Result<()> {
         py.detach(|| {
-            let mut inner = locked(&self.inner);
+            let mut inner = lock(&self.inner);
             inner.param.wait_for_reduce()?;
             inner.reducing = None;
             Ok(())
@@ -800,14 +795,14 @@ impl PyShardedParam {
     /// The sharded gradient as a DLPack view (like `sharded_data()`), `None` before the first
     /// reduction.
     fn sharded_grad(&self) -> Result<Option<TensorView>> {
-        let g = locked(&self.inner);
+        let g = lock(&self.inner);
         let w = &g.param;
         w.sharded_grad().map(|r| self.shard_view(w, r)).transpose()
     }
     /// The sharded gradient as a `DeviceTensor` (like `sharded_device_tensor()`); `None`
     /// before the first reduction and under the offload policy.
     fn sharded_grad_device_tensor(&self) -> Result<Option<PyDeviceTensor>> {
-        let g = locked(&self.inner);
+        let g = lock(&self.inner);
         let w = &g.param;
         match w.sharded_grad() {
             Some(r) => self.device_tensor(w, r),
@@ -818,7 +813,7 @@ impl PyShardedParam {
     /// before the first reduction).
     fn read_sharded_grad<'py>(&self, py: Python<'py>) -> Result<Option<Bound<'py, PyBytes>>> {
         let bytes = py.detach(|| {
-            let g = locked(&self.inner);
+            let g = lock(&self.inner);
             let w = &g.param;
             w.sharded_grad()
                 .map(|r| Self::read_shard_ref(&*self.p, w, r))
@@ -828,11 +823,11 @@ impl PyShardedParam {
     }
     /// Forgets the sharded gradient (the next reduction starts a new one).
     fn clear_grad(&self) -> Result<()> {
-        Ok(locked(&self.inner).param.clear_grad()?)
+        Ok(lock(&self.inner).param.clear_grad()?)
     }
     /// Releases the sharded gradient's storage too.
     fn free_grad(&self) -> Result<()> {
-        Ok(locked(&self.inner).param.free_grad()?)
+        Ok(lock(&self.inner).param.free_grad()?)
     }
     fn __repr__(&self) -> String {
         self.with(|w| {

@@ -4,8 +4,9 @@
 //! next layer's are decoded in the window, and whatever is still compressed when its layer's
 //! backward starts is recovered synchronously.
 
+use hprt_platform::sync::lock;
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use hprt_compress::cost::{CollectiveKind, CostModel, CostOverrides, CostTable, Op};
@@ -21,12 +22,6 @@ use crate::dtype;
 use crate::error::{invalid, Result};
 use crate::platform::{PyPlatform, PyStream};
 use crate::swap::PyDeviceTensor;
-
-fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The manager's methods leave it consistent on error; a panic cannot have left it
-    // half-updated.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 struct Inner {
     m: ActivationManager,
@@ -100,10 +95,10 @@ fn ms(d: Option<Duration>) -> Option<f64> {
 
 impl PyActivationManager {
     fn begin(&self, py: Python<'_>, op: Op) -> Result<()> {
-        Ok(py.detach(|| locked(&self.inner).m.begin_window(&op))?)
+        Ok(py.detach(|| lock(&self.inner).m.begin_window(&op))?)
     }
     fn end(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| locked(&self.inner).m.end_window())?)
+        Ok(py.detach(|| lock(&self.inner).m.end_window())?)
     }
 }
 
@@ -174,7 +169,7 @@ impl PyActivationManager {
 
     /// The layer's forward begins; its tensors of the previous step must all have been taken.
     fn forward_start(&self, layer: u64) -> Result<()> {
-        Ok(locked(&self.inner).m.forward_start(LayerId(layer))?)
+        Ok(lock(&self.inner).m.forward_start(LayerId(layer))?)
     }
 
     /// Registers a tensor saved by `layer`; returns its key `(layer, index)`, or `None` when
@@ -224,7 +219,7 @@ impl PyActivationManager {
             dtype: t.dtype,
             numel,
         };
-        let mut g = locked(&self.inner);
+        let mut g = lock(&self.inner);
         let Some(key) = g.m.save(LayerId(layer), saved)? else {
             return Ok(None);
         };
@@ -235,14 +230,14 @@ impl PyActivationManager {
 
     /// The layer's backward begins: its tensors still compressed are decoded now.
     fn backward_start(&self, py: Python<'_>, layer: u64) -> Result<()> {
-        Ok(py.detach(|| locked(&self.inner).m.backward_start(LayerId(layer)))?)
+        Ok(py.detach(|| lock(&self.inner).m.backward_start(LayerId(layer)))?)
     }
 
     /// Hands a registered tensor back (decoding it first if needed) as a `DeviceTensor` of its
     /// original dtype and shape, valid in stream order; the manager forgets it.
     fn take(&self, py: Python<'_>, key: (u64, usize)) -> Result<PyDeviceTensor> {
         let (buf, (dtype, shape)) = py.detach(|| -> Result<_> {
-            let mut g = locked(&self.inner);
+            let mut g = lock(&self.inner);
             let buf = g.m.take(key_of(key))?;
             let meta = g.shapes.remove(&key).ok_or_else(|| {
                 invalid(format!(
@@ -257,7 +252,7 @@ impl PyActivationManager {
     /// Forgets a registered tensor that will never be taken (its graph was dropped).
     fn discard(&self, py: Python<'_>, key: (u64, usize)) -> Result<()> {
         py.detach(|| {
-            let mut g = locked(&self.inner);
+            let mut g = lock(&self.inner);
             g.shapes.remove(&key);
             Ok(g.m.discard(key_of(key))?)
         })
@@ -265,7 +260,7 @@ impl PyActivationManager {
 
     /// Whether the tensor is currently held compressed.
     fn is_compressed(&self, key: (u64, usize)) -> bool {
-        locked(&self.inner).m.is_compressed(key_of(key))
+        lock(&self.inner).m.is_compressed(key_of(key))
     }
 
     /// Opens an operator window before the operator is queued on the stream: predicts its
@@ -307,7 +302,7 @@ impl PyActivationManager {
     /// "compressed_bytes", "ratio", "decoded_in_window", "recovered_sync"}}`.
     fn layer_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
-        for (layer, s) in locked(&self.inner).m.layer_stats() {
+        for (layer, s) in lock(&self.inner).m.layer_stats() {
             let d = PyDict::new(py);
             d.set_item("saved", s.saved)?;
             d.set_item("compressed", s.compressed)?;
@@ -324,7 +319,7 @@ impl PyActivationManager {
     /// Every window so far: operator, predicted and measured milliseconds, tensors encoded and
     /// decoded in it, bytes (waits for windows whose operator has not finished).
     fn window_records<'py>(&self, py: Python<'py>) -> Result<Vec<Bound<'py, PyDict>>> {
-        let records = py.detach(|| locked(&self.inner).m.window_records())?;
+        let records = py.detach(|| lock(&self.inner).m.window_records())?;
         records
             .into_iter()
             .map(|r| {
@@ -343,13 +338,13 @@ impl PyActivationManager {
     /// Scratch buffers ever allocated for encodings (later windows reuse them).
     #[getter]
     fn scratch_allocations(&self) -> usize {
-        locked(&self.inner).m.scratch_allocations()
+        lock(&self.inner).m.scratch_allocations()
     }
 
     /// The learned `(forward, backward)` layer orders.
     #[getter]
     fn layer_orders(&self) -> (Vec<u64>, Vec<u64>) {
-        let g = locked(&self.inner);
+        let g = lock(&self.inner);
         let (f, b) = g.m.layer_orders();
         (
             f.iter().map(|l| l.0).collect(),
@@ -359,7 +354,7 @@ impl PyActivationManager {
 
     /// The cost model's throughputs: `encode_gbps`, `decode_gbps`, `matmul_tflops` (or None).
     fn cost<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let g = locked(&self.inner);
+        let g = lock(&self.inner);
         let t = g.m.cost_model().table();
         let d = PyDict::new(py);
         d.set_item("encode_gbps", t.encode_gbps)?;

@@ -2,7 +2,8 @@
 //! `KeyedSwap` (keyed pack/unpack), `PipelineOffload` (Megatron-LM chunked groups), and
 //! `DeviceTensor`, the tensor description they take.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use hprt_platform::sync::lock;
+use std::sync::{Arc, Mutex};
 
 use hprt_platform::{DType, DeviceBuffer};
 use hprt_swap::{
@@ -18,11 +19,6 @@ use crate::dlpack::TensorView;
 use crate::dtype;
 use crate::error::{invalid, Result};
 use crate::platform::{PyDeviceBuffer, PyPlatform, PyStream};
-
-fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Front ends update whole fields under the lock; a panic cannot have left one half-written.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// A device tensor as swap sees it: `nbytes` at `offset` in a `DeviceBuffer`, with a dtype, a
 /// shape and a version counter (bump it on in-place writes; a reload refuses a changed tensor).
@@ -250,21 +246,21 @@ impl PySwapManager {
     }
     /// A new layer (group); returns its number.
     fn new_layer(&self) -> usize {
-        locked(&self.inner).new_layer().index()
+        lock(&self.inner).new_layer().index()
     }
     /// The number of group `name` (made on first use).
     fn group(&self, name: &str) -> usize {
-        locked(&self.inner).group(name).index()
+        lock(&self.inner).group(name).index()
     }
     fn set_forward_prefetch_layer(&self, first: usize, second: usize) -> Result<()> {
-        let mut g = locked(&self.inner);
+        let mut g = lock(&self.inner);
         let (a, b) = (g.layer_id(first)?, g.layer_id(second)?);
         Ok(g.set_forward_prefetch_layer(a, b)?)
     }
     /// Returns whether the layer's saved values join its group (false for a checkpointed
     /// recomputation during its backward).
     fn forward_pre(&self, layer: usize) -> Result<bool> {
-        let mut g = locked(&self.inner);
+        let mut g = lock(&self.inner);
         let l = g.layer_id(layer)?;
         g.forward_pre(l)?;
         Ok(g.is_recording(l))
@@ -272,57 +268,55 @@ impl PySwapManager {
     /// Adds a value to the current layer's group; returns the reference `get` takes.
     fn save(&self, value: &Bound<'_, PyAny>) -> Result<Ref> {
         let saved = to_saved(value);
-        Ok(saved_ref(locked(&self.inner).save(saved)?))
+        Ok(saved_ref(lock(&self.inner).save(saved)?))
     }
     /// hyper_parallel's `add_storage(group_name, storage)`: adds a value to a named group.
     fn add_storage(&self, group_name: &str, value: &Bound<'_, PyAny>) -> Result<Ref> {
         let saved = to_saved(value);
-        Ok(saved_ref(
-            locked(&self.inner).add_storage(group_name, saved)?,
-        ))
+        Ok(saved_ref(lock(&self.inner).add_storage(group_name, saved)?))
     }
     fn launch_offload(&self, py: Python<'_>, group_name: &str, stream: &PyStream) -> Result<()> {
-        py.detach(|| Ok(locked(&self.inner).launch_offload(group_name, &stream.s)?))
+        py.detach(|| Ok(lock(&self.inner).launch_offload(group_name, &stream.s)?))
     }
     fn wait_offload(&self, py: Python<'_>, group_name: &str) -> Result<()> {
-        py.detach(|| Ok(locked(&self.inner).wait_offload(group_name)?))
+        py.detach(|| Ok(lock(&self.inner).wait_offload(group_name)?))
     }
     fn launch_load(&self, py: Python<'_>, group_name: &str) -> Result<()> {
-        py.detach(|| Ok(locked(&self.inner).launch_load(group_name)?))
+        py.detach(|| Ok(lock(&self.inner).launch_load(group_name)?))
     }
     fn wait_load(&self, py: Python<'_>, group_name: &str, stream: &PyStream) -> Result<()> {
-        py.detach(|| Ok(locked(&self.inner).wait_load(group_name, &stream.s)?))
+        py.detach(|| Ok(lock(&self.inner).wait_load(group_name, &stream.s)?))
     }
     fn get_current_group_name(&self) -> Option<String> {
-        locked(&self.inner)
+        lock(&self.inner)
             .get_current_group_name()
             .map(str::to_owned)
     }
     fn set_current_group_name(&self, name: &str) {
-        locked(&self.inner).set_current_group_name(name)
+        lock(&self.inner).set_current_group_name(name)
     }
     fn forward_post(&self, py: Python<'_>, layer: usize, stream: &PyStream) -> Result<()> {
         py.detach(|| {
-            let mut g = locked(&self.inner);
+            let mut g = lock(&self.inner);
             let l = g.layer_id(layer)?;
             Ok(g.forward_post(l, &stream.s)?)
         })
     }
     fn backward_pre(&self, py: Python<'_>, layer: usize, stream: &PyStream) -> Result<()> {
         py.detach(|| {
-            let mut g = locked(&self.inner);
+            let mut g = lock(&self.inner);
             let l = g.layer_id(layer)?;
             Ok(g.backward_pre(l, &stream.s)?)
         })
     }
     fn backward_post(&self, layer: usize) -> Result<()> {
-        let mut g = locked(&self.inner);
+        let mut g = lock(&self.inner);
         let l = g.layer_id(layer)?;
         Ok(g.backward_post(l)?)
     }
     /// A saved value, once its group is back on the device.
     fn get(&self, py: Python<'_>, saved: Ref) -> Result<Py<PyAny>> {
-        let mut g = locked(&self.inner);
+        let mut g = lock(&self.inner);
         let r = Self::saved_ref(&g, saved)?;
         let v = g.get(r)?.clone();
         drop(g);
@@ -330,14 +324,14 @@ impl PySwapManager {
     }
     /// Hands a saved value out of its group (the group keeps no reference to it).
     fn take(&self, py: Python<'_>, saved: Ref) -> Result<Py<PyAny>> {
-        let mut g = locked(&self.inner);
+        let mut g = lock(&self.inner);
         let r = Self::saved_ref(&g, saved)?;
         let v = g.take(r)?;
         drop(g);
         from_saved(py, &self.p, v)
     }
     fn release(&self, py: Python<'_>, layer: usize) -> Result<Vec<Py<PyAny>>> {
-        let mut g = locked(&self.inner);
+        let mut g = lock(&self.inner);
         let l = g.layer_id(layer)?;
         let values = g.release(l)?;
         drop(g);
@@ -347,12 +341,12 @@ impl PySwapManager {
             .collect()
     }
     fn end_iteration(&self, py: Python<'_>) -> Result<()> {
-        py.detach(|| Ok(locked(&self.inner).end_iteration()?))
+        py.detach(|| Ok(lock(&self.inner).end_iteration()?))
     }
     /// `off`, `device`, `host_stage` or `auto`: compress-then-swap for tensors offloaded from
     /// now on.
     fn set_compression(&self, compression: &str) -> Result<()> {
-        locked(&self.inner)
+        lock(&self.inner)
             .engine_mut()
             .set_compression(parse_compression(compression)?);
         Ok(())
@@ -361,12 +355,12 @@ impl PySwapManager {
     /// (`None` removes it).
     fn set_compression_policy(&self, policy: Option<Py<PyAny>>) {
         let policy = py_policy(&self.p, policy);
-        locked(&self.inner)
+        lock(&self.inner)
             .engine_mut()
             .set_compression_policy(policy)
     }
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, locked(&self.inner).engine())
+        stats_dict(py, lock(&self.inner).engine())
     }
 }
 
@@ -492,35 +486,35 @@ impl PyKeyedSwap {
     /// Registers the next layer under `module_tag` (`*` matches one path component).
     fn register_layer(&self, module_tag: &str) -> PySwapContext {
         PySwapContext {
-            ctx: locked(&self.inner).register_layer(module_tag),
+            ctx: lock(&self.inner).register_layer(module_tag),
         }
     }
     fn add_tag(&self, pattern: &str) {
-        locked(&self.inner).add_tag(pattern)
+        lock(&self.inner).add_tag(pattern)
     }
     /// Registers `module` (a dotted path) under the first tag pattern it matches.
     fn register_module(&self, module: &str) -> Result<PySwapContext> {
         Ok(PySwapContext {
-            ctx: locked(&self.inner).register_module(module)?,
+            ctx: lock(&self.inner).register_module(module)?,
         })
     }
     fn layer_count(&self, ctx: &PySwapContext) -> usize {
-        locked(&self.inner).layer_count(&ctx.ctx)
+        lock(&self.inner).layer_count(&ctx.ctx)
     }
     /// Tensors smaller than this stay on the device.
     fn set_min_bytes(&self, bytes: usize) {
-        locked(&self.inner).set_min_bytes(bytes)
+        lock(&self.inner).set_min_bytes(bytes)
     }
     /// Per-tensor compression: `policy(tensor) -> "off" | "device" | "host_stage" | "auto"`.
     fn set_compression_policy(&self, policy: Option<Py<PyAny>>) {
         let policy = py_policy(&self.p, policy);
-        locked(&self.inner)
+        lock(&self.inner)
             .engine_mut()
             .set_compression_policy(policy)
     }
     /// `off`, `device`, `host_stage` or `auto`.
     fn set_compression(&self, compression: &str) -> Result<()> {
-        locked(&self.inner)
+        lock(&self.inner)
             .engine_mut()
             .set_compression(parse_compression(compression)?);
         Ok(())
@@ -548,7 +542,7 @@ impl PyKeyedSwap {
                 })
             }) as hprt_swap::SwapPredicate
         });
-        locked(&self.inner).set_predicate(boxed)
+        lock(&self.inner).set_predicate(boxed)
     }
     /// The upstream name of `pack`.
     fn swap_out_cur_and_release_prev(
@@ -579,7 +573,7 @@ impl PyKeyedSwap {
         stream: &PyStream,
     ) -> Result<PyPacked> {
         let saved = to_saved(value);
-        let packed = py.detach(|| locked(&self.inner).pack(&ctx.ctx, saved, &stream.s))?;
+        let packed = py.detach(|| lock(&self.inner).pack(&ctx.ctx, saved, &stream.s))?;
         Ok(match packed {
             Packed::Kept(v) => PyPacked {
                 kept: Some(v),
@@ -604,18 +598,18 @@ impl PyKeyedSwap {
             (None, Some(k)) => Packed::Swapped(k),
             (None, None) => return Err(invalid("an empty Packed value")),
         };
-        let v = py.detach(|| locked(&self.inner).unpack_with(p, &stream.s, prefetch))?;
+        let v = py.detach(|| lock(&self.inner).unpack_with(p, &stream.s, prefetch))?;
         from_saved(py, &self.p, v)
     }
     fn end_iteration(&self, py: Python<'_>) -> Result<()> {
-        py.detach(|| Ok(locked(&self.inner).end_iteration()?))
+        py.detach(|| Ok(lock(&self.inner).end_iteration()?))
     }
     /// Values packed and not yet unpacked.
     fn pending(&self) -> usize {
-        locked(&self.inner).pending()
+        lock(&self.inner).pending()
     }
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, locked(&self.inner).engine())
+        stats_dict(py, lock(&self.inner).engine())
     }
 }
 
@@ -643,14 +637,14 @@ impl PyTensorKeyManager {
         Self::default()
     }
     fn get_key(&self, layer: usize) -> (TensorKey, bool) {
-        locked(&self.inner).get_key(layer)
+        lock(&self.inner).get_key(layer)
     }
     fn get_prefetch_keys(&self, key: TensorKey) -> Vec<TensorKey> {
-        locked(&self.inner).get_prefetch_keys(key)
+        lock(&self.inner).get_prefetch_keys(key)
     }
     /// Tensors of `layer` counted in this step.
     fn count(&self, layer: usize) -> usize {
-        locked(&self.inner).count(layer)
+        lock(&self.inner).count(layer)
     }
 }
 
@@ -703,28 +697,28 @@ impl PyPipelineOffload {
     }
     #[pyo3(signature = (vp_size=1, vp_stage=None))]
     fn init_chunk(&self, vp_size: usize, vp_stage: Option<usize>) -> Result<()> {
-        locked(&self.inner).init_chunk(vp_size, vp_stage)?;
+        lock(&self.inner).init_chunk(vp_size, vp_stage)?;
         Ok(())
     }
     fn disable(&self) {
-        locked(&self.inner).disable()
+        lock(&self.inner).disable()
     }
     fn enable(&self) {
-        locked(&self.inner).enable()
+        lock(&self.inner).enable()
     }
     fn mark_chunk_not_offloadable(&self) -> Result<()> {
-        Ok(locked(&self.inner).mark_chunk_not_offloadable()?)
+        Ok(lock(&self.inner).mark_chunk_not_offloadable()?)
     }
     fn mark_not_offloadable(&self, tensor: &PyDeviceTensor) {
-        locked(&self.inner).mark_not_offloadable(&tensor.t)
+        lock(&self.inner).mark_not_offloadable(&tensor.t)
     }
     fn group_start(&self, name: &str) -> Result<()> {
-        Ok(locked(&self.inner).group_start(name)?)
+        Ok(lock(&self.inner).group_start(name)?)
     }
     fn save(&self, value: &Bound<'_, PyAny>) -> Result<PyOffloadTag> {
         let saved = to_saved(value);
         Ok(PyOffloadTag {
-            tag: locked(&self.inner).save(saved)?,
+            tag: lock(&self.inner).save(saved)?,
         })
     }
     #[pyo3(signature = (stream, forced_release=Vec::new(), delay=false))]
@@ -736,46 +730,46 @@ impl PyPipelineOffload {
         delay: bool,
     ) -> Result<()> {
         let bufs: Vec<DeviceBuffer> = forced_release.iter().map(|b| b.b.clone()).collect();
-        py.detach(|| Ok(locked(&self.inner).group_commit(&stream.s, bufs, delay)?))
+        py.detach(|| Ok(lock(&self.inner).group_commit(&stream.s, bufs, delay)?))
     }
     fn flush_delayed_groups(&self, py: Python<'_>, stream: &PyStream) -> Result<()> {
-        py.detach(|| Ok(locked(&self.inner).flush_delayed_groups(&stream.s)?))
+        py.detach(|| Ok(lock(&self.inner).flush_delayed_groups(&stream.s)?))
     }
     fn backward_group_begin(&self, py: Python<'_>, name: &str, stream: &PyStream) -> Result<()> {
-        py.detach(|| Ok(locked(&self.inner).backward_group_begin(name, &stream.s)?))
+        py.detach(|| Ok(lock(&self.inner).backward_group_begin(name, &stream.s)?))
     }
     fn get(&self, py: Python<'_>, tag: &PyOffloadTag, stream: &PyStream) -> Result<Py<PyAny>> {
-        let v = py.detach(|| locked(&self.inner).get(&tag.tag, &stream.s))?;
+        let v = py.detach(|| lock(&self.inner).get(&tag.tag, &stream.s))?;
         from_saved(py, &self.p, v)
     }
     fn backward_group_end(&self, py: Python<'_>) -> Result<()> {
-        py.detach(|| Ok(locked(&self.inner).backward_group_end()?))
+        py.detach(|| Ok(lock(&self.inner).backward_group_end()?))
     }
     fn record_forward(&self, stream: &PyStream) -> Result<()> {
-        Ok(locked(&self.inner).record_forward(&stream.s)?)
+        Ok(lock(&self.inner).record_forward(&stream.s)?)
     }
     fn record_backward(&self, stream: &PyStream) -> Result<()> {
-        Ok(locked(&self.inner).record_backward(&stream.s)?)
+        Ok(lock(&self.inner).record_backward(&stream.s)?)
     }
     fn post_warmup(&self) {
-        locked(&self.inner).post_warmup()
+        lock(&self.inner).post_warmup()
     }
     /// Per-tensor compression: `policy(tensor) -> "off" | "device" | "host_stage" | "auto"`.
     fn set_compression_policy(&self, policy: Option<Py<PyAny>>) {
         let policy = py_policy(&self.p, policy);
-        locked(&self.inner)
+        lock(&self.inner)
             .engine_mut()
             .set_compression_policy(policy)
     }
     fn reset(&self, py: Python<'_>) -> Result<()> {
-        py.detach(|| Ok(locked(&self.inner).reset()?))
+        py.detach(|| Ok(lock(&self.inner).reset()?))
     }
     /// Bytes offloaded per group name in the last iteration after warm-up.
     fn offload_summary_bytes(&self) -> std::collections::BTreeMap<String, u64> {
-        locked(&self.inner).offload_summary_bytes().clone()
+        lock(&self.inner).offload_summary_bytes().clone()
     }
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, locked(&self.inner).engine())
+        stats_dict(py, lock(&self.inner).engine())
     }
 }
 
