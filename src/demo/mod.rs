@@ -333,18 +333,27 @@ fn run_ranks(
             .map(|rank| {
                 let id = &id;
                 sc.spawn(move || {
-                    let outcome = (|| {
-                        crate::trace::set_thread_rank(rank);
+                    crate::trace::set_thread_rank(rank);
+                    let joined = (|| -> Result<_> {
                         p.set_device(rank % p.device_count().max(1))?;
-                        let comm = p.comm_init(id, rank, config.ranks)?;
-                        let tick = |n: u64| {
-                            if rank == 0 {
-                                progress(n)
-                            }
-                        };
-                        model::train(traced, comm, config, strategy, &tick)
+                        Ok(p.comm_init(id, rank, config.ranks)?)
                     })();
-                    (Instant::now(), outcome)
+                    let comm = match joined {
+                        Ok(comm) => comm,
+                        Err(e) => return (Instant::now(), Err(e)),
+                    };
+                    // Peers learn that this rank failed when its communicator goes away, so the
+                    // time of its failure is taken while this membership still keeps it.
+                    let membership = comm.clone();
+                    let tick = |n: u64| {
+                        if rank == 0 {
+                            progress(n)
+                        }
+                    };
+                    let outcome = model::train(traced, comm, config, strategy, &tick);
+                    let at = Instant::now();
+                    drop(membership);
+                    (at, outcome)
                 })
             })
             .collect();
