@@ -13,6 +13,8 @@
 //!   engine can offload (compress-then-swap).
 //! - [`cost`] — measured, cached, overridable throughputs; operator durations and how much the
 //!   codec can do within them.
+//! - [`key`] — [`LayerId`] and [`TensorKey`], the names of layers and saved tensors in every
+//!   front end (swap's and the activation manager's).
 //! - [`planner`] — layer order learned in the first step; which tensors fit a window.
 //! - [`manager`] — MindSpeed's per-layer activation manager.
 //! - [`data`] — synthetic tensors (the cost model calibrates the codec on them).
@@ -31,8 +33,10 @@ pub mod data;
 pub mod device;
 mod error;
 pub mod format;
+pub mod key;
 pub mod manager;
 pub mod planner;
 
 pub use error::{CompressError, Result};
 pub use format::CodecDType;
+pub use key::{LayerId, TensorKey};

@@ -133,12 +133,7 @@ impl ManagerConfig {
     }
 }
 
-/// Names one registered tensor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct TensorKey {
-    pub layer: LayerId,
-    pub index: usize,
-}
+pub use crate::key::TensorKey;
 
 /// Compression figures of one layer, summed over steps.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

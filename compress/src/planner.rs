@@ -2,9 +2,7 @@
 
 use std::collections::HashMap;
 
-/// A layer as the framework names it (a module's stable id).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct LayerId(pub u64);
+pub use crate::key::LayerId;
 
 /// The order layers run in, learned the first time each is entered: a layer seen for the first
 /// time is linked after the current one; a known layer just becomes current.

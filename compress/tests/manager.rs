@@ -15,7 +15,7 @@ use hprt_compress::planner::LayerId;
 use hprt_compress::{CodecDType, CompressError};
 use hprt_platform::{CpuBackend, CpuConfig, DType, DeviceBuffer, Kernel, Mem, Platform, Stream};
 
-const LAYERS: u64 = 4;
+const LAYERS: usize = 4;
 
 fn platform(jitter: Option<u64>) -> Arc<dyn Platform> {
     Arc::new(CpuBackend::new(CpuConfig {
@@ -35,13 +35,9 @@ fn model() -> CostModel {
 }
 
 /// The tensors one layer saves: (kind, dtype, numel).
-fn layer_tensors(layer: u64) -> Vec<(DataKind, CodecDType, usize)> {
+fn layer_tensors(layer: usize) -> Vec<(DataKind, CodecDType, usize)> {
     vec![
-        (
-            DataKind::Gelu,
-            CodecDType::BF16,
-            60_000 + 8 * layer as usize,
-        ),
+        (DataKind::Gelu, CodecDType::BF16, 60_000 + 8 * layer),
         (DataKind::Softmax, CodecDType::BF16, 65_536),
         (DataKind::LayerNorm, CodecDType::F32, 40_000),
         (DataKind::Weights, CodecDType::F16, 1000), // below the size filter
@@ -103,7 +99,7 @@ fn run_step(
         m.window(&Op::Fixed(window), || operator(p, s, work))
             .unwrap();
         for (i, (kind, dtype, n)) in layer_tensors(l).into_iter().enumerate() {
-            let data = generate(kind, dtype, n, step * 100 + l * 10 + i as u64);
+            let data = generate(kind, dtype, n, step * 100 + (l * 10 + i) as u64);
             let buf = produce(p, s, &data);
             let t = SavedTensor {
                 buf: buf.clone(),
@@ -201,7 +197,7 @@ fn training_steps_are_bit_exact_and_compress_every_layer_but_the_last() {
         m.scratch_allocations()
     );
     let records = m.window_records().unwrap();
-    assert_eq!(records.len() as u64, 2 * (3 * LAYERS));
+    assert_eq!(records.len(), 2 * (3 * LAYERS));
     for r in records.iter().filter(|r| r.encoded + r.decoded > 0) {
         eprintln!(
             "{}: predicted {:?}, measured {:?}, {} enc / {} dec, {} bytes",

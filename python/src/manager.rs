@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use hprt_compress::cost::{CollectiveKind, CostModel, CostOverrides, CostTable, Op};
 use hprt_compress::manager::{ActivationManager, ManagerConfig, SavedTensor, TensorKey};
-use hprt_compress::planner::LayerId;
 use hprt_compress::CodecDType;
+use hprt_compress::LayerId;
 use hprt_platform::DType;
 use hprt_platform::PlatformHandle;
 use pyo3::prelude::*;
@@ -26,7 +26,7 @@ use crate::swap::PyDeviceTensor;
 struct Inner {
     m: ActivationManager,
     /// Dtypes and shapes of the registered tensors (the manager keeps element counts only).
-    shapes: HashMap<(u64, usize), (DType, Vec<usize>)>,
+    shapes: HashMap<(usize, usize), (DType, Vec<usize>)>,
 }
 
 /// The activation manager of one model replica, driven by the framework's hooks.
@@ -82,11 +82,8 @@ fn op_of(
     Ok(Op::Fixed(d))
 }
 
-fn key_of((layer, index): (u64, usize)) -> TensorKey {
-    TensorKey {
-        layer: LayerId(layer),
-        index,
-    }
+fn key_of((layer, index): (usize, usize)) -> TensorKey {
+    TensorKey::new(layer, index)
 }
 
 fn ms(d: Option<Duration>) -> Option<f64> {
@@ -168,7 +165,7 @@ impl PyActivationManager {
     }
 
     /// The layer's forward begins; its tensors of the previous step must all have been taken.
-    fn forward_start(&self, layer: u64) -> Result<()> {
+    fn forward_start(&self, layer: usize) -> Result<()> {
         Ok(lock(&self.inner).m.forward_start(LayerId(layer))?)
     }
 
@@ -182,9 +179,9 @@ impl PyActivationManager {
     fn save(
         &self,
         py: Python<'_>,
-        layer: u64,
+        layer: usize,
         tensor: &Bound<'_, PyAny>,
-    ) -> Result<Option<(u64, usize)>> {
+    ) -> Result<Option<(usize, usize)>> {
         let (t, imported) = match tensor.cast::<PyDeviceTensor>() {
             Ok(t) => (t.get().t.clone(), false),
             Err(_) => {
@@ -229,13 +226,13 @@ impl PyActivationManager {
     }
 
     /// The layer's backward begins: its tensors still compressed are decoded now.
-    fn backward_start(&self, py: Python<'_>, layer: u64) -> Result<()> {
+    fn backward_start(&self, py: Python<'_>, layer: usize) -> Result<()> {
         Ok(py.detach(|| lock(&self.inner).m.backward_start(LayerId(layer)))?)
     }
 
     /// Hands a registered tensor back (decoding it first if needed) as a `DeviceTensor` of its
     /// original dtype and shape, valid in stream order; the manager forgets it.
-    fn take(&self, py: Python<'_>, key: (u64, usize)) -> Result<PyDeviceTensor> {
+    fn take(&self, py: Python<'_>, key: (usize, usize)) -> Result<PyDeviceTensor> {
         let (buf, (dtype, shape)) = py.detach(|| -> Result<_> {
             let mut g = lock(&self.inner);
             let buf = g.m.take(key_of(key))?;
@@ -250,7 +247,7 @@ impl PyActivationManager {
     }
 
     /// Forgets a registered tensor that will never be taken (its graph was dropped).
-    fn discard(&self, py: Python<'_>, key: (u64, usize)) -> Result<()> {
+    fn discard(&self, py: Python<'_>, key: (usize, usize)) -> Result<()> {
         py.detach(|| {
             let mut g = lock(&self.inner);
             g.shapes.remove(&key);
@@ -259,7 +256,7 @@ impl PyActivationManager {
     }
 
     /// Whether the tensor is currently held compressed.
-    fn is_compressed(&self, key: (u64, usize)) -> bool {
+    fn is_compressed(&self, key: (usize, usize)) -> bool {
         lock(&self.inner).m.is_compressed(key_of(key))
     }
 
@@ -343,7 +340,7 @@ impl PyActivationManager {
 
     /// The learned `(forward, backward)` layer orders.
     #[getter]
-    fn layer_orders(&self) -> (Vec<u64>, Vec<u64>) {
+    fn layer_orders(&self) -> (Vec<usize>, Vec<usize>) {
         let g = lock(&self.inner);
         let (f, b) = g.m.layer_orders();
         (

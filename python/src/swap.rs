@@ -213,14 +213,16 @@ pub struct PySwapManager {
 type Ref = (usize, usize, u64);
 
 fn saved_ref(r: SavedRef) -> Ref {
-    (r.layer.index(), r.index, r.generation)
+    (r.key.layer.index(), r.key.index, r.generation)
 }
 
 impl PySwapManager {
     fn saved_ref(m: &SwapManager, (layer, index, generation): Ref) -> Result<SavedRef> {
         Ok(SavedRef {
-            layer: m.layer_id(layer)?,
-            index,
+            key: TensorKey {
+                layer: m.layer_id(layer)?,
+                index,
+            },
             generation,
         })
     }
@@ -447,12 +449,19 @@ pub struct PyPacked {
     key: Option<TensorKey>,
 }
 
+/// A key as Python sees it: `(layer, index)`.
+type PyKey = (usize, usize);
+
+fn py_key(k: TensorKey) -> PyKey {
+    (k.layer.index(), k.index)
+}
+
 #[pymethods]
 impl PyPacked {
     /// `(layer, index)` when the value was swapped, `None` when it was kept.
     #[getter]
-    fn key(&self) -> Option<TensorKey> {
-        self.key
+    fn key(&self) -> Option<PyKey> {
+        self.key.map(py_key)
     }
 }
 
@@ -636,11 +645,13 @@ impl PyTensorKeyManager {
     fn new() -> Self {
         Self::default()
     }
-    fn get_key(&self, layer: usize) -> (TensorKey, bool) {
-        lock(&self.inner).get_key(layer)
+    fn get_key(&self, layer: usize) -> (PyKey, bool) {
+        let (key, previous_done) = lock(&self.inner).get_key(layer);
+        (py_key(key), previous_done)
     }
-    fn get_prefetch_keys(&self, key: TensorKey) -> Vec<TensorKey> {
-        lock(&self.inner).get_prefetch_keys(key)
+    fn get_prefetch_keys(&self, key: PyKey) -> Vec<PyKey> {
+        let keys = lock(&self.inner).get_prefetch_keys(TensorKey::new(key.0, key.1));
+        keys.into_iter().map(py_key).collect()
     }
     /// Tensors of `layer` counted in this step.
     fn count(&self, layer: usize) -> usize {

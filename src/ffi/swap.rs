@@ -9,7 +9,7 @@ use std::sync::Arc;
 use hprt_platform::{DType, DeviceBuffer};
 use hprt_swap::{
     Allocator, Compression, DeviceTensor, PoolConfig, Reacquired, Saved, SavedRef, SwapError,
-    SwapManager, VersionCounter,
+    SwapManager, TensorKey, VersionCounter,
 };
 
 use super::handle::{handle_kind, Exclusive};
@@ -179,8 +179,8 @@ pub(crate) unsafe fn name_arg<'a>(name: *const c_char) -> FfiResult<&'a str> {
 
 fn c_ref(r: SavedRef) -> HprtSavedRef {
     HprtSavedRef {
-        layer: r.layer.index(),
-        index: r.index,
+        layer: r.key.layer.index(),
+        index: r.key.index,
         generation: r.generation,
     }
 }
@@ -232,8 +232,10 @@ impl HprtSwapManager {
 
     fn saved_ref(&self, r: HprtSavedRef) -> FfiResult<SavedRef> {
         Ok(SavedRef {
-            layer: self.layer(r.layer)?,
-            index: r.index,
+            key: TensorKey {
+                layer: self.layer(r.layer)?,
+                index: r.index,
+            },
             generation: r.generation,
         })
     }

@@ -9,7 +9,7 @@ use std::ffi::c_char;
 
 use hprt_swap::{
     offload_summary_table, KeyedSwap, OffloadTag, Packed, PipelineConfig, PipelineOffload,
-    PoolConfig, Saved, SwapContext, SwapEngine, TensorKeyManager,
+    PoolConfig, Saved, SwapContext, SwapEngine, TensorKey, TensorKeyManager,
 };
 
 use super::handle::{handle_kind, Exclusive};
@@ -157,10 +157,10 @@ pub unsafe extern "C" fn hprt_keyed_swap_out_cur_and_release_prev(
         let t = Saved::Tensor(view(&s.0, offset, bytes, dtype)?);
         let key = match k.swap.swap_out_cur_and_release_prev(&ctx, t, &c.0)? {
             Packed::Kept(_) => HprtTensorKey::default(),
-            Packed::Swapped((layer, index)) => HprtTensorKey {
+            Packed::Swapped(key) => HprtTensorKey {
                 swapped: 1,
-                layer,
-                index,
+                layer: key.layer.index(),
+                index: key.index,
             },
         };
         // SAFETY: the caller's contract.
@@ -188,7 +188,7 @@ pub unsafe extern "C" fn hprt_keyed_wait_cur_and_prefetch_next(
                 "the key is of a tensor that was not swapped",
             ));
         }
-        let packed = Packed::Swapped((key.layer, key.index));
+        let packed = Packed::Swapped(TensorKey::new(key.layer, key.index));
         let v = k.swap.wait_cur_and_prefetch_next(packed, &c.0, prefetch)?;
         let ptr = v
             .tensor()
@@ -583,10 +583,10 @@ pub unsafe extern "C" fn hprt_tensor_key_manager_get_key(
         if out_index.is_null() || out_previous_done.is_null() {
             return Err(FfiError::null("out_index / out_previous_done"));
         }
-        let ((_, index), previous_done) = m.0.get_key(layer);
+        let (key, previous_done) = m.0.get_key(layer);
         // SAFETY: the caller's contract.
         unsafe {
-            out(out_index, "out_index", index)?;
+            out(out_index, "out_index", key.index)?;
             out(out_previous_done, "out_previous_done", previous_done)
         }
     })
@@ -611,8 +611,8 @@ pub unsafe extern "C" fn hprt_tensor_key_manager_get_prefetch_keys(
         if out_first.is_null() || out_end.is_null() {
             return Err(FfiError::null("out_first / out_end"));
         }
-        let keys = m.0.get_prefetch_keys((layer, index));
-        let first = keys.first().map_or(0, |k| k.1);
+        let keys = m.0.get_prefetch_keys(TensorKey::new(layer, index));
+        let first = keys.first().map_or(0, |k| k.index);
         // SAFETY: the caller's contract.
         unsafe {
             out(out_first, "out_first", first)?;

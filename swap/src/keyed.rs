@@ -5,15 +5,13 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
+use hprt_compress::TensorKey;
 use hprt_platform::Stream;
 
 use crate::engine::{EngineConfig, Faults, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError, SwapState};
 use crate::pool::PoolConfig;
 use crate::tensor::{DeviceTensor, Saved, SwapTensor};
-
-/// (layer index, tensor index within the layer).
-pub type TensorKey = (usize, usize);
 
 /// Hands out (layer, index) keys in save order and maps backward tensors onto the previous
 /// layer's tensors.
@@ -42,7 +40,10 @@ impl TensorKeyManager {
             }
         }
         self.current = Some(layer);
-        ((layer, self.counts[&layer] - 1), previous_done)
+        (
+            TensorKey::new(layer, self.counts[&layer] - 1),
+            previous_done,
+        )
     }
 
     /// Tensors of `layer` counted in this step.
@@ -53,12 +54,13 @@ impl TensorKeyManager {
     /// The keys of layer `layer - 1` that tensor `(layer, index)` prefetches: its proportional
     /// share, so that all of `layer`'s tensors together prefetch each of the previous layer's
     /// tensors exactly once.
-    pub fn get_prefetch_keys(&self, (layer, index): TensorKey) -> Vec<TensorKey> {
+    pub fn get_prefetch_keys(&self, key: TensorKey) -> Vec<TensorKey> {
+        let layer = key.layer.index();
         let Some(prev) = layer.checked_sub(1) else {
             return Vec::new();
         };
-        proportional_slice(index, self.count(layer), self.count(prev))
-            .map(|i| (prev, i))
+        proportional_slice(key.index, self.count(layer), self.count(prev))
+            .map(|i| TensorKey::new(prev, i))
             .collect()
     }
 }
@@ -133,7 +135,7 @@ pub type SwapPredicate = Box<dyn Fn(&DeviceTensor) -> bool + Send + Sync>;
 /// ```
 /// use std::sync::Arc;
 /// use hprt_platform::{CpuBackend, CpuConfig, DType, Platform};
-/// use hprt_swap::{DeviceTensor, KeyedSwap, Packed, Saved};
+/// use hprt_swap::{DeviceTensor, KeyedSwap, Packed, Saved, TensorKey};
 ///
 /// let p: Arc<dyn Platform> = Arc::new(CpuBackend::new(CpuConfig::default()));
 /// let s = p.create_stream().unwrap();
@@ -141,7 +143,7 @@ pub type SwapPredicate = Box<dyn Fn(&DeviceTensor) -> bool + Send + Sync>;
 /// let layers = [swap.register_layer("model.layer.*"), swap.register_layer("model.layer.*")];
 /// let buf = p.alloc_device(64).unwrap();
 /// let packed = swap.pack(&layers[0], Saved::Tensor(DeviceTensor::whole(buf, DType::U8, vec![64])), &s).unwrap();
-/// assert!(matches!(packed, Packed::Swapped((0, 0))));
+/// assert!(matches!(packed, Packed::Swapped(k) if k == TensorKey::new(0, 0)));
 /// let back = swap.unpack(packed, &s).unwrap();
 /// assert!(back.tensor().is_some());
 /// ```
@@ -271,7 +273,7 @@ impl KeyedSwap {
             let prev = ctx.layer - 1;
             let group = self
                 .tensors
-                .range_mut((prev, 0)..(prev + 1, 0))
+                .range_mut(TensorKey::layer_range(prev))
                 .map(|(_, t)| t);
             self.engine.finish_offload(group)?;
         }

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use hprt_compress::{LayerId, TensorKey};
 use hprt_platform::Stream;
 
 use crate::engine::{EngineConfig, Faults, PlatformHandle, SwapEngine};
@@ -10,22 +11,13 @@ use crate::error::{Result, SwapError, SwapState};
 use crate::pool::PoolConfig;
 use crate::tensor::{Saved, SwapTensor};
 
-/// A layer (module) known to a [`SwapManager`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct LayerId(usize);
-
-impl LayerId {
-    pub fn index(self) -> usize {
-        self.0
-    }
-}
-
-/// A value saved into a layer's group: where to find it at backward. `generation` counts the
-/// group's iterations, so a reference kept past its iteration is refused, not misread.
+/// A value saved into a layer's group: where to find it at backward (a layer of the
+/// [`SwapManager`] — its index in registration order — and the value's place in the group).
+/// `generation` counts the group's iterations, so a reference kept past its iteration is refused,
+/// not misread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SavedRef {
-    pub layer: LayerId,
-    pub index: usize,
+    pub key: TensorKey,
     pub generation: u64,
 }
 
@@ -277,8 +269,10 @@ impl SwapManager {
         let l = self.layer(layer)?;
         l.saved.push(Some(t));
         Ok(SavedRef {
-            layer,
-            index: l.saved.len() - 1,
+            key: TensorKey {
+                layer,
+                index: l.saved.len() - 1,
+            },
             generation: l.generation,
         })
     }
@@ -367,11 +361,11 @@ impl SwapManager {
 
     fn slot(&mut self, r: SavedRef) -> Result<&mut Option<SwapTensor>> {
         let stale = || SwapError::unknown("saved value of this iteration", format!("{r:?}"));
-        let l = self.layers.get_mut(r.layer.0).ok_or_else(stale)?;
+        let l = self.layers.get_mut(r.key.layer.0).ok_or_else(stale)?;
         if l.generation != r.generation {
             return Err(stale());
         }
-        l.saved.get_mut(r.index).ok_or_else(stale)
+        l.saved.get_mut(r.key.index).ok_or_else(stale)
     }
 
     /// A saved value, once its group is on the device.

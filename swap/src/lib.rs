@@ -39,11 +39,12 @@ pub use bench::bench;
 pub use engine::Faults;
 pub use engine::{EngineConfig, EngineStats, PlatformHandle, SwapEngine};
 pub use error::{Result, SwapError, SwapState};
+/// The names of layers and saved tensors, shared with hprt-compress's activation manager.
+pub use hprt_compress::{LayerId, TensorKey};
 pub use keyed::{
-    proportional_slice, KeyedSwap, ModuleTag, Packed, SwapContext, SwapPredicate, TensorKey,
-    TensorKeyManager,
+    proportional_slice, KeyedSwap, ModuleTag, Packed, SwapContext, SwapPredicate, TensorKeyManager,
 };
-pub use layer_group::{LayerId, SavedRef, SwapManager};
+pub use layer_group::{SavedRef, SwapManager};
 pub use payload::{Allocator, Compression, CompressionPolicy, FrameworkHandle, Origin, Reacquired};
 pub use pipeline::{
     link_summary_table, offload_summary_table, ChunkId, OffloadTag, PipelineConfig, PipelineOffload,

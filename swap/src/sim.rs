@@ -11,11 +11,12 @@ use hprt_platform::{DType, DeviceBuffer, Platform, Stream};
 use crate::engine::{EngineStats, Faults, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError};
 use crate::keyed::{KeyedSwap, Packed, SwapContext};
-use crate::layer_group::{LayerId, SavedRef, SwapManager};
+use crate::layer_group::{SavedRef, SwapManager};
 use crate::payload::{Allocator, Compression, Reacquired};
 use crate::pipeline::{OffloadTag, PipelineConfig, PipelineOffload};
 use crate::pool::PoolStats;
 use crate::tensor::{DeviceTensor, Saved, VersionCounter};
+use crate::LayerId;
 
 /// Which front end drives the step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

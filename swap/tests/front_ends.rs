@@ -7,7 +7,7 @@ use std::sync::Arc;
 use hprt_platform::{CpuBackend, CpuConfig, DType, DeviceBuffer, ErrorKind, Platform, Stream};
 use hprt_swap::{
     offload_summary_table, proportional_slice, DeviceTensor, KeyedSwap, ModuleTag, OffloadTag,
-    Packed, PipelineConfig, PipelineOffload, Saved, SwapError, SwapManager, SwapState,
+    Packed, PipelineConfig, PipelineOffload, Saved, SwapError, SwapManager, SwapState, TensorKey,
     TensorKeyManager,
 };
 use proptest::prelude::*;
@@ -235,17 +235,23 @@ fn hyper_parallel_group_calls_by_name() {
 #[test]
 fn key_manager_new_layer_same_layer_and_restart() {
     let mut k = TensorKeyManager::new();
-    assert_eq!(k.get_key(0), ((0, 0), false));
-    assert_eq!(k.get_key(0), ((0, 1), false));
-    assert_eq!(k.get_key(1), ((1, 0), true));
-    assert_eq!(k.get_key(1), ((1, 1), false));
-    assert_eq!(k.get_key(1), ((1, 2), false));
-    assert_eq!(k.get_prefetch_keys((1, 0)), vec![]);
-    assert_eq!(k.get_prefetch_keys((1, 1)), vec![(0, 0)]);
-    assert_eq!(k.get_prefetch_keys((1, 2)), vec![(0, 1)]);
-    assert_eq!(k.get_prefetch_keys((0, 0)), vec![]);
+    assert_eq!(k.get_key(0), (TensorKey::new(0, 0), false));
+    assert_eq!(k.get_key(0), (TensorKey::new(0, 1), false));
+    assert_eq!(k.get_key(1), (TensorKey::new(1, 0), true));
+    assert_eq!(k.get_key(1), (TensorKey::new(1, 1), false));
+    assert_eq!(k.get_key(1), (TensorKey::new(1, 2), false));
+    assert_eq!(k.get_prefetch_keys(TensorKey::new(1, 0)), vec![]);
+    assert_eq!(
+        k.get_prefetch_keys(TensorKey::new(1, 1)),
+        vec![TensorKey::new(0, 0)]
+    );
+    assert_eq!(
+        k.get_prefetch_keys(TensorKey::new(1, 2)),
+        vec![TensorKey::new(0, 1)]
+    );
+    assert_eq!(k.get_prefetch_keys(TensorKey::new(0, 0)), vec![]);
     // A lower layer index starts a new step.
-    assert_eq!(k.get_key(0), ((0, 0), false));
+    assert_eq!(k.get_key(0), (TensorKey::new(0, 0), false));
     assert_eq!((k.count(0), k.count(1)), (1, 0));
 }
 
@@ -267,13 +273,13 @@ proptest! {
         for (layer, n) in counts.iter().enumerate() {
             for i in 0..*n {
                 let (key, new_layer) = k.get_key(layer);
-                prop_assert_eq!(key, (layer, i));
+                prop_assert_eq!(key, TensorKey::new(layer, i));
                 prop_assert_eq!(new_layer, i == 0 && layer > 0);
             }
         }
         for layer in 1..counts.len() {
-            let all: Vec<_> = (0..counts[layer]).flat_map(|i| k.get_prefetch_keys((layer, i))).collect();
-            prop_assert_eq!(all, (0..counts[layer - 1]).map(|i| (layer - 1, i)).collect::<Vec<_>>());
+            let all: Vec<_> = (0..counts[layer]).flat_map(|i| k.get_prefetch_keys(TensorKey::new(layer, i))).collect();
+            prop_assert_eq!(all, (0..counts[layer - 1]).map(|i| TensorKey::new(layer - 1, i)).collect::<Vec<_>>());
         }
     }
 }
@@ -329,7 +335,7 @@ fn keyed_eligibility_parameters_empty_small_and_predicate() {
     let (buf, ok) = tensor(&p, &s, 256, 2);
     assert!(matches!(
         k.pack(&ctx[0], ok, &s).unwrap(),
-        Packed::Swapped((0, 0))
+        Packed::Swapped(key) if key == TensorKey::new(0, 0)
     ));
     assert_eq!(buf.len(), 256, "released only when the next layer saves");
     let (_, next) = tensor(&p, &s, 256, 3);
@@ -344,10 +350,10 @@ fn keyed_eligibility_parameters_empty_small_and_predicate() {
     assert_eq!(bytes_of(&p, &s, &back), vec![3; 256]);
     // Its unpack prefetched layer 0's tensor.
     assert_eq!(k.engine().stats().reloaded_tensors, 1);
-    let back = k.unpack(Packed::Swapped((0, 0)), &s).unwrap();
+    let back = k.unpack(Packed::Swapped(TensorKey::new(0, 0)), &s).unwrap();
     assert_eq!(bytes_of(&p, &s, &back), vec![2; 256]);
     assert!(matches!(
-        k.unpack(Packed::Swapped((0, 0)), &s),
+        k.unpack(Packed::Swapped(TensorKey::new(0, 0)), &s),
         Err(SwapError::Unknown { .. })
     ));
 }
