@@ -1,5 +1,8 @@
 //! The C ABI from Rust, through the same `extern "C"` functions a C program links: status codes,
 //! the thread-local message, panics stopped at the boundary, and data really moving.
+//!
+//! (Over 800 lines because it is one test binary for the whole C surface except hsdp — which is
+//! `c_abi_hsdp.rs` — in sections following src/ffi's modules.)
 
 use std::ffi::CStr;
 use std::ptr;

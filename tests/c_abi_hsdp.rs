@@ -2,6 +2,8 @@
 //! shard each rank keeps, the full parameter after unshard, and the reduce-scattered (and, for
 //! HSDP, all-reduced) gradients, each compared with a host reference; lifecycle and argument
 //! errors as typed statuses.
+//!
+//! (Over 800 lines because every mesh kind — FSDP, HSDP, DDP — has its cases and host reference.)
 
 use std::ptr;
 

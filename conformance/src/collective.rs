@@ -6,6 +6,8 @@
 //! its own communicator, stream and buffers. A rank issues all its calls, synchronizes once and
 //! verifies, so a mismatch never leaves a peer waiting in a collective. Results sit in regions
 //! separated by guard bytes that must keep their initial value.
+//!
+//! (Over 800 lines because it holds one plan builder per collective kind over one runner.)
 
 use std::sync::{Barrier, Mutex, OnceLock};
 use std::time::Duration;

@@ -1,5 +1,7 @@
 //! error: typed errors for freed, destroyed and foreign handles, bad ranges and arguments, and
 //! collectives the ranks disagree on (an error on every rank, never a hang).
+//!
+//! (Over 800 lines because it holds one case per error class of the `Platform` contract.)
 
 use anyhow::{ensure, Context, Result};
 use hprt_platform::{Collective, DType, ErrorKind, Platform, ReduceOp};

@@ -1,5 +1,7 @@
 //! hsdp on the cpu backend with in-process ranks: every case compares N ranks with a
 //! single-rank f64 reference computed on the host.
+//!
+//! (Over 800 lines because it is one suite: every case shares the rank harness and reference.)
 
 mod common;
 

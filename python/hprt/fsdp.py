@@ -31,6 +31,10 @@ are views of hprt's memory; on the Ascend and CUDA emulators (torch computes on 
 gathered parameters and gradients are staged through pinned host memory; where torch has the
 platform's device (CUDA, or NPU through torch_npu) torch's device tensors are copied to and
 from hprt's on torch's current stream — that path is untested on hardware.
+from hprt's on torch's current stream — that path is untested on hardware.
+
+(Over 800 lines because the module state, its parameter group and the autograd hooks share
+private per-block state; the sections below follow that order.)
 """
 
 import os

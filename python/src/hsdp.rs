@@ -6,6 +6,9 @@
 //! that each call `Platform.comm_init`. Each rank builds one `GroupCache` over its world
 //! communicator and its parameters in the same order as every other rank; every call that can
 //! wait for the other ranks (sub-communicator splits) releases the GIL.
+//!
+//! (Over 800 lines because it mirrors hprt-hsdp's public types one class each; they share the
+//! rank and error helpers.)
 
 use hprt_platform::sync::lock;
 use std::sync::Mutex;

@@ -1,6 +1,9 @@
 //! The three hprt-swap front ends on hprt device memory: `SwapManager` (hyper_parallel layer groups),
 //! `KeyedSwap` (keyed pack/unpack), `PipelineOffload` (Megatron-LM chunked groups), and
 //! `DeviceTensor`, the tensor description they take.
+//!
+//! (Over 800 lines because the three front ends share `DeviceTensor`, its conversion from Python
+//! and the allocator callback; each front end is one section.)
 
 use hprt_platform::sync::lock;
 use std::sync::{Arc, Mutex};

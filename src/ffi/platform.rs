@@ -1,5 +1,8 @@
 //! C entry points of the platform layer: selection, streams, events, memory, copies,
 //! collectives.
+//!
+//! (Over 800 lines because it is one thin `extern "C"` function per `Platform` operation, each
+//! with its safety contract, in the trait's order.)
 
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::{Arc, OnceLock};

@@ -1,5 +1,6 @@
 //! Tests through the exported functions, as the backend calls them. The emulator's state is
 //! process-wide, so every test takes [`setup`]'s lock and starts from a known configuration.
+//! (Over 800 lines for the same reason: one process-wide state, one lock, one file.)
 
 use std::ffi::c_void;
 use std::ptr::{null, null_mut};
