@@ -80,6 +80,11 @@ static CASES: &[Case] = &[
         memory::alloc_free_accounting
     ),
     case!("memory", "pinned_accounting", memory::pinned_accounting),
+    case!(
+        "memory",
+        "free_does_not_wait_for_queued_work",
+        memory::free_does_not_wait_for_queued_work
+    ),
     case!("memory", "drop_releases", memory::drop_releases),
     case!("memory", "out_of_memory", memory::out_of_memory),
     case!(

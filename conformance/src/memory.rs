@@ -561,3 +561,58 @@ pub(crate) fn mem_info_sane(p: &dyn Platform) -> Result<()> {
     }
     Ok(())
 }
+
+/// Frees are stream ordered: freeing (and dropping) buffers that queued work still uses returns
+/// without waiting for that work, and the memory is not handed out again before the work
+/// finished — new allocations get other memory, and writing them does not change what the
+/// queued copies read.
+pub(crate) fn free_does_not_wait_for_queued_work(p: &dyn Platform) -> Result<()> {
+    let stream = p.create_stream()?;
+    let other = p.create_stream()?;
+    let n = 1 << 16;
+    let data = pattern(9, n);
+    let src = upload(p, &data, &stream)?;
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    // Holds the stream (at most 10 s, so a free that waits shows up as slow, not as a hang).
+    p.launch_host_fn(
+        &stream,
+        Box::new(move || {
+            let _ = held.recv_timeout(std::time::Duration::from_secs(10));
+        }),
+    )?;
+    let mid = p.alloc_device(n)?;
+    p.copy_async((&mid).into(), 0, (&src).into(), 0, n, &stream)?;
+    let out = p.alloc_pinned(n)?;
+    p.copy_async((&out).into(), 0, (&mid).into(), 0, n, &stream)?;
+    let old = [src.device_ptr(), mid.device_ptr()];
+    let started = std::time::Instant::now();
+    p.free_device(&src)?;
+    drop(mid);
+    let took = started.elapsed();
+    let fresh = (0..4)
+        .map(|_| p.alloc_device(n))
+        .collect::<hprt_platform::Result<Vec<_>>>()?;
+    let reused = fresh.iter().any(|f| old.contains(&f.device_ptr()));
+    for f in &fresh {
+        p.memset_async(f, 0, 0xEE, n, &other)?;
+    }
+    p.synchronize_stream(&other)?;
+    let _ = release.send(());
+    p.synchronize_stream(&stream)?;
+    ensure!(
+        took < std::time::Duration::from_secs(5),
+        "freeing buffers under queued work waited for it ({took:?})"
+    );
+    ensure!(
+        !reused,
+        "memory freed under queued work was allocated again before the work finished"
+    );
+    check_bytes(
+        "bytes the queued copies read from the freed buffers",
+        &data,
+        &out.to_vec()?,
+    )?;
+    p.destroy_stream(&other)?;
+    p.destroy_stream(&stream)?;
+    Ok(())
+}

@@ -747,20 +747,25 @@ fn a_failed_collective_aborts_the_communicator_on_every_rank() {
     assert_eq!(emu.stats().live_comms, comms_before);
 }
 
-/// When the backend cannot show that a buffer's queued work finished (the wait on its use event
-/// fails and the event is not complete), dropping the buffer leaks it (logged) instead of freeing
-/// memory that work may still use; when the event says the work finished, it is freed.
+/// Frees are stream ordered: dropping a buffer that queued work still uses returns at once, and
+/// its memory is freed only once that work finished (no `cuMemFree` under queued work, the
+/// allocation gone after a synchronize). When the backend cannot show that the work finished
+/// (the query on its use event fails), the buffer is leaked (logged) instead of freed under work
+/// that may still use it.
 #[test]
-fn a_buffer_whose_last_use_cannot_be_shown_finished_is_leaked_not_freed() {
+fn a_free_waits_for_no_queued_work_and_a_buffer_whose_last_use_cannot_be_shown_finished_is_leaked()
+{
     let _g = serial();
     let emu = Emu::open();
-    let p = open().unwrap();
-    let s = p.create_stream().unwrap();
     let frees_under_work = emu.stats().frees_under_queued_work;
     let allocations = emu.stats().live_device_allocations;
+    let reclaimed = emu.stats().reclaimed_at_context_destroy;
+    // Dropping the platform waits for the memory still waiting for its queued work, then frees
+    // it.
+    let p = open().unwrap();
+    let s = p.create_stream().unwrap();
     let d = p.alloc_device(1 << 16).unwrap();
     let (release, held) = std::sync::mpsc::channel::<()>();
-    // Keeps the memset queued while the buffer is dropped.
     p.launch_host_fn(
         &s,
         Box::new(move || {
@@ -769,32 +774,62 @@ fn a_buffer_whose_last_use_cannot_be_shown_finished_is_leaked_not_freed() {
     )
     .unwrap();
     p.memset_async(&d, 0, 1, 1 << 16, &s).unwrap();
-    emu.faults("cuEventSynchronize:1:999");
     drop(d);
-    emu.faults("");
-    let _ = release.send(());
-    p.synchronize_stream(&s).unwrap();
+    let releaser = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let _ = release.send(());
+    });
+    drop((s, p));
+    releaser.join().unwrap();
     assert_eq!(
         emu.stats().frees_under_queued_work,
         frees_under_work,
-        "a buffer was freed while queued work still used it"
+        "the platform's teardown freed memory under queued work"
     );
     assert_eq!(
-        emu.stats().live_device_allocations,
-        allocations + 1,
-        "the buffer whose last use could not be shown finished was not leaked"
+        (
+            emu.stats().live_device_allocations,
+            emu.stats().reclaimed_at_context_destroy
+        ),
+        (allocations, reclaimed),
+        "the platform's teardown did not free the memory waiting for its queued work"
     );
 
-    let d = p.alloc_device(1 << 16).unwrap();
-    p.memset_async(&d, 0, 1, 1 << 16, &s).unwrap();
-    p.synchronize_stream(&s).unwrap();
-    emu.faults("cuEventSynchronize:1:999");
-    drop(d);
-    emu.faults("");
+    let p = open().unwrap();
+    let s = p.create_stream().unwrap();
+    for query_fault in ["", "cuEventQuery:1:999"] {
+        let d = p.alloc_device(1 << 16).unwrap();
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        // Keeps the memset queued while the buffer is dropped.
+        p.launch_host_fn(
+            &s,
+            Box::new(move || {
+                let _ = held.recv_timeout(std::time::Duration::from_secs(10));
+            }),
+        )
+        .unwrap();
+        p.memset_async(&d, 0, 1, 1 << 16, &s).unwrap();
+        emu.faults(query_fault);
+        let started = std::time::Instant::now();
+        drop(d);
+        let took = started.elapsed();
+        emu.faults("");
+        assert!(
+            took < std::time::Duration::from_secs(5),
+            "{query_fault:?}: the free waited for the queued memset ({took:?})"
+        );
+        let _ = release.send(());
+        p.synchronize_stream(&s).unwrap();
+        assert_eq!(
+            emu.stats().frees_under_queued_work,
+            frees_under_work,
+            "{query_fault:?}: a buffer was freed while queued work still used it"
+        );
+    }
     assert_eq!(
         emu.stats().live_device_allocations,
         allocations + 1,
-        "a buffer whose use event is complete was not freed when the wait on it failed"
+        "not exactly the buffer whose last use could not be shown finished was kept (leaked)"
     );
 }
 

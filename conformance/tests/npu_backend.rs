@@ -330,9 +330,9 @@ fn a_failed_report_thread_start_is_retried() {
     assert!(failed.is_empty(), "{failed:#?}");
 }
 
-/// Freeing memory whose queued work cannot be shown finished (the event wait failed and the
-/// work is still pending) leaks it, reported and still counted, instead of freeing it under
-/// that work; once the wait succeeds, memory is freed as usual.
+/// Freeing memory whose queued work cannot be shown finished (the query on its use event fails
+/// while the work is still pending) leaks it, reported and still counted, instead of freeing it
+/// under that work; otherwise memory is freed, in stream order, once its work finished.
 #[test]
 fn memory_is_not_freed_when_its_last_use_is_not_known_finished() {
     let _g = serial();
@@ -350,7 +350,7 @@ fn memory_is_not_freed_when_its_last_use_is_not_known_finished() {
     let d = p.alloc_device(4096).unwrap();
     p.memset_async(&d, 0, 7, 4096, &s).unwrap();
     let before = emu.stats().live_device_allocations;
-    emu.faults("aclrtSynchronizeEvent:1:507000");
+    emu.faults("aclrtQueryEventStatus:1:507000");
     drop(d);
     emu.faults("");
     assert_eq!(
@@ -366,10 +366,11 @@ fn memory_is_not_freed_when_its_last_use_is_not_known_finished() {
     release.send(()).unwrap();
     p.synchronize_stream(&s)
         .expect("the memset ran on memory that is still allocated");
-    // The ordinary path frees.
+    // The ordinary path frees, once the work queued on the memory finished.
     let d = p.alloc_device(4096).unwrap();
     p.memset_async(&d, 0, 7, 4096, &s).unwrap();
     drop(d);
+    p.synchronize_stream(&s).unwrap();
     assert_eq!(emu.stats().live_device_allocations, before);
 }
 

@@ -41,6 +41,9 @@ pub trait Backend: Send + Sync + 'static {
     fn mem_info(&self) -> Result<MemInfo>;
     fn memory_stats(&self) -> MemoryStats;
     fn reset_peak_memory(&self);
+    /// Frees the memory whose last handle went while work was queued on it and whose work has
+    /// finished since (a backend that frees in stream order by itself has nothing to do).
+    fn reclaim_frees(&self) {}
 
     fn create_stream(&self) -> Result<(Self::Stream, RawStream)>;
     /// # Safety

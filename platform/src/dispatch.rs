@@ -182,9 +182,11 @@ impl<B: Backend> Platform for B {
         Backend::current_device(self)
     }
     fn mem_info(&self) -> Result<MemInfo> {
+        Backend::reclaim_frees(self);
         Backend::mem_info(self)
     }
     fn memory_stats(&self) -> MemoryStats {
+        Backend::reclaim_frees(self);
         Backend::memory_stats(self)
     }
     fn reset_peak_memory(&self) {
@@ -214,13 +216,17 @@ impl<B: Backend> Platform for B {
         Backend::destroy_stream(self, obj)
     }
     fn synchronize_stream(&self, stream: &Stream) -> Result<()> {
-        Backend::synchronize_stream(self, &stream_obj(self, stream, "synchronize_stream")?)
+        let r = Backend::synchronize_stream(self, &stream_obj(self, stream, "synchronize_stream")?);
+        Backend::reclaim_frees(self);
+        r
     }
     fn query_stream(&self, stream: &Stream) -> Result<bool> {
         Backend::query_stream(self, &stream_obj(self, stream, "query_stream")?)
     }
     fn synchronize_device(&self) -> Result<()> {
-        Backend::synchronize_device(self)
+        let r = Backend::synchronize_device(self);
+        Backend::reclaim_frees(self);
+        r
     }
 
     fn create_event(&self, timing: bool) -> Result<Event> {
@@ -248,7 +254,9 @@ impl<B: Backend> Platform for B {
         Backend::query_event(self, &event_obj(self, event, "query_event")?)
     }
     fn synchronize_event(&self, event: &Event) -> Result<()> {
-        Backend::synchronize_event(self, &event_obj(self, event, "synchronize_event")?)
+        let r = Backend::synchronize_event(self, &event_obj(self, event, "synchronize_event")?);
+        Backend::reclaim_frees(self);
+        r
     }
     fn event_elapsed_ms(&self, start: &Event, end: &Event) -> Result<f32> {
         for e in [start, end] {

@@ -20,6 +20,7 @@ mod backend;
 mod collective;
 pub mod cpu;
 pub mod cuda;
+mod deferred;
 mod dispatch;
 mod dtype;
 mod error;

@@ -37,6 +37,7 @@ use cudarc::nccl::sys::{ncclComm_t, ncclUniqueId};
 
 use crate::backend::{Backend, Loc, Place};
 use crate::collective::Collective;
+use crate::deferred::{self, DeferredFree, DeferredFrees, Progress};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
@@ -165,6 +166,9 @@ struct Shared {
     probes: Vec<LibraryProbe>,
     reaper: Reaper,
     watchdog: Arc<Watchdog>,
+    /// Where memory whose queued work is not finished waits to be freed (the platform value
+    /// owns the list).
+    frees: Weak<DeferredFrees>,
     /// Keeps the driver library that cudarc resolved mapped.
     _driver: libloading::Library,
 }
@@ -457,59 +461,102 @@ impl MemObj {
 
 impl Drop for MemObj {
     fn drop(&mut self) {
-        let shared = Arc::clone(&self.shared);
-        let uses = std::mem::take(self.uses.get_mut().unwrap_or_else(|p| p.into_inner()));
-        let origin = std::mem::replace(
-            self.origin.get_mut().unwrap_or_else(|p| p.into_inner()),
-            Origin::Borrowed(None),
-        );
-        let (ptr, len) = (self.ptr, self.len);
-        self.shared.reaper.run_or_defer(move || {
-            // Memory is never freed (or handed back) under queued work, as cudaFree guarantees.
-            // Where that cannot be established (a failed wait on work that is not complete, or
-            // no context), it is leaked, reported and still counted instead.
-            let mut finished = true;
-            for u in uses {
-                // SAFETY (the calls below): events this object created, destroyed once.
-                let known = shared.bind(u.device).is_ok()
-                    && (unsafe { cu::cuEventSynchronize(u.event as cu::CUevent) }
-                        == cu::CUresult::CUDA_SUCCESS
-                        || unsafe { cu::cuEventQuery(u.event as cu::CUevent) }
-                            == cu::CUresult::CUDA_SUCCESS);
-                if known {
-                    unsafe { cu::cuEventDestroy_v2(u.event as cu::CUevent) };
-                }
-                finished &= known;
+        let pending = PendingFree {
+            shared: Arc::clone(&self.shared),
+            uses: std::mem::take(self.uses.get_mut().unwrap_or_else(|p| p.into_inner())),
+            origin: std::mem::replace(
+                self.origin.get_mut().unwrap_or_else(|p| p.into_inner()),
+                Origin::Borrowed(None),
+            ),
+            ptr: self.ptr,
+            len: self.len,
+        };
+        let frees = self.shared.frees.clone();
+        self.shared
+            .reaper
+            .run_or_defer(move || deferred::release_to(&frees, Box::new(pending)));
+    }
+}
+
+/// Memory whose last handle went, freed in stream order: once the work queued on it finished
+/// (`deferred`), never under it, as cudaFree guarantees.
+struct PendingFree {
+    shared: Arc<Shared>,
+    uses: Vec<Use>,
+    origin: Origin,
+    ptr: usize,
+    len: usize,
+}
+
+impl DeferredFree for PendingFree {
+    fn progress(&mut self, wait: bool) -> Progress {
+        while let Some(u) = self.uses.last() {
+            if host_fn::in_host_fn() {
+                return Progress::Pending;
             }
+            if self.shared.bind(u.device).is_err() {
+                return Progress::Unknown;
+            }
+            let event = u.event as cu::CUevent;
+            // SAFETY (the calls below): events this object created, destroyed once. A failed
+            // wait may only report failed work queued before the mark (then the query says
+            // complete), or the wait itself failing: then nothing is known.
+            let finished = match unsafe { cu::cuEventQuery(event) } {
+                cu::CUresult::CUDA_SUCCESS => true,
+                cu::CUresult::CUDA_ERROR_NOT_READY if !wait => return Progress::Pending,
+                cu::CUresult::CUDA_ERROR_NOT_READY => {
+                    let ok = cu::CUresult::CUDA_SUCCESS;
+                    (unsafe { cu::cuEventSynchronize(event) } == ok)
+                        || (unsafe { cu::cuEventQuery(event) } == ok)
+                }
+                _ => false,
+            };
             if !finished {
-                tracing::error!(
-                    bytes = len,
-                    "cuda: leaking memory whose queued work is not known to have finished"
-                );
-                return;
+                return Progress::Unknown;
             }
-            match origin {
-                Origin::Device(d) => {
-                    if shared.bind(d).is_ok() {
-                        // SAFETY: allocated by cuMemAlloc; no queued work uses it any more.
-                        let _ = cu_call!(cuMemFree_v2(ptr as cu::CUdeviceptr));
-                    }
-                    shared.devices[d].memory.release(len);
+            unsafe { cu::cuEventDestroy_v2(event) };
+            self.uses.pop();
+        }
+        Progress::Finished
+    }
+
+    fn free(self: Box<Self>) {
+        let PendingFree {
+            shared,
+            origin,
+            ptr,
+            len,
+            ..
+        } = *self;
+        match origin {
+            Origin::Device(d) => {
+                if shared.bind(d).is_ok() {
+                    // SAFETY: allocated by cuMemAlloc; no queued work uses it any more.
+                    let _ = cu_call!(cuMemFree_v2(ptr as cu::CUdeviceptr));
                 }
-                Origin::Pinned(d) => {
-                    if shared.bind(d).is_ok() {
-                        // SAFETY: allocated by cuMemHostAlloc; no queued work uses it any more.
-                        let _ = cu_call!(cuMemFreeHost(ptr as *mut c_void));
-                    }
-                    shared.pinned.release(len);
+                shared.devices[d].memory.release(len);
+            }
+            Origin::Pinned(d) => {
+                if shared.bind(d).is_ok() {
+                    // SAFETY: allocated by cuMemHostAlloc; no queued work uses it any more.
+                    let _ = cu_call!(cuMemFreeHost(ptr as *mut c_void));
                 }
-                Origin::Borrowed(release) => {
-                    if let Some(f) = release {
-                        f();
-                    }
+                shared.pinned.release(len);
+            }
+            Origin::Borrowed(release) => {
+                if let Some(f) = release {
+                    f();
                 }
             }
-        });
+        }
+    }
+
+    fn leak(self: Box<Self>) {
+        // Leaked, reported and still counted rather than freed under work that may use it.
+        tracing::error!(
+            bytes = self.len,
+            "cuda: leaking memory whose queued work is not known to have finished"
+        );
     }
 }
 
@@ -561,6 +608,8 @@ impl Drop for CommObj {
 pub struct CudaBackend {
     shared: Arc<Shared>,
     retired: Retired<Arc<StreamObj>>,
+    /// Dropped last: waits for the memory still waiting for its queued work, then frees it.
+    frees: Arc<DeferredFrees>,
 }
 
 fn unavailable(op: &'static str, msg: impl Into<String>) -> Error {
@@ -715,7 +764,9 @@ impl CudaBackend {
                 tracing::warn!(library = what, error = %e, "cuda backend without {what}");
             }
         }
+        let (frees, frees_ref) = deferred::new_list();
         Ok(CudaBackend {
+            frees,
             shared: Arc::new(Shared {
                 instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
                 driver_path: found.path,
@@ -728,6 +779,7 @@ impl CudaBackend {
                 probes,
                 reaper: Reaper::new(),
                 watchdog: Arc::new(Watchdog::new(timeout)),
+                frees: frees_ref,
                 _driver: found.lib,
             }),
             retired: Retired::default(),
@@ -1161,6 +1213,9 @@ impl Backend for CudaBackend {
             pinned_allocations: p.allocations(),
         }
     }
+    fn reclaim_frees(&self) {
+        self.frees.reclaim(false);
+    }
     fn reset_peak_memory(&self) {
         self.shared.devices[self.shared.current_device()]
             .memory
@@ -1330,9 +1385,11 @@ impl Backend for CudaBackend {
         }
         let mut p: cu::CUdeviceptr = 0;
         // SAFETY: plain driver call into a local.
-        cu_call!(cuMemAlloc_v2(&mut p, bytes))?;
+        self.frees
+            .retrying(|| cu_call!(cuMemAlloc_v2(&mut p, bytes)))?;
         // Accounted only once the driver succeeded, so a refused request leaves the peak alone.
-        if let Err(e) = d.memory.reserve(BackendKind::Cuda, "cuMemAlloc_v2", bytes) {
+        let reserve = || d.memory.reserve(BackendKind::Cuda, "cuMemAlloc_v2", bytes);
+        if let Err(e) = self.frees.retrying(reserve) {
             // SAFETY: just allocated, never handed out.
             unsafe { cu::cuMemFree_v2(p) };
             return Err(e);
@@ -1371,11 +1428,12 @@ impl Backend for CudaBackend {
             }
             other => cu(other, "cuMemHostAlloc")?,
         }
-        if let Err(e) = self
-            .shared
-            .pinned
-            .reserve(BackendKind::Cuda, "cuMemHostAlloc", bytes)
-        {
+        let reserve = || {
+            self.shared
+                .pinned
+                .reserve(BackendKind::Cuda, "cuMemHostAlloc", bytes)
+        };
+        if let Err(e) = self.frees.retrying(reserve) {
             // SAFETY: just allocated, never handed out.
             unsafe { cu::cuMemFreeHost(p) };
             return Err(e);

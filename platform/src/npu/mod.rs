@@ -24,6 +24,7 @@ use hprt_sys::{Ascend, SearchEnv, OPTIONAL_SYMBOLS};
 
 use crate::backend::{Backend, Loc, Place};
 use crate::collective::Collective;
+use crate::deferred::{self, DeferredFree, DeferredFrees, Progress};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
@@ -65,6 +66,9 @@ struct Shared {
     reporter_start: Mutex<()>,
     /// Pinned staging buffers for the host scale step of `Avg`, by size, returned after use.
     staging: Arc<Mutex<HashMap<usize, Vec<usize>>>>,
+    /// Where memory whose queued work is not finished waits to be freed (the platform value
+    /// owns the list).
+    frees: Weak<DeferredFrees>,
 }
 
 impl Shared {
@@ -224,60 +228,75 @@ impl MemObj {
     }
 }
 
-impl MemObj {
-    /// Whether every operation queued on this memory is known to have finished. An error from
-    /// `aclrtSynchronizeEvent` may only report failed work queued before the mark (finished, so
-    /// the status query says complete), or the wait itself failing: then nothing is known.
-    fn uses_finished(&self) -> bool {
-        let api = &self.shared.api.acl;
-        if self.shared.bind().is_err() {
-            return lock(&self.uses).is_empty();
-        }
-        let mut uses = lock(&self.uses);
-        while let Some(&(_, e)) = uses.last() {
-            // SAFETY: an event this object created and has not destroyed.
-            let waited = unsafe { api.aclrtSynchronizeEvent(e as _) };
-            if waited != 0 {
-                let mut status = aclrtEventRecordedStatus(0);
-                // SAFETY: as above.
-                let queried = unsafe { api.aclrtQueryEventStatus(e as _, &mut status) };
-                if queried != 0 || status.0 != 1 {
-                    tracing::error!(
-                        waited,
-                        queried,
-                        "npu: cannot tell whether queued work on {} bytes at {:#x} finished",
-                        self.len,
-                        self.ptr
-                    );
-                    return false;
-                }
-            }
-            uses.pop();
-            // SAFETY: as above; no longer waited on.
-            unsafe { api.aclrtDestroyEvent(e as _) };
-        }
-        true
+impl Drop for MemObj {
+    fn drop(&mut self) {
+        let pending = PendingFree {
+            shared: Arc::clone(&self.shared),
+            uses: std::mem::take(self.uses.get_mut().unwrap_or_else(|p| p.into_inner())),
+            origin: std::mem::replace(&mut self.origin, Origin::Borrowed(Mutex::new(None))),
+            ptr: self.ptr,
+            len: self.len,
+        };
+        deferred::release_to(&self.shared.frees, Box::new(pending));
     }
 }
 
-impl Drop for MemObj {
-    fn drop(&mut self) {
+/// Memory whose last handle went, freed in stream order: once the work queued on it finished
+/// (`deferred`), never under it, as cudaFree guarantees.
+struct PendingFree {
+    shared: Arc<Shared>,
+    uses: Vec<(usize, usize)>,
+    origin: Origin,
+    ptr: usize,
+    len: usize,
+}
+
+impl DeferredFree for PendingFree {
+    /// An error from `aclrtSynchronizeEvent` may only report failed work queued before the mark
+    /// (finished, so the status query says complete), or the wait itself failing: then nothing
+    /// is known.
+    fn progress(&mut self, wait: bool) -> Progress {
         let api = &self.shared.api.acl;
-        // Memory is never freed (or handed back) under queued work, as cudaFree guarantees. When
-        // that cannot be established (the event wait failed), the memory is leaked and stays
-        // counted as in use, rather than freed under work that may still touch it.
-        if !self.uses_finished() {
-            let origin = match &self.origin {
-                Origin::Device(_) => "device",
-                Origin::Pinned => "pinned",
-                Origin::Borrowed(_) => "borrowed (its release is not run)",
-            };
-            tracing::error!(
-                bytes = self.len,
-                "npu: leaking {origin} memory whose queued work is not known to have finished"
-            );
-            return;
+        if self.uses.is_empty() {
+            return Progress::Finished;
         }
+        if self.shared.bind().is_err() {
+            return Progress::Unknown;
+        }
+        let complete = |e: usize| {
+            let mut status = aclrtEventRecordedStatus(0);
+            // SAFETY: an event this object created and has not destroyed.
+            let queried = unsafe { api.aclrtQueryEventStatus(e as _, &mut status) };
+            (queried == 0).then_some(status.0 == 1)
+        };
+        while let Some(&(_, e)) = self.uses.last() {
+            let finished = match complete(e) {
+                Some(true) => true,
+                Some(false) if !wait => return Progress::Pending,
+                Some(false) => {
+                    // SAFETY: as above.
+                    let waited = unsafe { api.aclrtSynchronizeEvent(e as _) };
+                    waited == 0 || complete(e) == Some(true)
+                }
+                None => false,
+            };
+            if !finished {
+                tracing::error!(
+                    "npu: cannot tell whether queued work on {} bytes at {:#x} finished",
+                    self.len,
+                    self.ptr
+                );
+                return Progress::Unknown;
+            }
+            self.uses.pop();
+            // SAFETY: as above; no longer waited on.
+            unsafe { api.aclrtDestroyEvent(e as _) };
+        }
+        Progress::Finished
+    }
+
+    fn free(mut self: Box<Self>) {
+        let api = &self.shared.api.acl;
         match &mut self.origin {
             Origin::Device(d) => {
                 // SAFETY: allocated by aclrtMalloc; no queued work uses it any more.
@@ -295,6 +314,19 @@ impl Drop for MemObj {
                 }
             }
         }
+    }
+
+    /// Leaked and still counted as in use, rather than freed under work that may still touch it.
+    fn leak(self: Box<Self>) {
+        let origin = match &self.origin {
+            Origin::Device(_) => "device",
+            Origin::Pinned => "pinned",
+            Origin::Borrowed(_) => "borrowed (its release is not run)",
+        };
+        tracing::error!(
+            bytes = self.len,
+            "npu: leaking {origin} memory whose queued work is not known to have finished"
+        );
     }
 }
 
@@ -322,6 +354,8 @@ pub struct NpuBackend {
     shared: Arc<Shared>,
     device_count: usize,
     retired: Retired<Arc<StreamObj>>,
+    /// Dropped last: waits for the memory still waiting for its queued work, then frees it.
+    frees: Arc<DeferredFrees>,
 }
 
 fn hccl_dtype(d: DType) -> HcclDataType {
@@ -421,7 +455,9 @@ impl NpuBackend {
                 "ACL reports no NPU device",
             )));
         }
+        let (frees, frees_ref) = deferred::new_list();
         let shared = Arc::new(Shared {
+            frees: frees_ref,
             instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
             owns_acl,
             devices: (0..count)
@@ -438,6 +474,7 @@ impl NpuBackend {
             shared,
             device_count: count as usize,
             retired: Retired::default(),
+            frees,
         })
     }
 
@@ -467,7 +504,8 @@ impl NpuBackend {
         }
         let mut p = std::ptr::null_mut();
         // SAFETY: plain ACL call.
-        acl_call!(self.api(), aclrtMallocHost(&mut p, bytes))?;
+        self.frees
+            .retrying(|| acl_call!(self.api(), aclrtMallocHost(&mut p, bytes)))?;
         Ok(p as usize)
     }
 
@@ -732,6 +770,9 @@ impl Backend for NpuBackend {
             pinned_allocations: p.allocations(),
         }
     }
+    fn reclaim_frees(&self) {
+        self.frees.reclaim(false);
+    }
     fn reset_peak_memory(&self) {
         self.shared.devices[Backend::current_device(self)].reset_peak();
         self.shared.pinned.reset_peak();
@@ -891,11 +932,13 @@ impl Backend for NpuBackend {
     fn alloc_device(&self, bytes: usize) -> Result<(Arc<MemObj>, usize)> {
         let device = self.shared.bind()? as usize;
         let mut p = std::ptr::null_mut();
-        // SAFETY: plain ACL call.
-        acl_call!(
-            self.api(),
-            aclrtMalloc(&mut p, bytes, aclrtMemMallocPolicy(0))
-        )?;
+        self.frees.retrying(|| {
+            // SAFETY: plain ACL call.
+            acl_call!(
+                self.api(),
+                aclrtMalloc(&mut p, bytes, aclrtMemMallocPolicy(0))
+            )
+        })?;
         self.shared.devices[device].reserve(BackendKind::Npu, "aclrtMalloc", bytes)?;
         let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Device(device));
         Ok((m, p as usize))
@@ -917,7 +960,8 @@ impl Backend for NpuBackend {
         self.shared.bind()?;
         let mut p = std::ptr::null_mut();
         // SAFETY: plain ACL call.
-        acl_call!(self.api(), aclrtMallocHost(&mut p, bytes))?;
+        self.frees
+            .retrying(|| acl_call!(self.api(), aclrtMallocHost(&mut p, bytes)))?;
         self.shared
             .pinned
             .reserve(BackendKind::Npu, "aclrtMallocHost", bytes)?;
