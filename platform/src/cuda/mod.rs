@@ -1214,7 +1214,14 @@ impl Backend for CudaBackend {
         }
     }
     fn reclaim_frees(&self) {
+        // Reclaiming binds the devices of the memory it frees: the caller's context is put back.
+        let mut current = std::ptr::null_mut();
+        // SAFETY: plain driver calls.
+        let saved = unsafe { cu::cuCtxGetCurrent(&mut current) } == cu::CUresult::CUDA_SUCCESS;
         self.frees.reclaim(false);
+        if saved {
+            unsafe { cu::cuCtxSetCurrent(current) };
+        }
     }
     fn reset_peak_memory(&self) {
         self.shared.devices[self.shared.current_device()]
@@ -1384,9 +1391,12 @@ impl Backend for CudaBackend {
             ));
         }
         let mut p: cu::CUdeviceptr = 0;
-        // SAFETY: plain driver call into a local.
-        self.frees
-            .retrying(|| cu_call!(cuMemAlloc_v2(&mut p, bytes)))?;
+        self.frees.retrying(|| {
+            // Bound again: reclaiming frees binds the devices of their memory.
+            self.shared.bind(device)?;
+            // SAFETY: plain driver call into a local.
+            cu_call!(cuMemAlloc_v2(&mut p, bytes))
+        })?;
         // Accounted only once the driver succeeded, so a refused request leaves the peak alone.
         let reserve = || d.memory.reserve(BackendKind::Cuda, "cuMemAlloc_v2", bytes);
         if let Err(e) = self.frees.retrying(reserve) {
