@@ -59,6 +59,9 @@ pub struct Faults {
     pub skip_reload_wait: bool,
     /// An offload into a recycled pinned block does not wait for the block's last reload.
     pub skip_pinned_reuse_wait: bool,
+    /// A reload does not wait for the copies of offloads taken back before it (the device
+    /// footprint then grows past two layers where copies lag).
+    pub skip_taken_back_wait: bool,
 }
 
 /// Bytes and tensors moved by an engine since it was made.
@@ -91,7 +94,14 @@ pub struct EngineStats {
 /// - the compute stream waits for a reload before the tensor is handed back
 ///   ([`SwapEngine::finish_reload`]);
 /// - a pinned block handed back while its reload is queued is not written again before that
-///   reload read it.
+///   reload read it;
+/// - a reload allocates no device memory while an offload taken back by
+///   [`SwapEngine::cancel_offload`] may still be reading its tensors: the host waits for such
+///   copies first. Memory that queued work still uses stays device memory until that work
+///   finished (the platform frees in stream order, as `cuMemFreeAsync` / torch's
+///   `record_stream` do), so without the wait the taken-back group, freed by the framework
+///   after its backward, would still hold the device while the next group reloads: this wait
+///   is what keeps the front ends' footprint at two layers on a device whose copies lag.
 ///
 /// Batch calls act on the tensors in their source state and skip those already at or past their
 /// target (so a failed batch can be retried); any other state is a [`SwapError::WrongState`].
@@ -136,6 +146,9 @@ pub struct SwapEngine {
     /// Keyed by the address the storage had when offloaded (shared by its views; a later
     /// storage may reuse an address, so a bucket can hold several).
     released: HashMap<usize, Vec<Released>>,
+    /// Offload fences of tensors taken back while their copies were queued: the next reload
+    /// waits for them before it allocates.
+    taken_back: Vec<Fence>,
     faults: Faults,
     stats: EngineStats,
     codec_ns: Arc<AtomicU64>,
@@ -191,6 +204,7 @@ impl SwapEngine {
             compression: config.compression,
             policy: config.compression_policy,
             released: HashMap::new(),
+            taken_back: Vec::new(),
             faults: Faults::default(),
             stats: EngineStats::default(),
             codec_ns: Arc::default(),
@@ -529,7 +543,9 @@ impl SwapEngine {
 
     /// Takes back tensors whose offload is still queued (`d2h`) without copying: their device
     /// bytes were never released. Their host blocks return to the pool, to be reused only after
-    /// the queued copy. Tensors in `device` are skipped; `host`/`h2d` are errors.
+    /// the queued copy, and the next reload waits for that copy before it allocates (see the
+    /// ordering rules on [`SwapEngine`]). Tensors in `device` are skipped; `host`/`h2d` are
+    /// errors.
     pub fn cancel_offload<'a>(
         &mut self,
         tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
@@ -540,9 +556,26 @@ impl SwapEngine {
                 SwapState::NonTensor | SwapState::Device => continue,
                 SwapState::Host | SwapState::H2d => return Err(t.wrong("cancel_offload", "d2h")),
             }
+            if let Some(f) = t.d2h.take() {
+                if !self.taken_back.iter().any(|w| Arc::ptr_eq(w, &f)) {
+                    self.taken_back.push(f);
+                }
+            }
             t.host = None;
-            t.d2h = None;
             t.state = SwapState::Device;
+        }
+        Ok(())
+    }
+
+    /// Waits for the copies of the offloads taken back since the last reload (the memory they
+    /// read stays device memory until they finished).
+    fn wait_taken_back(&mut self) -> Result<()> {
+        if self.faults.skip_taken_back_wait {
+            self.taken_back.clear();
+        }
+        while let Some(f) = self.taken_back.last() {
+            self.platform.synchronize_event(f)?;
+            self.taken_back.pop();
         }
         Ok(())
     }
@@ -574,6 +607,7 @@ impl SwapEngine {
                 SwapState::NonTensor | SwapState::H2d | SwapState::Device => continue,
                 SwapState::D2h => return Err(t.wrong("start_reload", "host")),
             }
+            self.wait_taken_back()?;
             if let Some(current) = t.modified {
                 return Err(SwapError::ModifiedSinceOffload {
                     saved: t.version_at_offload,
@@ -833,6 +867,7 @@ impl SwapEngine {
     pub fn end_iteration(&mut self) -> Result<()> {
         self.synchronize()?;
         self.released.clear();
+        self.taken_back.clear();
         self.pool.reset();
         Ok(())
     }

@@ -72,6 +72,55 @@ fn peak_device_memory_stays_within_two_layers() {
     }
 }
 
+/// With copies that lag (jitter), the bound holds because a reload waits for the copies of
+/// offloads taken back before it (the pipeline takes back the last group's offload when its
+/// backward comes first): memory those copies read is device memory until they finished.
+#[test]
+fn peak_stays_within_two_layers_under_jitter_and_needs_the_taken_back_wait() {
+    let cfg = SimConfig {
+        layers: 4,
+        tensor_bytes: 2048,
+        ..SimConfig::default()
+    };
+    let over_bound = |faults: Faults, seed: u64| {
+        let r = run(
+            FrontEnd::Pipeline,
+            &SimConfig {
+                faults,
+                ..cfg.clone()
+            },
+            Some(seed),
+        );
+        assert_eq!(
+            r.mismatched_tensors, 0,
+            "seed {seed}: {:?}",
+            r.first_mismatch
+        );
+        r.device_peak > 2 * r.layer_bytes
+    };
+    for seed in jitter_seeds() {
+        for front in FrontEnd::SWAPPING {
+            let r = run(front, &cfg, Some(seed));
+            assert!(
+                r.device_peak <= 2 * r.layer_bytes,
+                "{front:?} jitter seed {seed}: peak {} > 2 layers of {}",
+                r.device_peak,
+                r.layer_bytes
+            );
+        }
+    }
+    let faults = Faults {
+        skip_taken_back_wait: true,
+        ..Faults::default()
+    };
+    assert!(
+        jitter_seeds()
+            .into_iter()
+            .any(|seed| over_bound(faults, seed)),
+        "removing the wait for taken-back offloads went unnoticed"
+    );
+}
+
 #[test]
 fn sixteen_layers_identical_results_and_lower_peak_than_no_swap() {
     let cfg = SimConfig {
