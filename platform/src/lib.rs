@@ -16,11 +16,11 @@
 //!   [`HprtStatus`] — hprt's one table of status numbers (the C ABI returns it).
 //! - [`sync::lock`] — the poison-tolerant mutex lock every hprt crate uses.
 
+mod auxil;
 mod backend;
 mod collective;
 pub mod cpu;
 pub mod cuda;
-mod deferred;
 mod dispatch;
 mod dtype;
 mod error;

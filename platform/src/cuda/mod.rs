@@ -35,9 +35,11 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys::{ncclComm_t, ncclUniqueId};
 
+use crate::auxil;
+use crate::auxil::deferred::{self, DeferredFrees};
+use crate::auxil::uses::{TrackedMem, UseEvents};
 use crate::backend::{Backend, Loc, Place};
 use crate::collective::Collective;
-use crate::deferred::{self, DeferredFree, DeferredFrees, Progress};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
@@ -154,7 +156,7 @@ struct Device {
 }
 
 /// What every object of one cuda platform value shares.
-struct Shared {
+pub struct Shared {
     instance: u64,
     driver_path: String,
     driver_version: i32,
@@ -343,6 +345,13 @@ pub struct StreamObj {
     errors: StreamErrors,
 }
 
+impl StreamObj {
+    /// What use tracking tells streams apart by.
+    fn key(&self) -> (usize, usize) {
+        (self.raw, self.device)
+    }
+}
+
 impl Drop for StreamObj {
     fn drop(&mut self) {
         if !self.owned {
@@ -380,168 +389,87 @@ impl Drop for EventObj {
     }
 }
 
-enum Origin {
+/// How a buffer's memory was obtained.
+pub enum Origin {
     Device(usize),
     /// With the device whose context allocated it (freeing needs a current context).
     Pinned(usize),
     Borrowed(Option<ReleaseFn>),
 }
 
-/// One stream that queued work on a buffer, and the event marking the last such work.
-struct Use {
-    stream: usize,
-    event: usize,
-    device: usize,
-}
-
-/// Device, pinned or borrowed memory.
-pub struct MemObj {
-    shared: Arc<Shared>,
-    ptr: usize,
-    len: usize,
-    origin: Mutex<Origin>,
-    uses: Mutex<Vec<Use>>,
-}
+/// Device, pinned or borrowed memory, with the events of its uses (`auxil::uses`).
+pub type MemObj = TrackedMem<Shared>;
 
 impl MemObj {
-    fn new(shared: &Arc<Shared>, ptr: usize, len: usize, origin: Origin) -> Arc<MemObj> {
-        Arc::new(MemObj {
-            shared: Arc::clone(shared),
-            ptr,
-            len,
-            origin: Mutex::new(origin),
-            uses: Mutex::new(Vec::new()),
-        })
-    }
-
-    /// Notes that work just queued on `stream` (whose device is bound) uses this memory.
-    /// When the use cannot be recorded (no event could be created or recorded), the stream is
-    /// drained before the error returns: the free would otherwise not wait for the work just
-    /// queued.
-    fn used_on(&self, stream: &StreamObj) -> Result<()> {
-        let recorded = self.record_use(stream);
-        if recorded.is_err() {
-            // SAFETY: a live stream of the bound context.
-            let _ = cu_call!(cuStreamSynchronize(stream.raw as cu::CUstream));
-        }
-        recorded
-    }
-
-    fn record_use(&self, stream: &StreamObj) -> Result<()> {
-        let mut uses = lock(&self.uses);
-        // Keyed by device too: a stream handle value can come back for another device's stream.
-        let event = match uses
-            .iter()
-            .find(|u| u.stream == stream.raw && u.device == stream.device)
-        {
-            Some(u) => u.event,
-            None => {
-                let mut e = std::ptr::null_mut();
-                // SAFETY: plain driver call into a local.
-                cu_call!(cuEventCreate(&mut e, CU_EVENT_DISABLE_TIMING))?;
-                uses.push(Use {
-                    stream: stream.raw,
-                    event: e as usize,
-                    device: stream.device,
-                });
-                e as usize
-            }
-        };
-        // SAFETY: live event and stream of the bound context.
-        cu_call!(cuEventRecord(
-            event as cu::CUevent,
-            stream.raw as cu::CUstream
-        ))
-    }
-
     fn at(&self, offset: usize) -> u64 {
         (self.ptr + offset) as u64
     }
 }
 
-impl Drop for MemObj {
-    fn drop(&mut self) {
-        let pending = PendingFree {
-            shared: Arc::clone(&self.shared),
-            uses: std::mem::take(self.uses.get_mut().unwrap_or_else(|p| p.into_inner())),
-            origin: std::mem::replace(
-                self.origin.get_mut().unwrap_or_else(|p| p.into_inner()),
-                Origin::Borrowed(None),
-            ),
-            ptr: self.ptr,
-            len: self.len,
-        };
-        let frees = self.shared.frees.clone();
-        self.shared
-            .reaper
-            .run_or_defer(move || deferred::release_to(&frees, Box::new(pending)));
+/// A newly created event of the bound context, for use tracking.
+fn new_use_event() -> Result<usize> {
+    let mut e = std::ptr::null_mut();
+    // SAFETY: plain driver call into a local.
+    cu_call!(cuEventCreate(&mut e, CU_EVENT_DISABLE_TIMING))?;
+    Ok(e as usize)
+}
+
+/// Streams are told apart by (handle, device): a stream handle value can come back for another
+/// device's stream. Frees go through the reaper: the last handle may die in a host function.
+impl UseEvents for Shared {
+    type Stream = (usize, usize);
+    type Event = usize;
+    type Origin = Origin;
+    const NAME: &'static str = "cuda";
+
+    fn bind_for(&self, (_, device): (usize, usize)) -> Result<()> {
+        self.bind(device)
     }
-}
-
-/// Memory whose last handle went, freed in stream order: once the work queued on it finished
-/// (`deferred`), never under it, as cudaFree guarantees.
-struct PendingFree {
-    shared: Arc<Shared>,
-    uses: Vec<Use>,
-    origin: Origin,
-    ptr: usize,
-    len: usize,
-}
-
-impl DeferredFree for PendingFree {
-    fn progress(&mut self, wait: bool) -> Progress {
-        while let Some(u) = self.uses.last() {
-            if host_fn::in_host_fn() {
-                return Progress::Pending;
-            }
-            if self.shared.bind(u.device).is_err() {
-                return Progress::Unknown;
-            }
-            let event = u.event as cu::CUevent;
-            // SAFETY (the calls below): events this object created, destroyed once. A failed
-            // wait may only report failed work queued before the mark (then the query says
-            // complete), or the wait itself failing: then nothing is known.
-            let finished = match unsafe { cu::cuEventQuery(event) } {
-                cu::CUresult::CUDA_SUCCESS => true,
-                cu::CUresult::CUDA_ERROR_NOT_READY if !wait => return Progress::Pending,
-                cu::CUresult::CUDA_ERROR_NOT_READY => {
-                    let ok = cu::CUresult::CUDA_SUCCESS;
-                    (unsafe { cu::cuEventSynchronize(event) } == ok)
-                        || (unsafe { cu::cuEventQuery(event) } == ok)
-                }
-                _ => false,
-            };
-            if !finished {
-                return Progress::Unknown;
-            }
-            unsafe { cu::cuEventDestroy_v2(event) };
-            self.uses.pop();
+    fn create_event(&self) -> Result<usize> {
+        new_use_event()
+    }
+    fn record_event(&self, event: usize, (stream, _): (usize, usize)) -> Result<()> {
+        // SAFETY: live event and stream of the bound context.
+        cu_call!(cuEventRecord(event as cu::CUevent, stream as cu::CUstream))
+    }
+    fn event_complete(&self, event: usize) -> Option<bool> {
+        // SAFETY: an event use tracking created and has not destroyed.
+        match unsafe { cu::cuEventQuery(event as cu::CUevent) } {
+            cu::CUresult::CUDA_SUCCESS => Some(true),
+            cu::CUresult::CUDA_ERROR_NOT_READY => Some(false),
+            _ => None,
         }
-        Progress::Finished
     }
-
-    fn free(self: Box<Self>) {
-        let PendingFree {
-            shared,
-            origin,
-            ptr,
-            len,
-            ..
-        } = *self;
+    fn wait_event(&self, event: usize) -> bool {
+        // SAFETY: as above.
+        (unsafe { cu::cuEventSynchronize(event as cu::CUevent) }) == cu::CUresult::CUDA_SUCCESS
+    }
+    fn destroy_event(&self, event: usize) {
+        // SAFETY: as above; destroyed once.
+        unsafe { cu::cuEventDestroy_v2(event as cu::CUevent) };
+    }
+    fn drain(&self, (stream, _): (usize, usize)) {
+        // SAFETY: a live stream of the bound context.
+        let _ = cu_call!(cuStreamSynchronize(stream as cu::CUstream));
+    }
+    fn may_call_driver(&self) -> bool {
+        !host_fn::in_host_fn()
+    }
+    fn free(&self, origin: Origin, ptr: usize, len: usize) {
         match origin {
             Origin::Device(d) => {
-                if shared.bind(d).is_ok() {
+                if self.bind(d).is_ok() {
                     // SAFETY: allocated by cuMemAlloc; no queued work uses it any more.
                     let _ = cu_call!(cuMemFree_v2(ptr as cu::CUdeviceptr));
                 }
-                shared.devices[d].memory.release(len);
+                self.devices[d].memory.release(len);
             }
             Origin::Pinned(d) => {
-                if shared.bind(d).is_ok() {
+                if self.bind(d).is_ok() {
                     // SAFETY: allocated by cuMemHostAlloc; no queued work uses it any more.
                     let _ = cu_call!(cuMemFreeHost(ptr as *mut c_void));
                 }
-                shared.pinned.release(len);
+                self.pinned.release(len);
             }
             Origin::Borrowed(release) => {
                 if let Some(f) = release {
@@ -550,13 +478,18 @@ impl DeferredFree for PendingFree {
             }
         }
     }
-
-    fn leak(self: Box<Self>) {
-        // Leaked, reported and still counted rather than freed under work that may use it.
-        tracing::error!(
-            bytes = self.len,
-            "cuda: leaking memory whose queued work is not known to have finished"
-        );
+    fn describe(origin: &Origin) -> &'static str {
+        match origin {
+            Origin::Device(_) => "device",
+            Origin::Pinned(_) => "pinned",
+            Origin::Borrowed(_) => "borrowed (its release is not run)",
+        }
+    }
+    fn frees(&self) -> &Weak<DeferredFrees> {
+        &self.frees
+    }
+    fn hand_over(self: &Arc<Self>, job: Box<dyn FnOnce() + Send>) {
+        self.reaper.run_or_defer(job);
     }
 }
 
@@ -910,8 +843,8 @@ impl CudaBackend {
                         kernel.count() * src_dtype.size(),
                         stream.raw as cu::CUstream
                     ))?;
-                    s.used_on(stream)?;
-                    d.used_on(stream)?;
+                    s.used_on(stream.key())?;
+                    d.used_on(stream.key())?;
                 }
                 return Ok(());
             }
@@ -1017,54 +950,9 @@ impl CudaBackend {
             }
         }
         for ((m, _), _, _) in places {
-            m.used_on(stream)?;
+            m.used_on(stream.key())?;
         }
         Ok(())
-    }
-
-    /// All-gathers `mine` (the same length on every rank) over `comm`; returns every rank's
-    /// bytes in rank order. Blocks.
-    fn host_all_gather(
-        &self,
-        comm: &Arc<CommObj>,
-        mine: &[u8],
-        stream: &Arc<StreamObj>,
-    ) -> Result<Vec<u8>> {
-        let n = mine.len();
-        let world = comm.world;
-        let (send, _) = Backend::alloc_device(self, n)?;
-        let (recv, _) = Backend::alloc_device(self, n * world)?;
-        let (staging, host) = Backend::alloc_pinned(self, n * world)?;
-        // SAFETY: the staging buffer holds n * world >= n bytes and nothing else uses it yet.
-        unsafe { std::ptr::copy_nonoverlapping(mine.as_ptr(), host as *mut u8, n) };
-        Backend::copy(
-            self,
-            CopyKind::HostToDevice,
-            Loc::Device(Arc::clone(&send), 0),
-            Loc::Pinned(Arc::clone(&staging), 0),
-            n,
-            stream,
-        )?;
-        let op = Collective::AllGather {
-            send: Some((Arc::clone(&send), 0)),
-            recv: Some((Arc::clone(&recv), 0)),
-            count: n,
-            dtype: DType::U8,
-        };
-        Backend::collective(self, comm, op, stream)?;
-        Backend::copy(
-            self,
-            CopyKind::DeviceToHost,
-            Loc::Pinned(Arc::clone(&staging), 0),
-            Loc::Device(recv, 0),
-            n * world,
-            stream,
-        )?;
-        Backend::synchronize_stream(self, stream)?;
-        let mut out = vec![0u8; n * world];
-        // SAFETY: the stream finished writing the staging buffer.
-        unsafe { std::ptr::copy_nonoverlapping(host as *const u8, out.as_mut_ptr(), out.len()) };
-        Ok(out)
     }
 
     fn new_comm(
@@ -1473,8 +1361,8 @@ impl Backend for CudaBackend {
             bytes,
             stream.raw as cu::CUstream
         ))?;
-        d.used_on(stream)?;
-        s.used_on(stream)
+        d.used_on(stream.key())?;
+        s.used_on(stream.key())
     }
     fn memset(
         &self,
@@ -1491,7 +1379,7 @@ impl Backend for CudaBackend {
             bytes,
             stream.raw as cu::CUstream
         ))?;
-        d.used_on(stream)
+        d.used_on(stream.key())
     }
 
     fn kernel(&self, kernel: Kernel<Place<Arc<MemObj>>>, stream: &Arc<StreamObj>) -> Result<()> {
@@ -1552,51 +1440,34 @@ impl Backend for CudaBackend {
         comm: &Arc<CommObj>,
         rank_lists: &[Vec<usize>],
     ) -> Result<Option<(Arc<CommObj>, usize, usize)>> {
-        // Each list's first rank makes a unique id; one all-gather over the parent hands every
-        // rank its leader's, with a digest of the lists so disagreeing ranks are caught. Works
-        // with any NCCL (ncclCommSplit needs 2.18).
-        let world = comm.world;
-        let block = UNIQUE_ID_BYTES + 8;
-        let digest = {
-            use std::hash::{DefaultHasher, Hash, Hasher};
-            let mut h = DefaultHasher::new();
-            rank_lists.hash(&mut h);
-            h.finish()
+        // The communicator's device is current while the gather's stream and the new
+        // communicator are made.
+        let on_comm_device = |f: &mut dyn FnMut()| {
+            let previous = self.shared.current_device();
+            CURRENT.with(|m| m.borrow_mut().insert(self.shared.instance, comm.device));
+            f();
+            CURRENT.with(|m| m.borrow_mut().insert(self.shared.instance, previous));
         };
-        let parent_rank = comm.rank;
-        let here = rank_lists.iter().find_map(|list| {
-            list.iter()
-                .position(|&r| r == parent_rank)
-                .map(|i| (list.clone(), i))
-        });
-        let mut mine = vec![0u8; block];
-        if let Some((_, 0)) = &here {
-            mine[..UNIQUE_ID_BYTES].copy_from_slice(&Backend::unique_id(self)?.0);
-        }
-        mine[UNIQUE_ID_BYTES..].copy_from_slice(&digest.to_le_bytes());
-        let previous = self.shared.current_device();
-        CURRENT.with(|m| m.borrow_mut().insert(self.shared.instance, comm.device));
-        let stream = Backend::create_stream(self);
-        CURRENT.with(|m| m.borrow_mut().insert(self.shared.instance, previous));
-        let gathered = self.host_all_gather(comm, &mine, &stream?.0)?;
-        for r in 0..world {
-            if gathered[r * block + UNIQUE_ID_BYTES..(r + 1) * block] != digest.to_le_bytes() {
-                return Err(cuda_err(
-                    ErrorKind::Mismatch,
-                    "comm_split",
-                    format!("rank {r} passed different rank lists than rank {parent_rank}"),
-                ));
-            }
-        }
-        let Some((list, index)) = here else {
-            return Ok(None);
+        let gather = |mine: &[u8]| {
+            let mut stream = None;
+            on_comm_device(&mut || stream = Some(Backend::create_stream(self)));
+            let stream = stream.expect("set above")?.0;
+            auxil::comm::host_all_gather(self, comm, comm.world, mine, &stream)
         };
-        let leader = list[0];
-        let id = UniqueId(gathered[leader * block..leader * block + UNIQUE_ID_BYTES].to_vec());
-        CURRENT.with(|m| m.borrow_mut().insert(self.shared.instance, comm.device));
-        let sub = Backend::comm_init(self, &id, index, list.len());
-        CURRENT.with(|m| m.borrow_mut().insert(self.shared.instance, previous));
-        Ok(Some((sub?, index, list.len())))
+        let init = |id: &UniqueId, rank: usize, size: usize| {
+            let mut sub = None;
+            on_comm_device(&mut || sub = Some(Backend::comm_init(self, id, rank, size)));
+            sub.expect("set above")
+        };
+        auxil::comm::split_by_leader(
+            self,
+            UNIQUE_ID_BYTES,
+            comm.rank,
+            comm.world,
+            rank_lists,
+            gather,
+            init,
+        )
     }
     fn destroy_comm(&self, comm: Arc<CommObj>) -> Result<()> {
         drop(comm);
@@ -1632,6 +1503,10 @@ impl Backend for CudaBackend {
             stream.errors.queue(e.clone());
             return Ok(());
         }
+        let op = match op {
+            Collective::Barrier => auxil::comm::barrier_as_all_reduce(Arc::clone(&comm.scratch)),
+            op => op,
+        };
         let a = &n.api;
         let (c, s) = (comm.raw as ncclComm_t, stream.raw as *mut c_void);
         // Avg without ncclAvg: a sum, then the scale kernel below.
@@ -1774,24 +1649,7 @@ impl Backend for CudaBackend {
                         (a.ncclRecv)(ptr(recv), *count, nccl_dtype(*dtype), *peer as c_int, c, s),
                         "ncclRecv",
                     )?,
-                    Collective::Barrier => {
-                        // NCCL has no barrier: an all-reduce of one word completes only once every
-                        // rank reached it.
-                        let w = comm.scratch.ptr as *mut c_void;
-                        n.check(
-                            (a.ncclAllReduce)(
-                                w,
-                                w,
-                                1,
-                                nccl_dtype(DType::I32),
-                                nccl_op(ReduceOp::Sum),
-                                c,
-                                s,
-                            ),
-                            "ncclAllReduce",
-                        )?;
-                        comm.scratch.used_on(stream)?;
-                    }
+                    Collective::Barrier => unreachable!("issued as an all-reduce above"),
                 }
             }
             Ok(())
@@ -1819,26 +1677,13 @@ impl Backend for CudaBackend {
         drop(watch);
         for (place, _) in op.places(comm.world) {
             if let Some((m, _)) = place {
-                m.used_on(stream)?;
+                m.used_on(stream.key())?;
             }
         }
         issued?;
         watched?;
-        match op {
-            Collective::AllReduce {
-                recv: Some((m, off)),
-                count,
-                dtype,
-                op: ReduceOp::Avg,
-                ..
-            }
-            | Collective::ReduceScatter {
-                recv: Some((m, off)),
-                count,
-                dtype,
-                op: ReduceOp::Avg,
-                ..
-            } if emulate_avg && comm.world > 1 => self.run_kernel(
+        match auxil::comm::avg_to_scale(op, comm.world) {
+            Some(((m, off), count, dtype)) if emulate_avg => self.run_kernel(
                 &Kernel::Scale {
                     buf: (m, off),
                     dtype,

@@ -68,7 +68,7 @@ impl CudaBackend {
                 at: Some((m, _)), ..
             } = a
             {
-                m.used_on(stream)?;
+                m.used_on(stream.key())?;
             }
         }
         Ok(())

@@ -22,9 +22,11 @@ use hprt_sys::types::{
 };
 use hprt_sys::{Ascend, SearchEnv, OPTIONAL_SYMBOLS};
 
+use crate::auxil;
+use crate::auxil::deferred::{self, DeferredFrees};
+use crate::auxil::uses::{TrackedMem, UseEvents};
 use crate::backend::{Backend, Loc, Place};
 use crate::collective::Collective;
-use crate::deferred::{self, DeferredFree, DeferredFrees, Progress};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
@@ -53,7 +55,7 @@ thread_local! {
 }
 
 /// What every object of one npu platform value shares.
-struct Shared {
+pub struct Shared {
     api: Arc<Ascend>,
     instance: u64,
     owns_acl: bool,
@@ -181,152 +183,83 @@ impl Drop for EventObj {
     }
 }
 
-enum Origin {
+/// How a buffer's memory was obtained.
+pub enum Origin {
     Device(usize),
     Pinned,
-    Borrowed(Mutex<Option<ReleaseFn>>),
+    Borrowed(Option<ReleaseFn>),
 }
 
-/// Device, pinned or borrowed memory.
-pub struct MemObj {
-    shared: Arc<Shared>,
-    ptr: usize,
-    len: usize,
-    origin: Origin,
-    /// (stream, event) per stream that queued work on this memory; the event is re-recorded
-    /// after each such operation, so waiting for it covers all of them (streams are FIFO).
-    uses: Mutex<Vec<(usize, usize)>>,
-}
+/// Device, pinned or borrowed memory, with the events of its uses (`auxil::uses`).
+pub type MemObj = TrackedMem<Shared>;
 
-impl MemObj {
-    fn new(shared: &Arc<Shared>, ptr: usize, len: usize, origin: Origin) -> Arc<MemObj> {
-        Arc::new(MemObj {
-            shared: Arc::clone(shared),
-            ptr,
-            len,
-            origin,
-            uses: Mutex::new(Vec::new()),
-        })
+/// ACL binds one device per thread: events and streams need no more than `bind`.
+impl UseEvents for Shared {
+    type Stream = usize;
+    type Event = usize;
+    type Origin = Origin;
+    const NAME: &'static str = "npu";
+
+    fn bind_for(&self, _: usize) -> Result<()> {
+        self.bind().map(drop)
     }
-
-    /// Notes that work just queued on `stream` uses this memory.
-    fn used_on(&self, stream: &StreamObj) -> Result<()> {
-        let api = &self.shared.api;
-        let mut uses = lock(&self.uses);
-        let event = match uses.iter().find(|(s, _)| *s == stream.raw) {
-            Some(&(_, e)) => e,
-            None => {
-                let mut e = std::ptr::null_mut();
-                // SAFETY: plain ACL call.
-                acl_call!(api, aclrtCreateEventWithFlag(&mut e, ACL_EVENT_SYNC))?;
-                uses.push((stream.raw, e as usize));
-                e as usize
-            }
-        };
+    fn create_event(&self) -> Result<usize> {
+        let mut e = std::ptr::null_mut();
+        // SAFETY: plain ACL call.
+        acl_call!(self.api, aclrtCreateEventWithFlag(&mut e, ACL_EVENT_SYNC))?;
+        Ok(e as usize)
+    }
+    fn record_event(&self, event: usize, stream: usize) -> Result<()> {
         // SAFETY: live handles.
-        acl_call!(api, aclrtRecordEvent(event as _, stream.raw as _))
+        acl_call!(self.api, aclrtRecordEvent(event as _, stream as _))
     }
-}
-
-impl Drop for MemObj {
-    fn drop(&mut self) {
-        let pending = PendingFree {
-            shared: Arc::clone(&self.shared),
-            uses: std::mem::take(self.uses.get_mut().unwrap_or_else(|p| p.into_inner())),
-            origin: std::mem::replace(&mut self.origin, Origin::Borrowed(Mutex::new(None))),
-            ptr: self.ptr,
-            len: self.len,
-        };
-        deferred::release_to(&self.shared.frees, Box::new(pending));
+    fn event_complete(&self, event: usize) -> Option<bool> {
+        let mut status = aclrtEventRecordedStatus(0);
+        // SAFETY: an event use tracking created and has not destroyed.
+        let queried = unsafe { self.api.acl.aclrtQueryEventStatus(event as _, &mut status) };
+        (queried == 0).then_some(status.0 == 1)
     }
-}
-
-/// Memory whose last handle went, freed in stream order: once the work queued on it finished
-/// (`deferred`), never under it, as cudaFree guarantees.
-struct PendingFree {
-    shared: Arc<Shared>,
-    uses: Vec<(usize, usize)>,
-    origin: Origin,
-    ptr: usize,
-    len: usize,
-}
-
-impl DeferredFree for PendingFree {
-    /// An error from `aclrtSynchronizeEvent` may only report failed work queued before the mark
-    /// (finished, so the status query says complete), or the wait itself failing: then nothing
-    /// is known.
-    fn progress(&mut self, wait: bool) -> Progress {
-        let api = &self.shared.api.acl;
-        if self.uses.is_empty() {
-            return Progress::Finished;
-        }
-        if self.shared.bind().is_err() {
-            return Progress::Unknown;
-        }
-        let complete = |e: usize| {
-            let mut status = aclrtEventRecordedStatus(0);
-            // SAFETY: an event this object created and has not destroyed.
-            let queried = unsafe { api.aclrtQueryEventStatus(e as _, &mut status) };
-            (queried == 0).then_some(status.0 == 1)
-        };
-        while let Some(&(_, e)) = self.uses.last() {
-            let finished = match complete(e) {
-                Some(true) => true,
-                Some(false) if !wait => return Progress::Pending,
-                Some(false) => {
-                    // SAFETY: as above.
-                    let waited = unsafe { api.aclrtSynchronizeEvent(e as _) };
-                    waited == 0 || complete(e) == Some(true)
-                }
-                None => false,
-            };
-            if !finished {
-                tracing::error!(
-                    "npu: cannot tell whether queued work on {} bytes at {:#x} finished",
-                    self.len,
-                    self.ptr
-                );
-                return Progress::Unknown;
-            }
-            self.uses.pop();
-            // SAFETY: as above; no longer waited on.
-            unsafe { api.aclrtDestroyEvent(e as _) };
-        }
-        Progress::Finished
+    fn wait_event(&self, event: usize) -> bool {
+        // SAFETY: as above.
+        (unsafe { self.api.acl.aclrtSynchronizeEvent(event as _) }) == 0
     }
-
-    fn free(mut self: Box<Self>) {
-        let api = &self.shared.api.acl;
-        match &mut self.origin {
+    fn destroy_event(&self, event: usize) {
+        // SAFETY: as above; destroyed once.
+        unsafe { self.api.acl.aclrtDestroyEvent(event as _) };
+    }
+    fn drain(&self, stream: usize) {
+        // SAFETY: a live stream.
+        let _ = acl_call!(self.api, aclrtSynchronizeStream(stream as _));
+    }
+    fn free(&self, origin: Origin, ptr: usize, len: usize) {
+        let api = &self.api.acl;
+        match origin {
             Origin::Device(d) => {
                 // SAFETY: allocated by aclrtMalloc; no queued work uses it any more.
-                let _ = acl(unsafe { api.aclrtFree(self.ptr as _) }, "aclrtFree");
-                self.shared.devices[*d].release(self.len);
+                let _ = acl(unsafe { api.aclrtFree(ptr as _) }, "aclrtFree");
+                self.devices[d].release(len);
             }
             Origin::Pinned => {
-                // SAFETY: allocated by aclrtMallocHost.
-                let _ = acl(unsafe { api.aclrtFreeHost(self.ptr as _) }, "aclrtFreeHost");
-                self.shared.pinned.release(self.len);
+                // SAFETY: allocated by aclrtMallocHost; no queued work uses it any more.
+                let _ = acl(unsafe { api.aclrtFreeHost(ptr as _) }, "aclrtFreeHost");
+                self.pinned.release(len);
             }
             Origin::Borrowed(release) => {
-                if let Some(f) = release.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+                if let Some(f) = release {
                     f();
                 }
             }
         }
     }
-
-    /// Leaked and still counted as in use, rather than freed under work that may still touch it.
-    fn leak(self: Box<Self>) {
-        let origin = match &self.origin {
+    fn describe(origin: &Origin) -> &'static str {
+        match origin {
             Origin::Device(_) => "device",
             Origin::Pinned => "pinned",
             Origin::Borrowed(_) => "borrowed (its release is not run)",
-        };
-        tracing::error!(
-            bytes = self.len,
-            "npu: leaking {origin} memory whose queued work is not known to have finished"
-        );
+        }
+    }
+    fn frees(&self) -> &Weak<DeferredFrees> {
+        &self.frees
     }
 }
 
@@ -596,7 +529,7 @@ impl NpuBackend {
                     )
                 )?;
             }
-            mem.used_on(stream)?;
+            mem.used_on(stream.raw)?;
         }
         // Only the pool travels into the callback: the report thread must never hold the last
         // reference to `Shared`, whose drop joins that thread.
@@ -953,7 +886,7 @@ impl Backend for NpuBackend {
             &self.shared,
             ptr,
             bytes,
-            Origin::Borrowed(Mutex::new(release)),
+            Origin::Borrowed(release),
         ))
     }
     fn alloc_pinned(&self, bytes: usize) -> Result<(Arc<MemObj>, usize)> {
@@ -994,8 +927,8 @@ impl Backend for NpuBackend {
                 stream.raw as _,
             )
         )?;
-        d.used_on(stream)?;
-        s.used_on(stream)
+        d.used_on(stream.raw)?;
+        s.used_on(stream.raw)
     }
     fn memset(
         &self,
@@ -1016,7 +949,7 @@ impl Backend for NpuBackend {
                 stream.raw as _,
             )
         )?;
-        d.used_on(stream)
+        d.used_on(stream.raw)
     }
 
     fn kernel(&self, kernel: Kernel<Place<Arc<MemObj>>>, stream: &Arc<StreamObj>) -> Result<()> {
@@ -1099,46 +1032,19 @@ impl Backend for NpuBackend {
         comm: &Arc<CommObj>,
         rank_lists: &[Vec<usize>],
     ) -> Result<Option<(Arc<CommObj>, usize, usize)>> {
-        // Each list's first rank makes a root info; one all-gather over the parent hands every
-        // rank its leader's, with a digest of the lists so disagreeing ranks are caught.
-        let world = comm.world;
-        let block = ROOT_INFO_BYTES + 8;
-        let digest = {
-            use std::hash::{DefaultHasher, Hash, Hasher};
-            let mut h = DefaultHasher::new();
-            rank_lists.hash(&mut h);
-            h.finish()
+        let gather = |mine: &[u8]| {
+            let stream = Backend::create_stream(self)?.0;
+            auxil::comm::host_all_gather(self, comm, comm.world, mine, &stream)
         };
-        let mut rank_here = None;
-        let mut mine = vec![0u8; block];
-        let stream = Backend::create_stream(self)?.0;
-        let parent_rank = comm.rank;
-        for list in rank_lists {
-            if let Some(i) = list.iter().position(|&r| r == parent_rank) {
-                rank_here = Some((list.clone(), i));
-            }
-        }
-        if let Some((_, 0)) = &rank_here {
-            mine[..ROOT_INFO_BYTES].copy_from_slice(&Backend::unique_id(self)?.0);
-        }
-        mine[ROOT_INFO_BYTES..].copy_from_slice(&digest.to_le_bytes());
-        let gathered = self.host_all_gather(comm, &mine, &stream)?;
-        for r in 0..world {
-            if gathered[r * block + ROOT_INFO_BYTES..(r + 1) * block] != digest.to_le_bytes() {
-                return Err(npu_err(
-                    ErrorKind::Mismatch,
-                    "comm_split",
-                    format!("rank {r} passed different rank lists than rank {parent_rank}"),
-                ));
-            }
-        }
-        let Some((list, index)) = rank_here else {
-            return Ok(None);
-        };
-        let leader = list[0];
-        let id = UniqueId(gathered[leader * block..leader * block + ROOT_INFO_BYTES].to_vec());
-        let sub = Backend::comm_init(self, &id, index, list.len())?;
-        Ok(Some((sub, index, list.len())))
+        auxil::comm::split_by_leader(
+            self,
+            ROOT_INFO_BYTES,
+            comm.rank,
+            comm.world,
+            rank_lists,
+            gather,
+            |id, rank, size| Backend::comm_init(self, id, rank, size),
+        )
     }
     fn destroy_comm(&self, comm: Arc<CommObj>) -> Result<()> {
         drop(comm);
@@ -1152,6 +1058,10 @@ impl Backend for NpuBackend {
     ) -> Result<()> {
         self.shared.bind()?;
         let h = &self.api().hccl;
+        let op = match op {
+            Collective::Barrier => auxil::comm::barrier_as_all_reduce(Arc::clone(&comm.scratch)),
+            op => op,
+        };
         let (c, s) = (comm.raw as *mut c_void, stream.raw as *mut c_void);
         // SAFETY (every call below): places were bounds-checked for the extent HCCL touches;
         // handles are live; HCCL only queues the work on `s`.
@@ -1311,42 +1221,20 @@ impl Backend for NpuBackend {
                     ),
                     "HcclRecv",
                 ),
-                Collective::Barrier => {
-                    // The subset has no HcclBarrier: an all-reduce of one word completes only once
-                    // every rank reached it.
-                    let w = comm.scratch.ptr as *mut c_void;
-                    (
-                        h.HcclAllReduce(w, w, 1, HcclDataType(2), HcclReduceOp(0), c, s),
-                        "HcclAllReduce",
-                    )
-                }
+                Collective::Barrier => unreachable!("issued as an all-reduce above"),
             }
         };
         hccl(code.0 as i32, name)?;
         for (place, _) in op.places(comm.world) {
             if let Some((m, _)) = place {
-                m.used_on(stream)?;
+                m.used_on(stream.raw)?;
             }
         }
-        if matches!(op, Collective::Barrier) {
-            comm.scratch.used_on(stream)?;
-        }
-        match op {
-            Collective::AllReduce {
-                recv: Some(recv),
-                count,
-                dtype,
-                op: ReduceOp::Avg,
-                ..
+        match auxil::comm::avg_to_scale(op, comm.world) {
+            Some((recv, count, dtype)) => {
+                self.divide_on_stream(&recv, count, dtype, comm.world, stream)
             }
-            | Collective::ReduceScatter {
-                recv: Some(recv),
-                count,
-                dtype,
-                op: ReduceOp::Avg,
-                ..
-            } => self.divide_on_stream(&recv, count, dtype, comm.world, stream),
-            _ => Ok(()),
+            None => Ok(()),
         }
     }
     fn group_start(&self) -> Result<()> {
@@ -1372,54 +1260,5 @@ impl Backend for NpuBackend {
         }
         // SAFETY: plain HCCL call.
         hccl(unsafe { h.HcclGroupEnd() }.0 as i32, "HcclGroupEnd")
-    }
-}
-
-impl NpuBackend {
-    /// All-gathers `mine` (the same length on every rank) through device memory; returns every
-    /// rank's bytes in rank order. Blocks.
-    fn host_all_gather(
-        &self,
-        comm: &Arc<CommObj>,
-        mine: &[u8],
-        stream: &Arc<StreamObj>,
-    ) -> Result<Vec<u8>> {
-        let n = mine.len();
-        let (send, _) = Backend::alloc_device(self, n)?;
-        let (recv, _) = Backend::alloc_device(self, n * comm.world)?;
-        let api = self.api();
-        // SAFETY: sizes match the allocations; synchronous copies from/to host vectors.
-        acl_call!(
-            api,
-            aclrtMemcpy(
-                send.ptr as _,
-                n,
-                mine.as_ptr().cast(),
-                n,
-                memcpy_kind(CopyKind::HostToDevice)
-            )
-        )?;
-        let op = Collective::AllGather {
-            send: Some((Arc::clone(&send), 0)),
-            recv: Some((Arc::clone(&recv), 0)),
-            count: n,
-            dtype: DType::U8,
-        };
-        Backend::collective(self, comm, op, stream)?;
-        Backend::synchronize_stream(self, stream)?;
-        let mut out = vec![0u8; n * comm.world];
-        let bytes = out.len();
-        // SAFETY: as above.
-        acl_call!(
-            api,
-            aclrtMemcpy(
-                out.as_mut_ptr().cast(),
-                bytes,
-                recv.ptr as _,
-                bytes,
-                memcpy_kind(CopyKind::DeviceToHost)
-            )
-        )?;
-        Ok(out)
     }
 }

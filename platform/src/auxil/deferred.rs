@@ -32,7 +32,7 @@ pub(crate) trait DeferredFree: Send {
 
 /// The memory of one platform value waiting for its queued work.
 #[derive(Default)]
-pub(crate) struct DeferredFrees {
+pub struct DeferredFrees {
     waiting: Mutex<Vec<Box<dyn DeferredFree>>>,
 }
 
