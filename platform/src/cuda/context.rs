@@ -1,0 +1,412 @@
+//! Devices and their primary contexts: opening the backend (library probes, driver and
+//! device discovery), binding a device's context to a thread, NVRTC modules, teardown.
+
+use super::*;
+
+impl Shared {
+    pub(super) fn ctx(&self, device: usize) -> Result<usize> {
+        let d = &self.devices[device];
+        if let Some(&ctx) = d.ctx.get() {
+            return Ok(ctx);
+        }
+        let _init = lock(&d.ctx_init);
+        if let Some(&ctx) = d.ctx.get() {
+            return Ok(ctx);
+        }
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: plain driver call into a local.
+        cu_call!(cuDevicePrimaryCtxRetain(&mut ctx, d.handle))?;
+        Ok(*d.ctx.get_or_init(|| ctx as usize))
+    }
+
+    /// Makes `device`'s primary context current on this thread (nothing when it already is).
+    pub(super) fn bind(&self, device: usize) -> Result<()> {
+        let ctx = self.ctx(device)?;
+        let mut current = std::ptr::null_mut();
+        // SAFETY: plain driver calls.
+        cu_call!(cuCtxGetCurrent(&mut current))?;
+        if current as usize != ctx {
+            cu_call!(cuCtxSetCurrent(ctx as cu::CUcontext))?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn current_device(&self) -> usize {
+        // `try_with`: handles may be dropped while this thread's locals are torn down.
+        CURRENT
+            .try_with(|m| m.borrow().get(&self.instance).copied())
+            .ok()
+            .flatten()
+            .unwrap_or(0)
+    }
+
+    /// Binds the calling thread's current device; returns it.
+    pub(super) fn bind_current(&self) -> Result<usize> {
+        let d = self.current_device();
+        self.bind(d)?;
+        Ok(d)
+    }
+
+    pub(super) fn nccl(&self) -> Result<&Nccl> {
+        self.nccl.as_ref().map_err(Clone::clone)
+    }
+
+    /// The function `name` of module `module` on `device`, compiling the module from `source`
+    /// on first use. The caller has bound `device`.
+    pub(super) fn function(
+        &self,
+        device: usize,
+        module: &'static str,
+        source: impl FnOnce() -> String,
+        name: &str,
+    ) -> Result<usize> {
+        let d = &self.devices[device];
+        let m = {
+            let mut modules = lock(&d.modules);
+            match modules.get(module) {
+                Some(m) => Arc::clone(m),
+                None => {
+                    let m = self.compile(d, module, source())?;
+                    modules.insert(module, Arc::clone(&m));
+                    m
+                }
+            }
+        };
+        let mut functions = lock(&m.functions);
+        if let Some(&f) = functions.get(name) {
+            return Ok(f);
+        }
+        let cname = CString::new(name).map_err(|_| {
+            cuda_err(
+                ErrorKind::InvalidValue,
+                "cuModuleGetFunction",
+                "NUL in name",
+            )
+        })?;
+        let mut f = std::ptr::null_mut();
+        // SAFETY: a loaded module and a NUL-terminated name.
+        cu_call!(cuModuleGetFunction(
+            &mut f,
+            m.raw as cu::CUmodule,
+            cname.as_ptr()
+        ))?;
+        functions.insert(name.to_string(), f as usize);
+        Ok(f as usize)
+    }
+
+    pub(super) fn compile(
+        &self,
+        d: &Device,
+        module: &'static str,
+        source: String,
+    ) -> Result<Arc<Module>> {
+        let nvrtc = self.nvrtc.as_ref().map_err(Clone::clone)?;
+        let image = nvrtc.compile(&source, module, d.compute_capability)?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: a complete cubin or NUL-terminated PTX image that outlives the call.
+        // The context is added to the driver's error, whose status code and name it keeps.
+        cu_call!(cuModuleLoadData(&mut raw, image.bytes.as_ptr().cast())).map_err(|e| Error {
+            message: format!(
+                "{} ({} of {module}, NVRTC {}.{})",
+                e.message, image.kind, nvrtc.version.0, nvrtc.version.1
+            ),
+            ..e
+        })?;
+        tracing::debug!(module, kind = image.kind, device = %d.name, "kernel module loaded");
+        Ok(Arc::new(Module {
+            raw: raw as usize,
+            functions: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    pub(super) fn register(&self, s: &Arc<StreamObj>) {
+        let mut streams = lock(&self.streams);
+        streams.retain(|w| w.strong_count() > 0);
+        streams.push(Arc::downgrade(s));
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let mut work: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (i, d) in self.devices.iter_mut().enumerate() {
+            let modules: Vec<usize> = d
+                .modules
+                .get_mut()
+                .unwrap_or_else(|p| p.into_inner())
+                .drain()
+                .map(|(_, m)| m.raw)
+                .collect();
+            if d.ctx.get().is_some() {
+                work.push((i, modules));
+            }
+        }
+        let handles: Vec<cu::CUdevice> = self.devices.iter().map(|d| d.handle).collect();
+        let ctxs: Vec<usize> = self
+            .devices
+            .iter()
+            .map(|d| d.ctx.get().copied().unwrap_or(0))
+            .collect();
+        let release = move || {
+            for (i, modules) in work {
+                // SAFETY: the context is ours (retained); the modules were loaded in it and
+                // nothing of this platform uses them any more.
+                unsafe {
+                    cu::cuCtxSetCurrent(ctxs[i] as cu::CUcontext);
+                    for m in modules {
+                        cu::cuModuleUnload(m as cu::CUmodule);
+                    }
+                    cu::cuDevicePrimaryCtxRelease_v2(handles[i]);
+                }
+            }
+        };
+        if host_fn::in_host_fn() {
+            // The last handle died in a host function, where the driver may not be called.
+            std::thread::spawn(release);
+        } else {
+            release();
+        }
+    }
+}
+
+pub(super) fn unavailable(op: &'static str, msg: impl Into<String>) -> Error {
+    cuda_err(ErrorKind::Unavailable, op, msg)
+}
+
+/// Any failure while opening means the backend cannot be used here.
+pub(super) fn as_unavailable(e: Error) -> Error {
+    Error {
+        kind: ErrorKind::Unavailable,
+        ..e
+    }
+}
+
+pub(super) fn load_nccl(
+    search_path: Option<&std::path::PathBuf>,
+    probes: &mut Vec<LibraryProbe>,
+) -> Result<Nccl> {
+    let s = search(&LibrarySpec::nccl(), search_path);
+    probes.extend(s.tried.iter().cloned());
+    let missing = s.missing_message();
+    let found = s
+        .found
+        .ok_or_else(|| unavailable("nccl", format!("collectives are unavailable: {missing}")))?;
+    let api = NcclApi::load(found.lib)
+        .map_err(|m| unavailable("nccl", format!("{} lacks {}", found.path, m.join(", "))))?;
+    let mut version: c_int = 0;
+    // SAFETY: plain NCCL call into a local.
+    let code = unsafe { (api.ncclGetVersion)(&mut version) };
+    let nccl = Nccl {
+        api,
+        version,
+        path: found.path,
+    };
+    nccl.check(code, "ncclGetVersion").map_err(as_unavailable)?;
+    Ok(nccl)
+}
+
+pub(super) fn load_nvrtc(
+    search_path: Option<&std::path::PathBuf>,
+    probes: &mut Vec<LibraryProbe>,
+) -> Result<Nvrtc> {
+    let s = search(&LibrarySpec::nvrtc(), search_path);
+    probes.extend(s.tried.iter().cloned());
+    let missing = s.missing_message();
+    let found = s
+        .found
+        .ok_or_else(|| unavailable("nvrtc", format!("kernels are unavailable: {missing}")))?;
+    let api = NvrtcApi::load(found.lib)
+        .map_err(|m| unavailable("nvrtc", format!("{} lacks {}", found.path, m.join(", "))))?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: plain NVRTC call into locals.
+    if unsafe { (api.nvrtcVersion)(&mut major, &mut minor) } != 0 {
+        return Err(unavailable(
+            "nvrtc",
+            format!("nvrtcVersion failed in {}", found.path),
+        ));
+    }
+    Ok(Nvrtc {
+        api,
+        version: (major, minor),
+        path: found.path,
+    })
+}
+
+/// The address of `symbol` in `lib`, or 0.
+pub(super) fn symbol_address(lib: &libloading::Library, symbol: &str) -> usize {
+    // SAFETY: the symbol is only compared by address, never called through this type.
+    unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()) }
+        .map(|s| *s as usize)
+        .unwrap_or(0)
+}
+
+impl CudaBackend {
+    /// Opens the backend with the library search the environment describes ([`CudaSearch`]).
+    pub fn open() -> Result<Self> {
+        Self::open_with(&CudaSearch::from_process())
+    }
+
+    /// [`CudaBackend::open`] with the library search given explicitly. Fails with
+    /// `Unavailable` (naming the library and every name or path tried) when the driver cannot
+    /// be loaded or initialised or has no device; NCCL and NVRTC are optional.
+    pub fn open_with(search_env: &CudaSearch) -> Result<Self> {
+        let timeout = crate::collective::collective_timeout_from_env(BackendKind::Cuda, None)?
+            .unwrap_or(crate::collective::DEFAULT_COLLECTIVE_TIMEOUT);
+        let driver = search(&LibrarySpec::driver(), search_env.cuda_lib.as_ref());
+        let mut probes = driver.tried.clone();
+        let missing = driver.missing_message();
+        let found = driver.found.ok_or_else(|| unavailable("open", missing))?;
+        let absent: Vec<&str> = DRIVER_SYMBOLS
+            .iter()
+            .copied()
+            .filter(|s| symbol_address(&found.lib, s) == 0)
+            .collect();
+        if !absent.is_empty() {
+            return Err(unavailable(
+                "open",
+                format!("{} lacks {}", found.path, absent.join(", ")),
+            ));
+        }
+        // cudarc loads the driver by name on its own; make sure that resolves, and to the same
+        // library (an HP_CUDA_LIB override must not lose against another libcuda on the path).
+        // SAFETY: only opens libraries by name, as the probe above did.
+        if !unsafe { cu::is_culib_present() } {
+            return Err(unavailable(
+                "open",
+                format!(
+                    "{} loaded, but none of the names cudarc resolves the driver by ({}) leads to it",
+                    found.path,
+                    LibrarySpec::driver().names.join(", ")
+                ),
+            ));
+        }
+        // SAFETY: present, checked just above, so this does not panic.
+        let cudarc_lib = unsafe { cu::culib() };
+        // SAFETY: compared by address only.
+        let theirs = unsafe { cudarc_lib.get::<unsafe extern "C" fn()>(b"cuInit") }
+            .map(|s| *s as usize)
+            .unwrap_or(0);
+        if theirs != symbol_address(&found.lib, "cuInit") {
+            return Err(unavailable(
+                "open",
+                format!(
+                    "cudarc resolved the driver to another library than {} (set by {}); remove the other libcuda from the loader path or unset the override",
+                    found.path,
+                    if search_env.cuda_lib.is_some() { "HP_CUDA_LIB" } else { "the loader search" }
+                ),
+            ));
+        }
+        // SAFETY: plain driver calls into locals.
+        cu_call!(cuInit(0)).map_err(as_unavailable)?;
+        let mut version = 0;
+        cu_call!(cuDriverGetVersion(&mut version)).map_err(as_unavailable)?;
+        let mut count = 0;
+        cu_call!(cuDeviceGetCount(&mut count)).map_err(as_unavailable)?;
+        if count <= 0 {
+            return Err(unavailable(
+                "open",
+                format!("the CUDA driver ({}) reports no device", found.path),
+            ));
+        }
+        let devices = (0..count)
+            .map(|i| Self::describe_device(i).map_err(as_unavailable))
+            .collect::<Result<Vec<_>>>()?;
+        let nccl = load_nccl(search_env.nccl_lib.as_ref(), &mut probes);
+        let nvrtc = load_nvrtc(search_env.nvrtc_lib.as_ref(), &mut probes);
+        for (what, r) in [
+            ("nccl", nccl.as_ref().err()),
+            ("nvrtc", nvrtc.as_ref().err()),
+        ] {
+            if let Some(e) = r {
+                tracing::warn!(library = what, error = %e, "cuda backend without {what}");
+            }
+        }
+        let (frees, frees_ref) = deferred::new_list();
+        Ok(CudaBackend {
+            frees,
+            shared: Arc::new(Shared {
+                instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
+                driver_path: found.path,
+                driver_version: version,
+                devices,
+                pinned: MemoryCounter::new(None),
+                streams: Mutex::new(Vec::new()),
+                nccl,
+                nvrtc,
+                probes,
+                reaper: Reaper::new(),
+                watchdog: Arc::new(Watchdog::new(timeout)),
+                frees: frees_ref,
+                _driver: found.lib,
+            }),
+            retired: Retired::default(),
+        })
+    }
+
+    pub(super) fn describe_device(ordinal: c_int) -> Result<Device> {
+        let mut handle = 0;
+        // SAFETY: plain driver calls into locals and a buffer of the size passed.
+        cu_call!(cuDeviceGet(&mut handle, ordinal))?;
+        let mut name = [0 as std::ffi::c_char; 256];
+        cu_call!(cuDeviceGetName(
+            name.as_mut_ptr(),
+            name.len() as c_int,
+            handle
+        ))?;
+        // SAFETY: the driver NUL-terminates within the buffer.
+        let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        let mut total = 0usize;
+        cu_call!(cuDeviceTotalMem_v2(&mut total, handle))?;
+        let attr = |a: cu::CUdevice_attribute| -> Result<i32> {
+            let mut v = 0;
+            cu_call!(cuDeviceGetAttribute(&mut v, a, handle))?;
+            Ok(v)
+        };
+        let major = attr(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = attr(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        Ok(Device {
+            handle,
+            name,
+            total,
+            compute_capability: (major, minor),
+            ctx: OnceLock::new(),
+            ctx_init: Mutex::new(()),
+            memory: MemoryCounter::new(None),
+            modules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The device whose primary context `ctx` is (a stream from another context is refused:
+    /// hprt's memory lives in primary contexts).
+    pub(super) fn device_of_context(&self, ctx: usize) -> Result<usize> {
+        let mut dev = 0;
+        // SAFETY: `ctx` came from the driver; pushed and popped around one query.
+        cu_call!(cuCtxPushCurrent_v2(ctx as cu::CUcontext))?;
+        let got = cu_call!(cuCtxGetDevice(&mut dev));
+        let mut popped = std::ptr::null_mut();
+        cu_call!(cuCtxPopCurrent_v2(&mut popped))?;
+        got?;
+        let ordinal = self
+            .shared
+            .devices
+            .iter()
+            .position(|d| d.handle == dev)
+            .ok_or_else(|| {
+                cuda_err(
+                    ErrorKind::InvalidValue,
+                    "wrap_external_stream",
+                    format!("the stream's device {dev} is not one of this platform's"),
+                )
+            })?;
+        if self.shared.ctx(ordinal)? != ctx {
+            return Err(cuda_err(
+                ErrorKind::Unsupported,
+                "wrap_external_stream",
+                "the stream belongs to a context other than the device's primary context",
+            ));
+        }
+        Ok(ordinal)
+    }
+}
