@@ -3,6 +3,12 @@
 //! Verified against the ACL/HCCL emulator in `tests/ascend-emulator` only, until it runs on
 //! real Ascend hardware. Coexists with torch_npu: if `aclInit` reports "repeat initialize",
 //! someone else owns ACL and hprt never calls `aclFinalize`.
+//!
+//! Memory is freed in stream order, once the events of its uses completed (`crate::auxil::uses`).
+//! Layout (the cuda backend's): this file holds the objects and the [`Backend`] impl;
+//! `context.rs` opening and the thread's device, `memory.rs` buffers and staging, `stream.rs`
+//! streams and events, `launch.rs` host steps (compute without a device kernel), `collective.rs`
+//! HCCL; `check.rs` turns ACL / HCCL statuses into errors, `host_fn.rs` runs host functions.
 
 mod check;
 mod host_fn;
@@ -36,6 +42,7 @@ use crate::kernel::{run_on_host, Access, HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
 use check::{acl, hccl, npu_err};
 use host_fn::Reporter;
+use launch::host_fn_unsupported;
 
 /// Calls an ACL function of `$api` (an `Ascend`) and checks its status, naming the function in
 /// the error. The call is `unsafe`: each use carries the SAFETY reasoning for its arguments.
@@ -44,6 +51,13 @@ macro_rules! acl_call {
         acl(unsafe { $api.acl.$f($($arg),*) }, stringify!($f))
     };
 }
+
+// After the macro, which they use.
+mod collective;
+mod context;
+mod launch;
+mod memory;
+mod stream;
 
 const ROOT_INFO_BYTES: usize = std::mem::size_of::<HcclRootInfo>();
 
@@ -73,55 +87,6 @@ pub struct Shared {
     frees: Weak<DeferredFrees>,
 }
 
-impl Shared {
-    /// Binds the calling thread to its device (ACL keeps the device per thread).
-    fn bind(&self) -> Result<i32> {
-        // `try_with`: handles may be dropped while this thread's locals are being torn down.
-        if let Ok(Some(d)) = BOUND.try_with(|b| b.borrow().get(&self.instance).copied()) {
-            return Ok(d);
-        }
-        // SAFETY: plain ACL call.
-        acl(unsafe { self.api.acl.aclrtSetDevice(0) }, "aclrtSetDevice")?;
-        let _ = BOUND.try_with(|b| b.borrow_mut().insert(self.instance, 0));
-        Ok(0)
-    }
-
-    fn reporter(&self) -> Option<&Reporter> {
-        if let Some(r) = self.reporter.get() {
-            return Some(r);
-        }
-        if !host_fn::available(&self.api) {
-            return None;
-        }
-        let _one_at_a_time = lock(&self.reporter_start);
-        if self.reporter.get().is_none() {
-            match Reporter::start(Arc::clone(&self.api), 0) {
-                Ok(r) => drop(self.reporter.set(r)),
-                Err(e) => {
-                    tracing::warn!(error = %e, "npu host-function thread unavailable (retried at next use)");
-                    return None;
-                }
-            }
-        }
-        self.reporter.get()
-    }
-}
-
-impl Drop for Shared {
-    fn drop(&mut self) {
-        for (_, bufs) in lock(&self.staging).drain() {
-            for p in bufs {
-                // SAFETY: pool buffers came from aclrtMallocHost and are no longer referenced.
-                unsafe { self.api.acl.aclrtFreeHost(p as _) };
-            }
-        }
-        if self.owns_acl {
-            // SAFETY: hprt initialised ACL and nothing of this platform is left.
-            unsafe { self.api.acl.aclFinalize() };
-        }
-    }
-}
-
 /// An ACL stream.
 pub struct StreamObj {
     shared: Arc<Shared>,
@@ -131,37 +96,6 @@ pub struct StreamObj {
     /// until it succeeds.
     subscribed: AtomicBool,
     errors: StreamErrors,
-}
-
-impl StreamObj {
-    fn host_fns_ready(&self) -> bool {
-        if self.subscribed.load(Ordering::Acquire) {
-            return true;
-        }
-        let ok = self
-            .shared
-            .reporter()
-            .is_some_and(|r| r.subscribe(self.raw).is_ok());
-        if ok {
-            self.subscribed.store(true, Ordering::Release);
-        }
-        ok
-    }
-}
-
-impl Drop for StreamObj {
-    fn drop(&mut self) {
-        lock(&self.shared.streams).remove(&self.raw);
-        if self.subscribed.load(Ordering::Acquire) {
-            if let Some(r) = self.shared.reporter.get() {
-                let _ = r.unsubscribe(self.raw);
-            }
-        }
-        if self.owned && self.shared.bind().is_ok() {
-            // SAFETY: we created this stream; ACL lets queued work finish.
-            let _ = acl_call!(self.shared.api, aclrtDestroyStream(self.raw as _));
-        }
-    }
 }
 
 /// An ACL event, with whether it was ever recorded (ACL does not say).
@@ -174,15 +108,6 @@ pub struct EventObj {
     carries: Mutex<Vec<Span>>,
 }
 
-impl Drop for EventObj {
-    fn drop(&mut self) {
-        if self.shared.bind().is_ok() {
-            // SAFETY: we created this event.
-            unsafe { self.shared.api.acl.aclrtDestroyEvent(self.raw as _) };
-        }
-    }
-}
-
 /// How a buffer's memory was obtained.
 pub enum Origin {
     Device(usize),
@@ -193,76 +118,6 @@ pub enum Origin {
 /// Device, pinned or borrowed memory, with the events of its uses (`auxil::uses`).
 pub type MemObj = TrackedMem<Shared>;
 
-/// ACL binds one device per thread: events and streams need no more than `bind`.
-impl UseEvents for Shared {
-    type Stream = usize;
-    type Event = usize;
-    type Origin = Origin;
-    const NAME: &'static str = "npu";
-
-    fn bind_for(&self, _: usize) -> Result<()> {
-        self.bind().map(drop)
-    }
-    fn create_event(&self) -> Result<usize> {
-        let mut e = std::ptr::null_mut();
-        // SAFETY: plain ACL call.
-        acl_call!(self.api, aclrtCreateEventWithFlag(&mut e, ACL_EVENT_SYNC))?;
-        Ok(e as usize)
-    }
-    fn record_event(&self, event: usize, stream: usize) -> Result<()> {
-        // SAFETY: live handles.
-        acl_call!(self.api, aclrtRecordEvent(event as _, stream as _))
-    }
-    fn event_complete(&self, event: usize) -> Option<bool> {
-        let mut status = aclrtEventRecordedStatus(0);
-        // SAFETY: an event use tracking created and has not destroyed.
-        let queried = unsafe { self.api.acl.aclrtQueryEventStatus(event as _, &mut status) };
-        (queried == 0).then_some(status.0 == 1)
-    }
-    fn wait_event(&self, event: usize) -> bool {
-        // SAFETY: as above.
-        (unsafe { self.api.acl.aclrtSynchronizeEvent(event as _) }) == 0
-    }
-    fn destroy_event(&self, event: usize) {
-        // SAFETY: as above; destroyed once.
-        unsafe { self.api.acl.aclrtDestroyEvent(event as _) };
-    }
-    fn drain(&self, stream: usize) {
-        // SAFETY: a live stream.
-        let _ = acl_call!(self.api, aclrtSynchronizeStream(stream as _));
-    }
-    fn free(&self, origin: Origin, ptr: usize, len: usize) {
-        let api = &self.api.acl;
-        match origin {
-            Origin::Device(d) => {
-                // SAFETY: allocated by aclrtMalloc; no queued work uses it any more.
-                let _ = acl(unsafe { api.aclrtFree(ptr as _) }, "aclrtFree");
-                self.devices[d].release(len);
-            }
-            Origin::Pinned => {
-                // SAFETY: allocated by aclrtMallocHost; no queued work uses it any more.
-                let _ = acl(unsafe { api.aclrtFreeHost(ptr as _) }, "aclrtFreeHost");
-                self.pinned.release(len);
-            }
-            Origin::Borrowed(release) => {
-                if let Some(f) = release {
-                    f();
-                }
-            }
-        }
-    }
-    fn describe(origin: &Origin) -> &'static str {
-        match origin {
-            Origin::Device(_) => "device",
-            Origin::Pinned => "pinned",
-            Origin::Borrowed(_) => "borrowed (its release is not run)",
-        }
-    }
-    fn frees(&self) -> &Weak<DeferredFrees> {
-        &self.frees
-    }
-}
-
 /// An HCCL communicator, with a scratch word for barriers.
 pub struct CommObj {
     shared: Arc<Shared>,
@@ -270,16 +125,6 @@ pub struct CommObj {
     rank: usize,
     world: usize,
     scratch: Arc<MemObj>,
-}
-
-impl Drop for CommObj {
-    fn drop(&mut self) {
-        // SAFETY: we created this communicator.
-        let _ = hccl(
-            unsafe { self.shared.api.hccl.HcclCommDestroy(self.raw as _) }.0 as i32,
-            "HcclCommDestroy",
-        );
-    }
 }
 
 /// The npu backend (see the module docs).
@@ -291,28 +136,6 @@ pub struct NpuBackend {
     frees: Arc<DeferredFrees>,
 }
 
-fn hccl_dtype(d: DType) -> HcclDataType {
-    HcclDataType(match d {
-        DType::I8 => 0,
-        DType::I32 => 2,
-        DType::F16 => 3,
-        DType::F32 => 4,
-        DType::I64 => 5,
-        DType::U8 => 7,
-        DType::F64 => 10,
-        DType::BF16 => 11,
-    })
-}
-
-fn hccl_op(op: ReduceOp) -> HcclReduceOp {
-    HcclReduceOp(match op {
-        ReduceOp::Sum | ReduceOp::Avg => 0,
-        ReduceOp::Prod => 1,
-        ReduceOp::Max => 2,
-        ReduceOp::Min => 3,
-    })
-}
-
 fn memcpy_kind(k: CopyKind) -> aclrtMemcpyKind {
     aclrtMemcpyKind(match k {
         CopyKind::HostToHost => 0,
@@ -320,256 +143,6 @@ fn memcpy_kind(k: CopyKind) -> aclrtMemcpyKind {
         CopyKind::DeviceToHost => 2,
         CopyKind::DeviceToDevice => 3,
     })
-}
-
-/// Divides `count` elements at `ptr` (host memory) by `n`, rounding once per element.
-///
-/// # Safety
-/// `ptr` must address `count` elements of `dtype`, not touched by anyone else meanwhile.
-unsafe fn divide_in_place(ptr: usize, count: usize, dtype: DType, n: usize) {
-    unsafe fn each<T: Copy>(ptr: usize, count: usize, f: impl Fn(T) -> T) {
-        let p = ptr as *mut T;
-        for i in 0..count {
-            p.add(i).write_unaligned(f(p.add(i).read_unaligned()));
-        }
-    }
-    match dtype {
-        DType::F32 => each::<f32>(ptr, count, |x| x / n as f32),
-        DType::F64 => each::<f64>(ptr, count, |x| x / n as f64),
-        DType::F16 => each::<f16>(ptr, count, |x| f16::from_f32(x.to_f32() / n as f32)),
-        DType::BF16 => each::<bf16>(ptr, count, |x| bf16::from_f32(x.to_f32() / n as f32)),
-        DType::I8 => each::<i8>(ptr, count, |x| (i64::from(x) / n as i64) as i8),
-        DType::U8 => each::<u8>(ptr, count, |x| (u64::from(x) / n as u64) as u8),
-        DType::I32 => each::<i32>(ptr, count, |x| (i64::from(x) / n as i64) as i32),
-        DType::I64 => each::<i64>(ptr, count, |x| (i128::from(x) / n as i128) as i64),
-    }
-}
-
-impl NpuBackend {
-    /// Loads ACL and HCCL, initialises ACL (or adopts someone else's initialisation), and
-    /// counts devices. Every failure is a typed `Unavailable` error saying what is missing.
-    pub fn open() -> Result<Self> {
-        Self::open_with(&SearchEnv::from_process())
-    }
-
-    /// [`NpuBackend::open`] with the library search settings given explicitly.
-    pub fn open_with(env: &SearchEnv) -> Result<Self> {
-        let api = hprt_sys::load_with(env)
-            .map_err(|e| npu_err(ErrorKind::Unavailable, "load", e.to_string()))?;
-        Self::with_api(api)
-    }
-
-    fn with_api(api: Ascend) -> Result<Self> {
-        let api = Arc::new(api);
-        // SAFETY: aclInit with no config file.
-        let code = unsafe { api.acl.aclInit(std::ptr::null()) };
-        let owns_acl = code != ACL_ERROR_REPEAT_INITIALIZE as i32;
-        if owns_acl {
-            acl(code, "aclInit")?;
-        } else {
-            tracing::info!(
-                "ACL already initialised by another component; hprt will not finalize it"
-            );
-        }
-        let finalize = |e| {
-            if owns_acl {
-                // SAFETY: undo our own initialisation on the way out.
-                unsafe { api.acl.aclFinalize() };
-            }
-            e
-        };
-        let mut count = 0u32;
-        // SAFETY: plain ACL call.
-        acl_call!(api, aclrtGetDeviceCount(&mut count)).map_err(finalize)?;
-        if count == 0 {
-            return Err(finalize(npu_err(
-                ErrorKind::Unavailable,
-                "open",
-                "ACL reports no NPU device",
-            )));
-        }
-        let (frees, frees_ref) = deferred::new_list();
-        let shared = Arc::new(Shared {
-            frees: frees_ref,
-            instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
-            owns_acl,
-            devices: (0..count)
-                .map(|_| Arc::new(MemoryCounter::new(None)))
-                .collect(),
-            pinned: Arc::new(MemoryCounter::new(None)),
-            streams: Mutex::new(HashMap::new()),
-            reporter: OnceLock::new(),
-            reporter_start: Mutex::new(()),
-            staging: Arc::new(Mutex::new(HashMap::new())),
-            api,
-        });
-        Ok(NpuBackend {
-            shared,
-            device_count: count as usize,
-            retired: Retired::default(),
-            frees,
-        })
-    }
-
-    fn api(&self) -> &Ascend {
-        &self.shared.api
-    }
-
-    fn stream_obj(&self, raw: usize, owned: bool) -> Arc<StreamObj> {
-        let s = Arc::new(StreamObj {
-            shared: Arc::clone(&self.shared),
-            raw,
-            owned,
-            subscribed: AtomicBool::new(false),
-            errors: StreamErrors::default(),
-        });
-        s.host_fns_ready();
-        lock(&self.shared.streams).insert(raw, Arc::downgrade(&s));
-        s
-    }
-
-    fn take_staging(&self, bytes: usize) -> Result<usize> {
-        if let Some(p) = lock(&self.shared.staging)
-            .get_mut(&bytes)
-            .and_then(Vec::pop)
-        {
-            return Ok(p);
-        }
-        let mut p = std::ptr::null_mut();
-        // SAFETY: plain ACL call.
-        self.frees
-            .retrying(|| acl_call!(self.api(), aclrtMallocHost(&mut p, bytes)))?;
-        Ok(p as usize)
-    }
-
-    /// `buf = buf / n` on the stream (the scale step of `Avg`).
-    fn divide_on_stream(
-        &self,
-        place: &Place<Arc<MemObj>>,
-        count: usize,
-        dtype: DType,
-        n: usize,
-        stream: &StreamObj,
-    ) -> Result<()> {
-        let bytes = count * dtype.size();
-        if bytes == 0 || n == 1 {
-            return Ok(());
-        }
-        self.host_step(
-            "all_reduce(avg)",
-            vec![(place.clone(), bytes, Access::ReadWrite)],
-            stream,
-            // SAFETY: the staging copy holds `count` elements of `dtype`.
-            move |staged| unsafe { divide_in_place(staged[0], count, dtype, n) },
-        )
-    }
-
-    /// Device compute this ACL subset has no kernel for, done on the host in stream order:
-    /// each place is copied D2H into pinned staging (unless only written), `compute` runs on the
-    /// staging copies in a blocking host function, written places are copied back H2D, and the
-    /// staging buffers return to the pool once the stream passed them.
-    fn host_step(
-        &self,
-        op: &'static str,
-        places: Vec<(Place<Arc<MemObj>>, usize, Access)>,
-        stream: &StreamObj,
-        compute: impl FnOnce(&[usize]) + Send + 'static,
-    ) -> Result<()> {
-        if !stream.host_fns_ready() {
-            return Err(host_fn_unsupported(op));
-        }
-        let api = self.api();
-        let s = stream.raw as *mut c_void;
-        let mut staged = Vec::with_capacity(places.len());
-        let give_back = |staged: &[(usize, usize)]| {
-            let mut pool = lock(&self.shared.staging);
-            for &(p, b) in staged {
-                pool.entry(b).or_default().push(p);
-            }
-        };
-        for ((_, _), bytes, _) in &places {
-            match self.take_staging(*bytes) {
-                Ok(p) => staged.push((p, *bytes)),
-                Err(e) => {
-                    give_back(&staged);
-                    return Err(e);
-                }
-            }
-        }
-        for (((mem, off), bytes, access), &(st, _)) in places.iter().zip(&staged) {
-            if *access != Access::Write {
-                // SAFETY: the device range is live and bounds-checked; staging is ours.
-                acl_call!(
-                    api,
-                    aclrtMemcpyAsync(
-                        st as _,
-                        *bytes,
-                        (mem.ptr + off) as _,
-                        *bytes,
-                        memcpy_kind(CopyKind::DeviceToHost),
-                        s,
-                    )
-                )?;
-            }
-        }
-        let ptrs: Vec<usize> = staged.iter().map(|&(p, _)| p).collect();
-        host_fn::launch(api, stream.raw, true, Box::new(move || compute(&ptrs)))?;
-        for (((mem, off), bytes, access), &(st, _)) in places.iter().zip(&staged) {
-            if *access != Access::Read {
-                // SAFETY: as above.
-                acl_call!(
-                    api,
-                    aclrtMemcpyAsync(
-                        (mem.ptr + off) as _,
-                        mem.len - off,
-                        st as _,
-                        *bytes,
-                        memcpy_kind(CopyKind::HostToDevice),
-                        s,
-                    )
-                )?;
-            }
-            mem.used_on(stream.raw)?;
-        }
-        // Only the pool travels into the callback: the report thread must never hold the last
-        // reference to `Shared`, whose drop joins that thread.
-        let pool = Arc::clone(&self.shared.staging);
-        host_fn::launch(
-            api,
-            stream.raw,
-            false,
-            Box::new(move || {
-                let mut pool = lock(&pool);
-                for (p, b) in staged {
-                    pool.entry(b).or_default().push(p);
-                }
-            }),
-        )
-    }
-
-    fn new_comm(&self, raw: usize, rank: usize, world: usize) -> Result<Arc<CommObj>> {
-        let scratch = Backend::alloc_device(self, 4)?.0;
-        Ok(Arc::new(CommObj {
-            shared: Arc::clone(&self.shared),
-            raw,
-            rank,
-            world,
-            scratch,
-        }))
-    }
-}
-
-fn host_fn_unsupported(op: &'static str) -> Error {
-    let missing: Vec<&str> = OPTIONAL_SYMBOLS
-        .iter()
-        .copied()
-        .filter(|s| s.contains("Report") || s.contains("Callback"))
-        .collect();
-    npu_err(
-        ErrorKind::Unsupported,
-        op,
-        format!("{op} needs a host-function step on the stream ({missing:?}), unavailable on this stream or ACL build"),
-    )
 }
 
 fn ptr(place: &Option<Place<Arc<MemObj>>>) -> *mut c_void {
@@ -1056,186 +629,7 @@ impl Backend for NpuBackend {
         op: Collective<Option<Place<Arc<MemObj>>>>,
         stream: &Arc<StreamObj>,
     ) -> Result<()> {
-        self.shared.bind()?;
-        let h = &self.api().hccl;
-        let op = match op {
-            Collective::Barrier => auxil::comm::barrier_as_all_reduce(Arc::clone(&comm.scratch)),
-            op => op,
-        };
-        let (c, s) = (comm.raw as *mut c_void, stream.raw as *mut c_void);
-        // SAFETY (every call below): places were bounds-checked for the extent HCCL touches;
-        // handles are live; HCCL only queues the work on `s`.
-        let (code, name) = unsafe {
-            match &op {
-                Collective::AllReduce {
-                    send,
-                    recv,
-                    count,
-                    dtype,
-                    op,
-                } => (
-                    h.HcclAllReduce(
-                        ptr(send),
-                        ptr(recv),
-                        *count as u64,
-                        hccl_dtype(*dtype),
-                        hccl_op(*op),
-                        c,
-                        s,
-                    ),
-                    "HcclAllReduce",
-                ),
-                Collective::ReduceScatter {
-                    send,
-                    recv,
-                    count,
-                    dtype,
-                    op,
-                } => (
-                    h.HcclReduceScatter(
-                        ptr(send),
-                        ptr(recv),
-                        *count as u64,
-                        hccl_dtype(*dtype),
-                        hccl_op(*op),
-                        c,
-                        s,
-                    ),
-                    "HcclReduceScatter",
-                ),
-                Collective::AllGather {
-                    send,
-                    recv,
-                    count,
-                    dtype,
-                } => (
-                    h.HcclAllGather(
-                        ptr(send),
-                        ptr(recv),
-                        *count as u64,
-                        hccl_dtype(*dtype),
-                        c,
-                        s,
-                    ),
-                    "HcclAllGather",
-                ),
-                Collective::Broadcast {
-                    buf,
-                    count,
-                    dtype,
-                    root,
-                } => (
-                    h.HcclBroadcast(
-                        ptr(buf),
-                        *count as u64,
-                        hccl_dtype(*dtype),
-                        *root as u32,
-                        c,
-                        s,
-                    ),
-                    "HcclBroadcast",
-                ),
-                Collective::AllToAll {
-                    send,
-                    recv,
-                    count,
-                    dtype,
-                } => {
-                    let dt = hccl_dtype(*dtype);
-                    (
-                        h.HcclAlltoAll(
-                            ptr(send),
-                            *count as u64,
-                            dt,
-                            ptr(recv),
-                            *count as u64,
-                            dt,
-                            c,
-                            s,
-                        ),
-                        "HcclAlltoAll",
-                    )
-                }
-                Collective::AllToAllV {
-                    send,
-                    recv,
-                    send_counts,
-                    send_displs,
-                    recv_counts,
-                    recv_displs,
-                    dtype,
-                } => {
-                    let v = |x: &[usize]| x.iter().map(|&n| n as u64).collect::<Vec<u64>>();
-                    let (sc, sd, rc, rd) = (
-                        v(send_counts),
-                        v(send_displs),
-                        v(recv_counts),
-                        v(recv_displs),
-                    );
-                    let dt = hccl_dtype(*dtype);
-                    (
-                        h.HcclAlltoAllV(
-                            ptr(send),
-                            sc.as_ptr().cast(),
-                            sd.as_ptr().cast(),
-                            dt,
-                            ptr(recv),
-                            rc.as_ptr().cast(),
-                            rd.as_ptr().cast(),
-                            dt,
-                            c,
-                            s,
-                        ),
-                        "HcclAlltoAllV",
-                    )
-                }
-                Collective::Send {
-                    send,
-                    count,
-                    dtype,
-                    peer,
-                } => (
-                    h.HcclSend(
-                        ptr(send),
-                        *count as u64,
-                        hccl_dtype(*dtype),
-                        *peer as u32,
-                        c,
-                        s,
-                    ),
-                    "HcclSend",
-                ),
-                Collective::Recv {
-                    recv,
-                    count,
-                    dtype,
-                    peer,
-                } => (
-                    h.HcclRecv(
-                        ptr(recv),
-                        *count as u64,
-                        hccl_dtype(*dtype),
-                        *peer as u32,
-                        c,
-                        s,
-                    ),
-                    "HcclRecv",
-                ),
-                Collective::Barrier => unreachable!("issued as an all-reduce above"),
-            }
-        };
-        hccl(code.0 as i32, name)?;
-        for (place, _) in op.places(comm.world) {
-            if let Some((m, _)) = place {
-                m.used_on(stream.raw)?;
-            }
-        }
-        match auxil::comm::avg_to_scale(op, comm.world) {
-            Some((recv, count, dtype)) => {
-                self.divide_on_stream(&recv, count, dtype, comm.world, stream)
-            }
-            None => Ok(()),
-        }
+        self.issue_collective(comm, op, stream)
     }
     fn group_start(&self) -> Result<()> {
         let h = &self.api().hccl;
