@@ -117,7 +117,7 @@ impl CudaBackend {
             op => op,
         };
         let a = &n.api;
-        let (c, s) = (comm.raw as ncclComm_t, stream.raw as *mut c_void);
+        let (c, s) = (comm.raw as ncclComm_t, stream.raw.sys().cast::<c_void>());
         // Avg without ncclAvg: a sum, then the scale kernel below.
         let emulate_avg = !n.has_avg_and_bf16();
         let red = |op: ReduceOp| {
@@ -323,7 +323,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let size = dtype.size();
         let (sp, rp) = (ptr(send) as usize, ptr(recv) as usize);
-        let (c, s) = (comm.raw as ncclComm_t, stream.raw as *mut c_void);
+        let (c, s) = (comm.raw as ncclComm_t, stream.raw.sys().cast::<c_void>());
         let me = comm.rank;
         let (sc, sd, rc, rd) = blocks[me];
         if sc != rc {
@@ -334,13 +334,9 @@ impl CudaBackend {
             ));
         }
         if sc > 0 {
+            let (dst, src) = ((rp + rd * size) as u64, (sp + sd * size) as u64);
             // SAFETY: both blocks lie inside the bounds-checked places.
-            cu_call!(cuMemcpyAsync(
-                (rp + rd * size) as u64,
-                (sp + sd * size) as u64,
-                sc * size,
-                stream.raw as cu::CUstream
-            ))?;
+            unsafe { result::mem::copy_async(dst, src, sc * size, stream.raw) }?;
         }
         // SAFETY: plain NCCL calls on bounds-checked blocks; the group is always closed.
         n.check(unsafe { (n.api.ncclGroupStart)() }, "ncclGroupStart")?;

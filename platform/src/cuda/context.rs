@@ -4,7 +4,7 @@
 use super::*;
 
 impl Shared {
-    pub(super) fn ctx(&self, device: usize) -> Result<usize> {
+    pub(super) fn ctx(&self, device: usize) -> Result<result::Context> {
         let d = &self.devices[device];
         if let Some(&ctx) = d.ctx.get() {
             return Ok(ctx);
@@ -13,20 +13,15 @@ impl Shared {
         if let Some(&ctx) = d.ctx.get() {
             return Ok(ctx);
         }
-        let mut ctx = std::ptr::null_mut();
-        // SAFETY: plain driver call into a local.
-        cu_call!(cuDevicePrimaryCtxRetain(&mut ctx, d.handle))?;
-        Ok(*d.ctx.get_or_init(|| ctx as usize))
+        let ctx = result::ctx::primary_retain(d.handle)?;
+        Ok(*d.ctx.get_or_init(|| ctx))
     }
 
     /// Makes `device`'s primary context current on this thread (nothing when it already is).
     pub(super) fn bind(&self, device: usize) -> Result<()> {
         let ctx = self.ctx(device)?;
-        let mut current = std::ptr::null_mut();
-        // SAFETY: plain driver calls.
-        cu_call!(cuCtxGetCurrent(&mut current))?;
-        if current as usize != ctx {
-            cu_call!(cuCtxSetCurrent(ctx as cu::CUcontext))?;
+        if result::ctx::current()? != Some(ctx) {
+            result::ctx::set_current(Some(ctx))?;
         }
         Ok(())
     }
@@ -59,7 +54,7 @@ impl Shared {
         module: &'static str,
         source: impl FnOnce() -> String,
         name: &str,
-    ) -> Result<usize> {
+    ) -> Result<result::Function> {
         let d = &self.devices[device];
         let m = {
             let mut modules = lock(&d.modules);
@@ -83,15 +78,9 @@ impl Shared {
                 "NUL in name",
             )
         })?;
-        let mut f = std::ptr::null_mut();
-        // SAFETY: a loaded module and a NUL-terminated name.
-        cu_call!(cuModuleGetFunction(
-            &mut f,
-            m.raw as cu::CUmodule,
-            cname.as_ptr()
-        ))?;
-        functions.insert(name.to_string(), f as usize);
-        Ok(f as usize)
+        let f = result::module::function(m.raw, &cname)?;
+        functions.insert(name.to_string(), f);
+        Ok(f)
     }
 
     pub(super) fn compile(
@@ -102,10 +91,8 @@ impl Shared {
     ) -> Result<Arc<Module>> {
         let nvrtc = self.nvrtc.as_ref().map_err(Clone::clone)?;
         let image = nvrtc.compile(&source, module, d.compute_capability)?;
-        let mut raw = std::ptr::null_mut();
-        // SAFETY: a complete cubin or NUL-terminated PTX image that outlives the call.
         // The context is added to the driver's error, whose status code and name it keeps.
-        cu_call!(cuModuleLoadData(&mut raw, image.bytes.as_ptr().cast())).map_err(|e| Error {
+        let raw = result::module::load_data(&image.bytes).map_err(|e| Error {
             message: format!(
                 "{} ({} of {module}, NVRTC {}.{})",
                 e.message, image.kind, nvrtc.version.0, nvrtc.version.1
@@ -114,7 +101,7 @@ impl Shared {
         })?;
         tracing::debug!(module, kind = image.kind, device = %d.name, "kernel module loaded");
         Ok(Arc::new(Module {
-            raw: raw as usize,
+            raw,
             functions: Mutex::new(HashMap::new()),
         }))
     }
@@ -128,35 +115,30 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let mut work: Vec<(usize, Vec<usize>)> = Vec::new();
+        let mut work: Vec<(usize, result::Context, Vec<result::Module>)> = Vec::new();
         for (i, d) in self.devices.iter_mut().enumerate() {
-            let modules: Vec<usize> = d
+            let modules: Vec<result::Module> = d
                 .modules
                 .get_mut()
                 .unwrap_or_else(|p| p.into_inner())
                 .drain()
                 .map(|(_, m)| m.raw)
                 .collect();
-            if d.ctx.get().is_some() {
-                work.push((i, modules));
+            if let Some(&ctx) = d.ctx.get() {
+                work.push((i, ctx, modules));
             }
         }
         let handles: Vec<cu::CUdevice> = self.devices.iter().map(|d| d.handle).collect();
-        let ctxs: Vec<usize> = self
-            .devices
-            .iter()
-            .map(|d| d.ctx.get().copied().unwrap_or(0))
-            .collect();
         let release = move || {
-            for (i, modules) in work {
-                // SAFETY: the context is ours (retained); the modules were loaded in it and
-                // nothing of this platform uses them any more.
+            for (i, ctx, modules) in work {
+                let _ = result::ctx::set_current(Some(ctx));
+                // SAFETY: the context is ours (retained once); the modules were loaded in it
+                // and nothing of this platform uses them any more.
                 unsafe {
-                    cu::cuCtxSetCurrent(ctxs[i] as cu::CUcontext);
                     for m in modules {
-                        cu::cuModuleUnload(m as cu::CUmodule);
+                        result::module::unload(m);
                     }
-                    cu::cuDevicePrimaryCtxRelease_v2(handles[i]);
+                    result::ctx::primary_release(handles[i]);
                 }
             }
         };
@@ -296,12 +278,9 @@ impl CudaBackend {
                 ),
             ));
         }
-        // SAFETY: plain driver calls into locals.
-        cu_call!(cuInit(0)).map_err(as_unavailable)?;
-        let mut version = 0;
-        cu_call!(cuDriverGetVersion(&mut version)).map_err(as_unavailable)?;
-        let mut count = 0;
-        cu_call!(cuDeviceGetCount(&mut count)).map_err(as_unavailable)?;
+        result::init().map_err(as_unavailable)?;
+        let version = result::driver_version().map_err(as_unavailable)?;
+        let count = result::device::count().map_err(as_unavailable)?;
         if count <= 0 {
             return Err(unavailable(
                 "open",
@@ -344,26 +323,10 @@ impl CudaBackend {
     }
 
     pub(super) fn describe_device(ordinal: c_int) -> Result<Device> {
-        let mut handle = 0;
-        // SAFETY: plain driver calls into locals and a buffer of the size passed.
-        cu_call!(cuDeviceGet(&mut handle, ordinal))?;
-        let mut name = [0 as std::ffi::c_char; 256];
-        cu_call!(cuDeviceGetName(
-            name.as_mut_ptr(),
-            name.len() as c_int,
-            handle
-        ))?;
-        // SAFETY: the driver NUL-terminates within the buffer.
-        let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
-            .to_string_lossy()
-            .into_owned();
-        let mut total = 0usize;
-        cu_call!(cuDeviceTotalMem_v2(&mut total, handle))?;
-        let attr = |a: cu::CUdevice_attribute| -> Result<i32> {
-            let mut v = 0;
-            cu_call!(cuDeviceGetAttribute(&mut v, a, handle))?;
-            Ok(v)
-        };
+        let handle = result::device::get(ordinal)?;
+        let name = result::device::name(handle)?;
+        let total = result::device::total_mem(handle)?;
+        let attr = |a| result::device::attribute(handle, a);
         let major = attr(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attr(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         Ok(Device {
@@ -380,14 +343,8 @@ impl CudaBackend {
 
     /// The device whose primary context `ctx` is (a stream from another context is refused:
     /// hprt's memory lives in primary contexts).
-    pub(super) fn device_of_context(&self, ctx: usize) -> Result<usize> {
-        let mut dev = 0;
-        // SAFETY: `ctx` came from the driver; pushed and popped around one query.
-        cu_call!(cuCtxPushCurrent_v2(ctx as cu::CUcontext))?;
-        let got = cu_call!(cuCtxGetDevice(&mut dev));
-        let mut popped = std::ptr::null_mut();
-        cu_call!(cuCtxPopCurrent_v2(&mut popped))?;
-        got?;
+    pub(super) fn device_of_context(&self, ctx: result::Context) -> Result<usize> {
+        let dev = result::ctx::device_of(ctx)?;
         let ordinal = self
             .shared
             .devices

@@ -38,10 +38,10 @@ unsafe extern "C" fn trampoline(user: *mut c_void) {
 }
 
 /// Queues `f` on `stream`; the stream waits for it to return.
-pub(crate) fn launch(stream: usize, f: HostFn) -> Result<()> {
+pub(crate) fn launch(stream: super::result::Stream, f: HostFn) -> Result<()> {
     let user = Box::into_raw(Box::new(f));
     // SAFETY: the trampoline takes back the box exactly once when the driver runs it.
-    let r = unsafe { cu::cuLaunchHostFunc(stream as _, Some(trampoline), user.cast()) };
+    let r = unsafe { cu::cuLaunchHostFunc(stream.sys(), Some(trampoline), user.cast()) };
     if r != cu::CUresult::CUDA_SUCCESS {
         // The driver refused it, so it will never run: take the box back.
         // SAFETY: not handed to the driver.

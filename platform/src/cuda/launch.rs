@@ -6,25 +6,23 @@ impl CudaBackend {
     pub(super) fn launch(
         &self,
         stream: &StreamObj,
-        function: usize,
+        function: result::Function,
         count: usize,
         args: &mut [*mut c_void],
     ) -> Result<()> {
         // SAFETY: `args` point at locals of the caller matching the kernel's parameters, alive
-        // for the call (the driver copies them); the stream's context is bound.
-        cu_call!(cuLaunchKernel(
-            function as cu::CUfunction,
-            kernels::grid_for(count),
-            1,
-            1,
-            kernels::BLOCK,
-            1,
-            1,
-            0,
-            stream.raw as cu::CUstream,
-            args.as_mut_ptr(),
-            std::ptr::null_mut(),
-        ))
+        // for the call (the driver copies them); the stream's context is bound; the places
+        // were bounds-checked and are kept live by their use events.
+        unsafe {
+            result::module::launch(
+                function,
+                (kernels::grid_for(count), 1, 1),
+                (kernels::BLOCK, 1, 1),
+                0,
+                stream.raw,
+                args,
+            )
+        }
     }
 
     /// Enqueues an elementwise kernel whose places were checked by the dispatch layer.
@@ -45,13 +43,9 @@ impl CudaBackend {
         {
             if kernel_name_is_copy(kernel) {
                 if s.at(*so) != d.at(*doff) {
+                    let bytes = kernel.count() * src_dtype.size();
                     // SAFETY: both ranges were bounds-checked and do not overlap.
-                    cu_call!(cuMemcpyAsync(
-                        d.at(*doff),
-                        s.at(*so),
-                        kernel.count() * src_dtype.size(),
-                        stream.raw as cu::CUstream
-                    ))?;
+                    unsafe { result::mem::copy_async(d.at(*doff), s.at(*so), bytes, stream.raw) }?;
                     s.used_on(stream.key())?;
                     d.used_on(stream.key())?;
                 }

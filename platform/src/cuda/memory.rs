@@ -9,51 +9,39 @@ impl MemObj {
     }
 }
 
-/// A newly created event of the bound context, for use tracking.
-pub(super) fn new_use_event() -> Result<usize> {
-    let mut e = std::ptr::null_mut();
-    // SAFETY: plain driver call into a local.
-    cu_call!(cuEventCreate(&mut e, CU_EVENT_DISABLE_TIMING))?;
-    Ok(e as usize)
-}
-
 /// Streams are told apart by (handle, device): a stream handle value can come back for another
 /// device's stream. Frees go through the reaper: the last handle may die in a host function.
 impl UseEvents for Shared {
-    type Stream = (usize, usize);
-    type Event = usize;
+    type Stream = (result::Stream, usize);
+    type Event = result::Event;
     type Origin = Origin;
     const NAME: &'static str = "cuda";
 
-    fn bind_for(&self, (_, device): (usize, usize)) -> Result<()> {
+    fn bind_for(&self, (_, device): (result::Stream, usize)) -> Result<()> {
         self.bind(device)
     }
-    fn create_event(&self) -> Result<usize> {
-        new_use_event()
+    fn create_event(&self) -> Result<result::Event> {
+        result::event::create(CU_EVENT_DISABLE_TIMING)
     }
-    fn record_event(&self, event: usize, (stream, _): (usize, usize)) -> Result<()> {
-        // SAFETY: live event and stream of the bound context.
-        cu_call!(cuEventRecord(event as cu::CUevent, stream as cu::CUstream))
+    fn record_event(
+        &self,
+        event: result::Event,
+        (stream, _): (result::Stream, usize),
+    ) -> Result<()> {
+        result::event::record(event, stream)
     }
-    fn event_complete(&self, event: usize) -> Option<bool> {
-        // SAFETY: an event use tracking created and has not destroyed.
-        match unsafe { cu::cuEventQuery(event as cu::CUevent) } {
-            cu::CUresult::CUDA_SUCCESS => Some(true),
-            cu::CUresult::CUDA_ERROR_NOT_READY => Some(false),
-            _ => None,
-        }
+    fn event_complete(&self, event: result::Event) -> Option<bool> {
+        result::event::query(event).ok()
     }
-    fn wait_event(&self, event: usize) -> bool {
-        // SAFETY: as above.
-        (unsafe { cu::cuEventSynchronize(event as cu::CUevent) }) == cu::CUresult::CUDA_SUCCESS
+    fn wait_event(&self, event: result::Event) -> bool {
+        result::event::synchronize(event).is_ok()
     }
-    fn destroy_event(&self, event: usize) {
-        // SAFETY: as above; destroyed once.
-        unsafe { cu::cuEventDestroy_v2(event as cu::CUevent) };
+    fn destroy_event(&self, event: result::Event) {
+        // SAFETY: an event use tracking created, destroyed once, no longer waited on.
+        unsafe { result::event::destroy(event) };
     }
-    fn drain(&self, (stream, _): (usize, usize)) {
-        // SAFETY: a live stream of the bound context.
-        let _ = cu_call!(cuStreamSynchronize(stream as cu::CUstream));
+    fn drain(&self, (stream, _): (result::Stream, usize)) {
+        let _ = result::stream::synchronize(stream);
     }
     fn may_call_driver(&self) -> bool {
         !host_fn::in_host_fn()
@@ -63,14 +51,14 @@ impl UseEvents for Shared {
             Origin::Device(d) => {
                 if self.bind(d).is_ok() {
                     // SAFETY: allocated by cuMemAlloc; no queued work uses it any more.
-                    let _ = cu_call!(cuMemFree_v2(ptr as cu::CUdeviceptr));
+                    let _ = unsafe { result::mem::free(ptr as u64) };
                 }
                 self.devices[d].memory.release(len);
             }
             Origin::Pinned(d) => {
                 if self.bind(d).is_ok() {
                     // SAFETY: allocated by cuMemHostAlloc; no queued work uses it any more.
-                    let _ = cu_call!(cuMemFreeHost(ptr as *mut c_void));
+                    let _ = unsafe { result::mem::free_host(ptr as *mut c_void) };
                 }
                 self.pinned.release(len);
             }

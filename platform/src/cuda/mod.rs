@@ -18,17 +18,26 @@
 //!
 //! Layout (as wgpu-hal's backends): this file holds the objects and the [`Backend`] impl;
 //! `context.rs` opening and device contexts, `memory.rs` buffers, `stream.rs` streams and
-//! events, `launch.rs` kernels, `collective.rs` NCCL; `check.rs` turns driver statuses into
-//! errors, `probe.rs` / `dynlib.rs` find the libraries, `nccl.rs` / `nvrtc.rs` their tables.
+//! events, `launch.rs` kernels, `collective.rs` NCCL. Driver calls go through `result.rs`
+//! (cudarc's layering: `sys` → checked calls on typed handles → this backend); `check.rs` turns
+//! statuses into errors, `probe.rs` / `dynlib.rs` find the libraries, `nccl.rs` / `nvrtc.rs`
+//! load their tables.
 
 mod baseline;
 mod check;
+mod collective;
+mod context;
 mod dynlib;
 mod host_fn;
 mod kernels;
+mod launch;
+mod memory;
+mod module_kernel;
 mod nccl;
 mod nvrtc;
 mod probe;
+mod result;
+mod stream;
 mod watchdog;
 
 use crate::sync::lock;
@@ -53,31 +62,14 @@ use crate::host_errors::{first_error, Retired, Span, StreamErrors};
 use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
 use crate::kernel::{HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
-use check::{cu, cu_error, cuda_err};
+use check::cuda_err;
 use host_fn::Reaper;
 use launch::ptr;
 use nccl::{check_supported, nccl_dtype, nccl_op, Nccl, NcclApi, UNIQUE_ID_BYTES};
 use nvrtc::{Nvrtc, NvrtcApi};
 pub use probe::CudaSearch;
 use probe::{search, LibrarySpec};
-use stream::is_ready;
 use watchdog::{CommWatch, Watchdog};
-
-/// Calls a driver function through cudarc and checks its status, naming the function in the
-/// error. The call is `unsafe`: each use carries the SAFETY reasoning for its arguments.
-macro_rules! cu_call {
-    ($f:ident($($arg:expr),* $(,)?)) => {
-        cu(unsafe { cu::$f($($arg),*) }, stringify!($f))
-    };
-}
-
-// After the macro, which they use.
-mod collective;
-mod context;
-mod launch;
-mod memory;
-mod module_kernel;
-mod stream;
 
 /// Driver functions the backend calls; checked at open so a missing one is an error, not a
 /// cudarc panic later. All exist since CUDA 10.0.
@@ -148,8 +140,8 @@ struct Grouped {
 
 /// A module compiled for one device, with the functions looked up so far.
 struct Module {
-    raw: usize,
-    functions: Mutex<HashMap<String, usize>>,
+    raw: result::Module,
+    functions: Mutex<HashMap<String, result::Function>>,
 }
 
 struct Device {
@@ -159,7 +151,7 @@ struct Device {
     compute_capability: (i32, i32),
     /// The primary context, retained on first use (retaining creates it on the GPU). A failed
     /// retain is not kept: the next use tries again.
-    ctx: OnceLock<usize>,
+    ctx: OnceLock<result::Context>,
     /// Serialises the first retain, so the context is retained once.
     ctx_init: Mutex<()>,
     memory: MemoryCounter,
@@ -191,7 +183,7 @@ pub struct Shared {
 /// A CUDA stream (owned, or wrapped from a framework).
 pub struct StreamObj {
     shared: Arc<Shared>,
-    raw: usize,
+    raw: result::Stream,
     device: usize,
     owned: bool,
     errors: StreamErrors,
@@ -200,7 +192,7 @@ pub struct StreamObj {
 /// A CUDA event, with whether it was ever recorded.
 pub struct EventObj {
     shared: Arc<Shared>,
-    raw: usize,
+    raw: result::Event,
     device: usize,
     recorded: AtomicBool,
     /// The backend's errors the latest record carries (`host_errors`).
@@ -339,9 +331,7 @@ impl Backend for CudaBackend {
     }
     fn mem_info(&self) -> Result<MemInfo> {
         self.shared.bind_current()?;
-        let (mut free, mut total) = (0usize, 0usize);
-        // SAFETY: plain driver call into locals.
-        cu_call!(cuMemGetInfo_v2(&mut free, &mut total))?;
+        let (free, total) = result::ctx::mem_info()?;
         Ok(MemInfo { free, total })
     }
     fn memory_stats(&self) -> MemoryStats {
@@ -358,12 +348,10 @@ impl Backend for CudaBackend {
     }
     fn reclaim_frees(&self) {
         // Reclaiming binds the devices of the memory it frees: the caller's context is put back.
-        let mut current = std::ptr::null_mut();
-        // SAFETY: plain driver calls.
-        let saved = unsafe { cu::cuCtxGetCurrent(&mut current) } == cu::CUresult::CUDA_SUCCESS;
+        let saved = result::ctx::current();
         self.frees.reclaim(false);
-        if saved {
-            unsafe { cu::cuCtxSetCurrent(current) };
+        if let Ok(current) = saved {
+            let _ = result::ctx::set_current(current);
         }
     }
     fn reset_peak_memory(&self) {
@@ -375,23 +363,17 @@ impl Backend for CudaBackend {
 
     fn create_stream(&self) -> Result<(Arc<StreamObj>, RawStream)> {
         let device = self.shared.bind_current()?;
-        let mut raw = std::ptr::null_mut();
-        // SAFETY: plain driver call into a local.
-        cu_call!(cuStreamCreate(&mut raw, CU_STREAM_NON_BLOCKING))?;
-        Ok((
-            self.stream_obj(raw as usize, device, true),
-            RawStream(raw as usize),
-        ))
+        let raw = result::stream::create(CU_STREAM_NON_BLOCKING)?;
+        Ok((self.stream_obj(raw, device, true), RawStream(raw.addr())))
     }
     unsafe fn wrap_stream(&self, raw: RawStream) -> Result<Arc<StreamObj>> {
         // 0 (the legacy default stream, PyTorch's default) and the per-thread handles are valid
         // CUstreams too; they belong to the current context.
         self.shared.bind_current()?;
-        let mut ctx = std::ptr::null_mut();
         // SAFETY: the caller guarantees `raw` is a live stream.
-        cu_call!(cuStreamGetCtx(raw.0 as cu::CUstream, &mut ctx))?;
-        let device = self.device_of_context(ctx as usize)?;
-        Ok(self.stream_obj(raw.0, device, false))
+        let raw = unsafe { result::Stream::from_raw(raw.0) };
+        let device = self.device_of_context(result::stream::context(raw)?)?;
+        Ok(self.stream_obj(raw, device, false))
     }
     fn destroy_stream(&self, stream: Arc<StreamObj>) -> Result<()> {
         self.retired.retire(
@@ -403,18 +385,13 @@ impl Backend for CudaBackend {
     }
     fn synchronize_stream(&self, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind(stream.device)?;
-        // SAFETY: live stream.
-        let driver = cu_call!(cuStreamSynchronize(stream.raw as cu::CUstream));
+        let driver = result::stream::synchronize(stream.raw);
         // Both reported at once: the backend's are not left for a later synchronize.
         driver.and(stream.errors.take())
     }
     fn query_stream(&self, stream: &Arc<StreamObj>) -> Result<bool> {
         self.shared.bind(stream.device)?;
-        // SAFETY: live stream.
-        is_ready(
-            unsafe { cu::cuStreamQuery(stream.raw as cu::CUstream) },
-            "cuStreamQuery",
-        )
+        result::stream::query(stream.raw)
     }
     fn synchronize_device(&self) -> Result<()> {
         let live: Vec<Arc<StreamObj>> = lock(&self.shared.streams)
@@ -432,17 +409,15 @@ impl Backend for CudaBackend {
 
     fn create_event(&self, timing: bool) -> Result<Arc<EventObj>> {
         let device = self.shared.bind_current()?;
-        let mut raw = std::ptr::null_mut();
         let flags = if timing {
             CU_EVENT_DEFAULT
         } else {
             CU_EVENT_DISABLE_TIMING
         };
-        // SAFETY: plain driver call into a local.
-        cu_call!(cuEventCreate(&mut raw, flags))?;
+        let raw = result::event::create(flags)?;
         Ok(Arc::new(EventObj {
             shared: Arc::clone(&self.shared),
-            raw: raw as usize,
+            raw,
             device,
             recorded: AtomicBool::new(false),
             carries: Mutex::default(),
@@ -454,11 +429,7 @@ impl Backend for CudaBackend {
     }
     fn record_event(&self, event: &Arc<EventObj>, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind(stream.device)?;
-        // SAFETY: live handles.
-        cu_call!(cuEventRecord(
-            event.raw as cu::CUevent,
-            stream.raw as cu::CUstream
-        ))?;
+        result::event::record(event.raw, stream.raw)?;
         *lock(&event.carries) = stream.errors.record();
         event.recorded.store(true, Ordering::Release);
         Ok(())
@@ -468,12 +439,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.shared.bind(stream.device)?;
-        // SAFETY: live handles.
-        cu_call!(cuStreamWaitEvent(
-            stream.raw as cu::CUstream,
-            event.raw as cu::CUevent,
-            0
-        ))?;
+        result::stream::wait_event(stream.raw, event.raw)?;
         stream.errors.wait(&lock(&event.carries));
         Ok(())
     }
@@ -482,11 +448,7 @@ impl Backend for CudaBackend {
             return Ok(true);
         }
         self.shared.bind(event.device)?;
-        // SAFETY: live handle.
-        is_ready(
-            unsafe { cu::cuEventQuery(event.raw as cu::CUevent) },
-            "cuEventQuery",
-        )
+        result::event::query(event.raw)
     }
     fn synchronize_event(&self, event: &Arc<EventObj>) -> Result<()> {
         Self::wait_event(event)
@@ -496,8 +458,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         event.shared.bind(event.device)?;
-        // SAFETY: live handle.
-        cu_call!(cuEventSynchronize(event.raw as cu::CUevent))?;
+        result::event::synchronize(event.raw)?;
         first_error(&lock(&event.carries)).map_or(Ok(()), Err)
     }
     fn event_elapsed_ms(&self, start: &Arc<EventObj>, end: &Arc<EventObj>) -> Result<f32> {
@@ -510,14 +471,7 @@ impl Backend for CudaBackend {
                 ));
             }
         }
-        let mut ms = 0f32;
-        // SAFETY: live handles.
-        cu_call!(cuEventElapsedTime(
-            &mut ms,
-            start.raw as cu::CUevent,
-            end.raw as cu::CUevent
-        ))?;
-        Ok(ms)
+        result::event::elapsed_ms(start.raw, end.raw)
     }
 
     fn alloc_device(&self, bytes: usize) -> Result<(Arc<MemObj>, usize)> {
@@ -533,18 +487,16 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        let mut p: cu::CUdeviceptr = 0;
-        self.frees.retrying(|| {
+        let p = self.frees.retrying(|| {
             // Bound again: reclaiming frees binds the devices of their memory.
             self.shared.bind(device)?;
-            // SAFETY: plain driver call into a local.
-            cu_call!(cuMemAlloc_v2(&mut p, bytes))
+            result::mem::alloc(bytes)
         })?;
         // Accounted only once the driver succeeded, so a refused request leaves the peak alone.
         let reserve = || d.memory.reserve(BackendKind::Cuda, "cuMemAlloc_v2", bytes);
         if let Err(e) = self.frees.retrying(reserve) {
             // SAFETY: just allocated, never handed out.
-            unsafe { cu::cuMemFree_v2(p) };
+            let _ = unsafe { result::mem::free(p) };
             return Err(e);
         }
         let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Device(device));
@@ -565,22 +517,7 @@ impl Backend for CudaBackend {
     }
     fn alloc_pinned(&self, bytes: usize) -> Result<(Arc<MemObj>, usize)> {
         let device = self.shared.bind_current()?;
-        let mut p = std::ptr::null_mut();
-        // SAFETY: plain driver call into a local.
-        let r = unsafe { cu::cuMemHostAlloc(&mut p, bytes, CU_MEMHOSTALLOC_PORTABLE) };
-        match r {
-            cu::CUresult::CUDA_SUCCESS => {}
-            // The only argument is the size: an invalid one is one no host can hold.
-            cu::CUresult::CUDA_ERROR_OUT_OF_MEMORY | cu::CUresult::CUDA_ERROR_INVALID_VALUE => {
-                let e = cu_error(r as u32, &format!("{r:?}"), "cuMemHostAlloc");
-                return Err(Error {
-                    kind: ErrorKind::OutOfMemory,
-                    message: format!("cannot page-lock {bytes} bytes: {}", e.message),
-                    ..e
-                });
-            }
-            other => cu(other, "cuMemHostAlloc")?,
-        }
+        let p = result::mem::alloc_host(bytes, CU_MEMHOSTALLOC_PORTABLE)?;
         let reserve = || {
             self.shared
                 .pinned
@@ -588,7 +525,7 @@ impl Backend for CudaBackend {
         };
         if let Err(e) = self.frees.retrying(reserve) {
             // SAFETY: just allocated, never handed out.
-            unsafe { cu::cuMemFreeHost(p) };
+            let _ = unsafe { result::mem::free_host(p) };
             return Err(e);
         }
         let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Pinned(device));
@@ -609,13 +546,8 @@ impl Backend for CudaBackend {
             Loc::Device(s, soff) | Loc::Pinned(s, soff),
         ) = (dst, src);
         self.shared.bind(stream.device)?;
-        // SAFETY: ranges bounds-checked by the caller; live stream.
-        cu_call!(cuMemcpyAsync(
-            d.at(doff),
-            s.at(soff),
-            bytes,
-            stream.raw as cu::CUstream
-        ))?;
+        // SAFETY: ranges bounds-checked by the caller, kept live by their use events.
+        unsafe { result::mem::copy_async(d.at(doff), s.at(soff), bytes, stream.raw) }?;
         d.used_on(stream.key())?;
         s.used_on(stream.key())
     }
@@ -628,12 +560,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         self.shared.bind(stream.device)?;
         // SAFETY: as in `copy`.
-        cu_call!(cuMemsetD8Async(
-            d.at(off),
-            value,
-            bytes,
-            stream.raw as cu::CUstream
-        ))?;
+        unsafe { result::mem::set_d8_async(d.at(off), value, bytes, stream.raw) }?;
         d.used_on(stream.key())
     }
 

@@ -6,10 +6,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::sys as cu;
-
-use super::check::cu;
-use super::{CudaBackend, MemObj, StreamObj};
+use super::{result, CudaBackend, MemObj, StreamObj};
 use crate::backend::Place;
 use crate::error::Result;
 use crate::kernel::{DeviceModule, KernelArg, LaunchShape};
@@ -50,19 +47,16 @@ impl CudaBackend {
         let mut ptrs: Vec<*mut c_void> = words.iter_mut().map(|w| w.as_mut_ptr().cast()).collect();
         // SAFETY: one word per kernel parameter, alive for the call (the driver copies them);
         // pointer arguments were bounds-checked by the dispatch layer; the context is bound.
-        cu_call!(cuLaunchKernel(
-            function as cu::CUfunction,
-            shape.grid,
-            1,
-            1,
-            shape.block,
-            1,
-            1,
-            0,
-            stream.raw as cu::CUstream,
-            ptrs.as_mut_ptr(),
-            std::ptr::null_mut(),
-        ))?;
+        unsafe {
+            result::module::launch(
+                function,
+                (shape.grid, 1, 1),
+                (shape.block, 1, 1),
+                0,
+                stream.raw,
+                &mut ptrs,
+            )
+        }?;
         for a in args {
             if let KernelArg::Ptr {
                 at: Some((m, _)), ..

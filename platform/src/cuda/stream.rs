@@ -4,7 +4,7 @@ use super::*;
 
 impl StreamObj {
     /// What use tracking tells streams apart by.
-    pub(super) fn key(&self) -> (usize, usize) {
+    pub(super) fn key(&self) -> (result::Stream, usize) {
         (self.raw, self.device)
     }
 }
@@ -17,8 +17,8 @@ impl Drop for StreamObj {
         let (shared, raw, device) = (Arc::clone(&self.shared), self.raw, self.device);
         self.shared.reaper.run_or_defer(move || {
             if shared.bind(device).is_ok() {
-                // SAFETY: we created this stream; queued work still completes.
-                let _ = cu_call!(cuStreamDestroy_v2(raw as cu::CUstream));
+                // SAFETY: we created this stream, destroyed once; queued work still completes.
+                let _ = unsafe { result::stream::destroy(raw) };
             }
         });
     }
@@ -29,15 +29,20 @@ impl Drop for EventObj {
         let (shared, raw, device) = (Arc::clone(&self.shared), self.raw, self.device);
         self.shared.reaper.run_or_defer(move || {
             if shared.bind(device).is_ok() {
-                // SAFETY: we created this event.
-                let _ = cu_call!(cuEventDestroy_v2(raw as cu::CUevent));
+                // SAFETY: we created this event, destroyed once.
+                unsafe { result::event::destroy(raw) };
             }
         });
     }
 }
 
 impl CudaBackend {
-    pub(super) fn stream_obj(&self, raw: usize, device: usize, owned: bool) -> Arc<StreamObj> {
+    pub(super) fn stream_obj(
+        &self,
+        raw: result::Stream,
+        device: usize,
+        owned: bool,
+    ) -> Arc<StreamObj> {
         let s = Arc::new(StreamObj {
             shared: Arc::clone(&self.shared),
             raw,
@@ -47,13 +52,5 @@ impl CudaBackend {
         });
         self.shared.register(&s);
         s
-    }
-}
-
-pub(super) fn is_ready(r: cu::CUresult, function: &'static str) -> Result<bool> {
-    match r {
-        cu::CUresult::CUDA_SUCCESS => Ok(true),
-        cu::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-        other => cu(other, function).map(|()| true),
     }
 }

@@ -15,12 +15,11 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys as cu;
 use cudarc::nccl::sys::ncclComm_t;
 
-use super::check::{cu, cuda_err, nccl_error};
+use super::check::{cuda_err, nccl_error};
 use super::nccl::Nccl;
-use super::{lock, CommObj, StreamObj};
+use super::{lock, result, CommObj, StreamObj};
 use crate::error::{Error, ErrorKind, Result};
 use crate::host_errors::Point;
 
@@ -30,7 +29,7 @@ const NCCL_IN_PROGRESS: i32 = 7;
 /// One collective queued on a communicator and not known to have finished.
 struct Work {
     /// Recorded on the collective's stream right after it.
-    event: usize,
+    event: result::Event,
     /// Its place in the stream's order, where a failure is reported.
     at: Point,
     op: &'static str,
@@ -52,7 +51,7 @@ pub(crate) struct CommWatch {
     issued: u64,
     outstanding: VecDeque<Work>,
     /// Events of finished collectives, for the next ones.
-    spare: Vec<usize>,
+    spare: Vec<result::Event>,
 }
 
 /// The platform's watchdog: the communicators with collectives outstanding.
@@ -67,11 +66,10 @@ struct Watched {
     running: bool,
 }
 
-fn finished(event: usize) -> bool {
-    // SAFETY: an event this watch created and has not destroyed. Any answer but NOT_READY
+fn finished(event: result::Event) -> bool {
+    // An event this watch created and has not destroyed. Any answer but NOT_READY
     // means the work is over: an error there is the driver's, reported by the waits themselves.
-    let r = unsafe { cu::cuEventQuery(event as cu::CUevent) };
-    r != cu::CUresult::CUDA_ERROR_NOT_READY
+    !matches!(result::event::query(event), Ok(false))
 }
 
 impl Watchdog {
@@ -97,21 +95,9 @@ impl Watchdog {
     ) -> Result<()> {
         let event = match watch.spare.pop() {
             Some(e) => e,
-            None => {
-                let mut e = std::ptr::null_mut();
-                // SAFETY: plain driver call into a local.
-                cu(
-                    unsafe { cu::cuEventCreate(&mut e, super::CU_EVENT_DISABLE_TIMING) },
-                    "cuEventCreate",
-                )?;
-                e as usize
-            }
+            None => result::event::create(super::CU_EVENT_DISABLE_TIMING)?,
         };
-        // SAFETY: a live event and stream of the bound context.
-        let recorded = cu(
-            unsafe { cu::cuEventRecord(event as cu::CUevent, stream.raw as cu::CUstream) },
-            "cuEventRecord",
-        );
+        let recorded = result::event::record(event, stream.raw);
         if let Err(e) = recorded {
             watch.spare.push(event);
             return Err(e);
@@ -274,7 +260,7 @@ impl CommWatch {
             .chain(self.spare)
         {
             // SAFETY: events this watch created, destroyed once.
-            unsafe { cu::cuEventDestroy_v2(e as cu::CUevent) };
+            unsafe { result::event::destroy(e) };
         }
     }
 }
