@@ -11,7 +11,28 @@ use std::sync::{Arc, Mutex, Weak};
 
 use super::deferred::{self, DeferredFree, DeferredFrees, Progress};
 use crate::error::Result;
+use crate::handle::ReleaseFn;
 use crate::sync::lock;
+
+/// How a buffer's memory was obtained, and so how it is freed.
+pub enum Origin {
+    /// The driver's device memory, of this device.
+    Device(usize),
+    /// The driver's page-locked host memory, allocated with this device's context current.
+    Pinned(usize),
+    /// A framework's memory: its release (if any) runs instead of a free.
+    Borrowed(Option<ReleaseFn>),
+}
+
+impl Origin {
+    fn describe(&self) -> &'static str {
+        match self {
+            Origin::Device(_) => "device",
+            Origin::Pinned(_) => "pinned",
+            Origin::Borrowed(_) => "borrowed (its release is not run)",
+        }
+    }
+}
 
 /// The driver calls use tracking needs, implemented by a backend's shared state.
 pub trait UseEvents: Send + Sync + Sized + 'static {
@@ -19,8 +40,6 @@ pub trait UseEvents: Send + Sync + Sized + 'static {
     /// devices).
     type Stream: Copy + Eq + Send + Sync;
     type Event: Copy + Send + Sync;
-    /// How the memory was obtained, and so how it is freed.
-    type Origin: Send;
     /// The backend's name, for logs.
     const NAME: &'static str;
 
@@ -39,10 +58,10 @@ pub trait UseEvents: Send + Sync + Sized + 'static {
     fn may_call_driver(&self) -> bool {
         true
     }
-    /// Frees (or hands back) memory whose queued work finished.
-    fn free(&self, origin: Self::Origin, ptr: usize, len: usize);
-    /// What kind of memory `origin` is, for the leak report.
-    fn describe(origin: &Self::Origin) -> &'static str;
+    /// Frees device memory of `device` whose queued work finished, and uncounts it.
+    fn free_device(&self, device: usize, ptr: usize, len: usize);
+    /// Frees pinned memory whose queued work finished, and uncounts it.
+    fn free_pinned(&self, device: usize, ptr: usize, len: usize);
     /// The platform's list of memory waiting for its queued work.
     fn frees(&self) -> &Weak<DeferredFrees>;
     /// Runs the hand-over of dropped memory (a backend whose drops may run where driver calls
@@ -57,12 +76,12 @@ pub struct TrackedMem<S: UseEvents> {
     pub(crate) shared: Arc<S>,
     pub(crate) ptr: usize,
     pub(crate) len: usize,
-    origin: Mutex<Option<S::Origin>>,
+    origin: Mutex<Option<Origin>>,
     uses: Mutex<Vec<(S::Stream, S::Event)>>,
 }
 
 impl<S: UseEvents> TrackedMem<S> {
-    pub(crate) fn new(shared: &Arc<S>, ptr: usize, len: usize, origin: S::Origin) -> Arc<Self> {
+    pub(crate) fn new(shared: &Arc<S>, ptr: usize, len: usize, origin: Origin) -> Arc<Self> {
         Arc::new(TrackedMem {
             shared: Arc::clone(shared),
             ptr,
@@ -124,7 +143,7 @@ impl<S: UseEvents> Drop for TrackedMem<S> {
 struct PendingFree<S: UseEvents> {
     shared: Arc<S>,
     uses: Vec<(S::Stream, S::Event)>,
-    origin: S::Origin,
+    origin: Origin,
     ptr: usize,
     len: usize,
 }
@@ -170,7 +189,15 @@ impl<S: UseEvents> DeferredFree for PendingFree<S> {
             len,
             ..
         } = *self;
-        shared.free(origin, ptr, len);
+        match origin {
+            Origin::Device(d) => shared.free_device(d, ptr, len),
+            Origin::Pinned(d) => shared.free_pinned(d, ptr, len),
+            Origin::Borrowed(release) => {
+                if let Some(f) = release {
+                    f();
+                }
+            }
+        }
     }
 
     /// Leaked, reported and still counted rather than freed under work that may use it.
@@ -179,7 +206,7 @@ impl<S: UseEvents> DeferredFree for PendingFree<S> {
             bytes = self.len,
             "{}: leaking {} memory whose queued work is not known to have finished",
             S::NAME,
-            S::describe(&self.origin)
+            self.origin.describe()
         );
     }
 }

@@ -14,7 +14,6 @@ impl MemObj {
 impl UseEvents for Shared {
     type Stream = (result::Stream, usize);
     type Event = result::Event;
-    type Origin = Origin;
     const NAME: &'static str = "cuda";
 
     fn bind_for(&self, (_, device): (result::Stream, usize)) -> Result<()> {
@@ -46,35 +45,19 @@ impl UseEvents for Shared {
     fn may_call_driver(&self) -> bool {
         !host_fn::in_host_fn()
     }
-    fn free(&self, origin: Origin, ptr: usize, len: usize) {
-        match origin {
-            Origin::Device(d) => {
-                if self.bind(d).is_ok() {
-                    // SAFETY: allocated by cuMemAlloc; no queued work uses it any more.
-                    let _ = unsafe { result::mem::free(ptr as u64) };
-                }
-                self.devices[d].memory.release(len);
-            }
-            Origin::Pinned(d) => {
-                if self.bind(d).is_ok() {
-                    // SAFETY: allocated by cuMemHostAlloc; no queued work uses it any more.
-                    let _ = unsafe { result::mem::free_host(ptr as *mut c_void) };
-                }
-                self.pinned.release(len);
-            }
-            Origin::Borrowed(release) => {
-                if let Some(f) = release {
-                    f();
-                }
-            }
+    fn free_device(&self, d: usize, ptr: usize, len: usize) {
+        if self.bind(d).is_ok() {
+            // SAFETY: allocated by cuMemAlloc; no queued work uses it any more.
+            let _ = unsafe { result::mem::free(ptr as u64) };
         }
+        self.devices[d].memory.release(len);
     }
-    fn describe(origin: &Origin) -> &'static str {
-        match origin {
-            Origin::Device(_) => "device",
-            Origin::Pinned(_) => "pinned",
-            Origin::Borrowed(_) => "borrowed (its release is not run)",
+    fn free_pinned(&self, d: usize, ptr: usize, len: usize) {
+        if self.bind(d).is_ok() {
+            // SAFETY: allocated by cuMemHostAlloc; no queued work uses it any more.
+            let _ = unsafe { result::mem::free_host(ptr as *mut c_void) };
         }
+        self.pinned.release(len);
     }
     fn frees(&self) -> &Weak<DeferredFrees> {
         &self.frees

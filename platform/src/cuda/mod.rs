@@ -52,7 +52,7 @@ use cudarc::nccl::sys::{ncclComm_t, ncclUniqueId};
 
 use crate::auxil;
 use crate::auxil::deferred::{self, DeferredFrees};
-use crate::auxil::uses::{TrackedMem, UseEvents};
+use crate::auxil::uses::{Origin, TrackedMem, UseEvents};
 use crate::backend::{Backend, Loc, Place};
 use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
@@ -197,14 +197,6 @@ pub struct EventObj {
     recorded: AtomicBool,
     /// The backend's errors the latest record carries (`host_errors`).
     carries: Mutex<Vec<Span>>,
-}
-
-/// How a buffer's memory was obtained.
-pub enum Origin {
-    Device(usize),
-    /// With the device whose context allocated it (freeing needs a current context).
-    Pinned(usize),
-    Borrowed(Option<ReleaseFn>),
 }
 
 /// Device, pinned or borrowed memory, with the events of its uses (`auxil::uses`).

@@ -7,7 +7,6 @@ use super::*;
 impl UseEvents for Shared {
     type Stream = usize;
     type Event = usize;
-    type Origin = Origin;
     const NAME: &'static str = "npu";
 
     fn bind_for(&self, _: usize) -> Result<()> {
@@ -41,32 +40,18 @@ impl UseEvents for Shared {
         // SAFETY: a live stream.
         let _ = acl_call!(self.api, aclrtSynchronizeStream(stream as _));
     }
-    fn free(&self, origin: Origin, ptr: usize, len: usize) {
-        let api = &self.api.acl;
-        match origin {
-            Origin::Device(d) => {
-                // SAFETY: allocated by aclrtMalloc; no queued work uses it any more.
-                let _ = acl(unsafe { api.aclrtFree(ptr as _) }, "aclrtFree");
-                self.devices[d].release(len);
-            }
-            Origin::Pinned => {
-                // SAFETY: allocated by aclrtMallocHost; no queued work uses it any more.
-                let _ = acl(unsafe { api.aclrtFreeHost(ptr as _) }, "aclrtFreeHost");
-                self.pinned.release(len);
-            }
-            Origin::Borrowed(release) => {
-                if let Some(f) = release {
-                    f();
-                }
-            }
-        }
+    fn free_device(&self, d: usize, ptr: usize, len: usize) {
+        // SAFETY: allocated by aclrtMalloc; no queued work uses it any more.
+        let _ = acl(unsafe { self.api.acl.aclrtFree(ptr as _) }, "aclrtFree");
+        self.devices[d].release(len);
     }
-    fn describe(origin: &Origin) -> &'static str {
-        match origin {
-            Origin::Device(_) => "device",
-            Origin::Pinned => "pinned",
-            Origin::Borrowed(_) => "borrowed (its release is not run)",
-        }
+    fn free_pinned(&self, _: usize, ptr: usize, len: usize) {
+        // SAFETY: allocated by aclrtMallocHost; no queued work uses it any more.
+        let _ = acl(
+            unsafe { self.api.acl.aclrtFreeHost(ptr as _) },
+            "aclrtFreeHost",
+        );
+        self.pinned.release(len);
     }
     fn frees(&self) -> &Weak<DeferredFrees> {
         &self.frees

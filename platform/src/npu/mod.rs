@@ -30,7 +30,7 @@ use hprt_sys::{Ascend, SearchEnv, OPTIONAL_SYMBOLS};
 
 use crate::auxil;
 use crate::auxil::deferred::{self, DeferredFrees};
-use crate::auxil::uses::{TrackedMem, UseEvents};
+use crate::auxil::uses::{Origin, TrackedMem, UseEvents};
 use crate::backend::{Backend, Loc, Place};
 use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
@@ -106,13 +106,6 @@ pub struct EventObj {
     recorded: AtomicBool,
     /// The backend's errors the latest record carries (`host_errors`).
     carries: Mutex<Vec<Span>>,
-}
-
-/// How a buffer's memory was obtained.
-pub enum Origin {
-    Device(usize),
-    Pinned,
-    Borrowed(Option<ReleaseFn>),
 }
 
 /// Device, pinned or borrowed memory, with the events of its uses (`auxil::uses`).
@@ -463,7 +456,7 @@ impl Backend for NpuBackend {
         ))
     }
     fn alloc_pinned(&self, bytes: usize) -> Result<(Arc<MemObj>, usize)> {
-        self.shared.bind()?;
+        let device = self.shared.bind()? as usize;
         let mut p = std::ptr::null_mut();
         // SAFETY: plain ACL call.
         self.frees
@@ -471,7 +464,7 @@ impl Backend for NpuBackend {
         self.shared
             .pinned
             .reserve(BackendKind::Npu, "aclrtMallocHost", bytes)?;
-        let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Pinned);
+        let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Pinned(device));
         Ok((m, p as usize))
     }
 
