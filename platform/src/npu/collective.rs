@@ -59,7 +59,7 @@ impl NpuBackend {
             Collective::Barrier => auxil::comm::barrier_as_all_reduce(Arc::clone(&comm.scratch)),
             op => op,
         };
-        let (c, s) = (comm.raw as *mut c_void, stream.raw as *mut c_void);
+        let (c, s) = (comm.raw as *mut c_void, stream.raw.sys());
         // SAFETY (every call below): places were bounds-checked for the extent HCCL touches;
         // handles are live; HCCL only queues the work on `s`.
         let (code, name) = unsafe {

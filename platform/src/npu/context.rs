@@ -42,7 +42,7 @@ impl Drop for Shared {
         for (_, bufs) in lock(&self.staging).drain() {
             for p in bufs {
                 // SAFETY: pool buffers came from aclrtMallocHost and are no longer referenced.
-                unsafe { self.api.acl.aclrtFreeHost(p as _) };
+                let _ = unsafe { result::mem::free_host(&self.api, p) };
             }
         }
         if self.owns_acl {

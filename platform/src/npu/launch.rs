@@ -64,7 +64,6 @@ impl NpuBackend {
             return Err(host_fn_unsupported(op));
         }
         let api = self.api();
-        let s = stream.raw as *mut c_void;
         let mut staged = Vec::with_capacity(places.len());
         let give_back = |staged: &[(usize, usize)]| {
             let mut pool = lock(&self.shared.staging);
@@ -83,36 +82,36 @@ impl NpuBackend {
         }
         for (((mem, off), bytes, access), &(st, _)) in places.iter().zip(&staged) {
             if *access != Access::Write {
+                let kind = memcpy_kind(CopyKind::DeviceToHost);
                 // SAFETY: the device range is live and bounds-checked; staging is ours.
-                acl_call!(
-                    api,
-                    aclrtMemcpyAsync(
-                        st as _,
+                unsafe {
+                    result::mem::copy_async(
+                        api,
+                        st,
                         *bytes,
-                        (mem.ptr + off) as _,
+                        mem.ptr + off,
                         *bytes,
-                        memcpy_kind(CopyKind::DeviceToHost),
-                        s,
+                        kind,
+                        stream.raw,
                     )
-                )?;
+                }?;
             }
         }
         let ptrs: Vec<usize> = staged.iter().map(|&(p, _)| p).collect();
-        host_fn::launch(api, stream.raw, true, Box::new(move || compute(&ptrs)))?;
+        host_fn::launch(
+            api,
+            stream.raw.addr(),
+            true,
+            Box::new(move || compute(&ptrs)),
+        )?;
         for (((mem, off), bytes, access), &(st, _)) in places.iter().zip(&staged) {
             if *access != Access::Read {
+                let (dst, dst_max) = (mem.ptr + off, mem.len - off);
+                let kind = memcpy_kind(CopyKind::HostToDevice);
                 // SAFETY: as above.
-                acl_call!(
-                    api,
-                    aclrtMemcpyAsync(
-                        (mem.ptr + off) as _,
-                        mem.len - off,
-                        st as _,
-                        *bytes,
-                        memcpy_kind(CopyKind::HostToDevice),
-                        s,
-                    )
-                )?;
+                unsafe {
+                    result::mem::copy_async(api, dst, dst_max, st, *bytes, kind, stream.raw)
+                }?;
             }
             mem.used_on(stream.raw)?;
         }
@@ -121,7 +120,7 @@ impl NpuBackend {
         let pool = Arc::clone(&self.shared.staging);
         host_fn::launch(
             api,
-            stream.raw,
+            stream.raw.addr(),
             false,
             Box::new(move || {
                 let mut pool = lock(&pool);

@@ -5,52 +5,40 @@ use super::*;
 
 /// ACL binds one device per thread: events and streams need no more than `bind`.
 impl UseEvents for Shared {
-    type Stream = usize;
-    type Event = usize;
+    type Stream = result::Stream;
+    type Event = result::Event;
     const NAME: &'static str = "npu";
 
-    fn bind_for(&self, _: usize) -> Result<()> {
+    fn bind_for(&self, _: result::Stream) -> Result<()> {
         self.bind().map(drop)
     }
-    fn create_event(&self) -> Result<usize> {
-        let mut e = std::ptr::null_mut();
-        // SAFETY: plain ACL call.
-        acl_call!(self.api, aclrtCreateEventWithFlag(&mut e, ACL_EVENT_SYNC))?;
-        Ok(e as usize)
+    fn create_event(&self) -> Result<result::Event> {
+        result::event::create(&self.api, ACL_EVENT_SYNC)
     }
-    fn record_event(&self, event: usize, stream: usize) -> Result<()> {
-        // SAFETY: live handles.
-        acl_call!(self.api, aclrtRecordEvent(event as _, stream as _))
+    fn record_event(&self, event: result::Event, stream: result::Stream) -> Result<()> {
+        result::event::record(&self.api, event, stream)
     }
-    fn event_complete(&self, event: usize) -> Option<bool> {
-        let mut status = aclrtEventRecordedStatus(0);
-        // SAFETY: an event use tracking created and has not destroyed.
-        let queried = unsafe { self.api.acl.aclrtQueryEventStatus(event as _, &mut status) };
-        (queried == 0).then_some(status.0 == 1)
+    fn event_complete(&self, event: result::Event) -> Option<bool> {
+        result::event::query(&self.api, event).ok()
     }
-    fn wait_event(&self, event: usize) -> bool {
-        // SAFETY: as above.
-        (unsafe { self.api.acl.aclrtSynchronizeEvent(event as _) }) == 0
+    fn wait_event(&self, event: result::Event) -> bool {
+        result::event::synchronize(&self.api, event).is_ok()
     }
-    fn destroy_event(&self, event: usize) {
-        // SAFETY: as above; destroyed once.
-        unsafe { self.api.acl.aclrtDestroyEvent(event as _) };
+    fn destroy_event(&self, event: result::Event) {
+        // SAFETY: an event use tracking created, destroyed once, no longer waited on.
+        unsafe { result::event::destroy(&self.api, event) };
     }
-    fn drain(&self, stream: usize) {
-        // SAFETY: a live stream.
-        let _ = acl_call!(self.api, aclrtSynchronizeStream(stream as _));
+    fn drain(&self, stream: result::Stream) {
+        let _ = result::stream::synchronize(&self.api, stream);
     }
     fn free_device(&self, d: usize, ptr: usize, len: usize) {
         // SAFETY: allocated by aclrtMalloc; no queued work uses it any more.
-        let _ = acl(unsafe { self.api.acl.aclrtFree(ptr as _) }, "aclrtFree");
+        let _ = unsafe { result::mem::free(&self.api, ptr) };
         self.devices[d].release(len);
     }
     fn free_pinned(&self, _: usize, ptr: usize, len: usize) {
         // SAFETY: allocated by aclrtMallocHost; no queued work uses it any more.
-        let _ = acl(
-            unsafe { self.api.acl.aclrtFreeHost(ptr as _) },
-            "aclrtFreeHost",
-        );
+        let _ = unsafe { result::mem::free_host(&self.api, ptr) };
         self.pinned.release(len);
     }
     fn frees(&self) -> &Weak<DeferredFrees> {
@@ -66,10 +54,7 @@ impl NpuBackend {
         {
             return Ok(p);
         }
-        let mut p = std::ptr::null_mut();
-        // SAFETY: plain ACL call.
         self.frees
-            .retrying(|| acl_call!(self.api(), aclrtMallocHost(&mut p, bytes)))?;
-        Ok(p as usize)
+            .retrying(|| result::mem::alloc_host(self.api(), bytes))
     }
 }

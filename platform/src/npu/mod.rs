@@ -8,7 +8,9 @@
 //! Layout (the cuda backend's): this file holds the objects and the [`Backend`] impl;
 //! `context.rs` opening and the thread's device, `memory.rs` buffers and staging, `stream.rs`
 //! streams and events, `launch.rs` host steps (compute without a device kernel), `collective.rs`
-//! HCCL; `check.rs` turns ACL / HCCL statuses into errors, `host_fn.rs` runs host functions.
+//! HCCL. Stream, event and memory calls go through `result.rs` (checked calls on typed handles,
+//! as cuda's); `check.rs` turns ACL / HCCL statuses into errors, `host_fn.rs` runs host
+//! functions.
 
 mod check;
 mod host_fn;
@@ -22,8 +24,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use half::{bf16, f16};
 use hprt_sys::types::{
-    aclrtEventRecordedStatus, aclrtMemAttr, aclrtMemMallocPolicy, aclrtMemcpyKind,
-    aclrtStreamStatus, HcclDataType, HcclReduceOp, HcclRootInfo, ACL_ERROR_REPEAT_INITIALIZE,
+    aclrtMemcpyKind, HcclDataType, HcclReduceOp, HcclRootInfo, ACL_ERROR_REPEAT_INITIALIZE,
     ACL_EVENT_SYNC, ACL_EVENT_TIME_LINE,
 };
 use hprt_sys::{Ascend, SearchEnv, OPTIONAL_SYMBOLS};
@@ -57,6 +58,7 @@ mod collective;
 mod context;
 mod launch;
 mod memory;
+mod result;
 mod stream;
 
 const ROOT_INFO_BYTES: usize = std::mem::size_of::<HcclRootInfo>();
@@ -90,7 +92,7 @@ pub struct Shared {
 /// An ACL stream.
 pub struct StreamObj {
     shared: Arc<Shared>,
-    raw: usize,
+    raw: result::Stream,
     owned: bool,
     /// Subscribed to the report thread (host functions can run on it); tried again at each need
     /// until it succeeds.
@@ -101,7 +103,7 @@ pub struct StreamObj {
 /// An ACL event, with whether it was ever recorded (ACL does not say).
 pub struct EventObj {
     shared: Arc<Shared>,
-    raw: usize,
+    raw: result::Event,
     timing: bool,
     recorded: AtomicBool,
     /// The backend's errors the latest record carries (`host_errors`).
@@ -249,12 +251,7 @@ impl Backend for NpuBackend {
     }
     fn mem_info(&self) -> Result<MemInfo> {
         self.shared.bind()?;
-        let (mut free, mut total) = (0usize, 0usize);
-        // SAFETY: plain ACL call.
-        acl_call!(
-            self.api(),
-            aclrtGetMemInfo(aclrtMemAttr(1), &mut free, &mut total)
-        )?;
+        let (free, total) = result::mem::info(self.api())?;
         Ok(MemInfo { free, total })
     }
     fn memory_stats(&self) -> MemoryStats {
@@ -279,10 +276,8 @@ impl Backend for NpuBackend {
 
     fn create_stream(&self) -> Result<(Arc<StreamObj>, RawStream)> {
         self.shared.bind()?;
-        let mut raw = std::ptr::null_mut();
-        // SAFETY: plain ACL call.
-        acl_call!(self.api(), aclrtCreateStream(&mut raw))?;
-        Ok((self.stream_obj(raw as usize, true), RawStream(raw as usize)))
+        let raw = result::stream::create(self.api())?;
+        Ok((self.stream_obj(raw, true), RawStream(raw.addr())))
     }
     unsafe fn wrap_stream(&self, raw: RawStream) -> Result<Arc<StreamObj>> {
         if raw.0 == 0 {
@@ -292,7 +287,8 @@ impl Backend for NpuBackend {
                 "null aclrtStream",
             ));
         }
-        Ok(self.stream_obj(raw.0, false))
+        // SAFETY: the caller guarantees `raw` is a live stream.
+        Ok(self.stream_obj(unsafe { result::Stream::from_raw(raw.0) }, false))
     }
     fn destroy_stream(&self, stream: Arc<StreamObj>) -> Result<()> {
         self.retired.retire(
@@ -304,18 +300,14 @@ impl Backend for NpuBackend {
     }
     fn synchronize_stream(&self, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind()?;
-        // SAFETY: live stream.
-        let driver = acl_call!(self.api(), aclrtSynchronizeStream(stream.raw as _));
+        let driver = result::stream::synchronize(self.api(), stream.raw);
         // Both reported at once: the backend's are not left for a later synchronize.
         driver.and(stream.errors.take())
     }
     fn query_stream(&self, stream: &Arc<StreamObj>) -> Result<bool> {
-        if self.api().acl.aclrtStreamQuery.is_ok() {
-            self.shared.bind()?;
-            let mut status = aclrtStreamStatus(0xFFFF);
-            // SAFETY: live stream.
-            acl_call!(self.api(), aclrtStreamQuery(stream.raw as _, &mut status))?;
-            return Ok(status == aclrtStreamStatus::ACL_STREAM_STATUS_COMPLETE);
+        self.shared.bind()?;
+        if let Some(done) = result::stream::query(self.api(), stream.raw) {
+            return done;
         }
         // Older ACL: record a private event and ask it. It may still say "busy" for a moment on
         // a stream that is idle, until the mark itself has run.
@@ -339,17 +331,15 @@ impl Backend for NpuBackend {
 
     fn create_event(&self, timing: bool) -> Result<Arc<EventObj>> {
         self.shared.bind()?;
-        let mut raw = std::ptr::null_mut();
         let flags = if timing {
             ACL_EVENT_SYNC | ACL_EVENT_TIME_LINE
         } else {
             ACL_EVENT_SYNC
         };
-        // SAFETY: plain ACL call.
-        acl_call!(self.api(), aclrtCreateEventWithFlag(&mut raw, flags))?;
+        let raw = result::event::create(self.api(), flags)?;
         Ok(Arc::new(EventObj {
             shared: Arc::clone(&self.shared),
-            raw: raw as usize,
+            raw,
             timing,
             recorded: AtomicBool::new(false),
             carries: Mutex::default(),
@@ -361,11 +351,7 @@ impl Backend for NpuBackend {
     }
     fn record_event(&self, event: &Arc<EventObj>, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind()?;
-        // SAFETY: live handles.
-        acl_call!(
-            self.api(),
-            aclrtRecordEvent(event.raw as _, stream.raw as _)
-        )?;
+        result::event::record(self.api(), event.raw, stream.raw)?;
         *lock(&event.carries) = stream.errors.record();
         event.recorded.store(true, Ordering::Release);
         Ok(())
@@ -375,11 +361,7 @@ impl Backend for NpuBackend {
             return Ok(());
         }
         self.shared.bind()?;
-        // SAFETY: live handles.
-        acl_call!(
-            self.api(),
-            aclrtStreamWaitEvent(stream.raw as _, event.raw as _)
-        )?;
+        result::stream::wait_event(self.api(), stream.raw, event.raw)?;
         stream.errors.wait(&lock(&event.carries));
         Ok(())
     }
@@ -388,13 +370,7 @@ impl Backend for NpuBackend {
             return Ok(true);
         }
         self.shared.bind()?;
-        let mut status = aclrtEventRecordedStatus(0);
-        // SAFETY: live handle.
-        acl_call!(
-            self.api(),
-            aclrtQueryEventStatus(event.raw as _, &mut status)
-        )?;
-        Ok(status.0 == 1)
+        result::event::query(self.api(), event.raw)
     }
     fn synchronize_event(&self, event: &Arc<EventObj>) -> Result<()> {
         Self::wait_event(event)
@@ -404,8 +380,7 @@ impl Backend for NpuBackend {
             return Ok(());
         }
         event.shared.bind()?;
-        // SAFETY: live handle.
-        acl_call!(event.shared.api, aclrtSynchronizeEvent(event.raw as _))?;
+        result::event::synchronize(&event.shared.api, event.raw)?;
         first_error(&lock(&event.carries)).map_or(Ok(()), Err)
     }
     fn event_elapsed_ms(&self, start: &Arc<EventObj>, end: &Arc<EventObj>) -> Result<f32> {
@@ -419,28 +394,17 @@ impl Backend for NpuBackend {
                 ));
             }
         }
-        let mut ms = 0f32;
-        // SAFETY: live handles.
-        acl_call!(
-            self.api(),
-            aclrtEventElapsedTime(&mut ms, start.raw as _, end.raw as _)
-        )?;
-        Ok(ms)
+        result::event::elapsed_ms(self.api(), start.raw, end.raw)
     }
 
     fn alloc_device(&self, bytes: usize) -> Result<(Arc<MemObj>, usize)> {
         let device = self.shared.bind()? as usize;
-        let mut p = std::ptr::null_mut();
-        self.frees.retrying(|| {
-            // SAFETY: plain ACL call.
-            acl_call!(
-                self.api(),
-                aclrtMalloc(&mut p, bytes, aclrtMemMallocPolicy(0))
-            )
-        })?;
+        let p = self
+            .frees
+            .retrying(|| result::mem::alloc(self.api(), bytes))?;
         self.shared.devices[device].reserve(BackendKind::Npu, "aclrtMalloc", bytes)?;
-        let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Device(device));
-        Ok((m, p as usize))
+        let m = MemObj::new(&self.shared, p, bytes, Origin::Device(device));
+        Ok((m, p))
     }
     unsafe fn wrap_device_memory(
         &self,
@@ -457,15 +421,14 @@ impl Backend for NpuBackend {
     }
     fn alloc_pinned(&self, bytes: usize) -> Result<(Arc<MemObj>, usize)> {
         let device = self.shared.bind()? as usize;
-        let mut p = std::ptr::null_mut();
-        // SAFETY: plain ACL call.
-        self.frees
-            .retrying(|| acl_call!(self.api(), aclrtMallocHost(&mut p, bytes)))?;
+        let p = self
+            .frees
+            .retrying(|| result::mem::alloc_host(self.api(), bytes))?;
         self.shared
             .pinned
             .reserve(BackendKind::Npu, "aclrtMallocHost", bytes)?;
-        let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Pinned(device));
-        Ok((m, p as usize))
+        let m = MemObj::new(&self.shared, p, bytes, Origin::Pinned(device));
+        Ok((m, p))
     }
 
     fn copy(
@@ -481,18 +444,19 @@ impl Backend for NpuBackend {
             Loc::Device(s, soff) | Loc::Pinned(s, soff),
         ) = (dst, src);
         self.shared.bind()?;
-        // SAFETY: ranges bounds-checked by the caller; destMax is what remains of the destination.
-        acl_call!(
-            self.api(),
-            aclrtMemcpyAsync(
-                (d.ptr + doff) as _,
-                d.len - doff,
-                (s.ptr + soff) as _,
+        let (dst, dst_max, src) = (d.ptr + doff, d.len - doff, s.ptr + soff);
+        // SAFETY: ranges bounds-checked by the caller, kept live by their use events.
+        unsafe {
+            result::mem::copy_async(
+                self.api(),
+                dst,
+                dst_max,
+                src,
                 bytes,
                 memcpy_kind(kind),
-                stream.raw as _,
+                stream.raw,
             )
-        )?;
+        }?;
         d.used_on(stream.raw)?;
         s.used_on(stream.raw)
     }
@@ -505,16 +469,16 @@ impl Backend for NpuBackend {
     ) -> Result<()> {
         self.shared.bind()?;
         // SAFETY: as in `copy`.
-        acl_call!(
-            self.api(),
-            aclrtMemsetAsync(
-                (d.ptr + off) as _,
+        unsafe {
+            result::mem::set_async(
+                self.api(),
+                d.ptr + off,
                 d.len - off,
-                i32::from(value),
+                value,
                 bytes,
-                stream.raw as _,
+                stream.raw,
             )
-        )?;
+        }?;
         d.used_on(stream.raw)
     }
 
@@ -547,7 +511,7 @@ impl Backend for NpuBackend {
             return Err(host_fn_unsupported("launch_host_fn"));
         }
         let f = stream.errors.guard(BackendKind::Npu, f);
-        host_fn::launch(self.api(), stream.raw, true, f)
+        host_fn::launch(self.api(), stream.raw.addr(), true, f)
     }
 
     fn unique_id(&self) -> Result<UniqueId> {

@@ -10,7 +10,7 @@ impl StreamObj {
         let ok = self
             .shared
             .reporter()
-            .is_some_and(|r| r.subscribe(self.raw).is_ok());
+            .is_some_and(|r| r.subscribe(self.raw.addr()).is_ok());
         if ok {
             self.subscribed.store(true, Ordering::Release);
         }
@@ -20,15 +20,15 @@ impl StreamObj {
 
 impl Drop for StreamObj {
     fn drop(&mut self) {
-        lock(&self.shared.streams).remove(&self.raw);
+        lock(&self.shared.streams).remove(&self.raw.addr());
         if self.subscribed.load(Ordering::Acquire) {
             if let Some(r) = self.shared.reporter.get() {
-                let _ = r.unsubscribe(self.raw);
+                let _ = r.unsubscribe(self.raw.addr());
             }
         }
         if self.owned && self.shared.bind().is_ok() {
-            // SAFETY: we created this stream; ACL lets queued work finish.
-            let _ = acl_call!(self.shared.api, aclrtDestroyStream(self.raw as _));
+            // SAFETY: we created this stream, destroyed once; ACL lets queued work finish.
+            let _ = unsafe { result::stream::destroy(&self.shared.api, self.raw) };
         }
     }
 }
@@ -36,14 +36,14 @@ impl Drop for StreamObj {
 impl Drop for EventObj {
     fn drop(&mut self) {
         if self.shared.bind().is_ok() {
-            // SAFETY: we created this event.
-            unsafe { self.shared.api.acl.aclrtDestroyEvent(self.raw as _) };
+            // SAFETY: we created this event, destroyed once.
+            unsafe { result::event::destroy(&self.shared.api, self.raw) };
         }
     }
 }
 
 impl NpuBackend {
-    pub(super) fn stream_obj(&self, raw: usize, owned: bool) -> Arc<StreamObj> {
+    pub(super) fn stream_obj(&self, raw: result::Stream, owned: bool) -> Arc<StreamObj> {
         let s = Arc::new(StreamObj {
             shared: Arc::clone(&self.shared),
             raw,
@@ -52,7 +52,7 @@ impl NpuBackend {
             errors: StreamErrors::default(),
         });
         s.host_fns_ready();
-        lock(&self.shared.streams).insert(raw, Arc::downgrade(&s));
+        lock(&self.shared.streams).insert(raw.addr(), Arc::downgrade(&s));
         s
     }
 }
