@@ -87,7 +87,9 @@ pub trait Platform: Send + Sync {
         bytes: usize,
         release: Option<ReleaseFn>,
     ) -> Result<DeviceBuffer>;
-    /// Frees the storage now (queued work on it still completes); later use is an error.
+    /// Frees the storage now, in stream order: queued work on it still completes, and until it
+    /// has, the memory stays counted and is not handed out again; the call does not wait for it.
+    /// Later use of the buffer is an error.
     fn free_device(&self, buf: &DeviceBuffer) -> Result<()>;
     /// Resizes the storage, keeping the handle: 0 releases the bytes, a size on a released buffer
     /// re-acquires them. Contents are not preserved unless the size is unchanged. On failure the
