@@ -28,7 +28,7 @@ impl Drop for CommObj {
 impl CudaBackend {
     pub(super) fn new_comm(
         &self,
-        raw: usize,
+        raw: nccl::Comm,
         device: usize,
         rank: usize,
         world: usize,
@@ -117,7 +117,7 @@ impl CudaBackend {
             op => op,
         };
         let a = &n.api;
-        let (c, s) = (comm.raw as ncclComm_t, stream.raw.sys().cast::<c_void>());
+        let (c, s) = (comm.raw.sys(), stream.raw.sys().cast::<c_void>());
         // Avg without ncclAvg: a sum, then the scale kernel below.
         let emulate_avg = !n.has_avg_and_bf16();
         let red = |op: ReduceOp| {
@@ -323,7 +323,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let size = dtype.size();
         let (sp, rp) = (ptr(send) as usize, ptr(recv) as usize);
-        let (c, s) = (comm.raw as ncclComm_t, stream.raw.sys().cast::<c_void>());
+        let (c, s) = (comm.raw.sys(), stream.raw.sys().cast::<c_void>());
         let me = comm.rank;
         let (sc, sd, rc, rd) = blocks[me];
         if sc != rc {

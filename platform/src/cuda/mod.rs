@@ -205,7 +205,7 @@ pub type MemObj = TrackedMem<Shared>;
 /// An NCCL communicator on one device, with a scratch word for barriers.
 pub struct CommObj {
     shared: Arc<Shared>,
-    raw: usize,
+    raw: nccl::Comm,
     device: usize,
     rank: usize,
     world: usize,
@@ -607,7 +607,7 @@ impl Backend for CudaBackend {
             unsafe { (n.api.ncclCommInitRank)(&mut comm, world as c_int, uid, rank as c_int) },
             "ncclCommInitRank",
         )?;
-        self.new_comm(comm as usize, device, rank, world)
+        self.new_comm(nccl::Comm::from_sys(comm), device, rank, world)
     }
     fn comm_split(
         &self,

@@ -11,6 +11,24 @@ use crate::error::{ErrorKind, Result};
 
 type Stream = *mut c_void;
 
+/// An NCCL communicator handle; `CommObj` owns it and destroys (or aborts) it once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Comm(ncclComm_t);
+
+// SAFETY: a communicator handle is an identifier NCCL accepts from any thread; hprt issues its
+// calls one at a time (the communicator's watch lock).
+unsafe impl Send for Comm {}
+unsafe impl Sync for Comm {}
+
+impl Comm {
+    pub(crate) fn from_sys(c: ncclComm_t) -> Self {
+        Comm(c)
+    }
+    pub(crate) fn sys(self) -> ncclComm_t {
+        self.0
+    }
+}
+
 dyn_table! {
     /// The NCCL functions hprt uses (all present since NCCL 2.7; `ncclGetLastError` 2.13).
     pub(crate) struct NcclApi {

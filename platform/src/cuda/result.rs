@@ -7,7 +7,7 @@
 //! [`super::StreamObj`], [`super::EventObj`], buffers (`auxil::uses`), a device's primary
 //! context and modules (`context.rs`). Destroying calls are `unsafe` for that reason. Only the
 //! baseline measurement (`baseline.rs`) and host-function launch (`host_fn.rs`) call `sys`
-//! directly.
+//! directly; NCCL's calls go through its checked table (`nccl.rs`, on a typed `nccl::Comm`).
 
 use std::ffi::{c_int, c_void, CStr};
 

@@ -15,8 +15,6 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use cudarc::nccl::sys::ncclComm_t;
-
 use super::check::{cuda_err, nccl_error};
 use super::nccl::Nccl;
 use super::{lock, result, CommObj, StreamObj};
@@ -183,7 +181,7 @@ fn tick(timeout: Duration) -> Duration {
 /// What the watchdog needs of a communicator: its handle, and its place for messages.
 #[derive(Clone, Copy)]
 pub(crate) struct Ident {
-    pub(crate) raw: usize,
+    pub(crate) raw: super::nccl::Comm,
     pub(crate) rank: usize,
     pub(crate) world: usize,
 }
@@ -240,7 +238,7 @@ impl CommWatch {
                     Look::Idle => {
                         // SAFETY: we created this communicator and did not abort it.
                         let _ = n.check(
-                            unsafe { (n.api.ncclCommDestroy)(comm.raw as ncclComm_t) },
+                            unsafe { (n.api.ncclCommDestroy)(comm.raw.sys()) },
                             "ncclCommDestroy",
                         );
                         break;
@@ -269,7 +267,7 @@ impl CommWatch {
 pub(crate) fn async_error(n: &Nccl, comm: Ident) -> Option<Error> {
     let mut code = 0;
     // SAFETY: a live communicator (not aborted: the caller holds its watch and checked).
-    let asked = unsafe { (n.api.ncclCommGetAsyncError)(comm.raw as ncclComm_t, &mut code) };
+    let asked = unsafe { (n.api.ncclCommGetAsyncError)(comm.raw.sys(), &mut code) };
     let code = if asked == 0 { code } else { asked };
     (code != 0 && code != NCCL_IN_PROGRESS).then(|| {
         nccl_error(
@@ -295,7 +293,7 @@ pub(crate) fn abort(n: &Nccl, comm: Ident, watch: &mut CommWatch, cause: Error) 
     }
     // SAFETY: a live communicator; the handle is not used again (aborted is set below).
     let _ = n.check(
-        unsafe { (n.api.ncclCommAbort)(comm.raw as ncclComm_t) },
+        unsafe { (n.api.ncclCommAbort)(comm.raw.sys()) },
         "ncclCommAbort",
     );
     watch.aborted = Some(cause);

@@ -6,7 +6,7 @@ impl Drop for CommObj {
     fn drop(&mut self) {
         // SAFETY: we created this communicator.
         let _ = hccl(
-            unsafe { self.shared.api.hccl.HcclCommDestroy(self.raw as _) }.0 as i32,
+            unsafe { self.shared.api.hccl.HcclCommDestroy(self.raw.sys()) }.0 as i32,
             "HcclCommDestroy",
         );
     }
@@ -35,7 +35,12 @@ pub(super) fn hccl_op(op: ReduceOp) -> HcclReduceOp {
 }
 
 impl NpuBackend {
-    pub(super) fn new_comm(&self, raw: usize, rank: usize, world: usize) -> Result<Arc<CommObj>> {
+    pub(super) fn new_comm(
+        &self,
+        raw: result::Comm,
+        rank: usize,
+        world: usize,
+    ) -> Result<Arc<CommObj>> {
         let scratch = Backend::alloc_device(self, 4)?.0;
         Ok(Arc::new(CommObj {
             shared: Arc::clone(&self.shared),
@@ -59,7 +64,7 @@ impl NpuBackend {
             Collective::Barrier => auxil::comm::barrier_as_all_reduce(Arc::clone(&comm.scratch)),
             op => op,
         };
-        let (c, s) = (comm.raw as *mut c_void, stream.raw.sys());
+        let (c, s) = (comm.raw.sys(), stream.raw.sys());
         // SAFETY (every call below): places were bounds-checked for the extent HCCL touches;
         // handles are live; HCCL only queues the work on `s`.
         let (code, name) = unsafe {

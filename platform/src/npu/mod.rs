@@ -116,7 +116,7 @@ pub type MemObj = TrackedMem<Shared>;
 /// An HCCL communicator, with a scratch word for barriers.
 pub struct CommObj {
     shared: Arc<Shared>,
-    raw: usize,
+    raw: result::Comm,
     rank: usize,
     world: usize,
     scratch: Arc<MemObj>,
@@ -555,7 +555,7 @@ impl Backend for NpuBackend {
             .0 as i32,
             "HcclCommInitRootInfo",
         )?;
-        self.new_comm(comm as usize, rank, world)
+        self.new_comm(result::Comm::from_sys(comm), rank, world)
     }
     fn comm_split(
         &self,

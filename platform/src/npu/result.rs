@@ -6,13 +6,13 @@
 //! Handles are identifiers (`Copy`); [`super::StreamObj`], [`super::EventObj`] and buffers
 //! (`auxil::uses`) own them and destroy them once, so destroying calls are `unsafe`. ACL keeps
 //! the device per thread: callers bind it first (`Shared::bind`). HCCL calls stay in
-//! `collective.rs` behind `check::hccl`; host functions in `host_fn.rs`.
+//! `collective.rs` behind `check::hccl` (on a typed [`Comm`]); host functions in `host_fn.rs`.
 
 use std::ffi::c_void;
 
 use hprt_sys::types::{
     aclrtEvent, aclrtEventRecordedStatus, aclrtMemAttr, aclrtMemMallocPolicy, aclrtMemcpyKind,
-    aclrtStream, aclrtStreamStatus,
+    aclrtStream, aclrtStreamStatus, HcclComm,
 };
 use hprt_sys::Ascend;
 
@@ -39,6 +39,19 @@ handle!(
     /// An ACL event.
     Event(aclrtEvent)
 );
+handle!(
+    /// An HCCL communicator; `CommObj` owns it and destroys it once.
+    Comm(HcclComm)
+);
+
+impl Comm {
+    pub(crate) fn from_sys(c: HcclComm) -> Self {
+        Comm(c)
+    }
+    pub(crate) fn sys(self) -> HcclComm {
+        self.0
+    }
+}
 
 impl Stream {
     /// The `sys` handle, for calls this layer does not wrap (HCCL's).
