@@ -747,6 +747,25 @@ fn a_failed_collective_aborts_the_communicator_on_every_rank() {
     assert_eq!(emu.stats().live_comms, comms_before);
 }
 
+/// A buffer with a memset queued on `s` behind a host function that holds the stream until the
+/// returned sender sends (at most 10 s, so a free that waits shows up as slow, not as a hang).
+fn queued_memset(
+    p: &dyn Platform,
+    s: &hprt_platform::Stream,
+) -> (hprt_platform::DeviceBuffer, std::sync::mpsc::Sender<()>) {
+    let d = p.alloc_device(1 << 16).unwrap();
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    p.launch_host_fn(
+        s,
+        Box::new(move || {
+            let _ = held.recv_timeout(std::time::Duration::from_secs(10));
+        }),
+    )
+    .unwrap();
+    p.memset_async(&d, 0, 1, 1 << 16, s).unwrap();
+    (d, release)
+}
+
 /// Frees are stream ordered: dropping a buffer that queued work still uses returns at once, and
 /// its memory is freed only once that work finished (no `cuMemFree` under queued work, the
 /// allocation gone after a synchronize). When the backend cannot show that the work finished
@@ -764,16 +783,7 @@ fn a_free_waits_for_no_queued_work_and_a_buffer_whose_last_use_cannot_be_shown_f
     // it.
     let p = open().unwrap();
     let s = p.create_stream().unwrap();
-    let d = p.alloc_device(1 << 16).unwrap();
-    let (release, held) = std::sync::mpsc::channel::<()>();
-    p.launch_host_fn(
-        &s,
-        Box::new(move || {
-            let _ = held.recv_timeout(std::time::Duration::from_secs(10));
-        }),
-    )
-    .unwrap();
-    p.memset_async(&d, 0, 1, 1 << 16, &s).unwrap();
+    let (d, release) = queued_memset(&p, &s);
     drop(d);
     let releaser = std::thread::spawn(move || {
         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -798,17 +808,7 @@ fn a_free_waits_for_no_queued_work_and_a_buffer_whose_last_use_cannot_be_shown_f
     let p = open().unwrap();
     let s = p.create_stream().unwrap();
     for query_fault in ["", "cuEventQuery:1:999"] {
-        let d = p.alloc_device(1 << 16).unwrap();
-        let (release, held) = std::sync::mpsc::channel::<()>();
-        // Keeps the memset queued while the buffer is dropped.
-        p.launch_host_fn(
-            &s,
-            Box::new(move || {
-                let _ = held.recv_timeout(std::time::Duration::from_secs(10));
-            }),
-        )
-        .unwrap();
-        p.memset_async(&d, 0, 1, 1 << 16, &s).unwrap();
+        let (d, release) = queued_memset(&p, &s);
         emu.faults(query_fault);
         let started = std::time::Instant::now();
         drop(d);
