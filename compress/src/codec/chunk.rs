@@ -388,9 +388,8 @@ fn decode_symbols_with<const PB: u32>(
         if (LANES..=n_words).contains(&pos) {
             for k in 0..LANES {
                 let v = x[k];
-                let slot = (v & ((1 << PB) - 1)) as usize & (rans::MAX_SLOTS - 1);
-                let e = table.freq_bias[slot];
-                grp[k] = table.sym[slot] as u16;
+                let (e, sym) = table.lookup((v & ((1 << PB) - 1)) as usize);
+                grp[k] = sym;
                 let v = (e & 0xffff) * (v >> PB) + (e >> 16);
                 let refill = v < RANS_L;
                 // SAFETY: `LANES <= pos <= n_words` at the start of the group and a lane

@@ -12,7 +12,8 @@ use crate::format::LANES;
 pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::rans::{DecTable, EncTable, RANS_L};
+    use super::super::rans::{DecTable, EncTable, MAX_SLOTS, RANS_L};
+    use super::super::split::{mantissa_len, Elem};
     use crate::format::LANES;
 
     /// For each 8-bit refill mask, lane `k`'s index among the refilling lanes
@@ -66,26 +67,45 @@ pub(crate) mod avx2 {
         }
     }
 
-    /// One group of eight symbols of one stream: returns the new states and the words used.
+    /// The table entries of eight slots, loaded lane by lane (faster than two gathers on AMD
+    /// cores): `freq | (slot - cum) << 16` and the symbols, one lane per slot.
     ///
     /// # Safety
-    /// AVX2; `8 <= p <= words.len() / 2`; `grp` has eight symbols.
+    /// AVX2.
     #[target_feature(enable = "avx2")]
     #[inline]
-    unsafe fn group(
+    unsafe fn lookup8(table: &DecTable, slot: __m256i) -> (__m256i, __m256i) {
+        let mut idx = [0u32; 8];
+        // SAFETY: `idx` is 32 bytes; every index is masked inside the table.
+        _mm256_storeu_si256(idx.as_mut_ptr().cast(), slot);
+        let t = table.entries.as_ptr();
+        let e = |k: usize| *t.add(idx[k] as usize & (MAX_SLOTS - 1)) as i64;
+        // Lanes 0, 1, 4, 5 and 2, 3, 6, 7: the two shuffles below then keep lane order.
+        let a = _mm256_castsi256_ps(_mm256_setr_epi64x(e(0), e(1), e(4), e(5)));
+        let b = _mm256_castsi256_ps(_mm256_setr_epi64x(e(2), e(3), e(6), e(7)));
+        (
+            _mm256_castps_si256(_mm256_shuffle_ps::<0b10_00_10_00>(a, b)),
+            _mm256_castps_si256(_mm256_shuffle_ps::<0b11_01_11_01>(a, b)),
+        )
+    }
+
+    /// One step of eight lanes of one stream: returns the new states, the words used and the
+    /// decoded symbols (one per 32-bit lane).
+    ///
+    /// # Safety
+    /// AVX2; `8 <= p <= words.len() / 2`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn step(
         c: &Consts,
         table: &DecTable,
         xv: __m256i,
         words: &[u8],
         p: usize,
-        grp: &mut [u16],
-    ) -> (__m256i, usize) {
-        // SAFETY: gathers index slots masked below `1 << prob_bits <= MAX_SLOTS`, inside both
-        // tables; the 16 word bytes start at `2 * (p - 8)` with `8 <= p <= words.len() / 2`;
-        // the 16-byte store covers exactly the eight symbols of `grp`.
-        let slot = _mm256_and_si256(xv, c.slot_mask);
-        let e = _mm256_i32gather_epi32::<4>(table.freq_bias.as_ptr().cast(), slot);
-        let s = _mm256_i32gather_epi32::<4>(table.sym.as_ptr().cast(), slot);
+    ) -> (__m256i, usize, __m256i) {
+        // SAFETY: slots are masked below `1 << prob_bits <= MAX_SLOTS`; the 16 word bytes
+        // start at `2 * (p - 8)` with `8 <= p <= words.len() / 2`.
+        let (e, s) = lookup8(table, _mm256_and_si256(xv, c.slot_mask));
         let v = _mm256_add_epi32(
             _mm256_mullo_epi32(_mm256_and_si256(e, c.low16), _mm256_srl_epi32(xv, c.shift)),
             _mm256_srli_epi32::<16>(e),
@@ -101,13 +121,34 @@ pub(crate) mod avx2 {
         );
         let w = _mm256_permutevar8x32_epi32(win, idx);
         let refilled = _mm256_or_si256(_mm256_slli_epi32::<16>(v), w);
-        let s16 = _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
-        debug_assert!(grp.len() >= LANES);
-        _mm_storeu_si128(grp.as_mut_ptr().cast(), s16);
         (
             _mm256_blendv_epi8(v, refilled, refill),
             m.count_ones() as usize,
+            s,
         )
+    }
+
+    /// One group of eight symbols of one stream into `grp`: returns the new states and the
+    /// words used.
+    ///
+    /// # Safety
+    /// AVX2; `8 <= p <= words.len() / 2`; `grp` has eight symbols.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn group(
+        c: &Consts,
+        table: &DecTable,
+        xv: __m256i,
+        words: &[u8],
+        p: usize,
+        grp: &mut [u16],
+    ) -> (__m256i, usize) {
+        let (v, used, s) = step(c, table, xv, words, p);
+        let s16 = _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+        assert!(grp.len() >= LANES);
+        // SAFETY: the 16-byte store covers the eight symbols of `grp`.
+        _mm_storeu_si128(grp.as_mut_ptr().cast(), s16);
+        (v, used)
     }
 
     /// Decodes whole groups of eight symbols of `N` independent streams in step (stream `j`
@@ -192,30 +233,29 @@ pub(crate) mod avx2 {
         x: &mut [u32; 4 * LANES],
     ) {
         assert!(syms.len() % (4 * LANES) == 0 && words.len() >= *pos + syms.len() + LANES);
-        let t = table.as_ptr().cast::<i32>();
+        let t = table.as_ptr();
         let low16 = _mm256_set1_epi32(0xffff);
         let seven = _mm256_set1_epi32(7);
         let field_shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-        let (k1, k2, k3) = (
-            _mm256_set1_epi32(1),
-            _mm256_set1_epi32(2),
-            _mm256_set1_epi32(3),
-        );
-        // SAFETY (whole body): gathers index `4 * symbol + field` with symbols below 512, inside
-        // the 512 16-byte entries; loads and stores stay inside `x`, `syms` (checked length)
-        // and `words` (asserted room: at most one word per symbol plus eight of slack).
+        // SAFETY (whole body): entries are read at symbols masked below 512, inside the 512
+        // 16-byte entries; loads and stores stay inside `x`, `syms` (checked length) and
+        // `words` (asserted room: at most one word per symbol plus eight of slack).
         let mut xv: [__m256i; 4] =
             std::array::from_fn(|q| _mm256_loadu_si256(x[q * LANES..].as_ptr().cast()));
         let mut p = *pos;
         for grp in syms.chunks_exact(4 * LANES).rev() {
             for q in (0..4).rev() {
-                let s = _mm256_cvtepu16_epi32(_mm_loadu_si128(grp[q * LANES..].as_ptr().cast()));
-                let s = _mm256_and_si256(s, _mm256_set1_epi32(511));
-                let idx = _mm256_slli_epi32::<2>(s);
-                let x_max = _mm256_i32gather_epi32::<4>(t, idx);
-                let rcp = _mm256_i32gather_epi32::<4>(t, _mm256_add_epi32(idx, k1));
-                let bias = _mm256_i32gather_epi32::<4>(t, _mm256_add_epi32(idx, k2));
-                let cs = _mm256_i32gather_epi32::<4>(t, _mm256_add_epi32(idx, k3));
+                // The eight lanes' 16-byte entries, loaded one by one (faster than four
+                // gathers on AMD cores) and transposed into one vector per field.
+                let ent = |k: usize| t.add(grp[q * LANES + k] as usize & 511).cast::<__m128i>();
+                let row = |k: usize| _mm256_loadu2_m128i(ent(k + 4), ent(k));
+                let (r0, r1, r2, r3) = (row(0), row(1), row(2), row(3));
+                let (t0, t1) = (_mm256_unpacklo_epi32(r0, r1), _mm256_unpackhi_epi32(r0, r1));
+                let (t2, t3) = (_mm256_unpacklo_epi32(r2, r3), _mm256_unpackhi_epi32(r2, r3));
+                let x_max = _mm256_unpacklo_epi64(t0, t2);
+                let rcp = _mm256_unpackhi_epi64(t0, t2);
+                let bias = _mm256_unpacklo_epi64(t1, t3);
+                let cs = _mm256_unpackhi_epi64(t1, t3);
                 let v = xv[q];
                 // Unsigned v >= x_max (x_max may be 2^31).
                 let emit = _mm256_cmpeq_epi32(_mm256_max_epu32(v, x_max), v);
@@ -245,37 +285,102 @@ pub(crate) mod avx2 {
         *pos = p;
     }
 
-    /// Decodes whole groups of 32 symbols of one version-2 block (lane `k` = symbol `k % 32`)
-    /// while at least 32 words are left; returns how many symbols it decoded. The four 8-lane
-    /// quarters of a group are four independent gather-multiply chains that only share the word
-    /// position, so one block keeps the core as busy as v1's chunk pairs did.
+    /// How eight `w`-bit mantissas of a packed group are cut out with one byte shuffle: lanes
+    /// 0-3 read from the group's first byte, lanes 4-7 from byte `second`, each lane takes the
+    /// four bytes its field starts in, then shifts and masks.
+    struct MantLayout {
+        second: usize,
+        bytes: __m256i,
+        shifts: __m256i,
+        mask: __m256i,
+        w: __m128i,
+    }
+
+    /// # Safety
+    /// AVX2.
+    #[target_feature(enable = "avx2")]
+    unsafe fn mant_layout(w: u32) -> MantLayout {
+        let byte = |k: u32| (k * w / 8) as usize;
+        let second = byte(4);
+        let mut ctl = [-1i8; 32];
+        let mut shifts = [0i32; 8];
+        for k in 0..8u32 {
+            let rel = byte(k) - if k < 4 { 0 } else { second };
+            for j in 0..4 {
+                ctl[4 * k as usize + j] = (rel + j) as i8;
+            }
+            shifts[k as usize] = (k * w % 8) as i32;
+        }
+        MantLayout {
+            second,
+            // SAFETY: 32 and 32 bytes.
+            bytes: _mm256_loadu_si256(ctl.as_ptr().cast()),
+            shifts: _mm256_loadu_si256(shifts.as_ptr().cast()),
+            mask: _mm256_set1_epi32(((1u64 << w) - 1) as i32),
+            w: _mm_cvtsi32_si128(w as i32),
+        }
+    }
+
+    /// Decodes whole groups of 32 elements of one version-2 block (lane `k` = element `k % 32`)
+    /// while at least 32 words are left, and writes each element `symbol << w | mantissa`
+    /// straight into `out` (no symbol buffer, no second pass); returns how many elements it
+    /// wrote. The four 8-lane quarters of a group are four independent lookup-multiply chains
+    /// that only share the word position. `payload` is the block's payload (mantissas,
+    /// words, states), `words` its word bytes.
     ///
     /// # Safety
     /// The CPU must support AVX2 ([`available`]).
     #[target_feature(enable = "avx2")]
-    pub(crate) unsafe fn decode_groups32(
-        syms: &mut [u16],
+    pub(crate) unsafe fn decode_merge32<E: Elem>(
+        out: &mut [u8],
+        payload: &[u8],
+        words: &[u8],
         table: &DecTable,
         prob_bits: u32,
-        words: &[u8],
         pos: &mut usize,
         x: &mut [u32; 4 * LANES],
     ) -> usize {
         let c = consts(prob_bits);
+        let ml = mant_layout(E::MANT_BITS);
+        let (n, w) = (out.len() / E::BYTES, E::MANT_BITS as usize);
+        // The last group's mantissa reads end at most `second + 16 - w` bytes past the
+        // mantissas, inside the words and 128 bytes of states that follow them.
+        assert!(payload.len() >= mantissa_len(n, E::MANT_BITS) + 32);
         // SAFETY: `x` is four runs of eight lanes.
         let mut xv: [__m256i; 4] =
             std::array::from_fn(|q| _mm256_loadu_si256(x[q * LANES..].as_ptr().cast()));
         let mut p = *pos;
-        let n = syms.len() / (4 * LANES) * (4 * LANES);
+        let full = n / (4 * LANES) * (4 * LANES);
         let mut done = 0;
-        while done < n && (4 * LANES..=words.len() / 2).contains(&p) {
+        while done < full && (4 * LANES..=words.len() / 2).contains(&p) {
             for (q, v) in xv.iter_mut().enumerate() {
                 // SAFETY: AVX2 per the caller; each quarter uses at most eight words, so
-                // `p >= 8` holds for every quarter; `done + 32 <= n`.
-                let at = done + q * LANES;
-                let (nv, used) = group(&c, table, *v, words, p, &mut syms[at..at + LANES]);
+                // `p >= 8` holds for every quarter; element `e + 8 <= n`, so the store stays
+                // inside `out`, and the mantissa loads inside `payload` (asserted above).
+                let e = done + q * LANES;
+                let (nv, used, s) = step(&c, table, *v, words, p);
                 *v = nv;
                 p -= used;
+                let g = payload.as_ptr().add(e / 8 * w);
+                let raw = _mm256_set_m128i(
+                    _mm_loadu_si128(g.add(ml.second).cast()),
+                    _mm_loadu_si128(g.cast()),
+                );
+                let m = _mm256_and_si256(
+                    _mm256_srlv_epi32(_mm256_shuffle_epi8(raw, ml.bytes), ml.shifts),
+                    ml.mask,
+                );
+                let el = _mm256_or_si256(_mm256_sll_epi32(s, ml.w), m);
+                let dst = out.as_mut_ptr().add(e * E::BYTES);
+                if E::BYTES == 4 {
+                    _mm256_storeu_si256(dst.cast(), el);
+                } else {
+                    let el16 = _mm_packus_epi32(
+                        _mm256_castsi256_si128(el),
+                        _mm256_extracti128_si256::<1>(el),
+                    );
+                    _mm_storeu_si128(dst.cast(), el16);
+                }
             }
             done += 4 * LANES;
         }
@@ -317,22 +422,24 @@ pub(crate) fn decode_pair_groups(
     0
 }
 
-/// Leading whole groups of a version-2 block with AVX2 (see [`avx2::decode_groups32`]);
-/// 0 without it, and the caller's scalar loop decodes everything.
-pub(crate) fn decode_groups32(
-    syms: &mut [u16],
+/// Leading whole groups of a version-2 block with AVX2, decoded and merged with their
+/// mantissas into `out` (see [`avx2::decode_merge32`]); 0 without AVX2, and the caller's
+/// scalar loop decodes everything.
+pub(crate) fn decode_merge32<E: super::split::Elem>(
+    out: &mut [u8],
+    payload: &[u8],
+    words: &[u8],
     table: &DecTable,
     prob_bits: u32,
-    words: &[u8],
     pos: &mut usize,
     x: &mut [u32; 4 * LANES],
 ) -> usize {
     #[cfg(target_arch = "x86_64")]
     if avx2::available() {
         // SAFETY: the CPU has AVX2.
-        return unsafe { avx2::decode_groups32(syms, table, prob_bits, words, pos, x) };
+        return unsafe { avx2::decode_merge32::<E>(out, payload, words, table, prob_bits, pos, x) };
     }
-    let _ = (syms, table, prob_bits, words, pos, x);
+    let _ = (out, payload, words, table, prob_bits, pos, x);
     0
 }
 

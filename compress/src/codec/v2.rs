@@ -653,11 +653,11 @@ fn decode_block<E: Elem>(
             ));
         }
     }
-    s.syms.resize(n, 0);
     let mut pos = words.len() / 2;
-    let done = simd::decode_groups32(&mut s.syms, &s.table, prob_bits, words, &mut pos, &mut x);
-    for i in done..n {
-        s.syms[i] = rans::get(&mut x[i % LANES], &s.table, prob_bits, words, &mut pos);
+    let done = simd::decode_merge32::<E>(out, payload, words, &s.table, prob_bits, &mut pos, &mut x);
+    s.syms.resize(n - done, 0);
+    for (i, sym) in (done..n).zip(s.syms.iter_mut()) {
+        *sym = rans::get(&mut x[i % LANES], &s.table, prob_bits, words, &mut pos);
     }
     if pos != 0 || x.iter().any(|&v| v != RANS_L) {
         return Err(CompressError::corrupt(
@@ -667,7 +667,12 @@ fn decode_block<E: Elem>(
     }
     // A symbol outside the table decodes from no slot, so every symbol seen had a frequency.
     debug_assert!(s.syms.iter().all(|&v| freq[v as usize] > 0));
-    super::chunk::merge::<E>(out, mant, &s.syms);
+    // `done` is a multiple of 32 elements, so the rest starts on a mantissa group.
+    super::chunk::merge::<E>(
+        &mut out[done * E::BYTES..],
+        &mant[done / 8 * E::MANT_BITS as usize..],
+        &s.syms,
+    );
     Ok(())
 }
 
