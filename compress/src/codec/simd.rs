@@ -285,6 +285,57 @@ pub(crate) mod avx2 {
         *pos = p;
     }
 
+    /// Packs the mantissas of whole runs of 16 two-byte elements of `src` (bf16, f16) into the
+    /// mantissa stream at the start of `dst`, as `split::pack8` does; returns how many elements
+    /// it packed. Each run's second group of eight is stored 16 bytes wide at byte `w` of the
+    /// run, so a run needs `16 - w` bytes of room past its own `2 w` bytes: runs stop where
+    /// `dst` ends, and the caller packs the rest (overwriting what those wide stores spilled).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 ([`available`]).
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn pack_mantissas16<E: Elem>(src: &[u8], dst: &mut [u8]) -> usize {
+        if E::BYTES != 2 {
+            return 0;
+        }
+        let w = E::MANT_BITS as usize;
+        let n = src.len() / 2;
+        let mask = _mm256_set1_epi16(E::MANT_MASK as i16);
+        // Pairs of elements into 32-bit lanes: `m[2j] + m[2j + 1] << w`.
+        let pair = _mm256_set1_epi32(1 | (1 << (w + 16)));
+        let low32 = _mm256_set1_epi64x(0xffff_ffff);
+        let shift2 = _mm_cvtsi32_si128(2 * w as i32);
+        let shift4 = _mm_cvtsi32_si128(4 * w as i32);
+        // f16: four elements are five whole bytes; keep bytes 0-4 and 8-12 of each half.
+        let five = _mm256_setr_epi8(
+            0, 1, 2, 3, 4, 8, 9, 10, 11, 12, -1, -1, -1, -1, -1, -1, 0, 1, 2, 3, 4, 8, 9, 10,
+            11, 12, -1, -1, -1, -1, -1, -1,
+        );
+        let mut done = 0;
+        while done + 16 <= n && done / 8 * w + w + 16 <= dst.len() {
+            // SAFETY: 32 source bytes of 16 whole elements; the two 16-byte stores end at
+            // `done / 8 * w + w + 16 <= dst.len()`.
+            let v = _mm256_loadu_si256(src.as_ptr().add(2 * done).cast());
+            let a = _mm256_madd_epi16(_mm256_and_si256(v, mask), pair);
+            // Four elements per 64-bit lane.
+            let b = _mm256_or_si256(
+                _mm256_and_si256(a, low32),
+                _mm256_sll_epi64(_mm256_srli_epi64::<32>(a), shift2),
+            );
+            // Eight elements at the start of each 16-byte half.
+            let c = if w == 7 {
+                _mm256_or_si256(b, _mm256_sll_epi64(_mm256_bsrli_epi128::<8>(b), shift4))
+            } else {
+                _mm256_shuffle_epi8(b, five)
+            };
+            let out = dst.as_mut_ptr().add(done / 8 * w);
+            _mm_storeu_si128(out.cast(), _mm256_castsi256_si128(c));
+            _mm_storeu_si128(out.add(w).cast(), _mm256_extracti128_si256::<1>(c));
+            done += 16;
+        }
+        done
+    }
+
     /// How eight `w`-bit mantissas of a packed group are cut out with one byte shuffle: lanes
     /// 0-3 read from the group's first byte, lanes 4-7 from byte `second`, each lane takes the
     /// four bytes its field starts in, then shifts and masks.
@@ -440,6 +491,18 @@ pub(crate) fn decode_merge32<E: super::split::Elem>(
         return unsafe { avx2::decode_merge32::<E>(out, payload, words, table, prob_bits, pos, x) };
     }
     let _ = (out, payload, words, table, prob_bits, pos, x);
+    0
+}
+
+/// Packs leading runs of 16 mantissas of two-byte elements with AVX2 (see
+/// [`avx2::pack_mantissas16`]); returns how many elements it packed (0 without AVX2).
+pub(crate) fn pack_mantissas16<E: super::split::Elem>(src: &[u8], dst: &mut [u8]) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { avx2::pack_mantissas16::<E>(src, dst) };
+    }
+    let _ = (src, dst);
     0
 }
 

@@ -275,8 +275,10 @@ fn encode_block<E: Elem>(
         return src.len();
     }
     out.resize(start + len, 0);
+    // The vector packer may spill past the mantissas into the words, written below.
+    let packed = simd::pack_mantissas16::<E>(src, &mut out[start..]);
     let (mant, rest) = out[start..].split_at_mut(mlen);
-    pack_mantissas::<E>(src, mant);
+    pack_mantissas::<E>(&src[packed * E::BYTES..], &mut mant[packed / 8 * E::MANT_BITS as usize..]);
     let (wb, sb) = rest.split_at_mut(2 * nwords);
     for (o, w) in wb.chunks_exact_mut(2).zip(&s.words[..nwords]) {
         o.copy_from_slice(&w.to_le_bytes());
@@ -348,29 +350,48 @@ fn encode_elems<E: Elem>(
     }
     let freq = normalize(&counts[..E::ALPHABET], prob_bits);
     let enc = rans::enc_table(&freq, prob_bits);
-    // Pass 2: blocks, each thread into its own buffer.
-    let parts: Vec<(Vec<u8>, Vec<u32>)> = par_map(data.chunks(per), threads, |_, range| {
+    let present = freq.iter().filter(|&&f| f > 0).count();
+    let prefix_len = prefix_len(E::DTYPE, present, n_blocks).expect("fits: the input is in memory");
+    out.clear();
+    out.reserve(prefix_len + data.len());
+    out.resize(prefix_len, 0);
+    // Pass 2: blocks. The first run of blocks is appended to `out` on this thread, the others
+    // into buffers of their own threads, appended after it.
+    let encode_run = |range: &[u8], buf: &mut Vec<u8>| -> Vec<u32> {
         let mut s = EncScratch::default();
-        let mut buf = Vec::with_capacity(range.len() * 3 / 4);
-        let lens = range
+        range
             .chunks(block_bytes)
-            .map(|b| encode_block::<E>(b, &enc, &mut buf, &mut s) as u32)
+            .map(|b| encode_block::<E>(b, &enc, buf, &mut s) as u32)
+            .collect()
+    };
+    let mut runs = data.chunks(per);
+    let first = runs.next().unwrap_or_default();
+    let (lens0, parts): (Vec<u32>, Vec<(Vec<u8>, Vec<u32>)>) = std::thread::scope(|sc| {
+        let encode_run = &encode_run;
+        let handles: Vec<_> = runs
+            .map(|range| {
+                sc.spawn(move || {
+                    let mut buf = Vec::with_capacity(range.len());
+                    let lens = encode_run(range, &mut buf);
+                    (buf, lens)
+                })
+            })
             .collect();
-        (buf, lens)
+        let lens0 = encode_run(first, out);
+        let parts = handles
+            .into_iter()
+            .map(|h| h.join().expect("codec worker panicked"))
+            .collect();
+        (lens0, parts)
     });
     let header = Header2 {
         dtype: E::DTYPE,
         prob_bits,
         block_elems,
         numel,
-        payload_len: parts.iter().map(|p| p.0.len()).sum(),
+        payload_len: out.len() - prefix_len + parts.iter().map(|p| p.0.len()).sum::<usize>(),
         data_check: checksum_finish(terms, data.len()),
     };
-    let present = freq.iter().filter(|&&f| f > 0).count();
-    let prefix_len = prefix_len(E::DTYPE, present, n_blocks).expect("fits: the input is in memory");
-    out.clear();
-    out.reserve(prefix_len + header.payload_len);
-    out.resize(prefix_len, 0);
     header.write(&mut out[..HEADER_LEN]);
     let (bitmap, rest) = out[HEADER_LEN..].split_at_mut(bitmap_len(E::DTYPE));
     for (o, f) in rest
@@ -383,11 +404,9 @@ fn encode_elems<E: Elem>(
         bitmap[s / 8] |= 1 << (s % 8);
     }
     let mut at = HEADER_LEN + bitmap_len(E::DTYPE) + 2 * present;
-    for (_, lens) in &parts {
-        for l in lens {
-            out[at..at + 4].copy_from_slice(&l.to_le_bytes());
-            at += 4;
-        }
+    for l in lens0.iter().chain(parts.iter().flat_map(|p| &p.1)) {
+        out[at..at + 4].copy_from_slice(&l.to_le_bytes());
+        at += 4;
     }
     seal(&mut out[..prefix_len]);
     for (buf, _) in &parts {
