@@ -55,6 +55,8 @@ pub(crate) mod avx2 {
     /// AVX2 (`unsafe` rather than a safe `#[target_feature]` fn, which needs Rust 1.86).
     #[target_feature(enable = "avx2")]
     unsafe fn consts(prob_bits: u32) -> Consts {
+        // Masked slots index the decoding table unchecked (`lookup8`).
+        assert!(1 << prob_bits <= MAX_SLOTS);
         Consts {
             slot_mask: _mm256_set1_epi32((1 << prob_bits) - 1),
             shift: _mm_cvtsi32_si128(prob_bits as i32),
@@ -76,13 +78,21 @@ pub(crate) mod avx2 {
     #[inline]
     unsafe fn lookup8(table: &DecTable, slot: __m256i) -> (__m256i, __m256i) {
         let mut idx = [0u32; 8];
-        // SAFETY: `idx` is 32 bytes; every index is masked inside the table.
+        // SAFETY: `idx` is 32 bytes. The slots were masked below `1 << prob_bits`, and
+        // `consts` asserted `prob_bits <= 14`, so every entry read lies inside the table.
         _mm256_storeu_si256(idx.as_mut_ptr().cast(), slot);
         let t = table.entries.as_ptr();
-        let e = |k: usize| *t.add(idx[k] as usize & (MAX_SLOTS - 1)) as i64;
-        // Lanes 0, 1, 4, 5 and 2, 3, 6, 7: the two shuffles below then keep lane order.
-        let a = _mm256_castsi256_ps(_mm256_setr_epi64x(e(0), e(1), e(4), e(5)));
-        let b = _mm256_castsi256_ps(_mm256_setr_epi64x(e(2), e(3), e(6), e(7)));
+        let e = |k: usize| t.add(idx[k] as usize).cast::<__m128i>();
+        // Two entries per half from memory (a load and a load-merge each); lanes 0, 1, 4, 5
+        // and 2, 3, 6, 7, so the two shuffles below keep lane order.
+        let pair = |i: usize, j: usize| {
+            _mm_castpd_si128(_mm_loadh_pd(
+                _mm_castsi128_pd(_mm_loadl_epi64(e(i))),
+                e(j).cast::<f64>(),
+            ))
+        };
+        let a = _mm256_castsi256_ps(_mm256_set_m128i(pair(4, 5), pair(0, 1)));
+        let b = _mm256_castsi256_ps(_mm256_set_m128i(pair(6, 7), pair(2, 3)));
         (
             _mm256_castps_si256(_mm256_shuffle_ps::<0b10_00_10_00>(a, b)),
             _mm256_castps_si256(_mm256_shuffle_ps::<0b11_01_11_01>(a, b)),
@@ -240,14 +250,17 @@ pub(crate) mod avx2 {
         // SAFETY (whole body): entries are read at symbols masked below 512, inside the 512
         // 16-byte entries; loads and stores stay inside `x`, `syms` (checked length) and
         // `words` (asserted room: at most one word per symbol plus eight of slack).
-        let mut xv: [__m256i; 4] =
-            std::array::from_fn(|q| _mm256_loadu_si256(x[q * LANES..].as_ptr().cast()));
+        let ld = |q: usize| _mm256_loadu_si256(x[q * LANES..].as_ptr().cast());
+        let (mut x0, mut x1, mut x2, mut x3) = (ld(0), ld(1), ld(2), ld(3));
         let mut p = *pos;
-        for grp in syms.chunks_exact(4 * LANES).rev() {
-            for q in (0..4).rev() {
+        // One quarter of a group, written out four times (not a loop over an array), so the
+        // states stay in registers.
+        macro_rules! quarter {
+            ($grp:ident, $v:ident, $q:expr) => {
+                let q = $q;
                 // The eight lanes' 16-byte entries, loaded one by one (faster than four
                 // gathers on AMD cores) and transposed into one vector per field.
-                let ent = |k: usize| t.add(grp[q * LANES + k] as usize & 511).cast::<__m128i>();
+                let ent = |k: usize| t.add($grp[q * LANES + k] as usize & 511).cast::<__m128i>();
                 let row = |k: usize| _mm256_loadu2_m128i(ent(k + 4), ent(k));
                 let (r0, r1, r2, r3) = (row(0), row(1), row(2), row(3));
                 let (t0, t1) = (_mm256_unpacklo_epi32(r0, r1), _mm256_unpackhi_epi32(r0, r1));
@@ -256,7 +269,7 @@ pub(crate) mod avx2 {
                 let rcp = _mm256_unpackhi_epi64(t0, t2);
                 let bias = _mm256_unpacklo_epi64(t1, t3);
                 let cs = _mm256_unpackhi_epi64(t1, t3);
-                let v = xv[q];
+                let v = $v;
                 // Unsigned v >= x_max (x_max may be 2^31).
                 let emit = _mm256_cmpeq_epi32(_mm256_max_epu32(v, x_max), v);
                 let m = _mm256_movemask_ps(_mm256_castsi256_ps(emit)) as usize;
@@ -276,11 +289,17 @@ pub(crate) mod avx2 {
                 let hi = _mm256_blend_epi32::<0b1010_1010>(even, odd);
                 let quot = _mm256_srlv_epi32(hi, _mm256_srli_epi32::<16>(cs));
                 let cmpl = _mm256_and_si256(cs, low16);
-                xv[q] = _mm256_add_epi32(_mm256_add_epi32(v, bias), _mm256_mullo_epi32(quot, cmpl));
-            }
+                $v = _mm256_add_epi32(_mm256_add_epi32(v, bias), _mm256_mullo_epi32(quot, cmpl));
+            };
         }
-        for (q, v) in xv.iter().enumerate() {
-            _mm256_storeu_si256(x[q * LANES..].as_mut_ptr().cast(), *v);
+        for grp in syms.chunks_exact(4 * LANES).rev() {
+            quarter!(grp, x3, 3);
+            quarter!(grp, x2, 2);
+            quarter!(grp, x1, 1);
+            quarter!(grp, x0, 0);
+        }
+        for (q, v) in [x0, x1, x2, x3].into_iter().enumerate() {
+            _mm256_storeu_si256(x[q * LANES..].as_mut_ptr().cast(), v);
         }
         *pos = p;
     }
@@ -398,19 +417,21 @@ pub(crate) mod avx2 {
         // mantissas, inside the words and 128 bytes of states that follow them.
         assert!(payload.len() >= mantissa_len(n, E::MANT_BITS) + 32);
         // SAFETY: `x` is four runs of eight lanes.
-        let mut xv: [__m256i; 4] =
-            std::array::from_fn(|q| _mm256_loadu_si256(x[q * LANES..].as_ptr().cast()));
+        let ld = |q: usize| _mm256_loadu_si256(x[q * LANES..].as_ptr().cast());
+        let (mut x0, mut x1, mut x2, mut x3) = (ld(0), ld(1), ld(2), ld(3));
         let mut p = *pos;
         let full = n / (4 * LANES) * (4 * LANES);
         let mut done = 0;
-        while done < full && (4 * LANES..=words.len() / 2).contains(&p) {
-            for (q, v) in xv.iter_mut().enumerate() {
+        // One quarter: its eight states step, its eight elements are written. Written out
+        // four times (not a loop over an array), so the states stay in registers.
+        macro_rules! quarter {
+            ($v:ident, $q:expr) => {
                 // SAFETY: AVX2 per the caller; each quarter uses at most eight words, so
                 // `p >= 8` holds for every quarter; element `e + 8 <= n`, so the store stays
                 // inside `out`, and the mantissa loads inside `payload` (asserted above).
-                let e = done + q * LANES;
-                let (nv, used, s) = step(&c, table, *v, words, p);
-                *v = nv;
+                let e = done + $q * LANES;
+                let (nv, used, s) = step(&c, table, $v, words, p);
+                $v = nv;
                 p -= used;
                 let g = payload.as_ptr().add(e / 8 * w);
                 let raw = _mm256_set_m128i(
@@ -432,11 +453,17 @@ pub(crate) mod avx2 {
                     );
                     _mm_storeu_si128(dst.cast(), el16);
                 }
-            }
+            };
+        }
+        while done < full && (4 * LANES..=words.len() / 2).contains(&p) {
+            quarter!(x0, 0);
+            quarter!(x1, 1);
+            quarter!(x2, 2);
+            quarter!(x3, 3);
             done += 4 * LANES;
         }
-        for (q, v) in xv.iter().enumerate() {
-            _mm256_storeu_si256(x[q * LANES..].as_mut_ptr().cast(), *v);
+        for (q, v) in [x0, x1, x2, x3].into_iter().enumerate() {
+            _mm256_storeu_si256(x[q * LANES..].as_mut_ptr().cast(), v);
         }
         *pos = p;
         done
