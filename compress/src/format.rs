@@ -513,8 +513,8 @@ pub fn max_encoded_len(dtype: CodecDType, numel: usize, chunk_elems: usize) -> u
     HEADER_LEN + numel.div_ceil(chunk_elems) * CHUNK_ENTRY_LEN + numel * dtype.size()
 }
 
-const K1: u64 = 0x9E37_79B9_7F4A_7C15;
-const K2: u64 = 0xD6E8_FEB8_6659_FD93;
+pub(crate) const K1: u64 = 0x9E37_79B9_7F4A_7C15;
+pub(crate) const K2: u64 = 0xD6E8_FEB8_6659_FD93;
 
 /// The format's 64-bit checksum: a wrapping sum over 8-byte little-endian words of a mix of
 /// the word and its index, then the length. Each word's term is independent, so threads or GPU

@@ -16,21 +16,43 @@ pub(crate) mod avx2 {
     use super::super::split::{mantissa_len, Elem};
     use crate::format::LANES;
 
-    /// For each 8-bit refill mask, lane `k`'s index among the refilling lanes
-    /// (`popcount(mask & ((1 << k) - 1))`), as eight 4-bit fields.
-    const EXPAND: [u32; 256] = {
-        let mut t = [0u32; 256];
+    /// Eight lanes of `u32`, aligned for one vector load.
+    #[repr(C, align(32))]
+    struct Lanes([u32; 8]);
+
+    /// For each 8-bit refill mask, the window lane each lane takes its word from: the window
+    /// holds words `p - 8 .. p` in order and refilling lane `k` takes word
+    /// `p - 1 - popcount(mask & ((1 << k) - 1))` (the refilling lanes in lane order).
+    static REFILL: [Lanes; 256] = {
+        let mut t = [const { Lanes([0; 8]) }; 256];
         let mut m = 0;
         while m < 256 {
-            let mut packed = 0u32;
             let mut before = 0u32;
             let mut k = 0;
             while k < 8 {
-                packed |= before << (4 * k);
-                before += (m >> k) & 1;
+                t[m].0[k] = 7 - before;
+                before += (m as u32 >> k) & 1;
                 k += 1;
             }
-            t[m as usize] = packed;
+            m += 1;
+        }
+        t
+    };
+
+    /// For each 8-bit emit mask, the emitting lanes from the highest to the lowest (the order
+    /// the sequential encoder emits in), then the others.
+    static EMIT: [Lanes; 256] = {
+        let mut t = [const { Lanes([0; 8]) }; 256];
+        let mut m = 0;
+        while m < 256 {
+            let (mut at, mut k) = (0, 8);
+            while k > 0 {
+                k -= 1;
+                if (m >> k) & 1 == 1 {
+                    t[m].0[at] = k as u32;
+                    at += 1;
+                }
+            }
             m += 1;
         }
         t
@@ -45,10 +67,7 @@ pub(crate) mod avx2 {
         slot_mask: __m256i,
         shift: __m128i,
         low16: __m256i,
-        seven: __m256i,
         l: __m256i,
-        field_shifts: __m256i,
-        reverse: __m128i,
     }
 
     /// # Safety
@@ -61,11 +80,7 @@ pub(crate) mod avx2 {
             slot_mask: _mm256_set1_epi32((1 << prob_bits) - 1),
             shift: _mm_cvtsi32_si128(prob_bits as i32),
             low16: _mm256_set1_epi32(0xffff),
-            seven: _mm256_set1_epi32(7),
             l: _mm256_set1_epi32(RANS_L as i32),
-            field_shifts: _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
-            // Word `p - 1` first: reverses the eight 16-bit words of the window.
-            reverse: _mm_setr_epi8(14, 15, 12, 13, 10, 11, 8, 9, 6, 7, 4, 5, 2, 3, 0, 1),
         }
     }
 
@@ -124,11 +139,8 @@ pub(crate) mod avx2 {
         let refill = _mm256_cmpgt_epi32(c.l, v);
         let m = _mm256_movemask_ps(_mm256_castsi256_ps(refill)) as usize;
         let win = _mm_loadu_si128(words.as_ptr().add(2 * (p - LANES)).cast());
-        let win = _mm256_cvtepu16_epi32(_mm_shuffle_epi8(win, c.reverse));
-        let idx = _mm256_and_si256(
-            _mm256_srlv_epi32(_mm256_set1_epi32(EXPAND[m & 255] as i32), c.field_shifts),
-            c.seven,
-        );
+        let win = _mm256_cvtepu16_epi32(win);
+        let idx = _mm256_load_si256(REFILL[m & 255].0.as_ptr().cast());
         let w = _mm256_permutevar8x32_epi32(win, idx);
         let refilled = _mm256_or_si256(_mm256_slli_epi32::<16>(v), w);
         (
@@ -206,26 +218,6 @@ pub(crate) mod avx2 {
         }
         done
     }
-    /// For each 8-bit emit mask, the emitting lanes from the highest to the lowest (the order
-    /// the sequential encoder emits in), as eight 4-bit fields.
-    const DESCENDING: [u32; 256] = {
-        let mut t = [0u32; 256];
-        let mut m = 0;
-        while m < 256 {
-            let (mut packed, mut at, mut k) = (0u32, 0, 8);
-            while k > 0 {
-                k -= 1;
-                if (m >> k) & 1 == 1 {
-                    packed |= (k as u32) << (4 * at);
-                    at += 1;
-                }
-            }
-            t[m as usize] = packed;
-            m += 1;
-        }
-        t
-    };
-
     /// Encodes whole groups of 32 symbols of a version-2 block, the last group first (the
     /// caller has coded the partial tail group, if any, with the scalar coder), exactly as
     /// `rans::put` does lane by lane: lanes 31 down to 0, words appended in emission order.
@@ -245,8 +237,6 @@ pub(crate) mod avx2 {
         assert!(syms.len() % (4 * LANES) == 0 && words.len() >= *pos + syms.len() + LANES);
         let t = table.as_ptr();
         let low16 = _mm256_set1_epi32(0xffff);
-        let seven = _mm256_set1_epi32(7);
-        let field_shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
         // SAFETY (whole body): entries are read at symbols masked below 512, inside the 512
         // 16-byte entries; loads and stores stay inside `x`, `syms` (checked length) and
         // `words` (asserted room: at most one word per symbol plus eight of slack).
@@ -273,10 +263,7 @@ pub(crate) mod avx2 {
                 // Unsigned v >= x_max (x_max may be 2^31).
                 let emit = _mm256_cmpeq_epi32(_mm256_max_epu32(v, x_max), v);
                 let m = _mm256_movemask_ps(_mm256_castsi256_ps(emit)) as usize;
-                let order = _mm256_and_si256(
-                    _mm256_srlv_epi32(_mm256_set1_epi32(DESCENDING[m] as i32), field_shifts),
-                    seven,
-                );
+                let order = _mm256_load_si256(EMIT[m & 255].0.as_ptr().cast());
                 let w = _mm256_and_si256(_mm256_permutevar8x32_epi32(v, order), low16);
                 let w = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(w, w));
                 _mm_storeu_si128(words.as_mut_ptr().add(p).cast(), _mm256_castsi256_si128(w));
@@ -353,6 +340,41 @@ pub(crate) mod avx2 {
             done += 16;
         }
         done
+    }
+
+    /// `format::checksum_terms` of the whole 32-byte runs of `data` (words numbered from
+    /// `first_word`), four words per vector: the 64-bit products are put together from three
+    /// 32-bit ones. Returns the sum and how many bytes it covered.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 ([`available`]).
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn checksum_terms32(data: &[u8], first_word: u64) -> (u64, usize) {
+        use crate::format::{K1, K2};
+        let k2 = _mm256_set1_epi64x(K2 as i64);
+        let k2_hi = _mm256_set1_epi64x((K2 >> 32) as i64);
+        let step = _mm256_set1_epi64x(K1.wrapping_mul(4) as i64);
+        let ik = |k: u64| first_word.wrapping_add(k).wrapping_mul(K1) as i64;
+        let mut index = _mm256_setr_epi64x(ik(0), ik(1), ik(2), ik(3));
+        let mut acc = _mm256_setzero_si256();
+        let runs = data.len() / 32;
+        for r in 0..runs {
+            // SAFETY: run `r` is 32 bytes inside `data`.
+            let wv = _mm256_loadu_si256(data.as_ptr().add(32 * r).cast());
+            let a = _mm256_xor_si256(wv, index);
+            // a * K2 mod 2^64 = lo*lo + (hi(a)*lo(K2) + lo(a)*hi(K2)) << 32.
+            let cross = _mm256_add_epi64(
+                _mm256_mul_epu32(_mm256_srli_epi64::<32>(a), k2),
+                _mm256_mul_epu32(a, k2_hi),
+            );
+            let z = _mm256_add_epi64(_mm256_mul_epu32(a, k2), _mm256_slli_epi64::<32>(cross));
+            acc = _mm256_add_epi64(acc, _mm256_xor_si256(z, _mm256_srli_epi64::<29>(z)));
+            index = _mm256_add_epi64(index, step);
+        }
+        let mut lanes = [0u64; 4];
+        _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc);
+        let sum = lanes.iter().fold(0u64, |s, &l| s.wrapping_add(l));
+        (sum, 32 * runs)
     }
 
     /// How eight `w`-bit mantissas of a packed group are cut out with one byte shuffle: lanes
@@ -531,6 +553,21 @@ pub(crate) fn pack_mantissas16<E: super::split::Elem>(src: &[u8], dst: &mut [u8]
     }
     let _ = (src, dst);
     0
+}
+
+/// `format::checksum_terms`, with AVX2 where the CPU has it.
+pub(crate) fn checksum_terms(data: &[u8], first_word: u64) -> u64 {
+    #[allow(unused_mut)]
+    let (mut sum, mut done) = (0u64, 0usize);
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: the CPU has AVX2.
+        (sum, done) = unsafe { avx2::checksum_terms32(data, first_word) };
+    }
+    sum.wrapping_add(crate::format::checksum_terms(
+        &data[done..],
+        first_word.wrapping_add(done as u64 / 8),
+    ))
 }
 
 /// Whole groups of a version-2 block with AVX2 (see [`avx2::encode_groups32`]); `false`

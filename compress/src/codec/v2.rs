@@ -338,7 +338,7 @@ fn encode_elems<E: Elem>(
     let partials: Vec<([u64; 512], u64)> = par_map(data.chunks(per), threads, |t, range| {
         let mut h = [0u64; 512];
         histogram::<E>(range, &mut h);
-        (h, checksum_terms(range, (t * per / 8) as u64))
+        (h, simd::checksum_terms(range, (t * per / 8) as u64))
     });
     let mut counts = [0u64; 512];
     let mut terms = 0u64;
@@ -610,7 +610,7 @@ pub(crate) fn decode_into(
             let payload = &bytes[p.offsets[i]..p.offsets[i] + p.lens[i]];
             with_elem2!(h.dtype, E => decode_block::<E>(payload, p.offsets[i], h.prob_bits, &p.freq, dst, &mut s))?;
             if verify {
-                terms = terms.wrapping_add(checksum_terms(dst, (i * block_bytes / 8) as u64));
+                terms = terms.wrapping_add(simd::checksum_terms(dst, (i * block_bytes / 8) as u64));
             }
         }
         Ok(terms)
@@ -749,6 +749,44 @@ mod tests {
             };
             assert_eq!(run(true), run(false));
         }
+    }
+
+    #[test]
+    fn vector_checksum_terms_equal_the_scalar_ones() {
+        let data: Vec<u8> = (0..1000u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        for len in [0, 7, 31, 32, 33, 64, 100, 999, 1000] {
+            for first in [0u64, 5, u64::MAX - 3] {
+                assert_eq!(
+                    simd::checksum_terms(&data[..len], first),
+                    checksum_terms(&data[..len], first),
+                    "{len} bytes from word {first}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn vector_mantissa_packing_writes_the_scalar_bytes() {
+        fn check<E: Elem>() {
+            let src: Vec<u8> = (0..16 * 9 * E::BYTES as u32 + 6)
+                .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+                .collect();
+            let n = src.len() / E::BYTES;
+            let mlen = mantissa_len(n, E::MANT_BITS);
+            let mut want = vec![0u8; mlen];
+            pack_mantissas::<E>(&src[..n * E::BYTES], &mut want);
+            // Room for the wide stores past the mantissas, as in a coded block.
+            let mut got = vec![0xaau8; mlen + 16];
+            let done = simd::pack_mantissas16::<E>(&src[..n * E::BYTES], &mut got);
+            let w = E::MANT_BITS as usize;
+            pack_mantissas::<E>(&src[done * E::BYTES..n * E::BYTES], &mut got[done / 8 * w..mlen]);
+            assert_eq!(got[..mlen], want[..]);
+        }
+        check::<super::super::split::BF16>();
+        check::<super::super::split::F16>();
+        check::<super::super::split::F32>();
     }
 
     #[test]
