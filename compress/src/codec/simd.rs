@@ -237,8 +237,8 @@ pub(crate) mod avx2 {
         assert!(syms.len() % (4 * LANES) == 0 && words.len() >= *pos + syms.len() + LANES);
         let t = table.as_ptr();
         let low16 = _mm256_set1_epi32(0xffff);
-        // SAFETY (whole body): entries are read at symbols masked below 512, inside the 512
-        // 16-byte entries; loads and stores stay inside `x`, `syms` (checked length) and
+        // SAFETY (whole body): entries are read at byte offsets `16 * (symbol & 511)`, inside
+        // the 512 16-byte entries; loads and stores stay inside `x`, `syms` (checked length) and
         // `words` (asserted room: at most one word per symbol plus eight of slack).
         let ld = |q: usize| _mm256_loadu_si256(x[q * LANES..].as_ptr().cast());
         let (mut x0, mut x1, mut x2, mut x3) = (ld(0), ld(1), ld(2), ld(3));
@@ -250,7 +250,7 @@ pub(crate) mod avx2 {
                 let q = $q;
                 // The eight lanes' 16-byte entries, loaded one by one (faster than four
                 // gathers on AMD cores) and transposed into one vector per field.
-                let ent = |k: usize| t.add($grp[q * LANES + k] as usize & 511).cast::<__m128i>();
+                let ent = |k: usize| t.cast::<u8>().add($grp[q * LANES + k] as usize).cast::<__m128i>();
                 let row = |k: usize| _mm256_loadu2_m128i(ent(k + 4), ent(k));
                 let (r0, r1, r2, r3) = (row(0), row(1), row(2), row(3));
                 let (t0, t1) = (_mm256_unpacklo_epi32(r0, r1), _mm256_unpackhi_epi32(r0, r1));
@@ -279,7 +279,16 @@ pub(crate) mod avx2 {
                 $v = _mm256_add_epi32(_mm256_add_epi32(v, bias), _mm256_mullo_epi32(quot, cmpl));
             };
         }
+        let (mask, offsets) = (_mm256_set1_epi16(511), &mut [0u16; 4 * LANES]);
         for grp in syms.chunks_exact(4 * LANES).rev() {
+            // Byte offsets of the group's table entries, computed 16 at a time (the scalar
+            // loads below then need no arithmetic).
+            for h in 0..2 {
+                let v = _mm256_loadu_si256(grp[16 * h..].as_ptr().cast());
+                let o = _mm256_slli_epi16::<4>(_mm256_and_si256(v, mask));
+                _mm256_storeu_si256(offsets[16 * h..].as_mut_ptr().cast(), o);
+            }
+            let grp = &*offsets;
             quarter!(grp, x3, 3);
             quarter!(grp, x2, 2);
             quarter!(grp, x1, 1);

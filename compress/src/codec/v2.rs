@@ -229,20 +229,24 @@ pub fn normalize(counts: &[u64], prob_bits: u32) -> Vec<u32> {
     f
 }
 
-/// Symbol counts of whole elements of `src`.
+/// Symbol counts of whole elements of `src`. Eight partial tables, so runs of one symbol
+/// (common in activations) do not wait on one counter's previous increment.
 fn histogram<E: Elem>(src: &[u8], counts: &mut [u64; 512]) {
-    let mut h = [[0u32; 512]; 4];
-    let mut quads = src.chunks_exact(4 * E::BYTES);
-    for q in &mut quads {
-        for (k, t) in h.iter_mut().enumerate() {
-            t[E::symbol(E::load(&q[k * E::BYTES..])) & 511] += 1;
+    // Parts of 2^31 elements keep every `u32` counter below 2^28.
+    for part in src.chunks(E::BYTES << 31) {
+        let mut h = [[0u32; 512]; 8];
+        let mut groups = part.chunks_exact(8 * E::BYTES);
+        for g in &mut groups {
+            for (k, t) in h.iter_mut().enumerate() {
+                t[E::symbol(E::load(&g[k * E::BYTES..])) & 511] += 1;
+            }
         }
-    }
-    for e in quads.remainder().chunks_exact(E::BYTES) {
-        h[0][E::symbol(E::load(e)) & 511] += 1;
-    }
-    for (s, c) in counts.iter_mut().enumerate() {
-        *c += (h[0][s] + h[1][s] + h[2][s] + h[3][s]) as u64;
+        for e in groups.remainder().chunks_exact(E::BYTES) {
+            h[0][E::symbol(E::load(e)) & 511] += 1;
+        }
+        for (s, c) in counts.iter_mut().enumerate() {
+            *c += h.iter().map(|t| t[s] as u64).sum::<u64>();
+        }
     }
 }
 
