@@ -97,7 +97,11 @@ pub(crate) mod avx2 {
         // `consts` asserted `prob_bits <= 14`, so every entry read lies inside the table.
         _mm256_storeu_si256(idx.as_mut_ptr().cast(), slot);
         let t = table.entries.as_ptr();
-        let e = |k: usize| t.add(idx[k] as usize).cast::<__m128i>();
+        // Volatile: read back from memory (cheap loads) rather than extracted lane by lane.
+        let e = |k: usize| {
+            t.add(std::ptr::read_volatile(&idx[k]) as usize)
+                .cast::<__m128i>()
+        };
         // Two entries per half from memory (a load and a load-merge each); lanes 0, 1, 4, 5
         // and 2, 3, 6, 7, so the two shuffles below keep lane order.
         let pair = |i: usize, j: usize| {
@@ -250,7 +254,11 @@ pub(crate) mod avx2 {
                 let q = $q;
                 // The eight lanes' 16-byte entries, loaded one by one (faster than four
                 // gathers on AMD cores) and transposed into one vector per field.
-                let ent = |k: usize| t.cast::<u8>().add($grp[q * LANES + k] as usize).cast::<__m128i>();
+                let ent = |k: usize| {
+                    t.cast::<u8>()
+                        .add($grp[q * LANES + k] as usize)
+                        .cast::<__m128i>()
+                };
                 let row = |k: usize| _mm256_loadu2_m128i(ent(k + 4), ent(k));
                 let (r0, r1, r2, r3) = (row(0), row(1), row(2), row(3));
                 let (t0, t1) = (_mm256_unpacklo_epi32(r0, r1), _mm256_unpackhi_epi32(r0, r1));
@@ -323,8 +331,8 @@ pub(crate) mod avx2 {
         let shift4 = _mm_cvtsi32_si128(4 * w as i32);
         // f16: four elements are five whole bytes; keep bytes 0-4 and 8-12 of each half.
         let five = _mm256_setr_epi8(
-            0, 1, 2, 3, 4, 8, 9, 10, 11, 12, -1, -1, -1, -1, -1, -1, 0, 1, 2, 3, 4, 8, 9, 10,
-            11, 12, -1, -1, -1, -1, -1, -1,
+            0, 1, 2, 3, 4, 8, 9, 10, 11, 12, -1, -1, -1, -1, -1, -1, 0, 1, 2, 3, 4, 8, 9, 10, 11,
+            12, -1, -1, -1, -1, -1, -1,
         );
         let mut done = 0;
         while done + 16 <= n && done / 8 * w + w + 16 <= dst.len() {

@@ -282,7 +282,10 @@ fn encode_block<E: Elem>(
     // The vector packer may spill past the mantissas into the words, written below.
     let packed = simd::pack_mantissas16::<E>(src, &mut out[start..]);
     let (mant, rest) = out[start..].split_at_mut(mlen);
-    pack_mantissas::<E>(&src[packed * E::BYTES..], &mut mant[packed / 8 * E::MANT_BITS as usize..]);
+    pack_mantissas::<E>(
+        &src[packed * E::BYTES..],
+        &mut mant[packed / 8 * E::MANT_BITS as usize..],
+    );
     let (wb, sb) = rest.split_at_mut(2 * nwords);
     for (o, w) in wb.chunks_exact_mut(2).zip(&s.words[..nwords]) {
         o.copy_from_slice(&w.to_le_bytes());
@@ -677,7 +680,8 @@ fn decode_block<E: Elem>(
         }
     }
     let mut pos = words.len() / 2;
-    let done = simd::decode_merge32::<E>(out, payload, words, &s.table, prob_bits, &mut pos, &mut x);
+    let done =
+        simd::decode_merge32::<E>(out, payload, words, &s.table, prob_bits, &mut pos, &mut x);
     s.syms.resize(n - done, 0);
     for (i, sym) in (done..n).zip(s.syms.iter_mut()) {
         *sym = rans::get(&mut x[i % LANES], &s.table, prob_bits, words, &mut pos);
@@ -785,7 +789,10 @@ mod tests {
             let mut got = vec![0xaau8; mlen + 16];
             let done = simd::pack_mantissas16::<E>(&src[..n * E::BYTES], &mut got);
             let w = E::MANT_BITS as usize;
-            pack_mantissas::<E>(&src[done * E::BYTES..n * E::BYTES], &mut got[done / 8 * w..mlen]);
+            pack_mantissas::<E>(
+                &src[done * E::BYTES..n * E::BYTES],
+                &mut got[done / 8 * w..mlen],
+            );
             assert_eq!(got[..mlen], want[..]);
         }
         check::<super::super::split::BF16>();
