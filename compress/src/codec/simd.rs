@@ -122,18 +122,17 @@ pub(crate) mod avx2 {
     /// decoded symbols (one per 32-bit lane).
     ///
     /// # Safety
-    /// AVX2; `8 <= p <= words.len() / 2`.
+    /// AVX2; `window` points at 16 readable bytes, the eight words below the next unread one.
     #[target_feature(enable = "avx2")]
     #[inline]
     unsafe fn step(
         c: &Consts,
         table: &DecTable,
         xv: __m256i,
-        words: &[u8],
-        p: usize,
+        window: *const u8,
     ) -> (__m256i, usize, __m256i) {
-        // SAFETY: slots are masked below `1 << prob_bits <= MAX_SLOTS`; the 16 word bytes
-        // start at `2 * (p - 8)` with `8 <= p <= words.len() / 2`.
+        // SAFETY: slots are masked below `1 << prob_bits <= MAX_SLOTS`; `window` per the
+        // caller.
         let (e, s) = lookup8(table, _mm256_and_si256(xv, c.slot_mask));
         let v = _mm256_add_epi32(
             _mm256_mullo_epi32(_mm256_and_si256(e, c.low16), _mm256_srl_epi32(xv, c.shift)),
@@ -142,7 +141,7 @@ pub(crate) mod avx2 {
         // States stay below 2^31, so the signed compare is the unsigned one.
         let refill = _mm256_cmpgt_epi32(c.l, v);
         let m = _mm256_movemask_ps(_mm256_castsi256_ps(refill)) as usize;
-        let win = _mm_loadu_si128(words.as_ptr().add(2 * (p - LANES)).cast());
+        let win = _mm_loadu_si128(window.cast());
         let win = _mm256_cvtepu16_epi32(win);
         let idx = _mm256_load_si256(REFILL[m & 255].0.as_ptr().cast());
         let w = _mm256_permutevar8x32_epi32(win, idx);
@@ -169,7 +168,8 @@ pub(crate) mod avx2 {
         p: usize,
         grp: &mut [u16],
     ) -> (__m256i, usize) {
-        let (v, used, s) = step(c, table, xv, words, p);
+        // SAFETY: the 16 bytes at `2 * (p - 8)` lie inside `words` (`8 <= p <= len / 2`).
+        let (v, used, s) = step(c, table, xv, words.as_ptr().add(2 * (p - LANES)));
         let s16 = _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
         assert!(grp.len() >= LANES);
         // SAFETY: the 16-byte store covers the eight symbols of `grp`.
@@ -443,7 +443,7 @@ pub(crate) mod avx2 {
     pub(crate) unsafe fn decode_merge32<E: Elem>(
         out: &mut [u8],
         payload: &[u8],
-        words: &[u8],
+        words_len: usize,
         table: &DecTable,
         prob_bits: u32,
         pos: &mut usize,
@@ -452,26 +452,36 @@ pub(crate) mod avx2 {
         let c = consts(prob_bits);
         let ml = mant_layout(E::MANT_BITS);
         let (n, w) = (out.len() / E::BYTES, E::MANT_BITS as usize);
+        let mlen = mantissa_len(n, E::MANT_BITS);
         // The last group's mantissa reads end at most `second + 16 - w` bytes past the
-        // mantissas, inside the words and 128 bytes of states that follow them.
-        assert!(payload.len() >= mantissa_len(n, E::MANT_BITS) + 32);
+        // mantissas, inside the words and 128 bytes of states that follow them; the words
+        // (at `mlen`) fit the payload.
+        assert!(payload.len() >= mlen + 32 && payload.len() >= mlen + words_len);
+        // A word window reaches 16 bytes below the next unread word: with no words left,
+        // into the mantissas (at least 28 bytes whenever there is a whole group).
+        if mlen < 16 {
+            return 0;
+        }
         // SAFETY: `x` is four runs of eight lanes.
         let ld = |q: usize| _mm256_loadu_si256(x[q * LANES..].as_ptr().cast());
         let (mut x0, mut x1, mut x2, mut x3) = (ld(0), ld(1), ld(2), ld(3));
         let mut p = *pos;
         let full = n / (4 * LANES) * (4 * LANES);
         let mut done = 0;
+        let mut lost = false;
         // One quarter: its eight states step, its eight elements are written. Written out
         // four times (not a loop over an array), so the states stay in registers.
         macro_rules! quarter {
-            ($v:ident, $q:expr) => {
-                // SAFETY: AVX2 per the caller; each quarter uses at most eight words, so
-                // `p >= 8` holds for every quarter; element `e + 8 <= n`, so the store stays
+            ($v:ident, $q:expr, $advance:ident) => {
+                // SAFETY: AVX2 per the caller; element `e + 8 <= n`, so the store stays
                 // inside `out`, and the mantissa loads inside `payload` (asserted above).
                 let e = done + $q * LANES;
-                let (nv, used, s) = step(&c, table, $v, words, p);
+                // The window below word `p` starts inside the payload (`mlen >= 16`) and
+                // ends at or before the last word (`p <= words_len / 2`).
+                let window = payload.as_ptr().add(mlen + 2 * p - 16);
+                let (nv, used, s) = step(&c, table, $v, window);
                 $v = nv;
-                p -= used;
+                $advance!(used);
                 let g = payload.as_ptr().add(e / 8 * w);
                 let raw = _mm256_set_m128i(
                     _mm_loadu_si128(g.add(ml.second).cast()),
@@ -494,17 +504,40 @@ pub(crate) mod avx2 {
                 }
             };
         }
-        while done < full && (4 * LANES..=words.len() / 2).contains(&p) {
-            quarter!(x0, 0);
-            quarter!(x1, 1);
-            quarter!(x2, 2);
-            quarter!(x3, 3);
+        // While a group cannot use up the words left.
+        macro_rules! plain {
+            ($used:ident) => {
+                p -= $used;
+            };
+        }
+        while done < full && p >= 4 * LANES {
+            quarter!(x0, 0, plain);
+            quarter!(x1, 1, plain);
+            quarter!(x2, 2, plain);
+            quarter!(x3, 3, plain);
+            done += 4 * LANES;
+        }
+        // The last words (and blocks with none, such as those of a lone symbol): more refills
+        // than words left is a corrupt stream; `p` stays at 0 so the windows stay inside the
+        // payload, and the stream is reported as not ending where it should.
+        macro_rules! guarded {
+            ($used:ident) => {
+                lost |= $used > p;
+                p -= $used.min(p);
+            };
+        }
+        while done < full && !lost {
+            quarter!(x0, 0, guarded);
+            quarter!(x1, 1, guarded);
+            quarter!(x2, 2, guarded);
+            quarter!(x3, 3, guarded);
             done += 4 * LANES;
         }
         for (q, v) in [x0, x1, x2, x3].into_iter().enumerate() {
             _mm256_storeu_si256(x[q * LANES..].as_mut_ptr().cast(), v);
         }
-        *pos = p;
+        // A lost stream reads on from before its first word, as the scalar decoder does.
+        *pos = if lost { usize::MAX } else { p };
         done
     }
 }
@@ -545,7 +578,7 @@ pub(crate) fn decode_pair_groups(
 pub(crate) fn decode_merge32<E: super::split::Elem>(
     out: &mut [u8],
     payload: &[u8],
-    words: &[u8],
+    words_len: usize,
     table: &DecTable,
     prob_bits: u32,
     pos: &mut usize,
@@ -554,9 +587,11 @@ pub(crate) fn decode_merge32<E: super::split::Elem>(
     #[cfg(target_arch = "x86_64")]
     if avx2::available() {
         // SAFETY: the CPU has AVX2.
-        return unsafe { avx2::decode_merge32::<E>(out, payload, words, table, prob_bits, pos, x) };
+        return unsafe {
+            avx2::decode_merge32::<E>(out, payload, words_len, table, prob_bits, pos, x)
+        };
     }
-    let _ = (out, payload, words, table, prob_bits, pos, x);
+    let _ = (out, payload, words_len, table, prob_bits, pos, x);
     0
 }
 

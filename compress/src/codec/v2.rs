@@ -680,8 +680,15 @@ fn decode_block<E: Elem>(
         }
     }
     let mut pos = words.len() / 2;
-    let done =
-        simd::decode_merge32::<E>(out, payload, words, &s.table, prob_bits, &mut pos, &mut x);
+    let done = simd::decode_merge32::<E>(
+        out,
+        payload,
+        words.len(),
+        &s.table,
+        prob_bits,
+        &mut pos,
+        &mut x,
+    );
     s.syms.resize(n - done, 0);
     for (i, sym) in (done..n).zip(s.syms.iter_mut()) {
         *sym = rans::get(&mut x[i % LANES], &s.table, prob_bits, words, &mut pos);
@@ -756,6 +763,53 @@ mod tests {
                 (words, x)
             };
             assert_eq!(run(true), run(false));
+        }
+    }
+
+    #[test]
+    fn streams_with_a_word_too_few_or_too_many_are_corrupt() {
+        use crate::codec::{decode_into, encode_into, DecodeOptions, EncodeOptions};
+        use crate::data::{generate, DataKind};
+        let dtype = CodecDType::BF16;
+        let opts = EncodeOptions {
+            chunk_elems: 4096,
+            threads: 1,
+            ..Default::default()
+        };
+        // One coded block each: realistic data (the vector decoder runs out of words at its
+        // very end) and a lone symbol (no words at all: the vector decoder runs with none).
+        for data in [
+            generate(DataKind::Gaussian, dtype, 4096, 3),
+            [0x3f80u16.to_le_bytes(), 0x3f81u16.to_le_bytes()]
+                .concat()
+                .repeat(2048),
+        ] {
+            let mut coded = Vec::new();
+            encode_into(dtype, &data, &opts, &mut coded).unwrap();
+            let p = parse(&coded).unwrap();
+            let (at, len) = (p.offsets[0], p.lens[0]);
+            assert!(len < data.len(), "the block is coded");
+            let mut back = vec![0u8; data.len()];
+            decode_into(&coded, &mut back, &DecodeOptions::default()).unwrap();
+            assert_eq!(back, data);
+            // Without the first word (the last one read), or with one word more.
+            let words_at = at + mantissa_len(4096, 7);
+            let mut bad = coded.clone();
+            let new_len = if len > mantissa_len(4096, 7) + STATES_LEN {
+                bad.drain(words_at..words_at + 2);
+                len - 2
+            } else {
+                bad.splice(words_at..words_at, [0x55u8; 2]);
+                len + 2
+            };
+            bad[at - 4..at].copy_from_slice(&(new_len as u32).to_le_bytes());
+            let total = (p.header.payload_len + new_len - len) as u64;
+            bad[24..32].copy_from_slice(&total.to_le_bytes());
+            seal(&mut bad[..at]);
+            assert!(matches!(
+                decode_into(&bad, &mut back, &DecodeOptions::default()),
+                Err(CompressError::Corrupt { .. })
+            ));
         }
     }
 
