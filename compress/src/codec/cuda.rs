@@ -413,6 +413,7 @@ static inline void __syncthreads() {}
 static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { unsigned int o = *p; *p += v; return o; }
 static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { unsigned long long o = *p; *p += v; return o; }
 static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned int o = *p; *p |= v; return o; }
+static inline int __popc(unsigned int x) { return __builtin_popcount(x); }
 "#;
 
     /// The compiled source, built once per process; the lock serialises the tests, because

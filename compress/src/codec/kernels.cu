@@ -172,7 +172,7 @@ extern "C" __global__ void hprt_codec_encode_blocks(const u8* src, u64 numel, u3
                                                     const u32* freq, const u32* cum, u8* slots,
                                                     u32* lens) {
     __shared__ u32 x[HPRT_LANES];
-    __shared__ u32 emit[HPRT_LANES];
+    __shared__ u32 emit_s;  // bit l: lane l emits in this group
     __shared__ u32 pos_s;
     u64 nblocks = (numel + block_elems - 1) / block_elems;
     u64 slot_bytes = (numel < block_elems ? numel : (u64)block_elems) * size;
@@ -186,7 +186,7 @@ extern "C" __global__ void hprt_codec_encode_blocks(const u8* src, u64 numel, u3
         for (u64 j = threadIdx.x; j < mlen; j += blockDim.x)
             slot[j] = (u8)hprt_mant_byte(in, n, size, mant_bits, j);
         for (u32 l = threadIdx.x; l < HPRT_LANES; l += blockDim.x) x[l] = HPRT_RANS_L;
-        if (threadIdx.x == 0) pos_s = 0;
+        if (threadIdx.x == 0) { pos_s = 0; emit_s = 0; }
         __syncthreads();
         u32 full = n / HPRT_LANES * HPRT_LANES;
         u32 groups = full / HPRT_LANES + (n > full ? 1 : 0);
@@ -196,25 +196,20 @@ extern "C" __global__ void hprt_codec_encode_blocks(const u8* src, u64 numel, u3
             if (mlen + 2ull * pos_s + HPRT_STATES_LEN >= raw) { overflow = 1; break; }
             u32 base = gi * HPRT_LANES;
             u32 cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
-            for (u32 l = threadIdx.x; l < HPRT_LANES; l += blockDim.x) {
-                u32 e = 0;
-                if (l < cnt) {
-                    u32 s = (hprt_load(in, base + l, size) >> mant_bits) & 511u;
-                    e = x[l] >= ((HPRT_RANS_L >> prob_bits) << 16) * freq[s];
-                }
-                emit[l] = e;
+            for (u32 l = threadIdx.x; l < cnt; l += blockDim.x) {
+                u32 s = (hprt_load(in, base + l, size) >> mant_bits) & 511u;
+                if (x[l] >= ((HPRT_RANS_L >> prob_bits) << 16) * freq[s]) atomicOr(&emit_s, 1u << l);
             }
             __syncthreads();
-            u32 total = 0;
-            for (u32 k = 0; k < cnt; ++k) total += emit[k];
+            u32 emit = emit_s, total = __popc(emit);
             for (u32 l = threadIdx.x; l < HPRT_LANES; l += blockDim.x) {
                 if (l >= cnt) continue;
                 u32 s = (hprt_load(in, base + l, size) >> mant_bits) & 511u;
                 u32 f = freq[s], v = x[l];
-                if (emit[l]) {
-                    // Lanes emit from the highest to the lowest, as the sequential coder does.
-                    u32 before = 0;
-                    for (u32 k = l + 1; k < cnt; ++k) before += emit[k];
+                if ((emit >> l) & 1) {
+                    // Lanes emit from the highest to the lowest, as the sequential coder does:
+                    // the emitting lanes above this one go first.
+                    u32 before = __popc((emit >> l) >> 1);
                     u64 at = mlen + 2ull * (pos_s + before);
                     if (at + 2 <= slot_bytes) {
                         slot[at] = (u8)v;
@@ -225,7 +220,7 @@ extern "C" __global__ void hprt_codec_encode_blocks(const u8* src, u64 numel, u3
                 x[l] = (v / f) * m + v % f + cum[s];
             }
             __syncthreads();
-            if (threadIdx.x == 0) pos_s += total;
+            if (threadIdx.x == 0) { pos_s += total; emit_s = 0; }
             __syncthreads();
         }
         u64 len = mlen + 2ull * pos_s + HPRT_STATES_LEN;
@@ -386,7 +381,7 @@ extern "C" __global__ void hprt_codec_decode_blocks(const u8* enc, u64 enc_len, 
                                                     u64* terms, u32* status) {
     __shared__ u16 slot_sym[1 << 14];
     __shared__ u32 x[HPRT_LANES];
-    __shared__ u32 need[HPRT_LANES];
+    __shared__ u32 need_s;  // bit l: lane l refills in this group
     __shared__ u32 pos_s;
     __shared__ u32 bad_s;
     __shared__ u32 failed_s;
@@ -416,6 +411,7 @@ extern "C" __global__ void hprt_codec_decode_blocks(const u8* enc, u64 enc_len, 
             u32 used = (u32)(((u64)n * mant_bits) % 8);
             if (threadIdx.x == 0) {
                 bad_s = (used != 0 && (p[mlen - 1] >> used) != 0) ? HPRT_BAD_PADDING : 0;
+                need_s = 0;
                 pos_s = (u32)((len - mlen - HPRT_STATES_LEN) / 2);
             }
             __syncthreads();
@@ -430,12 +426,11 @@ extern "C" __global__ void hprt_codec_decode_blocks(const u8* enc, u64 enc_len, 
                 u32 base = g * HPRT_LANES;
                 u32 cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
                 for (u32 l = threadIdx.x; l < HPRT_LANES; l += blockDim.x) {
-                    u32 r = 0;
                     if (l < cnt) {
                         u32 slot = x[l] & (m - 1), s = slot_sym[slot];
                         u32 v = freq[s] * (x[l] >> prob_bits) + slot - cum[s];
                         x[l] = v;
-                        r = v < HPRT_RANS_L;
+                        if (v < HPRT_RANS_L) atomicOr(&need_s, 1u << l);
                         u64 k = base + l, bit = k * mant_bits;
                         u32 mant = 0;
                         for (u32 q = 0; q < 4 && bit / 8 + q < mlen; ++q)
@@ -443,22 +438,22 @@ extern "C" __global__ void hprt_codec_decode_blocks(const u8* enc, u64 enc_len, 
                         mant = (mant >> (bit % 8)) & ((1u << mant_bits) - 1);
                         hprt_store(dst, k, size, s << mant_bits | mant);
                     }
-                    need[l] = r;
                 }
                 __syncthreads();
-                u32 total = 0;
-                for (u32 k = 0; k < cnt; ++k) total += need[k];
+                u32 need = need_s, total = __popc(need);
                 for (u32 l = threadIdx.x; l < HPRT_LANES; l += blockDim.x) {
-                    if (l >= cnt || !need[l]) continue;
+                    if (l >= cnt || !((need >> l) & 1)) continue;
                     // The decoder reads in lane order 0, 1, ...: the reverse of the encoder.
-                    u32 before = 0;
-                    for (u32 k = 0; k < l; ++k) before += need[k];
+                    u32 before = __popc(need & ((1u << l) - 1));
                     if (pos_s < before + 1) { atomicOr(&bad_s, HPRT_BAD_STREAM); continue; }
                     u32 at = pos_s - before - 1;
                     x[l] = x[l] << 16 | (u32)words[2 * at] | (u32)words[2 * at + 1] << 8;
                 }
                 __syncthreads();
-                if (threadIdx.x == 0 && bad_s == 0) pos_s -= total;
+                if (threadIdx.x == 0) {
+                    if (bad_s == 0) pos_s -= total;
+                    need_s = 0;
+                }
                 __syncthreads();
             }
             if (threadIdx.x == 0 && bad_s == 0 && pos_s != 0) bad_s = HPRT_BAD_STREAM;
