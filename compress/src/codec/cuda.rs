@@ -211,7 +211,7 @@ impl DeviceCodec for CudaCodec {
         launch(
             p,
             1,
-            shape(1, 1),
+            shape(1, 512),
             &[
                 ptr(&ws, hist, Read),
                 U32(alphabet),

@@ -8,7 +8,7 @@
 // thread running each phase for every lane before the next computes what the warp computes.
 //
 // Launch shapes (the host side is `CudaCodec` in cuda.rs; G = 4096): histogram
-// <<<min(numel / 256, G), 256>>> into zeroed counts and checksum terms, table <<<1, 1>>>,
+// <<<min(numel / 256, G), 256>>> into zeroed counts and checksum terms, table <<<1, 512>>>,
 // encode_blocks <<<min(blocks, G), 32>>> (one warp per block: lane l owns rANS state l),
 // scan <<<1, T <= 1024>>> (256), place <<<min(blocks, G), 256>>>, finish <<<1, 1>>>;
 // decode_prefix <<<1, 1>>>, decode_blocks <<<min(max_blocks, G), 32>>> into zeroed checksum
@@ -104,52 +104,81 @@ extern "C" __global__ void hprt_codec_histogram(const u8* src, u64 numel, u32 si
     if (sum) atomicAdd(terms, sum);
 }
 
+// Whether symbol `b` is a better unit to move than `a` (0xffffffff: none): for `take`, the
+// smallest counts / (2 freq - 1); otherwise the largest counts / (2 freq + 1); ties go to the
+// lowest symbol (FORMAT.md, "Frequency normalisation").
+__device__ __forceinline__ int hprt_better(const u64* counts, const u32* freq, u32 a, u32 b,
+                                           int take) {
+    if (b == 0xffffffffu) return 0;
+    if (a == 0xffffffffu) return 1;
+    u64 lhs, rhs;
+    if (take) {
+        lhs = counts[b] * (2ull * freq[a] - 1);
+        rhs = counts[a] * (2ull * freq[b] - 1);
+    } else {
+        lhs = counts[a] * (2ull * freq[b] + 1);
+        rhs = counts[b] * (2ull * freq[a] + 1);
+    }
+    return lhs < rhs || (lhs == rhs && b < a);
+}
+
 // The integer frequency normalisation of FORMAT.md (the same steps as `v2::normalize`), and
-// each symbol's cumulative frequency.
+// each symbol's cumulative frequency. One block of up to 512 threads: each unit moved is the
+// best symbol found by a tree reduction over the alphabet (ties: the lowest symbol, as the
+// sequential scan picks).
 extern "C" __global__ void hprt_codec_table(const u64* counts, u32 alphabet, u32 prob_bits,
                                             u32* freq, u32* cum) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    u64 m = 1ull << prob_bits, n = 0;
-    u32 present = 0, last = 0;
-    for (u32 s = 0; s < alphabet; ++s) {
-        n += counts[s];
-        freq[s] = 0;
-        if (counts[s]) { present += 1; last = s; }
-    }
-    if (present == 1) {
-        freq[last] = (u32)m;
-    } else if (present > 1) {
-        u64 sum = 0;
+    __shared__ u32 best[512];
+    __shared__ u64 n_s, sum_s;
+    __shared__ u32 present_s, last_s;
+    if (blockIdx.x != 0) return;
+    u64 m = 1ull << prob_bits;
+    if (threadIdx.x == 0) {
+        u64 n = 0;
+        u32 present = 0, last = 0;
         for (u32 s = 0; s < alphabet; ++s) {
-            if (counts[s]) {
-                u64 f = (counts[s] * m + n / 2) / n;
-                freq[s] = (u32)(f < 1 ? 1 : f);
-                sum += freq[s];
-            }
+            n += counts[s];
+            if (counts[s]) { present += 1; last = s; }
         }
-        while (sum > m) {
-            u32 best = 0xffffffffu;
-            for (u32 s = 0; s < alphabet; ++s)
-                if (freq[s] > 1 && (best == 0xffffffffu ||
-                                    counts[s] * (2ull * freq[best] - 1) <
-                                        counts[best] * (2ull * freq[s] - 1)))
-                    best = s;
-            freq[best] -= 1;
-            sum -= 1;
-        }
-        while (sum < m) {
-            u32 best = 0xffffffffu;
-            for (u32 s = 0; s < alphabet; ++s)
-                if (counts[s] > 0 && (best == 0xffffffffu ||
-                                      counts[s] * (2ull * freq[best] + 1) >
-                                          counts[best] * (2ull * freq[s] + 1)))
-                    best = s;
-            freq[best] += 1;
-            sum += 1;
-        }
+        n_s = n;
+        present_s = present;
+        last_s = last;
     }
-    u32 c = 0;
-    for (u32 s = 0; s < alphabet; ++s) { cum[s] = c; c += freq[s]; }
+    __syncthreads();
+    u64 n = n_s;
+    for (u32 s = threadIdx.x; s < alphabet; s += blockDim.x) {
+        u64 f = present_s > 1 && counts[s] ? (counts[s] * m + n / 2) / n : 0;
+        freq[s] = (u32)(present_s > 1 && counts[s] && f < 1 ? 1 : f);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (present_s == 1) freq[last_s] = (u32)m;
+        u64 sum = 0;
+        for (u32 s = 0; s < alphabet; ++s) sum += freq[s];
+        sum_s = present_s > 1 ? sum : m;
+    }
+    __syncthreads();
+    // Every thread reads sum_s after a barrier, so all take the same number of turns.
+    while (sum_s != m) {
+        int take = sum_s > m;
+        for (u32 s = threadIdx.x; s < 512; s += blockDim.x)
+            best[s] = s < alphabet && (take ? freq[s] > 1 : counts[s] > 0) ? s : 0xffffffffu;
+        __syncthreads();
+        for (u32 half = 256; half > 0; half >>= 1) {
+            for (u32 s = threadIdx.x; s < half; s += blockDim.x)
+                if (hprt_better(counts, freq, best[s], best[s + half], take)) best[s] = best[s + half];
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            if (take) { freq[best[0]] -= 1; sum_s -= 1; }
+            else { freq[best[0]] += 1; sum_s += 1; }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        u32 c = 0;
+        for (u32 s = 0; s < alphabet; ++s) { cum[s] = c; c += freq[s]; }
+    }
 }
 
 // Byte `j` of the mantissa stream of elements [0, n) of `src` (w bits each, element k at bit k*w).
