@@ -343,9 +343,15 @@ fn encode_elems<E: Elem>(
     let per = n_blocks.div_ceil(threads).max(1) * block_bytes;
     // Pass 1: the tensor's histogram and checksum terms, one partial per thread.
     let partials: Vec<([u64; 512], u64)> = par_map(data.chunks(per), threads, |t, range| {
-        let mut h = [0u64; 512];
-        histogram::<E>(range, &mut h);
-        (h, simd::checksum_terms(range, (t * per / 8) as u64))
+        // Pieces of 256 KiB, so the checksum reads what the histogram left in the cache.
+        const PIECE: usize = 1 << 18;
+        let (mut h, mut terms) = ([0u64; 512], 0u64);
+        for (k, piece) in range.chunks(PIECE).enumerate() {
+            histogram::<E>(piece, &mut h);
+            let first = (t * per + k * PIECE) / 8;
+            terms = terms.wrapping_add(simd::checksum_terms(piece, first as u64));
+        }
+        (h, terms)
     });
     let mut counts = [0u64; 512];
     let mut terms = 0u64;
