@@ -250,51 +250,106 @@ pub fn measure(dtype: CodecDType, kind: DataKind, opts: &BenchOptions) -> Result
     })
 }
 
-/// Multi-threaded wall-clock throughput of `opts.threads` threads and of one thread on the
-/// same bytes in the same run, rounds alternating so both see the same machine load: returns
-/// (encode, decode) GB/s for the threads and for one thread.
+/// CPU time of the whole process so far, all threads (exited ones too) together, from
+/// `/proc/self/stat` (user + system, in Linux's fixed 100 Hz ticks); `None` elsewhere.
+fn process_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name start at field 3; utime and stime are 14, 15.
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
+    let ticks: u64 = fields.next()?.parse::<u64>().ok()? + fields.next()?.parse::<u64>().ok()?;
+    Some(Duration::from_millis(ticks * 10))
+}
+
+/// One multi-threaded measurement: wall-clock GB/s of `opts.threads` threads and of one thread
+/// on the same bytes in the same run (rounds alternating, so both see the same machine load),
+/// and the CPU time all threads spent per call relative to one thread's (1.0: splitting the
+/// work adds none; on idle cores the wall-clock scaling would approach threads / that).
+#[derive(Clone, Copy, Debug)]
+pub struct ThreadRow {
+    pub encode_gbps: f64,
+    pub decode_gbps: f64,
+    pub encode_one_gbps: f64,
+    pub decode_one_gbps: f64,
+    pub encode_cpu_ratio: Option<f64>,
+    pub decode_cpu_ratio: Option<f64>,
+}
+
+/// Measures [`ThreadRow`] for `opts.threads` threads.
 pub fn measure_threads(
     dtype: CodecDType,
     kind: DataKind,
     opts: &BenchOptions,
-) -> Result<((f64, f64), (f64, f64))> {
+) -> Result<ThreadRow> {
     let data = generate(kind, dtype, opts.numel, 42);
     let mut coded = Vec::new();
     let mut back = vec![0u8; data.len()];
-    let mut best_of = |threads: usize, coded: &mut Vec<u8>| -> Result<(Duration, Duration)> {
-        let eo = EncodeOptions {
-            chunk_elems: opts.chunk_elems,
-            threads,
-            ..Default::default()
-        };
-        let enc = best(1, || {
-            let t = Instant::now();
-            codec::encode_into(dtype, &data, &eo, coded)?;
-            Ok(t.elapsed())
-        })?;
-        let dopts = DecodeOptions {
-            threads,
-            ..Default::default()
-        };
-        let dec = best(1, || {
-            let t = Instant::now();
-            codec::decode_into(coded, &mut back, &dopts)?;
-            Ok(t.elapsed())
-        })?;
-        Ok((enc, dec))
+    let eo = |threads| EncodeOptions {
+        chunk_elems: opts.chunk_elems,
+        threads,
+        ..Default::default()
     };
-    let (mut many, mut one) = (
-        (Duration::MAX, Duration::MAX),
-        (Duration::MAX, Duration::MAX),
-    );
+    let dopts = |threads| DecodeOptions {
+        threads,
+        ..Default::default()
+    };
+    codec::encode_into(dtype, &data, &eo(1), &mut coded)?;
+    let mut encode = |threads| -> Result<Duration> {
+        let t = Instant::now();
+        codec::encode_into(dtype, black_box(&data), &eo(threads), &mut coded)?;
+        Ok(t.elapsed())
+    };
+    let (mut enc_n, mut enc_1) = (Duration::MAX, Duration::MAX);
     for _ in 0..opts.trials.max(1) {
-        let m = best_of(opts.threads, &mut coded)?;
-        let o = best_of(1, &mut coded)?;
-        many = (many.0.min(m.0), many.1.min(m.1));
-        one = (one.0.min(o.0), one.1.min(o.1));
+        enc_n = enc_n.min(best(1, || encode(opts.threads))?);
+        enc_1 = enc_1.min(best(1, || encode(1))?);
     }
-    let rate = |t: (Duration, Duration)| (gbps(data.len(), t.0), gbps(data.len(), t.1));
-    Ok((rate(many), rate(one)))
+    // CPU time per call over at least a second of calls (the tick is 10 ms).
+    let cpu_per_call = |f: &mut dyn FnMut() -> Result<Duration>| -> Result<Option<f64>> {
+        let (wall, start) = (Instant::now(), process_cpu());
+        let mut reps = 0u32;
+        while wall.elapsed() < Duration::from_secs(1) {
+            f()?;
+            reps += 1;
+        }
+        Ok(start
+            .zip(process_cpu())
+            .map(|(a, b)| (b - a).as_secs_f64() / reps as f64))
+    };
+    let ratio =
+        |n: Option<f64>, one: Option<f64>| n.zip(one).filter(|p| p.1 > 0.0).map(|(n, o)| n / o);
+    let enc_cpu = ratio(
+        cpu_per_call(&mut || encode(opts.threads))?,
+        cpu_per_call(&mut || encode(1))?,
+    );
+    let mut decode = |threads| -> Result<Duration> {
+        let t = Instant::now();
+        codec::decode_into(black_box(&coded), &mut back, &dopts(threads))?;
+        Ok(t.elapsed())
+    };
+    let (mut dec_n, mut dec_1) = (Duration::MAX, Duration::MAX);
+    for _ in 0..opts.trials.max(1) {
+        dec_n = dec_n.min(best(1, || decode(opts.threads))?);
+        dec_1 = dec_1.min(best(1, || decode(1))?);
+    }
+    let dec_cpu = ratio(
+        cpu_per_call(&mut || decode(opts.threads))?,
+        cpu_per_call(&mut || decode(1))?,
+    );
+    if back != data {
+        return Err(CompressError::InvalidState(format!(
+            "{dtype} {} did not round-trip on {} threads",
+            kind.name(),
+            opts.threads
+        )));
+    }
+    Ok(ThreadRow {
+        encode_gbps: gbps(data.len(), enc_n),
+        decode_gbps: gbps(data.len(), dec_n),
+        encode_one_gbps: gbps(data.len(), enc_1),
+        decode_one_gbps: gbps(data.len(), dec_1),
+        encode_cpu_ratio: enc_cpu,
+        decode_cpu_ratio: dec_cpu,
+    })
 }
 
 /// Runs the benchmark and returns Markdown: one table row per (dtype, kind).
@@ -348,13 +403,20 @@ pub fn bench(opts: &BenchOptions) -> Result<String> {
     if opts.threads > 1 {
         let _ = writeln!(s);
         for &dtype in &opts.dtypes {
-            let ((e, d), (e1, d1)) = measure_threads(dtype, DataKind::Gaussian, opts)?;
+            let r = measure_threads(dtype, DataKind::Gaussian, opts)?;
+            let cpu = |c: Option<f64>| c.map_or("-".to_string(), |c| format!("{c:.2}x"));
             let _ = writeln!(
                 s,
-                "{} threads, {dtype} gaussian (wall clock): encode {e:.2} GB/s ({:.2}x one thread's {e1:.2}), decode {d:.2} GB/s ({:.2}x one thread's {d1:.2})",
+                "{} threads, {dtype} gaussian (wall clock): encode {:.2} GB/s ({:.2}x one thread's {:.2}; CPU time {} one thread's), decode {:.2} GB/s ({:.2}x one thread's {:.2}; CPU time {} one thread's)",
                 opts.threads,
-                e / e1,
-                d / d1
+                r.encode_gbps,
+                r.encode_gbps / r.encode_one_gbps,
+                r.encode_one_gbps,
+                cpu(r.encode_cpu_ratio),
+                r.decode_gbps,
+                r.decode_gbps / r.decode_one_gbps,
+                r.decode_one_gbps,
+                cpu(r.decode_cpu_ratio),
             );
         }
     }
