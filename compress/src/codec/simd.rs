@@ -1,9 +1,11 @@
-//! The rANS decode loop with AVX2: the eight lanes of a group are one vector; table entries
-//! come from two gathers and refill words are handed to the refilling lanes in lane order by
-//! one permutation. A group's gather-multiply-refill chain is long, so several independent
-//! streams (two chunks, see `chunk::decode_pair`) advance in step to overlap their chains.
-//! It computes exactly what the scalar loop computes (same states, same words consumed), so
-//! the choice between them is invisible in the output.
+//! The rANS loops with AVX2, and the codec's other vectorised passes (v2 mantissa packing,
+//! checksum terms). Eight lanes of a group are one vector; table entries are loaded lane by
+//! lane (eight loads cost this design's AMD cores far less than gathers) and refill words are
+//! handed to the refilling lanes in lane order by one permutation from a 256-entry table.
+//! Several independent chains advance in step to overlap their latencies: the four quarters
+//! of a v2 group, or two v1 chunks (see `chunk::decode_pair`). Every loop computes exactly
+//! what the scalar code computes (same states, same words, same bytes), so the choice between
+//! them is invisible in the output.
 
 use super::rans::{DecTable, EncTable};
 use crate::format::LANES;
