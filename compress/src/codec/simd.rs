@@ -1,6 +1,6 @@
 //! The rANS loops with AVX2, and the codec's other vectorised passes (v2 mantissa packing,
 //! checksum terms). Eight lanes of a group are one vector; table entries are loaded lane by
-//! lane (eight loads cost this design's AMD cores far less than gathers) and refill words are
+//! lane (on AMD cores eight loads cost far less than gathers) and refill words are
 //! handed to the refilling lanes in lane order by one permutation from a 256-entry table.
 //! Several independent chains advance in step to overlap their latencies: the four quarters
 //! of a v2 group, or two v1 chunks (see `chunk::decode_pair`). Every loop computes exactly
