@@ -379,7 +379,9 @@ fn encode_elems<E: Elem>(
     };
     let mut runs = data.chunks(per);
     let first = runs.next().unwrap_or_default();
-    let (lens0, parts): (Vec<u32>, Vec<(Vec<u8>, Vec<u32>)>) = std::thread::scope(|sc| {
+    // Each other thread's run: its payload bytes and block lengths.
+    type Run = (Vec<u8>, Vec<u32>);
+    let (lens0, parts): (Vec<u32>, Vec<Run>) = std::thread::scope(|sc| {
         let encode_run = &encode_run;
         let handles: Vec<_> = runs
             .map(|range| {
