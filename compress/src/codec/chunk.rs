@@ -380,6 +380,8 @@ fn decode_symbols_with<const PB: u32>(
     } else {
         syms
     };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = allow_simd;
     // Locals, so the eight states and the read position stay in registers.
     let mut x = *x_io;
     let mut pos = *pos_io;
