@@ -685,6 +685,58 @@ static inline int __popc(unsigned int x) { return __builtin_popcount(x); }
     }
 
     #[test]
+    fn table_kernel_normalises_as_the_cpu_codec_with_ties_either_way() {
+        let lib = library();
+        let mut r = SplitMix64::new(11);
+        let mut cases: Vec<(u32, u32, Vec<u64>)> = Vec::new();
+        for pb in [9, 12, 14] {
+            for alphabet in [64u32, 512] {
+                let a = alphabet as usize;
+                let mut counts = |f: &mut dyn FnMut(usize) -> u64| -> Vec<u64> {
+                    (0..512).map(|s| if s < a { f(s) } else { 0 }).collect()
+                };
+                // Equal counts (every unit moved is a tie), few distinct counts (rounding
+                // pushes the sum over or under M), skewed, random, a lone and no symbol.
+                cases.push((pb, alphabet, counts(&mut |_| 3)));
+                cases.push((
+                    pb,
+                    alphabet,
+                    counts(&mut |s| if s % 3 == 0 { 7 } else { 0 }),
+                ));
+                cases.push((pb, alphabet, counts(&mut |_| 1 + r.next_u64() % 3)));
+                cases.push((pb, alphabet, counts(&mut |s| 1_000_000 >> (s / 2).min(19))));
+                cases.push((pb, alphabet, counts(&mut |_| r.next_u64() % 1000)));
+                cases.push((pb, alphabet, counts(&mut |s| (s == 5) as u64 * 9)));
+                cases.push((pb, alphabet, counts(&mut |_| 0)));
+            }
+        }
+        for (pb, alphabet, counts) in cases {
+            let (mut freq, mut cum) = (vec![0u32; 512], vec![0u32; 512]);
+            // SAFETY: 512 entries each, as the kernel indexes below `alphabet`.
+            unsafe {
+                sym::<Table>(&lib, KERNELS[1])(
+                    counts.as_ptr(),
+                    alphabet,
+                    pb,
+                    freq.as_mut_ptr(),
+                    cum.as_mut_ptr(),
+                )
+            };
+            let a = alphabet as usize;
+            assert_eq!(
+                freq[..a],
+                v2::normalize(&counts[..a], pb)[..],
+                "{pb} bits, {counts:?}"
+            );
+            let mut c = 0;
+            for s in 0..a {
+                assert_eq!(cum[s], c);
+                c += freq[s];
+            }
+        }
+    }
+
+    #[test]
     fn kernels_write_the_cpu_codecs_bytes_and_decode_them() {
         let lib = library();
         for (dtype, data) in corpus() {
