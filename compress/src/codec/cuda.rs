@@ -692,7 +692,7 @@ static inline int __popc(unsigned int x) { return __builtin_popcount(x); }
         for pb in [9, 12, 14] {
             for alphabet in [64u32, 512] {
                 let a = alphabet as usize;
-                let mut counts = |f: &mut dyn FnMut(usize) -> u64| -> Vec<u64> {
+                let counts = |f: &mut dyn FnMut(usize) -> u64| -> Vec<u64> {
                     (0..512).map(|s| if s < a { f(s) } else { 0 }).collect()
                 };
                 // Equal counts (every unit moved is a tie), few distinct counts (rounding
