@@ -292,6 +292,16 @@ impl PySwapManager {
     fn wait_load(&self, py: Python<'_>, group_name: &str, stream: &PyStream) -> Result<()> {
         py.detach(|| Ok(lock(&self.inner).wait_load(group_name, &stream.s)?))
     }
+    /// hyper_parallel's `is_last_group`: group `group_name` ends the chain of linked layers.
+    fn is_last_group(&self, group_name: &str) -> bool {
+        lock(&self.inner).is_last_group(group_name)
+    }
+    /// Where a saved value is: `device`, `d2h`, `host`, `h2d` or `non_tensor`.
+    fn state(&self, saved: Ref) -> Result<&'static str> {
+        let mut g = lock(&self.inner);
+        let r = Self::saved_ref(&g, saved)?;
+        Ok(g.state(r)?.name())
+    }
     fn get_current_group_name(&self) -> Option<String> {
         lock(&self.inner)
             .get_current_group_name()
@@ -729,6 +739,11 @@ impl PyPipelineOffload {
     fn group_start(&self, name: &str) -> Result<()> {
         Ok(lock(&self.inner).group_start(name)?)
     }
+    /// Megatron-LM's `set_last_layer`: groups committed from now on stay on the device while
+    /// the current chunk's backward is the next to run.
+    fn set_last_layer(&self, is_last_layer: bool) -> Result<()> {
+        Ok(lock(&self.inner).set_last_layer(is_last_layer)?)
+    }
     fn save(&self, value: &Bound<'_, PyAny>) -> Result<PyOffloadTag> {
         let saved = to_saved(value);
         Ok(PyOffloadTag {
@@ -761,6 +776,11 @@ impl PyPipelineOffload {
     }
     fn record_forward(&self, stream: &PyStream) -> Result<()> {
         Ok(lock(&self.inner).record_forward(&stream.s)?)
+    }
+    /// Megatron-LM's `forward_record`: offloads after `stream`'s work so far, and `stream`
+    /// after every offload queued so far.
+    fn join_offloads(&self, stream: &PyStream) -> Result<()> {
+        Ok(lock(&self.inner).join_offloads(&stream.s)?)
     }
     fn record_backward(&self, stream: &PyStream) -> Result<()> {
         Ok(lock(&self.inner).record_backward(&stream.s)?)

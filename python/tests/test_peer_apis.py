@@ -178,8 +178,168 @@ def test_megatron_fine_grained_offloading_is_bit_exact():
     st = manager.stats()
     assert st["offloaded_tensors"] > 0 and st["reloaded_tensors"] > 0
     assert st["device_current"] == 0
-    with pytest.raises(NotImplementedError, match="forced_released_tensors"):
-        ht.fine_grained_offloading_group_commit(torch.ones(2), "g", [torch.ones(2)])
+
+
+# Megatron-LM's markers on transformers models: each layer's attention and MLP are offload groups
+# (started on the module's input, committed on its output, as Megatron-LM's ``core_attn`` /
+# ``attn_proj`` / ``expert_fc1`` groups are), and the module's input, which nothing reads after
+# the module but the module's saved tensors, is forced-released.
+T_VOCAB, T_SEQ, T_BATCH, T_LAYERS = 64, 16, 4, 4
+
+
+def transformers_model(kind):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=T_VOCAB, n_positions=T_SEQ, n_embd=64, n_layer=T_LAYERS, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+        return model, list(model.transformer.h), "attn"
+    cfg = transformers.LlamaConfig(
+        vocab_size=T_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=T_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T_SEQ)
+    model = transformers.LlamaForCausalLM(cfg)
+    return model, list(model.model.layers), "self_attn"
+
+
+def megatron_markers(layers, attn_name, log, delay_mlp=False):
+    """Group markers by module hooks; ``log`` collects (layer, group, forced tensor)."""
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
+        def layer_pre(module, args, i=i):
+            if delay_mlp:  # Megatron-LM flushes delayed groups after the next layer's replay
+                ht.fine_grained_offloading_group_flush_delayed_groups()
+            ht.fine_grained_offloading_set_last_layer(i == last)
+
+        layer.register_forward_pre_hook(layer_pre)
+        for name, module in ((attn_name, getattr(layer, attn_name)), ("mlp", layer.mlp)):
+            def pre(module, args, kwargs, name=name):
+                if args:
+                    return (ht.fine_grained_offloading_group_start(args[0], name),) + args[1:], kwargs
+                kwargs["hidden_states"] = ht.fine_grained_offloading_group_start(
+                    kwargs["hidden_states"], name)
+                return args, kwargs
+
+            def post(module, args, kwargs, out, name=name, i=i):
+                x = args[0] if args else kwargs["hidden_states"]
+                log.append((i, name, x))
+                return ht.fine_grained_offloading_group_commit(
+                    out, name, forced_released_tensors=[x], delay_offload=delay_mlp and name == "mlp")
+
+            module.register_forward_pre_hook(pre, with_kwargs=True)
+            module.register_forward_hook(post, with_kwargs=True)
+
+
+def megatron_transformers_run(kind, offload, delay_mlp=False, steps=2):
+    model, layers, attn_name = transformers_model(kind)
+    log = []
+    if offload:
+        megatron_markers(layers, attn_name, log, delay_mlp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(5)
+    observed, released = [], []
+    for _ in range(steps):
+        ids = torch.randint(0, T_VOCAB, (T_BATCH, T_SEQ), generator=g)
+        opt.zero_grad()
+        ht.fine_grained_offloading_reset()
+        ht.fine_grained_offloading_init_chunk_handler(vp_size=1, vp_stage=None,
+                                                      min_offloaded_tensor_size=256)
+        log.clear()
+        with ht.get_fine_grained_offloading_context(offload):
+            loss = model(ids, labels=ids).loss
+        if offload:
+            ht.fine_grained_offloading_group_flush_delayed_groups()
+            ht.fine_grained_offloading_forward_record()
+            released.append([(i, name, x.untyped_storage().nbytes() == 0) for i, name, x in log])
+            loss = ht.fine_grained_offloading_backward_record(loss)
+        log.clear()
+        loss.backward()
+        opt.step()
+        observed.append(loss.detach().clone())
+        observed.extend(p.grad.clone() for p in model.parameters())
+    return observed, released
+
+
+@pytest.mark.parametrize("kind,delay_mlp", [("llama", False), ("gpt2", True)])
+def test_megatron_markers_on_transformers_release_forced_tensors_and_stay_bit_exact(kind, delay_mlp):
+    """Forced-released tensors lose their device bytes once their group's offload completed
+    (each commit completes the previous group's offload); the last layer's groups
+    (``set_last_layer``) stay on the device and release nothing; delayed MLP groups offload at
+    the next flush; every loss and gradient equals plain torch's."""
+    manager = ht.PipelineOffloadManager.reset_instance()
+    want, _ = megatron_transformers_run(kind, offload=False)
+    got, released = megatron_transformers_run(kind, offload=True, delay_mlp=delay_mlp)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for step in released:
+        by_layer = {}
+        for i, name, freed in step:
+            by_layer.setdefault(i, []).append(freed)
+        # Layers 0..L-3 entirely, and layer L-2's first group: a later group's launch completed
+        # their offloads (one in flight at a time). The last offloaded group is released if its
+        # copy had finished by then; the last layer stayed on the device.
+        for i in range(T_LAYERS - 2):
+            assert by_layer[i] == [True, True], (i, step)
+        assert by_layer[T_LAYERS - 2][0], step
+        assert by_layer[T_LAYERS - 1] == [False, False], step
+    ht.fine_grained_offloading_reset()
+    st = manager.stats()
+    assert st["device_current"] == 0
+    assert st["offloaded_tensors"] > 0 and st["reloaded_tensors"] > 0
+
+
+def test_forced_release_spares_storage_autograd_keeps_and_small_tensors():
+    """A forced-released tensor is released once its group's offload completed, but not when
+    autograd keeps a saved tensor on its storage (it would read released memory) nor when it is
+    under ``min_offloaded_tensor_size`` elements; the gradients are plain torch's."""
+
+    def run(offload):
+        manager = ht.PipelineOffloadManager.reset_instance()
+        torch.manual_seed(3)
+        w = torch.randn(32, 32, requires_grad=True)
+        x0 = torch.randn(8, 32, requires_grad=True)
+        s0 = torch.randn(4, requires_grad=True)
+        ht.fine_grained_offloading_init_chunk_handler(min_offloaded_tensor_size=64)
+        with ht.get_fine_grained_offloading_context(offload):
+            x, small = x0 * 1.0, s0 * 1.0
+            kept = x.sin()  # saves x outside any group: autograd keeps its storage
+            h = ht.fine_grained_offloading_group_start(x, "g0")
+            y = (h @ w).relu()
+            y = ht.fine_grained_offloading_group_commit(y, "g0", forced_released_tensors=[x, small])
+            forced = y * 2.0
+            u = ht.fine_grained_offloading_group_start(forced, "g1")
+            v = (u @ w).tanh()
+            v = ht.fine_grained_offloading_group_commit(v, "g1", forced_released_tensors=[forced])
+            z = ht.fine_grained_offloading_group_start(v, "g2")
+            z = ht.fine_grained_offloading_group_commit((z @ w).sigmoid(), "g2")
+        freed = [t.untyped_storage().nbytes() == 0 for t in (x, small, forced)]
+        del forced
+        (z.sum() + kept.sum() + small.sum()).backward()
+        ht.fine_grained_offloading_reset()
+        assert manager.stats()["device_current"] == 0
+        return freed, [w.grad, x0.grad, s0.grad]
+
+    want_freed, want = run(False)
+    freed, got = run(True)
+    assert want_freed == [False, False, False]
+    assert freed == [False, False, True]  # g2's launch completed g1's offload
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_megatron_markers_are_identities_without_a_chunk_and_cuda_events_need_cuda():
+    ht.PipelineOffloadManager.reset_instance()
+    t = torch.ones(3)
+    assert ht.fine_grained_offloading_group_start(t, "g") is t
+    assert ht.fine_grained_offloading_group_commit(t, "g") is t
+    pair = (torch.ones(2), torch.zeros(2))
+    assert ht.fine_grained_offloading_group_commit(pair, "g") == pair
+    with pytest.raises(NotImplementedError, match="CUDA graph"):
+        ht.fine_grained_offloading_forward_record(object())
+    with pytest.raises(NotImplementedError, match="CUDA graph"):
+        ht.fine_grained_offloading_backward_record(t, object())
 
 
 def test_checkpoint_wrapper_saves_recomputes_and_swaps_per_operator():

@@ -842,6 +842,11 @@ impl SwapEngine {
         self.order_after(compute, &self.h2d, self.faults.skip_reload_wait)
     }
 
+    /// Makes `compute` wait for every offload queued so far (events only).
+    pub fn wait_offloads_on(&self, compute: &Stream) -> Result<()> {
+        self.order_after(compute, &self.d2h, false)
+    }
+
     /// Makes the offload stream wait for everything queued on `compute` so far (events only).
     pub fn order_offloads_after(&self, compute: &Stream) -> Result<()> {
         self.order_after(&self.d2h, compute, self.faults.skip_producer_wait)

@@ -168,6 +168,25 @@ impl SwapManager {
         self.current = Some(self.group(name));
     }
 
+    /// hyper_parallel's `is_last_group`: whether group `group_name` ends the chain of linked
+    /// layers (it was linked by [`SwapManager::set_forward_prefetch_layer`] and has no next
+    /// layer, so it is never offloaded). Unknown or unlinked groups are not.
+    pub fn is_last_group(&self, group_name: &str) -> bool {
+        self.names.get(group_name).is_some_and(|id| {
+            let l = &self.layers[id.0];
+            l.next.is_none() && l.prev.is_some()
+        })
+    }
+
+    /// Where a saved value is now (`Host` once its group's offload was waited for).
+    pub fn state(&mut self, r: SavedRef) -> Result<SwapState> {
+        Ok(self
+            .slot(r)?
+            .as_ref()
+            .ok_or_else(|| SwapError::Order(format!("{r:?} was already taken")))?
+            .state())
+    }
+
     /// Adds a value to group `group_name` (hyper_parallel's `add_storage`).
     pub fn add_storage(&mut self, group_name: &str, value: Saved) -> Result<SavedRef> {
         let id = self.group(group_name);

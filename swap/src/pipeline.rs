@@ -76,6 +76,8 @@ struct Chunk {
     /// Index of the group whose backward comes next (groups run backward in reverse order).
     backward_next: Option<usize>,
     offloadable: bool,
+    /// Megatron-LM's `set_last_layer`: the groups committed now belong to the chunk's last layer.
+    last_layer: bool,
 }
 
 fn chunk_in(chunks: &mut [Option<Chunk>], id: ChunkId) -> Result<&mut Chunk> {
@@ -215,6 +217,7 @@ impl PipelineOffload {
             open: None,
             backward_next: None,
             offloadable: true,
+            last_layer: false,
         }));
         self.forward = Some(id);
         self.staged.push(id);
@@ -242,6 +245,14 @@ impl PipelineOffload {
     pub fn mark_not_offloadable(&mut self, tensor: &DeviceTensor) {
         self.not_offloadable
             .push((tensor.storage.clone(), tensor.offset));
+    }
+
+    /// Megatron-LM's `set_last_layer`: whether the current chunk's forward is in its last layer.
+    /// Groups committed there stay on the device while this chunk's backward is the next to run
+    /// (it needs them first: offloading them would only make it wait for their reload).
+    pub fn set_last_layer(&mut self, is_last_layer: bool) -> Result<()> {
+        self.forward_chunk()?.1.last_layer = is_last_layer;
+        Ok(())
     }
 
     /// A layer group's forward begins in the current chunk.
@@ -300,7 +311,13 @@ impl PipelineOffload {
 
     /// The open group's forward was queued on `compute`: its tensors are bulk-offloaded now (or,
     /// with `delay`, at the next [`PipelineOffload::flush_delayed_groups`]) unless the group is
-    /// in the keep-last margin. `forced_release` buffers are released once the offload completed.
+    /// in the keep-last margin or the last layer (see [`PipelineOffload::set_last_layer`]).
+    /// `forced_release` buffers (Megatron-LM's forced released tensors: memory the group's saved
+    /// tensors came from that the framework would not free itself) are released once the
+    /// offload completed: an owned buffer is resized to zero; a borrowed one is freed, so hprt
+    /// holds it no more (its framework then releases its memory, as hprt.torch does with
+    /// `untyped_storage().resize_(0)`). A group that stays on the device, or whose backward
+    /// begins before its offload completed, releases nothing.
     pub fn group_commit(
         &mut self,
         compute: &Stream,
@@ -312,11 +329,12 @@ impl PipelineOffload {
             .open
             .take()
             .ok_or_else(|| SwapError::Order("group_commit without group_start".into()))?;
-        let stage = chunk.stage;
+        let (stage, last_layer) = (chunk.stage, chunk.last_layer);
         let expected = self.groups_per_stage.get(&stage).copied().unwrap_or(0);
         let in_margin = self.warmed_up && g + self.config.keep_last_groups >= expected;
+        let backward_next = self.backward_queue.front() == Some(&id);
         let group = &mut self.chunk(id)?.groups[g];
-        if in_margin || group.tensors.is_empty() {
+        if in_margin || (last_layer && backward_next) || group.tensors.is_empty() {
             return Ok(());
         }
         group.forced_release = forced_release;
@@ -370,7 +388,11 @@ impl PipelineOffload {
         let group = &mut chunk_in(&mut self.chunks, id)?.groups[g];
         self.engine.finish_offload(group.tensors.iter_mut())?;
         for buf in group.forced_release.drain(..) {
-            platform.resize_device(&buf, 0)?;
+            if buf.is_borrowed() {
+                platform.free_device(&buf)?;
+            } else {
+                platform.resize_device(&buf, 0)?;
+            }
         }
         Ok(())
     }
@@ -487,6 +509,14 @@ impl PipelineOffload {
     /// `compute` so far (an event, no host synchronization).
     pub fn record_forward(&self, compute: &Stream) -> Result<()> {
         self.engine.order_offloads_after(compute)
+    }
+
+    /// Megatron-LM's `forward_record` (the end of a layer captured in a CUDA graph): offloads
+    /// queued from now on wait for the work queued on `compute` so far, and work queued on
+    /// `compute` from now on waits for every offload queued so far (events only).
+    pub fn join_offloads(&self, compute: &Stream) -> Result<()> {
+        self.engine.order_offloads_after(compute)?;
+        self.engine.wait_offloads_on(compute)
     }
 
     /// Graph-capture-safe backward mark: work queued on `compute` from now on waits for every

@@ -39,6 +39,25 @@ fn bytes_of(p: &Arc<dyn Platform>, s: &Stream, v: &Saved) -> Vec<u8> {
 // --- layer groups (hyper_parallel) --------------------------------------------------------
 
 #[test]
+fn the_last_linked_group_is_the_last_group() {
+    let (p, s) = cpu(1 << 20);
+    let mut m = SwapManager::new(Arc::clone(&p)).unwrap();
+    let (a, b) = (m.new_layer(), m.new_layer());
+    assert!(!m.is_last_group("swap_group_1"), "not linked yet");
+    m.set_forward_prefetch_layer(a, b).unwrap();
+    assert!(!m.is_last_group("swap_group_0"));
+    assert!(m.is_last_group("swap_group_1"));
+    assert!(!m.is_last_group("unknown"));
+    m.forward_pre(a).unwrap();
+    let r = m.save(tensor(&p, &s, 512, 1).1).unwrap();
+    assert_eq!(m.state(r).unwrap(), SwapState::Device);
+    m.forward_post(a, &s).unwrap();
+    m.forward_pre(b).unwrap();
+    m.forward_post(b, &s).unwrap();
+    assert_eq!(m.state(r).unwrap(), SwapState::Host);
+}
+
+#[test]
 fn linking_is_idempotent_and_first_link_wins() {
     let (p, s) = cpu(1 << 20);
     let mut m = SwapManager::new(Arc::clone(&p)).unwrap();
@@ -499,6 +518,59 @@ fn inflight_cap_releases_older_groups_and_forced_release_frees_extra_buffers() {
 }
 
 #[test]
+fn forced_release_of_borrowed_memory_frees_it_once_the_offload_completed() {
+    let (p, s) = cpu(1 << 20);
+    let mut o = pipeline(&p, 1);
+    o.init_chunk(1, None).unwrap();
+    let owner = p.alloc_device(1000).unwrap();
+    let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = Arc::clone(&released);
+    let release: hprt_platform::ReleaseFn =
+        Box::new(move || flag.store(true, std::sync::atomic::Ordering::SeqCst));
+    // SAFETY: `owner` outlives the borrow (it is dropped at the end of the test).
+    let borrowed = unsafe { p.wrap_device_memory(owner.device_ptr(), 1000, Some(release)) }.unwrap();
+    for g in 0..2 {
+        o.group_start(&format!("g{g}")).unwrap();
+        let (_, v) = tensor(&p, &s, 4096, g);
+        o.save(v).unwrap();
+        let forced = if g == 0 { vec![borrowed.clone()] } else { Vec::new() };
+        o.group_commit(&s, forced, false).unwrap();
+    }
+    drop(borrowed);
+    // Committing g1 finished g0's offload: hprt let go of the borrowed memory.
+    assert!(released.load(std::sync::atomic::Ordering::SeqCst));
+}
+
+#[test]
+fn the_last_layer_stays_on_the_device_when_its_backward_comes_next() {
+    let (p, s) = cpu(1 << 20);
+    let mut o = pipeline(&p, 4);
+    o.init_chunk(1, None).unwrap();
+    let mut saved = Vec::new();
+    for g in 0..3u8 {
+        o.set_last_layer(g == 2).unwrap();
+        o.group_start(&format!("g{g}")).unwrap();
+        let (buf, v) = tensor(&p, &s, 4096, g);
+        saved.push((buf, o.save(v).unwrap()));
+        o.group_commit(&s, Vec::new(), false).unwrap();
+    }
+    assert_eq!(o.engine().stats().offloaded_tensors, 2, "the last layer's group stays");
+    // A chunk whose backward is not next (an earlier chunk waits for its backward) offloads it.
+    o.init_chunk(1, None).unwrap();
+    o.set_last_layer(true).unwrap();
+    o.group_start("g0").unwrap();
+    let (_, v) = tensor(&p, &s, 4096, 9);
+    o.save(v).unwrap();
+    o.group_commit(&s, Vec::new(), false).unwrap();
+    assert_eq!(o.engine().stats().offloaded_tensors, 3);
+    for (g, (_, tag)) in saved.iter().enumerate().rev() {
+        o.backward_group_begin(&format!("g{g}"), &s).unwrap();
+        assert_eq!(bytes_of(&p, &s, &o.get(tag, &s).unwrap()), vec![g as u8; 4096]);
+        o.backward_group_end().unwrap();
+    }
+}
+
+#[test]
 fn delayed_groups_offload_at_flush() {
     let (p, s) = cpu(1 << 20);
     let mut o = pipeline(&p, 1);
@@ -511,6 +583,7 @@ fn delayed_groups_offload_at_flush() {
     o.flush_delayed_groups(&s).unwrap();
     assert_eq!(o.engine().stats().offloaded_tensors, 1);
     o.record_forward(&s).unwrap();
+    o.join_offloads(&s).unwrap();
     o.backward_group_begin("g0", &s).unwrap();
     o.record_backward(&s).unwrap();
     assert_eq!(bytes_of(&p, &s, &o.get(&tag, &s).unwrap()), vec![1; 4096]);
