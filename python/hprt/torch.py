@@ -48,6 +48,7 @@ to autograd. The CUDA and NPU paths are tested with stand-ins, not on hardware.
 import contextlib
 import enum
 import threading
+import warnings
 import weakref
 
 import torch
@@ -87,6 +88,7 @@ __all__ = _fsdp.__all__ + [
     "is_swappable",
     "ActivationPolicy",
     "swap_wrapper",
+    "swap_tensor_wrapper",
     "SwapWrapper",
     "CheckpointPolicy",
     "checkpoint_wrapper",
@@ -517,6 +519,19 @@ class TensorSwapContext(hprt.TensorSwapContext):
 # ---- hyper_parallel's layer groups -------------------------------------------------------------
 
 
+def _tensors_in(tree):
+    """The torch tensors of a tensor, a nested list / tuple / dict, or an object with
+    ``values()`` (hyper_parallel's ``Storage``)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors_in(v)
+    elif isinstance(tree, dict) or hasattr(tree, "values"):
+        for v in tree.values():
+            yield from _tensors_in(v)
+
+
 class SwapManager:
     """hyper_parallel's layer-group swap on torch modules, a singleton per runtime like
     upstream's: ``set_forward_prefetch_layer(a, b)`` installs module hooks that call the Rust
@@ -536,9 +551,14 @@ class SwapManager:
             inst.layers = {}
             inst.seconds = set()
             inst.handles = []
-            inst.flow = _Flow(rt.layers.end_iteration)
+            inst.flow = _Flow(inst._end_iteration)
             inst.wrapped = 0  # swap_wrapper regions: then only they save into the layer's group
             inst.recording = None
+            inst.in_layer = 0  # layer forwards running (hooked), taken or not
+            inst.named = []  # modules given a ``_swap_group_name``
+            # Tensors swapped in place (add_storage / swap_tensor_wrapper): group name ->
+            # [hprt's reference, the tensor, whether its storage is released now].
+            inst.in_place = {}
             cls._instances[id(rt)] = inst
         elif (min_bytes is not None and min_bytes != inst.min_bytes) or (
                 custom_check_fn is not None and custom_check_fn is not inst.custom_check_fn):
@@ -560,13 +580,20 @@ class SwapManager:
     def detach(self):
         for h in self.handles:
             h.remove()
-        self.handles, self.layers, self.seconds = [], {}, set()
+        for ref in self.named:
+            module = ref()
+            if module is not None and hasattr(module, "_swap_group_name"):
+                del module._swap_group_name
+        self.handles, self.layers, self.seconds, self.named = [], {}, set(), []
         self.flow.settle()
 
     def _layer(self, module):
         layer = self.layers.get(id(module))
         if layer is None:
             layer = self.layers[id(module)] = self.rt.layers.new_layer()
+            # hyper_parallel names the module's group on the module.
+            module._swap_group_name = f"swap_group_{layer}"
+            self.named.append(weakref.ref(module))
             self._register_hooks(module, layer)
         return layer
 
@@ -578,25 +605,101 @@ class SwapManager:
 
     # hyper_parallel's group calls, by name
     def add_storage(self, group_name, storage):
-        return self.rt.layers.add_storage(group_name, storage)
+        """hyper_parallel's ``add_storage``: the torch tensors in ``storage`` (a tensor, a
+        nested list / tuple / dict of them, or an object with ``values()`` like hyper_parallel's
+        ``Storage``) join group ``group_name``, swapped in place as hyper_parallel swaps them:
+        once the group's offload was waited for (``wait_offload``, or the next layer's forward)
+        their device storage is released (``untyped_storage().resize_(0)``), ``launch_load``
+        re-acquires it and queues the copy back, and after ``wait_load`` (or the layer's
+        backward hook) the same tensor objects hold their bytes again. A tensor that is not
+        swappable (a parameter, a leaf that requires grad, not dense, not on this platform's
+        device) or does not cover its whole storage (releasing it would take its neighbours)
+        stays on the device. hprt payloads (``FrameworkMemory.tensor``, ``DeviceTensor``) are
+        added as they are; returns their reference."""
+        if not isinstance(storage, torch.Tensor) and hasattr(storage, "nbytes") and (
+                not isinstance(storage, (list, tuple, dict))):
+            return self.rt.layers.add_storage(group_name, storage)
+        entries = self.in_place.setdefault(group_name, [])
+        seen = {e[1].untyped_storage().data_ptr() for e in entries}
+        for t in _tensors_in(storage):
+            storage_ = t.untyped_storage()
+            whole = t.storage_offset() == 0 and storage_.nbytes() == t.nbytes
+            if not whole or storage_.data_ptr() in seen or not is_swappable(t, self.rt):
+                continue
+            seen.add(storage_.data_ptr())
+
+            def reacquire(t=t, nbytes=t.nbytes):
+                t.untyped_storage().resize_(nbytes)
+                return t.detach()
+
+            payload = self.rt.memory.tensor(t.detach(), reacquire, _HPRT_DTYPES.get(t.dtype, "u8"))
+            entries.append([self.rt.layers.add_storage(group_name, payload), t, False])
+        return None
+
+    def _sync_in_place(self):
+        """Releases the in-place tensors whose offload was waited for, and lets go of those
+        whose reload the compute stream waits for."""
+        for group, entries in list(self.in_place.items()):
+            keep = []
+            for entry in entries:
+                ref, t, released = entry
+                state = self.rt.layers.state(ref)
+                if state == "host" and not released:
+                    t.untyped_storage().resize_(0)
+                    entry[2] = True
+                elif released and state == "device":
+                    self.rt.layers.take(ref)  # back in place: hprt holds it no more
+                    continue
+                keep.append(entry)
+            if keep:
+                self.in_place[group] = keep
+            else:
+                del self.in_place[group]
+
+    def _end_iteration(self):
+        """Ends the front end's iteration; in-place tensors still released (their graph was
+        dropped before its backward) get their bytes back first, so no tensor object is left
+        without its storage."""
+        for group, entries in list(self.in_place.items()):
+            if any(e[2] for e in entries):
+                self.rt.layers.launch_load(group)
+                self.rt.layers.wait_load(group, self.rt.compute_stream(None))
+        self.rt.host_wait()
+        self.in_place.clear()
+        self.rt.layers.end_iteration()
 
     def launch_offload(self, group_name, copy_stream=None):
+        """hyper_parallel: queues the group's offload after torch's current stream (hprt's
+        own copy stream; ``copy_stream`` is not used)."""
         self.rt.layers.launch_offload(group_name, self.rt.compute_stream(None))
 
     def wait_offload(self, group_name):
+        """hyper_parallel: waits for the group's offload; its device memory is released."""
         self.rt.layers.wait_offload(group_name)
+        self._sync_in_place()
 
     def launch_load(self, group_name, copy_stream=None):
+        """hyper_parallel: re-acquires the group's device memory and queues its reload."""
         self.rt.layers.launch_load(group_name)
 
     def wait_load(self, group_name):
+        """hyper_parallel: torch's current stream (and, for CPU tensors, the host) waits for
+        the group's reload; its tensors are usable again."""
         self.rt.layers.wait_load(group_name, self.rt.compute_stream(None))
+        self.rt.host_wait()
+        self._sync_in_place()
 
     def get_current_group_name(self):
         return self.rt.layers.get_current_group_name()
 
     def set_current_group_name(self, name):
         self.rt.layers.set_current_group_name(name)
+
+    def is_last_group(self, group_name=None):
+        """hyper_parallel: whether group ``group_name`` (the current one by default) ends the
+        chain of layers linked by ``set_forward_prefetch_layer`` (it is never offloaded)."""
+        name = group_name if group_name is not None else self.get_current_group_name()
+        return bool(name) and self.rt.layers.is_last_group(name)
 
     def stats(self):
         return self.rt.stats()
@@ -606,10 +709,12 @@ class SwapManager:
             return t
         if policy_fn is not None:
             policy = policy_fn(t)
-            if policy is ActivationPolicy.SAVE:
+            if policy in (ActivationPolicy.SAVE, CheckpointPolicy.MUST_SAVE):
                 return _Kept(self.rt.borrow(t), t)
-            if policy is not ActivationPolicy.SWAP:
-                raise ValueError(f"swap_wrapper policy_fn returned {policy!r}, not an ActivationPolicy")
+            if policy not in (ActivationPolicy.SWAP, CheckpointPolicy.MUST_SWAP):
+                raise ValueError(f"swap_wrapper policy_fn returned {policy!r}, not "
+                                 "ActivationPolicy.SAVE / SWAP nor CheckpointPolicy.MUST_SAVE / "
+                                 "MUST_SWAP")
         return _Packed(self.rt.layers.save(self.rt.borrow(t)), t, None, self.flow.current)
 
     def _region(self, policy_fn):
@@ -626,6 +731,8 @@ class SwapManager:
             # The compute stream now waits for the whole group: one host wait covers every
             # CPU tensor of the layer.
             self.rt.host_wait()
+            if self.in_place:
+                self._sync_in_place()
 
     def _load(self, packed):
         # A layer whose backward hook did not run (a partial backward) is loaded here.
@@ -638,6 +745,7 @@ class SwapManager:
         unpack = _unpack_with(self._load)
 
         def forward_pre(mod, args):
+            self.in_layer += 1
             if layer not in self.seconds:
                 flow.start()
             ctx = None
@@ -648,6 +756,7 @@ class SwapManager:
             open_hooks.append(ctx)
 
         def forward_post(mod, args, output):
+            self.in_layer = max(0, self.in_layer - 1)
             ctx = open_hooks.pop() if open_hooks else None
             if ctx is None:
                 return
@@ -655,6 +764,8 @@ class SwapManager:
             if ctx is not False:
                 ctx.__exit__(None, None, None)
             front.forward_post(layer, rt.compute_stream(None))
+            if self.in_place:
+                self._sync_in_place()
             pass_ = flow.current
             _on_output_grad(output, lambda: self._begin_backward(layer, pass_))
 
@@ -882,13 +993,17 @@ class SwapWrapper(nn.Module):
     """hyper_parallel's ``swap_wrapper`` module: the wrapped module's saved tensors join the
     current layer's group of the ``SwapManager`` (the layers linked by
     ``set_forward_prefetch_layer``); ``policy_fn(tensor)`` returns ``ActivationPolicy.SAVE`` to
-    keep one on the device. Attribute access and indexing reach the wrapped module;
-    ``state_dict()`` / ``named_parameters()`` carry no wrapper prefix."""
+    keep one on the device (``CheckpointPolicy.MUST_SAVE`` / ``MUST_SWAP``, the names newer
+    hyper_parallel uses, work too). Attribute access and indexing reach the wrapped module;
+    ``state_dict()`` / ``named_parameters()`` carry no wrapper prefix. ``group_swap``
+    (hyper_parallel's copy fusion into one staging buffer per group) is accepted and changes
+    nothing: hprt's engine queues a group's copies back to back on its copy stream."""
 
-    def __init__(self, module, policy_fn=None, manager=None):
+    def __init__(self, module, policy_fn=None, manager=None, group_swap=False):
         super().__init__()
         self._swap_wrapped_module = module
         self.policy_fn = policy_fn
+        self.group_swap = group_swap
         self._manager = manager if manager is not None else SwapManager()
         self._manager.wrapped += 1
         self._register_state_dict_hook(self._strip_prefix)
@@ -924,9 +1039,32 @@ class SwapWrapper(nn.Module):
         _replace_prefix(state_dict, prefix, f"{prefix}{_WRAPPED}.")
 
 
-def swap_wrapper(module, policy_fn=None):
-    """hyper_parallel's ``swap_wrapper(module, policy_fn=None)`` (a ``SwapWrapper``)."""
-    return SwapWrapper(module, policy_fn)
+def swap_wrapper(module, policy_fn=None, group_swap=False):
+    """hyper_parallel's ``swap_wrapper(module, policy_fn=None, group_swap=False)`` (a
+    ``SwapWrapper``)."""
+    return SwapWrapper(module, policy_fn, group_swap=group_swap)
+
+
+def swap_tensor_wrapper(target, tag=None, group_swap=False):
+    """hyper_parallel's ``swap_tensor_wrapper``: inside a layer's forward (a layer linked by
+    ``SwapManager().set_forward_prefetch_layer``), the tensors of ``target`` (a tensor or a
+    nested list / tuple / dict) join the current layer's group and are swapped in place with
+    it (``SwapManager.add_storage``): their device storage is released once the group's offload
+    completed and is back, same tensor objects, before the layer's backward. For tensors the
+    layer's swap regions do not see (autograd saves them outside ``swap_wrapper``, or the module
+    keeps them). Returns ``target`` unchanged. The last layer's group is never offloaded, so
+    there it does nothing; outside a layer it warns, as hyper_parallel does. ``tag`` names
+    the tensors in messages; ``group_swap`` changes nothing (see ``SwapWrapper``)."""
+    manager = SwapManager()
+    group = manager.get_current_group_name()
+    if not group:
+        if not manager.in_layer:
+            warnings.warn(f"Tensor {tag} cannot be swapped, for its group is unregistered.")
+        return target  # in a layer whose pass is left to autograd (no_grad, recomputation)
+    if manager.is_last_group(group):
+        return target
+    manager.add_storage(group, target)
+    return target
 
 
 class CheckpointPolicy(enum.Enum):
@@ -947,8 +1085,9 @@ class CheckpointWrapper(SwapWrapper):
     Swapped outputs are torch's SAC cache entries, routed through hprt's hooks
     (``respect_saved_tensors_hooks``) into the ``SwapManager``'s current layer group."""
 
-    def __init__(self, module, policy_fn=None, manager=None):
-        super().__init__(module, self._swap_choice if policy_fn is not None else None, manager)
+    def __init__(self, module, policy_fn=None, manager=None, group_swap=False):
+        super().__init__(module, self._swap_choice if policy_fn is not None else None, manager,
+                         group_swap)
         self.checkpoint_policy = policy_fn
         self._swap_next = False
 
@@ -981,10 +1120,10 @@ class CheckpointWrapper(SwapWrapper):
                               **kwargs)
 
 
-def checkpoint_wrapper(module, policy_fn=None):
-    """hyper_parallel's ``checkpoint_wrapper(module, policy_fn=None)`` (a ``CheckpointWrapper``);
-    without ``policy_fn`` the module is checkpointed whole."""
-    return CheckpointWrapper(module, policy_fn)
+def checkpoint_wrapper(module, policy_fn=None, group_swap=False):
+    """hyper_parallel's ``checkpoint_wrapper(module, policy_fn=None, group_swap=False)`` (a
+    ``CheckpointWrapper``); without ``policy_fn`` the module is checkpointed whole."""
+    return CheckpointWrapper(module, policy_fn, group_swap=group_swap)
 
 
 # ---- Megatron-LM's fine-grained activation offloading -----------------------------------------

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 import hprt.torch as ht  # noqa: E402
-from hprt.torch import ActivationPolicy, SwapManager, swap_wrapper  # noqa: E402
+from hprt.torch import ActivationPolicy, SwapManager, swap_tensor_wrapper, swap_wrapper  # noqa: E402
 
 DIM, HEADS, DEPTH, BATCH, SEQ, VOCAB, STEPS = 64, 4, 16, 4, 32, 128, 3
 
@@ -124,6 +124,94 @@ def test_swap_manager_reset_removes_its_hooks():
     assert a._forward_pre_hooks and b._forward_hooks
     SwapManager.reset()
     assert not a._forward_pre_hooks and not a._forward_hooks and not b._forward_pre_hooks
+
+
+def test_swap_manager_group_calls_swap_torch_tensors_in_place():
+    """hyper_parallel's group calls driven by hand, as its own AsyncSaveOnCpu and layer hooks
+    drive them: the tensors added to a group lose their device storage at ``wait_offload`` and
+    are the same tensor objects, bytes and version, after ``launch_load`` / ``wait_load``."""
+    SwapManager.reset()
+    rt = ht.runtime()
+    mgr = SwapManager()
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(64, 32, generator=g)
+    b = torch.randn(16, 48, generator=g).to(torch.bfloat16)
+    c = torch.randint(0, 1000, (300,), generator=g)
+    view = torch.randn(8, 8, generator=g)[2:]  # part of a storage: stays on the device
+    tensors = [a, b, c, view]
+    want = [t.clone() for t in tensors]
+    versions = [t._version for t in tensors]
+    mgr.set_current_group_name("swap_group_x")
+    assert mgr.get_current_group_name() == "swap_group_x"
+    assert not mgr.is_last_group()
+    before = rt.stats()
+    mgr.add_storage("swap_group_x", {"attn": [a, (b,)], "mlp": [c, view]})
+    mgr.launch_offload("swap_group_x")
+    mgr.wait_offload("swap_group_x")
+    assert [t.untyped_storage().nbytes() for t in (a, b, c)] == [0, 0, 0]
+    assert view.untyped_storage().nbytes() == 8 * 8 * 4
+    moved = rt.stats()
+    assert moved["offloaded_bytes"] - before["offloaded_bytes"] == a.nbytes + b.nbytes + c.nbytes
+    mgr.launch_load("swap_group_x")
+    mgr.wait_load("swap_group_x")
+    for t, w, v in zip(tensors, want, versions):
+        assert torch.equal(t, w) and t._version == v
+    assert rt.stats()["device_current"] == before["device_current"]
+    SwapManager.reset()
+
+
+class SwappedTensorBlock(Block):
+    """A block whose MLP input is swapped with ``swap_tensor_wrapper``: the MLP runs outside the
+    ``swap_wrapper`` region, so autograd itself keeps that input for the MLP's backward."""
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        h2 = swap_tensor_wrapper(self.norm2(x), tag="mlp_input")
+        self.swapped = h2
+        return x + self.mlp(h2)
+
+
+def test_swap_tensor_wrapper_swaps_tensors_autograd_keeps_and_stays_bit_exact():
+    def run(swap):
+        SwapManager.reset()
+        rt = ht.runtime()
+        torch.manual_seed(0)
+        model = SimpleTransformer()
+        model.layers = nn.ModuleList(SwappedTensorBlock() for _ in range(6))
+        if swap:
+            for layer in model.layers:
+                layer.attn = swap_wrapper(layer.attn, group_swap=True)
+            for a, b in zip(model.layers[:-1], model.layers[1:]):
+                SwapManager().set_forward_prefetch_layer(a, b)
+            assert SwapManager().is_last_group(model.layers[-1]._swap_group_name)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(6))
+        before = rt.stats()["offloaded_bytes"]
+        loss = model(ids).square().mean()
+        released = [layer.swapped.untyped_storage().nbytes() == 0 for layer in model.layers]
+        loss.backward()
+        offloaded = rt.stats()["offloaded_bytes"] - before
+        out = [loss.detach()] + [p.grad for p in model.parameters()]
+        back = all(layer.swapped.untyped_storage().nbytes() > 0 for layer in model.layers)
+        SwapManager.reset()
+        return out, released, back, offloaded
+
+    want, _, _, _ = run(False)
+    got, released, back, offloaded = run(True)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # Each group's offload is waited for at the next layer's forward; the last group stays.
+    assert released == [True] * 5 + [False]
+    assert back and offloaded > 0
+
+
+def test_swap_tensor_wrapper_outside_a_layer_warns_and_returns_its_target():
+    SwapManager.reset()
+    t = torch.ones(4)
+    with pytest.warns(UserWarning, match="unregistered"):
+        assert swap_tensor_wrapper(t, tag="x") is t
+    assert t.untyped_storage().nbytes() == 16
 
 
 class MegatronLayer(nn.Module):
