@@ -448,72 +448,36 @@ def _on_output_grad(output, fn):
 
 # ---- keyed swap ---------------------------------------------------------------------------------
 
-_keyed_handlers = {}
+TensorSwapContext = hprt.TensorSwapContext  # one class: its with-block is below
 
 
-class TensorSwapContext(hprt.TensorSwapContext):
-    """``with TensorSwapContext(module_tag="model.layer.*"):`` around one layer's forward (the
-    keyed swap). Entering the tag's first layer begins a forward pass. It is an
-    ``hprt.TensorSwapContext`` (``pack`` / ``unpack`` with explicit streams work too) whose
-    ``KeyedSwap`` is its runtime's."""
+def _keyed_enter(ctx):
+    """``with ctx:`` of a ``TensorSwapContext``: around one layer's forward, torch's saved
+    tensors go to the context's ``KeyedSwap`` (entering the tag's first layer begins a forward
+    pass); returns the hooks pushed, or None when the pass is left to autograd."""
+    rt = ctx.runtime_ if ctx.runtime_ is not None else runtime(ctx.platform)
+    swap = ctx.swap
+    if not any(front is swap for front in rt._fronts):
+        rt._fronts.append(swap)  # its counters join the runtime's stats
+    flow = ctx._flow or TensorSwapContext._flows.get(id(swap))
+    if flow is None:
+        flow = TensorSwapContext._flows[id(swap)] = _Flow(swap.end_iteration)
+    layer = ctx._ctx
 
-    context_map = {}
-
-    def __init__(self, module_tag="default", custom_check_fn=None, prefetch=True, min_bytes=0,
-                 runtime_=None, swap=None):
-        self.module_tag = module_tag
-        self.prefetch = prefetch
-        self.rt = runtime_ if runtime_ is not None else runtime()
-        if swap is None:
-            swap = _keyed_handlers.get(id(self.rt))
-            if swap is None:
-                front = self.rt.new_keyed()
-                swap = _keyed_handlers[id(self.rt)] = (front, _Flow(front.end_iteration))
-        self.swap, self.flow = swap
-        self._ctx = self.swap.register_layer(module_tag)
-        TensorSwapContext.context_map[module_tag] = self._ctx.layer
-        self.swap.set_min_bytes(min_bytes)
-        if custom_check_fn is not None:
-            self.set_custom_check_fn(custom_check_fn)
-        self._hooks = []
-
-    def set_custom_check_fn(self, fn):
-        self.swap.set_predicate(fn)
-
-    def _pack(self, t):
-        if not is_swappable(t, self.rt):
+    def pack(t):
+        if not is_swappable(t, rt):
             return t
-        stream = self.rt.compute_stream(t.device)
-        ref = self.swap.swap_out_cur_and_release_prev(self._ctx, self.rt.borrow(t), stream)
-        return _Packed(ref, t, self._ctx.layer, self.flow.current)
+        ref = swap.swap_out_cur_and_release_prev(layer, rt.borrow(t), rt.compute_stream(t.device))
+        return _Packed(ref, t, layer.layer, flow.current)
 
-    def _load_one(self, packed):
-        return self.swap.wait_cur_and_prefetch_next(packed.ref, self.rt.compute_stream(),
-                                                    self.prefetch)
+    def load_one(packed):
+        return swap.wait_cur_and_prefetch_next(packed.ref, rt.compute_stream(), ctx.prefetch)
 
-    def _load(self, packed):
-        return _load_layer(packed, self._load_one, self.rt)
-
-    def __enter__(self):
-        if self._ctx.layer == 0:
-            self.flow.start()
-        ctx = None
-        if self.flow.taking():
-            ctx = _pushed(self._pack, _unpack_with(self._load))
-        self._hooks.append(ctx)
-        return self
-
-    def __exit__(self, *exc):
-        ctx = self._hooks.pop()
-        if ctx is not None:
-            ctx.__exit__(*exc)
-
-    @classmethod
-    def reset(cls):
-        """Forgets every tag's layers (a new model)."""
-        super().reset()
-        cls.context_map.clear()
-        _keyed_handlers.clear()
+    if layer.layer == 0:
+        flow.start()
+    if not flow.taking():
+        return None
+    return _pushed(pack, _unpack_with(lambda packed: _load_layer(packed, load_one, rt)))
 
 
 # ---- hyper_parallel's layer groups -------------------------------------------------------------

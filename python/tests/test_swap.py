@@ -105,6 +105,27 @@ def test_keyed_swap_with_tensor_swap_context(p):
     assert e.value.status == "HP_SWAP_UNKNOWN"
 
 
+def test_one_tensor_swap_context_class_and_no_eager_torch_import():
+    """``hprt.TensorSwapContext`` is ``hprt.torch.TensorSwapContext``; ``import hprt`` does not
+    import torch (the class's with-block imports hprt.torch on first use)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hprt\n"
+        "assert 'torch' not in sys.modules, 'import hprt imported torch'\n"
+        "ctx = hprt.TensorSwapContext(module_tag='a.*')\n"
+        "assert 'torch' not in sys.modules\n"
+        "try:\n"
+        "    import hprt.torch as ht\n"
+        "except ImportError:\n"
+        "    sys.exit(0)\n"
+        "assert ht.TensorSwapContext is hprt.TensorSwapContext\n"
+        "assert isinstance(ctx, ht.TensorSwapContext)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_keyed_swap_predicate_and_min_bytes(p):
     s = p.create_stream()
     swap = hprt.KeyedSwap(p, min_bytes=128)
