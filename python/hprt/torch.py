@@ -12,14 +12,19 @@ kept) made by the allocator callback, through hprt's h2d stream, which the curre
 (``detach()``, a context manager, ``stats()``). Modes and the front ends under them, with the
 upstream names and semantics:
 
-- ``"keyed"``: ``TensorSwapContext(module_tag=...)`` (the keyed swap, ``KeyedSwap``), a ``with``
-  block around one layer's forward; each new context of a tag is that tag's next layer.
+- ``"keyed"``: ``TensorSwapContext(module_tag=...)`` (the keyed swap, ``KeyedSwap``; the same
+  class as ``hprt.TensorSwapContext``), a ``with`` block around one layer's forward; each new
+  context of a tag is that tag's next layer.
 - ``"swap"``: ``SwapManager().set_forward_prefetch_layer(a, b)`` (hyper_parallel's layer groups,
   the Rust ``SwapManager``); with ``swap_wrapper(module, policy_fn)`` regions only they save into
-  the current layer's group (``ActivationPolicy.SAVE`` / ``SWAP`` per tensor).
+  the current layer's group (``ActivationPolicy.SAVE`` / ``SWAP`` per tensor);
+  ``swap_tensor_wrapper(target)`` and ``SwapManager().add_storage(group, tensors)`` swap tensors
+  autograd or a module keeps in place with their group.
 - ``"pipeline"``: Megatron-LM's fine-grained offload (``PipelineOffload``), a group per layer;
-  ``fine_grained_offloading_group_start`` / ``_commit`` and ``PipelineOffloadManager`` are the
-  upstream names for marking groups inside a layer.
+  ``fine_grained_offloading_group_start`` / ``_commit`` (with ``forced_released_tensors`` and
+  ``delay_offload``), ``_set_last_layer``, ``_group_flush_delayed_groups``, the CUDA-graph record
+  calls and ``PipelineOffloadManager`` are the upstream names for marking groups inside a
+  layer.
 - ``"keep"``: ``keep_saved_tensors()``, the no-swap baseline counted by the same accounting.
 - ``"compress"``: ``compress_saved_tensors()``, lossless compression in the pack hook.
 - ``"managed_compress"``: ``ManagedCompression`` (MindSpeed), saved tensors registered per

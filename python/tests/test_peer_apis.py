@@ -272,23 +272,14 @@ def test_megatron_fine_grained_offloading_is_bit_exact():
 # (started on the module's input, committed on its output, as Megatron-LM's ``core_attn`` /
 # ``attn_proj`` / ``expert_fc1`` groups are), and the module's input, which nothing reads after
 # the module but the module's saved tensors, is forced-released.
-T_VOCAB, T_SEQ, T_BATCH, T_LAYERS = 64, 16, 4, 4
-
-
 def transformers_model(kind):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        cfg = transformers.GPT2Config(
-            vocab_size=T_VOCAB, n_positions=T_SEQ, n_embd=64, n_layer=T_LAYERS, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-        model = transformers.GPT2LMHeadModel(cfg)
-        return model, list(model.transformer.h), "attn"
-    cfg = transformers.LlamaConfig(
-        vocab_size=T_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=T_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T_SEQ)
-    model = transformers.LlamaForCausalLM(cfg)
-    return model, list(model.model.layers), "self_attn"
+    """test_torch_transformers' GPT-2 / Llama, its layers and their attention's name."""
+    pytest.importorskip("transformers")
+    from test_torch_transformers import MODELS
+
+    model, layers = MODELS[kind]()
+    model.config.use_cache = False
+    return model, layers, "attn" if kind == "gpt2" else "self_attn"
 
 
 def megatron_markers(layers, attn_name, log, delay_mlp=False):
@@ -320,6 +311,8 @@ def megatron_markers(layers, attn_name, log, delay_mlp=False):
 
 
 def megatron_transformers_run(kind, offload, delay_mlp=False, steps=2):
+    import test_torch_transformers as tt
+
     model, layers, attn_name = transformers_model(kind)
     log = []
     if offload:
@@ -328,7 +321,7 @@ def megatron_transformers_run(kind, offload, delay_mlp=False, steps=2):
     g = torch.Generator().manual_seed(5)
     observed, released = [], []
     for _ in range(steps):
-        ids = torch.randint(0, T_VOCAB, (T_BATCH, T_SEQ), generator=g)
+        ids = torch.randint(0, tt.VOCAB, (tt.BATCH, tt.SEQ), generator=g)
         opt.zero_grad()
         ht.fine_grained_offloading_reset()
         ht.fine_grained_offloading_init_chunk_handler(vp_size=1, vp_stage=None,
@@ -365,13 +358,15 @@ def test_megatron_markers_on_transformers_release_forced_tensors_and_stay_bit_ex
         by_layer = {}
         for i, name, freed in step:
             by_layer.setdefault(i, []).append(freed)
+        n = len(by_layer)
+        assert n >= 3
         # Layers 0..L-3 entirely, and layer L-2's first group: a later group's launch completed
         # their offloads (one in flight at a time). The last offloaded group is released if its
         # copy had finished by then; the last layer stayed on the device.
-        for i in range(T_LAYERS - 2):
+        for i in range(n - 2):
             assert by_layer[i] == [True, True], (i, step)
-        assert by_layer[T_LAYERS - 2][0], step
-        assert by_layer[T_LAYERS - 1] == [False, False], step
+        assert by_layer[n - 2][0], step
+        assert by_layer[n - 1] == [False, False], step
     ht.fine_grained_offloading_reset()
     st = manager.stats()
     assert st["device_current"] == 0

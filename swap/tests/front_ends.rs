@@ -528,12 +528,17 @@ fn forced_release_of_borrowed_memory_frees_it_once_the_offload_completed() {
     let release: hprt_platform::ReleaseFn =
         Box::new(move || flag.store(true, std::sync::atomic::Ordering::SeqCst));
     // SAFETY: `owner` outlives the borrow (it is dropped at the end of the test).
-    let borrowed = unsafe { p.wrap_device_memory(owner.device_ptr(), 1000, Some(release)) }.unwrap();
+    let borrowed =
+        unsafe { p.wrap_device_memory(owner.device_ptr(), 1000, Some(release)) }.unwrap();
     for g in 0..2 {
         o.group_start(&format!("g{g}")).unwrap();
         let (_, v) = tensor(&p, &s, 4096, g);
         o.save(v).unwrap();
-        let forced = if g == 0 { vec![borrowed.clone()] } else { Vec::new() };
+        let forced = if g == 0 {
+            vec![borrowed.clone()]
+        } else {
+            Vec::new()
+        };
         o.group_commit(&s, forced, false).unwrap();
     }
     drop(borrowed);
@@ -554,7 +559,11 @@ fn the_last_layer_stays_on_the_device_when_its_backward_comes_next() {
         saved.push((buf, o.save(v).unwrap()));
         o.group_commit(&s, Vec::new(), false).unwrap();
     }
-    assert_eq!(o.engine().stats().offloaded_tensors, 2, "the last layer's group stays");
+    assert_eq!(
+        o.engine().stats().offloaded_tensors,
+        2,
+        "the last layer's group stays"
+    );
     // A chunk whose backward is not next (an earlier chunk waits for its backward) offloads it.
     o.init_chunk(1, None).unwrap();
     o.set_last_layer(true).unwrap();
@@ -565,7 +574,10 @@ fn the_last_layer_stays_on_the_device_when_its_backward_comes_next() {
     assert_eq!(o.engine().stats().offloaded_tensors, 3);
     for (g, (_, tag)) in saved.iter().enumerate().rev() {
         o.backward_group_begin(&format!("g{g}"), &s).unwrap();
-        assert_eq!(bytes_of(&p, &s, &o.get(tag, &s).unwrap()), vec![g as u8; 4096]);
+        assert_eq!(
+            bytes_of(&p, &s, &o.get(tag, &s).unwrap()),
+            vec![g as u8; 4096]
+        );
         o.backward_group_end().unwrap();
     }
 }
