@@ -596,13 +596,16 @@ class SwapManager:
             if not whole or storage_.data_ptr() in seen or not is_swappable(t, self.rt):
                 continue
             seen.add(storage_.data_ptr())
+            # ``t.detach()``: the same storage and version counter, without ``t``'s autograd
+            # node (holding it would keep the whole graph alive).
+            d = t.detach()
 
-            def reacquire(t=t, nbytes=t.nbytes):
-                t.untyped_storage().resize_(nbytes)
-                return t.detach()
+            def reacquire(d=d, nbytes=t.nbytes):
+                d.untyped_storage().resize_(nbytes)
+                return d.detach()
 
-            payload = self.rt.memory.tensor(t.detach(), reacquire, _HPRT_DTYPES.get(t.dtype, "u8"))
-            entries.append([self.rt.layers.add_storage(group_name, payload), t, False])
+            payload = self.rt.memory.tensor(d.detach(), reacquire, _HPRT_DTYPES.get(t.dtype, "u8"))
+            entries.append([self.rt.layers.add_storage(group_name, payload), d, False])
         return None
 
     def _sync_in_place(self):
@@ -1201,8 +1204,10 @@ class PipelineOffloadManager:
 
     def _releasable(self, t):
         """Megatron-LM's check for a forced-released tensor (on this platform's device, at least
-        ``min_offloaded_tensor_size`` elements), and hprt's: not a parameter, and no saved tensor
-        autograd keeps on the device shares its storage."""
+        ``min_offloaded_tensor_size`` elements), and hprt's: not a parameter, and no tensor saved
+        under this manager's hooks in this iteration and kept on the device by autograd shares
+        its storage (tensors saved outside the hooks are the caller's contract, as in
+        Megatron-LM)."""
         if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
             return False
         if not self.rt.addressable(t) or t.numel() < max(self.min_elems, 1):

@@ -168,10 +168,11 @@ class SwappedTensorBlock(Block):
         h = self.norm1(x)
         x = x + self.attn(h, h, h, need_weights=False)[0]
         h2 = swap_tensor_wrapper(self.norm2(x), tag="mlp_input")
-        self.swapped = h2
+        self.swapped = h2.detach()  # the same storage, without holding the graph
         return x + self.mlp(h2)
 
 
+@pytest.mark.filterwarnings("ignore:Tensor mlp_input")  # the plain run has no layer groups
 def test_swap_tensor_wrapper_swaps_tensors_autograd_keeps_and_stays_bit_exact():
     def run(swap):
         SwapManager.reset()
@@ -204,6 +205,44 @@ def test_swap_tensor_wrapper_swaps_tensors_autograd_keeps_and_stays_bit_exact():
     # Each group's offload is waited for at the next layer's forward; the last group stays.
     assert released == [True] * 5 + [False]
     assert back and offloaded > 0
+
+
+@pytest.mark.filterwarnings("ignore:Tensor mlp_input")  # the plain run has no layer groups
+def test_swap_tensor_wrapper_gives_a_dropped_graph_its_tensors_back():
+    """A forward whose graph is dropped before its backward released its in-place tensors: the
+    next pass gives them their bytes back (no tensor object is left without storage), and the
+    next step is plain torch's."""
+
+    def run(swap):
+        SwapManager.reset()
+        torch.manual_seed(0)
+        model = SimpleTransformer()
+        model.layers = nn.ModuleList(SwappedTensorBlock() for _ in range(4))
+        if swap:
+            for layer in model.layers:
+                layer.attn = swap_wrapper(layer.attn)
+            for a, b in zip(model.layers[:-1], model.layers[1:]):
+                SwapManager().set_forward_prefetch_layer(a, b)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(8))
+        dropped = model(ids).square().mean()  # a metric with grad on, never backpropagated
+        kept = [layer.swapped for layer in model.layers]
+        first = [t.clone() for t in kept] if not swap else None
+        released = [t.untyped_storage().nbytes() == 0 for t in kept]
+        del dropped
+        loss = model(ids).square().mean()
+        loss.backward()
+        back = [t.untyped_storage().nbytes() > 0 for t in kept]
+        out = [loss.detach()] + [p.grad for p in model.parameters()]
+        SwapManager.reset()
+        return out, released, back, kept, first
+
+    want, _, _, _, first = run(False)
+    got, released, back, kept, _ = run(True)
+    assert released == [True] * 3 + [False] and all(back)
+    for t, w in zip(kept, first):
+        assert torch.equal(t, w)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_swap_tensor_wrapper_outside_a_layer_warns_and_returns_its_target():
