@@ -110,6 +110,7 @@ __all__ = _fsdp.__all__ + [
     "fine_grained_offloading_enable_offload",
     "fine_grained_offloading_reset",
     "get_fine_grained_offloading_context",
+    "FineGrainedActivationOffloadingInterface",
 ]
 
 # Modes of ``attach`` and what they are upstream.
@@ -1112,6 +1113,11 @@ def _refuse_graph_capture(what):
             "fine-grained offloading, or offload only the groups outside the captured scope")
 
 
+def _not_offloadable(t):
+    return (getattr(t, "_do_not_offload", False) or getattr(t, "_TE_do_not_offload", False)
+            or getattr(t, "offloading_activation", True) is False)
+
+
 class PipelineOffloadManager:
     """Megatron-LM's ``PipelineOffloadManager`` (``get_instance()``) over hprt's
     ``PipelineOffload``: a ``with`` block (``get_fine_grained_offloading_context(True)``) around a
@@ -1189,8 +1195,16 @@ class PipelineOffloadManager:
     def stats(self):
         return self.rt.stats()
 
+    def mark_not_offloadable(self, tensor):
+        """Megatron-LM: ``tensor`` stays on the device when saved (its flag ``_do_not_offload``;
+        Transformer Engine's ``_TE_do_not_offload`` and the older ``offloading_activation =
+        False`` are honoured too)."""
+        if tensor is not None:
+            tensor._do_not_offload = True
+
     def _pack(self, t):
-        if self.group_open and t.numel() >= self.min_elems and is_swappable(t, self.rt):
+        if (self.group_open and t.numel() >= self.min_elems and is_swappable(t, self.rt)
+                and not _not_offloadable(t)):
             _refuse_graph_capture("fine-grained activation offloading")
             tag = self.off.save(self.rt.borrow(t))
             if tag.offloaded:
@@ -1389,6 +1403,58 @@ def fine_grained_offloading_reset():
 
 def get_fine_grained_offloading_context(flag):
     return PipelineOffloadManager.get_instance() if flag else contextlib.nullcontext()
+
+
+class FineGrainedActivationOffloadingInterface:
+    """Megatron-LM's interface for marking one offload group in a module's forward:
+    ``with FineGrainedActivationOffloadingInterface(offload, tensor, name) as tensor:`` starts
+    the group on ``tensor`` and installs the saved-tensor hooks for the block;
+    ``group_commit(...)`` (``group_offload`` in newer Megatron-LM) ends it. With ``offload``
+    false everything is an identity."""
+
+    def __init__(self, offload, tensor, name):
+        self.offload, self.tensor, self.name = offload, tensor, name
+
+    def __enter__(self):
+        if self.offload:
+            self.tensor = fine_grained_offloading_group_start(self.tensor, self.name)
+            PipelineOffloadManager.get_instance().__enter__()
+        return self.tensor
+
+    def __exit__(self, *exc):
+        if self.offload:
+            PipelineOffloadManager.get_instance().__exit__(*exc)
+
+    def group_offload(self, tensor, forced_released_tensors=None, delay_offload=False):
+        if not self.offload:
+            return tensor
+        return fine_grained_offloading_group_commit(tensor, self.name, forced_released_tensors,
+                                                    delay_offload)
+
+    @staticmethod
+    def group_commit(tensor, name, forced_released_tensors=None, delay_offload=False):
+        return fine_grained_offloading_group_commit(tensor, name, forced_released_tensors,
+                                                    delay_offload)
+
+    @staticmethod
+    def init_chunk_handler(vp_size, vp_stage, min_offloaded_tensor_size):
+        fine_grained_offloading_init_chunk_handler(vp_size, vp_stage, min_offloaded_tensor_size)
+
+    get_context = staticmethod(get_fine_grained_offloading_context)
+    forward_record = staticmethod(fine_grained_offloading_forward_record)
+    backward_record = staticmethod(fine_grained_offloading_backward_record)
+    reset = staticmethod(fine_grained_offloading_reset)
+    flush_delayed_groups = staticmethod(fine_grained_offloading_group_flush_delayed_groups)
+    disable_offload = staticmethod(fine_grained_offloading_disable_offload)
+    enable_offload = staticmethod(fine_grained_offloading_enable_offload)
+
+    @staticmethod
+    def mark_not_offloadable(tensor):
+        PipelineOffloadManager.get_instance().mark_not_offloadable(tensor)
+
+    @staticmethod
+    def reset_instance():
+        PipelineOffloadManager.reset_instance()
 
 
 # ---- attach: a mode on an ordinary model --------------------------------------------------------

@@ -451,6 +451,56 @@ def test_forced_release_spares_storage_autograd_keeps_and_small_tensors():
         assert torch.equal(a, b)
 
 
+class MegatronTransformerLayer(Block):
+    """Megatron-LM's TransformerLayer pattern through its interface: the input norms are the
+    ``attn_norm`` / ``mlp_norm`` groups, committed after the residual add with the residual
+    forced-released (the norm saved it; nothing else reads it)."""
+
+    def forward(self, x):
+        off = ht.FineGrainedActivationOffloadingInterface
+        residual = x
+        attn_norm = off(True, x, "attn_norm")
+        with attn_norm as h:
+            h = self.norm1(h)
+        hidden = residual + self.attn(h, h, h, need_weights=False)[0]
+        hidden = attn_norm.group_offload(hidden, forced_released_tensors=[residual])
+        residual = hidden
+        mlp_norm = off(True, hidden, "mlp_norm")
+        with mlp_norm as h:
+            h = self.norm2(h)
+        out = residual + self.mlp(h)
+        return off.group_commit(out, "mlp_norm", forced_released_tensors=[residual])
+
+
+def test_megatron_interface_layers_release_residuals_and_stay_bit_exact():
+    def run(offload):
+        manager = ht.PipelineOffloadManager.reset_instance()
+        torch.manual_seed(0)
+        model = SimpleTransformer()
+        model.layers = nn.ModuleList(MegatronTransformerLayer() for _ in range(4))
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(9))
+        ht.FineGrainedActivationOffloadingInterface.reset()
+        if offload:
+            ht.FineGrainedActivationOffloadingInterface.init_chunk_handler(1, None, 64)
+        inputs = []
+        hook = model.layers[1].register_forward_pre_hook(lambda m, a: inputs.append(a[0]))
+        loss = model(ids).square().mean()
+        hook.remove()
+        released = inputs[0].untyped_storage().nbytes() == 0
+        del inputs
+        loss.backward()
+        out = [loss.detach()] + [p.grad for p in model.parameters()]
+        ht.FineGrainedActivationOffloadingInterface.reset()
+        assert manager.stats()["device_current"] == 0
+        return out, released, manager.stats()["offloaded_tensors"]
+
+    want, released_plain, _ = run(False)
+    got, released, offloaded = run(True)
+    assert not released_plain and released and offloaded > 0
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_megatron_markers_are_identities_without_a_chunk_and_cuda_events_need_cuda():
     ht.PipelineOffloadManager.reset_instance()
     t = torch.ones(3)
@@ -458,6 +508,18 @@ def test_megatron_markers_are_identities_without_a_chunk_and_cuda_events_need_cu
     assert ht.fine_grained_offloading_group_commit(t, "g") is t
     pair = (torch.ones(2), torch.zeros(2))
     assert ht.fine_grained_offloading_group_commit(pair, "g") == pair
+    manager = ht.PipelineOffloadManager.get_instance()
+    ht.fine_grained_offloading_init_chunk_handler(min_offloaded_tensor_size=1)
+    marked, plain = torch.randn(64, requires_grad=True) * 1.0, torch.randn(64, requires_grad=True) * 1.0
+    ht.FineGrainedActivationOffloadingInterface.mark_not_offloadable(marked)
+    before = manager.stats()["offloaded_tensors"]
+    with ht.get_fine_grained_offloading_context(True):
+        g = ht.fine_grained_offloading_group_start(torch.ones(1, requires_grad=True), "g")
+        y = (marked.sin() + plain.sin()).sum() + g.sum()
+        y = ht.fine_grained_offloading_group_commit(y, "g")
+    assert manager.stats()["offloaded_tensors"] - before == 1  # plain's, not marked's
+    y.backward()
+    ht.fine_grained_offloading_reset()
     with pytest.raises(NotImplementedError, match="CUDA graph"):
         ht.fine_grained_offloading_forward_record(object())
     with pytest.raises(NotImplementedError, match="CUDA graph"):
