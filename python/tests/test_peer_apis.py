@@ -501,7 +501,7 @@ def test_megatron_interface_layers_release_residuals_and_stay_bit_exact():
         assert torch.equal(a, b)
 
 
-def test_megatron_markers_are_identities_without_a_chunk_and_cuda_events_need_cuda():
+def test_megatron_markers_are_identities_without_a_chunk_and_graph_events_need_a_gpu_backend():
     ht.PipelineOffloadManager.reset_instance()
     t = torch.ones(3)
     assert ht.fine_grained_offloading_group_start(t, "g") is t
