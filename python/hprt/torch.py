@@ -47,7 +47,10 @@ ends' engine counters (offloaded, reloaded, compressed, link bytes, pinned bytes
 takes the tensors of its own device type: CPU tensors on the cpu backend, CUDA tensors on the
 cuda backend and torch_npu's NPU tensors on the npu backend, ordered after torch's current stream
 (wrapped: ``cuda_stream`` / ``npu_stream``) by events, never a host wait; other tensors are left
-to autograd. The CUDA and NPU paths are tested with stand-ins, not on hardware.
+to autograd. The CUDA and NPU paths are tested with stand-ins on the emulators, not on hardware.
+
+One module, past 800 lines, because every front end shares the pass and hook machinery of its
+first sections (``_Flow``, ``_Packed``, ``_Witness``) and the peers' names are thin layers over it.
 """
 
 import contextlib
