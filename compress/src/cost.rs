@@ -65,6 +65,9 @@ pub enum Op {
     },
     /// An operator whose duration the caller knows.
     Fixed(Duration),
+    /// An operator whose duration nobody predicts (a framework layer's whole forward): every
+    /// candidate is coded in its window, so what is coded never depends on measured timings.
+    Unbounded,
 }
 
 impl Op {
@@ -75,6 +78,7 @@ impl Op {
                 format!("{} {bytes} B over {group}", kind.name())
             }
             Op::Fixed(d) => format!("fixed {d:?}"),
+            Op::Unbounded => "unbounded".into(),
         }
     }
 }
@@ -253,6 +257,7 @@ impl CostModel {
     pub fn predict(&self, op: &Op) -> Result<Duration> {
         match op {
             Op::Fixed(d) => Ok(*d),
+            Op::Unbounded => Ok(Duration::MAX),
             Op::Matmul { m, n, k } => {
                 let flops = self.table.matmul_flops.ok_or_else(|| {
                     CompressError::CostUnknown(

@@ -40,7 +40,7 @@
 //! # Ok::<(), hprt_compress::CompressError>(())
 //! ```
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,6 +51,9 @@ use crate::device::{codec_for, CompressedTensor, DeviceCodec, PendingDecode, Pen
 use crate::error::{CompressError, Result};
 use crate::format::CodecDType;
 use crate::planner::{fit_window, LayerId, LayerOrder};
+
+/// Window records kept (`ActivationManager::window_records`).
+pub const RECORDS_KEPT: usize = 1024;
 
 /// A tensor saved for backward: the first `numel` elements of `buf`.
 #[derive(Clone, Debug)]
@@ -214,8 +217,11 @@ pub struct ActivationManager {
     pool: HashMap<(usize, CodecDType), Vec<DeviceBuffer>>,
     pool_allocations: usize,
     window: Option<OpenWindow>,
-    pending_events: Vec<(usize, Event, Event)>,
-    records: Vec<WindowRecord>,
+    /// Windows whose operator time is not yet read: (window number, start, end).
+    pending_events: VecDeque<(usize, Event, Event)>,
+    /// The last `RECORDS_KEPT` windows; `records_dropped` older ones were forgotten.
+    records: VecDeque<WindowRecord>,
+    records_dropped: usize,
     stats: BTreeMap<LayerId, LayerStats>,
 }
 
@@ -244,8 +250,9 @@ impl ActivationManager {
             pool: HashMap::new(),
             pool_allocations: 0,
             window: None,
-            pending_events: Vec::new(),
-            records: Vec::new(),
+            pending_events: VecDeque::new(),
+            records: VecDeque::new(),
+            records_dropped: 0,
             stats: BTreeMap::new(),
         })
     }
@@ -405,10 +412,22 @@ impl ActivationManager {
         };
         let start = self.p.create_event(true)?;
         self.p.record_event(&start, &self.compute)?;
-        let record = self.records.len();
-        self.records.push(WindowRecord {
+        if self.records.len() == RECORDS_KEPT {
+            // A training loop opens windows forever: keep the recent ones, not every one.
+            self.records.pop_front();
+            self.records_dropped += 1;
+            while self
+                .pending_events
+                .front()
+                .is_some_and(|(i, ..)| *i < self.records_dropped)
+            {
+                self.pending_events.pop_front();
+            }
+        }
+        let record = self.records_dropped + self.records.len();
+        self.records.push_back(WindowRecord {
             op: op.name(),
-            predicted,
+            predicted: predicted.filter(|_| !matches!(op, Op::Unbounded)),
             measured: None,
             encoded: 0,
             decoded: 0,
@@ -448,7 +467,7 @@ impl ActivationManager {
             .filter(|e| matches!(e.state, State::Normal))
             .map(|e| (e.index, e.tensor.bytes()))
             .collect();
-        let budget = self.cost.encodable_numel(window, CodecDType::BF16) * 2;
+        let budget = self.cost.encodable_numel(window, CodecDType::BF16).saturating_mul(2);
         let plan = fit_window(&candidates, budget);
         let mut items = Vec::new();
         for index in plan {
@@ -480,7 +499,7 @@ impl ActivationManager {
             .filter(|e| matches!(e.state, State::Compressed(_)))
             .map(|e| (e.index, e.tensor.bytes()))
             .collect();
-        let budget = self.cost.decodable_numel(window, CodecDType::BF16) * 2;
+        let budget = self.cost.decodable_numel(window, CodecDType::BF16).saturating_mul(2);
         let mut items = Vec::new();
         for index in fit_window(&candidates, budget) {
             let (p, codec, side) = (self.p.clone(), self.codec.clone(), self.side.clone());
@@ -520,7 +539,7 @@ impl ActivationManager {
         };
         let end = self.p.create_event(true)?;
         self.p.record_event(&end, &self.compute)?;
-        self.pending_events.push((w.record, w.start, end));
+        self.pending_events.push_back((w.record, w.start, end));
         let side_done = self.p.create_event(false)?;
         self.p.record_event(&side_done, &self.side)?;
         self.p.stream_wait_event(&self.compute, &side_done)?;
@@ -540,7 +559,7 @@ impl ActivationManager {
                     s.compressed += 1;
                     s.original_bytes += orig;
                     s.compressed_bytes += packed;
-                    let r = &mut self.records[w.record];
+                    let r = &mut self.records[w.record - self.records_dropped];
                     r.encoded += 1;
                     r.bytes += orig;
                 }
@@ -555,7 +574,7 @@ impl ActivationManager {
                             let bytes = e.tensor.bytes();
                             e.state = State::Normal;
                             self.stats.entry(layer).or_default().decoded_in_window += 1;
-                            let rec = &mut self.records[w.record];
+                            let rec = &mut self.records[w.record - self.records_dropped];
                             rec.decoded += 1;
                             rec.bytes += bytes;
                         }
@@ -585,15 +604,16 @@ impl ActivationManager {
         self.stats.iter().map(|(l, s)| (*l, *s)).collect()
     }
 
-    /// Windows so far, with the measured duration of each operator (waits for the ones not
-    /// yet resolved).
+    /// The last [`RECORDS_KEPT`] windows, with the measured duration of each operator (waits
+    /// for the ones not yet resolved).
     pub fn window_records(&mut self) -> Result<Vec<WindowRecord>> {
-        for (i, start, end) in self.pending_events.drain(..) {
+        for (i, start, end) in std::mem::take(&mut self.pending_events) {
             self.p.synchronize_event(&end)?;
             let ms = self.p.event_elapsed_ms(&start, &end)?;
-            self.records[i].measured = Some(Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3));
+            self.records[i - self.records_dropped].measured =
+                Some(Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3));
         }
-        Ok(self.records.clone())
+        Ok(self.records.iter().cloned().collect())
     }
 
     /// Scratch buffers ever allocated (the rest of the windows reused them).

@@ -851,8 +851,13 @@ class ManagedCompression:
 
     ``with comp.layer(i): x = block(x)`` around each layer's forward: tensors the layer saves
     (f32/f16/bf16, contiguous, at least ``min_numel`` elements, not parameters) are registered
-    under layer ``i``; the layer's forward is an operator window of ``window_ms`` in which the
-    previous layer's tensors are encoded on the manager's side stream and released. In backward,
+    under layer ``i``; the layer's forward is an operator window in which the previous layer's
+    tensors are encoded on the manager's side stream and released. By default the window is
+    unbounded: every registered tensor of the previous layer is encoded, so the same model and
+    inputs compress the same tensors every step whatever the timing (the last layer's tensors,
+    read first in backward, are not compressed). ``window_ms`` instead sizes the window by
+    hprt's cost model (its codec throughputs are measured unless ``encode_gbps`` is given):
+    what fits is encoded. In backward,
     the first tensor read of a layer starts that layer's backward, which decodes its tensors
     still compressed. Layer 0 begins a forward pass (see ``_Flow``: a pass overlapping a live one
     is left to autograd). ``stats()`` is ``ActivationManager.layer_stats()``.
@@ -861,7 +866,7 @@ class ManagedCompression:
     CPU tensors); other tensors are left to autograd.
     """
 
-    def __init__(self, platform=None, min_numel=32768, window_ms=10.0, encode_gbps=None,
+    def __init__(self, platform=None, min_numel=32768, window_ms=None, encode_gbps=None,
                  decode_gbps=None):
         self.platform = platform if platform is not None else hprt.get_platform()
         self.stream = self.platform.create_stream()
@@ -933,7 +938,10 @@ class _ManagedLayer:
         o._discard_dropped()
         o._backward_layer = None
         o.manager.forward_start(self.layer)
-        self._window = o.manager.window(fixed_ms=o.window_ms)
+        if o.window_ms is None:
+            self._window = o.manager.window(unbounded=True)
+        else:
+            self._window = o.manager.window(fixed_ms=o.window_ms)
         self._window.__enter__()
         self._hooks = _pushed(lambda t: o._pack(self.layer, t), o._unpack)
         return self

@@ -53,13 +53,20 @@ fn op_of(
     matmul: Option<(usize, usize, usize)>,
     collective: Option<(String, usize, usize)>,
     fixed_ms: Option<f64>,
+    unbounded: bool,
 ) -> Result<Op> {
-    let given = matmul.is_some() as u8 + collective.is_some() as u8 + fixed_ms.is_some() as u8;
+    let given = matmul.is_some() as u8
+        + collective.is_some() as u8
+        + fixed_ms.is_some() as u8
+        + unbounded as u8;
     if given != 1 {
         return Err(invalid(
             "describe the operator with exactly one of matmul=(m, n, k), \
-             collective=(kind, bytes, group) or fixed_ms=...",
+             collective=(kind, bytes, group), fixed_ms=... or unbounded=True",
         ));
+    }
+    if unbounded {
+        return Ok(Op::Unbounded);
     }
     if let Some((m, n, k)) = matmul {
         return Ok(Op::Matmul { m, n, k });
@@ -262,16 +269,19 @@ impl PyActivationManager {
 
     /// Opens an operator window before the operator is queued on the stream: predicts its
     /// duration and starts encoding (forward) or decoding (backward) what fits. Exactly one of
-    /// `matmul=(m, n, k)`, `collective=("all_gather" | "all_to_all", bytes, group)`, `fixed_ms`.
-    #[pyo3(signature = (*, matmul=None, collective=None, fixed_ms=None))]
+    /// `matmul=(m, n, k)`, `collective=("all_gather" | "all_to_all", bytes, group)`, `fixed_ms`,
+    /// `unbounded=True` (an operator nobody predicts, a layer's whole forward: every candidate
+    /// is coded in it, whatever the measured throughputs).
+    #[pyo3(signature = (*, matmul=None, collective=None, fixed_ms=None, unbounded=false))]
     fn begin_window(
         &self,
         py: Python<'_>,
         matmul: Option<(usize, usize, usize)>,
         collective: Option<(String, usize, usize)>,
         fixed_ms: Option<f64>,
+        unbounded: bool,
     ) -> Result<()> {
-        self.begin(py, op_of(matmul, collective, fixed_ms)?)
+        self.begin(py, op_of(matmul, collective, fixed_ms, unbounded)?)
     }
 
     /// Closes the window after the operator was queued: the stream waits for the codec work,
@@ -282,16 +292,17 @@ impl PyActivationManager {
 
     /// `with manager.window(matmul=(m, n, k)): ...` — `begin_window` / `end_window` around a
     /// block.
-    #[pyo3(signature = (*, matmul=None, collective=None, fixed_ms=None))]
+    #[pyo3(signature = (*, matmul=None, collective=None, fixed_ms=None, unbounded=false))]
     fn window(
         slf: Py<Self>,
         matmul: Option<(usize, usize, usize)>,
         collective: Option<(String, usize, usize)>,
         fixed_ms: Option<f64>,
+        unbounded: bool,
     ) -> Result<PyWindow> {
         Ok(PyWindow {
             manager: slf,
-            op: op_of(matmul, collective, fixed_ms)?,
+            op: op_of(matmul, collective, fixed_ms, unbounded)?,
         })
     }
 
@@ -313,7 +324,7 @@ impl PyActivationManager {
         Ok(out)
     }
 
-    /// Every window so far: operator, predicted and measured milliseconds, tensors encoded and
+    /// The last 1,024 windows: operator, predicted and measured milliseconds, tensors encoded and
     /// decoded in it, bytes (waits for windows whose operator has not finished).
     fn window_records<'py>(&self, py: Python<'py>) -> Result<Vec<Bound<'py, PyDict>>> {
         let records = py.detach(|| lock(&self.inner).m.window_records())?;

@@ -1,0 +1,179 @@
+"""No leak over 1,000 steps of every training pattern, in every hprt.torch mode.
+
+The patterns are ``test_torch_patterns``' own (forward without backward, dropped graphs, two
+forwards then one backward, retain_graph, partial backward, gradient accumulation, no_grad
+evaluation, both checkpointings, bf16 autocast, exceptions in forward and backward), run 1,000
+times each on a model with the interface of the transformers models there but almost no
+arithmetic (a few numbers per tensor): the cost is hprt.torch's hooks and autograd's, so
+1,000 x 13 patterns x 9 modes stays within CI's time. After a warm-up, nothing may grow: torch
+tensors alive (exactly), Python objects of any type (a per-step leak adds >= 1,000), hprt's
+device bytes and pinned bytes in use (zero) and held (no growth), and the host's resident set
+(bounded by ``RSS_BOUND``)."""
+
+import collections
+import concurrent.futures
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+nn = torch.nn
+
+import hprt  # noqa: E402
+import hprt.torch as ht  # noqa: E402
+import test_torch_patterns as tp  # noqa: E402
+
+STEPS = int(os.environ.get("HP_LEAK_STEPS", "1000"))  # times each pattern runs
+WARMUP = 20
+# Resident-set growth allowed over the 13,000 pattern runs of a mode: allocator slack. A leak of
+# one saved tensor per pattern run (the smallest, 64 bytes of data in a >= 300-byte torch
+# allocation and object) grows it by more than 4 MiB.
+RSS_BOUND = 2 << 20
+HIDDEN = 4
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((HIDDEN,), 0.5))
+
+    def forward(self, x):
+        return x * self.w  # saves x (hprt's) and w (a parameter: autograd's)
+
+
+class TinyLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = Scale()
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+class TinyLM(nn.Module):
+    """What the patterns use of a transformers causal LM (``model.model.layers[i].mlp``,
+    ``labels=``, ``.logits``, ``output_hidden_states=``, ``gradient_checkpointing_enable``),
+    with one multiplication per layer: the inputs are float rows, the loss their sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = Scale()  # the layers' input requires grad, as an embedding's does
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(TinyLayer() for _ in range(2))
+        self.checkpointing = None
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs):
+        self.checkpointing = gradient_checkpointing_kwargs["use_reentrant"]
+
+    def forward(self, x, labels=None, output_hidden_states=False):
+        x = self.embed(x)
+        hidden = [x]
+        for layer in self.model.layers:
+            if self.checkpointing is None:
+                x = layer(x)
+            else:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=self.checkpointing)
+            hidden.append(x)
+        return types.SimpleNamespace(loss=None if labels is None else x.sum(), logits=x,
+                                     hidden_states=hidden if output_hidden_states else None)
+
+
+class NoOptimizer:
+    """The patterns' optimizer calls, without the arithmetic (not hprt's concern)."""
+
+    def zero_grad(self):
+        pass
+
+    def step(self):
+        pass
+
+
+def tiny_data():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(2, HIDDEN, generator=g) for _ in range(6)]
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def census():
+    gc.collect()
+    return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+
+
+def live_tensors(counts):
+    return sum(n for name, n in counts.items() if name in ("Tensor", "Parameter"))
+
+
+def run_patterns(model, opt, data, times):
+    rec = lambda *a: None  # noqa: E731
+    for pattern in tp.PATTERNS.values():
+        for _ in range(times):
+            model.checkpointing = None
+            pattern(model, opt, data, rec)
+    model.checkpointing = None
+
+
+def measure(mode, steps):
+    """Runs every pattern ``steps`` times in ``mode`` after a warm-up; what grew, and the cost."""
+    torch.set_num_threads(1)  # intra-op threads only spin against each other on tensors this small
+    platform = hprt.cpu_platform(device_memory=64 << 20)
+    model, opt, data = TinyLM(), NoOptimizer(), tiny_data()
+    with ht.attach(model, platform=platform, min_bytes=0, **tp.MODES[mode]) as handle:
+        run_patterns(model, opt, data, WARMUP)  # pools, caches
+        before, st0, rss0 = census(), handle.stats(), rss_bytes()
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        run_patterns(model, opt, data, steps)
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        after, st, rss = census(), handle.stats(), rss_bytes()
+    return {
+        "seconds": seconds, "cpu_seconds": cpu, "took_tensors": tp.took_tensors(handle),
+        "tensors": [live_tensors(before), live_tensors(after)],
+        "grown": {k: after[k] - before[k] for k in after if after[k] - before[k] >= steps // 2},
+        "stats": [st0, st], "rss": [rss0, rss],
+        "hooks_left": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
+    }
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """Every mode in a process of its own, two at a time (CI has two cores)."""
+    def child(mode):
+        out = subprocess.run([sys.executable, __file__, mode, str(STEPS)], capture_output=True,
+                             text=True, timeout=900)
+        if out.returncode != 0:
+            return {"error": out.stderr[-4000:]}
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return dict(zip(tp.MODES, pool.map(child, tp.MODES)))
+
+
+@pytest.mark.parametrize("mode", list(tp.MODES))
+def test_a_thousand_steps_of_every_pattern_leak_nothing(mode, measured):
+    m = measured[mode]
+    assert "error" not in m, m.get("error")
+    print(f"{mode}: {STEPS} x {len(tp.PATTERNS)} patterns in {m['seconds']:.1f} s "
+          f"({m['cpu_seconds']:.1f} s cpu); rss {(m['rss'][1] - m['rss'][0]) / 1024:+.0f} KiB")
+    assert m["took_tensors"], m["stats"]
+    assert m["tensors"][0] == m["tensors"][1], m["tensors"]
+    assert not m["grown"], m["grown"]
+    st0, st = m["stats"]
+    if "device_current" in st:
+        assert st["device_current"] == 0 and st["pinned_bytes_in_use"] == 0, st
+        assert st["pinned_bytes_held"] <= st0["pinned_bytes_held"], (st0, st)
+    assert m["rss"][1] - m["rss"][0] <= RSS_BOUND, m["rss"]
+    assert not m["hooks_left"]
+
+
+if __name__ == "__main__":  # one mode's run, for ``measured``
+    print(json.dumps(measure(sys.argv[1], int(sys.argv[2]))))
