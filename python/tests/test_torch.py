@@ -158,6 +158,37 @@ def test_activation_manager_compression_is_bit_exact(platform, baseline):
         st["original_bytes"] for st in stats.values())
 
 
+@pytest.mark.parametrize("jitter", [None, 3, 17])
+def test_managed_compression_compresses_the_same_tensors_every_step(jitter):
+    """MindSpeed-style compression does not depend on timing: with its cost model measured (no
+    throughputs given) and random stream delays, every step compresses every registered tensor
+    of every layer but the last (encoded asynchronously in the next layer's forward), and the
+    gradients are plain torch's."""
+    platform = hprt.cpu_platform(device_memory=256 << 20, jitter=jitter)
+    torch.manual_seed(0)
+    model = Model()
+    xs = [torch.randn(2, 32, HIDDEN) for _ in range(3)]  # ~125 KiB per layer
+    want = []
+    for x in xs:
+        model.zero_grad()
+        model(x).backward()
+        want.append([p.grad.clone() for p in model.parameters()])
+    comp = ht.ManagedCompression(platform, min_numel=1024)
+    per_step, before = [], {}
+    for x, grads in zip(xs, want):
+        model.zero_grad()
+        model(x, comp.layer).backward()
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+        now = {layer: (st["saved"], st["compressed"]) for layer, st in comp.stats().items()}
+        per_step.append({layer: (saved - before.get(layer, (0, 0))[0],
+                                 compressed - before.get(layer, (0, 0))[1])
+                         for layer, (saved, compressed) in now.items()})
+        before = now
+    assert per_step[0] == per_step[1] == per_step[2], per_step
+    for layer, (saved, compressed) in per_step[0].items():
+        assert saved > 0 and compressed == (saved if layer < LAYERS - 1 else 0), per_step[0]
+
+
 def test_swap_with_jitter_is_still_bit_exact(baseline):
     """Random stream delays make a missing wait show up as wrong bytes."""
     rt = ht.Runtime(hprt.cpu_platform(device_memory=64 << 20, jitter=7))
