@@ -368,10 +368,11 @@ class _Kept(_Packed):
         return self.ref.tensor
 
 
-def _load_layer(packed, load_one, rt):
-    """Loads ``packed`` and every other tensor of its layer still referenced in its pass, then
-    makes the host wait once for all of them (the front ends hand out one tensor at a time; on
-    the cpu backend a host wait per tensor would cost more than the copies)."""
+def _load_layer(packed, load_one, rt, ahead=None):
+    """Loads ``packed`` and every other tensor of its layer still referenced in its pass, calls
+    ``ahead()`` (work queued behind these reloads: a prefetch), then makes the host wait once
+    for the layer (the front ends hand out one tensor at a time; on the cpu backend a host wait
+    per tensor would cost more than the copies)."""
     pass_ = packed.pass_
     group = pass_.by_layer.pop(packed.layer, ()) if pass_ is not None else ()
     for ref in group:
@@ -381,6 +382,8 @@ def _load_layer(packed, load_one, rt):
                 not other.witness.modified()):
             other.out = load_one(other)
     out = load_one(packed)
+    if ahead is not None:
+        ahead()
     rt.host_wait()
     return out
 
@@ -1492,13 +1495,17 @@ def find_layers(model, path=None):
 
 class _PipelineFront:
     """Megatron's pipeline offload driven per layer: one chunk per forward pass, one group per
-    layer; reads reload on demand."""
+    layer. A layer's first read in backward loads its group and, like Megatron-LM's chunk
+    handler (a group's backward starts the next group's reload), starts reloading the layer
+    before it in the same pass, so that reload overlaps this layer's backward (``prefetch``;
+    ``stats()["prefetched_tensors"]`` counts the tensors whose reload began that way)."""
 
-    def __init__(self, rt, min_bytes, predicate):
+    def __init__(self, rt, min_bytes, predicate, prefetch=True):
         self.rt, self.min_bytes, self.predicate = rt, min_bytes, predicate
         self.off = rt.new_pipeline()
         self.flow = _Flow(self.off.reset)
         self.layer = None
+        self.prefetch, self.prefetched = prefetch, 0
 
     def _pack(self, t):
         if not is_swappable(t, self.rt, self.min_bytes, self.predicate):
@@ -1509,7 +1516,21 @@ class _PipelineFront:
         return self.off.get(packed.ref, self.rt.compute_stream())
 
     def _load(self, packed):
-        return _load_layer(packed, self._load_one, self.rt)
+        ahead = None
+        if self.prefetch and packed.pass_ is not None:
+            ahead = lambda: self._prefetch(packed.pass_, packed.layer - 1)  # noqa: E731
+        return _load_layer(packed, self._load_one, self.rt, ahead)
+
+    def _prefetch(self, pass_, layer):
+        """Starts the reload of ``layer``'s group (one tag stands for its group)."""
+        for ref in pass_.by_layer.get(layer, ()):
+            other = ref()
+            if other is not None and other.out is None:
+                self.prefetched += self.off.prefetch(other.ref)
+                return
+
+    def stats(self):
+        return {"prefetched_tensors": self.prefetched}
 
     def enter(self, i):
         if i == 0 and self.flow.start():
@@ -1625,8 +1646,8 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
                 for _ in layers]
         front, settle = _ContextFront(lambda i: ctxs[i]), [flow.settle]
     elif mode == "pipeline":
-        front = _PipelineFront(rt, min_bytes, predicate)
-        settle = [front.flow.settle]
+        front = _PipelineFront(rt, min_bytes, predicate, prefetch)
+        settle, extra = [front.flow.settle], front.stats
     elif mode == "keep":
         front = _ContextFront(lambda i: keep_saved_tensors(rt, min_bytes))
     elif mode == "compress":

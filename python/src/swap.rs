@@ -774,6 +774,11 @@ impl PyPipelineOffload {
     fn backward_group_end(&self, py: Python<'_>) -> Result<()> {
         py.detach(|| Ok(lock(&self.inner).backward_group_end()?))
     }
+    /// Starts reloading `tag`'s group ahead of its backward; returns how many tensors' reloads
+    /// this started.
+    fn prefetch(&self, py: Python<'_>, tag: &PyOffloadTag) -> Result<usize> {
+        py.detach(|| Ok(lock(&self.inner).prefetch(&tag.tag)?))
+    }
     fn record_forward(&self, stream: &PyStream) -> Result<()> {
         Ok(lock(&self.inner).record_forward(&stream.s)?)
     }

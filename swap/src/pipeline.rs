@@ -471,6 +471,29 @@ impl PipelineOffload {
         Ok(t.get()?.clone())
     }
 
+    /// Starts reloading `tag`'s group before its backward asks for it (a framework driving
+    /// groups by its own hooks prefetches the next layer this way); returns the number of its
+    /// tensors whose reload this started (0 when it had begun, or for a kept tensor).
+    pub fn prefetch(&mut self, tag: &OffloadTag) -> Result<usize> {
+        let &OffloadTag::Offloaded { chunk, group, .. } = tag else {
+            return Ok(0);
+        };
+        let tensors = &self
+            .chunk(chunk)?
+            .groups
+            .get(group)
+            .ok_or_else(|| SwapError::unknown("offload tag", format!("{tag:?}")))?
+            .tensors;
+        let waiting = tensors
+            .iter()
+            .filter(|t| matches!(t.state(), SwapState::D2h | SwapState::Host))
+            .count();
+        if waiting > 0 {
+            self.start_group_reload(chunk, group)?;
+        }
+        Ok(waiting)
+    }
+
     /// The current backward group finished: the next group of the chunk starts reloading, or,
     /// after the chunk's first group, the next chunk's last offloaded group does.
     pub fn backward_group_end(&mut self) -> Result<()> {
