@@ -94,6 +94,7 @@ __all__ = _fsdp.__all__ + [
     "compress_saved_tensors",
     "ManagedCompression",
     "is_swappable",
+    "OverlappingForwardWarning",
     "ActivationPolicy",
     "swap_wrapper",
     "swap_tensor_wrapper",
@@ -394,6 +395,10 @@ def _unpack_with(load):
     return unpack
 
 
+class OverlappingForwardWarning(UserWarning):
+    """A forward pass overlapped a live one: its saved tensors were left to autograd."""
+
+
 class _Flow:
     """The forward passes a front end sees. Its rules follow one forward and then its backward;
     a forward that starts while an earlier pass's saved tensors are still referenced (a second
@@ -408,6 +413,7 @@ class _Flow:
         self.end_iteration = end_iteration
         self.current = None
         self.active = False
+        self.warned = False
 
     def start(self):
         """A forward pass begins (its first layer); returns whether the front end takes it."""
@@ -416,11 +422,23 @@ class _Flow:
             return False  # nothing is saved (no_grad), or a checkpoint recomputes in backward
         if self.current is not None:
             if self.current.live > 0:
+                self._warn_overlap()
                 return False
             self.settle()
         self.current = _Pass()
         self.active = True
         return True
+
+    def _warn_overlap(self):
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                "hprt.torch: a forward pass began while the previous pass's saved tensors were "
+                "still referenced (two forwards then one backward, DPO-style; a metric computed "
+                "with grad enabled; a graph kept by retain_graph): that pass's saved tensors stay "
+                "where torch put them, neither swapped nor compressed, so their device memory is "
+                "not saved (gradients are exact; warned once per front end)",
+                OverlappingForwardWarning, stacklevel=4)
 
     def taking(self):
         """Whether the layer running now belongs to the pass the front end takes."""

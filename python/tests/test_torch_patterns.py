@@ -574,6 +574,23 @@ def test_a_predicate_chooses_the_swapped_tensors(mode, platform):
     assert st["offloaded_bytes"] <= taken
 
 
+@pytest.mark.parametrize("mode", [m for m in MODES if m not in ("keep", "compress")])
+def test_an_overlapping_forward_is_named_in_one_warning(mode, platform):
+    """Modes that follow one pass at a time leave a second forward's tensors to autograd (two
+    forwards then one backward, DPO-style): exact, but the memory is not saved, so the user is
+    told once, naming the pattern; a plain step warns nothing."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, _ = run("gpt2", "two_forwards_one_backward", mode, platform)
+        run("gpt2", "steps", mode, platform)
+    overlap = [w for w in caught if issubclass(w.category, ht.OverlappingForwardWarning)]
+    assert len(overlap) == 1, [str(w.message) for w in overlap]
+    assert "two forwards then one backward, DPO-style" in str(overlap[0].message)
+    assert_identical(got, baseline("gpt2", "two_forwards_one_backward"))
+
+
 def test_pipeline_mode_prefetches_the_next_layer_in_backward(platform):
     """attach(mode="pipeline") reloads layer i-1 while layer i's backward runs, as Megatron-LM's
     chunk handler starts the next group's reload: when a layer's backward begins, its reload
