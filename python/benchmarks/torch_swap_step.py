@@ -5,7 +5,8 @@
 - the hook cost per saved tensor: a chain of small element-wise ops (one saved tensor each),
   forward and backward, minus the plain-torch time, divided by the number of saved tensors.
 
-    python python/benchmarks/torch_swap_step.py [--layers 16] [--dim 256] [--seq 128] [--steps 6]
+    python python/benchmarks/torch_swap_step.py [--layers 16] [--dim 256] [--seq 128] [--steps 2]
+        [--threads N]
 
 On the cpu backend "device" memory is host memory and the copies are host memcpys on hprt's
 stream threads: the numbers describe hprt.torch's overhead, not accelerator performance."""
@@ -137,7 +138,12 @@ def main():
     ap.add_argument("--min-bytes", type=int, default=64 << 10)
     ap.add_argument("--hook-tensors", type=int, default=500)
     ap.add_argument("--hook-numel", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's). On a 2-core VM, torch's "
+                         "spinning workers and hprt's copy threads take the same cores")
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     print(f"{args.layers}-layer transformer, dim {args.dim}, batch {args.batch} x {args.seq} tokens, "
           f"f32; hprt modes with min_bytes={args.min_bytes}; torch threads: {torch.get_num_threads()}")
     rows = step_times(args)

@@ -123,6 +123,8 @@ MODES = ("keep", "keyed", "swap", "pipeline", "compress", "managed_compress")
 
 def _is_dense(t):
     """Whether ``t``'s elements fill exactly ``numel * itemsize`` bytes from ``data_ptr()``."""
+    if t.is_contiguous():
+        return True
     expected = 1
     for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz != 1):
         if stride != expected:
@@ -177,6 +179,15 @@ class Runtime:
         self._fronts = [self.layers]
         self._host_stream = self.platform.create_stream()
 
+    @property
+    def platform(self):
+        return self._platform
+
+    @platform.setter
+    def platform(self, platform):
+        # The backend's name is read for every saved tensor: kept here, not asked of hprt.
+        self._platform, self.backend = platform, platform.backend
+
     def new_keyed(self):
         k = hprt.KeyedSwap(self.platform, host_budget=self.host_budget,
                            compression=self.compression)
@@ -193,7 +204,7 @@ class Runtime:
         """torch's current stream (of ``device``, or of the current device) as an hprt stream:
         ``torch.cuda.current_stream().cuda_stream`` on the cuda backend,
         ``torch.npu.current_stream().npu_stream`` (torch_npu's ``aclrtStream``) on the npu one."""
-        kind = self.platform.backend
+        kind = self.backend
         if kind in _STREAM_ATTR and (device is None or _device_type(device) == kind):
             stream = getattr(torch, kind).current_stream(device)
             return self.platform.wrap_stream(getattr(stream, _STREAM_ATTR[kind]))
@@ -204,7 +215,7 @@ class Runtime:
     def host_wait(self):
         """On the cpu backend the host uses tensors at once: it waits for what the compute
         stream waits for (on accelerators the stream order suffices)."""
-        if self.platform.backend == "cpu":
+        if self.backend == "cpu":
             self._host_stream.synchronize()
 
     def wait_host(self, t):
@@ -216,7 +227,7 @@ class Runtime:
     def addressable(self, t):
         """Whether this platform's device memory holds ``t`` (cpu backend: CPU tensors; cuda:
         CUDA tensors; npu: torch_npu's NPU tensors)."""
-        return _device_type(t.device) == self.platform.backend
+        return _device_type(t.device) == self.backend
 
     def borrow(self, t):
         """``t`` as a borrowed swap payload whose reload makes a tensor of its shape, strides and
@@ -286,7 +297,8 @@ class _Witness:
         base = t._base
         self.refs = (weakref.ref(t),) if base is None else (weakref.ref(t), weakref.ref(base))
         fn = t.grad_fn
-        self.shape, self.grad_fn, self.output_nr = list(t.shape), fn and fn.name(), t.output_nr
+        # The node's class name is its name(); the node itself would be a reference cycle.
+        self.shape, self.grad_fn, self.output_nr = t.shape, fn and type(fn).__name__, t.output_nr
 
     def modified(self):
         t = self._alive()
@@ -306,7 +318,7 @@ class _Witness:
             what = f"output {self.output_nr} of {self.grad_fn}" if self.grad_fn else "a leaf Variable"
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: [{t.type()} {self.shape}], which is {what}, is at version "
+                f"inplace operation: [{t.type()} {list(self.shape)}], which is {what}, is at version "
                 f"{t._version}; expected version {self.version} instead. Hint: the tensor was "
                 "saved through hprt.torch; enable anomaly detection to find the operation that "
                 "failed to compute its gradient, with torch.autograd.set_detect_anomaly(True).")

@@ -3,7 +3,6 @@ transformers configs: every mode must give the plain-torch run's losses and grad
 (``torch.equal``), or raise a clear error naming the pattern; nothing may stay referenced (device
 bytes, pinned blocks, torch tensors) once a pattern's graphs are gone and the mode is detached."""
 
-import gc
 import shutil
 import types
 import re
@@ -388,37 +387,7 @@ def test_reloads_keep_strides_and_storage_offsets(mode, platform):
             assert torch.equal(gv, wv)
 
 
-# ---- leaks: repeated patterns leave nothing behind ---------------------------------------------
-
-LEAK_CYCLES = 3  # x 6 patterns after a warm-up cycle: one tensor kept per cycle already shows
-
-
-def live_tensors():
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
-
-
-@pytest.mark.parametrize("mode", list(MODES))
-def test_repeated_patterns_leak_nothing(mode, platform):
-    leak_patterns = ["forward_without_backward", "dropped_graph", "two_forwards_one_backward",
-                     "partial_backward", "no_grad_eval", "exception_in_forward"]
-    torch.manual_seed(0)
-    model = gpt2()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    data = data_for()
-    rec = lambda *a: None  # noqa: E731
-    with ht.attach(model, platform=platform, min_bytes=0, **MODES[mode]) as handle:
-        for name in leak_patterns:  # warm-up: optimizer state, pools
-            PATTERNS[name](model, opt, data, rec)
-        before = live_tensors()
-        for _ in range(LEAK_CYCLES):
-            for name in leak_patterns:
-                PATTERNS[name](model, opt, data, rec)
-        after = live_tensors()
-        st = handle.stats()
-        assert st["device_current"] == 0 and st["pinned_bytes_in_use"] == 0, st
-        assert after == before, (before, after)
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+# Leaks: test_torch_leaks.py runs 1,000 steps of each pattern in every mode.
 
 
 # ---- torch.compile: compiled layers' saved tensors go through every mode ----------------------
