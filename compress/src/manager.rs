@@ -467,7 +467,10 @@ impl ActivationManager {
             .filter(|e| matches!(e.state, State::Normal))
             .map(|e| (e.index, e.tensor.bytes()))
             .collect();
-        let budget = self.cost.encodable_numel(window, CodecDType::BF16).saturating_mul(2);
+        let budget = self
+            .cost
+            .encodable_numel(window, CodecDType::BF16)
+            .saturating_mul(2);
         let plan = fit_window(&candidates, budget);
         let mut items = Vec::new();
         for index in plan {
@@ -499,7 +502,10 @@ impl ActivationManager {
             .filter(|e| matches!(e.state, State::Compressed(_)))
             .map(|e| (e.index, e.tensor.bytes()))
             .collect();
-        let budget = self.cost.decodable_numel(window, CodecDType::BF16).saturating_mul(2);
+        let budget = self
+            .cost
+            .decodable_numel(window, CodecDType::BF16)
+            .saturating_mul(2);
         let mut items = Vec::new();
         for index in fit_window(&candidates, budget) {
             let (p, codec, side) = (self.p.clone(), self.codec.clone(), self.side.clone());

@@ -398,3 +398,66 @@ fn discarded_tensors_free_their_layer_for_the_next_step() {
     assert!(bytes == data);
     assert!(matches!(m.take(k0), Err(CompressError::InvalidState(_))));
 }
+
+/// An unbounded window (a framework layer's whole forward) encodes every candidate of the
+/// previous layer, however slow the cost model says the codec is.
+#[test]
+fn an_unbounded_window_encodes_every_candidate_whatever_the_throughput() {
+    let p = platform(None);
+    let s = p.create_stream().unwrap();
+    let slow = CostModel::from_table(CostTable {
+        encode_gbps: 1e-6,
+        decode_gbps: 1e-6,
+        ..Default::default()
+    });
+    let mut m = ActivationManager::new(p.clone(), s.clone(), ManagerConfig::new(slow)).unwrap();
+    m.forward_start(LayerId(0)).unwrap();
+    let keys: Vec<TensorKey> = layer_tensors(0)
+        .into_iter()
+        .filter_map(|(kind, dtype, numel)| {
+            let data = generate(kind, dtype, numel, 1);
+            let buf = produce(p.as_ref(), &s, &data);
+            m.save(
+                LayerId(0),
+                SavedTensor {
+                    buf,
+                    dtype: dtype.dtype(),
+                    numel,
+                },
+            )
+            .unwrap()
+        })
+        .collect();
+    m.forward_start(LayerId(1)).unwrap();
+    m.window(&Op::Fixed(Duration::from_millis(5)), || ())
+        .unwrap();
+    assert!(
+        keys.iter().all(|k| !m.is_compressed(*k)),
+        "nothing fits 5 ms"
+    );
+    m.window(&Op::Unbounded, || ()).unwrap();
+    assert!(keys.iter().all(|k| m.is_compressed(*k)));
+    assert_eq!(m.window_records().unwrap()[1].predicted, None);
+}
+
+/// A training loop opens windows forever: the manager keeps the last `RECORDS_KEPT` records
+/// (and their events), not every one.
+#[test]
+fn window_records_stay_bounded() {
+    let p = platform(None);
+    let s = p.create_stream().unwrap();
+    let mut m = ActivationManager::new(p.clone(), s, ManagerConfig::new(model())).unwrap();
+    m.forward_start(LayerId(0)).unwrap();
+    let kept = hprt_compress::manager::RECORDS_KEPT;
+    for i in 0..kept + 10 {
+        m.window(&Op::Fixed(Duration::from_micros(i as u64)), || ())
+            .unwrap();
+    }
+    let records = m.window_records().unwrap();
+    assert_eq!(records.len(), kept);
+    assert_eq!(
+        records[kept - 1].predicted,
+        Some(Duration::from_micros(kept as u64 + 9))
+    );
+    assert!(records.iter().all(|r| r.measured.is_some()));
+}
