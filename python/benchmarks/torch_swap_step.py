@@ -154,7 +154,8 @@ def main():
     for name, t, st in rows:
         off = "-" if st is None else f"{st['offloaded_bytes'] / (1 << 20) / per_attach:.1f}"
         comp = "-" if st is None else (
-            st.get("compressed_tensors", 0) + st.get("tensors", 0)) // per_attach
+            st.get("compressed_tensors", 0) + st.get("tensors", 0)
+            + sum(layer["compressed"] for layer in st.get("layers", {}).values())) // per_attach
         print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f} | {off} | {comp} |")
     base, saved, hooks = hook_cost(args)
     print(f"\nHook cost per saved tensor ({saved} saved tensors of {args.hook_numel} f32 per "
