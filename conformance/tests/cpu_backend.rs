@@ -1,6 +1,7 @@
 //! cpu-backend specifics: jitter, timeouts, small capacities, multiple devices, configuration
 //! parsing and platform selection. Every test builds its own `CpuBackend` value, so nothing here
 //! depends on (or mutates) the process environment.
+//! (Over 800 lines because it is one suite of the backend's own knobs, one test each.)
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};

@@ -4,6 +4,7 @@
 //! leaked, the next call works), leaks, and the contracts the backend must keep.
 //!
 //! The emulator's state is process-global, so these tests take one lock.
+//! (Over 800 lines for that reason: one lock, one file.)
 
 use std::sync::{Mutex, MutexGuard};
 

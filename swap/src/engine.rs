@@ -1,5 +1,7 @@
 //! The copy engine every front end drives: batched offload / reload of [`SwapTensor`]s on the
 //! engine's own copy streams, with the stream waits and host synchronizations that make it safe.
+//! (Over 800 lines because every ordering rule lives here, beside the fault switches that prove
+//! each one.)
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -3,6 +3,8 @@
 //! [`CudaCodec`], which launches them on a platform stream through the backend's NVRTC
 //! ([`Platform::launch_module_kernel`]: compiled once per device and cached, like the
 //! platform's elementwise kernels). Launch shapes are in the source's header comment.
+//! (Over 800 lines because the launcher and its host-compiled byte-equality tests belong with
+//! the source they check.)
 //!
 //! The same source is compiled as host C++ by this module's test and must write exactly the
 //! bytes of the CPU codec (the corpus of `data` and random bit patterns) and decode them back,

@@ -1,6 +1,7 @@
 //! The emulator's contracts, called the way the cuda backend calls them (the exported functions
 //! themselves). The emulator's state is process-global: every test takes one lock, and the
 //! emulated machine has two devices so cross-context misuse can be provoked.
+//! (Over 800 lines because that one process-global state makes one file of them.)
 
 use std::ffi::{c_void, CString};
 use std::ptr::null_mut;
