@@ -582,7 +582,12 @@ impl Backend for CudaBackend {
             unsafe { (n.api.ncclGetUniqueId)(&mut id) },
             "ncclGetUniqueId",
         )?;
-        Ok(UniqueId(id.internal.iter().map(|&c| c as u8).collect()))
+        Ok(UniqueId(
+            id.internal
+                .iter()
+                .map(|&c| u8::from_ne_bytes(c.to_ne_bytes()))
+                .collect(),
+        ))
     }
     fn comm_init(&self, id: &UniqueId, rank: usize, world: usize) -> Result<Arc<CommObj>> {
         let n = self.shared.nccl()?;

@@ -524,7 +524,12 @@ impl Backend for NpuBackend {
             unsafe { self.api().hccl.HcclGetRootInfo(&mut info) }.0 as i32,
             "HcclGetRootInfo",
         )?;
-        Ok(UniqueId(info.internal.iter().map(|&c| c as u8).collect()))
+        Ok(UniqueId(
+            info.internal
+                .iter()
+                .map(|&c| u8::from_ne_bytes(c.to_ne_bytes()))
+                .collect(),
+        ))
     }
     fn comm_init(&self, id: &UniqueId, rank: usize, world: usize) -> Result<Arc<CommObj>> {
         if id.0.len() != ROOT_INFO_BYTES {
