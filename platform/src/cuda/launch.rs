@@ -3,24 +3,28 @@
 use super::*;
 
 impl CudaBackend {
-    pub(super) fn launch(
+    /// Launches `function` with one 8-byte word per kernel parameter: the driver reads as many
+    /// bytes as the parameter has, from the word's start (native byte order, so an `int` or a
+    /// `u32` is its first four bytes). Used by the elementwise and the module kernels alike.
+    pub(super) fn launch_words(
         &self,
         stream: &StreamObj,
         function: result::Function,
-        count: usize,
-        args: &mut [*mut c_void],
+        (grid, block): (u32, u32),
+        words: &mut [[u8; 8]],
     ) -> Result<()> {
-        // SAFETY: `args` point at locals of the caller matching the kernel's parameters, alive
-        // for the call (the driver copies them); the stream's context is bound; the places
-        // were bounds-checked and are kept live by their use events.
+        let mut ptrs: Vec<*mut c_void> = words.iter_mut().map(|w| w.as_mut_ptr().cast()).collect();
+        // SAFETY: one word per kernel parameter, alive for the call (the driver copies them);
+        // the stream's context is bound; the places were bounds-checked by the dispatch layer
+        // and are kept live by their use events.
         unsafe {
             result::module::launch(
                 function,
-                (kernels::grid_for(count), 1, 1),
-                (kernels::BLOCK, 1, 1),
+                (grid, 1, 1),
+                (block, 1, 1),
                 0,
                 stream.raw,
-                args,
+                &mut ptrs,
             )
         }
     }
@@ -67,68 +71,36 @@ impl CudaBackend {
             .zip(kernel.place_dtypes())
             .all(|(((m, off), _, _), dt)| m.at(*off) % dt.size() as u64 == 0)
             .into();
-        let mut n = kernel.count() as u64;
-        let n_ptr: *mut c_void = (&mut n as *mut u64).cast();
-        let a_ptr: *mut c_void = (&aligned as *const c_int).cast_mut().cast();
-        match *kernel {
+        let n = (kernel.count() as u64).to_ne_bytes();
+        let aligned = word32(aligned.to_ne_bytes());
+        let mut words = match *kernel {
             Kernel::Fill {
                 dst: (ref d, off),
-                mut value,
+                value,
                 ..
-            } => {
-                let mut p = d.at(off);
-                let mut args = [
-                    (&mut p as *mut u64).cast(),
-                    n_ptr,
-                    (&mut value as *mut f64).cast(),
-                    a_ptr,
-                ];
-                self.launch(stream, function, kernel.count(), &mut args)?;
-            }
+            } => vec![d.at(off).to_ne_bytes(), n, value.to_ne_bytes(), aligned],
             Kernel::Cast {
                 src: (ref s, so),
                 dst: (ref d, doff),
                 ..
-            } => {
-                let (mut sp, mut dp) = (s.at(so), d.at(doff));
-                let mut args = [
-                    (&mut sp as *mut u64).cast(),
-                    (&mut dp as *mut u64).cast(),
-                    n_ptr,
-                    a_ptr,
-                ];
-                self.launch(stream, function, kernel.count(), &mut args)?;
-            }
+            } => vec![s.at(so).to_ne_bytes(), d.at(doff).to_ne_bytes(), n, aligned],
             Kernel::Scale {
                 buf: (ref b, off),
-                mut factor,
+                factor,
                 ..
-            } => {
-                let mut p = b.at(off);
-                let mut args = [
-                    (&mut p as *mut u64).cast(),
-                    n_ptr,
-                    (&mut factor as *mut f64).cast(),
-                    a_ptr,
-                ];
-                self.launch(stream, function, kernel.count(), &mut args)?;
-            }
+            } => vec![b.at(off).to_ne_bytes(), n, factor.to_ne_bytes(), aligned],
             Kernel::Axpy {
                 src: (ref s, so),
                 dst: (ref d, doff),
-                mut alpha,
+                alpha,
                 ..
-            } => {
-                let (mut sp, mut dp) = (s.at(so), d.at(doff));
-                let mut args = [
-                    (&mut sp as *mut u64).cast(),
-                    (&mut dp as *mut u64).cast(),
-                    n_ptr,
-                    (&mut alpha as *mut f64).cast(),
-                    a_ptr,
-                ];
-                self.launch(stream, function, kernel.count(), &mut args)?;
-            }
+            } => vec![
+                s.at(so).to_ne_bytes(),
+                d.at(doff).to_ne_bytes(),
+                n,
+                alpha.to_ne_bytes(),
+                aligned,
+            ],
             Kernel::Matmul {
                 a: (ref a, ao),
                 b: (ref b, bo),
@@ -137,26 +109,30 @@ impl CudaBackend {
                 n: cols,
                 k,
                 ..
-            } => {
-                let (mut ap, mut bp, mut cp) = (a.at(ao), b.at(bo), c.at(co));
-                let (mut m64, mut n64, mut k64) = (m as u64, cols as u64, k as u64);
-                let mut args = [
-                    (&mut ap as *mut u64).cast(),
-                    (&mut bp as *mut u64).cast(),
-                    (&mut cp as *mut u64).cast(),
-                    (&mut m64 as *mut u64).cast(),
-                    (&mut n64 as *mut u64).cast(),
-                    (&mut k64 as *mut u64).cast(),
-                    a_ptr,
-                ];
-                self.launch(stream, function, kernel.count(), &mut args)?;
-            }
-        }
+            } => vec![
+                a.at(ao).to_ne_bytes(),
+                b.at(bo).to_ne_bytes(),
+                c.at(co).to_ne_bytes(),
+                (m as u64).to_ne_bytes(),
+                (cols as u64).to_ne_bytes(),
+                (k as u64).to_ne_bytes(),
+                aligned,
+            ],
+        };
+        let shape = (kernels::grid_for(kernel.count()), kernels::BLOCK);
+        self.launch_words(stream, function, shape, &mut words)?;
         for ((m, _), _, _) in places {
             m.used_on(stream.key())?;
         }
         Ok(())
     }
+}
+
+/// A 4-byte kernel parameter (its native-order bytes) in its launch word.
+pub(super) fn word32(bytes: [u8; 4]) -> [u8; 8] {
+    let mut w = [0u8; 8];
+    w[..4].copy_from_slice(&bytes);
+    w
 }
 
 pub(super) fn kernel_name_is_copy<B>(k: &Kernel<B>) -> bool {

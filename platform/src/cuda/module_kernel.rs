@@ -3,10 +3,10 @@
 //! caller's shape, and every buffer they point into marked as used by the stream, so it is not
 //! freed under the launch.
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
-use super::{result, CudaBackend, MemObj, StreamObj};
+use super::launch::word32;
+use super::{CudaBackend, MemObj, StreamObj};
 use crate::backend::Place;
 use crate::error::Result;
 use crate::kernel::{DeviceModule, KernelArg, LaunchShape};
@@ -27,8 +27,6 @@ impl CudaBackend {
             || module.source.to_string(),
             kernel,
         )?;
-        // One 8-byte word per parameter; the driver reads as many bytes as the parameter has,
-        // from the word's start (native byte order, so a u32 is its first four bytes).
         let mut words: Vec<[u8; 8]> = args
             .iter()
             .map(|a| match a {
@@ -37,26 +35,10 @@ impl CudaBackend {
                 } => m.at(*off).to_ne_bytes(),
                 KernelArg::Ptr { at: None, .. } => 0u64.to_ne_bytes(),
                 KernelArg::U64(v) => v.to_ne_bytes(),
-                KernelArg::U32(v) => {
-                    let mut w = [0u8; 8];
-                    w[..4].copy_from_slice(&v.to_ne_bytes());
-                    w
-                }
+                KernelArg::U32(v) => word32(v.to_ne_bytes()),
             })
             .collect();
-        let mut ptrs: Vec<*mut c_void> = words.iter_mut().map(|w| w.as_mut_ptr().cast()).collect();
-        // SAFETY: one word per kernel parameter, alive for the call (the driver copies them);
-        // pointer arguments were bounds-checked by the dispatch layer; the context is bound.
-        unsafe {
-            result::module::launch(
-                function,
-                (shape.grid, 1, 1),
-                (shape.block, 1, 1),
-                0,
-                stream.raw,
-                &mut ptrs,
-            )
-        }?;
+        self.launch_words(stream, function, (shape.grid, shape.block), &mut words)?;
         for a in args {
             if let KernelArg::Ptr {
                 at: Some((m, _)), ..
