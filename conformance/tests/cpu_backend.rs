@@ -43,9 +43,13 @@ fn bytes(seed: u64, len: usize) -> Vec<u8> {
 /// Uploads a pattern on stream A and downloads the same buffer on stream B, with or without an
 /// event wait in between; returns how many of `trials` downloads differed from the pattern.
 fn race(p: &dyn Platform, wait: bool, trials: usize) -> usize {
+    race_onto(p, &p.create_stream().unwrap(), wait, trials)
+}
+
+/// [`race`] with the download queued on `b`.
+fn race_onto(p: &dyn Platform, b: &hprt_platform::Stream, wait: bool, trials: usize) -> usize {
     const N: usize = 64 << 10;
     let a = p.create_stream().unwrap();
-    let b = p.create_stream().unwrap();
     let ev = p.create_event(false).unwrap();
     let mut mismatches = 0;
     for t in 0..trials {
@@ -60,11 +64,11 @@ fn race(p: &dyn Platform, wait: bool, trials: usize) -> usize {
             .unwrap();
         if wait {
             p.record_event(&ev, &a).unwrap();
-            p.stream_wait_event(&b, &ev).unwrap();
+            p.stream_wait_event(b, &ev).unwrap();
         }
-        p.copy_async((&out).into(), 0, (&dev).into(), 0, N, &b)
+        p.copy_async((&out).into(), 0, (&dev).into(), 0, N, b)
             .unwrap();
-        p.synchronize_stream(&b).unwrap();
+        p.synchronize_stream(b).unwrap();
         if out.to_vec().unwrap() != data {
             mismatches += 1;
         }
@@ -478,6 +482,51 @@ fn wrapping_an_unknown_raw_stream_is_refused() {
         Some(ErrorKind::InvalidHandle),
         "wrapped a destroyed stream"
     );
+}
+
+fn host_stream(p: &CpuBackend) -> hprt_platform::Stream {
+    // SAFETY: raw stream 0 is the cpu backend's host stream, alive as long as the platform.
+    unsafe { p.wrap_external_stream(RawStream(hprt_platform::CPU_HOST_STREAM)) }.unwrap()
+}
+
+#[test]
+fn the_host_stream_waits_for_events_in_the_calling_thread() {
+    let p = jittered(5);
+    let host = host_stream(&p);
+    // Its copies run as they are queued: without the event wait they read before the jittered
+    // upload, with it the caller blocks until the upload is done.
+    assert!(
+        race_onto(&p, &host, false, 40) > 0,
+        "the jitter never exposed the missing wait"
+    );
+    assert_eq!(race_onto(&p, &host, true, 40), 0);
+    // A mark recorded on it is reached at once, so a worker stream waiting for it never blocks.
+    let ev = p.create_event(false).unwrap();
+    p.record_event(&ev, &host).unwrap();
+    assert!(p.query_event(&ev).unwrap());
+    assert!(p.query_stream(&host).unwrap());
+    // It is nobody's to destroy: destroying a wrapper leaves it usable.
+    p.destroy_stream(&host).unwrap();
+    let again = host_stream(&p);
+    p.record_event(&ev, &again).unwrap();
+    p.synchronize_stream(&again).unwrap();
+    p.synchronize_device().unwrap();
+}
+
+#[test]
+fn the_host_stream_reports_an_error_it_waited_for() {
+    let p = cpu(CpuConfig::default());
+    let host = host_stream(&p);
+    let worker = p.create_stream().unwrap();
+    let ev = p.create_event(false).unwrap();
+    p.launch_host_fn(&worker, Box::new(|| panic!("a failing job")))
+        .unwrap();
+    p.record_event(&ev, &worker).unwrap();
+    p.stream_wait_event(&host, &ev).unwrap();
+    // Reported (once) by the host stream's synchronize, as a worker stream's would be.
+    assert_eq!(kind(p.synchronize_stream(&host)), Some(ErrorKind::Internal));
+    p.synchronize_stream(&host).unwrap();
+    let _ = p.synchronize_stream(&worker);
 }
 
 #[test]

@@ -36,7 +36,7 @@ pub mod sync;
 
 pub use backend::{Backend, Loc, Place};
 pub use collective::{Collective, DEFAULT_COLLECTIVE_TIMEOUT};
-pub use cpu::{CpuBackend, CpuConfig};
+pub use cpu::{CpuBackend, CpuConfig, HOST_STREAM as CPU_HOST_STREAM};
 pub use cuda::CudaBackend;
 pub use dtype::{DType, ReduceOp};
 pub use error::{BackendKind, Error, ErrorKind, HprtStatus, Result};

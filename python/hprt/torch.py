@@ -168,7 +168,10 @@ _STREAM_ATTR = {"cuda": "cuda_stream", "npu": "npu_stream"}
 
 class Runtime:
     """hprt's side of the integration for one platform: the framework-memory accounting, the
-    front ends it made, and the compute stream standing for torch's."""
+    front ends it made, and the compute stream standing for torch's. On the cpu backend that is
+    the host's own stream (raw stream 0): torch's CPU ops are done when they return, so a mark
+    recorded on it is reached at once, and making it wait for a reload blocks the host until
+    the bytes are back, before torch reads them (one wait, in the calling thread)."""
 
     def __init__(self, platform=None, host_budget=None, compression="off"):
         self.platform = platform if platform is not None else hprt.get_platform()
@@ -177,7 +180,10 @@ class Runtime:
         self.layers = hprt.SwapManager(self.platform, host_budget=host_budget,
                                        compression=compression)
         self._fronts = [self.layers]
-        self._host_stream = self.platform.create_stream()
+        # cpu backend: the host stream; elsewhere an idle stream of hprt's (for CPU tensors,
+        # which other backends never swap).
+        self._host_stream = (self.platform.wrap_stream(0) if self.backend == "cpu"
+                             else self.platform.create_stream())
 
     @property
     def platform(self):
@@ -208,21 +214,8 @@ class Runtime:
         if kind in _STREAM_ATTR and (device is None or _device_type(device) == kind):
             stream = getattr(torch, kind).current_stream(device)
             return self.platform.wrap_stream(getattr(stream, _STREAM_ATTR[kind]))
-        # CPU tensors: torch's work is done when its call returns, so an idle hprt stream
-        # orders after all of it.
+        # CPU tensors: torch's work is done when its call returns (see the class docs).
         return self._host_stream
-
-    def host_wait(self):
-        """On the cpu backend the host uses tensors at once: it waits for what the compute
-        stream waits for (on accelerators the stream order suffices)."""
-        if self.backend == "cpu":
-            self._host_stream.synchronize()
-
-    def wait_host(self, t):
-        """CPU tensors are used by the host at once: it waits for what the stream waits for."""
-        if t.device.type == "cpu":
-            self._host_stream.synchronize()
-        return t
 
     def addressable(self, t):
         """Whether this platform's device memory holds ``t`` (cpu backend: CPU tensors; cuda:
@@ -381,11 +374,15 @@ class _Kept(_Packed):
         return self.ref.tensor
 
 
-def _load_layer(packed, load_one, rt, ahead=None):
-    """Loads ``packed`` and every other tensor of its layer still referenced in its pass, calls
-    ``ahead()`` (work queued behind these reloads: a prefetch), then makes the host wait once
-    for the layer (the front ends hand out one tensor at a time; on the cpu backend a host wait
-    per tensor would cost more than the copies)."""
+def _load_layer(packed, load_one, start=None, ahead=None):
+    """Loads ``packed`` and every other tensor of its layer still referenced in its pass. First
+    ``start(packed)`` queues the layer's reload and ``ahead()`` the work behind it (a prefetch of
+    the layer before), so that on the cpu backend, where a load blocks the host, the prefetch is
+    already queued while the host waits."""
+    if start is not None:
+        start(packed)
+    if ahead is not None:
+        ahead()
     pass_ = packed.pass_
     group = pass_.by_layer.pop(packed.layer, ()) if pass_ is not None else ()
     for ref in group:
@@ -394,11 +391,7 @@ def _load_layer(packed, load_one, rt, ahead=None):
         if other is not None and other is not packed and other.out is None and (
                 not other.witness.modified()):
             other.out = load_one(other)
-    out = load_one(packed)
-    if ahead is not None:
-        ahead()
-    rt.host_wait()
-    return out
+    return load_one(packed)
 
 
 def _unpack_with(load):
@@ -519,7 +512,7 @@ def _keyed_enter(ctx):
         flow.start()
     if not flow.taking():
         return None
-    return _pushed(pack, _unpack_with(lambda packed: _load_layer(packed, load_one, rt)))
+    return _pushed(pack, _unpack_with(lambda packed: _load_layer(packed, load_one)))
 
 
 # ---- hyper_parallel's layer groups -------------------------------------------------------------
@@ -673,7 +666,6 @@ class SwapManager:
             if any(e[2] for e in entries):
                 self.rt.layers.launch_load(group)
                 self.rt.layers.wait_load(group, self.rt.compute_stream(None))
-        self.rt.host_wait()
         self.in_place.clear()
         self.rt.layers.end_iteration()
 
@@ -695,7 +687,6 @@ class SwapManager:
         """hyper_parallel: torch's current stream (and, for CPU tensors, the host) waits for
         the group's reload; its tensors are usable again."""
         self.rt.layers.wait_load(group_name, self.rt.compute_stream(None))
-        self.rt.host_wait()
         self._sync_in_place()
 
     def get_current_group_name(self):
@@ -736,10 +727,9 @@ class SwapManager:
         if pass_ is None or layer not in pass_.begun:
             if pass_ is not None:
                 pass_.begun.add(layer)
+            # The compute stream now waits for the whole group (on the cpu backend the host
+            # did, once for every tensor of the layer).
             self.rt.layers.backward_pre(layer, self.rt.compute_stream())
-            # The compute stream now waits for the whole group: one host wait covers every
-            # CPU tensor of the layer.
-            self.rt.host_wait()
             if self.in_place:
                 self._sync_in_place()
 
@@ -1258,7 +1248,7 @@ class PipelineOffloadManager:
         return t
 
     def _load(self, packed):
-        return self.rt.wait_host(self.off.get(packed.ref, self.rt.compute_stream(None)))
+        return self.off.get(packed.ref, self.rt.compute_stream(None))
 
     def _releasable(self, t):
         """Megatron-LM's check for a forced-released tensor (on this platform's device, at least
@@ -1549,7 +1539,10 @@ class _PipelineFront:
         ahead = None
         if self.prefetch and packed.pass_ is not None:
             ahead = lambda: self._prefetch(packed.pass_, packed.layer - 1)  # noqa: E731
-        return _load_layer(packed, self._load_one, self.rt, ahead)
+        return _load_layer(packed, self._load_one, self._start, ahead)
+
+    def _start(self, packed):
+        self.off.prefetch(packed.ref)
 
     def _prefetch(self, pass_, layer):
         """Starts the reload of ``layer``'s group (one tag stands for its group)."""

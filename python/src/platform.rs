@@ -252,7 +252,9 @@ impl PyPlatform {
     }
 
     /// Wraps a framework's stream (`torch.cuda.current_stream().cuda_stream`, an `aclrtStream`
-    /// as an int, or a cpu stream's `raw`) without taking ownership.
+    /// as an int, or a cpu stream's `raw`) without taking ownership. On the cpu backend raw 0 is
+    /// the host's own stream: work queued on it runs in the calling thread, and a wait on it
+    /// blocks the caller (CPU tensors' compute: torch's CPU ops are done when they return).
     ///
     /// The caller promises the stream stays alive while the wrapper is used.
     fn wrap_stream(&self, raw: usize) -> Result<PyStream> {
@@ -429,6 +431,10 @@ impl PyStream {
         self.s.is_external()
     }
     fn synchronize(&self, py: Python<'_>) -> Result<()> {
+        // Done already (the cpu host stream always is): no waiting thread to start.
+        if self.p.query_stream(&self.s)? {
+            return Ok(self.p.synchronize_stream(&self.s)?);
+        }
         let s = self.s.clone();
         Ok(interruptible(py, &self.p, move |p| {
             p.synchronize_stream(&s)
@@ -451,15 +457,16 @@ impl PyStream {
             e,
         })
     }
-    /// Work queued from now on waits for `event`.
-    fn wait_event(&self, event: &PyEvent) -> Result<()> {
-        Ok(self.p.stream_wait_event(&self.s, &event.e)?)
+    /// Work queued from now on waits for `event` (on the cpu backend's host stream, raw 0,
+    /// the caller waits: off the GIL).
+    fn wait_event(&self, py: Python<'_>, event: &PyEvent) -> Result<()> {
+        Ok(py.detach(|| self.p.stream_wait_event(&self.s, &event.e))?)
     }
     /// Work queued from now on waits for the work queued on `other` so far.
-    fn wait_stream(&self, other: &PyStream) -> Result<()> {
+    fn wait_stream(&self, py: Python<'_>, other: &PyStream) -> Result<()> {
         let mark = self.p.create_event(false)?;
         self.p.record_event(&mark, &other.s)?;
-        Ok(self.p.stream_wait_event(&self.s, &mark)?)
+        Ok(py.detach(|| self.p.stream_wait_event(&self.s, &mark))?)
     }
     fn destroy(&self, py: Python<'_>) -> Result<()> {
         Ok(py.detach(|| self.p.destroy_stream(&self.s))?)
@@ -475,6 +482,9 @@ impl PyEvent {
         Ok(self.p.record_event(&self.e, &stream.s)?)
     }
     fn synchronize(&self, py: Python<'_>) -> Result<()> {
+        if self.p.query_event(&self.e)? {
+            return Ok(self.p.synchronize_event(&self.e)?);
+        }
         let e = self.e.clone();
         Ok(interruptible(py, &self.p, move |p| {
             p.synchronize_event(&e)

@@ -779,16 +779,16 @@ impl PyPipelineOffload {
     fn prefetch(&self, py: Python<'_>, tag: &PyOffloadTag) -> Result<usize> {
         py.detach(|| Ok(lock(&self.inner).prefetch(&tag.tag)?))
     }
-    fn record_forward(&self, stream: &PyStream) -> Result<()> {
-        Ok(lock(&self.inner).record_forward(&stream.s)?)
+    fn record_forward(&self, py: Python<'_>, stream: &PyStream) -> Result<()> {
+        py.detach(|| Ok(lock(&self.inner).record_forward(&stream.s)?))
     }
     /// Megatron-LM's `forward_record`: offloads after `stream`'s work so far, and `stream`
     /// after every offload queued so far.
-    fn join_offloads(&self, stream: &PyStream) -> Result<()> {
-        Ok(lock(&self.inner).join_offloads(&stream.s)?)
+    fn join_offloads(&self, py: Python<'_>, stream: &PyStream) -> Result<()> {
+        py.detach(|| Ok(lock(&self.inner).join_offloads(&stream.s)?))
     }
-    fn record_backward(&self, stream: &PyStream) -> Result<()> {
-        Ok(lock(&self.inner).record_backward(&stream.s)?)
+    fn record_backward(&self, py: Python<'_>, stream: &PyStream) -> Result<()> {
+        py.detach(|| Ok(lock(&self.inner).record_backward(&stream.s)?))
     }
     fn post_warmup(&self) {
         lock(&self.inner).post_warmup()

@@ -327,8 +327,9 @@ impl KeyedSwap {
             SwapState::Host => self.engine.start_reload([&mut *t])?,
             _ => {}
         }
-        self.engine.finish_reload([&mut *t], compute)?;
-        let t = self.tensors.remove(&key).expect("present above");
+        // The prefetch is queued before the wait: where the compute stream is the host (the cpu
+        // backend's host stream) the wait blocks, and the next layer's copies should already
+        // be running meanwhile.
         if prefetch {
             for k in self.keys.get_prefetch_keys(key) {
                 if let Some(p) = self.tensors.get_mut(&k) {
@@ -340,6 +341,9 @@ impl KeyedSwap {
                 }
             }
         }
+        let t = self.tensors.get_mut(&key).expect("present above");
+        self.engine.finish_reload([&mut *t], compute)?;
+        let t = self.tensors.remove(&key).expect("present above");
         t.into_saved()
     }
 

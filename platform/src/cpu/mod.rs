@@ -3,8 +3,10 @@
 //!
 //! "Device" memory is host memory behind a capacity, so out-of-memory and peak accounting are
 //! real; freed blocks are cached for reuse like a GPU framework's caching allocator (and, like
-//! `cudaMalloc`, new allocations are not guaranteed zeroed); every stream is a worker thread; ranks of a world are threads of one process that share
-//! one `CpuBackend` value.
+//! `cudaMalloc`, new allocations are not guaranteed zeroed); every created stream is a worker
+//! thread, and raw stream 0 ([`HOST_STREAM`]) is the host itself (work queued on it runs in the
+//! calling thread: CPU tensors' compute, which is done when its call returns); ranks of a world
+//! are threads of one process that share one `CpuBackend` value.
 
 mod comm;
 mod memory;
@@ -203,6 +205,8 @@ pub struct CpuBackend {
     pinned: Arc<MemoryCounter>,
     /// Streams whose worker still runs (destroyed ones until their queue drained).
     streams: Mutex<HashMap<usize, Weak<StreamCore>>>,
+    /// Raw stream 0: the host's own stream (see `stream`), for CPU tensors' compute.
+    host: Arc<StreamCore>,
     orphans: stream::Orphans,
     next_stream: AtomicUsize,
     next_id: AtomicU64,
@@ -211,6 +215,10 @@ pub struct CpuBackend {
 }
 
 const ID_MAGIC: &[u8; 8] = b"hprt-cpu";
+
+/// The raw handle of the host stream: work queued on it runs in the calling thread before the
+/// call returns (created streams are numbered from 1).
+pub const HOST_STREAM: usize = 0;
 
 impl CpuBackend {
     /// A cpu platform with these settings, checked first ([`CpuConfig::validate`]).
@@ -240,6 +248,7 @@ impl CpuBackend {
             devices,
             instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
             streams: Mutex::new(HashMap::new()),
+            host: StreamCore::host(),
             orphans: Arc::default(),
             next_stream: AtomicUsize::new(1),
             next_id: AtomicU64::new(0),
@@ -386,6 +395,12 @@ impl Backend for CpuBackend {
         Ok((Arc::new(StreamRef { core, owned: true }), RawStream(id)))
     }
     unsafe fn wrap_stream(&self, raw: RawStream) -> Result<CpuStream> {
+        if raw.0 == HOST_STREAM {
+            return Ok(Arc::new(StreamRef {
+                core: Arc::clone(&self.host),
+                owned: false,
+            }));
+        }
         let core = lock(&self.streams)
             .get(&raw.0)
             .and_then(Weak::upgrade)
@@ -413,10 +428,11 @@ impl Backend for CpuBackend {
         Ok(stream.core.query())
     }
     fn synchronize_device(&self) -> Result<()> {
-        let live: Vec<Arc<StreamCore>> = lock(&self.streams)
+        let mut live: Vec<Arc<StreamCore>> = lock(&self.streams)
             .values()
             .filter_map(Weak::upgrade)
             .collect();
+        live.push(Arc::clone(&self.host));
         let mut first = Ok(());
         for s in live {
             if let Err(e) = s.synchronize() {
@@ -694,6 +710,9 @@ impl Backend for CpuBackend {
                 None => per_stream.push((stream, vec![issued])),
             }
         }
+        // The host stream's share runs in this thread as it is queued: the workers' shares are
+        // queued first, so a group spanning both does not wait on work not yet queued.
+        per_stream.sort_by_key(|(s, _)| s.core.is_inline());
         for (stream, ops) in per_stream {
             stream.core.enqueue(
                 "group_end",

@@ -1,4 +1,7 @@
 //! cpu streams: one worker thread per stream draining a FIFO of jobs; events as completion marks.
+//! The host stream (raw handle 0) has no worker: a job queued on it runs in the calling thread
+//! before `enqueue` returns, as CPU tensors' compute does (torch's CPU ops are done when their
+//! call returns). Waiting for an event on it blocks the caller; recording one marks it at once.
 
 use crate::sync::lock;
 use std::sync::mpsc::{self, Sender};
@@ -26,6 +29,8 @@ pub(crate) type Orphans = Arc<Mutex<Vec<Error>>>;
 
 /// The part of a stream its worker shares with every handle.
 pub(crate) struct StreamCore {
+    /// Jobs run in the enqueuing thread (the host stream).
+    inline: bool,
     queue: Mutex<Queue>,
     done: Mutex<Done>,
     done_cv: Condvar,
@@ -41,6 +46,7 @@ impl StreamCore {
     ) -> Result<Arc<StreamCore>> {
         let (tx, rx) = mpsc::channel::<Job>();
         let core = Arc::new(StreamCore {
+            inline: false,
             queue: Mutex::new(Queue {
                 tx: Some(tx),
                 submitted: 0,
@@ -83,8 +89,28 @@ impl StreamCore {
         Ok(core)
     }
 
+    /// The host stream: no worker, jobs run where they are queued.
+    pub(crate) fn host() -> Arc<StreamCore> {
+        let (tx, _) = mpsc::channel::<Job>();
+        Arc::new(StreamCore {
+            inline: true,
+            queue: Mutex::new(Queue {
+                tx: Some(tx),
+                submitted: 0,
+            }),
+            done: Mutex::new(Done {
+                completed: 0,
+                error: None,
+            }),
+            done_cv: Condvar::new(),
+        })
+    }
+
     /// Queues `job`; returns its ticket (the number of jobs queued on this stream so far).
     pub(crate) fn enqueue(&self, op: &'static str, job: Job) -> Result<u64> {
+        if self.inline {
+            return Ok(self.run_inline(job));
+        }
         let mut q = lock(&self.queue);
         let Some(tx) = q.tx.as_ref() else {
             return Err(Error::new(
@@ -107,9 +133,35 @@ impl StreamCore {
         Ok(q.submitted)
     }
 
+    /// Runs `job` now, in this thread. The queue lock is not held meanwhile: a job that waits
+    /// for an event blocks only its caller. Its error is reported like a worker's, by the next
+    /// synchronize (and by events recorded after it).
+    fn run_inline(&self, job: Job) -> u64 {
+        let ticket = {
+            let mut q = lock(&self.queue);
+            q.submitted += 1;
+            q.submitted
+        };
+        let outcome = job(self);
+        let mut d = lock(&self.done);
+        d.completed += 1;
+        if let Err(e) = outcome {
+            d.error.get_or_insert(e);
+        }
+        self.done_cv.notify_all();
+        ticket
+    }
+
     /// Stops accepting work; the worker drains what is queued and exits.
     pub(crate) fn close(&self) {
+        if self.inline {
+            return; // the host stream lives as long as its platform
+        }
         lock(&self.queue).tx = None;
+    }
+
+    pub(crate) fn is_inline(&self) -> bool {
+        self.inline
     }
 
     pub(crate) fn is_open(&self) -> bool {
@@ -218,6 +270,15 @@ impl EventCore {
     pub(crate) fn record(self: &Arc<Self>, stream: &StreamCore) -> Result<()> {
         let mut st = lock(&self.state);
         let generation = st.recorded + 1;
+        if stream.inline {
+            // The host's work queued so far is done: the mark is reached now.
+            st.recorded = generation;
+            st.reached = generation;
+            st.time = Some(Instant::now());
+            st.error = stream.pending_error();
+            self.cv.notify_all();
+            return Ok(());
+        }
         let me = Arc::clone(self);
         stream.enqueue(
             "record_event",
