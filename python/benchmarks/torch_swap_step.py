@@ -6,7 +6,7 @@
   forward and backward, minus the plain-torch time, divided by the number of saved tensors.
 
     python python/benchmarks/torch_swap_step.py [--layers 16] [--dim 256] [--seq 128] [--steps 2]
-        [--threads N]
+        [--rounds 3] [--threads N] [--modes swap,keyed] [--no-hook-cost]
 
 On the cpu backend "device" memory is host memory and the copies are host memcpys on hprt's
 stream threads: the numbers describe hprt.torch's overhead, not accelerator performance."""
@@ -81,6 +81,8 @@ def interleaved(model, run, args, platform, min_bytes):
         times.setdefault("plain torch", []).extend(timed(run, args.steps))
         times.setdefault("torch save_on_cpu", []).extend(timed(on_cpu, args.steps))
         for name, kw in MODES.items():
+            if args.modes and kw["mode"] not in args.modes:
+                continue
             with ht.attach(model, platform=platform, min_bytes=min_bytes, **kw) as h:
                 times.setdefault(name, []).extend(timed(run, args.steps))
                 stats[name] = h.stats()
@@ -138,6 +140,9 @@ def main():
     ap.add_argument("--min-bytes", type=int, default=64 << 10)
     ap.add_argument("--hook-tensors", type=int, default=500)
     ap.add_argument("--hook-numel", type=int, default=256)
+    ap.add_argument("--modes", type=lambda v: v.split(","), default=None,
+                    help="comma-separated hprt modes to measure (default: all)")
+    ap.add_argument("--no-hook-cost", action="store_true", help="skip the per-tensor loop")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default: torch's). On a 2-core VM, torch's "
                          "spinning workers and hprt's copy threads take the same cores")
@@ -157,6 +162,8 @@ def main():
             st.get("compressed_tensors", 0) + st.get("tensors", 0)
             + sum(layer["compressed"] for layer in st.get("layers", {}).values())) // per_attach
         print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f} | {off} | {comp} |")
+    if args.no_hook_cost:
+        return
     base, saved, hooks = hook_cost(args)
     print(f"\nHook cost per saved tensor ({saved} saved tensors of {args.hook_numel} f32 per "
           f"forward + backward; plain torch {base * 1e3:.2f} ms):")

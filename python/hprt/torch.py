@@ -53,6 +53,7 @@ One module, past 800 lines, because every front end shares the pass and hook mac
 first sections (``_Flow``, ``_Packed``, ``_Witness``) and the peers' names are thin layers over it.
 """
 
+import concurrent.futures
 import contextlib
 import enum
 import threading
@@ -139,12 +140,53 @@ def _in_backward():
     return torch._C._current_graph_task_id() != -1
 
 
+def _span(shape, stride, offset):
+    """Elements of storage a tensor of this layout reaches."""
+    return offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+
+
 def _empty_like_layout(shape, stride, offset, dtype, device):
     """A tensor of ``shape`` and ``stride`` at storage offset ``offset``."""
     if offset == 0:
         return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    span = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
-    return torch.empty(span, dtype=dtype, device=device).as_strided(shape, stride, offset)
+    return torch.empty(_span(shape, stride, offset), dtype=dtype, device=device).as_strided(
+        shape, stride, offset)
+
+
+class _Allocate:
+    """What a borrowed payload's reload calls for its memory: a tensor of the saved layout (one
+    object holding plain tuples, not a closure's cells: see ``_Witness`` on the collector)."""
+
+    __slots__ = ("platform", "shape", "stride", "offset", "dtype", "device")
+
+    def __init__(self, t, platform):
+        self.shape, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+        self.dtype, self.platform = t.dtype, platform
+        self.device = None if platform is not None else t.device
+
+    def __call__(self):
+        if self.platform is not None:
+            return _platform_empty(self.platform, self.shape, self.stride, self.offset, self.dtype)
+        return _empty_like_layout(self.shape, self.stride, self.offset, self.dtype, self.device)
+
+
+def _platform_empty(platform, shape, stride, offset, dtype):
+    """A CPU tensor of this layout in the cpu platform's device memory, through DLPack. That
+    memory comes from the platform's caching allocator (the cpu backend's, like a GPU
+    framework's): a reload reuses the blocks earlier reloads freed, where torch's CPU allocator
+    would hand glibc's memory back and fault fresh pages in for every reload. When the platform
+    has no room (its ``device_memory`` cap), torch's allocator makes it."""
+    span = _span(shape, stride, offset)
+    try:
+        buf = platform.alloc_device(span * dtype.itemsize)
+    except hprt.OutOfMemoryError:
+        return _empty_like_layout(shape, stride, offset, dtype, "cpu")
+    name = _HPRT_DTYPES.get(dtype)
+    if name is None:  # exported as bytes, then reinterpreted
+        flat = torch.from_dlpack(buf.view("u8", [span * dtype.itemsize])).view(dtype)
+    else:
+        flat = torch.from_dlpack(buf.view(name, [span]))
+    return flat.as_strided(shape, stride, offset)
 
 
 # torch dtypes under hprt's names (what compress-then-swap can encode; others travel as bytes).
@@ -226,9 +268,9 @@ class Runtime:
         """``t`` as a borrowed swap payload whose reload makes a tensor of its shape, strides and
         storage offset. hprt holds ``t.detach()``: the same memory, but not ``t``'s autograd node,
         which holds what the pack hook returned (a cycle no collector sees through)."""
-        layout = (t.size(), t.stride(), t.storage_offset(), t.dtype, t.device)
-        return self.memory.tensor(t.detach(), lambda: _empty_like_layout(*layout),
-                                  _HPRT_DTYPES.get(t.dtype, "u8"))
+        # cpu backend: reloads from the platform's device memory (see ``_platform_empty``).
+        allocate = _Allocate(t, self.platform if self.backend == "cpu" else None)
+        return self.memory.tensor(t.detach(), allocate, _HPRT_DTYPES.get(t.dtype, "u8"))
 
     def stats(self):
         s = dict(self.memory.stats())
@@ -264,11 +306,18 @@ def is_swappable(t, rt, min_bytes=0, custom_check_fn=None):
     """The torch side of eligibility: a non-empty dense tensor on this platform's device, not a
     parameter (nor a leaf that requires grad). ``min_bytes`` and ``custom_check_fn`` are the
     front end's own rules, applied here only for direct callers."""
-    if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+    # Exact types first: nn.Parameter's isinstance goes through a Python metaclass hook, and
+    # this runs for every tensor autograd saves.
+    if type(t) is not torch.Tensor and (
+            not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter)):
+        return False
+    base = t._base
+    if base is not None and type(base) is not torch.Tensor and isinstance(base, nn.Parameter):
         return False
     if t.is_leaf and t.requires_grad:
         return False
-    if t.numel() == 0 or t.nbytes < max(min_bytes, 1) or not rt.addressable(t) or not _is_dense(t):
+    nbytes = t.nbytes
+    if nbytes == 0 or nbytes < min_bytes or not rt.addressable(t) or not _is_dense(t):
         return False
     return custom_check_fn is None or bool(custom_check_fn(t))
 
@@ -281,28 +330,33 @@ _lock = threading.Lock()
 class _Witness:
     """torch's check that a saved tensor was not modified in place, for a tensor hprt no longer
     references: its version at save time, and weak references to it and to its base (which
-    share its version counter; any view that could still write it keeps the base alive)."""
+    share its version counter; any view that could still write it keeps the base alive).
 
-    __slots__ = ("version", "refs", "shape", "grad_fn", "output_nr")
+    The base class of what the pack hooks return (one object per saved tensor: each object
+    that lives from a forward to its backward is work for Python's collector, whose full
+    collections cost tens of ms in a training process), holding nothing the collector must
+    follow but the weak references (the shape as a plain tuple of ints, which it untracks)."""
+
+    __slots__ = ("version", "_t", "_base", "shape", "grad_fn", "output_nr")
 
     def __init__(self, t):
         self.version = t._version
         base = t._base
-        self.refs = (weakref.ref(t),) if base is None else (weakref.ref(t), weakref.ref(base))
+        self._t = weakref.ref(t)
+        self._base = None if base is None else weakref.ref(base)
         fn = t.grad_fn
         # The node's class name is its name(); the node itself would be a reference cycle.
-        self.shape, self.grad_fn, self.output_nr = t.shape, fn and type(fn).__name__, t.output_nr
+        self.shape, self.grad_fn, self.output_nr = tuple(t.shape), fn and type(fn).__name__, t.output_nr
 
     def modified(self):
         t = self._alive()
         return t is not None and t._version != self.version
 
     def _alive(self):
-        for r in self.refs:
-            t = r()
-            if t is not None:
-                return t
-        return None
+        t = self._t()
+        if t is None and self._base is not None:
+            t = self._base()
+        return t
 
     def check(self):
         """Raises torch's error (same class and message shape) if the tensor was modified."""
@@ -337,15 +391,17 @@ class _Pass:
             self.live -= 1
 
 
-class _Packed:
+class _Packed(_Witness):
     """What a pack hook returns for a tensor hprt took: the front end's reference, torch's
-    in-place check, and the tensor once read (a retained graph's second backward gets the
-    same one). Its death (read, or its graph dropped) is counted in its pass."""
+    in-place check (it is the tensor's witness), and the tensor once read (a retained graph's
+    second backward gets the same one). Its death (read, or its graph dropped) is counted in
+    its pass."""
 
-    __slots__ = ("ref", "out", "witness", "layer", "pass_", "__weakref__")
+    __slots__ = ("ref", "out", "layer", "pass_", "__weakref__")
 
     def __init__(self, ref, t, layer=None, pass_=None):
-        self.ref, self.out, self.witness, self.layer = ref, None, _Witness(t), layer
+        _Witness.__init__(self, t)
+        self.ref, self.out, self.layer = ref, None, layer
         self.pass_ = pass_
         if pass_ is not None:
             pass_.add()
@@ -357,7 +413,7 @@ class _Packed:
             self.pass_.drop()
 
     def read(self, load):
-        self.witness.check()
+        self.check()
         if self.out is None:
             self.out = load(self)
         return self.out
@@ -370,7 +426,7 @@ class _Kept(_Packed):
     __slots__ = ()
 
     def read(self, load):
-        self.witness.check()
+        self.check()
         return self.ref.tensor
 
 
@@ -389,7 +445,7 @@ def _load_layer(packed, load_one, start=None, ahead=None):
         other = ref()
         # A modified one is left to its own read, which raises torch's error for it.
         if other is not None and other is not packed and other.out is None and (
-                not other.witness.modified()):
+                not other.modified()):
             other.out = load_one(other)
     return load_one(packed)
 
@@ -807,13 +863,20 @@ _CODEC_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf
 
 
 class compress_saved_tensors(_Hooks):
-    """Lossless compression of saved f32/f16/bf16 dense CPU tensors (``hprt.compress`` of the
-    tensor's memory in pack, ``hprt.decompress_into`` a tensor of the same shape, strides and
-    storage offset in unpack); ``stats()`` counts raw and compressed bytes."""
+    """Lossless compression of saved f32/f16/bf16 dense CPU tensors: in pack, ``hprt.compress``
+    of the tensor's memory is queued on a codec thread of hprt's (the step goes on while it
+    encodes, as an accelerator's codec stream would; the raw tensor is let go once its encoding
+    exists); in unpack, ``hprt.decompress_into`` a tensor of the same shape, strides and storage
+    offset. A failed encode keeps the raw tensor (nothing is lost; unpack returns it).
+    ``platform`` (a cpu platform) gives the decoded tensors its device memory, reused from one
+    step to the next (see ``_platform_empty``); ``stats()`` counts raw and compressed bytes."""
 
-    def __init__(self, min_bytes=0):
+    def __init__(self, min_bytes=0, platform=None):
         self.min_bytes = min_bytes
+        self.platform = platform if platform is not None and platform.backend == "cpu" else None
         self._stats = {"tensors": 0, "raw_bytes": 0, "compressed_bytes": 0}
+        self._stats_lock = threading.Lock()
+        self._codec = None
 
     def _pack(self, t):
         if (
@@ -827,20 +890,45 @@ class compress_saved_tensors(_Hooks):
         ):
             return t
         flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())  # memory order
-        blob = hprt.compress(flat)
-        self._stats["tensors"] += 1
-        self._stats["raw_bytes"] += t.nbytes
-        self._stats["compressed_bytes"] += len(blob)
-        return _Packed((blob, t.size(), t.stride(), t.storage_offset(), t.dtype), t)
+        if self._codec is None:
+            self._codec = concurrent.futures.ThreadPoolExecutor(1, "hprt-codec")
+        raw = [flat]
+        encoded = self._codec.submit(self._encode, raw)
+        return _Packed((encoded, raw, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
+                        self.platform), t)
+
+    def _encode(self, raw):
+        """On the codec thread: the encoding of ``raw[0]``, which it then lets go of."""
+        blob = hprt.compress(raw[0])
+        with self._stats_lock:
+            self._stats["tensors"] += 1
+            self._stats["raw_bytes"] += raw[0].nbytes
+            self._stats["compressed_bytes"] += len(blob)
+        raw[0] = None
+        return blob
 
     def stats(self):
-        """Tensors compressed, their raw and compressed bytes."""
-        return dict(self._stats)
+        """Tensors compressed, their raw and compressed bytes (encodes still queued are waited
+        for first)."""
+        if self._codec is not None:
+            self._codec.submit(lambda: None).result()
+        with self._stats_lock:
+            return dict(self._stats)
 
     @staticmethod
     def _decompress(packed):
-        blob, shape, stride, offset, dtype = packed.ref
-        out = _empty_like_layout(shape, stride, offset, dtype, "cpu")
+        encoded, raw, shape, stride, offset, dtype, platform = packed.ref
+        try:
+            blob = encoded.result()
+        except Exception:
+            if raw[0] is None:
+                raise
+            # The encode failed: the raw bytes were kept.
+            return raw[0].as_strided(shape, stride, offset)
+        if platform is not None:
+            out = _platform_empty(platform, shape, stride, offset, dtype)
+        else:
+            out = _empty_like_layout(shape, stride, offset, dtype, "cpu")
         flat = out.as_strided((out.numel(),), (1,), offset)
         hprt.decompress_into(blob, flat)
         return out
@@ -851,15 +939,16 @@ class compress_saved_tensors(_Hooks):
 # ---- MindSpeed-style managed compression -------------------------------------------------------
 
 
-class _ManagedKey:
-    """A tensor registered with the ActivationManager; if its graph is dropped before the
-    tensor was read, the key is queued for ``discard`` (done at the next layer boundary, not in
-    the collector's context)."""
+class _ManagedKey(_Witness):
+    """A tensor registered with the ActivationManager (and its witness); if its graph is
+    dropped before the tensor was read, the key is queued for ``discard`` (done at the next
+    layer boundary, not in the collector's context)."""
 
-    __slots__ = ("key", "out", "witness", "owner", "taken", "pass_")
+    __slots__ = ("key", "out", "owner", "taken", "pass_")
 
     def __init__(self, key, t, owner, pass_):
-        self.key, self.out, self.witness, self.owner, self.taken = key, None, _Witness(t), owner, False
+        _Witness.__init__(self, t)
+        self.key, self.out, self.owner, self.taken = key, None, owner, False
         self.pass_ = pass_
         pass_.add()
 
@@ -926,7 +1015,7 @@ class ManagedCompression:
     def _unpack(self, packed):
         if not isinstance(packed, _ManagedKey):
             return packed
-        packed.witness.check()
+        packed.check()
         if packed.out is None:
             layer = packed.key[0]
             if self._backward_layer != layer:
@@ -1674,7 +1763,7 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
     elif mode == "keep":
         front = _ContextFront(lambda i: keep_saved_tensors(rt, min_bytes))
     elif mode == "compress":
-        comp = compress_saved_tensors(min_bytes)
+        comp = compress_saved_tensors(min_bytes, platform=rt.platform)
         front, extra = _ContextFront(lambda i: comp), comp.stats
     else:
         comp = ManagedCompression(rt.platform, min_numel=max(1, min_bytes // 4),

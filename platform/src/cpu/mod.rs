@@ -9,6 +9,7 @@
 //! are threads of one process that share one `CpuBackend` value.
 
 mod comm;
+mod copy;
 mod memory;
 mod reduce;
 mod stream;
@@ -509,7 +510,7 @@ impl Backend for CpuBackend {
             "copy_async",
             Box::new(move |_: &StreamCore| {
                 // SAFETY: ranges were bounds-checked at issue and the job holds both allocations.
-                unsafe { std::ptr::copy(s.at(soff), d.at(doff), bytes) };
+                unsafe { copy::copy_bytes(s.at(soff), d.at(doff), bytes) };
                 Ok(())
             }),
         )?;
