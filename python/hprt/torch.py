@@ -867,16 +867,20 @@ class compress_saved_tensors(_Hooks):
     of the tensor's memory is queued on a codec thread of hprt's (the step goes on while it
     encodes, as an accelerator's codec stream would; the raw tensor is let go once its encoding
     exists); in unpack, ``hprt.decompress_into`` a tensor of the same shape, strides and storage
-    offset. A failed encode keeps the raw tensor (nothing is lost; unpack returns it).
+    offset, while the codec thread decodes the next ``decode_ahead`` tensors backward will read
+    (the latest saved ones not read yet). A failed encode keeps the raw tensor (nothing is
+    lost; unpack returns it).
     ``platform`` (a cpu platform) gives the decoded tensors its device memory, reused from one
     step to the next (see ``_platform_empty``); ``stats()`` counts raw and compressed bytes."""
 
-    def __init__(self, min_bytes=0, platform=None):
-        self.min_bytes = min_bytes
+    def __init__(self, min_bytes=0, platform=None, decode_ahead=4):
+        self.min_bytes, self.decode_ahead = min_bytes, decode_ahead
         self.platform = platform if platform is not None and platform.backend == "cpu" else None
-        self._stats = {"tensors": 0, "raw_bytes": 0, "compressed_bytes": 0}
+        self._stats = {"tensors": 0, "raw_bytes": 0, "compressed_bytes": 0, "decoded_ahead": 0}
         self._stats_lock = threading.Lock()
         self._codec = None
+        self._order = []  # weak references to what pack returned, in order of saving
+        self._prune_at = 1024
 
     def _pack(self, t):
         if (
@@ -894,8 +898,14 @@ class compress_saved_tensors(_Hooks):
             self._codec = concurrent.futures.ThreadPoolExecutor(1, "hprt-codec")
         raw = [flat]
         encoded = self._codec.submit(self._encode, raw)
-        return _Packed((encoded, raw, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
-                        self.platform), t)
+        # ref[2] holds the decode begun ahead (a future), or _TAKEN once unpack took it.
+        packed = _Packed((encoded, raw, [None], tuple(t.shape), t.stride(), t.storage_offset(),
+                          t.dtype, self.platform), t)
+        if len(self._order) >= self._prune_at:  # passes whose backward never came
+            self._order = [w for w in self._order if self._waiting(w())]
+            self._prune_at = max(1024, 2 * len(self._order))
+        self._order.append(weakref.ref(packed))
+        return packed
 
     def _encode(self, raw):
         """On the codec thread: the encoding of ``raw[0]``, which it then lets go of."""
@@ -908,16 +918,48 @@ class compress_saved_tensors(_Hooks):
         return blob
 
     def stats(self):
-        """Tensors compressed, their raw and compressed bytes (encodes still queued are waited
-        for first)."""
+        """Tensors compressed, their raw and compressed bytes, decodes begun ahead of their
+        unpack (encodes still queued are waited for first)."""
         if self._codec is not None:
             self._codec.submit(lambda: None).result()
         with self._stats_lock:
             return dict(self._stats)
 
     @staticmethod
-    def _decompress(packed):
-        encoded, raw, shape, stride, offset, dtype, platform = packed.ref
+    def _waiting(packed):
+        return packed is not None and packed.ref[2][0] is not _TAKEN
+
+    def _load(self, packed):
+        slot = packed.ref[2]
+        ahead, slot[0] = slot[0], _TAKEN
+        self._decode_ahead()
+        return ahead.result() if ahead is not None else self._decompress(packed.ref)
+
+    def _decode_ahead(self):
+        """Queues the decodes of the next tensors backward reads (the latest saved ones not read
+        yet) on the codec thread, up to ``decode_ahead`` of them begun."""
+        order = self._order
+        while order and not self._waiting(order[-1]()):
+            order.pop()
+        begun = 0
+        for w in reversed(order):
+            if begun >= self.decode_ahead:
+                break
+            p = w()
+            if not self._waiting(p):
+                continue
+            if p.ref[2][0] is None:
+                p.ref[2][0] = self._codec.submit(self._decompress, p.ref)
+                with self._stats_lock:
+                    self._stats["decoded_ahead"] += 1
+            begun += 1
+
+    def _unpack(self, packed):
+        return packed.read(self._load) if isinstance(packed, _Packed) else packed
+
+    @staticmethod
+    def _decompress(ref):
+        encoded, raw, _, shape, stride, offset, dtype, platform = ref
         try:
             blob = encoded.result()
         except Exception:
@@ -933,7 +975,8 @@ class compress_saved_tensors(_Hooks):
         hprt.decompress_into(blob, flat)
         return out
 
-    _unpack = staticmethod(_unpack_with(_decompress.__func__))
+
+_TAKEN = object()  # a compressed tensor unpack took (its decode is not begun ahead)
 
 
 # ---- MindSpeed-style managed compression -------------------------------------------------------

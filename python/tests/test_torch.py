@@ -141,6 +141,9 @@ def test_compression_is_bit_exact_and_compresses(baseline):
     assert_identical(baseline, out)
     stats = out[2]
     assert stats["tensors"] > 0 and stats["compressed_bytes"] < stats["raw_bytes"]
+    # Backward reads in reverse order of saving: all but a layer's first reads were decoded
+    # on the codec thread ahead of them.
+    assert stats["decoded_ahead"] > stats["tensors"] // 2, stats
 
 
 def test_activation_manager_compression_is_bit_exact(platform, baseline):
@@ -187,6 +190,54 @@ def test_managed_compression_compresses_the_same_tensors_every_step(jitter):
     assert per_step[0] == per_step[1] == per_step[2], per_step
     for layer, (saved, compressed) in per_step[0].items():
         assert saved > 0 and compressed == (saved if layer < LAYERS - 1 else 0), per_step[0]
+
+
+def test_reloads_use_the_cpu_platforms_device_memory_or_torchs_when_it_is_full(baseline,
+                                                                               monkeypatch):
+    """On the cpu backend a reloaded tensor lives in the platform's (cached) device memory,
+    given back once torch is done with it; a platform without room falls back to torch's
+    allocator. Both bit-exact."""
+    platform = hprt.cpu_platform(device_memory=64 << 20)
+    rt = ht.Runtime(platform)
+    seen = []
+    real, real_empty = ht._platform_empty, ht._empty_like_layout
+
+    def spy(platform_, shape, stride, offset, dtype):
+        out = real(platform_, shape, stride, offset, dtype)
+        seen.append(platform_.memory_stats()["device_current"])
+        return out
+
+    ht._platform_empty = spy
+    try:
+        assert_identical(baseline, train("layer_group", rt))
+        assert seen and all(n > 0 for n in seen)  # held while autograd reads it
+        assert platform.memory_stats()["device_current"] == 0  # and given back
+        tiny = hprt.cpu_platform(device_memory=4 << 10)  # room for the smallest only
+        fallbacks = []
+        monkeypatch.setattr(ht, "_empty_like_layout",
+                            lambda *a: fallbacks.append(a) or real_empty(*a))
+        seen.clear()
+        assert_identical(baseline, train("layer_group", ht.Runtime(tiny)))
+        assert seen and fallbacks and all(n <= 4 << 10 for n in seen)
+    finally:
+        ht._platform_empty = real
+        ht.SwapManager.reset()
+
+
+def test_a_failed_encode_keeps_the_raw_tensor(baseline, monkeypatch):
+    """compress mode encodes on its codec thread; an encode that fails leaves the raw tensor
+    in place of the encoding (nothing lost, gradients exact)."""
+    calls = []
+
+    def failing(t, *a, **k):
+        calls.append(t.numel())
+        raise hprt.HprtError("test: the encoder failed")
+
+    monkeypatch.setattr(hprt, "compress", failing)
+    out = train("compress")
+    assert calls
+    assert_identical(baseline, out)
+    assert out[2]["tensors"] == 0
 
 
 def test_swap_with_jitter_is_still_bit_exact(baseline):
