@@ -866,10 +866,10 @@ class compress_saved_tensors(_Hooks):
     """Lossless compression of saved f32/f16/bf16 dense CPU tensors: in pack, ``hprt.compress``
     of the tensor's memory is queued on a codec thread of hprt's (the step goes on while it
     encodes, as an accelerator's codec stream would; the raw tensor is let go once its encoding
-    exists); in unpack, ``hprt.decompress_into`` a tensor of the same shape, strides and storage
-    offset, while the codec thread decodes the next ``decode_ahead`` tensors backward will read
-    (the latest saved ones not read yet). A failed encode keeps the raw tensor (nothing is
-    lost; unpack returns it).
+    exists; tensors under 128 KiB are encoded in the hook); in unpack, ``hprt.decompress_into``
+    a tensor of the same shape, strides and storage offset, while the codec thread decodes the
+    next ``decode_ahead`` tensors backward will read (the latest saved ones not read yet). A
+    failed encode keeps the raw tensor (nothing is lost; unpack returns it) and warns.
     ``platform`` (a cpu platform) gives the decoded tensors its device memory, reused from one
     step to the next (see ``_platform_empty``); ``stats()`` counts raw and compressed bytes."""
 
@@ -894,13 +894,19 @@ class compress_saved_tensors(_Hooks):
         ):
             return t
         flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())  # memory order
-        if self._codec is None:
-            self._codec = concurrent.futures.ThreadPoolExecutor(1, "hprt-codec")
         raw = [flat]
-        encoded = self._codec.submit(self._encode, raw)
+        small = t.nbytes < _CODEC_THREAD_MIN_BYTES
+        if small:
+            encoded = self._encode(raw)
+        else:
+            if self._codec is None:
+                self._codec = concurrent.futures.ThreadPoolExecutor(1, "hprt-codec")
+            encoded = self._codec.submit(self._encode, raw)
         # ref[2] holds the decode begun ahead (a future), or _TAKEN once unpack took it.
         packed = _Packed((encoded, raw, [None], tuple(t.shape), t.stride(), t.storage_offset(),
                           t.dtype, self.platform), t)
+        if small:
+            return packed
         if len(self._order) >= self._prune_at:  # passes whose backward never came
             self._order = [w for w in self._order if self._waiting(w())]
             self._prune_at = max(1024, 2 * len(self._order))
@@ -908,8 +914,14 @@ class compress_saved_tensors(_Hooks):
         return packed
 
     def _encode(self, raw):
-        """On the codec thread: the encoding of ``raw[0]``, which it then lets go of."""
-        blob = hprt.compress(raw[0])
+        """The encoding of ``raw[0]``, which it then lets go of; None (``raw[0]`` kept) if the
+        encode failed."""
+        try:
+            blob = hprt.compress(raw[0])
+        except Exception as e:  # noqa: BLE001  (any failure: the raw bytes stay)
+            warnings.warn(f"hprt.torch: a saved tensor's encode failed ({e}); it is kept "
+                          "uncompressed", RuntimeWarning, stacklevel=2)
+            return None
         with self._stats_lock:
             self._stats["tensors"] += 1
             self._stats["raw_bytes"] += raw[0].nbytes
@@ -960,12 +972,8 @@ class compress_saved_tensors(_Hooks):
     @staticmethod
     def _decompress(ref):
         encoded, raw, _, shape, stride, offset, dtype, platform = ref
-        try:
-            blob = encoded.result()
-        except Exception:
-            if raw[0] is None:
-                raise
-            # The encode failed: the raw bytes were kept.
+        blob = encoded if not isinstance(encoded, concurrent.futures.Future) else encoded.result()
+        if blob is None:  # the encode failed: the raw bytes were kept
             return raw[0].as_strided(shape, stride, offset)
         if platform is not None:
             out = _platform_empty(platform, shape, stride, offset, dtype)
@@ -977,6 +985,10 @@ class compress_saved_tensors(_Hooks):
 
 
 _TAKEN = object()  # a compressed tensor unpack took (its decode is not begun ahead)
+
+# Tensors under this size are encoded and decoded in the hook itself: handing them to the codec
+# thread and back costs more than their encode (~100 µs at ~1.5 GB/s).
+_CODEC_THREAD_MIN_BYTES = 128 << 10
 
 
 # ---- MindSpeed-style managed compression -------------------------------------------------------
@@ -1024,7 +1036,10 @@ class ManagedCompression:
     def __init__(self, platform=None, min_numel=32768, window_ms=None, encode_gbps=None,
                  decode_gbps=None):
         self.platform = platform if platform is not None else hprt.get_platform()
-        self.stream = self.platform.create_stream()
+        # torch's CPU ops run on the host: on the cpu backend the manager's operators are the
+        # host stream's (its waits for the codec stream block the host, no synchronize after).
+        self.stream = (self.platform.wrap_stream(0) if self.platform.backend == "cpu"
+                       else self.platform.create_stream())
         self.manager = hprt.ActivationManager(
             self.stream, self.platform, encode_gbps=encode_gbps, decode_gbps=decode_gbps,
             min_numel=min_numel)

@@ -131,13 +131,17 @@ def measure(mode, steps):
     torch.set_num_threads(1)  # intra-op threads only spin against each other on tensors this small
     platform = hprt.cpu_platform(device_memory=64 << 20)
     model, opt, data = TinyLM(), NoOptimizer(), tiny_data()
-    with ht.attach(model, platform=platform, min_bytes=0, **tp.MODES[mode]) as handle:
+    with tp.attach_mode(model, platform, mode) as handle:
         run_patterns(model, opt, data, WARMUP)  # pools, caches
-        before, st0, rss0 = census(), handle.stats(), rss_bytes()
+        # hprt lets go of Python objects off the GIL (a copy's end, a reset); pyo3 applies
+        # those reference drops at its next call, so each census comes after one (stats()).
+        st0 = handle.stats()
+        before, rss0 = census(), rss_bytes()
         t0, cpu0 = time.perf_counter(), time.process_time()
         run_patterns(model, opt, data, steps)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-        after, st, rss = census(), handle.stats(), rss_bytes()
+        st = handle.stats()
+        after, rss = census(), rss_bytes()
     return {
         "seconds": seconds, "cpu_seconds": cpu, "took_tensors": tp.took_tensors(handle),
         "tensors": [live_tensors(before), live_tensors(after)],

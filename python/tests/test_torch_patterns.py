@@ -48,7 +48,22 @@ MODES = {
     "keyed_host_stage": dict(mode="keyed", compression="host_stage"),
     "layers_device_codec": dict(mode="swap", compression="device"),
     "pipeline_host_stage": dict(mode="pipeline", compression="host_stage"),
+    # compress mode with every tensor on its codec thread (these models' tensors are small
+    # enough to be encoded in the hooks otherwise)
+    "compress_codec_thread": dict(mode="compress", _codec_thread_min_bytes=0),
 }
+
+
+def attach_mode(model, platform, mode):
+    """``ht.attach`` of one of ``MODES`` on every layer, every saved tensor eligible."""
+    kw = dict(MODES[mode])
+    threshold = kw.pop("_codec_thread_min_bytes", None)
+    handle = ht.attach(model, platform=platform, min_bytes=0, **kw)
+    if threshold is not None:
+        old = ht._CODEC_THREAD_MIN_BYTES
+        ht._CODEC_THREAD_MIN_BYTES = threshold
+        handle._on_detach.append(lambda: setattr(ht, "_CODEC_THREAD_MIN_BYTES", old))
+    return handle
 
 
 # ---- the patterns: each trains `model` on `data` and returns what it observed -------------------
@@ -224,7 +239,7 @@ def run(model_name, pattern, mode=None, platform=None):
     rec = Recorder(model)
     handle = None
     if mode is not None:
-        handle = ht.attach(model, platform=platform, min_bytes=0, **MODES[mode])
+        handle = attach_mode(model, platform, mode)
     try:
         PATTERNS[pattern](model, opt, data_for(), rec)
     finally:
@@ -299,7 +314,7 @@ def test_inplace_write_to_a_saved_tensor_raises_torchs_error(model_name, mode, p
         model = MODELS[model_name]()
         handle = None
         if handle_mode is not None:
-            handle = ht.attach(model, platform=platform, min_bytes=0, **MODES[handle_mode])
+            handle = attach_mode(model, platform, handle_mode)
         mlp = layers_of(model)[0].mlp
         act = mlp.act if hasattr(mlp, "act") else mlp.act_fn
         kept = []
@@ -370,8 +385,7 @@ def test_reloads_keep_strides_and_storage_offsets(mode, platform):
     def observe(handle_mode):
         SavesViews.seen = []
         model = ViewModel()
-        handle = None if handle_mode is None else ht.attach(model, platform=platform, min_bytes=0,
-                                                            **MODES[handle_mode])
+        handle = None if handle_mode is None else attach_mode(model, platform, handle_mode)
         try:
             model(torch.arange(96, dtype=torch.float32).reshape(8, 12)).backward()
         finally:
@@ -435,7 +449,7 @@ def test_torch_compile_in_every_mode(platform):
 
     want = grads()
     for mode in MODES:
-        with ht.attach(model, platform=platform, min_bytes=0, **MODES[mode]) as handle:
+        with attach_mode(model, platform, mode) as handle:
             got = grads()
         assert_identical(got, want)
         assert took_tensors(handle), (mode, handle.stats())
@@ -490,7 +504,7 @@ def test_detach_removes_every_hook(mode, platform):
     torch.manual_seed(0)
     model = gpt2()
     singletons = dict(ht.SwapManager._instances)
-    handle = ht.attach(model, platform=platform, min_bytes=0, **MODES[mode])
+    handle = attach_mode(model, platform, mode)
     assert handle.attached and handle.layers == list(model.transformer.h)
     assert any(m._forward_pre_hooks for m in model.modules())
     handle.detach()
@@ -543,7 +557,7 @@ def test_a_predicate_chooses_the_swapped_tensors(mode, platform):
     assert st["offloaded_bytes"] <= taken
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if m not in ("keep", "compress")])
+@pytest.mark.parametrize("mode", [m for m in MODES if m not in ("keep", "compress", "compress_codec_thread")])
 def test_an_overlapping_forward_is_named_in_one_warning(mode, platform):
     """Modes that follow one pass at a time leave a second forward's tensors to autograd (two
     forwards then one backward, DPO-style): exact, but the memory is not saved, so the user is
