@@ -69,24 +69,32 @@ def timed(fn, steps):
 
 
 def interleaved(model, run, args, platform, min_bytes):
-    """Per mode the median step over ``args.rounds`` rounds that visit every mode in turn (a
-    load change on the machine hits every mode alike), with the last round's statistics."""
-    times, stats = {}, {}
+    """Per mode: the median step over ``args.rounds`` rounds that visit every mode in turn, the
+    median over rounds of its ratio to plain torch's median step in the same round (a load
+    change on the machine between rounds cancels out), and the last round's statistics."""
+    times, ratios, stats = {}, {}, {}
 
     def on_cpu():
         with torch.autograd.graph.save_on_cpu(pin_memory=False):
             run()
 
+    def measure(name, fn):
+        t = timed(fn, args.steps)
+        times.setdefault(name, []).extend(t)
+        return statistics.median(t)
+
     for _ in range(args.rounds):
-        times.setdefault("plain torch", []).extend(timed(run, args.steps))
-        times.setdefault("torch save_on_cpu", []).extend(timed(on_cpu, args.steps))
+        plain = measure("plain torch", run)
+        ratios.setdefault("plain torch", []).append(1.0)
+        ratios.setdefault("torch save_on_cpu", []).append(measure("torch save_on_cpu", on_cpu) / plain)
         for name, kw in MODES.items():
             if args.modes and kw["mode"] not in args.modes:
                 continue
             with ht.attach(model, platform=platform, min_bytes=min_bytes, **kw) as h:
-                times.setdefault(name, []).extend(timed(run, args.steps))
+                ratios.setdefault(name, []).append(measure(name, run) / plain)
                 stats[name] = h.stats()
-    return [(name, statistics.median(t), stats.get(name)) for name, t in times.items()]
+    return [(name, statistics.median(t), statistics.median(ratios[name]), stats.get(name))
+            for name, t in times.items()]
 
 
 def step_times(args):
@@ -126,7 +134,7 @@ def hook_cost(args):
     saved = 2 * n
     rows = interleaved(model, run, args, hprt.cpu_platform(device_memory=1 << 30), 0)
     base = rows[0][1]
-    return base, saved, [(name, (t - base) / saved * 1e6) for name, t, _ in rows[1:]]
+    return base, saved, [(name, (t - base) / saved * 1e6) for name, t, _, _ in rows[1:]]
 
 
 def main():
@@ -152,16 +160,16 @@ def main():
     print(f"{args.layers}-layer transformer, dim {args.dim}, batch {args.batch} x {args.seq} tokens, "
           f"f32; hprt modes with min_bytes={args.min_bytes}; torch threads: {torch.get_num_threads()}")
     rows = step_times(args)
-    base = rows[0][1]
-    print("| mode | step (ms, median) | vs plain torch | offloaded MiB per step | compressed tensors per step |")
+    print("| mode | step (ms, median) | vs plain torch (median of rounds) | offloaded MiB per step "
+          "| compressed tensors per step |")
     print("|---|---|---|---|---|")
     per_attach = args.steps + 1  # warm-up included
-    for name, t, st in rows:
+    for name, t, ratio, st in rows:
         off = "-" if st is None else f"{st['offloaded_bytes'] / (1 << 20) / per_attach:.1f}"
         comp = "-" if st is None else (
             st.get("compressed_tensors", 0) + st.get("tensors", 0)
             + sum(layer["compressed"] for layer in st.get("layers", {}).values())) // per_attach
-        print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f} | {off} | {comp} |")
+        print(f"| {name} | {t * 1e3:.1f} | {ratio:.3f} | {off} | {comp} |")
     if args.no_hook_cost:
         return
     base, saved, hooks = hook_cost(args)

@@ -1,19 +1,24 @@
 //! The cpu streams' copy engine. A GPU's copy engine moves bytes by DMA without passing them
-//! through the CPU's caches; a plain `memmove` of a swapped activation (a few hundred KiB to a
-//! few MiB: under glibc's non-temporal threshold) would instead fill the shared cache with both
-//! copies and evict the working set of the compute running on the other core. Large copies
-//! therefore store with non-temporal (cache-bypassing) writes where the CPU has them.
+//! through the CPU's caches; a plain `memmove` of an offloaded activation (a few hundred KiB to
+//! a few MiB: under glibc's non-temporal threshold) into host memory would instead fill the
+//! shared cache with bytes nobody reads until backward and evict the working set of the compute
+//! on the other core. Large copies into host (pinned) memory therefore store with non-temporal
+//! (cache-bypassing) writes where the CPU has them; copies into device memory (a reload, read
+//! by the next layer's backward) are plain, so what the compute reads next may still be cached.
 
 /// Copies at least this long bypass the cache on their stores.
 const STREAMING_MIN: usize = 64 << 10;
 
-/// Copies `len` bytes from `src` to `dst` (the ranges may overlap).
+/// Copies `len` bytes from `src` to `dst` (the ranges may overlap); `bypass_cache`: the
+/// destination is not read soon.
 ///
 /// # Safety
 /// As `std::ptr::copy`: both ranges valid for `len` bytes.
-pub(crate) unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize) {
+pub(crate) unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize, bypass_cache: bool) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bypass_cache;
     #[cfg(target_arch = "x86_64")]
-    {
+    if bypass_cache {
         let (s, d) = (src as usize, dst as usize);
         let disjoint = s.saturating_add(len) <= d || d.saturating_add(len) <= s;
         if len >= STREAMING_MIN && disjoint && std::arch::is_x86_feature_detected!("avx") {
@@ -81,7 +86,7 @@ mod tests {
             for (so, d_off) in [(0, 0), (1, 0), (0, 7), (5, 31), (33, 64)] {
                 let mut dst = vec![0xAAu8; len + 128];
                 // SAFETY: both ranges inside their vectors, distinct allocations.
-                unsafe { copy_bytes(src.as_ptr().add(so), dst.as_mut_ptr().add(d_off), len) };
+                unsafe { copy_bytes(src.as_ptr().add(so), dst.as_mut_ptr().add(d_off), len, true) };
                 assert_eq!(
                     &dst[d_off..d_off + len],
                     &src[so..so + len],
@@ -105,7 +110,7 @@ mod tests {
         let mut buf = pattern(len + 4096);
         let expected = buf[..len].to_vec();
         // SAFETY: both ranges inside `buf`; they overlap, which `copy_bytes` allows.
-        unsafe { copy_bytes(buf.as_ptr(), buf.as_mut_ptr().add(4096), len) };
+        unsafe { copy_bytes(buf.as_ptr(), buf.as_mut_ptr().add(4096), len, true) };
         assert_eq!(&buf[4096..], &expected[..]);
     }
 }

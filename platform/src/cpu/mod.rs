@@ -502,6 +502,9 @@ impl Backend for CpuBackend {
         bytes: usize,
         stream: &CpuStream,
     ) -> Result<()> {
+        // Bytes bound for host (pinned) memory wait there; device memory is read by the compute
+        // that follows (see `copy`).
+        let to_host = matches!(dst, Loc::Pinned(..));
         let (
             Loc::Device(d, doff) | Loc::Pinned(d, doff),
             Loc::Device(s, soff) | Loc::Pinned(s, soff),
@@ -510,7 +513,7 @@ impl Backend for CpuBackend {
             "copy_async",
             Box::new(move |_: &StreamCore| {
                 // SAFETY: ranges were bounds-checked at issue and the job holds both allocations.
-                unsafe { copy::copy_bytes(s.at(soff), d.at(doff), bytes) };
+                unsafe { copy::copy_bytes(s.at(soff), d.at(doff), bytes, to_host) };
                 Ok(())
             }),
         )?;
