@@ -26,7 +26,8 @@ upstream names and semantics:
   calls and ``PipelineOffloadManager`` are the upstream names for marking groups inside a
   layer.
 - ``"keep"``: ``keep_saved_tensors()``, the no-swap baseline counted by the same accounting.
-- ``"compress"``: ``compress_saved_tensors()``, lossless compression in the pack hook.
+- ``"compress"``: ``compress_saved_tensors()``, lossless compression queued from the pack hook
+  on a codec thread, decoded ahead of backward's reads.
 - ``"managed_compress"``: ``ManagedCompression`` (MindSpeed), saved tensors registered per
   layer with hprt's ``ActivationManager``.
 
