@@ -347,7 +347,8 @@ class _Witness:
         self._base = None if base is None else weakref.ref(base)
         fn = t.grad_fn
         # The node's class name is its name(); the node itself would be a reference cycle.
-        self.shape, self.grad_fn, self.output_nr = tuple(t.shape), fn and type(fn).__name__, t.output_nr
+        self.shape, self.grad_fn = tuple(t.shape), fn and type(fn).__name__
+        self.output_nr = t.output_nr
 
     def modified(self):
         t = self._alive()

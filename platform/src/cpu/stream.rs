@@ -45,18 +45,7 @@ impl StreamCore {
         orphans: Orphans,
     ) -> Result<Arc<StreamCore>> {
         let (tx, rx) = mpsc::channel::<Job>();
-        let core = Arc::new(StreamCore {
-            inline: false,
-            queue: Mutex::new(Queue {
-                tx: Some(tx),
-                submitted: 0,
-            }),
-            done: Mutex::new(Done {
-                completed: 0,
-                error: None,
-            }),
-            done_cv: Condvar::new(),
-        });
+        let core = Self::new(false, tx);
         let worker = Arc::clone(&core);
         let mut jitter = jitter.map(|seed| Jitter::new(seed, id));
         std::thread::Builder::new()
@@ -66,13 +55,7 @@ impl StreamCore {
                     if let Some(j) = jitter.as_mut() {
                         j.delay();
                     }
-                    let outcome = job(&worker);
-                    let mut d = lock(&worker.done);
-                    d.completed += 1;
-                    if let Err(e) = outcome {
-                        d.error.get_or_insert(e);
-                    }
-                    worker.done_cv.notify_all();
+                    worker.complete(job(&worker));
                 }
                 if let Some(e) = lock(&worker.done).error.take() {
                     lock(&orphans).push(e);
@@ -91,9 +74,12 @@ impl StreamCore {
 
     /// The host stream: no worker, jobs run where they are queued.
     pub(crate) fn host() -> Arc<StreamCore> {
-        let (tx, _) = mpsc::channel::<Job>();
+        Self::new(true, mpsc::channel::<Job>().0)
+    }
+
+    fn new(inline: bool, tx: Sender<Job>) -> Arc<StreamCore> {
         Arc::new(StreamCore {
-            inline: true,
+            inline,
             queue: Mutex::new(Queue {
                 tx: Some(tx),
                 submitted: 0,
@@ -104,6 +90,16 @@ impl StreamCore {
             }),
             done_cv: Condvar::new(),
         })
+    }
+
+    /// A job ran: counts it, keeps its error for the next synchronize, wakes the waiters.
+    fn complete(&self, outcome: Result<()>) {
+        let mut d = lock(&self.done);
+        d.completed += 1;
+        if let Err(e) = outcome {
+            d.error.get_or_insert(e);
+        }
+        self.done_cv.notify_all();
     }
 
     /// Queues `job`; returns its ticket (the number of jobs queued on this stream so far).
@@ -142,13 +138,7 @@ impl StreamCore {
             q.submitted += 1;
             q.submitted
         };
-        let outcome = job(self);
-        let mut d = lock(&self.done);
-        d.completed += 1;
-        if let Err(e) = outcome {
-            d.error.get_or_insert(e);
-        }
-        self.done_cv.notify_all();
+        self.complete(job(self));
         ticket
     }
 
@@ -302,10 +292,15 @@ impl EventCore {
     /// that record becomes the waiting stream's error too, as a GPU's sticky errors reach every
     /// stream ordered after the failed work: whoever synchronizes after the wait sees it.
     pub(crate) fn make_stream_wait(self: &Arc<Self>, stream: &StreamCore) -> Result<()> {
-        let target = lock(&self.state).recorded;
-        if target == 0 {
-            return Ok(());
-        }
+        let target = {
+            let st = lock(&self.state);
+            // Never recorded, or reached without an error: nothing to wait for, and no job to
+            // wake a worker for.
+            if st.recorded == 0 || (st.reached >= st.recorded && st.error.is_none()) {
+                return Ok(());
+            }
+            st.recorded
+        };
         let me = Arc::clone(self);
         stream.enqueue(
             "stream_wait_event",
