@@ -1466,6 +1466,16 @@ enum HprtStatus hprt_pipeline_init_chunk(struct HprtPipelineOffload *offload,
                                          size_t vp_stage);
 
 /*
+ Megatron-LM's `set_last_layer`: whether the current chunk's forward is in its last layer
+ (groups committed there stay on the device while this chunk's backward is the next to run).
+
+ # Safety
+ `offload` live.
+ */
+enum HprtStatus hprt_pipeline_set_last_layer(struct HprtPipelineOffload *offload,
+                                             bool is_last_layer);
+
+/*
  `group_start(name)`: a layer group's forward begins in the current chunk.
 
  # Safety
@@ -1522,6 +1532,46 @@ enum HprtStatus hprt_pipeline_flush_delayed_groups(struct HprtPipelineOffload *o
 enum HprtStatus hprt_pipeline_backward_group_begin(struct HprtPipelineOffload *offload,
                                                    const char *name,
                                                    const struct HprtStream *compute);
+
+/*
+ Starts reloading `tag`'s group ahead of its backward (a framework's own prefetch);
+ `*out_started` is the number of its tensors whose reload this started.
+
+ # Safety
+ `offload` live; `out_started` valid for writing.
+ */
+enum HprtStatus hprt_pipeline_prefetch(struct HprtPipelineOffload *offload,
+                                       size_t tag,
+                                       size_t *out_started);
+
+/*
+ Offloads queued from now on wait for the work queued on `compute` so far.
+
+ # Safety
+ `offload`, `compute` live.
+ */
+enum HprtStatus hprt_pipeline_record_forward(struct HprtPipelineOffload *offload,
+                                             const struct HprtStream *compute);
+
+/*
+ Megatron-LM's `forward_record`: offloads queued from now on wait for `compute`'s work so
+ far, and work queued on `compute` from now on waits for every offload queued so far.
+
+ # Safety
+ `offload`, `compute` live.
+ */
+enum HprtStatus hprt_pipeline_join_offloads(struct HprtPipelineOffload *offload,
+                                            const struct HprtStream *compute);
+
+/*
+ Megatron-LM's `backward_record`: work queued on `compute` from now on waits for every reload
+ queued so far.
+
+ # Safety
+ `offload`, `compute` live.
+ */
+enum HprtStatus hprt_pipeline_record_backward(struct HprtPipelineOffload *offload,
+                                              const struct HprtStream *compute);
 
 /*
  A saved tensor's device address for backward work queued on `compute`.

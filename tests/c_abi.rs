@@ -566,6 +566,34 @@ unsafe fn filled_buffer(
 }
 
 /// The bytes at device address `addr` (on the cpu backend device memory is host memory).
+/// `group_start(name)`, then a new `n`-byte buffer filled with `v` saved in the group; returns
+/// its tag, the buffer and whether it is to be offloaded.
+unsafe fn pipeline_save_group(
+    o: *mut HprtPipelineOffload,
+    p: *mut HprtPlatform,
+    s: *mut HprtStream,
+    name: &CStr,
+    n: usize,
+    v: u8,
+) -> (usize, *mut HprtDeviceBuffer, i32) {
+    // SAFETY: live handles (the caller's contract) and valid out-pointers.
+    unsafe {
+        ok(hprt_pipeline_group_start(o, name.as_ptr()));
+        let b = filled_buffer(p, s, n, v);
+        let (mut tag, mut offloaded) = (0, 0);
+        ok(hprt_pipeline_save(
+            o,
+            b,
+            0,
+            n,
+            HprtDtype::U8 as i32,
+            &mut tag,
+            &mut offloaded,
+        ));
+        (tag, b, offloaded)
+    }
+}
+
 fn bytes_at(addr: usize, n: usize) -> Vec<u8> {
     // SAFETY: a live cpu-backend device allocation of at least `n` bytes, synchronized.
     unsafe { std::slice::from_raw_parts(addr as *const u8, n) }.to_vec()
@@ -638,18 +666,7 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
         let names = [c"attn", c"mlp", c"out"];
         let (mut tags, mut extras) = (Vec::new(), Vec::new());
         for (g, name) in names.iter().enumerate() {
-            ok(hprt_pipeline_group_start(o, name.as_ptr()));
-            let b = filled_buffer(p, s, n, 100 + g as u8);
-            let (mut tag, mut offloaded) = (0, 0);
-            ok(hprt_pipeline_save(
-                o,
-                b,
-                0,
-                n,
-                HprtDtype::U8 as i32,
-                &mut tag,
-                &mut offloaded,
-            ));
+            let (tag, b, offloaded) = pipeline_save_group(o, p, s, name, n, 100 + g as u8);
             assert_eq!(offloaded, 1);
             // Megatron's forced released tensors: freed with the group's offload.
             let mut extra = ptr::null_mut();
@@ -763,18 +780,7 @@ fn tensor_key_manager_and_pipeline_summary_through_the_c_abi() {
             ok(hprt_pipeline_init_chunk(o, 1, 0));
             let mut saved = Vec::new();
             for name in &names {
-                ok(hprt_pipeline_group_start(o, name.as_ptr()));
-                let b = filled_buffer(p, s, n, 1);
-                let (mut tag, mut offloaded) = (0, 0);
-                ok(hprt_pipeline_save(
-                    o,
-                    b,
-                    0,
-                    n,
-                    HprtDtype::U8 as i32,
-                    &mut tag,
-                    &mut offloaded,
-                ));
+                let (tag, b, _) = pipeline_save_group(o, p, s, name, n, 1);
                 ok(hprt_pipeline_group_commit(o, s, ptr::null(), 0, false));
                 saved.push((tag, b));
             }
@@ -811,6 +817,75 @@ fn tensor_key_manager_and_pipeline_summary_through_the_c_abi() {
             HprtStatus::ErrorBufferTooSmall
         );
         assert_eq!(len, table.len(), "the length sizes the buffer");
+        ok(hprt_pipeline_destroy(o));
+        ok(hprt_stream_destroy(p, s));
+        ok(hprt_platform_close(p));
+    }
+}
+
+#[test]
+fn pipeline_last_layer_prefetch_and_stream_marks_through_the_c_abi() {
+    let p = open_cpu();
+    let n = 4096usize;
+    // SAFETY: every handle is made here, used while live and released once.
+    unsafe {
+        let mut s = ptr::null_mut();
+        ok(hprt_stream_create(p, &mut s));
+        let mut o = ptr::null_mut();
+        ok(hprt_pipeline_create(
+            p,
+            1,
+            1,
+            1,
+            0,
+            HprtCompression::Off,
+            &mut o,
+        ));
+        ok(hprt_pipeline_init_chunk(o, 1, 0));
+        let names = [c"a", c"b", c"last"];
+        let mut saved = Vec::new();
+        for (g, name) in names.iter().enumerate() {
+            // Megatron's last layer: its group stays on the device for the backward next.
+            ok(hprt_pipeline_set_last_layer(o, g == names.len() - 1));
+            let (tag, b, _) = pipeline_save_group(o, p, s, name, n, 7 + g as u8);
+            ok(hprt_pipeline_record_forward(o, s));
+            ok(hprt_pipeline_group_commit(o, s, ptr::null(), 0, false));
+            ok(hprt_pipeline_join_offloads(o, s));
+            saved.push((tag, b));
+        }
+        ok(hprt_stream_synchronize(p, s));
+        let mut st = HprtSwapStats::default();
+        ok(hprt_pipeline_stats(o, &mut st));
+        assert_eq!(
+            st.offloaded_tensors, 2,
+            "the last layer's group stayed: {st:?}"
+        );
+        // A framework's own prefetch starts group "a"'s reload before its backward.
+        let mut started = 0;
+        ok(hprt_pipeline_prefetch(o, saved[0].0, &mut started));
+        assert_eq!(started, 1);
+        ok(hprt_pipeline_prefetch(o, saved[0].0, &mut started));
+        assert_eq!(started, 0, "already reloading");
+        assert_eq!(
+            hprt_pipeline_prefetch(o, 999, &mut started),
+            HprtStatus::ErrorInvalidValue
+        );
+        for (g, name) in names.iter().enumerate().rev() {
+            ok(hprt_pipeline_backward_group_begin(o, name.as_ptr(), s));
+            let mut addr = 0;
+            ok(hprt_pipeline_get(o, saved[g].0, s, &mut addr));
+            ok(hprt_pipeline_record_backward(o, s));
+            ok(hprt_stream_synchronize(p, s));
+            assert!(
+                bytes_at(addr, n).iter().all(|&x| x == 7 + g as u8),
+                "group {g}"
+            );
+            ok(hprt_pipeline_backward_group_end(o));
+        }
+        ok(hprt_pipeline_reset(o));
+        for (_, b) in saved {
+            ok(hprt_device_free(p, b));
+        }
         ok(hprt_pipeline_destroy(o));
         ok(hprt_stream_destroy(p, s));
         ok(hprt_platform_close(p));

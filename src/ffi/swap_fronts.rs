@@ -1,7 +1,7 @@
 //! C entry points of the keyed swap (`hprt_keyed_*`: `swap_out_cur_and_release_prev` /
 //! `wait_cur_and_prefetch_next`) and of Megatron-LM's chunked pipeline offload
-//! (`hprt_pipeline_*`: chunk handlers, `group_start` / `group_commit`, backward group marks,
-//! the summary), and hyper_parallel's `TensorKeyManager` (`hprt_tensor_key_manager_*`).
+//! (`hprt_pipeline_*`: chunk handlers, `group_start` / `group_commit`, `set_last_layer`,
+//! backward group marks, prefetch, the CUDA-graph stream marks, the summary), and hyper_parallel's `TensorKeyManager` (`hprt_tensor_key_manager_*`).
 //! Both take hprt device storage; framework tensors as borrowed payloads go through the layer
 //! groups' `hprt_swap_add_borrowed`.
 
@@ -310,6 +310,24 @@ pub unsafe extern "C" fn hprt_pipeline_init_chunk(
     })
 }
 
+/// Megatron-LM's `set_last_layer`: whether the current chunk's forward is in its last layer
+/// (groups committed there stay on the device while this chunk's backward is the next to run).
+///
+/// # Safety
+/// `offload` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_set_last_layer(
+    offload: *mut HprtPipelineOffload,
+    is_last_layer: bool,
+) -> HprtStatus {
+    guard("hprt_pipeline_set_last_layer", || {
+        arg_mut(offload, "offload")?
+            .offload
+            .set_last_layer(is_last_layer)?;
+        Ok(())
+    })
+}
+
 /// `group_start(name)`: a layer group's forward begins in the current chunk.
 ///
 /// # Safety
@@ -427,6 +445,105 @@ pub unsafe extern "C" fn hprt_pipeline_backward_group_begin(
         o.offload.backward_group_begin(name, &c.0)?;
         Ok(())
     })
+}
+
+/// Starts reloading `tag`'s group ahead of its backward (a framework's own prefetch);
+/// `*out_started` is the number of its tensors whose reload this started.
+///
+/// # Safety
+/// `offload` live; `out_started` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_prefetch(
+    offload: *mut HprtPipelineOffload,
+    tag: usize,
+    out_started: *mut usize,
+) -> HprtStatus {
+    guard("hprt_pipeline_prefetch", || {
+        let o = arg_mut(offload, "offload")?;
+        let tag = o
+            .tags
+            .get(tag)
+            .ok_or_else(|| FfiError::invalid(format!("tag {tag} was not handed out")))?;
+        let n = o.offload.prefetch(tag)?;
+        // SAFETY: the caller's contract.
+        unsafe { out(out_started, "out_started", n) }
+    })
+}
+
+/// A stream mark of Megatron-LM's CUDA-graph path (events only, no host wait).
+unsafe fn stream_mark(
+    name: &'static str,
+    offload: *mut HprtPipelineOffload,
+    compute: *const HprtStream,
+    mark: fn(&PipelineOffload, &hprt_platform::Stream) -> hprt_swap::Result<()>,
+) -> HprtStatus {
+    guard(name, || {
+        let (o, c) = (arg_mut(offload, "offload")?, arg(compute, "compute")?);
+        mark(&o.offload, &c.0)?;
+        Ok(())
+    })
+}
+
+/// Offloads queued from now on wait for the work queued on `compute` so far.
+///
+/// # Safety
+/// `offload`, `compute` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_record_forward(
+    offload: *mut HprtPipelineOffload,
+    compute: *const HprtStream,
+) -> HprtStatus {
+    // SAFETY: the caller's contract.
+    unsafe {
+        stream_mark(
+            "hprt_pipeline_record_forward",
+            offload,
+            compute,
+            PipelineOffload::record_forward,
+        )
+    }
+}
+
+/// Megatron-LM's `forward_record`: offloads queued from now on wait for `compute`'s work so
+/// far, and work queued on `compute` from now on waits for every offload queued so far.
+///
+/// # Safety
+/// `offload`, `compute` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_join_offloads(
+    offload: *mut HprtPipelineOffload,
+    compute: *const HprtStream,
+) -> HprtStatus {
+    // SAFETY: the caller's contract.
+    unsafe {
+        stream_mark(
+            "hprt_pipeline_join_offloads",
+            offload,
+            compute,
+            PipelineOffload::join_offloads,
+        )
+    }
+}
+
+/// Megatron-LM's `backward_record`: work queued on `compute` from now on waits for every reload
+/// queued so far.
+///
+/// # Safety
+/// `offload`, `compute` live.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_pipeline_record_backward(
+    offload: *mut HprtPipelineOffload,
+    compute: *const HprtStream,
+) -> HprtStatus {
+    // SAFETY: the caller's contract.
+    unsafe {
+        stream_mark(
+            "hprt_pipeline_record_backward",
+            offload,
+            compute,
+            PipelineOffload::record_backward,
+        )
+    }
 }
 
 /// A saved tensor's device address for backward work queued on `compute`.
