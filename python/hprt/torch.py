@@ -209,6 +209,13 @@ def _device_type(device):
 _STREAM_ATTR = {"cuda": "cuda_stream", "npu": "npu_stream"}
 
 
+def _cpu_tensor_stream(platform):
+    """The stream CPU tensors' compute stands on: on the cpu backend the host's own stream (raw
+    stream 0: torch's CPU ops are done when they return, a wait on it blocks the host); elsewhere
+    an idle stream of hprt's (other backends never take CPU tensors)."""
+    return platform.wrap_stream(0) if platform.backend == "cpu" else platform.create_stream()
+
+
 class Runtime:
     """hprt's side of the integration for one platform: the framework-memory accounting, the
     front ends it made, and the compute stream standing for torch's. On the cpu backend that is
@@ -223,10 +230,7 @@ class Runtime:
         self.layers = hprt.SwapManager(self.platform, host_budget=host_budget,
                                        compression=compression)
         self._fronts = [self.layers]
-        # cpu backend: the host stream; elsewhere an idle stream of hprt's (for CPU tensors,
-        # which other backends never swap).
-        self._host_stream = (self.platform.wrap_stream(0) if self.backend == "cpu"
-                             else self.platform.create_stream())
+        self._host_stream = _cpu_tensor_stream(self.platform)
 
     @property
     def platform(self):
@@ -1038,10 +1042,9 @@ class ManagedCompression:
     def __init__(self, platform=None, min_numel=32768, window_ms=None, encode_gbps=None,
                  decode_gbps=None):
         self.platform = platform if platform is not None else hprt.get_platform()
-        # torch's CPU ops run on the host: on the cpu backend the manager's operators are the
-        # host stream's (its waits for the codec stream block the host, no synchronize after).
-        self.stream = (self.platform.wrap_stream(0) if self.platform.backend == "cpu"
-                       else self.platform.create_stream())
+        # The manager's operators are torch's CPU ops: its waits for the codec stream block
+        # the host (the synchronize after a take only reports the stream's errors).
+        self.stream = _cpu_tensor_stream(self.platform)
         self.manager = hprt.ActivationManager(
             self.stream, self.platform, encode_gbps=encode_gbps, decode_gbps=decode_gbps,
             min_numel=min_numel)
