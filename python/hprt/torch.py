@@ -185,9 +185,22 @@ def _platform_empty(platform, shape, stride, offset, dtype):
     name = _HPRT_DTYPES.get(dtype)
     if name is None:  # exported as bytes, then reinterpreted
         flat = torch.from_dlpack(buf.view("u8", [span * dtype.itemsize])).view(dtype)
+    elif offset == 0 and stride == _row_major(shape):
+        # The export's own (row-major) layout is the saved one: no restriding (a reload is in
+        # every layer's backward, and each torch call there costs several µs).
+        return torch.from_dlpack(buf.view(name, shape))
     else:
         flat = torch.from_dlpack(buf.view(name, [span]))
     return flat.as_strided(shape, stride, offset)
+
+
+def _row_major(shape):
+    """The strides of a dense row-major tensor of ``shape`` (as torch's ``empty`` makes them)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 # torch dtypes under hprt's names (what compress-then-swap can encode; others travel as bytes).
@@ -316,13 +329,13 @@ def is_swappable(t, rt, min_bytes=0, custom_check_fn=None):
     if type(t) is not torch.Tensor and (
             not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter)):
         return False
+    nbytes = t.nbytes  # first: most of what autograd saves that is left out is small
+    if nbytes == 0 or nbytes < min_bytes:
+        return False
     base = t._base
     if base is not None and type(base) is not torch.Tensor and isinstance(base, nn.Parameter):
         return False
-    if t.is_leaf and t.requires_grad:
-        return False
-    nbytes = t.nbytes
-    if nbytes == 0 or nbytes < min_bytes or not rt.addressable(t) or not _is_dense(t):
+    if (t.is_leaf and t.requires_grad) or not rt.addressable(t) or not _is_dense(t):
         return False
     return custom_check_fn is None or bool(custom_check_fn(t))
 

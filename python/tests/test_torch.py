@@ -231,6 +231,28 @@ def test_reloads_use_the_cpu_platforms_device_memory_or_torchs_when_it_is_full(b
         ht.SwapManager.reset()
 
 
+@pytest.mark.parametrize("shape, stride, offset", [
+    ((4, 3, 5), (15, 5, 1), 0),      # row-major: taken as DLPack exports it
+    ((5, 1), (1, 1), 0),             # row-major with a size-1 dimension
+    ((5, 1), (1, 7), 0),             # same shape, a size-1 dimension's stride torch kept
+    ((3, 4), (1, 3), 0),             # transposed
+    ((2, 3), (3, 1), 6),             # row-major at a storage offset
+    ((2, 2, 2), (8, 2, 1), 1),       # with gaps
+    ((), (), 0),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_platform_reloads_have_the_saved_layout(shape, stride, offset, dtype):
+    """A reload into the cpu platform's device memory has exactly the saved shape, strides,
+    storage offset and dtype, whichever way it is made (row-major exports skip restriding)."""
+    platform = hprt.cpu_platform(device_memory=1 << 20)
+    out = ht._platform_empty(platform, shape, stride, offset, dtype)
+    assert (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype) == (
+        shape, stride, offset, dtype)
+    assert platform.memory_stats()["device_current"] > 0  # the platform's memory, not torch's
+    del out
+    assert platform.memory_stats()["device_current"] == 0
+
+
 @pytest.mark.parametrize("codec_thread", [False, True])
 def test_a_failed_encode_keeps_the_raw_tensor(baseline, monkeypatch, codec_thread):
     """An encode that fails (in the hook, or on compress mode's codec thread) leaves the raw
