@@ -38,7 +38,7 @@ enum Command {
         /// Largest copy size in MiB (the sweep runs from 4 KiB up to it).
         #[arg(long, default_value_t = 256)]
         max_mib: usize,
-        /// Run only these sections (platform, swap, compress, hsdp); default all.
+        /// Run only these sections (platform, swap, compress, device-codec, hsdp); default all.
         #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(bench::SECTIONS))]
         only: Vec<String>,
     },

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use hprt_platform::{DType, Platform, PlatformHandle, ReduceOp};
+use hprt_platform::{BackendKind, DType, Platform, PlatformHandle, ReduceOp};
 
 use crate::error::{HsdpError, Result};
 use crate::grad::{GradInput, ReduceOptions};
@@ -27,8 +27,8 @@ struct Timings {
 }
 
 /// A Markdown table (header and one row per operation and size) comparing, for f32 parameters
-/// of 256 KiB up to `max_bytes` sharded over 4 ranks (or the device count when there are
-/// several devices):
+/// of 256 KiB up to `max_bytes` sharded over 4 ranks on the cpu backend, over the device count
+/// (at most 4) elsewhere (NCCL and HCCL take one device per rank: one GPU is world 1):
 /// - all-gather: `unshard` + `wait_for_unshard` + `shard` against the direct all-gather from
 ///   the same shard into a kept buffer, and into a buffer released and re-acquired each time
 ///   as `shard`/`unshard` do (the ratio is taken against this one: same memory lifecycle);
@@ -36,10 +36,28 @@ struct Timings {
 ///   reduce-scatter from the same gradient into the same sharded-gradient buffer.
 ///
 /// Times are per operation on rank 0, best of 5 trials; ranks are threads of this process.
+/// The ranks the benchmark runs: 4 threads on the cpu backend; one device each elsewhere (NCCL
+/// refuses two ranks on one GPU: "Duplicate GPU detected"), at most 4.
+fn bench_world(backend: BackendKind, devices: usize) -> usize {
+    if backend == BackendKind::Cpu {
+        4
+    } else {
+        devices.clamp(1, 4)
+    }
+}
+
 pub fn bench(platform: impl Into<PlatformHandle>, max_bytes: usize) -> Result<String, HsdpError> {
     let platform = platform.into();
-    let devices = platform.device_count().max(1);
-    let world = if devices > 1 { devices.min(4) } else { 4 };
+    let world = bench_world(platform.backend(), platform.device_count());
+    if world < 2 {
+        // A 1-rank group makes no collective calls (its communicator is absent): nothing to
+        // compare with direct ones.
+        return Ok(format!(
+            "Not measured: {} device, and {} takes one device per rank.\n",
+            platform.device_count(),
+            platform.backend()
+        ));
+    }
     let unit = 4 * world;
     let mut sizes = Vec::new();
     let mut bytes = 256usize << 10;
@@ -250,4 +268,18 @@ fn rank_timings(
         best.rs_hsdp = best.rs_hsdp.min(d);
     }
     Ok(best)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_gpu_benchmarks_world_one() {
+        // An H100 machine's first run failed here: four ranks on one device.
+        assert_eq!(bench_world(BackendKind::Cuda, 1), 1);
+        assert_eq!(bench_world(BackendKind::Npu, 8), 4);
+        assert_eq!(bench_world(BackendKind::Cuda, 2), 2);
+        assert_eq!(bench_world(BackendKind::Cpu, 1), 4);
+    }
 }

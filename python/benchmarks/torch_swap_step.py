@@ -6,10 +6,14 @@
   forward and backward, minus the plain-torch time, divided by the number of saved tensors.
 
     python python/benchmarks/torch_swap_step.py [--layers 16] [--dim 256] [--seq 128] [--steps 2]
-        [--rounds 3] [--threads N] [--modes swap,keyed] [--no-hook-cost]
+        [--rounds 3] [--threads N] [--modes swap,keyed] [--no-hook-cost] [--device cuda]
+        [--dtype bf16]
 
 On the cpu backend "device" memory is host memory and the copies are host memcpys on hprt's
-stream threads: the numbers describe hprt.torch's overhead, not accelerator performance."""
+stream threads: the numbers describe hprt.torch's overhead, not accelerator performance.
+``--device cuda`` (with ``HP_PLATFORM=cuda``) measures CUDA tensors on the cuda backend: steps
+timed between device synchronizations, torch's ``save_on_cpu(pin_memory=True)`` as the baseline
+offload, and each mode's ``torch.cuda.max_memory_allocated`` during its steps."""
 
 import argparse
 import statistics
@@ -53,33 +57,50 @@ MODES = {
     "keyed": dict(mode="keyed"),
     "pipeline": dict(mode="pipeline"),
     "swap, host-stage compress-then-swap": dict(mode="swap", compression="host_stage"),
+    "swap, device compress-then-swap": dict(mode="swap", compression="device"),
     "compress": dict(mode="compress"),
     "managed_compress": dict(mode="managed_compress"),
 }
 
 
-def timed(fn, steps):
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()  # torch's streams and hprt's: one context
+
+
+def timed(fn, steps, device="cpu"):
     fn()  # warm-up: pools, first allocations
     times = []
     for _ in range(steps):
+        sync(device)
         t0 = time.perf_counter()
         fn()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def platform_for(args, device_memory):
+    return hprt.cpu_platform(device_memory=device_memory) if args.device == "cpu" else hprt.get_platform()
 
 
 def interleaved(model, run, args, platform, min_bytes):
     """Per mode: the median step over ``args.rounds`` rounds that visit every mode in turn, the
     median over rounds of its ratio to plain torch's median step in the same round (a load
     change on the machine between rounds cancels out), and the last round's statistics."""
-    times, ratios, stats = {}, {}, {}
+    times, ratios, stats, peaks = {}, {}, {}, {}
+    cuda = args.device == "cuda"
 
     def on_cpu():
-        with torch.autograd.graph.save_on_cpu(pin_memory=False):
+        with torch.autograd.graph.save_on_cpu(pin_memory=cuda):
             run()
 
     def measure(name, fn):
-        t = timed(fn, args.steps)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t = timed(fn, args.steps, args.device)
+        if cuda:
+            peaks[name] = torch.cuda.max_memory_allocated()
         times.setdefault(name, []).extend(t)
         return statistics.median(t)
 
@@ -90,30 +111,32 @@ def interleaved(model, run, args, platform, min_bytes):
         for name, kw in MODES.items():
             if args.modes and kw["mode"] not in args.modes:
                 continue
+            if cuda and kw["mode"] in ("compress", "managed_compress"):
+                continue  # host compression of CPU tensors: refused on an accelerator
             with ht.attach(model, platform=platform, min_bytes=min_bytes, **kw) as h:
                 ratios.setdefault(name, []).append(measure(name, run) / plain)
                 stats[name] = h.stats()
-    return [(name, statistics.median(t), statistics.median(ratios[name]), stats.get(name))
-            for name, t in times.items()]
+    return [(name, statistics.median(t), statistics.median(ratios[name]), stats.get(name),
+             peaks.get(name)) for name, t in times.items()]
 
 
 def step_times(args):
     torch.manual_seed(0)
-    model = Transformer(args)
-    x = torch.randn(args.batch, args.seq, args.dim)
+    model = Transformer(args).to(args.device, DTYPES[args.dtype])
+    x = torch.randn(args.batch, args.seq, args.dim, device=args.device, dtype=DTYPES[args.dtype])
 
     def step():
         for p in model.parameters():
             p.grad = None
         model(x).backward()
 
-    return interleaved(model, step, args, hprt.cpu_platform(device_memory=4 << 30), args.min_bytes)
+    return interleaved(model, step, args, platform_for(args, 4 << 30), args.min_bytes)
 
 
 def hook_cost(args):
     """Per saved tensor: ``n`` sigmoids in a row (each saves its output) on ``numel`` floats."""
     n, numel = args.hook_tensors, args.hook_numel
-    x = torch.randn(numel, requires_grad=True)
+    x = torch.randn(numel, requires_grad=True, device=args.device)
 
     class Layer(nn.Module):
         def forward(self, y):
@@ -132,9 +155,12 @@ def hook_cost(args):
         x.grad = None
 
     saved = 2 * n
-    rows = interleaved(model, run, args, hprt.cpu_platform(device_memory=1 << 30), 0)
+    rows = interleaved(model, run, args, platform_for(args, 1 << 30), 0)
     base = rows[0][1]
-    return base, saved, [(name, (t - base) / saved * 1e6) for name, t, _, _ in rows[1:]]
+    return base, saved, [(name, (t - base) / saved * 1e6) for name, t, *_ in rows[1:]]
+
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
 def main():
@@ -154,22 +180,28 @@ def main():
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default: torch's). On a 2-core VM, torch's "
                          "spinning workers and hprt's copy threads take the same cores")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: CUDA tensors on the cuda backend (HP_PLATFORM=cuda)")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="f32")
     args = ap.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{args.layers}-layer transformer, dim {args.dim}, batch {args.batch} x {args.seq} tokens, "
-          f"f32; hprt modes with min_bytes={args.min_bytes}; torch threads: {torch.get_num_threads()}")
+          f"{args.dtype} on {where}; hprt modes with min_bytes={args.min_bytes}; "
+          f"torch threads: {torch.get_num_threads()}")
     rows = step_times(args)
     print("| mode | step (ms, median) | vs plain torch (median of rounds) | offloaded MiB per step "
-          "| compressed tensors per step |")
-    print("|---|---|---|---|---|")
+          "| compressed tensors per step | torch peak allocated (MiB) |")
+    print("|---|---|---|---|---|---|")
     per_attach = args.steps + 1  # warm-up included
-    for name, t, ratio, st in rows:
+    for name, t, ratio, st, peak in rows:
         off = "-" if st is None else f"{st['offloaded_bytes'] / (1 << 20) / per_attach:.1f}"
         comp = "-" if st is None else (
             st.get("compressed_tensors", 0) + st.get("tensors", 0)
             + sum(layer["compressed"] for layer in st.get("layers", {}).values())) // per_attach
-        print(f"| {name} | {t * 1e3:.1f} | {ratio:.3f} | {off} | {comp} |")
+        peak = "-" if peak is None else f"{peak / (1 << 20):.0f}"
+        print(f"| {name} | {t * 1e3:.1f} | {ratio:.3f} | {off} | {comp} | {peak} |")
     if args.no_hook_cost:
         return
     base, saved, hooks = hook_cost(args)

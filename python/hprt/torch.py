@@ -156,19 +156,25 @@ def _empty_like_layout(shape, stride, offset, dtype, device):
 
 class _Allocate:
     """What a borrowed payload's reload calls for its memory: a tensor of the saved layout (one
-    object holding plain tuples, not a closure's cells: see ``_Witness`` on the collector)."""
+    object holding plain tuples, not a closure's cells: see ``_Witness`` on the collector).
 
-    __slots__ = ("platform", "shape", "stride", "offset", "dtype", "device")
+    On an accelerator (``rt`` given) torch's caching allocator hands out a block in the order of
+    the current stream: a block freed by kernels still queued there is handed out again at once.
+    The tensor goes back with that stream (``(tensor, stream)``): hprt's copy waits for the work
+    queued on it before writing the block."""
 
-    def __init__(self, t, platform):
+    __slots__ = ("platform", "rt", "shape", "stride", "offset", "dtype", "device")
+
+    def __init__(self, t, platform, rt=None):
         self.shape, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
-        self.dtype, self.platform = t.dtype, platform
+        self.dtype, self.platform, self.rt = t.dtype, platform, rt
         self.device = None if platform is not None else t.device
 
     def __call__(self):
         if self.platform is not None:
             return _platform_empty(self.platform, self.shape, self.stride, self.offset, self.dtype)
-        return _empty_like_layout(self.shape, self.stride, self.offset, self.dtype, self.device)
+        out = _empty_like_layout(self.shape, self.stride, self.offset, self.dtype, self.device)
+        return out if self.rt is None else (out, self.rt.compute_stream(self.device))
 
 
 def _platform_empty(platform, shape, stride, offset, dtype):
@@ -286,8 +292,10 @@ class Runtime:
         """``t`` as a borrowed swap payload whose reload makes a tensor of its shape, strides and
         storage offset. hprt holds ``t.detach()``: the same memory, but not ``t``'s autograd node,
         which holds what the pack hook returned (a cycle no collector sees through)."""
-        # cpu backend: reloads from the platform's device memory (see ``_platform_empty``).
-        allocate = _Allocate(t, self.platform if self.backend == "cpu" else None)
+        # cpu backend: reloads from the platform's device memory (see ``_platform_empty``);
+        # accelerators: torch's allocator, in its current stream's order (see ``_Allocate``).
+        cpu = self.backend == "cpu"
+        allocate = _Allocate(t, self.platform if cpu else None, None if cpu else self)
         return self.memory.tensor(t.detach(), allocate, _HPRT_DTYPES.get(t.dtype, "u8"))
 
     def stats(self):
@@ -705,9 +713,9 @@ class SwapManager:
             # node (holding it would keep the whole graph alive).
             d = t.detach()
 
-            def reacquire(d=d, nbytes=t.nbytes):
-                d.untyped_storage().resize_(nbytes)
-                return d.detach()
+            def reacquire(d=d, nbytes=t.nbytes, rt=None if self.rt.backend == "cpu" else self.rt):
+                d.untyped_storage().resize_(nbytes)  # torch's allocator: see ``_Allocate``
+                return d.detach() if rt is None else (d.detach(), rt.compute_stream(d.device))
 
             payload = self.rt.memory.tensor(d.detach(), reacquire, _HPRT_DTYPES.get(t.dtype, "u8"))
             entries.append([self.rt.layers.add_storage(group_name, payload), d, False])
@@ -1792,6 +1800,20 @@ class Attached:
         return s
 
 
+def _check_host_compression(model, mode, rt):
+    """The compress modes encode CPU tensors on the host; on an accelerator they would leave
+    every saved tensor to autograd, compressing nothing: refused, naming what does compress
+    there (compress-then-swap, whose device codec runs on the accelerator)."""
+    devices = sorted({p.device.type for p in model.parameters()} - {"cpu"})
+    if rt.backend != "cpu" or devices:
+        where = devices[0] if devices else rt.backend
+        raise hprt.UnsupportedError(
+            f"hprt.torch mode {mode!r} compresses CPU tensors on the cpu backend; this model's "
+            f"tensors are on {where!r} (platform {rt.backend!r}). On an accelerator use "
+            "mode='swap' (or 'keyed' / 'pipeline') with compression='device' or 'auto': "
+            "compress-then-swap, encoded on the device")
+
+
 def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, compression="off",
            platform=None, runtime_=None, prefetch=True):
     """Applies a mode to ``model``'s layers (``find_layers``, or ``layers`` given as a list or a
@@ -1813,6 +1835,8 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
         layers = find_layers(model, layers)
     layers = list(layers)
     rt = runtime_ if runtime_ is not None else Runtime(platform, compression=compression)
+    if mode in ("compress", "managed_compress"):
+        _check_host_compression(model, mode, rt)
     if mode == "swap":
         mgr = SwapManager(rt, min_bytes=min_bytes, custom_check_fn=predicate)
         for a, b in zip(layers[:-1], layers[1:]):

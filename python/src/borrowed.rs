@@ -16,7 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::error::{invalid, BindError, Result};
-use crate::platform::PyPlatform;
+use crate::platform::{PyPlatform, PyStream};
 
 #[derive(Default)]
 struct Counters {
@@ -111,7 +111,9 @@ fn framework_version(py: Python<'_>, obj: &Bound<'_, PyAny>) -> VersionCounter {
 }
 
 /// The framework's allocator: `allocate()` returns a new framework tensor of the saved shape,
-/// strides, dtype and device.
+/// strides, dtype and device, or `(tensor, stream)` when a caching allocator handed the memory
+/// out in the order of `stream` (an hprt `Stream`: torch's current stream on an accelerator),
+/// which the reload then waits for (see `hprt_swap::Reacquired::ready_on`).
 struct PyAllocator {
     shared: Arc<Shared>,
     allocate: Py<PyAny>,
@@ -120,7 +122,12 @@ struct PyAllocator {
 impl Allocator for PyAllocator {
     fn allocate(&self, like: &DeviceTensor) -> hprt_swap::Result<Reacquired> {
         let made = Python::attach(|py| -> Result<Reacquired> {
-            let out = self.allocate.call0(py)?.into_bound(py);
+            let mut out = self.allocate.call0(py)?.into_bound(py);
+            let mut ready_on = None;
+            if let Ok((tensor, stream)) = out.extract::<(Bound<'_, PyAny>, PyRef<'_, PyStream>)>() {
+                ready_on = Some(stream.s.clone());
+                out = tensor;
+            }
             let (ptr, nbytes) = framework_memory(&out)?;
             if nbytes != like.len {
                 return Err(invalid(format!(
@@ -133,6 +140,7 @@ impl Allocator for PyAllocator {
                 offset: 0,
                 handle: Some(Arc::new(out.clone().unbind())),
                 version: framework_version(py, &out),
+                ready_on,
             })
         });
         made.map_err(|e| match e {
@@ -201,7 +209,9 @@ impl PyFrameworkMemory {
     }
 
     /// `t` (a framework tensor with `data_ptr()` and `nbytes`, dense) as a swap payload;
-    /// `allocate()` must return a new tensor of `t`'s shape, strides, dtype and device.
+    /// `allocate()` must return a new tensor of `t`'s shape, strides, dtype and device, or
+    /// `(tensor, stream)` where a caching allocator (torch's on a GPU) handed its memory out for
+    /// use in `stream`'s order: the reload then writes it after the work queued there.
     /// `dtype` (hprt's name: `f32`, `bf16`, ...) lets compress-then-swap encode it.
     #[pyo3(signature = (t, allocate, dtype="u8"))]
     fn tensor(

@@ -8,7 +8,9 @@ the transformers models there but one multiplication per layer and no optimizer 
 cost is hprt.torch's hooks and autograd's. Every mode runs in a process of its own, two at a
 time. After a warm-up nothing may grow: torch tensors alive (exactly), Python objects of any type
 (a leak per pattern run adds over 125), hprt's device bytes and pinned bytes in use (zero) and held
-(no growth), and the host's resident set (at most ``RSS_BOUND``)."""
+(no growth), and the host's resident set (at most ``RSS_BOUND``). With ``HP_TEST_DEVICE=cuda``
+(see ``test_torch_patterns``) the same runs on CUDA tensors and the cuda backend, and torch's own
+allocated CUDA bytes must not grow either."""
 
 import collections
 import concurrent.futures
@@ -98,7 +100,7 @@ class NoOptimizer:
 
 def tiny_data():
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(2, HIDDEN, generator=g) for _ in range(6)]
+    return [torch.randn(2, HIDDEN, generator=g).to(tp.DEVICE) for _ in range(6)]
 
 
 def rss_bytes():
@@ -129,31 +131,35 @@ def run_patterns(model, opt, data, steps):
 def measure(mode, steps):
     """Runs every pattern ``steps`` times in ``mode`` after a warm-up; what grew, and the cost."""
     torch.set_num_threads(1)  # intra-op threads only spin against each other on tensors this small
-    platform = hprt.cpu_platform(device_memory=64 << 20)
-    model, opt, data = TinyLM(), NoOptimizer(), tiny_data()
+    if tp.DEVICE == "cpu":
+        platform = hprt.cpu_platform(device_memory=64 << 20)
+    else:
+        platform = hprt.get_platform()
+    model, opt, data = TinyLM().to(tp.DEVICE), NoOptimizer(), tiny_data()
+    torch_bytes = (torch.cuda.memory_allocated if tp.DEVICE == "cuda" else lambda: 0)
     with tp.attach_mode(model, platform, mode) as handle:
         run_patterns(model, opt, data, WARMUP)  # pools, caches
         # hprt lets go of Python objects off the GIL (a copy's end, a reset); pyo3 applies
         # those reference drops at its next call, so each census comes after one (stats()).
         st0 = handle.stats()
-        before, rss0 = census(), rss_bytes()
+        before, rss0, torch0 = census(), rss_bytes(), torch_bytes()
         t0, cpu0 = time.perf_counter(), time.process_time()
         run_patterns(model, opt, data, steps)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         st = handle.stats()
-        after, rss = census(), rss_bytes()
+        after, rss, torch1 = census(), rss_bytes(), torch_bytes()
     return {
         "seconds": seconds, "cpu_seconds": cpu, "took_tensors": tp.took_tensors(handle),
         "tensors": [live_tensors(before), live_tensors(after)],
         "grown": {k: after[k] - before[k] for k in after if after[k] - before[k] >= steps // 8},
-        "stats": [st0, st], "rss": [rss0, rss],
+        "stats": [st0, st], "rss": [rss0, rss], "torch_device_bytes": [torch0, torch1],
         "hooks_left": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
     }
 
 
 @pytest.fixture(scope="module")
 def measured():
-    """Every mode in a process of its own, two at a time (CI has two cores)."""
+    """Every mode in a process of its own, two at a time (CI has two cores; HP_LEAK_PROCS)."""
     def child(mode):
         out = subprocess.run([sys.executable, __file__, mode, str(STEPS)], capture_output=True,
                              text=True, timeout=900)
@@ -161,7 +167,7 @@ def measured():
             return {"error": out.stderr[-4000:]}
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with concurrent.futures.ThreadPoolExecutor(int(os.environ.get("HP_LEAK_PROCS", "2"))) as pool:
         return dict(zip(tp.MODES, pool.map(child, tp.MODES)))
 
 
@@ -179,6 +185,7 @@ def test_a_thousand_steps_of_every_pattern_leak_nothing(mode, measured):
         assert st["device_current"] == 0 and st["pinned_bytes_in_use"] == 0, st
         assert st["pinned_bytes_held"] <= st0["pinned_bytes_held"], (st0, st)
     assert m["rss"][1] - m["rss"][0] <= RSS_BOUND, m["rss"]
+    assert m["torch_device_bytes"][1] <= m["torch_device_bytes"][0], m["torch_device_bytes"]
     assert not m["hooks_left"]
 
 

@@ -1,8 +1,13 @@
 """hprt.torch under the patterns real training uses, on GPT-2 and Llama built from small
 transformers configs: every mode must give the plain-torch run's losses and gradients bit for bit
 (``torch.equal``), or raise a clear error naming the pattern; nothing may stay referenced (device
-bytes, pinned blocks, torch tensors) once a pattern's graphs are gone and the mode is detached."""
+bytes, pinned blocks, torch tensors) once a pattern's graphs are gone and the mode is detached.
 
+``HP_TEST_DEVICE=cuda`` (with ``HP_PLATFORM=cuda``) runs the same tests on CUDA tensors and the
+cuda backend, torch in its deterministic mode (what scripts/gpu-check runs on an NVIDIA GPU);
+tests of the cpu backend's own machinery (stand-ins, stream jitter) are skipped there."""
+
+import os
 import shutil
 import types
 import re
@@ -18,6 +23,13 @@ import hprt.torch as ht  # noqa: E402
 transformers.utils.logging.set_verbosity_error()
 
 VOCAB, BATCH, SEQ = 64, 2, 8
+
+DEVICE = os.environ.get("HP_TEST_DEVICE", "cpu")
+if DEVICE == "cuda":
+    # Plain torch must repeat itself bit for bit (embedding backward, cuBLAS workspaces).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="the cpu backend's own machinery")
 
 
 def gpt2():
@@ -36,6 +48,10 @@ def llama():
 
 MODELS = {"gpt2": gpt2, "llama": llama}
 
+
+def new_model(name):
+    return MODELS[name]().to(DEVICE)
+
 # Every hprt.torch mode, as ``ht.attach`` keywords. ``min_bytes=0``: the small models' tensors all
 # take the hprt path.
 MODES = {
@@ -52,6 +68,9 @@ MODES = {
     # enough to be encoded in the hooks otherwise)
     "compress_codec_thread": dict(mode="compress", _codec_thread_min_bytes=0),
 }
+HOST_COMPRESSION = ("compress", "managed_compress")
+if DEVICE != "cpu":  # refused there: test_host_compression_modes_refuse_accelerator_tensors
+    MODES = {k: v for k, v in MODES.items() if v["mode"] not in HOST_COMPRESSION}
 
 
 def attach_mode(model, platform, mode):
@@ -179,7 +198,7 @@ def p_checkpoint_non_reentrant(model, opt, data, rec):
 def p_bf16_autocast(model, opt, data, rec):
     for ids in data[:2]:
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = lm_loss(model, ids)
         loss.backward()
         rec(loss)
@@ -227,14 +246,14 @@ def layers_of(model):
 
 def data_for(seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(6)]
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(DEVICE) for _ in range(6)]
 
 
 def run(model_name, pattern, mode=None, platform=None):
     """``pattern`` on a fresh model (same initial weights for every mode); returns the recorded
     values and the detached handle (None for plain torch)."""
     torch.manual_seed(0)
-    model = MODELS[model_name]()
+    model = new_model(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rec = Recorder(model)
     handle = None
@@ -267,9 +286,17 @@ def assert_identical(got, want):
             assert a.dtype == b.dtype and torch.equal(a, b), (i, a.shape)
 
 
+_cuda_platform = []
+
+
 @pytest.fixture()
 def platform():
-    return hprt.cpu_platform(device_memory=64 << 20)
+    if DEVICE == "cpu":
+        return hprt.cpu_platform(device_memory=64 << 20)
+    if not _cuda_platform:  # the process-wide platform (HP_PLATFORM), one Runtime for all tests
+        _cuda_platform.append(hprt.get_platform())
+        assert _cuda_platform[0].backend == DEVICE, "HP_TEST_DEVICE needs HP_PLATFORM of that backend"
+    return _cuda_platform[0]
 
 
 def assert_released(handle):
@@ -311,7 +338,7 @@ def test_inplace_write_to_a_saved_tensor_raises_torchs_error(model_name, mode, p
 
     def attempt(handle_mode):
         torch.manual_seed(0)
-        model = MODELS[model_name]()
+        model = new_model(model_name)
         handle = None
         if handle_mode is not None:
             handle = attach_mode(model, platform, handle_mode)
@@ -384,10 +411,10 @@ class ViewModel(torch.nn.Module):
 def test_reloads_keep_strides_and_storage_offsets(mode, platform):
     def observe(handle_mode):
         SavesViews.seen = []
-        model = ViewModel()
+        model = ViewModel().to(DEVICE)
         handle = None if handle_mode is None else attach_mode(model, platform, handle_mode)
         try:
-            model(torch.arange(96, dtype=torch.float32).reshape(8, 12)).backward()
+            model(torch.arange(96, dtype=torch.float32, device=DEVICE).reshape(8, 12)).backward()
         finally:
             if handle is not None:
                 handle.detach()
@@ -433,10 +460,10 @@ class CompiledLayer(torch.nn.Module):
 @pytest.mark.skipif(shutil.which("c++") is None, reason="inductor needs a C++ compiler")
 def test_torch_compile_in_every_mode(platform):
     torch.manual_seed(0)
-    blocks = torch.nn.ModuleList(CompiledAttention() for _ in range(2))
+    blocks = torch.nn.ModuleList(CompiledAttention() for _ in range(2)).to(DEVICE)
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList(CompiledLayer(torch.compile(b)) for b in blocks)
-    x = torch.randn(2, 8, 32)
+    x = torch.randn(2, 8, 32, device=DEVICE)
 
     def grads():
         for p in blocks.parameters():
@@ -474,6 +501,7 @@ class StandInPlatform:
         return ("hprt stream of", raw)
 
 
+@cpu_only
 @pytest.mark.parametrize("kind,attr", [("cuda", "cuda_stream"), ("npu", "npu_stream")])
 def test_accelerator_tensors_use_torchs_current_stream(kind, attr, platform, monkeypatch):
     """On the cuda / npu backend, hprt orders its copies after torch's current stream of that
@@ -502,7 +530,7 @@ def test_accelerator_tensors_use_torchs_current_stream(kind, attr, platform, mon
 @pytest.mark.parametrize("mode", list(MODES))
 def test_detach_removes_every_hook(mode, platform):
     torch.manual_seed(0)
-    model = gpt2()
+    model = new_model("gpt2")
     singletons = dict(ht.SwapManager._instances)
     handle = attach_mode(model, platform, mode)
     assert handle.attached and handle.layers == list(model.transformer.h)
@@ -511,6 +539,17 @@ def test_detach_removes_every_hook(mode, platform):
     assert not handle.attached
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     assert ht.SwapManager._instances == singletons
+
+
+@pytest.mark.parametrize("mode", HOST_COMPRESSION)
+def test_host_compression_modes_refuse_accelerator_tensors(mode, platform):
+    """The compress modes encode CPU tensors on the host; a model on another device (meta
+    stands for one here) is refused with the mode that compresses there, not left
+    uncompressed without a word."""
+    model = MODELS["gpt2"]().to("meta" if DEVICE == "cpu" else DEVICE)
+    with pytest.raises(hprt.UnsupportedError, match="compression='device'"):
+        ht.attach(model, mode=mode, platform=platform)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
 def test_one_keyed_swap_context_class():
@@ -539,7 +578,7 @@ def test_a_predicate_chooses_the_swapped_tensors(mode, platform):
     """Only tensors the predicate accepts are offloaded; the gradients stay exact."""
     want = baseline("gpt2", "steps")
     torch.manual_seed(0)
-    model = gpt2()
+    model = new_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rec = Recorder(model)
     seen = []
@@ -579,7 +618,7 @@ def test_pipeline_mode_prefetches_the_next_layer_in_backward(platform):
     chunk handler starts the next group's reload: when a layer's backward begins, its reload
     was already issued (every layer but the first in backward order), gradients exact."""
     torch.manual_seed(0)
-    model = gpt2()
+    model = new_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rec = Recorder(model)
     seen = []  # (layer, tensors prefetched so far) as each layer's backward begins
@@ -601,6 +640,7 @@ def test_pipeline_mode_prefetches_the_next_layer_in_backward(platform):
         assert [b - a for (_, a), (_, b) in zip(step, step[1:])] == [per_layer, per_layer], seen
 
 
+@cpu_only
 @pytest.mark.parametrize("pattern", ["dropped_graph", "partial_backward", "exception_in_backward"])
 @pytest.mark.parametrize("mode", ["keyed", "layers", "pipeline_host_stage"])
 def test_patterns_under_stream_jitter(mode, pattern):

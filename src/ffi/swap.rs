@@ -150,6 +150,7 @@ impl Allocator for CAllocator {
             offset: 0,
             handle: Some(Arc::new(Owner(owner))),
             version: VersionCounter::new(),
+            ready_on: None,
         })
     }
 }

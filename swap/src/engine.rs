@@ -95,6 +95,9 @@ pub struct EngineStats {
 ///   complete host copy;
 /// - the compute stream waits for a reload before the tensor is handed back
 ///   ([`SwapEngine::finish_reload`]);
+/// - a reload into memory a framework's caching allocator handed out on one of its streams
+///   ([`crate::Reacquired::ready_on`]) is written after the work queued on that stream before
+///   the allocation (which may still use the block);
 /// - a pinned block handed back while its reload is queued is not written again before that
 ///   reload read it;
 /// - a reload allocates no device memory while an offload taken back by
@@ -622,10 +625,13 @@ impl SwapEngine {
                 Some(HostCopy::Device { len, .. }) => Some(self.platform.alloc_device(*len)?),
                 _ => None,
             };
-            self.reacquire(t)?;
-            // No wait for the compute stream here (the upstream engines need one because their
-            // caching allocator may hand back memory compute work still uses; a platform never
-            // hands back memory under queued work), so a prefetch overlaps the compute before it.
+            // A platform never hands back memory under queued work, so a reload into it needs
+            // no wait and a prefetch overlaps the compute before it; a framework's caching
+            // allocator does (torch's hands a block out again in its stream's order): the copy
+            // then waits for the work queued on that stream so far.
+            if let Some(ready_on) = self.reacquire(t)? {
+                self.order_after(&self.h2d, &ready_on, false)?;
+            }
             let f = match fence {
                 Some(f) => Arc::clone(f),
                 None => {
@@ -723,8 +729,9 @@ impl SwapEngine {
     }
 
     /// Gives a released tensor device memory again: owned storage is resized back (once for all
-    /// its views), borrowed memory comes from the framework's allocator.
-    fn reacquire(&mut self, t: &mut SwapTensor) -> Result<()> {
+    /// its views), borrowed memory comes from the framework's allocator. Returns the stream the
+    /// allocator's memory is ready on ([`crate::Reacquired::ready_on`]).
+    fn reacquire(&mut self, t: &mut SwapTensor) -> Result<Option<Stream>> {
         let storage_len = t.storage_len;
         let Saved::Tensor(tensor) = &mut t.saved else {
             unreachable!("host state holds a tensor")
@@ -789,9 +796,10 @@ impl SwapEngine {
                 tensor.offset = got.offset;
                 tensor.handle = got.handle;
                 tensor.version = got.version;
+                return Ok(got.ready_on);
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Makes `compute` wait for the reloads of the tensors in state `h2d` (no host

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 
 use hprt_compress::device::PendingDecode;
 use hprt_compress::CodecDType;
-use hprt_platform::{DType, DeviceBuffer};
+use hprt_platform::{DType, DeviceBuffer, Stream};
 
 use crate::error::Result;
 use crate::pool::PinnedBlock;
@@ -44,6 +44,12 @@ pub struct Reacquired {
     pub handle: Option<FrameworkHandle>,
     /// The new memory's version counter.
     pub version: VersionCounter,
+    /// The stream in whose order the allocator handed the memory out, when it is a caching
+    /// allocator's (torch's: a block freed by work queued on its stream is handed out again at
+    /// once, for use in that stream's order, while that work may still be running). The reload
+    /// writes the memory only after the work queued on this stream so far. `None`: nothing
+    /// queued uses the memory (a platform allocation; memory of the host's own stream).
+    pub ready_on: Option<Stream>,
 }
 
 /// The framework's allocator: how a borrowed tensor gets memory back for its reload.

@@ -465,6 +465,7 @@ impl Allocator for FrameworkAllocator {
             offset: 0,
             handle: None,
             version: VersionCounter::new(),
+            ready_on: None,
         })
     }
 }

@@ -86,6 +86,7 @@ impl Allocator for TestAllocator {
             offset: 0,
             handle: Some(Arc::new("reloaded")),
             version: VersionCounter::new(),
+            ready_on: None,
         })
     }
 }
@@ -257,6 +258,64 @@ fn a_borrowed_payload_goes_back_to_its_framework_and_reloads_through_its_allocat
         let handle = back.handle.as_ref().unwrap().downcast_ref::<&str>();
         assert_eq!(handle, Some(&"reloaded"));
         assert!(download(&f, back) == data, "seed {seed}");
+    }
+}
+
+/// torch's caching allocator, reduced to what a reload meets: the block it hands out was freed
+/// by work still queued on the compute stream (here: a delayed fill with 0xEE, the last write
+/// of the block's previous tensor), for use in that stream's order.
+struct CachingAllocator {
+    p: Arc<dyn Platform>,
+    compute: Stream,
+    block: DeviceBuffer,
+}
+
+impl Allocator for CachingAllocator {
+    fn allocate(&self, _like: &DeviceTensor) -> hprt_swap::Result<Reacquired> {
+        let s = &self.compute;
+        self.p
+            .launch_host_fn(
+                s,
+                Box::new(|| std::thread::sleep(std::time::Duration::from_millis(30))),
+            )
+            .unwrap();
+        self.p
+            .memset_async(&self.block, 0, 0xEE, self.block.len(), s)
+            .unwrap();
+        Ok(Reacquired {
+            storage: borrow(&*self.p, self.block.clone(), Arc::default()),
+            offset: 0,
+            handle: None,
+            version: VersionCounter::new(),
+            ready_on: Some(s.clone()),
+        })
+    }
+}
+
+#[test]
+fn a_reload_into_a_caching_allocators_block_waits_for_the_work_queued_before_it() {
+    // Without the wait the copy lands first and the queued fill overwrites it (what an H100
+    // showed under torch: NaN gradients and device-side asserts from reloaded indices).
+    for seed in [None]
+        .into_iter()
+        .chain(jitter_seeds().into_iter().map(Some))
+    {
+        let mut f = fixture(1 << 20, seed, Compression::Off);
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 13 + 1) as u8).collect();
+        let alloc = Arc::new(CachingAllocator {
+            p: Arc::clone(&f.p),
+            compute: f.s.clone(),
+            block: f.p.alloc_device(data.len()).unwrap(),
+        });
+        let storage = borrow(&*f.p, upload(&f, &data), Arc::default());
+        let t = DeviceTensor::borrowed(storage, DType::U8, vec![4096], None, alloc).unwrap();
+        let mut t = SwapTensor::new(Saved::Tensor(t)).unwrap();
+        f.engine.offload([&mut t], &f.s).unwrap();
+        f.engine.finish_offload([&mut t]).unwrap();
+        f.engine.start_reload([&mut t]).unwrap();
+        f.engine.finish_reload([&mut t], &f.s).unwrap();
+        let back = t.get().unwrap().tensor().unwrap();
+        assert!(download(&f, back) == data, "jitter {seed:?}");
     }
 }
 
@@ -477,6 +536,7 @@ fn reuse_round(seed: u64, faults: Faults, compression: Compression, borrowed: bo
                 offset: 0,
                 handle: None,
                 version: VersionCounter::new(),
+                ready_on: None,
             })
         })
     };
