@@ -1693,8 +1693,9 @@ class _PipelineFront:
     before it in the same pass, so that reload overlaps this layer's backward (``prefetch``;
     ``stats()["prefetched_tensors"]`` counts the tensors whose reload began that way)."""
 
-    def __init__(self, rt, min_bytes, predicate, prefetch=True):
+    def __init__(self, rt, min_bytes, predicate, prefetch=True, layers=None):
         self.rt, self.min_bytes, self.predicate = rt, min_bytes, predicate
+        self.last = None if layers is None else layers - 1
         self.off = rt.new_pipeline()
         self.flow = _Flow(self.off.reset)
         self.layer = None
@@ -1734,6 +1735,8 @@ class _PipelineFront:
         if not self.flow.taking():
             return None
         self.layer = i
+        # Megatron-LM's set_last_layer: the last layer's group, read first in backward, stays.
+        self.off.set_last_layer(i == self.last)
         self.off.group_start(f"layer{i}")
         return _pushed(self._pack, _unpack_with(self._load))
 
@@ -1858,7 +1861,7 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
                 for _ in layers]
         front, settle = _ContextFront(lambda i: ctxs[i]), [flow.settle]
     elif mode == "pipeline":
-        front = _PipelineFront(rt, min_bytes, predicate, prefetch)
+        front = _PipelineFront(rt, min_bytes, predicate, prefetch, len(layers))
         settle, extra = [front.flow.settle], front.stats
     elif mode == "keep":
         front = _ContextFront(lambda i: keep_saved_tensors(rt, min_bytes))
