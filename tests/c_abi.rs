@@ -343,12 +343,16 @@ fn layer_group_swap_through_the_c_abi() {
 }
 
 /// The test framework behind an `HprtAllocator`: device buffers it allocates, how many of its
-/// owner tokens hprt released.
+/// owner tokens hprt released. With `stream`, it is a caching allocator: the memory it hands out
+/// is still written by work queued there (a long fill of `busy`, then 0xEE over the block, as a
+/// freed tensor's last kernels would), and `HprtAllocator.ready_on` names that stream.
 struct Framework {
     p: *mut HprtPlatform,
     buffers: Vec<*mut HprtDeviceBuffer>,
     released: std::sync::atomic::AtomicUsize,
     fail_next: bool,
+    stream: *mut HprtStream,
+    busy: *mut HprtDeviceBuffer,
 }
 
 unsafe extern "C" fn framework_allocate(
@@ -368,10 +372,18 @@ unsafe extern "C" fn framework_allocate(
         ok(hprt_device_alloc(fw.p, bytes, &mut b));
         ok(hprt_device_info(b, out_ptr, ptr::null_mut()));
         *out_owner = b.cast();
+        if !fw.stream.is_null() {
+            ok(hprt_memset_async(fw.p, fw.busy, 0, 1, BUSY_BYTES, fw.stream));
+            ok(hprt_memset_async(fw.p, b, 0, 0xEE, bytes, fw.stream));
+        }
     }
     fw.buffers.push(b);
     0
 }
+
+/// A fill long enough (tens of ms on the cpu backend) for a reload that does not wait for it to
+/// land first.
+const BUSY_BYTES: usize = 256 << 20;
 
 unsafe extern "C" fn framework_release(user: *mut std::ffi::c_void, _owner: *mut std::ffi::c_void) {
     // SAFETY: only the atomic counter is touched (release may run on a stream thread).
@@ -395,16 +407,21 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
         ok(hprt_stream_create(p, &mut s));
         ok(hprt_swap_manager_create(p, 0, &mut m));
         ok(hprt_swap_set_compression(m, HprtCompression::HostStage));
+        let mut busy = ptr::null_mut();
+        ok(hprt_device_alloc(p, BUSY_BYTES, &mut busy));
         let mut fw = Framework {
             p,
             buffers: Vec::new(),
             released: Default::default(),
             fail_next: false,
+            stream: s,
+            busy,
         };
         let alloc = HprtAllocator {
             user_data: (&mut fw as *mut Framework).cast(),
             allocate: Some(framework_allocate),
             release: Some(framework_release),
+            ready_on: s,
         };
         // The framework's tensor.
         let mut orig = ptr::null_mut();
@@ -509,7 +526,7 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
         ok(hprt_stream_synchronize(p, s));
         assert!(
             hslice == &data[..],
-            "the reload landed in the framework's new memory"
+            "the reload landed in the framework's new memory, after the work queued on its stream"
         );
         let mut stats = HprtSwapStats::default();
         ok(hprt_swap_stats(m, &mut stats));
@@ -525,6 +542,7 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
         for b in fw.buffers.drain(..) {
             ok(hprt_device_free(p, b));
         }
+        ok(hprt_device_free(p, busy));
         ok(hprt_pinned_free(p, host));
         ok(hprt_stream_destroy(p, s));
         ok(hprt_platform_close(p));

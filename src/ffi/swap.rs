@@ -65,7 +65,11 @@ pub enum HprtCompression {
 /// A framework's allocator for borrowed tensors. `allocate` makes new framework memory of
 /// `bytes` (returns 0 on success, anything else for "out of memory") and writes its device
 /// address and an owner token; `release` says hprt no longer references the memory of
-/// `owner` (it may run on any thread, once queued copies finished).
+/// `owner` (it may run on any thread, once queued copies finished). `ready_on`, when not NULL,
+/// is the stream a caching allocator hands its memory out on (PyTorch's c10 allocator with the
+/// current stream: a block freed by kernels still queued there is handed out again at once);
+/// hprt's reload writes new memory only after the work queued on it so far. It must stay live
+/// while the allocator is used; NULL when new memory is free at once.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct HprtAllocator {
@@ -79,6 +83,7 @@ pub struct HprtAllocator {
         ) -> i32,
     >,
     pub release: Option<unsafe extern "C" fn(user_data: *mut c_void, owner: *mut c_void)>,
+    pub ready_on: *const HprtStream,
 }
 
 /// The C allocator as hprt-swap sees it.
@@ -145,12 +150,19 @@ impl Allocator for CAllocator {
         let storage = self
             .borrow(ptr, like.len, owner)
             .map_err(|e| SwapError::Order(e.message))?;
+        let ready_on = if self.c.ready_on.is_null() {
+            None
+        } else {
+            let s = arg(self.c.ready_on, "HprtAllocator.ready_on")
+                .map_err(|e| SwapError::Order(e.message))?;
+            Some(s.0.clone())
+        };
         Ok(Reacquired {
             storage,
             offset: 0,
             handle: Some(Arc::new(Owner(owner))),
             version: VersionCounter::new(),
-            ready_on: None,
+            ready_on,
         })
     }
 }
