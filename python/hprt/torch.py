@@ -1807,14 +1807,13 @@ def _check_host_compression(model, mode, rt):
     """The compress modes encode CPU tensors on the host; on an accelerator they would leave
     every saved tensor to autograd, compressing nothing: refused, naming what does compress
     there (compress-then-swap, whose device codec runs on the accelerator)."""
-    devices = sorted({p.device.type for p in model.parameters()} - {"cpu"})
-    if rt.backend != "cpu" or devices:
-        where = devices[0] if devices else rt.backend
+    devices = sorted({p.device.type for p in model.parameters()})
+    if rt.backend != "cpu" or devices not in ([], ["cpu"]):
         raise hprt.UnsupportedError(
             f"hprt.torch mode {mode!r} compresses CPU tensors on the cpu backend; this model's "
-            f"tensors are on {where!r} (platform {rt.backend!r}). On an accelerator use "
-            "mode='swap' (or 'keyed' / 'pipeline') with compression='device' or 'auto': "
-            "compress-then-swap, encoded on the device")
+            f"parameters are on {', '.join(devices) or 'no device'} and the platform is "
+            f"{rt.backend!r}. On an accelerator use mode='swap' (or 'keyed' / 'pipeline') with "
+            "compression='device' or 'auto': compress-then-swap, encoded on the device")
 
 
 def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, compression="off",
