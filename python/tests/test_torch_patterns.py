@@ -460,7 +460,9 @@ class CompiledLayer(torch.nn.Module):
 @pytest.mark.skipif(shutil.which("c++") is None, reason="inductor needs a C++ compiler")
 def test_torch_compile_in_every_mode(platform):
     torch.manual_seed(0)
-    blocks = torch.nn.ModuleList(CompiledAttention() for _ in range(2)).to(DEVICE)
+    # Three: pipeline mode keeps the last layer and takes back the offload still in flight at
+    # backward (Megatron-LM's), so the first layer is the one it reloads.
+    blocks = torch.nn.ModuleList(CompiledAttention() for _ in range(3)).to(DEVICE)
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList(CompiledLayer(torch.compile(b)) for b in blocks)
     x = torch.randn(2, 8, 32, device=DEVICE)
