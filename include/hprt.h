@@ -371,12 +371,17 @@ typedef struct HprtSwapStats {
  A framework's allocator for borrowed tensors. `allocate` makes new framework memory of
  `bytes` (returns 0 on success, anything else for "out of memory") and writes its device
  address and an owner token; `release` says hprt no longer references the memory of
- `owner` (it may run on any thread, once queued copies finished).
+ `owner` (it may run on any thread, once queued copies finished). `ready_on`, when not NULL,
+ is the stream a caching allocator hands its memory out on (PyTorch's c10 allocator with the
+ current stream: a block freed by kernels still queued there is handed out again at once);
+ hprt's reload writes new memory only after the work queued on it so far. It must stay live
+ while the allocator is used; NULL when new memory is free at once.
  */
 typedef struct HprtAllocator {
   void *user_data;
   int32_t (*allocate)(void *user_data, size_t bytes, size_t *out_ptr, void **out_owner);
   void (*release)(void *user_data, void *owner);
+  const struct HprtStream *ready_on;
 } HprtAllocator;
 
 /*

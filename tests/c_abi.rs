@@ -373,7 +373,9 @@ unsafe extern "C" fn framework_allocate(
         ok(hprt_device_info(b, out_ptr, ptr::null_mut()));
         *out_owner = b.cast();
         if !fw.stream.is_null() {
-            ok(hprt_memset_async(fw.p, fw.busy, 0, 1, BUSY_BYTES, fw.stream));
+            ok(hprt_memset_async(
+                fw.p, fw.busy, 0, 1, BUSY_BYTES, fw.stream,
+            ));
             ok(hprt_memset_async(fw.p, b, 0, 0xEE, bytes, fw.stream));
         }
     }
