@@ -1421,7 +1421,9 @@ class PipelineOffloadManager:
         return t
 
     def _load(self, packed):
-        return self.off.get(packed.ref, self.rt.compute_stream(None))
+        # Handed over, as Megatron-LM's handler pops a tensor at unpack (_Packed keeps it for a
+        # retained graph's second read).
+        return self.off.take(packed.ref, self.rt.compute_stream(None))
 
     def _releasable(self, t):
         """Megatron-LM's check for a forced-released tensor (on this platform's device, at least
@@ -1707,7 +1709,9 @@ class _PipelineFront:
         return _Packed(self.off.save(self.rt.borrow(t)), t, self.layer, self.flow.current)
 
     def _load_one(self, packed):
-        return self.off.get(packed.ref, self.rt.compute_stream())
+        # Handed over: the offload keeps no reloaded tensor until the pass's reset (with `get`
+        # every reloaded layer of a pass stayed allocated until the next one began).
+        return self.off.take(packed.ref, self.rt.compute_stream())
 
     def _load(self, packed):
         ahead = None

@@ -771,6 +771,12 @@ impl PyPipelineOffload {
         let v = py.detach(|| lock(&self.inner).get(&tag.tag, &stream.s))?;
         from_saved(py, &self.p, v)
     }
+    /// `get`, handing the value over: the offload references it no more (its memory goes with
+    /// the caller's last reference); the tag cannot be read again.
+    fn take(&self, py: Python<'_>, tag: &PyOffloadTag, stream: &PyStream) -> Result<Py<PyAny>> {
+        let v = py.detach(|| lock(&self.inner).take(&tag.tag, &stream.s))?;
+        from_saved(py, &self.p, v)
+    }
     fn backward_group_end(&self, py: Python<'_>) -> Result<()> {
         py.detach(|| Ok(lock(&self.inner).backward_group_end()?))
     }

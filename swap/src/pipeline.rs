@@ -57,7 +57,8 @@ pub enum OffloadTag {
 
 struct Group {
     name: String,
-    tensors: Vec<SwapTensor>,
+    /// `None` once [`PipelineOffload::take`] handed the value over.
+    tensors: Vec<Option<SwapTensor>>,
     /// Buffers the framework would not free itself: released once the group's offload completed.
     forced_release: Vec<DeviceBuffer>,
     launched: bool,
@@ -65,7 +66,11 @@ struct Group {
 
 impl Group {
     fn bytes(&self) -> u64 {
-        self.tensors.iter().map(|t| t.swap_bytes() as u64).sum()
+        self.tensors
+            .iter()
+            .flatten()
+            .map(|t| t.swap_bytes() as u64)
+            .sum()
     }
 }
 
@@ -301,7 +306,7 @@ impl PipelineOffload {
             return Ok(OffloadTag::Kept(value));
         };
         let tensors = &mut chunk.groups[group].tensors;
-        tensors.push(SwapTensor::new(value)?);
+        tensors.push(Some(SwapTensor::new(value)?));
         Ok(OffloadTag::Offloaded {
             chunk: chunk_id,
             group,
@@ -358,7 +363,7 @@ impl PipelineOffload {
         let group = &mut chunk_in(&mut self.chunks, id)?.groups[g];
         group.launched = true;
         let (name, bytes) = (group.name.clone(), group.bytes());
-        let tensors = group.tensors.iter_mut();
+        let tensors = group.tensors.iter_mut().flatten();
         self.engine.offload(tensors, compute)?;
         *self.iteration_bytes.entry(name).or_insert(0) += bytes;
         self.inflight.push_back((id, g));
@@ -371,7 +376,7 @@ impl PipelineOffload {
             let over_cap = self.inflight.len() > self.config.max_inflight_offloads;
             let group = &chunk_in(&mut self.chunks, id)?.groups[g];
             let mut done = true;
-            for t in &group.tensors {
+            for t in group.tensors.iter().flatten() {
                 done &= self.engine.offload_done(t)?;
             }
             if !(over_cap || done) {
@@ -386,7 +391,8 @@ impl PipelineOffload {
     fn finish_offload(&mut self, id: ChunkId, g: usize) -> Result<()> {
         let platform = self.engine.platform().clone();
         let group = &mut chunk_in(&mut self.chunks, id)?.groups[g];
-        self.engine.finish_offload(group.tensors.iter_mut())?;
+        self.engine
+            .finish_offload(group.tensors.iter_mut().flatten())?;
         for buf in group.forced_release.drain(..) {
             if buf.is_borrowed() {
                 platform.free_device(&buf)?;
@@ -403,13 +409,14 @@ impl PipelineOffload {
         if let Some(pos) = self.inflight.iter().position(|x| *x == (id, g)) {
             self.inflight.remove(pos);
             let group = &mut chunk_in(&mut self.chunks, id)?.groups[g];
-            self.engine.cancel_offload(group.tensors.iter_mut())?;
+            self.engine
+                .cancel_offload(group.tensors.iter_mut().flatten())?;
             group.forced_release.clear();
             return Ok(());
         }
         self.delayed.retain(|x| *x != (id, g));
         let group = &mut chunk_in(&mut self.chunks, id)?.groups[g];
-        self.engine.start_reload(group.tensors.iter_mut())
+        self.engine.start_reload(group.tensors.iter_mut().flatten())
     }
 
     fn backward_chunk(&mut self) -> Result<ChunkId> {
@@ -442,19 +449,51 @@ impl PipelineOffload {
         }
         self.start_group_reload(id, g)?;
         let group = &mut chunk_in(&mut self.chunks, id)?.groups[g];
-        self.engine.finish_reload(group.tensors.iter_mut(), compute)
+        self.engine
+            .finish_reload(group.tensors.iter_mut().flatten(), compute)
     }
 
     /// A saved tensor for backward work about to be queued on `compute` (reloaded on the spot if
-    /// its group's reload was not started).
+    /// its group's reload was not started). The group keeps its reference until the group's
+    /// backward ends ([`PipelineOffload::backward_group_end`]) or the iteration's reset.
     pub fn get(&mut self, tag: &OffloadTag, compute: &Stream) -> Result<Saved> {
-        let (chunk, group, index) = match tag {
-            OffloadTag::Kept(v) => return Ok(v.clone()),
-            &OffloadTag::Offloaded {
-                chunk,
-                group,
-                index,
-            } => (chunk, group, index),
+        let Some(slot) = self.ready_slot(tag, compute)? else {
+            let OffloadTag::Kept(v) = tag else {
+                unreachable!("only kept values have no slot")
+            };
+            return Ok(v.clone());
+        };
+        Ok(slot.as_ref().expect("checked by ready_slot").get()?.clone())
+    }
+
+    /// [`PipelineOffload::get`], handing the value over: the group references it no more, so
+    /// its device memory goes with the caller's last reference (as Megatron-LM's handler pops a
+    /// tensor when autograd unpacks it). Without it a front end that reads values one by one
+    /// and never ends groups (hprt.torch) holds every reloaded tensor of a pass until the
+    /// reset. A later `get` or `take` of the tag is an error.
+    pub fn take(&mut self, tag: &OffloadTag, compute: &Stream) -> Result<Saved> {
+        let Some(slot) = self.ready_slot(tag, compute)? else {
+            let OffloadTag::Kept(v) = tag else {
+                unreachable!("only kept values have no slot")
+            };
+            return Ok(v.clone());
+        };
+        slot.take().expect("checked by ready_slot").into_saved()
+    }
+
+    /// The slot of an offloaded tag, its tensor reloaded for `compute`; `None` for a kept value.
+    fn ready_slot(
+        &mut self,
+        tag: &OffloadTag,
+        compute: &Stream,
+    ) -> Result<Option<&mut Option<SwapTensor>>> {
+        let &OffloadTag::Offloaded {
+            chunk,
+            group,
+            index,
+        } = tag
+        else {
+            return Ok(None);
         };
         let state = self
             .chunk(chunk)?
@@ -462,13 +501,16 @@ impl PipelineOffload {
             .get(group)
             .and_then(|g| g.tensors.get(index))
             .ok_or_else(|| SwapError::unknown("offload tag", format!("{tag:?}")))?
+            .as_ref()
+            .ok_or_else(|| SwapError::Order(format!("{tag:?} was already taken")))?
             .state();
         if matches!(state, SwapState::D2h | SwapState::Host) {
             self.start_group_reload(chunk, group)?;
         }
-        let t = &mut chunk_in(&mut self.chunks, chunk)?.groups[group].tensors[index];
+        let slot = &mut chunk_in(&mut self.chunks, chunk)?.groups[group].tensors[index];
+        let t = slot.as_mut().expect("checked above");
         self.engine.finish_reload([&mut *t], compute)?;
-        Ok(t.get()?.clone())
+        Ok(Some(slot))
     }
 
     /// Starts reloading `tag`'s group before its backward asks for it (a framework driving
@@ -486,6 +528,7 @@ impl PipelineOffload {
             .tensors;
         let waiting = tensors
             .iter()
+            .flatten()
             .filter(|t| matches!(t.state(), SwapState::D2h | SwapState::Host))
             .count();
         if waiting > 0 {

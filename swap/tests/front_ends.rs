@@ -636,3 +636,40 @@ fn warmup_enables_keep_last_margin_and_the_summary() {
         "| rank | g0 | g1 | total |\n|---:|---:|---:|---:|\n| 0 | 4096 | 4096 | 8192 |\n| 1 | 7 | 0 | 7 |\n"
     );
 }
+
+#[test]
+fn take_hands_a_reloaded_tensor_over_and_the_tag_is_spent() {
+    // hprt.torch reads values one by one and ends no groups: with `get` alone the offload held
+    // every reloaded tensor of a pass until the reset (on an H100, pipeline mode's peak was
+    // above plain torch's).
+    let (p, s) = cpu(1 << 20);
+    let mut o = pipeline(&p, 1);
+    o.init_chunk(1, None).unwrap();
+    let mut tags = Vec::new();
+    for (g, fill) in [("g0", 3u8), ("g1", 4)] {
+        o.group_start(g).unwrap();
+        let (_, v) = tensor(&p, &s, 4096, fill);
+        tags.push(o.save(v).unwrap());
+        o.group_commit(&s, Vec::new(), false).unwrap();
+    }
+    o.join_offloads(&s).unwrap();
+    p.synchronize_device().unwrap();
+    let before = p.memory_stats().device_current;
+    let back = o.take(&tags[0], &s).unwrap();
+    assert_eq!(bytes_of(&p, &s, &back), vec![3; 4096]);
+    assert!(p.memory_stats().device_current > before, "reloaded");
+    drop(back);
+    p.synchronize_device().unwrap();
+    assert_eq!(
+        p.memory_stats().device_current,
+        before,
+        "the caller's reference was the last"
+    );
+    for again in [o.take(&tags[0], &s), o.get(&tags[0], &s)] {
+        assert!(
+            matches!(&again, Err(SwapError::Order(m)) if m.contains("already taken")),
+            "{:?}",
+            again.map(|_| ())
+        );
+    }
+}
