@@ -158,14 +158,11 @@ class _Allocate:
     """What a borrowed payload's reload calls for its memory: a tensor of the saved layout (one
     object holding plain tuples, not a closure's cells: see ``_Witness`` on the collector).
 
-    On an accelerator (``rt`` given) torch's caching allocator hands out a block in the order of
-    the current stream: a block freed by kernels still queued there is handed out again at once.
-    The tensor goes back with that stream (``(tensor, stream)``): hprt's copy waits for the work
-    queued on it before writing the block."""
+    Elsewhere than on the cpu backend torch's allocator makes it (see ``Runtime.handed_out``)."""
 
     __slots__ = ("platform", "rt", "shape", "stride", "offset", "dtype", "device")
 
-    def __init__(self, t, platform, rt=None):
+    def __init__(self, t, platform, rt):
         self.shape, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
         self.dtype, self.platform, self.rt = t.dtype, platform, rt
         self.device = None if platform is not None else t.device
@@ -174,7 +171,7 @@ class _Allocate:
         if self.platform is not None:
             return _platform_empty(self.platform, self.shape, self.stride, self.offset, self.dtype)
         out = _empty_like_layout(self.shape, self.stride, self.offset, self.dtype, self.device)
-        return out if self.rt is None else (out, self.rt.compute_stream(self.device))
+        return self.rt.handed_out(out)
 
 
 def _platform_empty(platform, shape, stride, offset, dtype):
@@ -292,11 +289,19 @@ class Runtime:
         """``t`` as a borrowed swap payload whose reload makes a tensor of its shape, strides and
         storage offset. hprt holds ``t.detach()``: the same memory, but not ``t``'s autograd node,
         which holds what the pack hook returned (a cycle no collector sees through)."""
-        # cpu backend: reloads from the platform's device memory (see ``_platform_empty``);
-        # accelerators: torch's allocator, in its current stream's order (see ``_Allocate``).
-        cpu = self.backend == "cpu"
-        allocate = _Allocate(t, self.platform if cpu else None, None if cpu else self)
+        # cpu backend: reloads from the platform's device memory (see ``_platform_empty``).
+        allocate = _Allocate(t, self.platform if self.backend == "cpu" else None, self)
         return self.memory.tensor(t.detach(), allocate, _HPRT_DTYPES.get(t.dtype, "u8"))
+
+    def handed_out(self, t):
+        """What a reload's allocator gives hprt for ``t``, torch memory it just allocated. On an
+        accelerator torch's caching allocator hands a block out in the order of the current
+        stream: a block freed by kernels still queued there is handed out again at once. ``t``
+        goes with that stream (``(t, stream)``), whose queued work hprt's copy waits for before
+        writing the block; torch's CPU memory is free when allocated."""
+        if self.backend == "cpu":
+            return t
+        return t, self.compute_stream(t.device)
 
     def stats(self):
         s = dict(self.memory.stats())
@@ -713,9 +718,9 @@ class SwapManager:
             # node (holding it would keep the whole graph alive).
             d = t.detach()
 
-            def reacquire(d=d, nbytes=t.nbytes, rt=None if self.rt.backend == "cpu" else self.rt):
-                d.untyped_storage().resize_(nbytes)  # torch's allocator: see ``_Allocate``
-                return d.detach() if rt is None else (d.detach(), rt.compute_stream(d.device))
+            def reacquire(d=d, nbytes=t.nbytes, rt=self.rt):
+                d.untyped_storage().resize_(nbytes)
+                return rt.handed_out(d.detach())
 
             payload = self.rt.memory.tensor(d.detach(), reacquire, _HPRT_DTYPES.get(t.dtype, "u8"))
             entries.append([self.rt.layers.add_storage(group_name, payload), d, False])

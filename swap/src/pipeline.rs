@@ -457,13 +457,7 @@ impl PipelineOffload {
     /// its group's reload was not started). The group keeps its reference until the group's
     /// backward ends ([`PipelineOffload::backward_group_end`]) or the iteration's reset.
     pub fn get(&mut self, tag: &OffloadTag, compute: &Stream) -> Result<Saved> {
-        let Some(slot) = self.ready_slot(tag, compute)? else {
-            let OffloadTag::Kept(v) = tag else {
-                unreachable!("only kept values have no slot")
-            };
-            return Ok(v.clone());
-        };
-        Ok(slot.as_ref().expect("checked by ready_slot").get()?.clone())
+        self.read(tag, compute, false)
     }
 
     /// [`PipelineOffload::get`], handing the value over: the group references it no more, so
@@ -472,28 +466,18 @@ impl PipelineOffload {
     /// and never ends groups (hprt.torch) holds every reloaded tensor of a pass until the
     /// reset. A later `get` or `take` of the tag is an error.
     pub fn take(&mut self, tag: &OffloadTag, compute: &Stream) -> Result<Saved> {
-        let Some(slot) = self.ready_slot(tag, compute)? else {
-            let OffloadTag::Kept(v) = tag else {
-                unreachable!("only kept values have no slot")
-            };
-            return Ok(v.clone());
-        };
-        slot.take().expect("checked by ready_slot").into_saved()
+        self.read(tag, compute, true)
     }
 
-    /// The slot of an offloaded tag, its tensor reloaded for `compute`; `None` for a kept value.
-    fn ready_slot(
-        &mut self,
-        tag: &OffloadTag,
-        compute: &Stream,
-    ) -> Result<Option<&mut Option<SwapTensor>>> {
-        let &OffloadTag::Offloaded {
-            chunk,
-            group,
-            index,
-        } = tag
-        else {
-            return Ok(None);
+    /// `tag`'s value, its reload finished for `compute`; `hand_over` empties its slot.
+    fn read(&mut self, tag: &OffloadTag, compute: &Stream, hand_over: bool) -> Result<Saved> {
+        let (chunk, group, index) = match tag {
+            OffloadTag::Kept(v) => return Ok(v.clone()),
+            &OffloadTag::Offloaded {
+                chunk,
+                group,
+                index,
+            } => (chunk, group, index),
         };
         let state = self
             .chunk(chunk)?
@@ -510,7 +494,11 @@ impl PipelineOffload {
         let slot = &mut chunk_in(&mut self.chunks, chunk)?.groups[group].tensors[index];
         let t = slot.as_mut().expect("checked above");
         self.engine.finish_reload([&mut *t], compute)?;
-        Ok(Some(slot))
+        if hand_over {
+            slot.take().expect("checked above").into_saved()
+        } else {
+            Ok(t.get()?.clone())
+        }
     }
 
     /// Starts reloading `tag`'s group before its backward asks for it (a framework driving
