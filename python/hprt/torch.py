@@ -187,14 +187,21 @@ def _platform_empty(platform, shape, stride, offset, dtype):
         return _empty_like_layout(shape, stride, offset, dtype, "cpu")
     name = _HPRT_DTYPES.get(dtype)
     if name is None:  # exported as bytes, then reinterpreted
-        flat = torch.from_dlpack(buf.view("u8", [span * dtype.itemsize])).view(dtype)
+        flat = _from_view(buf.view("u8", [span * dtype.itemsize])).view(dtype)
     elif offset == 0 and stride == _row_major(shape):
         # The export's own (row-major) layout is the saved one: no restriding (a reload is in
         # every layer's backward, and each torch call there costs several µs).
-        return torch.from_dlpack(buf.view(name, shape))
+        return _from_view(buf.view(name, shape))
     else:
-        flat = torch.from_dlpack(buf.view(name, [span]))
+        flat = _from_view(buf.view(name, [span]))
     return flat.as_strided(shape, stride, offset)
+
+
+def _from_view(view):
+    """A torch tensor of an hprt view of cpu platform memory. The DLPack capsule goes to
+    ``torch.from_dlpack`` itself: given the producer, torch would first ask it for its device
+    and try keyword sets (a reload runs in every layer's backward; each call counts there)."""
+    return torch.from_dlpack(view.__dlpack__(max_version=(1, 0)))
 
 
 def _row_major(shape):
@@ -220,6 +227,10 @@ def _device_type(device):
     once torch_npu is imported)."""
     return getattr(device, "type", None) or str(device).split(":")[0]
 
+
+# torch's boolean attribute for a tensor on a backend's device type (read for every saved
+# tensor: ``t.device`` would build a device object each time); npu's comes with torch_npu.
+_DEVICE_FLAG = {"cpu": "is_cpu", "cuda": "is_cuda"}
 
 # Backends whose tensors torch runs on a stream of its own, and the raw handle's attribute.
 _STREAM_ATTR = {"cuda": "cuda_stream", "npu": "npu_stream"}
@@ -256,6 +267,7 @@ class Runtime:
     def platform(self, platform):
         # The backend's name is read for every saved tensor: kept here, not asked of hprt.
         self._platform, self.backend = platform, platform.backend
+        self._device_flag = _DEVICE_FLAG.get(self.backend)
 
     def new_keyed(self):
         k = hprt.KeyedSwap(self.platform, host_budget=self.host_budget,
@@ -283,7 +295,8 @@ class Runtime:
     def addressable(self, t):
         """Whether this platform's device memory holds ``t`` (cpu backend: CPU tensors; cuda:
         CUDA tensors; npu: torch_npu's NPU tensors)."""
-        return _device_type(t.device) == self.backend
+        on = getattr(t, self._device_flag, None) if self._device_flag else None
+        return on if on is not None else _device_type(t.device) == self.backend
 
     def borrow(self, t):
         """``t`` as a borrowed swap payload whose reload makes a tensor of its shape, strides and
@@ -348,7 +361,8 @@ def is_swappable(t, rt, min_bytes=0, custom_check_fn=None):
     base = t._base
     if base is not None and type(base) is not torch.Tensor and isinstance(base, nn.Parameter):
         return False
-    if (t.is_leaf and t.requires_grad) or not rt.addressable(t) or not _is_dense(t):
+    if (t.is_leaf and t.requires_grad) or not rt.addressable(t) or (
+            not t.is_contiguous() and not _is_dense(t)):
         return False
     return custom_check_fn is None or bool(custom_check_fn(t))
 
