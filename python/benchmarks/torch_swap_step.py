@@ -7,7 +7,17 @@
 
     python python/benchmarks/torch_swap_step.py [--layers 16] [--dim 256] [--seq 128] [--steps 2]
         [--rounds 3] [--threads N] [--modes swap,keyed] [--no-hook-cost] [--device cuda]
-        [--dtype bf16]
+        [--dtype bf16] [--paired N]
+
+``--paired N`` measures layer-group swap (``mode="swap"``) and the no-swap ``keep`` mode against
+plain torch in ``N`` rounds of single steps, one of each per round (plain torch, torch's
+``save_on_cpu``, keep, swap), the modes attached to one runtime for the run and detached between
+their steps. On a machine whose step time wanders by several per cent from one step to the next
+(a shared VM), adjacent steps see the same conditions, and the median of the per-round ratios
+converges where grouped rounds' ratios do not. A step's place in its round also moves its time
+(measured: the same hooks-only mode 1.015x in second place, 1.06x in fourth), so the order
+rotates from round to round. ``save_on_cpu``, which on CPU tensors only runs torch's hooks, is
+the control; ``keep`` runs hprt's hooks and accounting without copying.
 
 On the cpu backend "device" memory is host memory and the copies are host memcpys on hprt's
 stream threads: the numbers describe hprt.torch's overhead, not accelerator performance.
@@ -133,6 +143,62 @@ def step_times(args):
     return interleaved(model, step, args, platform_for(args, 4 << 30), args.min_bytes)
 
 
+def paired(args):
+    """Per round, one step each of plain torch, ``save_on_cpu``, keep and layer-group swap, in
+    an order rotated every round (see the module docs); returns each mode's median step and
+    its per-round ratios to the plain step of the round."""
+    torch.manual_seed(0)
+    model = Transformer(args).to(args.device, DTYPES[args.dtype])
+    x = torch.randn(args.batch, args.seq, args.dim, device=args.device, dtype=DTYPES[args.dtype])
+    rt = ht.Runtime(platform_for(args, 4 << 30))
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        model(x).backward()
+
+    def on_cpu():
+        with torch.autograd.graph.save_on_cpu(pin_memory=args.device == "cuda"):
+            step()
+
+    def attached(mode):
+        def run():
+            with ht.attach(model, mode=mode, runtime_=rt, min_bytes=args.min_bytes):
+                step()
+        return run
+
+    fns = {"plain torch": step, "torch save_on_cpu": on_cpu, "keep": attached("keep"),
+           "swap": attached("swap")}
+    names = list(fns)
+    for fn in fns.values():  # warm-up: pools, first allocations
+        fn()
+        fn()
+    times = {name: [] for name in fns}
+    for r in range(args.paired):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            sync(args.device)
+            t0 = time.perf_counter()
+            fns[name]()
+            sync(args.device)
+            times[name].append(time.perf_counter() - t0)
+    plain_t = times["plain torch"]
+    return {name: (statistics.median(t), [a / b for a, b in zip(t, plain_t)])
+            for name, t in times.items()}
+
+
+def print_paired(args):
+    rows = paired(args)
+    print(f"\nPaired single steps, {args.paired} rounds (plain torch, save_on_cpu, keep, swap; "
+          "order rotated per round):")
+    print("| mode | step (ms, median) | median of per-round ratios | interquartile range of the "
+          "ratios | mean ratio |")
+    print("|---|---|---|---|---|")
+    for name, (t, ratios) in rows.items():
+        q = statistics.quantiles(ratios, n=4)
+        print(f"| {name} | {t * 1e3:.1f} | {statistics.median(ratios):.3f} | "
+              f"{q[0]:.3f} - {q[2]:.3f} | {statistics.fmean(ratios):.3f} |")
+
+
 def hook_cost(args):
     """Per saved tensor: ``n`` sigmoids in a row (each saves its output) on ``numel`` floats."""
     n, numel = args.hook_tensors, args.hook_numel
@@ -183,6 +249,9 @@ def main():
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: CUDA tensors on the cuda backend (HP_PLATFORM=cuda)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="f32")
+    ap.add_argument("--paired", type=int, default=0, metavar="N",
+                    help="only layer-group swap and keep against plain torch, in N rounds of "
+                         "single steps taken in turn (see the module docs)")
     args = ap.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -190,6 +259,9 @@ def main():
     print(f"{args.layers}-layer transformer, dim {args.dim}, batch {args.batch} x {args.seq} tokens, "
           f"{args.dtype} on {where}; hprt modes with min_bytes={args.min_bytes}; "
           f"torch threads: {torch.get_num_threads()}")
+    if args.paired:
+        print_paired(args)
+        return
     rows = step_times(args)
     print("| mode | step (ms, median) | vs plain torch (median of rounds) | offloaded MiB per step "
           "| compressed tensors per step | torch peak allocated (MiB) |")
