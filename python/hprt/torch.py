@@ -917,7 +917,9 @@ class compress_saved_tensors(_Hooks):
     next ``decode_ahead`` tensors backward will read (the latest saved ones not read yet). A
     failed encode keeps the raw tensor (nothing is lost; unpack returns it) and warns.
     ``platform`` (a cpu platform) gives the decoded tensors its device memory, reused from one
-    step to the next (see ``_platform_empty``); ``stats()`` counts raw and compressed bytes."""
+    step to the next (see ``_platform_empty``); ``stats()`` counts raw and compressed bytes.
+    A saved f32/f16/bf16 tensor on another device raises ``hprt.UnsupportedError`` (on an
+    accelerator, compress-then-swap compresses: ``attach(..., compression="device")``)."""
 
     def __init__(self, min_bytes=0, platform=None, decode_ahead=4):
         self.min_bytes, self.decode_ahead = min_bytes, decode_ahead
@@ -929,9 +931,9 @@ class compress_saved_tensors(_Hooks):
         self._prune_at = 1024
 
     def _pack(self, t):
+        _refuse_off_cpu("compress_saved_tensors", t)
         if (
             t.dtype not in _CODEC_DTYPES
-            or t.device.type != "cpu"
             or isinstance(t, nn.Parameter)
             or (t.is_leaf and t.requires_grad)
             or t.numel() == 0
@@ -1110,6 +1112,7 @@ class ManagedCompression:
         )
 
     def _pack(self, layer, t):
+        _refuse_off_cpu("ManagedCompression", t)
         if not self._eligible(t):
             return t
         key = self.manager.save(layer, t.detach())
@@ -1826,17 +1829,31 @@ class Attached:
         return s
 
 
-def _check_host_compression(model, mode, rt):
+def _host_compression_refused(what, where):
     """The compress modes encode CPU tensors on the host; on an accelerator they would leave
     every saved tensor to autograd, compressing nothing: refused, naming what does compress
     there (compress-then-swap, whose device codec runs on the accelerator)."""
+    return hprt.UnsupportedError(
+        f"{what} compresses CPU tensors on the cpu backend; {where}. On an accelerator use "
+        "mode='swap' (or 'keyed' / 'pipeline') with compression='device' or 'auto': "
+        "compress-then-swap, encoded on the device")
+
+
+def _check_host_compression(model, mode, rt):
     devices = sorted({p.device.type for p in model.parameters()})
     if rt.backend != "cpu" or devices not in ([], ["cpu"]):
-        raise hprt.UnsupportedError(
-            f"hprt.torch mode {mode!r} compresses CPU tensors on the cpu backend; this model's "
-            f"parameters are on {', '.join(devices) or 'no device'} and the platform is "
-            f"{rt.backend!r}. On an accelerator use mode='swap' (or 'keyed' / 'pipeline') with "
-            "compression='device' or 'auto': compress-then-swap, encoded on the device")
+        raise _host_compression_refused(
+            f"hprt.torch mode {mode!r}",
+            f"this model's parameters are on {', '.join(devices) or 'no device'} and the "
+            f"platform is {rt.backend!r}")
+
+
+def _refuse_off_cpu(what, t):
+    """A saved tensor the host codec would compress, were it a CPU tensor: refused on any
+    other device (see ``_host_compression_refused``)."""
+    if t.dtype in _CODEC_DTYPES and not t.is_cpu and t.numel() > 0 and not isinstance(
+            t, nn.Parameter):
+        raise _host_compression_refused(what, f"autograd saved a tensor on {t.device}")
 
 
 def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, compression="off",

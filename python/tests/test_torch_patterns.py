@@ -554,6 +554,32 @@ def test_host_compression_modes_refuse_accelerator_tensors(mode, platform):
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
+@cpu_only
+@pytest.mark.parametrize("front", ["compress_saved_tensors", "ManagedCompression"])
+def test_host_compression_used_directly_refuses_accelerator_tensors(front, platform):
+    """Used without attach, the host compressors raise on the first saved tensor off the CPU
+    (meta stands for an accelerator here) instead of leaving every one uncompressed; the hooks
+    are gone after the error and the next CPU forward is compressed."""
+    if front == "compress_saved_tensors":
+        comp = ht.compress_saved_tensors(platform=platform)
+        region = lambda: comp  # noqa: E731
+    else:
+        comp = ht.ManagedCompression(platform, min_numel=1)
+        region = lambda: comp.layer(0)  # noqa: E731
+    x = torch.randn(64, 64, device="meta", requires_grad=True)
+    with pytest.raises(hprt.UnsupportedError, match=f"{front} compresses CPU tensors.*meta"):
+        with region():
+            x.sigmoid()
+    y = torch.randn(64, 64, requires_grad=True)
+    with region():
+        out = y.sigmoid()
+    out.sum().backward()
+    assert torch.equal(y.grad, (y.sigmoid() * (1 - y.sigmoid())).detach())
+    st = comp.stats()
+    packed = st["tensors"] if front == "compress_saved_tensors" else st[0]["saved"]
+    assert packed == 1, st
+
+
 def test_one_keyed_swap_context_class():
     """hprt.torch's TensorSwapContext is hprt's, with the with-block added."""
     assert issubclass(ht.TensorSwapContext, hprt.TensorSwapContext)
