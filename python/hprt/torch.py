@@ -1101,8 +1101,7 @@ class ManagedCompression:
 
     def _eligible(self, t):
         return (
-            t.dtype in _CODEC_DTYPES
-            and t.device.type == "cpu"
+            t.dtype in _CODEC_DTYPES  # and on the CPU: _pack refused the others
             and self.platform.backend == "cpu"
             and not isinstance(t, nn.Parameter)
             and not (t.is_leaf and t.requires_grad)
