@@ -155,62 +155,54 @@ def _empty_like_layout(shape, stride, offset, dtype, device):
 
 
 class _Allocate:
-    """What a borrowed payload's reload calls for its memory: a tensor of the saved layout (one
-    object holding plain tuples, not a closure's cells: see ``_Witness`` on the collector).
+    """What a borrowed payload's reload calls for its memory off the cpu backend: a tensor of
+    the saved layout from torch's allocator, with the stream it was handed out for (see
+    ``Runtime.handed_out``). One object holding plain tuples, not a closure's cells: see
+    ``_Witness`` on the collector. (On the cpu backend a reload takes the platform's device
+    memory without calling back into Python's allocator: see ``_host_reload``.)"""
 
-    Elsewhere than on the cpu backend torch's allocator makes it (see ``Runtime.handed_out``)."""
+    __slots__ = ("rt", "shape", "stride", "offset", "dtype", "device")
 
-    __slots__ = ("platform", "rt", "shape", "stride", "offset", "dtype", "device")
-
-    def __init__(self, t, platform, rt):
+    def __init__(self, t, rt):
         self.shape, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
-        self.dtype, self.platform, self.rt = t.dtype, platform, rt
-        self.device = None if platform is not None else t.device
+        self.dtype, self.device, self.rt = t.dtype, t.device, rt
 
     def __call__(self):
-        if self.platform is not None:
-            return _platform_empty(self.platform, self.shape, self.stride, self.offset, self.dtype)
         out = _empty_like_layout(self.shape, self.stride, self.offset, self.dtype, self.device)
         return self.rt.handed_out(out)
 
 
-def _platform_empty(platform, shape, stride, offset, dtype):
-    """A CPU tensor of this layout in the cpu platform's device memory, through DLPack. That
-    memory comes from the platform's caching allocator (the cpu backend's, like a GPU
-    framework's): a reload reuses the blocks earlier reloads freed, where torch's CPU allocator
-    would hand glibc's memory back and fault fresh pages in for every reload. When the platform
-    has no room (its ``device_memory`` cap), torch's allocator makes it."""
-    span = _span(shape, stride, offset)
-    try:
-        buf = platform.alloc_device(span * dtype.itemsize)
-    except hprt.OutOfMemoryError:
+def _layout(t):
+    """What a reload into the cpu platform's device memory recreates: shape, strides and storage
+    offset in elements, dtype, itemsize."""
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.itemsize
+
+
+def _host_reload(capsule, layout):
+    """The tensor of ``layout`` in a DLPack capsule of the cpu platform's device memory (hprt's
+    Rust side allocates and exports it: ``Platform.alloc_dlpack``, and every layer-group, keyed
+    or pipeline reload on the cpu backend). That memory comes from the platform's caching
+    allocator (the cpu backend's, like a GPU framework's): a reload reuses the blocks earlier
+    reloads freed, where torch's CPU allocator would hand glibc's memory back and fault fresh
+    pages in for every reload. ``capsule`` is None when the platform has no room: torch's
+    allocator makes the tensor.
+
+    The capsule holds the layout itself where it can (the common case takes no torch call but
+    the import: a reload is in every layer's backward, and each call counts there); a storage
+    offset, or a dtype hprt carries as bytes, comes as one row to restride."""
+    shape, stride, offset, dtype, _ = layout
+    if capsule is None:
         return _empty_like_layout(shape, stride, offset, dtype, "cpu")
-    name = _HPRT_DTYPES.get(dtype)
-    if name is None:  # exported as bytes, then reinterpreted
-        flat = _from_view(buf.view("u8", [span * dtype.itemsize])).view(dtype)
-    elif offset == 0 and stride == _row_major(shape):
-        # The export's own (row-major) layout is the saved one: no restriding (a reload is in
-        # every layer's backward, and each torch call there costs several µs).
-        return _from_view(buf.view(name, shape))
-    else:
-        flat = _from_view(buf.view(name, [span]))
-    return flat.as_strided(shape, stride, offset)
+    out = torch.from_dlpack(capsule)
+    if offset or out.dtype is not dtype:
+        return out.view(dtype).as_strided(shape, stride, offset)
+    return out
 
 
-def _from_view(view):
-    """A torch tensor of an hprt view of cpu platform memory. The DLPack capsule goes to
-    ``torch.from_dlpack`` itself: given the producer, torch would first ask it for its device
-    and try keyword sets (a reload runs in every layer's backward; each call counts there)."""
-    return torch.from_dlpack(view.__dlpack__(max_version=(1, 0)))
-
-
-def _row_major(shape):
-    """The strides of a dense row-major tensor of ``shape`` (as torch's ``empty`` makes them)."""
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
+def _platform_empty(platform, shape, stride, offset, dtype):
+    """A CPU tensor of this layout in the cpu platform's device memory (see ``_host_reload``)."""
+    layout = (shape, stride, offset, dtype, dtype.itemsize)
+    return _host_reload(platform.alloc_dlpack(layout, _HPRT_DTYPES.get(dtype, "u8")), layout)
 
 
 # torch dtypes under hprt's names (what compress-then-swap can encode; others travel as bytes).
@@ -252,7 +244,9 @@ class Runtime:
 
     def __init__(self, platform=None, host_budget=None, compression="off"):
         self.platform = platform if platform is not None else hprt.get_platform()
-        self.memory = hprt.FrameworkMemory(self.platform)
+        # cpu backend: reloads take the platform's device memory (see ``_host_reload``).
+        self.memory = hprt.FrameworkMemory(
+            self.platform, host_reload=_host_reload if self.backend == "cpu" else None)
         self.host_budget, self.compression = host_budget, compression
         self.layers = hprt.SwapManager(self.platform, host_budget=host_budget,
                                        compression=compression)
@@ -302,9 +296,10 @@ class Runtime:
         """``t`` as a borrowed swap payload whose reload makes a tensor of its shape, strides and
         storage offset. hprt holds ``t.detach()``: the same memory, but not ``t``'s autograd node,
         which holds what the pack hook returned (a cycle no collector sees through)."""
-        # cpu backend: reloads from the platform's device memory (see ``_platform_empty``).
-        allocate = _Allocate(t, self.platform if self.backend == "cpu" else None, self)
-        return self.memory.tensor(t.detach(), allocate, _HPRT_DTYPES.get(t.dtype, "u8"))
+        name = _HPRT_DTYPES.get(t.dtype, "u8")
+        if self.backend == "cpu":  # into the platform's device memory (see ``_host_reload``)
+            return self.memory.tensor(t.detach(), None, name, _layout(t))
+        return self.memory.tensor(t.detach(), _Allocate(t, self), name)
 
     def handed_out(self, t):
         """What a reload's allocator gives hprt for ``t``, torch memory it just allocated. On an
@@ -917,7 +912,7 @@ class compress_saved_tensors(_Hooks):
     next ``decode_ahead`` tensors backward will read (the latest saved ones not read yet). A
     failed encode keeps the raw tensor (nothing is lost; unpack returns it) and warns.
     ``platform`` (a cpu platform) gives the decoded tensors its device memory, reused from one
-    step to the next (see ``_platform_empty``); ``stats()`` counts raw and compressed bytes.
+    step to the next (see ``_host_reload``); ``stats()`` counts raw and compressed bytes.
     A saved f32/f16/bf16 tensor on another device raises ``hprt.UnsupportedError`` (on an
     accelerator, compress-then-swap compresses: ``attach(..., compression="device")``)."""
 

@@ -3,6 +3,10 @@
 //! `torch.empty_strided` with the saved shape and strides), so the front ends of [`crate::swap`]
 //! reload straight into framework tensors.
 //!
+//! On the cpu backend a reload can skip the framework's allocator: [`HostReload`] takes the
+//! platform's device memory (its caching allocator reuses the blocks earlier reloads freed) and
+//! hands it over through DLPack in the saved layout.
+//!
 //! [`PyFrameworkMemory`] counts the framework bytes hprt references (saved tensors not yet
 //! released, reloads in flight), so a program can compare how much of its saved memory stayed
 //! on the device with and without swap.
@@ -15,8 +19,9 @@ use hprt_swap::{Allocator, DeviceTensor, PlatformHandle, Reacquired, VersionCoun
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::dlpack::HostLayout;
 use crate::error::{invalid, BindError, Result};
-use crate::platform::{PyPlatform, PyStream};
+use crate::platform::{device_is_host, unsupported, PyPlatform, PyStream};
 
 #[derive(Default)]
 struct Counters {
@@ -27,6 +32,10 @@ struct Counters {
 struct Shared {
     p: PlatformHandle,
     counters: Counters,
+    /// `host_reload(capsule, layout)`: the framework tensor of a DLPack capsule of platform
+    /// memory (see [`HostReload`]); `capsule` is None when the platform has no room, and the
+    /// function then allocates the tensor itself.
+    host_reload: Option<Py<PyAny>>,
 }
 
 impl Shared {
@@ -60,7 +69,7 @@ impl Shared {
         self: &Arc<Self>,
         py: Python<'_>,
         obj: &Bound<'_, PyAny>,
-        allocate: Py<PyAny>,
+        allocator: Arc<dyn Allocator>,
         dtype: DType,
     ) -> Result<DeviceTensor> {
         let (ptr, nbytes) = framework_memory(obj)?;
@@ -70,10 +79,6 @@ impl Shared {
             )));
         }
         let storage = self.borrow(ptr, nbytes, obj.clone().unbind())?;
-        let allocator = Arc::new(PyAllocator {
-            shared: Arc::clone(self),
-            allocate,
-        });
         let mut t = DeviceTensor::borrowed(
             storage,
             dtype,
@@ -129,27 +134,79 @@ impl Allocator for PyAllocator {
                 out = tensor;
             }
             let (ptr, nbytes) = framework_memory(&out)?;
-            if nbytes != like.len {
-                return Err(invalid(format!(
-                    "the allocator gave a {nbytes}-byte tensor for {} saved bytes",
-                    like.len
-                )));
-            }
-            Ok(Reacquired {
-                storage: self.shared.borrow(ptr, nbytes, out.clone().unbind())?,
-                offset: 0,
-                handle: Some(Arc::new(out.clone().unbind())),
-                version: framework_version(py, &out),
-                ready_on,
-            })
+            reacquired(py, &self.shared, out, ptr, nbytes, like, ready_on)
         });
-        made.map_err(|e| match e {
-            BindError::Swap(s) => s,
-            BindError::Platform(p) => hprt_swap::SwapError::Platform(p),
-            other => {
-                hprt_swap::SwapError::Order(format!("the framework allocator failed: {other}"))
-            }
-        })
+        made.map_err(swap_error)
+    }
+}
+
+/// What an allocator made (`out`, `nbytes` at `ptr`) as the reacquired memory of `like`.
+fn reacquired(
+    py: Python<'_>,
+    shared: &Arc<Shared>,
+    out: Bound<'_, PyAny>,
+    ptr: usize,
+    nbytes: usize,
+    like: &DeviceTensor,
+    ready_on: Option<hprt_platform::Stream>,
+) -> Result<Reacquired> {
+    if nbytes != like.len {
+        return Err(invalid(format!(
+            "the allocator gave a {nbytes}-byte tensor for {} saved bytes",
+            like.len
+        )));
+    }
+    Ok(Reacquired {
+        storage: shared.borrow(ptr, nbytes, out.clone().unbind())?,
+        offset: 0,
+        handle: Some(Arc::new(out.clone().unbind())),
+        version: framework_version(py, &out),
+        ready_on,
+    })
+}
+
+/// A failed allocation as the swap engine's error.
+fn swap_error(e: BindError) -> hprt_swap::SwapError {
+    match e {
+        BindError::Swap(s) => s,
+        BindError::Platform(p) => hprt_swap::SwapError::Platform(p),
+        other => hprt_swap::SwapError::Order(format!("the framework allocator failed: {other}")),
+    }
+}
+
+/// A reload into the cpu platform's device memory without a call into the framework's
+/// allocator: the memory comes from the platform (its caching allocator) and goes to the
+/// framework as a DLPack capsule of the saved layout, which `host_reload(capsule, layout)`
+/// imports (`torch.from_dlpack`, restrided when the layout has a storage offset or the dtype
+/// travels as bytes).
+struct HostReload {
+    shared: Arc<Shared>,
+    /// What `host_reload` is given back: `(shape, strides, offset, dtype, itemsize)`.
+    layout: Py<PyAny>,
+    host: HostLayout,
+}
+
+impl Allocator for HostReload {
+    fn allocate(&self, like: &DeviceTensor) -> hprt_swap::Result<Reacquired> {
+        let made = Python::attach(|py| -> Result<Reacquired> {
+            let host_reload = self
+                .shared
+                .host_reload
+                .as_ref()
+                .ok_or_else(|| invalid("this FrameworkMemory was made without host_reload"))?;
+            let made = self.host.alloc_capsule(py, &self.shared.p, like.dtype)?;
+            let (capsule, ptr) = made.unzip();
+            let out = host_reload
+                .bind(py)
+                .call1((capsule, self.layout.bind(py)))?;
+            // Without a capsule the framework allocated: ask it where.
+            let (ptr, nbytes) = match ptr {
+                Some(ptr) => (ptr, like.len),
+                None => framework_memory(&out)?,
+            };
+            reacquired(py, &self.shared, out, ptr, nbytes, like, None)
+        });
+        made.map_err(swap_error)
     }
 }
 
@@ -197,13 +254,25 @@ pub(crate) fn handle_object(py: Python<'_>, t: &DeviceTensor) -> Option<Py<PyAny
 
 #[pymethods]
 impl PyFrameworkMemory {
+    /// `host_reload(capsule, layout)` (cpu backend only) lets `tensor(t, layout=...)` reload
+    /// into the platform's device memory: it returns the framework tensor of a DLPack capsule
+    /// holding the saved layout (or, where `capsule` is None because the platform had no room,
+    /// a tensor of that layout it allocated itself).
     #[new]
-    #[pyo3(signature = (platform=None))]
-    fn new(platform: Option<&PyPlatform>) -> Result<Self> {
+    #[pyo3(signature = (platform=None, host_reload=None))]
+    fn new(platform: Option<&PyPlatform>, host_reload: Option<Py<PyAny>>) -> Result<Self> {
+        let p = crate::platform::resolve(platform)?;
+        if host_reload.is_some() && !device_is_host(&*p) {
+            return Err(unsupported(format!(
+                "host_reload: the {} backend's device memory is not host memory",
+                p.backend()
+            )));
+        }
         Ok(PyFrameworkMemory {
             shared: Arc::new(Shared {
-                p: crate::platform::resolve(platform)?,
+                p,
                 counters: Counters::default(),
+                host_reload,
             }),
         })
     }
@@ -213,18 +282,39 @@ impl PyFrameworkMemory {
     /// `(tensor, stream)` where a caching allocator (torch's on a GPU) handed its memory out for
     /// use in `stream`'s order: the reload then writes it after the work queued there.
     /// `dtype` (hprt's name: `f32`, `bf16`, ...) lets compress-then-swap encode it.
-    #[pyo3(signature = (t, allocate, dtype="u8"))]
+    ///
+    /// With `host_reload` (see the constructor), `layout` (`(shape, strides, storage offset,
+    /// dtype, itemsize)`, in elements; `dtype` the framework's, passed back to `host_reload`)
+    /// replaces `allocate`: the reload takes the platform's device memory.
+    #[pyo3(signature = (t, allocate=None, dtype="u8", layout=None))]
     fn tensor(
         &self,
         py: Python<'_>,
         t: &Bound<'_, PyAny>,
-        allocate: Py<PyAny>,
+        allocate: Option<Py<PyAny>>,
         dtype: &str,
+        layout: Option<&Bound<'_, PyAny>>,
     ) -> Result<PyBorrowedTensor> {
+        let allocator: Arc<dyn Allocator> = match (allocate, layout) {
+            (Some(allocate), None) => Arc::new(PyAllocator {
+                shared: Arc::clone(&self.shared),
+                allocate,
+            }),
+            (None, Some(layout)) if self.shared.host_reload.is_some() => Arc::new(HostReload {
+                shared: Arc::clone(&self.shared),
+                layout: layout.clone().unbind(),
+                host: HostLayout::parse(layout)?,
+            }),
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "a layout needs a FrameworkMemory made with host_reload",
+                ))
+            }
+            _ => return Err(invalid("give either allocate or layout")),
+        };
+        let dtype = crate::dtype::parse(dtype)?;
         Ok(PyBorrowedTensor {
-            t: self
-                .shared
-                .tensor(py, t, allocate, crate::dtype::parse(dtype)?)?,
+            t: self.shared.tensor(py, t, allocator, dtype)?,
         })
     }
 

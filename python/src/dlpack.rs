@@ -8,7 +8,7 @@ use dlpark::metadata::Dynamic;
 use dlpark::python::{export_dlpack, DlpackExporter, ExportRequest};
 use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
 use hprt_platform::PlatformHandle;
-use hprt_platform::{DType, DeviceBuffer, PinnedBuffer};
+use hprt_platform::{DType, DeviceBuffer, ErrorKind, PinnedBuffer};
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 
@@ -24,8 +24,9 @@ enum Backing {
     Pinned(PinnedBuffer),
 }
 
-/// A typed, dense, row-major window on hprt memory that numpy and torch can import without a
-/// copy (`numpy.from_dlpack(view)`, `torch.from_dlpack(view)`).
+/// A typed window on hprt memory that numpy and torch can import without a copy
+/// (`numpy.from_dlpack(view)`, `torch.from_dlpack(view)`): dense row-major, or with the element
+/// strides of a framework tensor a reload recreates (see [`host_reload_capsule`]).
 ///
 /// The consumer reads the memory directly. A view of pinned memory is exported once the copies
 /// queued on the buffer finished; device memory (host memory on the cpu backend) is the
@@ -38,6 +39,20 @@ pub struct TensorView {
     offset: usize,
     dtype: DType,
     shape: Vec<usize>,
+    /// Element strides; row-major when absent.
+    strides: Option<Vec<usize>>,
+}
+
+/// `b` as exportable memory: only the cpu backend's device memory is host memory.
+fn host_device_backing(p: &PlatformHandle, b: &DeviceBuffer) -> Result<Backing> {
+    if !device_is_host(&**p) {
+        return Err(unsupported(format!(
+            "DLPack export of {} device memory: only the cpu backend's device memory is \
+             host-addressable; copy into a PinnedBuffer and export that",
+            p.backend()
+        )));
+    }
+    Ok(Backing::Device(b.clone()))
 }
 
 impl TensorView {
@@ -48,18 +63,12 @@ impl TensorView {
         shape: Vec<usize>,
         offset: usize,
     ) -> Result<Self> {
-        if !device_is_host(&**p) {
-            return Err(unsupported(format!(
-                "DLPack export of {} device memory: only the cpu backend's device memory is \
-                 host-addressable; copy into a PinnedBuffer and export that",
-                p.backend()
-            )));
-        }
         let v = TensorView {
-            backing: Backing::Device(b.clone()),
+            backing: host_device_backing(p, b)?,
             offset,
             dtype,
             shape,
+            strides: None,
         };
         v.address()?;
         Ok(v)
@@ -77,6 +86,7 @@ impl TensorView {
             offset,
             dtype,
             shape,
+            strides: None,
         };
         v.address()?;
         Ok(v)
@@ -84,7 +94,10 @@ impl TensorView {
 
     /// The first element's address, after checking the window lies inside the live memory.
     fn address(&self) -> Result<usize> {
-        let nbytes = dtype::nbytes(self.dtype, &self.shape)?;
+        let nbytes = match &self.strides {
+            None => dtype::nbytes(self.dtype, &self.shape)?,
+            Some(strides) => dtype::strided_nbytes(self.dtype, &self.shape, strides)?,
+        };
         let (base, len) = match &self.backing {
             Backing::Device(b) => (b.device_ptr(), b.len()),
             // SAFETY: only the address is taken; nothing is read or written through it here.
@@ -102,15 +115,22 @@ impl TensorView {
     fn managed<M: ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
         let addr = self.address()?;
         let shape: Vec<i64> = self.shape.iter().map(|d| *d as i64).collect();
-        let mut init = Dynamic::compact(shape)
-            .initialize_as::<M>(Box::new(self.backing.clone()))
-            .map_err(|e| PyBufferError::new_err(e.to_string()))?;
+        let ctx = Box::new(self.backing.clone());
+        let mut init = match &self.strides {
+            None => Dynamic::compact(shape).initialize_as::<M>(ctx),
+            Some(strides) => {
+                let strides: Vec<i64> = strides.iter().map(|s| *s as i64).collect();
+                Dynamic::new(shape, strides).initialize_as::<M>(ctx)
+            }
+        }
+        .map_err(|e| PyBufferError::new_err(e.to_string()))?;
         init.set_data(addr as *mut c_void)
             .set_dtype(dtype::to_dlpack(self.dtype))
             .set_device(DLDevice::CPU);
-        // SAFETY: `addr..addr + nbytes` was just checked to lie in the live buffer, whose handle
-        // travels in the tensor's context; the metadata is dense row-major with explicit
-        // strides (the `compact` builder) and no flags are asserted.
+        // SAFETY: every element the shape and strides reach (`addr..addr + nbytes`) was just
+        // checked to lie in the live buffer, whose handle travels in the tensor's context; the
+        // strides are explicit (given, or row-major from the `compact` builder) and no flags are
+        // asserted.
         Ok(unsafe { init.finish() })
     }
 }
@@ -169,6 +189,84 @@ impl TensorView {
     #[getter]
     fn nbytes(&self) -> Result<usize> {
         dtype::nbytes(self.dtype, &self.shape)
+    }
+}
+
+/// A framework tensor's layout, in elements, as a reload into the cpu platform's device memory
+/// recreates it: `(shape, strides, storage offset, dtype, itemsize)` from Python (`dtype` the
+/// framework's own, not read here).
+pub(crate) struct HostLayout {
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
+    itemsize: usize,
+    /// Elements from the storage's start to the end of the last one.
+    span: usize,
+}
+
+impl HostLayout {
+    pub(crate) fn parse(layout: &Bound<'_, PyAny>) -> Result<Self> {
+        type Tuple<'py> = (Vec<usize>, Vec<usize>, usize, Bound<'py, PyAny>, usize);
+        let (shape, strides, offset, _, itemsize): Tuple<'_> = layout.extract().map_err(|_| {
+            invalid("layout must be (shape, strides, storage offset, dtype, itemsize)")
+        })?;
+        let reach = dtype::strided_nbytes(DType::U8, &shape, &strides)?;
+        let span = offset
+            .checked_add(reach)
+            .filter(|s| s.checked_mul(itemsize).is_some())
+            .ok_or_else(|| invalid("the layout's span overflows"))?;
+        if reach == 0 || itemsize == 0 {
+            return Err(invalid("an empty tensor has no layout to allocate"));
+        }
+        Ok(HostLayout {
+            shape,
+            strides,
+            offset,
+            itemsize,
+            span,
+        })
+    }
+
+    /// Allocates the layout's span in `p`'s device memory (the cpu backend's: host memory) and
+    /// returns a DLPack capsule of it and the first element's address, or None when the
+    /// platform has no room. The capsule (versioned, as `__dlpack__(max_version=(1, 0))` makes
+    /// it) holds the layout itself where `dtype`, the payload's, has the tensor's itemsize and
+    /// the storage offset is 0; otherwise the span as one row, of `dtype` or of bytes, that the
+    /// importer restrides.
+    pub(crate) fn alloc_capsule(
+        &self,
+        py: Python<'_>,
+        p: &PlatformHandle,
+        dtype: DType,
+    ) -> Result<Option<(Py<PyAny>, usize)>> {
+        let buf = match p.alloc_device(self.span * self.itemsize) {
+            Ok(buf) => buf,
+            Err(e) if e.kind() == ErrorKind::OutOfMemory => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let (dtype, shape, strides) = if dtype.size() != self.itemsize {
+            (DType::U8, vec![self.span * self.itemsize], None)
+        } else if self.offset != 0 {
+            (dtype, vec![self.span], None)
+        } else if dtype::row_major(&self.shape) == self.strides {
+            (dtype, self.shape.clone(), None)
+        } else {
+            (dtype, self.shape.clone(), Some(self.strides.clone()))
+        };
+        let view = TensorView {
+            backing: host_device_backing(p, &buf)?,
+            offset: 0,
+            dtype,
+            shape,
+            strides,
+        };
+        view.address()?;
+        let request = ExportRequest::parse(None, Some((1, 0)), None, None)?;
+        let capsule = export_dlpack(&view, py, request)?;
+        Ok(Some((
+            capsule,
+            buf.device_ptr() + self.offset * self.itemsize,
+        )))
     }
 }
 

@@ -8,6 +8,10 @@ use crate::error::{invalid, Result};
 
 /// Parses a dtype name: hprt's own (`f32`), numpy/torch style (`float32`, `torch.float32`).
 pub fn parse(name: &str) -> Result<DType> {
+    // hprt's own names first, without normalizing (the swap front ends pass one per tensor)
+    if let Some(d) = DType::ALL.into_iter().find(|d| d.name() == name) {
+        return Ok(d);
+    }
     let n = name
         .trim()
         .trim_start_matches("torch.")
@@ -74,6 +78,43 @@ pub fn parse_reduce_op(name: &str) -> Result<ReduceOp> {
 }
 
 /// Bytes of `shape` elements of `dtype`, refusing overflow.
+/// Bytes from the first element to the end of the last one of a tensor of `shape` and element
+/// `strides` (none for an empty tensor).
+pub fn strided_nbytes(dtype: DType, shape: &[usize], strides: &[usize]) -> Result<usize> {
+    let overflow = || {
+        invalid(format!(
+            "shape {shape:?} with strides {strides:?} overflows"
+        ))
+    };
+    if shape.len() != strides.len() {
+        return Err(invalid(format!(
+            "{} strides for a {}-dimensional shape",
+            strides.len(),
+            shape.len()
+        )));
+    }
+    if shape.contains(&0) {
+        return Ok(0);
+    }
+    let last = shape.iter().zip(strides).try_fold(0usize, |acc, (n, s)| {
+        (n - 1).checked_mul(*s).and_then(|x| acc.checked_add(x))
+    });
+    last.and_then(|l| l.checked_add(1))
+        .and_then(|span| span.checked_mul(dtype.size()))
+        .ok_or_else(overflow)
+}
+
+/// The element strides of a dense row-major tensor of `shape`.
+pub fn row_major(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![0; shape.len()];
+    let mut step = 1usize;
+    for (s, n) in strides.iter_mut().zip(shape).rev() {
+        *s = step;
+        step = step.saturating_mul((*n).max(1));
+    }
+    strides
+}
+
 pub fn nbytes(dtype: DType, shape: &[usize]) -> Result<usize> {
     shape
         .iter()

@@ -281,6 +281,25 @@ impl PyPlatform {
         Ok(self.device_buffer(self.p.alloc_device(nbytes)?))
     }
 
+    /// cpu backend: device memory for a tensor of `layout` (`(shape, strides, storage offset,
+    /// dtype, itemsize)`, in elements) as a DLPack capsule, or None when the platform has no
+    /// room. The capsule holds the layout where `dtype` (hprt's name) has the itemsize and the
+    /// storage offset is 0, else the span from the storage's start as one row (of `dtype`, or of
+    /// `u8` where the itemsize differs) for the importer to restride.
+    fn alloc_dlpack(
+        &self,
+        py: Python<'_>,
+        layout: &Bound<'_, PyAny>,
+        dtype: &str,
+    ) -> Result<Option<Py<PyAny>>> {
+        let made = crate::dlpack::HostLayout::parse(layout)?.alloc_capsule(
+            py,
+            &self.p,
+            dtype::parse(dtype)?,
+        )?;
+        Ok(made.map(|(capsule, _)| capsule))
+    }
+
     /// Borrows `nbytes` of device memory at `ptr` (a framework tensor's `data_ptr()`); `owner`
     /// (e.g. the tensor) is kept alive until hprt no longer references the memory.
     ///

@@ -9,6 +9,7 @@ nn = torch.nn
 
 import hprt  # noqa: E402
 import hprt.torch as ht  # noqa: E402
+from emulated import EMULATED  # noqa: E402
 
 LAYERS, HIDDEN, BATCH, SEQ, STEPS = 16, 32, 4, 8, 3
 
@@ -205,29 +206,27 @@ def test_reloads_use_the_cpu_platforms_device_memory_or_torchs_when_it_is_full(b
     given back once torch is done with it; a platform without room falls back to torch's
     allocator. Both bit-exact."""
     platform = hprt.cpu_platform(device_memory=64 << 20)
-    rt = ht.Runtime(platform)
-    seen = []
-    real, real_empty = ht._platform_empty, ht._empty_like_layout
+    seen, fallbacks = [], []
+    real = ht._host_reload
 
-    def spy(platform_, shape, stride, offset, dtype):
-        out = real(platform_, shape, stride, offset, dtype)
-        seen.append(platform_.memory_stats()["device_current"])
+    def spy(capsule, layout):
+        out = real(capsule, layout)
+        (seen if capsule is not None else fallbacks).append(
+            (out.data_ptr(), out.nbytes, out.untyped_storage().nbytes()))
         return out
 
-    ht._platform_empty = spy
+    monkeypatch.setattr(ht, "_host_reload", spy)  # before the runtimes: they take it
+    rt = ht.Runtime(platform)
     try:
         assert_identical(baseline, train("layer_group", rt))
-        assert seen and all(n > 0 for n in seen)  # held while autograd reads it
-        assert platform.memory_stats()["device_current"] == 0  # and given back
+        assert seen and not fallbacks
+        assert platform.memory_stats()["device_current"] == 0  # given back
+        assert platform.memory_stats()["device_peak"] >= max(n for _, _, n in seen)
         tiny = hprt.cpu_platform(device_memory=4 << 10)  # room for the smallest only
-        fallbacks = []
-        monkeypatch.setattr(ht, "_empty_like_layout",
-                            lambda *a: fallbacks.append(a) or real_empty(*a))
         seen.clear()
         assert_identical(baseline, train("layer_group", ht.Runtime(tiny)))
-        assert seen and fallbacks and all(n <= 4 << 10 for n in seen)
+        assert fallbacks and all(n <= 4 << 10 for _, _, n in seen)
     finally:
-        ht._platform_empty = real
         ht.SwapManager.reset()
 
 
@@ -309,6 +308,74 @@ def test_bf16_round_trip_through_a_borrowed_payload(platform, compression):
     st = mgr.stats()
     if compression != "off":
         assert st["compressed_tensors"] == 1 and st["codec_ns"] > 0
+
+
+def _layouts():
+    base = torch.randn(6, 40).to(torch.bfloat16)
+    ints = torch.arange(90, dtype=torch.int64).view(9, 10)
+    return [
+        torch.randn(8, 64),                             # row-major: exported as it is
+        torch.randn(8, 64).to(torch.bfloat16).t(),      # permuted strides
+        base[2:],                                       # a storage offset
+        base.view(6, 4, 10)[1:].transpose(0, 1),        # both
+        ints[1:].t(),                                   # int64 (carried as bytes), offset
+        torch.rand(7, 9) > 0.5,                         # bool (bytes of the same itemsize)
+        torch.randn(()),                                # a scalar
+    ]
+
+
+@pytest.mark.parametrize("i", range(len(_layouts())))
+def test_host_reloads_recreate_the_saved_layout_in_platform_memory(platform, i):
+    """A borrowed payload given its layout reloads into the cpu platform's device memory
+    (allocated and exported by hprt's Rust side, no Python allocator): same shape, strides,
+    storage offset, dtype and bytes; the memory is the platform's, given back when torch lets
+    go of the tensor."""
+    rt = ht.Runtime(platform)
+    mgr = hprt.SwapManager(platform)
+    t = _layouts()[i]
+    assert ht._is_dense(t)  # what swap takes
+    expected, layout = t.clone(), ht._layout(t)
+    ref = mgr.add_storage("g", rt.memory.tensor(t, None, ht._HPRT_DTYPES.get(t.dtype, "u8"),
+                                                layout))
+    s = rt.compute_stream(None)
+    mgr.launch_offload("g", s)
+    mgr.wait_offload("g")
+    del t
+    before = platform.memory_stats()["device_current"]
+    mgr.launch_load("g")
+    mgr.wait_load("g", s)
+    back = mgr.get(ref)
+    assert ht._layout(back) == layout
+    assert torch.equal(back, expected)
+    assert platform.memory_stats()["device_current"] > before
+    mgr.take(ref)
+    del back
+    assert platform.memory_stats()["device_current"] == before
+
+
+def test_framework_memory_layout_needs_host_reload(platform):
+    """A layout is only taken by a FrameworkMemory made with ``host_reload``; a payload needs
+    exactly one of ``allocate`` and ``layout``; ``host_reload`` needs a backend whose device
+    memory is host memory; a layout must describe a non-empty tensor."""
+    t = torch.randn(4, 4)
+    plain = hprt.FrameworkMemory(platform)
+    with pytest.raises(hprt.HprtError, match="host_reload"):
+        plain.tensor(t, None, "f32", ht._layout(t))
+    with pytest.raises(hprt.HprtError, match="either allocate or layout"):
+        plain.tensor(t)
+    mem = hprt.FrameworkMemory(platform, host_reload=ht._host_reload)
+    with pytest.raises(hprt.HprtError, match="either allocate or layout"):
+        mem.tensor(t, lambda: torch.empty(4, 4), "f32", ht._layout(t))
+    with pytest.raises(hprt.HprtError, match="layout must be"):
+        mem.tensor(t, None, "f32", (4, 4))
+    with pytest.raises(hprt.HprtError, match="empty tensor"):
+        mem.tensor(t, None, "f32", ((0, 4), (4, 1), 0, torch.float32, 4))
+
+
+@pytest.mark.parametrize("backend", EMULATED)
+def test_host_reload_is_refused_where_device_memory_is_not_host_memory(backend):
+    with pytest.raises(hprt.UnsupportedError, match="not host memory"):
+        hprt.FrameworkMemory(hprt.open_platform(backend), host_reload=ht._host_reload)
 
 
 def test_borrowed_reload_out_of_memory_keeps_the_host_copy_and_retries(platform):
