@@ -26,6 +26,7 @@ timed between device synchronizations, torch's ``save_on_cpu(pin_memory=True)`` 
 offload, and each mode's ``torch.cuda.max_memory_allocated`` during its steps."""
 
 import argparse
+import random
 import statistics
 import time
 
@@ -186,16 +187,27 @@ def paired(args):
             for name, t in times.items()}
 
 
+def median_interval(ratios, level=0.95, resamples=2000, seed=0):
+    """A bootstrap interval of the median of ``ratios`` (percentile method): where the median
+    of another run of as many rounds would fall, ``level`` of the time."""
+    rng = random.Random(seed)
+    n = len(ratios)
+    medians = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
+
+
 def print_paired(args):
     rows = paired(args)
     print(f"\nPaired single steps, {args.paired} rounds (plain torch, save_on_cpu, keep, swap; "
           "order rotated per round):")
-    print("| mode | step (ms, median) | median of per-round ratios | interquartile range of the "
-          "ratios | mean ratio |")
-    print("|---|---|---|---|---|")
+    print("| mode | step (ms, median) | median of per-round ratios | 95 % interval of that median "
+          "(bootstrap) | interquartile range of the ratios | mean ratio |")
+    print("|---|---|---|---|---|---|")
     for name, (t, ratios) in rows.items():
         q = statistics.quantiles(ratios, n=4)
-        print(f"| {name} | {t * 1e3:.1f} | {statistics.median(ratios):.3f} | "
+        lo, hi = median_interval(ratios)
+        print(f"| {name} | {t * 1e3:.1f} | {statistics.median(ratios):.3f} | {lo:.3f} - {hi:.3f} | "
               f"{q[0]:.3f} - {q[2]:.3f} | {statistics.fmean(ratios):.3f} |")
 
 

@@ -401,8 +401,11 @@ class _Witness:
 
     def check(self):
         """Raises torch's error (same class and message shape) if the tensor was modified."""
-        if self.modified():
-            t = self._alive()
+        # ``modified()`` inline: this runs for every saved tensor read in backward.
+        t = self._t()
+        if t is None and self._base is not None:
+            t = self._base()
+        if t is not None and t._version != self.version:
             what = f"output {self.output_nr} of {self.grad_fn}" if self.grad_fn else "a leaf Variable"
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
@@ -832,7 +835,9 @@ class SwapManager:
 
     def _load(self, packed):
         # A layer whose backward hook did not run (a partial backward) is loaded here.
-        self._begin_backward(packed.ref[0], packed.pass_)
+        pass_ = packed.pass_
+        if pass_ is None or packed.ref[0] not in pass_.begun:
+            self._begin_backward(packed.ref[0], pass_)
         return self.rt.layers.take(packed.ref)
 
     def _register_hooks(self, module, layer):
