@@ -209,9 +209,10 @@ def _platform_empty(platform, shape, stride, offset, dtype):
 _HPRT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
                 torch.float64: "f64"}
 
-_COUNTERS = ("offloaded_tensors", "offloaded_bytes", "reloaded_tensors", "reloaded_bytes",
-             "link_d2h_bytes", "link_h2d_bytes", "compressed_tensors", "compressed_bytes",
-             "codec_ns", "pinned_bytes_in_use", "pinned_bytes_held")
+_CUMULATIVE = ("offloaded_tensors", "offloaded_bytes", "reloaded_tensors", "reloaded_bytes",
+               "link_d2h_bytes", "link_h2d_bytes", "compressed_tensors", "compressed_bytes",
+               "codec_ns")
+_COUNTERS = _CUMULATIVE + ("pinned_bytes_in_use", "pinned_bytes_held")
 
 
 def _device_type(device):
@@ -250,7 +251,13 @@ class Runtime:
         self.host_budget, self.compression = host_budget, compression
         self.layers = hprt.SwapManager(self.platform, host_budget=host_budget,
                                        compression=compression)
+        # Each module's layer group in ``layers``, kept across attaches (a new one per attach
+        # would grow the Rust manager with every attach / detach).
+        self._layer_slots = weakref.WeakKeyDictionary()
         self._fronts = [self.layers]
+        # Front ends of detached ``attach`` handles, let go once no pass of theirs is alive;
+        # their cumulative counters stay in ``stats()``.
+        self._retiring, self._retired = [], dict.fromkeys(_CUMULATIVE, 0)
         self._host_stream = _cpu_tensor_stream(self.platform)
 
     @property
@@ -263,13 +270,35 @@ class Runtime:
         self._platform, self.backend = platform, platform.backend
         self._device_flag = _DEVICE_FLAG.get(self.backend)
 
+    def retire(self, front, flow):
+        """Forgets ``front`` (a front end this runtime made for an ``attach`` handle now
+        detached) once ``flow`` follows no live pass: its copy streams end with it, and its
+        counters stay in ``stats()``."""
+        self._retiring.append((front, flow))
+        self._let_go_of_retired()
+
+    def _let_go_of_retired(self):
+        alive = []
+        for front, flow in self._retiring:
+            flow.settle()
+            if flow.current is not None:  # a graph of its pass is alive: keep it counted
+                alive.append((front, flow))
+                continue
+            fs = front.stats()
+            for k in _CUMULATIVE:
+                self._retired[k] += fs.get(k, 0)
+            self._fronts = [f for f in self._fronts if f is not front]
+        self._retiring = alive
+
     def new_keyed(self):
+        self._let_go_of_retired()
         k = hprt.KeyedSwap(self.platform, host_budget=self.host_budget,
                            compression=self.compression)
         self._fronts.append(k)
         return k
 
     def new_pipeline(self):
+        self._let_go_of_retired()
         off = hprt.PipelineOffload(self.platform, min_tensor_elems=1, host_budget=self.host_budget,
                                    compression=self.compression)
         self._fronts.append(off)
@@ -312,9 +341,10 @@ class Runtime:
         return t, self.compute_stream(t.device)
 
     def stats(self):
+        self._let_go_of_retired()
         s = dict(self.memory.stats())
         for k in _COUNTERS:
-            s[k] = 0
+            s[k] = self._retired.get(k, 0)
         for front in self._fronts:
             fs = front.stats()
             for k in _COUNTERS:
@@ -683,13 +713,21 @@ class SwapManager:
             module = ref()
             if module is not None and hasattr(module, "_swap_group_name"):
                 del module._swap_group_name
+        layers = list(self.layers.values())
         self.handles, self.layers, self.seconds, self.named = [], {}, set(), []
         self.flow.settle()
+        if self.flow.current is None:  # no pass alive: the next attach may order them anew
+            for layer in layers:
+                self.rt.layers.unlink(layer)
 
     def _layer(self, module):
         layer = self.layers.get(id(module))
         if layer is None:
-            layer = self.layers[id(module)] = self.rt.layers.new_layer()
+            slots = self.rt._layer_slots
+            layer = slots.get(module)
+            if layer is None:
+                layer = slots[module] = self.rt.layers.new_layer()
+            self.layers[id(module)] = layer
             # hyper_parallel names the module's group on the module.
             module._swap_group_name = f"swap_group_{layer}"
             self.named.append(weakref.ref(module))
@@ -1890,7 +1928,7 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
         handle = Attached(mode, layers, rt, [mgr.flow.settle], on_detach=on_detach)
         handle._handles = mgr.handles
         return handle
-    settle, extra = [], None
+    settle, extra, on_detach = [], None, []
     if mode == "keyed":
         front_end = rt.new_keyed()
         flow = _Flow(front_end.end_iteration)
@@ -1898,9 +1936,11 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
         ctxs = [TensorSwapContext(tag, predicate, prefetch, min_bytes, rt, (front_end, flow))
                 for _ in layers]
         front, settle = _ContextFront(lambda i: ctxs[i]), [flow.settle]
+        on_detach = [lambda: rt.retire(front_end, flow)]
     elif mode == "pipeline":
         front = _PipelineFront(rt, min_bytes, predicate, prefetch, len(layers))
         settle, extra = [front.flow.settle], front.stats
+        on_detach = [lambda: rt.retire(front.off, front.flow)]
     elif mode == "keep":
         front = _ContextFront(lambda i: keep_saved_tensors(rt, min_bytes))
     elif mode == "compress":
@@ -1911,7 +1951,7 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
                                   encode_gbps=1.0, decode_gbps=1.0)
         front, settle = _ContextFront(comp.layer), [comp.flow.settle]
         extra = lambda: {"layers": comp.stats()}  # noqa: E731
-    handle = Attached(mode, layers, rt, settle, extra)
+    handle = Attached(mode, layers, rt, settle, extra, on_detach)
     for i, layer in enumerate(layers):
         opened = []
 

@@ -262,6 +262,12 @@ impl PySwapManager {
         let (a, b) = (g.layer_id(first)?, g.layer_id(second)?);
         Ok(g.set_forward_prefetch_layer(a, b)?)
     }
+    /// Forgets the layer's links (between iterations), so it can be linked in another order.
+    fn unlink(&self, layer: usize) -> Result<()> {
+        let mut g = lock(&self.inner);
+        let l = g.layer_id(layer)?;
+        Ok(g.unlink(l)?)
+    }
     /// Returns whether the layer's saved values join its group (false for a checkpointed
     /// recomputation during its backward).
     fn forward_pre(&self, layer: usize) -> Result<bool> {

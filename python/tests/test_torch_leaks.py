@@ -189,5 +189,55 @@ def test_a_thousand_steps_of_every_pattern_leak_nothing(mode, measured):
     assert not m["hooks_left"]
 
 
+class Stack(torch.nn.Module):
+    def __init__(self, n=4, dim=64):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU()) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.parametrize("mode", ["swap", "keyed", "pipeline"])
+def test_attaching_again_and_again_to_one_runtime_grows_nothing(mode):
+    """``attach(..., runtime_=rt)`` and ``detach()`` every step (evaluation between steps with
+    the hooks off, a mode switched per phase) on one runtime: hprt keeps no front end of a
+    detached handle (each had its copy streams' threads) and no layer-group slot per attach,
+    and the runtime's counters stay cumulative. Gradients stay exact."""
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(32, 64)
+    plain = [p.grad for p in _grads(model, x)]
+    rt = ht.Runtime(hprt.cpu_platform(device_memory=64 << 20))
+    threads, fronts, offloaded = [], [], []
+    for step in range(40):
+        with ht.attach(model, mode=mode, runtime_=rt, min_bytes=4096) as h:
+            grads = [p.grad for p in _grads(model, x)]
+        del h
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+        threads.append(_threads())
+        fronts.append(len(rt._fronts))
+        offloaded.append(rt.stats()["offloaded_tensors"])
+    assert threads[-1] <= threads[4], threads
+    assert fronts[-1] <= fronts[4], fronts
+    assert offloaded[0] > 0 and offloaded[-1] == 40 * offloaded[0], offloaded
+    # No layer-group slot per attach: the next new one is numbered by the model's layers.
+    assert rt.layers.new_layer() <= 2 * len(model.layers)
+
+
+def _grads(model, x):
+    for p in model.parameters():
+        p.grad = None
+    model(x).square().mean().backward()
+    return list(model.parameters())
+
+
 if __name__ == "__main__":  # one mode's run, for ``measured``
     print(json.dumps(measure(sys.argv[1], int(sys.argv[2]))))

@@ -254,6 +254,33 @@ impl SwapManager {
         Ok(())
     }
 
+    /// Forgets where `layer` runs in forward (its links both ways, and its neighbours' links
+    /// to it), so that it can be linked anew, in another order; between iterations only (its
+    /// group must be empty).
+    pub fn unlink(&mut self, layer: LayerId) -> Result<()> {
+        let l = self.layer(layer)?;
+        if l.saved.iter().any(Option::is_some) {
+            return Err(SwapError::Order(format!(
+                "unlink of layer {} while its group holds saved values (end the iteration first)",
+                layer.0
+            )));
+        }
+        let (prev, next) = (l.prev.take(), l.next.take());
+        if let Some(p) = prev {
+            let p = &mut self.layers[p.0];
+            if p.next == Some(layer) {
+                p.next = None;
+            }
+        }
+        if let Some(n) = next {
+            let n = &mut self.layers[n.0];
+            if n.prev == Some(layer) {
+                n.prev = None;
+            }
+        }
+        Ok(())
+    }
+
     /// The layer's forward begins: values saved from now on join its group. A layer whose
     /// backward finished starts a new iteration: its previous group is dropped. (A forward
     /// during the layer's backward is a checkpointed recomputation: nothing changes.)

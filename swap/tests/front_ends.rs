@@ -84,6 +84,39 @@ fn linking_is_idempotent_and_first_link_wins() {
 }
 
 #[test]
+fn unlinked_layers_link_anew_in_another_order_between_iterations() {
+    let (p, s) = cpu(1 << 20);
+    let mut m = SwapManager::new(Arc::clone(&p)).unwrap();
+    let (a, b) = (m.new_layer(), m.new_layer());
+    m.set_forward_prefetch_layer(a, b).unwrap();
+    assert!(m.set_forward_prefetch_layer(b, a).is_err(), "a cycle");
+    m.forward_pre(a).unwrap();
+    m.save(tensor(&p, &s, 256, 1).1).unwrap();
+    assert!(
+        matches!(m.unlink(a), Err(SwapError::Order(_))),
+        "a group holding values keeps its place"
+    );
+    m.forward_post(a, &s).unwrap();
+    m.end_iteration().unwrap();
+    m.unlink(a).unwrap();
+    m.unlink(b).unwrap();
+    m.set_forward_prefetch_layer(b, a).unwrap(); // the other way round now
+    assert!(m.is_last_group("swap_group_0"));
+    assert!(!m.is_last_group("swap_group_1"));
+    // b (first now) offloads after its forward and a waits for it.
+    let (buf, v) = tensor(&p, &s, 512, 7);
+    m.forward_pre(b).unwrap();
+    let r = m.save(v).unwrap();
+    m.forward_post(b, &s).unwrap();
+    m.forward_pre(a).unwrap();
+    m.forward_post(a, &s).unwrap();
+    assert_eq!(buf.len(), 0);
+    m.backward_pre(a, &s).unwrap();
+    m.backward_pre(b, &s).unwrap();
+    assert_eq!(bytes_of(&p, &s, m.get(r).unwrap()), vec![7; 512]);
+}
+
+#[test]
 fn last_layer_is_not_offloaded_and_recompute_forward_is_skipped() {
     let (p, s) = cpu(1 << 20);
     let mut m = SwapManager::new(Arc::clone(&p)).unwrap();
