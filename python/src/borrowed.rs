@@ -199,11 +199,15 @@ impl Allocator for HostReload {
             let out = host_reload
                 .bind(py)
                 .call1((capsule, self.layout.bind(py)))?;
-            // Without a capsule the framework allocated: ask it where.
-            let (ptr, nbytes) = match ptr {
-                Some(ptr) => (ptr, like.len),
-                None => framework_memory(&out)?,
-            };
+            // The tensor must be the capsule's memory (which it keeps alive): the reload writes
+            // there. Without a capsule the framework allocated it.
+            let (got, nbytes) = framework_memory(&out)?;
+            if ptr.is_some_and(|ptr| ptr != got) {
+                return Err(invalid(
+                    "host_reload returned a tensor that is not the capsule's memory",
+                ));
+            }
+            let ptr = got;
             reacquired(py, &self.shared, out, ptr, nbytes, like, None)
         });
         made.map_err(swap_error)

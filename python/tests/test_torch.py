@@ -372,6 +372,22 @@ def test_framework_memory_layout_needs_host_reload(platform):
         mem.tensor(t, None, "f32", ((0, 4), (4, 1), 0, torch.float32, 4))
 
 
+def test_a_host_reload_that_drops_the_capsule_is_an_error_not_a_write_elsewhere(platform):
+    """The reload writes into the capsule's memory: a ``host_reload`` returning some other
+    tensor is refused (the payload stays on the host), not handed to torch with other bytes."""
+    t = torch.randn(64, 64)
+    mem = hprt.FrameworkMemory(platform, host_reload=lambda capsule, layout: torch.empty(64, 64))
+    mgr = hprt.SwapManager(platform)
+    ref = mgr.add_storage("g", mem.tensor(t, None, "f32", ht._layout(t)))
+    s = platform.wrap_stream(0)
+    mgr.launch_offload("g", s)
+    mgr.wait_offload("g")
+    del t
+    with pytest.raises(hprt.HprtError, match="not the capsule's memory"):
+        mgr.launch_load("g")
+    assert mgr.state(ref) == "host"  # the host copy stays
+
+
 @pytest.mark.parametrize("backend", EMULATED)
 def test_host_reload_is_refused_where_device_memory_is_not_host_memory(backend):
     with pytest.raises(hprt.UnsupportedError, match="not host memory"):
