@@ -181,6 +181,8 @@ fn swap_error(e: BindError) -> hprt_swap::SwapError {
 /// travels as bytes).
 struct HostReload {
     shared: Arc<Shared>,
+    /// The FrameworkMemory's `host_reload`.
+    host_reload: Py<PyAny>,
     /// What `host_reload` is given back: `(shape, strides, offset, dtype, itemsize)`.
     layout: Py<PyAny>,
     host: HostLayout,
@@ -189,14 +191,10 @@ struct HostReload {
 impl Allocator for HostReload {
     fn allocate(&self, like: &DeviceTensor) -> hprt_swap::Result<Reacquired> {
         let made = Python::attach(|py| -> Result<Reacquired> {
-            let host_reload = self
-                .shared
-                .host_reload
-                .as_ref()
-                .ok_or_else(|| invalid("this FrameworkMemory was made without host_reload"))?;
             let made = self.host.alloc_capsule(py, &self.shared.p, like.dtype)?;
             let (capsule, ptr) = made.unzip();
-            let out = host_reload
+            let out = self
+                .host_reload
                 .bind(py)
                 .call1((capsule, self.layout.bind(py)))?;
             // The tensor must be the capsule's memory (which it keeps alive): the reload writes
@@ -207,8 +205,7 @@ impl Allocator for HostReload {
                     "host_reload returned a tensor that is not the capsule's memory",
                 ));
             }
-            let ptr = got;
-            reacquired(py, &self.shared, out, ptr, nbytes, like, None)
+            reacquired(py, &self.shared, out, got, nbytes, like, None)
         });
         made.map_err(swap_error)
     }
@@ -304,16 +301,19 @@ impl PyFrameworkMemory {
                 shared: Arc::clone(&self.shared),
                 allocate,
             }),
-            (None, Some(layout)) if self.shared.host_reload.is_some() => Arc::new(HostReload {
-                shared: Arc::clone(&self.shared),
-                layout: layout.clone().unbind(),
-                host: HostLayout::parse(layout)?,
-            }),
-            (None, Some(_)) => {
-                return Err(invalid(
-                    "a layout needs a FrameworkMemory made with host_reload",
-                ))
-            }
+            (None, Some(layout)) => match &self.shared.host_reload {
+                Some(host_reload) => Arc::new(HostReload {
+                    shared: Arc::clone(&self.shared),
+                    host_reload: host_reload.clone_ref(py),
+                    layout: layout.clone().unbind(),
+                    host: HostLayout::parse(layout)?,
+                }),
+                None => {
+                    return Err(invalid(
+                        "a layout needs a FrameworkMemory made with host_reload",
+                    ))
+                }
+            },
             _ => return Err(invalid("give either allocate or layout")),
         };
         let dtype = crate::dtype::parse(dtype)?;

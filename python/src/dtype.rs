@@ -77,7 +77,6 @@ pub fn parse_reduce_op(name: &str) -> Result<ReduceOp> {
         })
 }
 
-/// Bytes of `shape` elements of `dtype`, refusing overflow.
 /// Bytes from the first element to the end of the last one of a tensor of `shape` and element
 /// `strides` (none for an empty tensor).
 pub fn strided_nbytes(dtype: DType, shape: &[usize], strides: &[usize]) -> Result<usize> {
@@ -115,6 +114,7 @@ pub fn row_major(shape: &[usize]) -> Vec<usize> {
     strides
 }
 
+/// Bytes of `shape` elements of `dtype`, refusing overflow.
 pub fn nbytes(dtype: DType, shape: &[usize]) -> Result<usize> {
     shape
         .iter()
