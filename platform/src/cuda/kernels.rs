@@ -417,6 +417,13 @@ mod host_compiled {
     /// CUDA's device names as host C++, shared with the CUDA emulator's NVRTC.
     const SHIM: &str = include_str!("host_shim.h");
 
+    /// The generated source, built once per process: the tests run in parallel, and two
+    /// builds writing one path let a test load a library the other is still writing.
+    fn library() -> &'static libloading::Library {
+        static LIB: std::sync::OnceLock<libloading::Library> = std::sync::OnceLock::new();
+        LIB.get_or_init(compile)
+    }
+
     fn compile() -> libloading::Library {
         let dir = std::env::temp_dir().join(format!("hprt-cuda-kernels-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -604,7 +611,7 @@ mod host_compiled {
     /// change the last bits), degenerate ones, and both alignments.
     #[test]
     fn generated_matmul_matches_the_host_reference_bit_for_bit() {
-        let lib = compile();
+        let lib = library();
         // SAFETY: the signature `MATMUL` defines.
         let f = unsafe { lib.get::<Matmul>(b"hprt_matmul_f32\0") }.unwrap();
         for (m, n, k) in [
@@ -665,7 +672,7 @@ mod host_compiled {
 
     #[test]
     fn generated_kernels_match_the_host_reference_bit_for_bit() {
-        let lib = compile();
+        let lib = library();
         let n = 300;
         let mut kernels = Vec::new();
         for d in DType::ALL {
@@ -717,7 +724,7 @@ mod host_compiled {
         let mut failures = Vec::new();
         for k in &kernels {
             for skew in [0, 1] {
-                let (dev, host) = both(&lib, k, skew);
+                let (dev, host) = both(lib, k, skew);
                 if dev != host {
                     let name = kernel_name(k).unwrap();
                     let i = dev.iter().zip(&host).position(|(a, b)| a != b).unwrap();
