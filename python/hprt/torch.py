@@ -1853,8 +1853,10 @@ class Attached:
     def stats(self):
         """Bytes of torch memory hprt keeps referenced (``device_current`` / ``device_peak``),
         offloaded / reloaded / compressed tensors and bytes, host-link bytes, pinned bytes in use
-        and held, ``device_allocated`` where torch reports device memory; compression modes add
-        ``raw_bytes`` / ``compressed_bytes`` (or per-layer ``layers``)."""
+        and held, ``device_allocated`` where torch reports device memory. Every mode that
+        compresses counts its tensors in ``compressed_tensors`` / ``compressed_bytes``; the
+        compress modes add ``raw_bytes`` (what those tensors held before), ``compress`` its
+        ``tensors`` / ``decoded_ahead`` and ``managed_compress`` its per-layer ``layers``."""
         for settle in self._settle:
             settle()
         s = self.runtime.stats()
@@ -1891,6 +1893,23 @@ def _refuse_off_cpu(what, t):
     if t.dtype in _CODEC_DTYPES and not t.is_cpu and t.numel() > 0 and not isinstance(
             t, nn.Parameter):
         raise _host_compression_refused(what, f"autograd saved a tensor on {t.device}")
+
+
+def _compress_stats(comp):
+    """``compress_saved_tensors.stats()`` with its count under ``stats()``'s common key."""
+    s = comp.stats()
+    s["compressed_tensors"] = s["tensors"]
+    return s
+
+
+def _managed_stats(comp):
+    """``ManagedCompression``'s per-layer statistics (``layers``) and their totals under
+    ``stats()``'s common keys."""
+    layers = comp.stats()
+    return {"layers": layers,
+            "compressed_tensors": sum(s["compressed"] for s in layers.values()),
+            "compressed_bytes": sum(s["compressed_bytes"] for s in layers.values()),
+            "raw_bytes": sum(s["original_bytes"] for s in layers.values())}
 
 
 def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, compression="off",
@@ -1945,12 +1964,12 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
         front = _ContextFront(lambda i: keep_saved_tensors(rt, min_bytes))
     elif mode == "compress":
         comp = compress_saved_tensors(min_bytes, platform=rt.platform)
-        front, extra = _ContextFront(lambda i: comp), comp.stats
+        front, extra = _ContextFront(lambda i: comp), lambda: _compress_stats(comp)
     else:
         comp = ManagedCompression(rt.platform, min_numel=max(1, min_bytes // 4),
                                   encode_gbps=1.0, decode_gbps=1.0)
         front, settle = _ContextFront(comp.layer), [comp.flow.settle]
-        extra = lambda: {"layers": comp.stats()}  # noqa: E731
+        extra = lambda: _managed_stats(comp)  # noqa: E731
     handle = Attached(mode, layers, rt, settle, extra, on_detach)
     for i, layer in enumerate(layers):
         opened = []

@@ -543,6 +543,27 @@ def test_detach_removes_every_hook(mode, platform):
     assert ht.SwapManager._instances == singletons
 
 
+COMPRESSING = [m for m, kw in MODES.items()
+               if kw["mode"] in HOST_COMPRESSION or kw.get("compression", "off") != "off"]
+
+
+@pytest.mark.parametrize("mode", COMPRESSING)
+def test_stats_count_compression_in_the_same_keys_in_every_mode(mode, platform):
+    """``stats()`` is one dictionary everywhere: a mode that compressed reports it in
+    ``compressed_tensors`` / ``compressed_bytes`` (the compress modes reported 0 there, their
+    counts only under keys of their own)."""
+    _, handle = run("llama", "steps", mode, platform)
+    st = handle.stats()
+    assert st["compressed_tensors"] > 0 and st["compressed_bytes"] > 0, st
+    if handle.mode == "compress":
+        assert st["compressed_tensors"] == st["tensors"], st
+    if handle.mode == "managed_compress":
+        layers = st["layers"].values()
+        assert st["compressed_tensors"] == sum(layer["compressed"] for layer in layers), st
+        assert st["compressed_bytes"] == sum(layer["compressed_bytes"] for layer in layers), st
+        assert st["raw_bytes"] == sum(layer["original_bytes"] for layer in layers), st
+
+
 @pytest.mark.parametrize("mode", HOST_COMPRESSION)
 def test_host_compression_modes_refuse_accelerator_tensors(mode, platform):
     """The compress modes encode CPU tensors on the host; a model on another device (meta
