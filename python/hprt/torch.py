@@ -1823,6 +1823,24 @@ class _ContextFront:
         ctx.__exit__(None, None, None)
 
 
+# The handle attached to each layer (one at a time: see ``_claim``).
+_ATTACHED = weakref.WeakKeyDictionary()
+
+
+def _claim(layers, handle=None):
+    """Refuses layers another ``attach`` handle still holds (two modes on one layer: the inner
+    hooks take every saved tensor, the outer handle does nothing without a word); with
+    ``handle``, records it as theirs."""
+    for layer in layers:
+        other = _ATTACHED.get(layer)
+        if other is not None and other is not handle and other.attached:
+            raise ValueError(
+                f"hprt.torch: layer {type(layer).__name__} is already attached (mode "
+                f"{other.mode!r}); detach() that handle before attaching another mode")
+        if handle is not None:
+            _ATTACHED[layer] = handle
+
+
 class Attached:
     """What ``attach`` returns: ``detach()`` removes every hook it installed (also as a context
     manager), ``stats()`` reports hprt's statistics for the model."""
@@ -1839,6 +1857,9 @@ class Attached:
         for fn in self._settle + self._on_detach:
             fn()
         self._on_detach = []
+        for layer in self.layers:
+            if _ATTACHED.get(layer) is self:
+                del _ATTACHED[layer]
 
     @property
     def attached(self):
@@ -1932,10 +1953,19 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
     if isinstance(layers, str) or layers is None:
         layers = find_layers(model, layers)
     layers = list(layers)
+    _claim(layers)
     rt = runtime_ if runtime_ is not None else Runtime(platform, compression=compression)
     if mode in ("compress", "managed_compress"):
         _check_host_compression(model, mode, rt)
     if mode == "swap":
+        live = SwapManager._instances.get(id(rt))
+        if live is not None and live.handles:
+            # One manager per runtime (hyper_parallel's singleton): a second model's layers
+            # would share its hooks, and either handle's detach would remove both.
+            raise ValueError(
+                "hprt.torch: this Runtime's SwapManager already has hooks on other layers (an "
+                "attach(mode='swap') not detached, or set_forward_prefetch_layer); detach() them "
+                "first, or attach this model with a Runtime of its own")
         mgr = SwapManager(rt, min_bytes=min_bytes, custom_check_fn=predicate)
         for a, b in zip(layers[:-1], layers[1:]):
             mgr.set_forward_prefetch_layer(a, b)
@@ -1946,6 +1976,7 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
             on_detach.append(lambda: SwapManager._instances.pop(id(rt), None))
         handle = Attached(mode, layers, rt, [mgr.flow.settle], on_detach=on_detach)
         handle._handles = mgr.handles
+        _claim(layers, handle)
         return handle
     settle, extra, on_detach = [], None, []
     if mode == "keyed":
@@ -1984,4 +2015,5 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
 
         handle._handles.append(layer.register_forward_pre_hook(pre))
         handle._handles.append(layer.register_forward_hook(post, always_call=True))
+    _claim(layers, handle)
     return handle

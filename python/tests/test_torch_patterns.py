@@ -543,6 +543,49 @@ def test_detach_removes_every_hook(mode, platform):
     assert ht.SwapManager._instances == singletons
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_layer_takes_one_mode_at_a_time(mode, platform):
+    """A second attach to layers a handle still holds is refused (before, both hooked the
+    layers: the inner hooks took every saved tensor and the first handle did nothing, without
+    a word); once detached, another mode attaches."""
+    got_plain = run("gpt2", "steps")[0]
+    torch.manual_seed(0)
+    model = new_model("gpt2")
+    handle = attach_mode(model, platform, mode)
+    hooks = [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
+    with pytest.raises(ValueError, match=f"already attached \\(mode '{handle.mode}'\\)"):
+        ht.attach(model, mode="keyed", platform=platform)
+    assert [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()] == hooks
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rec = Recorder(model)
+    p_steps(model, opt, data_for(), rec)
+    assert_identical(rec.values, got_plain)
+    assert took_tensors(handle), handle.stats()
+    handle.detach()
+    ht.attach(model, mode="keyed", platform=platform).detach()
+
+
+def test_swap_mode_on_two_models_needs_a_runtime_each(platform):
+    """Layer-group swap has one manager per runtime (hyper_parallel's singleton): a second
+    model attached in that mode to the same runtime is refused (before, it shared the first's
+    hooks, and detaching the first left the second reporting attached but swapping nothing);
+    with a runtime each, detaching one leaves the other swapping."""
+    rt = ht.Runtime(platform)
+    torch.manual_seed(0)
+    a, b = new_model("gpt2"), new_model("llama")
+    first = ht.attach(a, runtime_=rt)
+    with pytest.raises(ValueError, match="Runtime of its own"):
+        ht.attach(b, runtime_=rt)
+    second = ht.attach(b, platform=platform)
+    first.detach()
+    assert not first.attached and second.attached
+    opt = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    before = second.stats()["offloaded_tensors"]
+    p_steps(b, opt, data_for(), Recorder(b))
+    assert second.stats()["offloaded_tensors"] > before
+    second.detach()
+
+
 COMPRESSING = [m for m, kw in MODES.items()
                if kw["mode"] in HOST_COMPRESSION or kw.get("compression", "off") != "off"]
 
