@@ -281,9 +281,7 @@ def main():
     per_attach = args.steps + 1  # warm-up included
     for name, t, ratio, st, peak in rows:
         off = "-" if st is None else f"{st['offloaded_bytes'] / (1 << 20) / per_attach:.1f}"
-        comp = "-" if st is None else (
-            st.get("compressed_tensors", 0) + st.get("tensors", 0)
-            + sum(layer["compressed"] for layer in st.get("layers", {}).values())) // per_attach
+        comp = "-" if st is None else st["compressed_tensors"] // per_attach
         peak = "-" if peak is None else f"{peak / (1 << 20):.0f}"
         print(f"| {name} | {t * 1e3:.1f} | {ratio:.3f} | {off} | {comp} | {peak} |")
     if args.no_hook_cost:
