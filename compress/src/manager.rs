@@ -257,6 +257,23 @@ impl ActivationManager {
         })
     }
 
+    /// Whether an operator window is open (between `begin_window` and `end_window`).
+    pub fn window_open(&self) -> bool {
+        self.window.is_some()
+    }
+
+    fn window_work(&self) -> Option<&Work> {
+        self.window.as_ref().and_then(|w| w.work.as_ref())
+    }
+
+    /// Whether the open window's codec work is on `layer`'s tensors.
+    fn window_codes(&self, layer: LayerId) -> bool {
+        match self.window_work() {
+            Some(Work::Encode(l, _)) | Some(Work::Decode(l, _)) => *l == layer,
+            None => false,
+        }
+    }
+
     fn no_window(&self, what: &str) -> Result<()> {
         if self.window.is_some() {
             return Err(CompressError::InvalidState(format!(
@@ -367,9 +384,21 @@ impl ActivationManager {
     }
 
     /// Hands a tensor back for backward (the seed's `pop`), decoding it first if needed; the
-    /// manager forgets it.
+    /// manager forgets it. Allowed in a window: a framework that cannot wrap each backward
+    /// operator keeps one window open over a layer's whole backward (decoding the next layer)
+    /// and takes the layer's tensors inside it. A take of a tensor of the layer the window is
+    /// decoding (autograd went back to that layer early) ends the window first; one the window
+    /// is encoding is refused.
     pub fn take(&mut self, key: TensorKey) -> Result<DeviceBuffer> {
-        self.no_window("take")?;
+        if self.window_codes(key.layer) {
+            if !matches!(self.window_work(), Some(Work::Decode(..))) {
+                return Err(CompressError::InvalidState(format!(
+                    "take of a tensor of layer {} while an operator window encodes that layer",
+                    key.layer.0
+                )));
+            }
+            self.end_window()?;
+        }
         self.recover(key.layer, key.index)?;
         let v = self.layers.get_mut(&key.layer).ok_or_else(|| {
             CompressError::InvalidState(format!("no tensors registered in layer {}", key.layer.0))

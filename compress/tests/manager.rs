@@ -338,7 +338,6 @@ fn filters_and_misuse_are_typed() {
         m.begin_window(&Op::Fixed(Duration::ZERO)),
         Err(CompressError::InvalidState(_))
     ));
-    assert!(matches!(m.take(key), Err(CompressError::InvalidState(_))));
     m.end_window().unwrap();
     // A layer entered again before its tensors were taken.
     assert!(matches!(
@@ -352,6 +351,90 @@ fn filters_and_misuse_are_typed() {
     m.begin_window(&Op::Matmul { m: 8, n: 8, k: 8 }).unwrap();
     m.end_window().unwrap();
     assert_eq!(m.window_records().unwrap().last().unwrap().predicted, None);
+}
+
+/// A framework without a hook per backward operator keeps one window open over a layer's
+/// whole backward: the next layer in backward decodes in it while the layer's own tensors are
+/// taken; a tensor of the layer the window is decoding is refused until the window ends.
+#[test]
+fn a_layers_tensors_are_taken_in_a_window_that_decodes_the_next_layer() {
+    let p = platform(Some(7));
+    let s = p.create_stream().unwrap();
+    let mut m = ActivationManager::new(p.clone(), s.clone(), ManagerConfig::new(model())).unwrap();
+    let n = 1 << 16;
+    let data: Vec<Vec<u8>> = (0..2)
+        .map(|l| generate(DataKind::Gelu, CodecDType::BF16, n, 10 + l))
+        .collect();
+    let forward = |m: &mut ActivationManager| -> Vec<TensorKey> {
+        (0..2)
+            .map(|l| {
+                m.forward_start(LayerId(l)).unwrap();
+                // Encodes the previous layer's tensors while this layer runs.
+                m.window(&Op::Fixed(Duration::from_millis(5)), || ())
+                    .unwrap();
+                let buf = produce(p.as_ref(), &s, &data[l]);
+                let t = SavedTensor {
+                    buf,
+                    dtype: DType::BF16,
+                    numel: n,
+                };
+                m.save(LayerId(l), t).unwrap().unwrap()
+            })
+            .collect()
+    };
+    let check = |buf: &DeviceBuffer, l: usize| {
+        let mut back = vec![0u8; data[l].len()];
+        p.read_device_sync(buf, 0, &mut back, &s).unwrap();
+        assert!(back == data[l], "layer {l}: not bit-exact");
+    };
+    // The first step learns the backward order.
+    let keys = forward(&mut m);
+    for l in [1, 0] {
+        m.backward_start(LayerId(l)).unwrap();
+        check(&m.take(keys[l]).unwrap(), l);
+    }
+    let keys = forward(&mut m);
+    assert!(m.is_compressed(keys[0]));
+    m.backward_start(LayerId(1)).unwrap();
+    m.begin_window(&Op::Fixed(Duration::from_millis(5)))
+        .unwrap();
+    check(&m.take(keys[1]).unwrap(), 1);
+    assert!(m.window_open());
+    m.end_window().unwrap();
+    assert!(!m.is_compressed(keys[0]), "decoded in layer 1's window");
+    m.backward_start(LayerId(0)).unwrap();
+    check(&m.take(keys[0]).unwrap(), 0);
+    let stats = m.layer_stats();
+    assert_eq!(stats[0].1.decoded_in_window, 1, "{stats:?}");
+    assert_eq!(
+        stats[0].1.recovered_sync, 1,
+        "the first step's only: {stats:?}"
+    );
+
+    // Autograd reads a tensor of the layer being decoded before that layer's backward start:
+    // the take ends the window (its decodes waited for) instead of reading half-decoded bytes.
+    let keys = forward(&mut m);
+    m.backward_start(LayerId(1)).unwrap();
+    m.begin_window(&Op::Fixed(Duration::from_millis(5)))
+        .unwrap();
+    check(&m.take(keys[0]).unwrap(), 0);
+    assert!(!m.window_open());
+    check(&m.take(keys[1]).unwrap(), 1);
+
+    // A take of a tensor the open window is encoding is refused.
+    m.forward_start(LayerId(0)).unwrap();
+    let t = SavedTensor {
+        buf: produce(p.as_ref(), &s, &data[0]),
+        dtype: DType::BF16,
+        numel: n,
+    };
+    let k0 = m.save(LayerId(0), t).unwrap().unwrap();
+    m.forward_start(LayerId(1)).unwrap();
+    m.begin_window(&Op::Fixed(Duration::from_millis(5)))
+        .unwrap();
+    assert!(matches!(m.take(k0), Err(CompressError::InvalidState(_))));
+    m.end_window().unwrap();
+    check(&m.take(k0).unwrap(), 0);
 }
 
 /// A tensor whose graph was dropped (a forward without backward): `discard` forgets it,

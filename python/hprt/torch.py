@@ -1112,7 +1112,8 @@ class ManagedCompression:
     hprt's cost model (its codec throughputs are measured unless ``encode_gbps`` is given):
     what fits is encoded. In backward,
     the first tensor read of a layer starts that layer's backward, which decodes its tensors
-    still compressed. Layer 0 begins a forward pass (see ``_Flow``: a pass overlapping a live one
+    still compressed, and opens a window (sized as the forward's) over the rest of that
+    layer's backward in which the next layer's tensors decode on the side stream. Layer 0 begins a forward pass (see ``_Flow``: a pass overlapping a live one
     is left to autograd). ``stats()`` is ``ActivationManager.layer_stats()``.
 
     Works where the platform addresses torch's memory as device memory (the cpu backend with
@@ -1130,10 +1131,23 @@ class ManagedCompression:
             min_numel=min_numel)
         self.window_ms = window_ms
         self._backward_layer = None
+        self._backward_window = False
         self._dropped = []
         self.flow = _Flow(self._discard_dropped)
 
+    def _window_kw(self):
+        return {"unbounded": True} if self.window_ms is None else {"fixed_ms": self.window_ms}
+
+    def _end_backward_window(self):
+        """Ends the window of the current layer's backward (the host waits for its decodes;
+        a take of a tensor it was decoding may have ended it already)."""
+        if self._backward_window:
+            self._backward_window = False
+            if self.manager.window_open:
+                self.manager.end_window()
+
     def _discard_dropped(self):
+        self._end_backward_window()
         while self._dropped:
             self.manager.discard(self._dropped.pop())
 
@@ -1162,8 +1176,13 @@ class ManagedCompression:
         if packed.out is None:
             layer = packed.key[0]
             if self._backward_layer != layer:
+                self._end_backward_window()
                 self.manager.backward_start(layer)
                 self._backward_layer = layer
+                # The rest of this layer's backward is the next one's decode window (no hook
+                # runs per backward operator: one window spans them).
+                self.manager.begin_window(**self._window_kw())
+                self._backward_window = True
             out = self.manager.take(packed.key)
             packed.taken = True
             self.stream.synchronize()
@@ -1193,10 +1212,7 @@ class _ManagedLayer:
         o._discard_dropped()
         o._backward_layer = None
         o.manager.forward_start(self.layer)
-        if o.window_ms is None:
-            self._window = o.manager.window(unbounded=True)
-        else:
-            self._window = o.manager.window(fixed_ms=o.window_ms)
+        self._window = o.manager.window(**o._window_kw())
         self._window.__enter__()
         self._hooks = _pushed(lambda t: o._pack(self.layer, t), o._unpack)
         return self

@@ -262,6 +262,13 @@ impl PyActivationManager {
         })
     }
 
+    /// Whether an operator window is open (between `begin_window` and `end_window`; a `take`
+    /// of a tensor the window was decoding ends it).
+    #[getter]
+    fn window_open(&self) -> bool {
+        lock(&self.inner).m.window_open()
+    }
+
     /// Whether the tensor is currently held compressed.
     fn is_compressed(&self, key: (usize, usize)) -> bool {
         lock(&self.inner).m.is_compressed(key_of(key))

@@ -159,12 +159,15 @@ def test_activation_manager_compression_is_bit_exact(platform, baseline):
     assert_identical(baseline, out)
     stats = out[2]
     assert sorted(stats) == list(range(LAYERS))
-    # Every layer but the last is encoded in the next layer's forward window, every step.
+    # Every layer but the last is encoded in the next layer's forward window, every step, and
+    # decoded in the window of the layer before it in backward (which the first step learns:
+    # its decodes wait at each layer's backward start).
     for layer, st in stats.items():
         assert st["saved"] > 0
         if layer < LAYERS - 1:
             assert st["compressed"] == st["saved"], (layer, st)
-            assert st["recovered_sync"] == st["compressed"]
+            assert st["recovered_sync"] == st["compressed"] // STEPS, (layer, st)
+            assert st["decoded_in_window"] == st["compressed"] - st["recovered_sync"], (layer, st)
     assert sum(st["compressed_bytes"] for st in stats.values()) < sum(
         st["original_bytes"] for st in stats.values())
 
