@@ -262,18 +262,6 @@ impl ActivationManager {
         self.window.is_some()
     }
 
-    fn window_work(&self) -> Option<&Work> {
-        self.window.as_ref().and_then(|w| w.work.as_ref())
-    }
-
-    /// Whether the open window's codec work is on `layer`'s tensors.
-    fn window_codes(&self, layer: LayerId) -> bool {
-        match self.window_work() {
-            Some(Work::Encode(l, _)) | Some(Work::Decode(l, _)) => *l == layer,
-            None => false,
-        }
-    }
-
     fn no_window(&self, what: &str) -> Result<()> {
         if self.window.is_some() {
             return Err(CompressError::InvalidState(format!(
@@ -390,14 +378,15 @@ impl ActivationManager {
     /// decoding (autograd went back to that layer early) ends the window first; one the window
     /// is encoding is refused.
     pub fn take(&mut self, key: TensorKey) -> Result<DeviceBuffer> {
-        if self.window_codes(key.layer) {
-            if !matches!(self.window_work(), Some(Work::Decode(..))) {
+        match self.window.as_ref().and_then(|w| w.work.as_ref()) {
+            Some(Work::Encode(l, _)) if *l == key.layer => {
                 return Err(CompressError::InvalidState(format!(
                     "take of a tensor of layer {} while an operator window encodes that layer",
                     key.layer.0
                 )));
             }
-            self.end_window()?;
+            Some(Work::Decode(l, _)) if *l == key.layer => self.end_window()?,
+            _ => {}
         }
         self.recover(key.layer, key.index)?;
         let v = self.layers.get_mut(&key.layer).ok_or_else(|| {

@@ -1113,8 +1113,8 @@ class ManagedCompression:
     what fits is encoded. In backward,
     the first tensor read of a layer starts that layer's backward, which decodes its tensors
     still compressed, and opens a window (sized as the forward's) over the rest of that
-    layer's backward in which the next layer's tensors decode on the side stream. Layer 0 begins a forward pass (see ``_Flow``: a pass overlapping a live one
-    is left to autograd). ``stats()`` is ``ActivationManager.layer_stats()``.
+    layer's backward in which the next layer's tensors decode on the side stream. Layer 0
+    begins a forward pass (see ``_Flow``: a pass overlapping a live one is left to autograd). ``stats()`` is ``ActivationManager.layer_stats()``.
 
     Works where the platform addresses torch's memory as device memory (the cpu backend with
     CPU tensors); other tensors are left to autograd.
@@ -1839,22 +1839,19 @@ class _ContextFront:
         ctx.__exit__(None, None, None)
 
 
-# The handle attached to each layer (one at a time: see ``_claim``).
+# The handle attached to each layer (one at a time: see ``_refuse_attached``).
 _ATTACHED = weakref.WeakKeyDictionary()
 
 
-def _claim(layers, handle=None):
+def _refuse_attached(layers):
     """Refuses layers another ``attach`` handle still holds (two modes on one layer: the inner
-    hooks take every saved tensor, the outer handle does nothing without a word); with
-    ``handle``, records it as theirs."""
+    hooks take every saved tensor, the outer handle does nothing without a word)."""
     for layer in layers:
         other = _ATTACHED.get(layer)
-        if other is not None and other is not handle and other.attached:
+        if other is not None and other.attached:
             raise ValueError(
                 f"hprt.torch: layer {type(layer).__name__} is already attached (mode "
                 f"{other.mode!r}); detach() that handle before attaching another mode")
-        if handle is not None:
-            _ATTACHED[layer] = handle
 
 
 class Attached:
@@ -1865,6 +1862,8 @@ class Attached:
         self.mode, self.layers, self.runtime = mode, layers, rt
         self._handles, self._settle, self._stats_extra = [], settle, stats_extra
         self._on_detach = list(on_detach)
+        for layer in layers:
+            _ATTACHED[layer] = self
 
     def detach(self):
         for h in self._handles:
@@ -1969,7 +1968,7 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
     if isinstance(layers, str) or layers is None:
         layers = find_layers(model, layers)
     layers = list(layers)
-    _claim(layers)
+    _refuse_attached(layers)
     rt = runtime_ if runtime_ is not None else Runtime(platform, compression=compression)
     if mode in ("compress", "managed_compress"):
         _check_host_compression(model, mode, rt)
@@ -1992,7 +1991,6 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
             on_detach.append(lambda: SwapManager._instances.pop(id(rt), None))
         handle = Attached(mode, layers, rt, [mgr.flow.settle], on_detach=on_detach)
         handle._handles = mgr.handles
-        _claim(layers, handle)
         return handle
     settle, extra, on_detach = [], None, []
     if mode == "keyed":
@@ -2031,5 +2029,4 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
 
         handle._handles.append(layer.register_forward_pre_hook(pre))
         handle._handles.append(layer.register_forward_hook(post, always_call=True))
-    _claim(layers, handle)
     return handle
