@@ -51,29 +51,40 @@ fn wait_erased<B: Backend>(event: &(dyn std::any::Any + Send + Sync)) -> Result<
 /// Notes that a copy just queued on `stream` touches pinned buffer `buf`, so host access of it
 /// waits for the copy (`PinnedBuffer::read`). When the mark cannot be recorded, the stream is
 /// drained before the error returns: host access would otherwise not wait for the copy.
+///
+/// No driver call is made, and nothing waited for, under the buffer's lock: a host function
+/// queued on `stream` before the copy may take it (a host-stage decode writing the block), and
+/// draining the stream, or a queue that is full, would then wait on it for ever.
 fn note_pinned_use<B: Backend>(
     b: &B,
     buf: &PinnedBuffer,
     stream: &Stream,
     s: &B::Stream,
 ) -> Result<()> {
-    let mut st = buf.handle.unlocked();
-    let known = st
+    let known = buf
+        .handle
+        .unlocked()
         .queued
         .iter()
         .find(|u| u.stream.same(&stream.handle))
-        .map(|u| u.event.downcast_ref::<B::Event>().cloned());
-    let event = match known.flatten() {
-        Some(e) => Ok(e),
-        None => Backend::create_event(b, false).inspect(|e| {
-            st.queued.push(QueuedUse {
-                stream: stream.handle.clone(),
-                event: std::sync::Arc::new(e.clone()),
-                wait: wait_erased::<B>,
-            })
+        .and_then(|u| u.event.downcast_ref::<B::Event>().cloned());
+    let recorded = match known {
+        Some(e) => Backend::record_event(b, &e, s),
+        // A new mark joins the buffer's list once recorded: before, a host access would wait
+        // on an event that marks nothing yet.
+        None => Backend::create_event(b, false).and_then(|e| {
+            Backend::record_event(b, &e, s)?;
+            let mut st = buf.handle.unlocked();
+            if !st.freed {
+                st.queued.push(QueuedUse {
+                    stream: stream.handle.clone(),
+                    event: std::sync::Arc::new(e),
+                    wait: wait_erased::<B>,
+                });
+            }
+            Ok(())
         }),
     };
-    let recorded = event.and_then(|e| Backend::record_event(b, &e, s));
     if recorded.is_err() {
         let _ = Backend::synchronize_stream(b, s);
     }

@@ -23,6 +23,8 @@ pub mod cpu;
 pub mod cuda;
 mod dispatch;
 mod dtype;
+#[cfg(test)]
+mod emulated_tests;
 mod error;
 mod handle;
 mod host_errors;

@@ -507,6 +507,8 @@ impl Backend for NpuBackend {
         })
     }
     fn host_fn(&self, stream: &Arc<StreamObj>, f: HostFn) -> Result<()> {
+        // ACL's calls need the device on the calling thread, as every other operation binds it.
+        self.shared.bind()?;
         if !stream.host_fns_ready() {
             return Err(host_fn_unsupported("launch_host_fn"));
         }

@@ -1,0 +1,223 @@
+//! The dispatch layer and the driver backends' own bookkeeping on the Ascend and CUDA emulators
+//! (`tests/ascend-emulator`, `tests/cuda-emulator`), where the emulators' fault injection reaches
+//! driver calls the conformance suite cannot fail on purpose. `cargo build -p
+//! hprt-ascend-emulator -p hprt-cuda-emulator` (which `scripts/test` runs first) puts the
+//! libraries next to this test binary; a missing one fails the test rather than skipping it.
+//!
+//! The emulators' state is process-wide: these tests take one lock.
+
+use std::path::PathBuf;
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::cuda::{CudaBackend, CudaSearch};
+use crate::handle::Owner;
+use crate::npu::NpuBackend;
+use crate::{Backend, Platform};
+
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    crate::sync::lock(&SERIAL)
+}
+
+/// target/<profile>/`file`, next to the directory of this test binary.
+fn library(file: &str, package: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>");
+    let lib = dir.join(file);
+    assert!(
+        lib.is_file(),
+        "{} is missing: build it with `cargo build -p {package}` (scripts/test does)",
+        lib.display()
+    );
+    lib
+}
+
+fn npu_lib() -> PathBuf {
+    library("libhprt_ascend_emulator.so", "hprt-ascend-emulator")
+}
+
+fn cuda_lib() -> PathBuf {
+    library("libhprt_cuda_emulator.so", "hprt-cuda-emulator")
+}
+
+fn open_npu() -> NpuBackend {
+    let lib = npu_lib();
+    NpuBackend::open_with(&hprt_sys::SearchEnv {
+        acl_lib: Some(lib.clone()),
+        hccl_lib: Some(lib),
+        ..Default::default()
+    })
+    .expect("the npu backend opens on the Ascend emulator")
+}
+
+fn open_cuda() -> CudaBackend {
+    let lib = cuda_lib();
+    CudaBackend::open_with(&CudaSearch {
+        cuda_lib: Some(lib.clone()),
+        nccl_lib: Some(lib.clone()),
+        nvrtc_lib: Some(lib),
+    })
+    .expect("the cuda backend opens on the CUDA emulator")
+}
+
+/// Replaces the emulator's fault list (`HP_EMU_FAULTS` syntax; "" clears it).
+fn faults(lib: &std::path::Path, spec: &str) {
+    let spec = std::ffi::CString::new(spec).expect("no NUL");
+    // SAFETY: the emulator's documented test export, in a library the backend already loaded.
+    unsafe {
+        let l = libloading::Library::new(lib).expect("open the emulator");
+        let f: libloading::Symbol<unsafe extern "C" fn(*const std::ffi::c_char) -> i32> =
+            l.get(b"hprtEmuSetFaults\0").expect("hprtEmuSetFaults");
+        assert_eq!(f(spec.as_ptr()), 0, "fault spec {spec:?}");
+    }
+}
+
+/// Runs `f` on a thread of its own; panics when it has not returned within `limit` (a hang).
+fn within<T: Send + 'static>(
+    limit: Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(limit) {
+        Ok(Ok(v)) => v,
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => panic!("{what}: no answer within {limit:?} (a deadlock)"),
+    }
+}
+
+/// ISSUE 32 item 12: a host function queued before a copy takes its pinned block's lock (the
+/// host-stage reload decodes into the block there), and the copy's mark on the block cannot be
+/// recorded. The dispatch layer drained the stream with the block's lock held: the host
+/// function waited for the lock, the drain for the host function, for ever. Every record the
+/// copy makes is failed in turn (the backend's own use marks come first).
+fn failed_pinned_mark_with_a_host_fn_on_the_block<P: Platform + 'static>(
+    p: Arc<P>,
+    lib: PathBuf,
+    record: &'static str,
+    code: i32,
+) {
+    const N: usize = 4096;
+    let s = p.create_stream().unwrap();
+    let dev = p.alloc_device(N).unwrap();
+    let block = p.alloc_pinned(N).unwrap();
+    let mut failed_mark = 0;
+    for nth in 1..=4 {
+        let (tp, ts, tdev, tblock, tlib) = (
+            p.clone(),
+            s.clone(),
+            dev.clone(),
+            block.clone(),
+            lib.clone(),
+        );
+        let failed = within(
+            Duration::from_secs(20),
+            "copy_async with a failed record",
+            move || {
+                let decoded = tblock.clone();
+                tp.launch_host_fn(
+                    &ts,
+                    Box::new(move || {
+                        // Long enough for the copy below to be queued and its marks tried.
+                        std::thread::sleep(Duration::from_millis(300));
+                        // SAFETY: stream order: the copy reading the block comes after.
+                        unsafe { decoded.write_unsynchronized(0, &[nth as u8; N]) }.unwrap();
+                    }),
+                )
+                .unwrap_or_else(|e| panic!("nth {nth}: {e}"));
+                faults(&tlib, &format!("{record}:{nth}:{code}"));
+                let r = tp.copy_async((&tdev).into(), 0, (&tblock).into(), 0, N, &ts);
+                faults(&tlib, "");
+                // The stream may carry the failure of work queued after the failed call.
+                let _ = tp.synchronize_stream(&ts);
+                r.is_err()
+            },
+        );
+        if failed {
+            failed_mark += 1;
+        }
+        // Everything still works: the block is readable and a copy goes through.
+        let mut back = vec![0u8; N];
+        p.copy_async((&block).into(), 0, (&dev).into(), 0, N, &s)
+            .unwrap();
+        p.synchronize_stream(&s).unwrap();
+        block.read(0, &mut back).unwrap();
+    }
+    assert!(failed_mark > 0, "no injected {record} fault surfaced");
+    p.free_pinned(&block).unwrap();
+    p.free_device(&dev).unwrap();
+    p.destroy_stream(&s).unwrap();
+}
+
+#[test]
+fn a_failed_pinned_mark_under_a_host_function_does_not_hang_npu() {
+    let _g = serial();
+    let p = Arc::new(open_npu());
+    failed_pinned_mark_with_a_host_fn_on_the_block(p, npu_lib(), "aclrtRecordEvent", 507000);
+}
+
+#[test]
+fn a_failed_pinned_mark_under_a_host_function_does_not_hang_cuda() {
+    let _g = serial();
+    let p = Arc::new(open_cuda());
+    failed_pinned_mark_with_a_host_fn_on_the_block(p, cuda_lib(), "cuEventRecord", 999);
+}
+
+/// ISSUE 32 item 17: a long-lived stream that waits on ever-new streams (never synchronized
+/// through hprt) kept one error span per source stream, and every wait searched them all.
+fn waits_on_ever_new_streams<B: Backend>(b: &B, sources: impl Fn(&B::Stream) -> usize) {
+    let owner = Owner {
+        platform: b.instance(),
+        backend: b.kind(),
+    };
+    let long = Platform::create_stream(b).unwrap();
+    let obj = long.handle.get::<B::Stream>(owner, "test").unwrap();
+    for i in 0..600 {
+        let s = Platform::create_stream(b).unwrap();
+        let e = Platform::create_event(b, false).unwrap();
+        if i % 2 == 0 {
+            // Some with a host function before the record: a place that could still fail.
+            Platform::launch_host_fn(b, &s, Box::new(|| {})).unwrap();
+        }
+        Platform::record_event(b, &e, &s).unwrap();
+        Platform::stream_wait_event(b, &long, &e).unwrap();
+        Platform::destroy_event(b, &e).unwrap();
+        Platform::destroy_stream(b, &s).unwrap();
+    }
+    // Let the last host functions run, then one more wait prunes what they left.
+    std::thread::sleep(Duration::from_millis(200));
+    let s = Platform::create_stream(b).unwrap();
+    let e = Platform::create_event(b, false).unwrap();
+    Platform::record_event(b, &e, &s).unwrap();
+    Platform::stream_wait_event(b, &long, &e).unwrap();
+    let kept = sources(&obj);
+    assert!(
+        kept <= 2,
+        "the stream keeps the spans of {kept} streams it waited on"
+    );
+    Platform::synchronize_stream(b, &long).unwrap();
+    assert_eq!(sources(&obj), 0);
+    Platform::destroy_stream(b, &s).unwrap();
+    Platform::destroy_stream(b, &long).unwrap();
+}
+
+#[test]
+fn waiting_on_ever_new_streams_keeps_a_bounded_record_npu() {
+    let _g = serial();
+    let p = open_npu();
+    waits_on_ever_new_streams(&p, |s| s.waited_sources());
+}
+
+#[test]
+fn waiting_on_ever_new_streams_keeps_a_bounded_record_cuda() {
+    let _g = serial();
+    let p = open_cuda();
+    waits_on_ever_new_streams(&p, |s| s.waited_sources());
+}
