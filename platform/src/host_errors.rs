@@ -10,6 +10,7 @@
 //! until the stream's own synchronize has reported it — a point recorded after that is clean.
 
 use crate::sync::lock;
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{BackendKind, Error, ErrorKind, Result};
@@ -26,7 +27,9 @@ struct Log {
     /// Points up to here were reported by the stream's own synchronize.
     reported: u64,
     errors: Vec<(u64, Error)>,
-    /// What the stream waited on since its last synchronize.
+    /// Points handed out whose work may still fail (their [`Point`] lives).
+    open: BTreeSet<u64>,
+    /// What the stream waited on since its last synchronize, less what settled clean.
     upstream: Vec<Span>,
 }
 
@@ -46,6 +49,21 @@ impl Span {
             .find(|(at, _)| self.lo < *at && *at <= self.hi)
             .map(|(_, e)| e.clone())
     }
+
+    /// No work at its points failed, and none can any more (every point up to `hi` is done):
+    /// a waiter needs to keep nothing of it.
+    fn settled_clean(&self) -> bool {
+        let l = lock(&self.log);
+        l.open.first().is_none_or(|&at| at > self.hi)
+            && !l
+                .errors
+                .iter()
+                .any(|(at, _)| self.lo < *at && *at <= self.hi)
+    }
+
+    fn same(&self, other: &Span) -> bool {
+        Arc::ptr_eq(&self.log, &other.log) && (self.lo, self.hi) == (other.lo, other.hi)
+    }
 }
 
 /// One place in a stream's order ([`StreamErrors::point`]).
@@ -59,6 +77,14 @@ impl Point {
     /// and has not reported it yet (such a report waits for the work, so it comes later).
     pub(crate) fn fail(&self, e: Error) {
         StreamErrors::push(&self.log, self.at, e);
+    }
+}
+
+/// Dropped once its work is over (the host function ran, the collective finished or failed):
+/// from then on nothing can fail at this place.
+impl Drop for Point {
+    fn drop(&mut self) {
+        lock(&self.log).open.remove(&self.at);
     }
 }
 
@@ -82,9 +108,12 @@ impl StreamErrors {
 
     /// A place in the stream's order for work queued now, whose error becomes known later.
     pub(crate) fn point(&self) -> Point {
+        let mut l = lock(&self.0);
+        let at = Self::next_point(&mut l);
+        l.open.insert(at);
         Point {
             log: self.0.clone(),
-            at: Self::next_point(&mut lock(&self.0)),
+            at,
         }
     }
 
@@ -122,20 +151,37 @@ impl StreamErrors {
         spans
     }
 
-    /// The stream waits on an event that carries `spans`.
+    /// The stream waits on an event that carries `spans`. What settled clean (no error, and
+    /// none can come) is not kept, and what was kept and has settled clean since is dropped:
+    /// a long-lived stream that waits on ever-new streams keeps only what can still fail.
     pub(crate) fn wait(&self, spans: &[Span]) {
+        // Other logs are read without this one locked: a source may be waiting on this stream
+        // at the same time.
+        let incoming: Vec<&Span> = spans
+            .iter()
+            .filter(|s| !Arc::ptr_eq(&s.log, &self.0) && !s.settled_clean())
+            .collect();
+        let kept = lock(&self.0).upstream.clone();
+        let settled: Vec<Span> = kept.into_iter().filter(Span::settled_clean).collect();
         let mut l = lock(&self.0);
-        for s in spans {
+        // A span widened meanwhile is no longer `same`, and stays.
+        l.upstream.retain(|u| !settled.iter().any(|s| s.same(u)));
+        for s in incoming {
             // One span per source stream: the widest.
             match l.upstream.iter_mut().find(|u| Arc::ptr_eq(&u.log, &s.log)) {
                 Some(u) => {
                     u.lo = u.lo.min(s.lo);
                     u.hi = u.hi.max(s.hi);
                 }
-                None if !Arc::ptr_eq(&s.log, &self.0) => l.upstream.push(s.clone()),
-                None => {}
+                None => l.upstream.push(s.clone()),
             }
         }
+    }
+
+    /// How many source streams' spans the stream keeps (for tests of its bound).
+    #[cfg(test)]
+    pub(crate) fn upstream_len(&self) -> usize {
+        lock(&self.0).upstream.len()
     }
 
     /// For the stream's synchronize, once the driver's has returned (every host function queued
@@ -215,5 +261,50 @@ impl<S> Retired<S> {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure() -> Error {
+        Error::new(ErrorKind::Internal, BackendKind::Cpu, "f", "failed")
+    }
+
+    #[test]
+    fn a_stream_waiting_on_ever_new_streams_keeps_only_what_can_still_fail() {
+        let long = StreamErrors::default();
+        for _ in 0..1000 {
+            let source = StreamErrors::default();
+            long.wait(&source.record());
+        }
+        assert_eq!(long.upstream_len(), 0);
+
+        // Work still queued before the record: kept until it is over.
+        let pending = StreamErrors::default();
+        let at = pending.point();
+        long.wait(&pending.record());
+        let (fails, done) = (StreamErrors::default(), StreamErrors::default());
+        let failing = fails.point();
+        long.wait(&fails.record());
+        let finishing = done.point();
+        long.wait(&done.record());
+        assert_eq!(long.upstream_len(), 3);
+        failing.fail(failure());
+        drop((failing, finishing));
+        for _ in 0..10 {
+            long.wait(&StreamErrors::default().record());
+        }
+        // `done`'s work finished clean and went; `fails` keeps its error, `pending` its work.
+        assert_eq!(long.upstream_len(), 2);
+        at.fail(failure());
+        drop(at);
+        assert!(
+            long.take().is_err(),
+            "the failures reach the waiting stream"
+        );
+        assert_eq!(long.upstream_len(), 0);
+        assert!(long.take().is_ok());
     }
 }

@@ -54,3 +54,11 @@ impl CudaBackend {
         s
     }
 }
+
+#[cfg(test)]
+impl StreamObj {
+    /// How many other streams' error spans this stream keeps from its waits (`host_errors`).
+    pub(crate) fn waited_sources(&self) -> usize {
+        self.errors.upstream_len()
+    }
+}
