@@ -39,3 +39,20 @@ pub fn is_emulated(p: &dyn Platform) -> bool {
         .first()
         .is_some_and(|d| d.name.contains(DEVICE_NAME))
 }
+
+/// How many `cuMemAlloc_v2` and `cuMemFree_v2` calls succeeded in this process so far (the
+/// emulator's `hprtEmuGetDeviceMemoryCalls`; process-wide, so a test that compares two readings
+/// runs alone in its binary or under one lock with every other user of the emulator).
+pub fn device_memory_calls() -> (u64, u64) {
+    // SAFETY: the emulator library (already loaded by the backend: the same handle).
+    let lib = unsafe { libloading::Library::new(library_path()) }.expect("open the emulator");
+    let (mut allocs, mut frees) = (0u64, 0u64);
+    // SAFETY: the export's documented signature, into locals.
+    unsafe {
+        let f: libloading::Symbol<unsafe extern "C" fn(*mut u64, *mut u64) -> i32> = lib
+            .get(b"hprtEmuGetDeviceMemoryCalls\0")
+            .expect("hprtEmuGetDeviceMemoryCalls (rebuild the emulator: cargo build -p hprt-cuda-emulator)");
+        assert_eq!(f(&mut allocs, &mut frees), 0);
+    }
+    (allocs, frees)
+}

@@ -43,11 +43,16 @@ impl Emu {
 }
 
 /// Every test takes this first: it also gives the emulator two devices (NCCL wants one per
-/// rank) before anything loads it.
+/// rank) before anything loads it, and turns the backend's device allocation cache off: these
+/// tests count the driver's live allocations and inject faults into `cuMemAlloc`, which a
+/// cached block would bypass (the cache has its own test, `cuda_alloc_cache.rs`).
 fn serial() -> MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
     static DEVICES: std::sync::Once = std::sync::Once::new();
-    DEVICES.call_once(|| std::env::set_var("HP_EMU_DEVICES", "2"));
+    DEVICES.call_once(|| {
+        std::env::set_var("HP_EMU_DEVICES", "2");
+        std::env::set_var("HP_CUDA_ALLOC_CACHE", "0");
+    });
     hprt_platform::sync::lock(&SERIAL)
 }
 

@@ -115,7 +115,8 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let mut work: Vec<(usize, result::Context, Vec<result::Module>)> = Vec::new();
+        type Work = (usize, result::Context, Vec<result::Module>, Vec<u64>);
+        let mut work: Vec<Work> = Vec::new();
         for (i, d) in self.devices.iter_mut().enumerate() {
             let modules: Vec<result::Module> = d
                 .modules
@@ -124,17 +125,22 @@ impl Drop for Shared {
                 .drain()
                 .map(|(_, m)| m.raw)
                 .collect();
+            // The allocation cache: every buffer is gone, so this is all the memory left.
+            let cached = d.pool.drain();
             if let Some(&ctx) = d.ctx.get() {
-                work.push((i, ctx, modules));
+                work.push((i, ctx, modules, cached));
             }
         }
         let handles: Vec<cu::CUdevice> = self.devices.iter().map(|d| d.handle).collect();
         let release = move || {
-            for (i, ctx, modules) in work {
+            for (i, ctx, modules, cached) in work {
                 let _ = result::ctx::set_current(Some(ctx));
-                // SAFETY: the context is ours (retained once); the modules were loaded in it
-                // and nothing of this platform uses them any more.
+                // SAFETY: the context is ours (retained once); the modules were loaded in it,
+                // the cached blocks allocated in it, and nothing of this platform uses them.
                 unsafe {
+                    for p in cached {
+                        let _ = result::mem::free(p);
+                    }
                     for m in modules {
                         result::module::unload(m);
                     }
@@ -287,8 +293,9 @@ impl CudaBackend {
                 format!("the CUDA driver ({}) reports no device", found.path),
             ));
         }
+        let alloc_cache = memory::alloc_cache_from_env()?;
         let devices = (0..count)
-            .map(|i| Self::describe_device(i).map_err(as_unavailable))
+            .map(|i| Self::describe_device(i, alloc_cache).map_err(as_unavailable))
             .collect::<Result<Vec<_>>>()?;
         let nccl = load_nccl(search_env.nccl_lib.as_ref(), &mut probes);
         let nvrtc = load_nvrtc(search_env.nvrtc_lib.as_ref(), &mut probes);
@@ -322,7 +329,7 @@ impl CudaBackend {
         })
     }
 
-    pub(super) fn describe_device(ordinal: c_int) -> Result<Device> {
+    pub(super) fn describe_device(ordinal: c_int, alloc_cache: usize) -> Result<Device> {
         let handle = result::device::get(ordinal)?;
         let name = result::device::name(handle)?;
         let total = result::device::total_mem(handle)?;
@@ -337,6 +344,7 @@ impl CudaBackend {
             ctx: OnceLock::new(),
             ctx_init: Mutex::new(()),
             memory: MemoryCounter::new(None),
+            pool: memory::DevicePool::new(alloc_cache),
             modules: Mutex::new(HashMap::new()),
         })
     }

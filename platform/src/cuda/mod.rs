@@ -10,7 +10,9 @@
 //! non-blocking; pinned memory is page-locked, portable and never write-combined (the host reads
 //! D2H targets). Memory is freed in stream order: each buffer keeps one event per stream that
 //! used it, re-recorded after every use, and memory whose last handle goes under queued work is
-//! freed once those events completed, without a host wait (`crate::auxil::uses`).
+//! freed once those events completed, without a host wait (`crate::auxil::uses`), into a
+//! per-device allocation cache that later allocations of the size reuse without calling the
+//! driver (`memory.rs`, `HP_CUDA_ALLOC_CACHE`).
 //!
 //! Kernels ([`crate::Kernel`]) are CUDA C generated in `kernels.rs`, compiled by NVRTC once per
 //! device on first use and cached; `Avg` reductions use `ncclAvg` (NCCL 2.10+) or a sum followed
@@ -155,6 +157,8 @@ struct Device {
     /// Serialises the first retain, so the context is retained once.
     ctx_init: Mutex<()>,
     memory: MemoryCounter,
+    /// Freed device memory kept for reuse (`memory.rs`).
+    pool: memory::DevicePool,
     /// NVRTC modules by name, compiled once per device. Only successes are kept: a failed
     /// compile or load (the driver may have been out of memory) is tried again by the next use.
     modules: Mutex<HashMap<&'static str, Arc<Module>>>,
@@ -286,6 +290,16 @@ impl Backend for CudaBackend {
                     "0.19 (dynamic loading, bindings of CUDA 12.8)".into(),
                 ),
                 (
+                    "device allocation cache".into(),
+                    match s.devices.first().map_or(0, |d| d.pool.cap()) {
+                        0 => "off (HP_CUDA_ALLOC_CACHE=0): every buffer is a cuMemAlloc / cuMemFree".into(),
+                        cap => format!(
+                            "up to {cap} bytes of freed device memory per device kept for reuse (HP_CUDA_ALLOC_CACHE), emptied when the driver runs out of memory; {} bytes cached on the current device",
+                            s.devices[s.current_device()].pool.cached_bytes()
+                        ),
+                    },
+                ),
+                (
                     "pinned memory".into(),
                     "cuMemHostAlloc(PORTABLE), not write-combined".into(),
                 ),
@@ -322,9 +336,15 @@ impl Backend for CudaBackend {
         self.shared.current_device()
     }
     fn mem_info(&self) -> Result<MemInfo> {
-        self.shared.bind_current()?;
+        let device = self.shared.bind_current()?;
         let (free, total) = result::ctx::mem_info()?;
-        Ok(MemInfo { free, total })
+        // The allocation cache's blocks are free to any allocation of this platform (it empties
+        // the cache when the driver runs out), as the cpu backend's cached blocks are.
+        let cached = self.shared.devices[device].pool.cached_bytes();
+        Ok(MemInfo {
+            free: free.saturating_add(cached).min(total),
+            total,
+        })
     }
     fn memory_stats(&self) -> MemoryStats {
         let d = &self.shared.devices[self.shared.current_device()].memory;
@@ -479,16 +499,17 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        let p = self.frees.retrying(|| {
-            // Bound again: reclaiming frees binds the devices of their memory.
-            self.shared.bind(device)?;
-            result::mem::alloc(bytes)
-        })?;
-        // Accounted only once the driver succeeded, so a refused request leaves the peak alone.
+        // From the device's pool when a block of the size is cached (memory whose queued work
+        // finished comes back to it at the reclaim `retrying` starts with), else the driver's.
+        let size = memory::DevicePool::block_size(bytes);
+        let p = self
+            .frees
+            .retrying(|| self.shared.device_block(device, size))?;
+        // Accounted only once the memory is there, so a refused request leaves the peak alone.
         let reserve = || d.memory.reserve(BackendKind::Cuda, "cuMemAlloc_v2", bytes);
         if let Err(e) = self.frees.retrying(reserve) {
-            // SAFETY: just allocated, never handed out.
-            let _ = unsafe { result::mem::free(p) };
+            // Never handed out.
+            self.shared.release_block(device, p, size);
             return Err(e);
         }
         let m = MemObj::new(&self.shared, p as usize, bytes, Origin::Device(device));

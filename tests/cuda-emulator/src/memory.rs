@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
 
 use hprt_emulator_common::block::Block;
@@ -122,6 +122,23 @@ pub(crate) fn pointee(v: u64) -> Option<Arc<Alloc>> {
         .cloned()
 }
 
+/// Successful `cuMemAlloc_v2` / `cuMemFree_v2` calls since the process started, for tests of how
+/// often a caching allocator goes to the driver (`hprtEmuGetDeviceMemoryCalls`).
+static DEVICE_ALLOC_CALLS: AtomicU64 = AtomicU64::new(0);
+static DEVICE_FREE_CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// Emulator-only: how many `cuMemAlloc_v2` and `cuMemFree_v2` calls succeeded in this process
+/// (never reset: callers compare two readings). Returns 0, or 1 for a null pointer.
+#[no_mangle]
+pub unsafe extern "C" fn hprtEmuGetDeviceMemoryCalls(allocs: *mut u64, frees: *mut u64) -> i32 {
+    // SAFETY: the caller's out-pointers, checked for null.
+    let r = unsafe {
+        put(allocs, DEVICE_ALLOC_CALLS.load(Ordering::Relaxed), ())
+            .and_then(|()| put(frees, DEVICE_FREE_CALLS.load(Ordering::Relaxed), ()))
+    };
+    i32::from(r.is_err())
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> CuResult {
     cu_entry("cuMemAlloc_v2", || {
@@ -140,6 +157,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> CuResult 
         m.device.insert(base, a);
         *m.used.entry(ctx.device).or_insert(0) += size as u64;
         drop(m);
+        DEVICE_ALLOC_CALLS.fetch_add(1, Ordering::Relaxed);
         // SAFETY: checked non-null.
         unsafe { put(dptr, base as u64, CUDA_ERROR_INVALID_VALUE) }
     })
@@ -178,6 +196,7 @@ pub extern "C" fn cuMemFree_v2(dptr: u64) -> CuResult {
             }
             a
         };
+        DEVICE_FREE_CALLS.fetch_add(1, Ordering::Relaxed);
         retire(&a, "cuMemFree_v2");
         Ok(())
     })
