@@ -1,27 +1,31 @@
 //! A framework's own tensors as hprt-swap payloads: borrowed memory, released by dropping
 //! hprt's references and re-acquired through an allocator the framework gives (for torch,
-//! `torch.empty_strided` with the saved shape and strides), so the front ends of [`crate::swap`]
-//! reload straight into framework tensors.
+//! `torch.empty_strided` with the saved shape and strides on an accelerator, the cpu platform's
+//! device memory through DLPack on the cpu backend), so the front ends of [`crate::swap`]
+//! reload straight into framework tensors. One reload path on every backend: only where the
+//! allocator takes its memory from differs.
 //!
-//! On the cpu backend a reload can skip the framework's allocator: [`HostReload`] takes the
-//! platform's device memory (its caching allocator reuses the blocks earlier reloads freed) and
-//! hands it over through DLPack in the saved layout.
+//! Where the framework orders its memory's reuse after other streams itself (torch's
+//! `Tensor.record_stream`: `FrameworkMemory(record_stream=...)`), hprt hands memory back as
+//! soon as its copy is queued ([`hprt_swap::Allocator::hand_over`]): an offloaded tensor's
+//! memory when its device-to-host copy is queued, a reloaded one's when the compute stream
+//! waits for its copy. Without it the platform keeps hprt's reference until it sees the copy
+//! finished.
 //!
 //! [`PyFrameworkMemory`] counts the framework bytes hprt references (saved tensors not yet
 //! released, reloads in flight), so a program can compare how much of its saved memory stayed
 //! on the device with and without swap.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use hprt_platform::{DType, DeviceBuffer, ReleaseFn};
+use hprt_platform::{DType, DeviceBuffer, ReleaseFn, Stream};
 use hprt_swap::{Allocator, DeviceTensor, PlatformHandle, Reacquired, VersionCounter};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::dlpack::HostLayout;
 use crate::error::{invalid, BindError, Result};
-use crate::platform::{device_is_host, unsupported, PyPlatform, PyStream};
+use crate::platform::{PyPlatform, PyStream};
 
 #[derive(Default)]
 struct Counters {
@@ -32,36 +36,68 @@ struct Counters {
 struct Shared {
     p: PlatformHandle,
     counters: Counters,
-    /// `host_reload(capsule, layout)`: the framework tensor of a DLPack capsule of platform
-    /// memory (see [`HostReload`]); `capsule` is None when the platform has no room, and the
-    /// function then allocates the tensor itself.
-    host_reload: Option<Py<PyAny>>,
+    /// `record_stream(tensor, raw_stream)`: the framework orders the reuse of `tensor`'s memory
+    /// after the work queued on `raw_stream` so far.
+    record_stream: Option<Py<PyAny>>,
+}
+
+/// hprt's reference to a framework object whose memory it borrows: what keeps the memory
+/// alive for hprt, dropped (and uncounted) once, by the platform's release or by a hand-over.
+struct Keeper {
+    obj: Mutex<Option<Py<PyAny>>>,
+    nbytes: usize,
+    shared: Arc<Shared>,
+}
+
+impl Keeper {
+    fn let_go(&self) {
+        let obj = self.obj.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if obj.is_some() {
+            // Without the GIL pyo3 defers the decref to the next holder of the GIL (this may run
+            // on a stream thread while the GIL's holder waits on that stream).
+            drop(obj);
+            self.shared
+                .counters
+                .current
+                .fetch_sub(self.nbytes, Ordering::AcqRel);
+        }
+    }
+}
+
+/// A borrowed tensor's framework object (what a reload hands back), with hprt's keeper of its
+/// memory: the [`hprt_swap::FrameworkHandle`] of this binding's payloads.
+struct Borrowed {
+    obj: Py<PyAny>,
+    keeper: Arc<Keeper>,
 }
 
 impl Shared {
-    /// Borrows `nbytes` at `ptr`, kept alive by `owner` until hprt drops its last reference.
+    /// Borrows `nbytes` at `ptr`, kept alive by `owner` until hprt lets go of it.
     fn borrow(
         self: &Arc<Self>,
         ptr: usize,
         nbytes: usize,
         owner: Py<PyAny>,
-    ) -> Result<DeviceBuffer> {
+    ) -> Result<(DeviceBuffer, Arc<dyn std::any::Any + Send + Sync>)> {
         if ptr == 0 && nbytes > 0 {
             return Err(invalid("cannot borrow a null pointer"));
         }
-        let me = Arc::clone(self);
-        let release: ReleaseFn = Box::new(move || {
-            // Without the GIL pyo3 defers the decref to the next holder of the GIL (this may run
-            // on a stream thread while the GIL's holder waits on that stream).
-            drop(owner);
-            me.counters.current.fetch_sub(nbytes, Ordering::AcqRel);
+        let obj = Python::attach(|py| owner.clone_ref(py));
+        let keeper = Arc::new(Keeper {
+            obj: Mutex::new(Some(owner)),
+            nbytes,
+            shared: Arc::clone(self),
         });
+        let released = Arc::clone(&keeper);
+        let release: ReleaseFn = Box::new(move || released.let_go());
         let now = self.counters.current.fetch_add(nbytes, Ordering::AcqRel) + nbytes;
         self.counters.peak.fetch_max(now, Ordering::AcqRel);
         // SAFETY: the Python API's documented contract: `ptr`/`nbytes` are the memory of a live
         // framework tensor of this backend, and `owner` (that tensor) keeps it alive until the
-        // release callback runs.
-        Ok(unsafe { self.p.wrap_device_memory(ptr, nbytes, Some(release))? })
+        // release callback runs, or until the framework took the memory over (`hand_over`),
+        // ordering its reuse after hprt's queued work itself.
+        let storage = unsafe { self.p.wrap_device_memory(ptr, nbytes, Some(release))? };
+        Ok((storage, Arc::new(Borrowed { obj, keeper })))
     }
 
     /// A framework tensor as a borrowed swap payload.
@@ -78,16 +114,35 @@ impl Shared {
                 "{nbytes} bytes are no whole number of {dtype}"
             )));
         }
-        let storage = self.borrow(ptr, nbytes, obj.clone().unbind())?;
+        let (storage, handle) = self.borrow(ptr, nbytes, obj.clone().unbind())?;
         let mut t = DeviceTensor::borrowed(
             storage,
             dtype,
             vec![nbytes / dtype.size()],
-            Some(Arc::new(obj.clone().unbind())),
+            Some(handle),
             allocator,
         )?;
         t.version = framework_version(py, obj);
         Ok(t)
+    }
+
+    /// The framework takes `t`'s memory over (see the module docs): its reuse is ordered after
+    /// `streams`, and hprt's keeper lets go.
+    fn hand_over(&self, t: &DeviceTensor, streams: &[&Stream]) -> Result<bool> {
+        let (Some(record), Some(b)) = (
+            self.record_stream.as_ref(),
+            t.handle.as_ref().and_then(|h| h.downcast_ref::<Borrowed>()),
+        ) else {
+            return Ok(false);
+        };
+        Python::attach(|py| -> Result<()> {
+            for s in streams {
+                record.call1(py, (b.obj.clone_ref(py), s.raw().0))?;
+            }
+            Ok(())
+        })?;
+        b.keeper.let_go();
+        Ok(true)
     }
 }
 
@@ -134,35 +189,27 @@ impl Allocator for PyAllocator {
                 out = tensor;
             }
             let (ptr, nbytes) = framework_memory(&out)?;
-            reacquired(py, &self.shared, out, ptr, nbytes, like, ready_on)
+            if nbytes != like.len {
+                return Err(invalid(format!(
+                    "the allocator gave a {nbytes}-byte tensor for {} saved bytes",
+                    like.len
+                )));
+            }
+            let (storage, handle) = self.shared.borrow(ptr, nbytes, out.clone().unbind())?;
+            Ok(Reacquired {
+                storage,
+                offset: 0,
+                handle: Some(handle),
+                version: framework_version(py, &out),
+                ready_on,
+            })
         });
         made.map_err(swap_error)
     }
-}
 
-/// What an allocator made (`out`, `nbytes` at `ptr`) as the reacquired memory of `like`.
-fn reacquired(
-    py: Python<'_>,
-    shared: &Arc<Shared>,
-    out: Bound<'_, PyAny>,
-    ptr: usize,
-    nbytes: usize,
-    like: &DeviceTensor,
-    ready_on: Option<hprt_platform::Stream>,
-) -> Result<Reacquired> {
-    if nbytes != like.len {
-        return Err(invalid(format!(
-            "the allocator gave a {nbytes}-byte tensor for {} saved bytes",
-            like.len
-        )));
+    fn hand_over(&self, t: &DeviceTensor, streams: &[&Stream]) -> hprt_swap::Result<bool> {
+        self.shared.hand_over(t, streams).map_err(swap_error)
     }
-    Ok(Reacquired {
-        storage: shared.borrow(ptr, nbytes, out.clone().unbind())?,
-        offset: 0,
-        handle: Some(Arc::new(out.clone().unbind())),
-        version: framework_version(py, &out),
-        ready_on,
-    })
 }
 
 /// A failed allocation as the swap engine's error.
@@ -171,43 +218,6 @@ fn swap_error(e: BindError) -> hprt_swap::SwapError {
         BindError::Swap(s) => s,
         BindError::Platform(p) => hprt_swap::SwapError::Platform(p),
         other => hprt_swap::SwapError::Order(format!("the framework allocator failed: {other}")),
-    }
-}
-
-/// A reload into the cpu platform's device memory without a call into the framework's
-/// allocator: the memory comes from the platform (its caching allocator) and goes to the
-/// framework as a DLPack capsule of the saved layout, which `host_reload(capsule, layout)`
-/// imports (`torch.from_dlpack`, restrided when the layout has a storage offset or the dtype
-/// travels as bytes).
-struct HostReload {
-    shared: Arc<Shared>,
-    /// The FrameworkMemory's `host_reload`.
-    host_reload: Py<PyAny>,
-    /// What `host_reload` is given back: `(shape, strides, offset, dtype, itemsize)`.
-    layout: Py<PyAny>,
-    host: HostLayout,
-}
-
-impl Allocator for HostReload {
-    fn allocate(&self, like: &DeviceTensor) -> hprt_swap::Result<Reacquired> {
-        let made = Python::attach(|py| -> Result<Reacquired> {
-            let made = self.host.alloc_capsule(py, &self.shared.p, like.dtype)?;
-            let (capsule, ptr) = made.unzip();
-            let out = self
-                .host_reload
-                .bind(py)
-                .call1((capsule, self.layout.bind(py)))?;
-            // The tensor must be the capsule's memory (which it keeps alive): the reload writes
-            // there. Without a capsule the framework allocated it.
-            let (got, nbytes) = framework_memory(&out)?;
-            if ptr.is_some_and(|ptr| ptr != got) {
-                return Err(invalid(
-                    "host_reload returned a tensor that is not the capsule's memory",
-                ));
-            }
-            reacquired(py, &self.shared, out, got, nbytes, like, None)
-        });
-        made.map_err(swap_error)
     }
 }
 
@@ -249,31 +259,26 @@ impl PyBorrowedTensor {
 pub(crate) fn handle_object(py: Python<'_>, t: &DeviceTensor) -> Option<Py<PyAny>> {
     t.handle
         .as_ref()
-        .and_then(|h| h.downcast_ref::<Py<PyAny>>())
-        .map(|o| o.clone_ref(py))
+        .and_then(|h| h.downcast_ref::<Borrowed>())
+        .map(|b| b.obj.clone_ref(py))
 }
 
 #[pymethods]
 impl PyFrameworkMemory {
-    /// `host_reload(capsule, layout)` (cpu backend only) lets `tensor(t, layout=...)` reload
-    /// into the platform's device memory: it returns the framework tensor of a DLPack capsule
-    /// holding the saved layout (or, where `capsule` is None because the platform had no room,
-    /// a tensor of that layout it allocated itself).
+    /// `record_stream(tensor, raw_stream)`, where the framework can order the reuse of a
+    /// tensor's memory after the work queued on a stream (torch's
+    /// `tensor.record_stream(torch.cuda.ExternalStream(raw_stream))`): hprt then lets go of a
+    /// saved tensor as soon as its offload is queued and of a reloaded one as soon as the
+    /// compute stream waits for it, instead of when the host later sees the copy finished.
     #[new]
-    #[pyo3(signature = (platform=None, host_reload=None))]
-    fn new(platform: Option<&PyPlatform>, host_reload: Option<Py<PyAny>>) -> Result<Self> {
+    #[pyo3(signature = (platform=None, record_stream=None))]
+    fn new(platform: Option<&PyPlatform>, record_stream: Option<Py<PyAny>>) -> Result<Self> {
         let p = crate::platform::resolve(platform)?;
-        if host_reload.is_some() && !device_is_host(&*p) {
-            return Err(unsupported(format!(
-                "host_reload: the {} backend's device memory is not host memory",
-                p.backend()
-            )));
-        }
         Ok(PyFrameworkMemory {
             shared: Arc::new(Shared {
                 p,
                 counters: Counters::default(),
-                host_reload,
+                record_stream,
             }),
         })
     }
@@ -283,39 +288,18 @@ impl PyFrameworkMemory {
     /// `(tensor, stream)` where a caching allocator (torch's on a GPU) handed its memory out for
     /// use in `stream`'s order: the reload then writes it after the work queued there.
     /// `dtype` (hprt's name: `f32`, `bf16`, ...) lets compress-then-swap encode it.
-    ///
-    /// With `host_reload` (see the constructor), `layout` (`(shape, strides, storage offset,
-    /// dtype, itemsize)`, in elements; `dtype` the framework's, passed back to `host_reload`)
-    /// replaces `allocate`: the reload takes the platform's device memory.
-    #[pyo3(signature = (t, allocate=None, dtype="u8", layout=None))]
+    #[pyo3(signature = (t, allocate, dtype="u8"))]
     fn tensor(
         &self,
         py: Python<'_>,
         t: &Bound<'_, PyAny>,
-        allocate: Option<Py<PyAny>>,
+        allocate: Py<PyAny>,
         dtype: &str,
-        layout: Option<&Bound<'_, PyAny>>,
     ) -> Result<PyBorrowedTensor> {
-        let allocator: Arc<dyn Allocator> = match (allocate, layout) {
-            (Some(allocate), None) => Arc::new(PyAllocator {
-                shared: Arc::clone(&self.shared),
-                allocate,
-            }),
-            (None, Some(layout)) => match &self.shared.host_reload {
-                Some(host_reload) => Arc::new(HostReload {
-                    shared: Arc::clone(&self.shared),
-                    host_reload: host_reload.clone_ref(py),
-                    layout: layout.clone().unbind(),
-                    host: HostLayout::parse(layout)?,
-                }),
-                None => {
-                    return Err(invalid(
-                        "a layout needs a FrameworkMemory made with host_reload",
-                    ))
-                }
-            },
-            _ => return Err(invalid("give either allocate or layout")),
-        };
+        let allocator = Arc::new(PyAllocator {
+            shared: Arc::clone(&self.shared),
+            allocate,
+        });
         let dtype = crate::dtype::parse(dtype)?;
         Ok(PyBorrowedTensor {
             t: self.shared.tensor(py, t, allocator, dtype)?,

@@ -10,9 +10,9 @@ use std::sync::{Arc, Mutex};
 
 use hprt_platform::{DType, DeviceBuffer};
 use hprt_swap::{
-    Compression, DeviceTensor, KeyedSwap, OffloadTag, Packed, PipelineConfig, PipelineOffload,
-    PlatformHandle, PoolConfig, Saved, SavedRef, SwapContext, SwapManager, TensorKey,
-    TensorKeyManager,
+    Compression, DeviceTensor, InflightWindow, KeyedSwap, OffloadTag, Packed, PipelineConfig,
+    PipelineOffload, PlatformHandle, PoolConfig, Saved, SavedRef, SwapContext, SwapManager,
+    TensorKey, TensorKeyManager,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -193,6 +193,14 @@ fn stats_dict<'py>(
     d.set_item("compressed_tensors", s.compressed_tensors)?;
     d.set_item("compressed_bytes", s.compressed_bytes)?;
     d.set_item("codec_ns", s.codec_ns)?;
+    d.set_item("handed_back_tensors", s.handed_back_tensors)?;
+    d.set_item("offload_window_waits", s.offload_window_waits)?;
+    d.set_item("prefetches_deferred", s.prefetches_deferred)?;
+    d.set_item("offload_inflight_peak", s.offload_inflight_peak)?;
+    d.set_item("reload_inflight_peak", s.reload_inflight_peak)?;
+    let (offloads, reloads) = engine.inflight_bytes();
+    d.set_item("offload_inflight_bytes", offloads)?;
+    d.set_item("reload_inflight_bytes", reloads)?;
     d.set_item("pinned_bytes_held", pool.bytes_held)?;
     d.set_item("pinned_bytes_in_use", pool.bytes_in_use)?;
     d.set_item("pinned_high_water", pool.high_water)?;
@@ -203,6 +211,14 @@ fn stats_dict<'py>(
 
 fn pool(host_budget: Option<usize>) -> PoolConfig {
     PoolConfig { host_budget }
+}
+
+/// The engine's in-flight bounds from the constructors' and `set_window`'s keywords.
+fn window(offload_bytes: Option<usize>, reload_bytes: Option<usize>) -> InflightWindow {
+    InflightWindow {
+        offload_bytes,
+        reload_bytes,
+    }
 }
 
 /// hyper_parallel layer-group swap: link layers with `set_forward_prefetch_layer(a, b)` and call the
@@ -234,20 +250,35 @@ impl PySwapManager {
 #[pymethods]
 impl PySwapManager {
     #[new]
-    #[pyo3(signature = (platform=None, host_budget=None, compression="off"))]
+    #[pyo3(signature = (platform=None, host_budget=None, compression="off", max_inflight_offload_bytes=None, max_inflight_reload_bytes=None))]
     fn new(
         platform: Option<&PyPlatform>,
         host_budget: Option<usize>,
         compression: &str,
+        max_inflight_offload_bytes: Option<usize>,
+        max_inflight_reload_bytes: Option<usize>,
     ) -> Result<Self> {
         let p = crate::platform::resolve(platform)?;
         let mut m = SwapManager::with_pool(p.clone(), pool(host_budget))?;
         m.engine_mut()
             .set_compression(parse_compression(compression)?);
+        m.engine_mut().set_window(window(
+            max_inflight_offload_bytes,
+            max_inflight_reload_bytes,
+        ));
         Ok(PySwapManager {
             p: p.clone(),
             inner: Mutex::new(m),
         })
+    }
+    /// Bounds the bytes in flight (None: unbounded): offloads whose copy is not known to have
+    /// finished (an offload past it waits for the oldest), reloads prefetched and not yet
+    /// handed to the compute stream (a prefetch past it is left to its layer's own load).
+    #[pyo3(signature = (offload_bytes=None, reload_bytes=None))]
+    fn set_window(&self, offload_bytes: Option<usize>, reload_bytes: Option<usize>) {
+        lock(&self.inner)
+            .engine_mut()
+            .set_window(window(offload_bytes, reload_bytes));
     }
     /// A new layer (group); returns its number.
     fn new_layer(&self) -> usize {
@@ -494,18 +525,24 @@ pub struct PyKeyedSwap {
 #[pymethods]
 impl PyKeyedSwap {
     #[new]
-    #[pyo3(signature = (platform=None, min_bytes=0, host_budget=None, compression="off"))]
+    #[pyo3(signature = (platform=None, min_bytes=0, host_budget=None, compression="off", max_inflight_offload_bytes=None, max_inflight_reload_bytes=None))]
     fn new(
         platform: Option<&PyPlatform>,
         min_bytes: usize,
         host_budget: Option<usize>,
         compression: &str,
+        max_inflight_offload_bytes: Option<usize>,
+        max_inflight_reload_bytes: Option<usize>,
     ) -> Result<Self> {
         let p = crate::platform::resolve(platform)?;
         let mut k = KeyedSwap::with_pool(p.clone(), pool(host_budget))?;
         k.set_min_bytes(min_bytes);
         k.engine_mut()
             .set_compression(parse_compression(compression)?);
+        k.engine_mut().set_window(window(
+            max_inflight_offload_bytes,
+            max_inflight_reload_bytes,
+        ));
         Ok(PyKeyedSwap {
             p: p.clone(),
             inner: Mutex::new(k),
@@ -532,6 +569,13 @@ impl PyKeyedSwap {
     /// Tensors smaller than this stay on the device.
     fn set_min_bytes(&self, bytes: usize) {
         lock(&self.inner).set_min_bytes(bytes)
+    }
+    /// Bounds the bytes in flight (see `SwapManager.set_window`).
+    #[pyo3(signature = (offload_bytes=None, reload_bytes=None))]
+    fn set_window(&self, offload_bytes: Option<usize>, reload_bytes: Option<usize>) {
+        lock(&self.inner)
+            .engine_mut()
+            .set_window(window(offload_bytes, reload_bytes));
     }
     /// Per-tensor compression: `policy(tensor) -> "off" | "device" | "host_stage" | "auto"`.
     fn set_compression_policy(&self, policy: Option<Py<PyAny>>) {
@@ -703,7 +747,8 @@ pub struct PyPipelineOffload {
 #[pymethods]
 impl PyPipelineOffload {
     #[new]
-    #[pyo3(signature = (platform=None, min_tensor_elems=1024 * 1024, max_inflight_offloads=1, keep_last_groups=1, host_budget=None, compression="off"))]
+    #[pyo3(signature = (platform=None, min_tensor_elems=1024 * 1024, max_inflight_offloads=1, keep_last_groups=1, host_budget=None, compression="off", max_inflight_offload_bytes=None, max_inflight_reload_bytes=None))]
+    #[allow(clippy::too_many_arguments)] // Python keywords
     fn new(
         platform: Option<&PyPlatform>,
         min_tensor_elems: usize,
@@ -711,6 +756,8 @@ impl PyPipelineOffload {
         keep_last_groups: usize,
         host_budget: Option<usize>,
         compression: &str,
+        max_inflight_offload_bytes: Option<usize>,
+        max_inflight_reload_bytes: Option<usize>,
     ) -> Result<Self> {
         let p = crate::platform::resolve(platform)?;
         let cfg = PipelineConfig {
@@ -719,6 +766,7 @@ impl PyPipelineOffload {
             keep_last_groups,
             pool: pool(host_budget),
             compression: parse_compression(compression)?,
+            window: window(max_inflight_offload_bytes, max_inflight_reload_bytes),
         };
         Ok(PyPipelineOffload {
             p: p.clone(),
@@ -804,6 +852,13 @@ impl PyPipelineOffload {
     }
     fn post_warmup(&self) {
         lock(&self.inner).post_warmup()
+    }
+    /// Bounds the bytes in flight (see `SwapManager.set_window`).
+    #[pyo3(signature = (offload_bytes=None, reload_bytes=None))]
+    fn set_window(&self, offload_bytes: Option<usize>, reload_bytes: Option<usize>) {
+        lock(&self.inner)
+            .engine_mut()
+            .set_window(window(offload_bytes, reload_bytes));
     }
     /// Per-tensor compression: `policy(tensor) -> "off" | "device" | "host_stage" | "auto"`.
     fn set_compression_policy(&self, policy: Option<Py<PyAny>>) {

@@ -3,8 +3,8 @@
 //! (Over 800 lines because every ordering rule lives here, beside the fault switches that prove
 //! each one.)
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,7 +19,7 @@ use crate::payload::{
     Slot,
 };
 use crate::pool::{PinnedBlock, PinnedPool, PoolConfig, PoolStats};
-use crate::tensor::{DeviceTensor, Fence, Saved, SwapTensor, VersionCounter};
+use crate::tensor::{Charge, DeviceTensor, Fence, Saved, SwapTensor, VersionCounter};
 use hprt_platform::sync::lock;
 
 /// Settings of a [`SwapEngine`].
@@ -36,6 +36,25 @@ pub struct EngineConfig {
     /// A stream for the device codec ([`Compression::Device`]), so its work shows and overlaps
     /// apart from the copies; `None` runs it on the copy streams.
     pub codec_stream: Option<Stream>,
+    /// Bounds on the bytes in flight (Megatron-LM's `max_inflight_offloads`, in bytes).
+    pub window: InflightWindow,
+}
+
+/// How many bytes may be on their way at once, each way (`None`: no bound beyond the front
+/// end's own schedule).
+///
+/// - `offload_bytes`: bytes of offloads whose device-to-host copy is not known to have
+///   finished. Their device memory cannot be reused yet (the engine, or the framework ordering
+///   its reuse after the copy, still holds it), so on a device that trails the host these are
+///   what piles up. An offload that would pass the bound first waits on the host for the
+///   oldest ones (backpressure), as a GPU framework's offload manager caps its queue.
+/// - `reload_bytes`: bytes of reloads started and not yet handed to the compute stream. A
+///   prefetch that would pass the bound is not started (its consumer's own load starts it);
+///   a load the compute stream needs now always starts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InflightWindow {
+    pub offload_bytes: Option<usize>,
+    pub reload_bytes: Option<usize>,
 }
 
 impl std::fmt::Debug for EngineConfig {
@@ -46,6 +65,7 @@ impl std::fmt::Debug for EngineConfig {
             .field("compression", &self.compression)
             .field("compression_policy", &self.compression_policy.is_some())
             .field("codec_stream", &self.codec_stream.is_some())
+            .field("window", &self.window)
             .finish()
     }
 }
@@ -83,6 +103,16 @@ pub struct EngineStats {
     pub compressed_bytes: u64,
     /// Host-measured codec time (encode + decode) in nanoseconds.
     pub codec_ns: u64,
+    /// Tensors whose device memory went back to its framework as soon as their offload was
+    /// queued ([`crate::Allocator::hand_over`]).
+    pub handed_back_tensors: u64,
+    /// Times an offload waited on the host for older ones to fit the window.
+    pub offload_window_waits: u64,
+    /// Prefetches not started because the reload window was full.
+    pub prefetches_deferred: u64,
+    /// Most bytes of offloads in flight, and of reloads in flight, at once.
+    pub offload_inflight_peak: u64,
+    pub reload_inflight_peak: u64,
 }
 
 /// Moves tensors between device and pinned host memory for all three front ends.
@@ -92,7 +122,16 @@ pub struct EngineStats {
 /// - an offload waits for the compute work queued before it (which produced the tensor);
 /// - device bytes are released only after the host synchronized with the device-to-host copy
 ///   ([`SwapEngine::finish_offload`]), so a reload, which needs state `host`, can only read a
-///   complete host copy;
+///   complete host copy; except where the framework orders its memory's reuse after hprt's
+///   copy stream itself ([`crate::Allocator::hand_over`], torch's `record_stream`): then the
+///   memory goes back to it as soon as the copy is queued, and the reload stream waits for the
+///   copy instead of the host;
+/// - a reloaded tensor's framework memory goes back to the framework once the compute stream
+///   waits for its reload (the same hand-over): the engine keeps only the handle the front end
+///   hands out;
+/// - at most [`InflightWindow::offload_bytes`] of offloads are in flight: one more first waits
+///   on the host for the oldest (backpressure); prefetches stay within
+///   [`InflightWindow::reload_bytes`];
 /// - the compute stream waits for a reload before the tensor is handed back
 ///   ([`SwapEngine::finish_reload`]);
 /// - a reload into memory a framework's caching allocator handed out on one of its streams
@@ -157,7 +196,26 @@ pub struct SwapEngine {
     faults: Faults,
     stats: EngineStats,
     codec_ns: Arc<AtomicU64>,
+    window: InflightWindow,
+    /// Offload batches whose copies are not known to have finished, oldest first, with their
+    /// bytes (the fences are shared with the batch's tensors).
+    offloads_in_flight: VecDeque<(Fence, usize)>,
+    offload_inflight_bytes: usize,
+    /// Bytes of reloads started and not yet handed to a compute stream (see [`Charge`]).
+    reload_inflight: Arc<AtomicUsize>,
+    /// Fences no tensor holds any more, to record again instead of creating an event per batch.
+    spare_fences: Vec<Fence>,
 }
+
+/// The offload batch being queued: its fence (made at its first tensor) and bytes.
+#[derive(Default)]
+struct OpenBatch {
+    fence: Option<Fence>,
+    bytes: usize,
+}
+
+/// Fences kept for reuse at most (beyond it a batch creates its event and lets it go).
+const SPARE_FENCES: usize = 64;
 
 struct Released {
     storage: DeviceBuffer,
@@ -213,6 +271,11 @@ impl SwapEngine {
             faults: Faults::default(),
             stats: EngineStats::default(),
             codec_ns: Arc::default(),
+            window: config.window,
+            offloads_in_flight: VecDeque::new(),
+            offload_inflight_bytes: 0,
+            reload_inflight: Arc::default(),
+            spare_fences: Vec::new(),
         })
     }
 
@@ -249,6 +312,21 @@ impl SwapEngine {
     pub fn set_compression_policy(&mut self, policy: Option<CompressionPolicy>) {
         self.policy = policy;
     }
+    /// The in-flight bounds (see [`InflightWindow`]).
+    pub fn window(&self) -> InflightWindow {
+        self.window
+    }
+    pub fn set_window(&mut self, window: InflightWindow) {
+        self.window = window;
+    }
+    /// Bytes of offloads not known to have finished, and of reloads not yet handed to a compute
+    /// stream, now.
+    pub fn inflight_bytes(&self) -> (usize, usize) {
+        (
+            self.offload_inflight_bytes,
+            self.reload_inflight.load(Ordering::Acquire),
+        )
+    }
 
     #[doc(hidden)]
     pub fn set_faults(&mut self, faults: Faults) {
@@ -282,8 +360,21 @@ impl SwapEngine {
         Ok(())
     }
 
-    fn new_fence(&self) -> Result<Fence> {
-        Ok(Arc::new(self.platform.create_event(false)?))
+    /// A fence for a new batch: a spare one no tensor holds any more (recording it again moves
+    /// no earlier wait: a stream wait binds to the record made before it), or a new event.
+    fn new_fence(&mut self) -> Result<Fence> {
+        if let Some(i) = self
+            .spare_fences
+            .iter()
+            .position(|f| Arc::strong_count(f) == 1)
+        {
+            return Ok(Arc::clone(&self.spare_fences[i]));
+        }
+        let f = Arc::new(self.platform.create_event(false)?);
+        if self.spare_fences.len() < SPARE_FENCES {
+            self.spare_fences.push(Arc::clone(&f));
+        }
+        Ok(f)
     }
 
     /// Records `fence` after the copies `outcome` queued, then reports `outcome`: tensors that
@@ -315,16 +406,73 @@ impl SwapEngine {
         tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
         compute: &Stream,
     ) -> Result<()> {
-        let mut fence = None;
-        let outcome = self.offload_into(tensors, compute, &mut fence);
-        self.seal(fence, &self.d2h, outcome)
+        let mut batch = OpenBatch::default();
+        let outcome = self.offload_into(tensors, compute, &mut batch);
+        self.close_batch(&mut batch, outcome)
+    }
+
+    /// Records the open batch's fence after its copies and counts it in flight, then reports
+    /// `outcome` (tensors that got a copy before a failure hold a fence that covers it).
+    fn close_batch(&mut self, batch: &mut OpenBatch, outcome: Result<()>) -> Result<()> {
+        let Some(f) = batch.fence.take() else {
+            return outcome;
+        };
+        self.platform.record_event(&f, &self.d2h)?;
+        self.offload_inflight_bytes += batch.bytes;
+        self.offloads_in_flight
+            .push_back((f, std::mem::take(&mut batch.bytes)));
+        self.note_offload_peak();
+        outcome
+    }
+
+    fn note_offload_peak(&mut self) {
+        let now = self.offload_inflight_bytes as u64;
+        self.stats.offload_inflight_peak = self.stats.offload_inflight_peak.max(now);
+    }
+
+    /// Forgets the offload batches whose copies finished (never blocks).
+    fn retire_offloads(&mut self) -> Result<()> {
+        while let Some((f, n)) = self.offloads_in_flight.front() {
+            if !self.platform.query_event(f)? {
+                break;
+            }
+            self.offload_inflight_bytes -= n;
+            self.offloads_in_flight.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Makes room for `bytes` more of offloads in the window: waits on the host for the
+    /// oldest batches (closing the open one first when it is all there is to wait for). An
+    /// offload larger than the whole window goes alone.
+    fn make_room(&mut self, bytes: usize, batch: &mut OpenBatch) -> Result<()> {
+        self.retire_offloads()?;
+        let Some(max) = self.window.offload_bytes else {
+            return Ok(());
+        };
+        loop {
+            let inflight = self.offload_inflight_bytes + batch.bytes;
+            if inflight == 0 || inflight + bytes <= max {
+                return Ok(());
+            }
+            if self.offloads_in_flight.is_empty() {
+                self.close_batch(batch, Ok(()))?;
+            }
+            let (f, n) = self
+                .offloads_in_flight
+                .pop_front()
+                .expect("the open batch was just closed");
+            self.platform.synchronize_event(&f)?;
+            self.offload_inflight_bytes -= n;
+            self.stats.offload_window_waits += 1;
+        }
     }
 
     fn offload_into<'a>(
         &mut self,
         tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
         compute: &Stream,
-        fence: &mut Option<Fence>,
+        batch: &mut OpenBatch,
     ) -> Result<()> {
         let mut reuse_waited = Waited::default();
         for t in tensors {
@@ -333,12 +481,13 @@ impl SwapEngine {
                 SwapState::NonTensor | SwapState::D2h | SwapState::Host => continue,
                 SwapState::H2d => return Err(t.wrong("offload", "device")),
             }
-            let f = match fence {
+            self.make_room(t.swap_bytes(), batch)?;
+            let f = match &batch.fence {
                 Some(f) => Arc::clone(f),
                 None => {
                     self.order_after(&self.d2h, compute, self.faults.skip_producer_wait)?;
                     let f = self.new_fence()?;
-                    *fence = Some(Arc::clone(&f));
+                    batch.fence = Some(Arc::clone(&f));
                     f
                 }
             };
@@ -366,6 +515,7 @@ impl SwapEngine {
             self.stats.offloaded_tensors += 1;
             self.stats.offloaded_bytes += tensor.len as u64;
             self.stats.link_d2h_bytes += host.link_bytes() as u64;
+            batch.bytes += tensor.len;
             t.version_at_offload = version;
             // Released storages are keyed by the address they had: unique among live storages,
             // and the same for every view offloaded while it is live.
@@ -374,8 +524,28 @@ impl SwapEngine {
             t.host = Some(host);
             t.d2h = Some(f);
             t.state = SwapState::D2h;
+            // The copy is queued: a framework that orders its memory's reuse after the copy
+            // stream takes the memory back now, not when the host later sees the copy done.
+            if self.hand_over(tensor, &self.d2h) {
+                release_borrowed(t, &self.empty);
+                t.handed_back = true;
+                self.stats.handed_back_tensors += 1;
+            }
         }
         Ok(())
+    }
+
+    /// Asks a borrowed tensor's framework to take its memory back, ordered after `stream`
+    /// (see [`crate::Allocator::hand_over`]); a failure is logged and leaves the memory with
+    /// the engine, which releases it the usual way.
+    fn hand_over(&self, tensor: &DeviceTensor, stream: &Stream) -> bool {
+        let Origin::Borrowed(alloc) = &tensor.origin else {
+            return false;
+        };
+        alloc.hand_over(tensor, &[stream]).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "the framework could not take its memory back early");
+            false
+        })
     }
 
     /// Encodes on the device codec (the host waits for the encode: its length sizes the copy),
@@ -465,6 +635,9 @@ impl SwapEngine {
     /// Waits (on the host) for the offloads of the tensors in state `d2h`, then releases their
     /// device memory (owned: resized to zero; borrowed: every reference dropped, so the
     /// framework gets it back). Tensors already in `host` are skipped; `device`/`h2d` are errors.
+    /// A tensor whose memory its framework took back when the offload was queued needs no host
+    /// wait (its reload waits for the copy on the reload stream), except a host-stage one,
+    /// whose encoding the host collects.
     pub fn finish_offload<'a>(
         &mut self,
         tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
@@ -476,11 +649,16 @@ impl SwapEngine {
                 SwapState::NonTensor | SwapState::Host => continue,
                 SwapState::Device | SwapState::H2d => return Err(t.wrong("finish_offload", "d2h")),
             }
+            let staged = matches!(t.host, Some(HostCopy::Staged { .. }));
             let fence = t.d2h.as_ref().expect("d2h state holds its fence");
-            if synced.first_time(fence) {
+            if (staged || !t.handed_back) && synced.first_time(fence) {
                 self.platform.synchronize_event(fence)?;
             }
             self.keep_host_copy(t);
+            if t.handed_back {
+                t.state = SwapState::Host;
+                continue;
+            }
             let Saved::Tensor(tensor) = &mut t.saved else {
                 unreachable!("d2h state holds a tensor")
             };
@@ -506,11 +684,7 @@ impl SwapEngine {
                         }),
                     }
                 }
-                Origin::Borrowed(_) => {
-                    tensor.storage = self.empty.clone();
-                    tensor.handle = None;
-                    tensor.version = VersionCounter::new();
-                }
+                Origin::Borrowed(_) => release_borrowed(t, &self.empty),
             }
             t.state = SwapState::Host;
         }
@@ -550,7 +724,8 @@ impl SwapEngine {
     /// bytes were never released. Their host blocks return to the pool, to be reused only after
     /// the queued copy, and the next reload waits for that copy before it allocates (see the
     /// ordering rules on [`SwapEngine`]). Tensors in `device` are skipped; `host`/`h2d` are
-    /// errors.
+    /// errors. A tensor whose memory its framework already took back cannot be taken back: it
+    /// goes to `host` (as [`SwapEngine::finish_offload`] does), for the caller's reload.
     pub fn cancel_offload<'a>(
         &mut self,
         tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
@@ -560,6 +735,10 @@ impl SwapEngine {
                 SwapState::D2h => {}
                 SwapState::NonTensor | SwapState::Device => continue,
                 SwapState::Host | SwapState::H2d => return Err(t.wrong("cancel_offload", "d2h")),
+            }
+            if t.handed_back {
+                self.finish_offload([t])?;
+                continue;
             }
             if let Some(f) = t.d2h.take() {
                 if !self.taken_back.iter().any(|w| Arc::ptr_eq(w, &f)) {
@@ -606,6 +785,7 @@ impl SwapEngine {
         fence: &mut Option<Fence>,
     ) -> Result<()> {
         let mut reuse_waited = Waited::default();
+        let mut copy_waited = Waited::default();
         for t in tensors {
             match t.state {
                 SwapState::Host => {}
@@ -631,6 +811,13 @@ impl SwapEngine {
             // then waits for the work queued on that stream so far.
             if let Some(ready_on) = self.reacquire(t)? {
                 self.order_after(&self.h2d, &ready_on, false)?;
+            }
+            // The host never waited for an offload whose memory went back early: the reload
+            // reads the pinned copy after it, in stream order.
+            if t.handed_back {
+                if let Some(d2h) = t.d2h.as_ref().filter(|f| copy_waited.first_time(f)) {
+                    self.platform.stream_wait_event(&self.h2d, d2h)?;
+                }
             }
             let f = match fence {
                 Some(f) => Arc::clone(f),
@@ -722,10 +909,49 @@ impl SwapEngine {
             self.stats.reloaded_tensors += 1;
             self.stats.reloaded_bytes += len as u64;
             self.stats.link_h2d_bytes += link as u64;
+            t.reload_charge = Some(Charge::new(&self.reload_inflight, len));
+            let now = self.reload_inflight.load(Ordering::Acquire) as u64;
+            self.stats.reload_inflight_peak = self.stats.reload_inflight_peak.max(now);
             t.h2d = Some(f);
             t.state = SwapState::H2d;
         }
         Ok(())
+    }
+
+    /// [`SwapEngine::start_reload`] for a prefetch: only the tensors that fit the reload window
+    /// (see [`InflightWindow`]) start, in order; the rest stay in `host` for a later prefetch
+    /// or their own load. Returns how many started (with at most one tensor of an empty
+    /// window, so an oversized tensor still prefetches alone).
+    pub fn prefetch<'a>(
+        &mut self,
+        tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
+    ) -> Result<usize> {
+        let Some(max) = self.window.reload_bytes else {
+            let mut started = 0;
+            let tensors: Vec<_> = tensors
+                .into_iter()
+                .inspect(|t| started += usize::from(t.state == SwapState::Host))
+                .collect();
+            self.start_reload(tensors)?;
+            return Ok(started);
+        };
+        let mut planned = self.reload_inflight.load(Ordering::Acquire);
+        let mut admitted = Vec::new();
+        for t in tensors {
+            if t.state != SwapState::Host {
+                continue;
+            }
+            let n = t.swap_bytes();
+            if planned > 0 && planned + n > max {
+                self.stats.prefetches_deferred += 1;
+                continue;
+            }
+            planned += n;
+            admitted.push(t);
+        }
+        let started = admitted.len();
+        self.start_reload(admitted)?;
+        Ok(started)
     }
 
     /// Gives a released tensor device memory again: owned storage is resized back (once for all
@@ -841,7 +1067,14 @@ impl SwapEngine {
             t.h2d = None;
             t.host = None;
             t.d2h = None;
+            t.handed_back = false;
+            t.reload_charge = None;
             t.state = SwapState::Device;
+            // The compute stream waits for the copy: the memory is the framework's from now on
+            // (hprt keeps only the handle the front end hands out).
+            if let Some(tensor) = t.saved.tensor() {
+                self.hand_over(tensor, &self.h2d);
+            }
         }
         Ok(())
     }
@@ -883,7 +1116,19 @@ impl SwapEngine {
         self.synchronize()?;
         self.released.clear();
         self.taken_back.clear();
+        self.offloads_in_flight.clear();
+        self.offload_inflight_bytes = 0;
         self.pool.reset();
         Ok(())
+    }
+}
+
+/// Drops the engine's references to a borrowed tensor's memory (its framework gets it back once
+/// no queued work uses it, or at once when it took it over).
+fn release_borrowed(t: &mut SwapTensor, empty: &DeviceBuffer) {
+    if let Saved::Tensor(tensor) = &mut t.saved {
+        tensor.storage = empty.clone();
+        tensor.handle = None;
+        tensor.version = VersionCounter::new();
     }
 }

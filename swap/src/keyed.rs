@@ -321,11 +321,13 @@ impl KeyedSwap {
             .tensors
             .get_mut(&key)
             .ok_or_else(|| SwapError::unknown("tensor key", format!("{key:?}")))?;
-        match t.state() {
-            // Its layer was never released (no later layer saved anything): bytes never left.
-            SwapState::D2h => self.engine.cancel_offload([&mut *t])?,
-            SwapState::Host => self.engine.start_reload([&mut *t])?,
-            _ => {}
+        if t.state() == SwapState::D2h {
+            // Its layer was never released (no later layer saved anything): bytes never left
+            // (unless the framework took its memory back at the offload: then it reloads).
+            self.engine.cancel_offload([&mut *t])?;
+        }
+        if t.state() == SwapState::Host {
+            self.engine.start_reload([&mut *t])?;
         }
         // The prefetch is queued before the wait: where the compute stream is the host (the cpu
         // backend's host stream) the wait blocks, and the next layer's copies should already
@@ -333,9 +335,10 @@ impl KeyedSwap {
         if prefetch {
             for k in self.keys.get_prefetch_keys(key) {
                 if let Some(p) = self.tensors.get_mut(&k) {
-                    // A prefetch that fails (device out of memory) leaves the tensor on the host;
-                    // its own unpack reloads it, or reports the error, later.
-                    if let Err(e) = self.engine.start_reload([p]) {
+                    // A prefetch that fails (device out of memory) or does not fit the reload
+                    // window leaves the tensor on the host; its own unpack reloads it, or
+                    // reports the error, later.
+                    if let Err(e) = self.engine.prefetch([p]) {
                         tracing::debug!(?k, error = %e, "prefetch deferred");
                     }
                 }

@@ -362,7 +362,7 @@ impl SwapManager {
             self.load(layer)?;
         }
         if let Some(prev) = prev {
-            self.load(prev)?;
+            self.prefetch(prev)?;
         }
         if next.is_some() {
             let group = &mut self.layers[layer.0].saved;
@@ -382,6 +382,18 @@ impl SwapManager {
             .filter(|t| t.state() == SwapState::D2h);
         self.engine.finish_offload(in_flight)?;
         self.engine.start_reload(group.iter_mut().flatten())
+    }
+
+    /// [`SwapManager::load`] ahead of need, within the engine's reload window: what does not
+    /// fit waits for the layer's own `backward_pre`.
+    fn prefetch(&mut self, layer: LayerId) -> Result<()> {
+        let group = &mut self.layers[layer.0].saved;
+        let in_flight = group
+            .iter_mut()
+            .flatten()
+            .filter(|t| t.state() == SwapState::D2h);
+        self.engine.finish_offload(in_flight)?;
+        self.engine.prefetch(group.iter_mut().flatten()).map(drop)
     }
 
     /// The layer's backward was queued (after its `backward_pre`). Values it did not take

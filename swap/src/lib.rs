@@ -16,6 +16,8 @@
 //!   `wait_cur_and_prefetch_next` with proportional prefetch.
 //! - [`PipelineOffload`] — chunked pipeline offload with groups, delays, warm-up and a summary
 //!   (Megatron-LM).
+//! - [`plan_offload`] — which layers to offload for a memory budget, an offload fraction or
+//!   `auto` (what hides behind compute), from measured bytes, compute times and link speed.
 //! - `sim` — a simulated N-layer step driven through each front end (tests, benchmark);
 //!   `bench()` — the swap rows of `hprt bench`. Both only with the non-default feature
 //!   `tooling` (the `hprt` binary, the tests and examples enable it).
@@ -28,6 +30,7 @@ mod keyed;
 mod layer_group;
 mod payload;
 mod pipeline;
+mod plan;
 mod pool;
 #[cfg(feature = "tooling")]
 pub mod sim;
@@ -37,7 +40,7 @@ mod tensor;
 pub use bench::bench;
 #[doc(hidden)]
 pub use engine::Faults;
-pub use engine::{EngineConfig, EngineStats, PlatformHandle, SwapEngine};
+pub use engine::{EngineConfig, EngineStats, InflightWindow, PlatformHandle, SwapEngine};
 pub use error::{Result, SwapError, SwapState};
 /// The names of layers and saved tensors, shared with hprt-compress's activation manager.
 pub use hprt_compress::{LayerId, TensorKey};
@@ -49,5 +52,6 @@ pub use payload::{Allocator, Compression, CompressionPolicy, FrameworkHandle, Or
 pub use pipeline::{
     link_summary_table, offload_summary_table, ChunkId, OffloadTag, PipelineConfig, PipelineOffload,
 };
+pub use plan::{plan_offload, LayerProfile, OffloadPlan, PlanTarget};
 pub use pool::{PinnedBlock, PinnedPool, PoolConfig, PoolStats};
 pub use tensor::{DeviceTensor, Saved, SwapTensor, VersionCounter};

@@ -57,8 +57,21 @@ pub trait Allocator: Send + Sync {
     /// Memory for a tensor like `like` (its dtype, shape and byte length; the framework keeps
     /// strides itself). An error (out of memory) leaves the host copy in place for a retry.
     fn allocate(&self, like: &DeviceTensor) -> Result<Reacquired>;
+
+    /// Hands `t`'s memory back to the framework now: the framework orders its reuse after the
+    /// work queued so far on `streams` (torch's `Tensor.record_stream`), so the engine may drop
+    /// its references at once instead of when it later sees that work finished (on a GPU the
+    /// host runs far ahead of the device: holding on until then keeps many layers alive).
+    /// Returns whether the framework took it; `false` (the default: a framework that cannot
+    /// order reuse by streams, or an allocator without that knowledge) leaves the memory to
+    /// the platform, which releases it once the work on it finished.
+    fn hand_over(&self, t: &DeviceTensor, streams: &[&Stream]) -> Result<bool> {
+        let _ = (t, streams);
+        Ok(false)
+    }
 }
 
+/// A plain function allocates; it cannot take memory back early.
 impl<F> Allocator for F
 where
     F: Fn(&DeviceTensor) -> Result<Reacquired> + Send + Sync,

@@ -6,7 +6,9 @@ use std::fmt::Write as _;
 
 use hprt_platform::{DeviceBuffer, Stream};
 
-use crate::engine::{EngineConfig, EngineStats, Faults, PlatformHandle, SwapEngine};
+use crate::engine::{
+    EngineConfig, EngineStats, Faults, InflightWindow, PlatformHandle, SwapEngine,
+};
 use crate::error::{Result, SwapError, SwapState};
 use crate::payload::Compression;
 use crate::pool::{PoolConfig, PoolStats};
@@ -26,6 +28,8 @@ pub struct PipelineConfig {
     pub pool: PoolConfig,
     /// Compress-then-swap for every offloaded tensor (per tensor: `set_compression_policy`).
     pub compression: Compression,
+    /// The engine's bounds in bytes (beside `max_inflight_offloads`, which counts groups).
+    pub window: InflightWindow,
 }
 
 impl Default for PipelineConfig {
@@ -36,6 +40,7 @@ impl Default for PipelineConfig {
             keep_last_groups: 1,
             pool: PoolConfig::default(),
             compression: Compression::Off,
+            window: InflightWindow::default(),
         }
     }
 }
@@ -159,6 +164,7 @@ impl PipelineOffload {
                 compression: config.compression,
                 compression_policy: None,
                 codec_stream: None,
+                window: config.window,
             },
         )?;
         Ok(PipelineOffload {
@@ -412,11 +418,26 @@ impl PipelineOffload {
             self.engine
                 .cancel_offload(group.tensors.iter_mut().flatten())?;
             group.forced_release.clear();
-            return Ok(());
+            // Tensors whose memory went back to the framework at the offload were not taken
+            // back: they reload.
+            return self.engine.start_reload(group.tensors.iter_mut().flatten());
         }
         self.delayed.retain(|x| *x != (id, g));
         let group = &mut chunk_in(&mut self.chunks, id)?.groups[g];
         self.engine.start_reload(group.tensors.iter_mut().flatten())
+    }
+
+    /// [`PipelineOffload::start_group_reload`] ahead of need: within the engine's reload
+    /// window (an offload still in flight is taken back as there).
+    fn prefetch_group(&mut self, id: ChunkId, g: usize) -> Result<()> {
+        if self.inflight.contains(&(id, g)) {
+            return self.start_group_reload(id, g);
+        }
+        self.delayed.retain(|x| *x != (id, g));
+        let group = &mut chunk_in(&mut self.chunks, id)?.groups[g];
+        self.engine
+            .prefetch(group.tensors.iter_mut().flatten())
+            .map(drop)
     }
 
     fn backward_chunk(&mut self) -> Result<ChunkId> {
@@ -520,7 +541,7 @@ impl PipelineOffload {
             .filter(|t| matches!(t.state(), SwapState::D2h | SwapState::Host))
             .count();
         if waiting > 0 {
-            self.start_group_reload(chunk, group)?;
+            self.prefetch_group(chunk, group)?;
         }
         Ok(waiting)
     }
@@ -540,7 +561,7 @@ impl PipelineOffload {
         // back to the framework as soon as the framework is done with it.
         chunk.groups[g].tensors.clear();
         if let Some(next) = chunk.backward_next {
-            return self.start_group_reload(id, next);
+            return self.prefetch_group(id, next);
         }
         // The chunk is done: its values were handed out, its host blocks go back to the pool.
         self.chunks[id.0] = None;
@@ -554,7 +575,7 @@ impl PipelineOffload {
             .iter()
             .rposition(|g| g.launched);
         match last {
-            Some(g) => self.start_group_reload(next_chunk, g),
+            Some(g) => self.prefetch_group(next_chunk, g),
             None => Ok(()),
         }
     }

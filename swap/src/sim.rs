@@ -139,7 +139,7 @@ enum Driver {
     NoSwap,
     LayerGroup(SwapManager, Vec<LayerId>),
     Keyed(KeyedSwap, Vec<SwapContext>),
-    Pipeline(PipelineOffload),
+    Pipeline(Box<PipelineOffload>),
 }
 
 impl Driver {
@@ -171,7 +171,7 @@ impl Driver {
                 };
                 let mut o = PipelineOffload::new(p.clone(), cfg)?;
                 o.set_faults(faults);
-                Driver::Pipeline(o)
+                Driver::Pipeline(Box::new(o))
             }
         };
         if let Some(e) = driver.engine_mut() {

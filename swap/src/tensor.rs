@@ -213,6 +213,29 @@ impl std::fmt::Debug for Saved {
 /// The completion mark of one batch of copies, shared by every tensor of the batch.
 pub(crate) type Fence = Arc<Event>;
 
+/// Bytes a tensor counts against one of the engine's in-flight windows, uncounted when it goes
+/// (handed over, or dropped with its tensor whatever the state).
+pub(crate) struct Charge {
+    bytes: usize,
+    counter: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Charge {
+    pub(crate) fn new(counter: &Arc<std::sync::atomic::AtomicUsize>, bytes: usize) -> Self {
+        counter.fetch_add(bytes, Ordering::AcqRel);
+        Charge {
+            bytes,
+            counter: Arc::clone(counter),
+        }
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
 /// One saved value and where its bytes are.
 ///
 /// States: `device → d2h` (offload queued) `→ host` (copy completed, device bytes released)
@@ -243,6 +266,12 @@ pub struct SwapTensor {
     pub(crate) d2h: Option<Fence>,
     pub(crate) h2d: Option<Fence>,
     pub(crate) check: ReloadCheck,
+    /// The device memory went back to its framework when the offload was queued
+    /// ([`crate::Allocator::hand_over`]): the copy may still be running, so a reload waits for
+    /// `d2h` on its stream, and the offload can no longer be taken back.
+    pub(crate) handed_back: bool,
+    /// The bytes of a reload started and not yet handed to the compute stream.
+    pub(crate) reload_charge: Option<Charge>,
 }
 
 impl SwapTensor {
@@ -266,6 +295,8 @@ impl SwapTensor {
             d2h: None,
             h2d: None,
             check: ReloadCheck::None,
+            handed_back: false,
+            reload_charge: None,
         })
     }
 
