@@ -58,6 +58,7 @@ import concurrent.futures
 import contextlib
 import enum
 import threading
+import time
 import warnings
 import weakref
 
@@ -155,41 +156,36 @@ def _empty_like_layout(shape, stride, offset, dtype, device):
 
 
 class _Allocate:
-    """What a borrowed payload's reload calls for its memory off the cpu backend: a tensor of
-    the saved layout from torch's allocator, with the stream it was handed out for (see
+    """What a borrowed payload's reload calls for its memory, on every backend: a tensor of the
+    saved layout (``Runtime.empty_layout``), with the stream it was handed out for (see
     ``Runtime.handed_out``). One object holding plain tuples, not a closure's cells: see
-    ``_Witness`` on the collector. (On the cpu backend a reload takes the platform's device
-    memory without calling back into Python's allocator: see ``_host_reload``.)"""
+    ``_Witness`` on the collector."""
 
-    __slots__ = ("rt", "shape", "stride", "offset", "dtype", "device")
+    __slots__ = ("rt", "layout", "device")
 
     def __init__(self, t, rt):
-        self.shape, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
-        self.dtype, self.device, self.rt = t.dtype, t.device, rt
+        self.layout, self.device, self.rt = _layout(t), t.device, rt
 
     def __call__(self):
-        out = _empty_like_layout(self.shape, self.stride, self.offset, self.dtype, self.device)
-        return self.rt.handed_out(out)
+        return self.rt.handed_out(self.rt.empty_layout(self.layout, self.device))
 
 
 def _layout(t):
-    """What a reload into the cpu platform's device memory recreates: shape, strides and storage
-    offset in elements, dtype, itemsize."""
+    """What a reload recreates: shape, strides and storage offset in elements, dtype,
+    itemsize."""
     return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.itemsize
 
 
 def _host_reload(capsule, layout):
-    """The tensor of ``layout`` in a DLPack capsule of the cpu platform's device memory (hprt's
-    Rust side allocates and exports it: ``Platform.alloc_dlpack``, and every layer-group, keyed
-    or pipeline reload on the cpu backend). That memory comes from the platform's caching
-    allocator (the cpu backend's, like a GPU framework's): a reload reuses the blocks earlier
-    reloads freed, where torch's CPU allocator would hand glibc's memory back and fault fresh
-    pages in for every reload. ``capsule`` is None when the platform has no room: torch's
-    allocator makes the tensor.
+    """The tensor of ``layout`` in a DLPack capsule of the cpu platform's device memory
+    (``Platform.alloc_dlpack``: where every reload lands on the cpu backend). That memory comes
+    from the platform's caching allocator (the cpu backend's, like a GPU framework's): a reload
+    reuses the blocks earlier reloads freed, where torch's CPU allocator would hand glibc's
+    memory back and fault fresh pages in for every reload. ``capsule`` is None when the
+    platform has no room: torch's allocator makes the tensor.
 
-    The capsule holds the layout itself where it can (the common case takes no torch call but
-    the import: a reload is in every layer's backward, and each call counts there); a storage
-    offset, or a dtype hprt carries as bytes, comes as one row to restride."""
+    The capsule holds the layout itself where it can; a storage offset, or a dtype hprt
+    carries as bytes, comes as one row to restride."""
     shape, stride, offset, dtype, _ = layout
     if capsule is None:
         return _empty_like_layout(shape, stride, offset, dtype, "cpu")
@@ -205,14 +201,43 @@ def _platform_empty(platform, shape, stride, offset, dtype):
     return _host_reload(platform.alloc_dlpack(layout, _HPRT_DTYPES.get(dtype, "u8")), layout)
 
 
+class _StreamRecorder:
+    """``FrameworkMemory``'s ``record_stream`` on the cuda backend: torch's caching allocator
+    reuses a tensor's block only after the work queued so far on an hprt copy stream
+    (``Tensor.record_stream``), so hprt lets go of an offloaded tensor when its copy is queued
+    and of a reloaded one when torch's stream waits for it (on a GPU the host runs far ahead of
+    the device: holding them until the host sees the copies finish kept most of a pass's layers
+    alive). hprt's streams are few and long-lived: one ``ExternalStream`` each."""
+
+    def __init__(self, kind):
+        self.kind, self.streams = kind, {}
+
+    def __call__(self, t, raw):
+        s = self.streams.get(raw)
+        if s is None:
+            s = self.streams[raw] = getattr(torch, self.kind).ExternalStream(raw)
+        t.record_stream(s)
+
+
+def _stream_recorder(backend):
+    """The ``record_stream`` of a backend whose tensors torch puts in a stream-ordered caching
+    allocator (cuda); None elsewhere (CPU tensors; torch_npu's NPU tensors, whose
+    ``record_stream`` hprt has not been tried with on hardware): the platform then keeps its
+    reference until it sees the copy finished."""
+    return _StreamRecorder(backend) if backend == "cuda" else None
+
+
 # torch dtypes under hprt's names (what compress-then-swap can encode; others travel as bytes).
 _HPRT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
                 torch.float64: "f64"}
 
 _CUMULATIVE = ("offloaded_tensors", "offloaded_bytes", "reloaded_tensors", "reloaded_bytes",
                "link_d2h_bytes", "link_h2d_bytes", "compressed_tensors", "compressed_bytes",
-               "codec_ns")
-_COUNTERS = _CUMULATIVE + ("pinned_bytes_in_use", "pinned_bytes_held")
+               "codec_ns", "handed_back_tensors", "offload_window_waits", "prefetches_deferred")
+_COUNTERS = _CUMULATIVE + ("pinned_bytes_in_use", "pinned_bytes_held", "offload_inflight_bytes",
+                           "reload_inflight_bytes")
+# Each front end's own high-water marks (the largest is reported).
+_PEAKS = ("offload_inflight_peak", "reload_inflight_peak")
 
 
 def _device_type(device):
@@ -243,14 +268,20 @@ class Runtime:
     recorded on it is reached at once, and making it wait for a reload blocks the host until
     the bytes are back, before torch reads them (one wait, in the calling thread)."""
 
-    def __init__(self, platform=None, host_budget=None, compression="off"):
+    def __init__(self, platform=None, host_budget=None, compression="off",
+                 max_inflight_offload_bytes=None, max_inflight_reload_bytes=None):
         self.platform = platform if platform is not None else hprt.get_platform()
-        # cpu backend: reloads take the platform's device memory (see ``_host_reload``).
-        self.memory = hprt.FrameworkMemory(
-            self.platform, host_reload=_host_reload if self.backend == "cpu" else None)
+        self.memory = hprt.FrameworkMemory(self.platform,
+                                           record_stream=_stream_recorder(self.backend))
         self.host_budget, self.compression = host_budget, compression
+        self.window = dict(max_inflight_offload_bytes=max_inflight_offload_bytes,
+                           max_inflight_reload_bytes=max_inflight_reload_bytes)
         self.layers = hprt.SwapManager(self.platform, host_budget=host_budget,
-                                       compression=compression)
+                                       compression=compression, **self.window)
+        # hprt streams wrapping torch's (raw handle -> Stream): one per torch stream, not one
+        # per call (each saved tensor asks for it).
+        self._wrapped = {}
+        self._link_gbps = None
         # Each module's layer group in ``layers``, kept across attaches (a new one per attach
         # would grow the Rust manager with every attach / detach).
         self._layer_slots = weakref.WeakKeyDictionary()
@@ -293,14 +324,14 @@ class Runtime:
     def new_keyed(self):
         self._let_go_of_retired()
         k = hprt.KeyedSwap(self.platform, host_budget=self.host_budget,
-                           compression=self.compression)
+                           compression=self.compression, **self.window)
         self._fronts.append(k)
         return k
 
     def new_pipeline(self):
         self._let_go_of_retired()
         off = hprt.PipelineOffload(self.platform, min_tensor_elems=1, host_budget=self.host_budget,
-                                   compression=self.compression)
+                                   compression=self.compression, **self.window)
         self._fronts.append(off)
         return off
 
@@ -310,8 +341,11 @@ class Runtime:
         ``torch.npu.current_stream().npu_stream`` (torch_npu's ``aclrtStream``) on the npu one."""
         kind = self.backend
         if kind in _STREAM_ATTR and (device is None or _device_type(device) == kind):
-            stream = getattr(torch, kind).current_stream(device)
-            return self.platform.wrap_stream(getattr(stream, _STREAM_ATTR[kind]))
+            raw = getattr(getattr(torch, kind).current_stream(device), _STREAM_ATTR[kind])
+            s = self._wrapped.get(raw)
+            if s is None:
+                s = self._wrapped[raw] = self.platform.wrap_stream(raw)
+            return s
         # CPU tensors: torch's work is done when its call returns (see the class docs).
         return self._host_stream
 
@@ -325,10 +359,17 @@ class Runtime:
         """``t`` as a borrowed swap payload whose reload makes a tensor of its shape, strides and
         storage offset. hprt holds ``t.detach()``: the same memory, but not ``t``'s autograd node,
         which holds what the pack hook returned (a cycle no collector sees through)."""
-        name = _HPRT_DTYPES.get(t.dtype, "u8")
-        if self.backend == "cpu":  # into the platform's device memory (see ``_host_reload``)
-            return self.memory.tensor(t.detach(), None, name, _layout(t))
-        return self.memory.tensor(t.detach(), _Allocate(t, self), name)
+        return self.memory.tensor(t.detach(), _Allocate(t, self), _HPRT_DTYPES.get(t.dtype, "u8"))
+
+    def empty_layout(self, layout, device):
+        """A new tensor of ``layout`` (``_layout``) on ``device`` for a reload: from the cpu
+        platform's device memory on the cpu backend (its caching allocator, see
+        ``_host_reload``), from torch's allocator elsewhere. The only difference between the
+        backends' reload paths."""
+        shape, stride, offset, dtype, _ = layout
+        if self.backend == "cpu":
+            return _platform_empty(self.platform, shape, stride, offset, dtype)
+        return _empty_like_layout(shape, stride, offset, dtype, device)
 
     def handed_out(self, t):
         """What a reload's allocator gives hprt for ``t``, torch memory it just allocated. On an
@@ -343,16 +384,33 @@ class Runtime:
     def stats(self):
         self._let_go_of_retired()
         s = dict(self.memory.stats())
-        for k in _COUNTERS:
+        for k in _COUNTERS + _PEAKS:
             s[k] = self._retired.get(k, 0)
         for front in self._fronts:
             fs = front.stats()
             for k in _COUNTERS:
                 s[k] += fs.get(k, 0)
+            for k in _PEAKS:
+                s[k] = max(s[k], fs.get(k, 0))
         return s
 
     def reset_peak(self):
         self.memory.reset_peak()
+
+    def link_gbps(self, nbytes=32 << 20, rounds=3):
+        """The platform's device-to-host copy speed in GB/s, measured once (the planner's
+        link): ``rounds`` copies of ``nbytes`` into pinned memory on a stream of hprt's."""
+        if self._link_gbps is None:
+            p = self.platform
+            dev, host, s = p.alloc_device(nbytes), p.alloc_pinned(nbytes), p.create_stream()
+            p.copy(host, dev, s)
+            s.synchronize()
+            start = time.perf_counter()
+            for _ in range(rounds):
+                p.copy(host, dev, s)
+            s.synchronize()
+            self._link_gbps = rounds * nbytes / max(time.perf_counter() - start, 1e-9) / 1e9
+        return self._link_gbps
 
     def synchronize(self):
         self.platform.synchronize()
@@ -1839,6 +1897,98 @@ class _ContextFront:
         ctx.__exit__(None, None, None)
 
 
+class _OffloadPlan:
+    """``attach(..., budget=...)`` / ``offload_fraction=...``: which layers the swap modes
+    offload, chosen by ``hprt.plan_offload`` from a profiling pass. The first forward pass with
+    grad offloads every layer while it measures each layer's swappable saved bytes and forward
+    time (the compute stream synchronized at each layer's edges, in that pass only); the
+    backward is taken as twice the forward (a transformer layer's usual ratio) and the link is
+    ``Runtime.link_gbps()``. From the next pass on, a layer the plan keeps saves into autograd
+    as without hprt. The choice is in ``stats()["plan"]``."""
+
+    def __init__(self, rt, layers, budget, offload_fraction, user_predicate):
+        self.rt, self.n = rt, layers
+        self.budget = None if budget == "auto" else budget
+        self.fraction, self.user_predicate = offload_fraction, user_predicate
+        self.saved_bytes, self.forward_s = [0] * layers, [0.0] * layers
+        self.chosen, self.result, self.current = None, None, None
+        self.profiling, self.profiled, self.started = False, False, None
+
+    def _sync(self):
+        self.rt.compute_stream(None).synchronize()
+
+    def pre(self, i):
+        self.current = i
+        if self.chosen is not None or not torch.is_grad_enabled() or _in_backward():
+            return
+        if i == 0:
+            if self.profiled:
+                self._decide()
+                return
+            self.profiling = True
+        if self.profiling:
+            self._sync()
+            self.started = time.perf_counter()
+
+    def post(self, i):
+        self.current = None
+        if self.profiling and self.started is not None:
+            self._sync()
+            self.forward_s[i] = time.perf_counter() - self.started
+            self.started = None
+            if i == self.n - 1:
+                self.profiling, self.profiled = False, True
+
+    def takes(self, t):
+        """The swap modes' predicate: the user's, and the plan's layer choice."""
+        if self.user_predicate is not None and not self.user_predicate(t):
+            return False
+        i = self.current
+        if i is None:
+            return True
+        if self.chosen is None:
+            if self.profiling:
+                self.saved_bytes[i] += t.nbytes
+            return True
+        return i in self.chosen
+
+    def _decide(self):
+        link = self.rt.link_gbps()
+        result = hprt.plan_offload(self.saved_bytes, self.forward_s,
+                                   [2 * f for f in self.forward_s], link,
+                                   budget=self.budget, offload_fraction=self.fraction)
+        result.update(link_gbps=link, layer_saved_bytes=list(self.saved_bytes),
+                      layer_forward_s=list(self.forward_s))
+        self.chosen = {i for i, o in enumerate(result["offload"]) if o}
+        self.result = result
+        if not result["meets_target"]:
+            warnings.warn(
+                f"hprt.torch: the budget of {self.budget} bytes is out of reach (predicted peak "
+                f"{result['predicted_peak_bytes']} bytes with every layer but the last "
+                "offloaded); every offloadable layer is offloaded", RuntimeWarning, stacklevel=3)
+
+    def stats(self):
+        return {"plan": self.result}
+
+
+def _check_plan_args(mode, budget, offload_fraction):
+    if budget is None and offload_fraction is None:
+        return
+    if mode not in ("swap", "keyed", "pipeline"):
+        raise ValueError(f"hprt.torch mode {mode!r} takes no budget or offload_fraction (the "
+                         "swap modes do)")
+    if budget is not None and offload_fraction is not None:
+        raise ValueError("hprt.torch.attach: give a budget or an offload_fraction, not both")
+    if budget is not None and budget != "auto" and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise ValueError(f"hprt.torch.attach: budget must be a number of bytes (int >= 0) or "
+                         f"'auto', not {budget!r}")
+    if offload_fraction is not None and (isinstance(offload_fraction, bool) or not isinstance(
+            offload_fraction, (int, float)) or not 0 <= offload_fraction <= 1):
+        raise ValueError(f"hprt.torch.attach: offload_fraction must lie in [0, 1], not "
+                         f"{offload_fraction!r}")
+
+
 # The handle attached to each layer (one at a time: see ``_refuse_attached``).
 _ATTACHED = weakref.WeakKeyDictionary()
 
@@ -1949,7 +2099,8 @@ def _managed_stats(comp):
 
 
 def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, compression="off",
-           platform=None, runtime_=None, prefetch=True):
+           platform=None, runtime_=None, prefetch=True, budget=None, offload_fraction=None,
+           max_inflight_offload_bytes=None, max_inflight_reload_bytes=None):
     """Applies a mode to ``model``'s layers (``find_layers``, or ``layers`` given as a list or a
     dotted path) and returns an ``Attached`` handle.
 
@@ -1959,17 +2110,34 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
     (MindSpeed's ActivationManager). ``compression`` (``off`` | ``device`` | ``host_stage`` |
     ``auto``) makes the swap modes compress-then-swap. Saved tensors smaller than
     ``min_bytes`` or refused by ``predicate(tensor)`` stay with autograd.
+
+    The swap modes offload every layer but the last unless given ``budget`` (bytes of saved
+    activations allowed on the device at the peak, or ``"auto"``: the layers whose copies hide
+    behind compute) or ``offload_fraction`` (Megatron-LM's ``activation_offload_fraction``:
+    that share of the layers, earliest first); the first forward pass then profiles (see
+    ``_OffloadPlan``) and ``stats()["plan"]`` says what was chosen. ``max_inflight_offload_bytes``
+    / ``max_inflight_reload_bytes`` bound the bytes on their way (an offload past the bound
+    waits on the host for the oldest; a prefetch past it is left to its layer's own load).
     """
     if mode not in MODES:
         raise ValueError(f"unknown hprt.torch mode {mode!r}; one of {', '.join(MODES)}")
     if predicate is not None and mode not in ("swap", "keyed", "pipeline"):
         raise ValueError(f"hprt.torch mode {mode!r} takes no predicate (the swap modes do); "
                          "use min_bytes")
+    _check_plan_args(mode, budget, offload_fraction)
     if isinstance(layers, str) or layers is None:
         layers = find_layers(model, layers)
     layers = list(layers)
     _refuse_attached(layers)
-    rt = runtime_ if runtime_ is not None else Runtime(platform, compression=compression)
+    window = dict(max_inflight_offload_bytes=max_inflight_offload_bytes,
+                  max_inflight_reload_bytes=max_inflight_reload_bytes)
+    rt = runtime_ if runtime_ is not None else Runtime(platform, compression=compression,
+                                                        **window)
+    plan = None
+    if budget is not None or offload_fraction is not None:
+        plan = _OffloadPlan(rt, len(layers), budget, offload_fraction, predicate)
+        predicate = plan.takes
+    windowed = runtime_ is not None and any(v is not None for v in window.values())
     if mode in ("compress", "managed_compress"):
         _check_host_compression(model, mode, rt)
     if mode == "swap":
@@ -1982,6 +2150,8 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
                 "attach(mode='swap') not detached, or set_forward_prefetch_layer); detach() them "
                 "first, or attach this model with a Runtime of its own")
         mgr = SwapManager(rt, min_bytes=min_bytes, custom_check_fn=predicate)
+        if windowed:
+            rt.layers.set_window(max_inflight_offload_bytes, max_inflight_reload_bytes)
         for a, b in zip(layers[:-1], layers[1:]):
             mgr.set_forward_prefetch_layer(a, b)
         if len(layers) == 1:
@@ -1989,12 +2159,16 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
         on_detach = [mgr.detach]
         if runtime_ is None:  # the handle's own runtime: its SwapManager goes with the handle
             on_detach.append(lambda: SwapManager._instances.pop(id(rt), None))
-        handle = Attached(mode, layers, rt, [mgr.flow.settle], on_detach=on_detach)
+        handle = Attached(mode, layers, rt, [mgr.flow.settle], on_detach=on_detach,
+                          stats_extra=plan and plan.stats)
         handle._handles = mgr.handles
+        _hook_plan(handle, layers, plan)
         return handle
     settle, extra, on_detach = [], None, []
     if mode == "keyed":
         front_end = rt.new_keyed()
+        if windowed:
+            front_end.set_window(max_inflight_offload_bytes, max_inflight_reload_bytes)
         flow = _Flow(front_end.end_iteration)
         tag = f"attach{id(rt)}.layers.*"
         ctxs = [TensorSwapContext(tag, predicate, prefetch, min_bytes, rt, (front_end, flow))
@@ -2003,6 +2177,8 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
         on_detach = [lambda: rt.retire(front_end, flow)]
     elif mode == "pipeline":
         front = _PipelineFront(rt, min_bytes, predicate, prefetch, len(layers))
+        if windowed:
+            front.off.set_window(max_inflight_offload_bytes, max_inflight_reload_bytes)
         settle, extra = [front.flow.settle], front.stats
         on_detach = [lambda: rt.retire(front.off, front.flow)]
     elif mode == "keep":
@@ -2015,7 +2191,10 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
                                   encode_gbps=1.0, decode_gbps=1.0)
         front, settle = _ContextFront(comp.layer), [comp.flow.settle]
         extra = lambda: _managed_stats(comp)  # noqa: E731
+    if plan is not None:
+        extra = _merged(extra, plan.stats)
     handle = Attached(mode, layers, rt, settle, extra, on_detach)
+    _hook_plan(handle, layers, plan)
     for i, layer in enumerate(layers):
         opened = []
 
@@ -2030,3 +2209,21 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
         handle._handles.append(layer.register_forward_pre_hook(pre))
         handle._handles.append(layer.register_forward_hook(post, always_call=True))
     return handle
+
+
+def _merged(first, second):
+    """Two ``stats()`` extras as one (either may be None)."""
+    if first is None:
+        return second
+    return lambda: {**first(), **second()}
+
+
+def _hook_plan(handle, layers, plan):
+    """The plan's per-layer hooks (which layer runs, its profile), removed with the handle's."""
+    if plan is None:
+        return
+    for i, layer in enumerate(layers):
+        handle._handles.append(layer.register_forward_pre_hook(
+            lambda mod, args, i=i: plan.pre(i)))
+        handle._handles.append(layer.register_forward_hook(
+            lambda mod, args, output, i=i: plan.post(i), always_call=True))

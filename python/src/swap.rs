@@ -7,12 +7,13 @@
 
 use hprt_platform::sync::lock;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use hprt_platform::{DType, DeviceBuffer};
 use hprt_swap::{
-    Compression, DeviceTensor, InflightWindow, KeyedSwap, OffloadTag, Packed, PipelineConfig,
-    PipelineOffload, PlatformHandle, PoolConfig, Saved, SavedRef, SwapContext, SwapManager,
-    TensorKey, TensorKeyManager,
+    Compression, DeviceTensor, InflightWindow, KeyedSwap, LayerProfile, OffloadTag, Packed,
+    PipelineConfig, PipelineOffload, PlanTarget, PlatformHandle, PoolConfig, Saved, SavedRef,
+    SwapContext, SwapManager, TensorKey, TensorKeyManager,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -911,7 +912,69 @@ pub fn link_summary_table(per_rank: Vec<std::collections::HashMap<String, u64>>)
     hprt_swap::link_summary_table(&rows)
 }
 
+/// Which layers to offload (hprt-swap's `plan_offload`): per layer in forward order its saved
+/// bytes and forward / backward seconds, the measured device-to-host link speed in GB/s, and
+/// one target: `budget` (bytes of saved activations allowed on the device at the peak),
+/// `offload_fraction` (0 to 1: that share of the offloadable layers, earliest first), or
+/// neither (`auto`: what hides behind compute). Returns `offload` (a bool per layer),
+/// `predicted_peak_bytes`, `unswapped_peak_bytes`, `exposed_s`, `meets_target` and `table`.
+#[pyfunction]
+#[pyo3(signature = (saved_bytes, forward_s, backward_s, link_gbps, budget=None, offload_fraction=None))]
+fn plan_offload<'py>(
+    py: Python<'py>,
+    saved_bytes: Vec<u64>,
+    forward_s: Vec<f64>,
+    backward_s: Vec<f64>,
+    link_gbps: f64,
+    budget: Option<u64>,
+    offload_fraction: Option<f64>,
+) -> Result<Bound<'py, PyDict>> {
+    if forward_s.len() != saved_bytes.len() || backward_s.len() != saved_bytes.len() {
+        return Err(invalid(format!(
+            "plan_offload: {} layers of saved bytes, {} forward and {} backward times",
+            saved_bytes.len(),
+            forward_s.len(),
+            backward_s.len()
+        )));
+    }
+    let seconds = |s: f64| {
+        Duration::try_from_secs_f64(s)
+            .map_err(|_| invalid(format!("plan_offload: {s} is no duration in seconds")))
+    };
+    let layers = saved_bytes
+        .iter()
+        .zip(forward_s.iter().zip(&backward_s))
+        .map(|(&saved_bytes, (&f, &b))| {
+            Ok(LayerProfile {
+                saved_bytes,
+                forward: seconds(f)?,
+                backward: seconds(b)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let target = match (budget, offload_fraction) {
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                "plan_offload: give a budget or an offload_fraction, not both",
+            ))
+        }
+        (Some(b), None) => PlanTarget::Budget(b),
+        (None, Some(f)) => PlanTarget::Fraction(f),
+        (None, None) => PlanTarget::Auto,
+    };
+    let plan = hprt_swap::plan_offload(&layers, link_gbps, target)?;
+    let d = PyDict::new(py);
+    d.set_item("offload", plan.offload.clone())?;
+    d.set_item("predicted_peak_bytes", plan.predicted_peak_bytes)?;
+    d.set_item("unswapped_peak_bytes", plan.unswapped_peak_bytes)?;
+    d.set_item("exposed_s", plan.exposed.as_secs_f64())?;
+    d.set_item("meets_target", plan.meets_target)?;
+    d.set_item("table", plan.table(&layers, link_gbps))?;
+    Ok(d)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(plan_offload, m)?)?;
     m.add_class::<PyDeviceTensor>()?;
     m.add_class::<PySwapManager>()?;
     m.add_class::<PySwapContext>()?;

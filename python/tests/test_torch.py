@@ -218,7 +218,7 @@ def test_reloads_use_the_cpu_platforms_device_memory_or_torchs_when_it_is_full(b
             (out.data_ptr(), out.nbytes, out.untyped_storage().nbytes()))
         return out
 
-    monkeypatch.setattr(ht, "_host_reload", spy)  # before the runtimes: they take it
+    monkeypatch.setattr(ht, "_host_reload", spy)
     rt = ht.Runtime(platform)
     try:
         assert_identical(baseline, train("layer_group", rt))
@@ -328,9 +328,9 @@ def _layouts():
 
 
 @pytest.mark.parametrize("i", range(len(_layouts())))
-def test_host_reloads_recreate_the_saved_layout_in_platform_memory(platform, i):
-    """A borrowed payload given its layout reloads into the cpu platform's device memory
-    (allocated and exported by hprt's Rust side, no Python allocator): same shape, strides,
+def test_cpu_reloads_recreate_the_saved_layout_in_platform_memory(platform, i):
+    """A borrowed payload reloads, through the allocator every backend uses
+    (``Runtime.empty_layout``), into the cpu platform's device memory: same shape, strides,
     storage offset, dtype and bytes; the memory is the platform's, given back when torch lets
     go of the tensor."""
     rt = ht.Runtime(platform)
@@ -338,8 +338,7 @@ def test_host_reloads_recreate_the_saved_layout_in_platform_memory(platform, i):
     t = _layouts()[i]
     assert ht._is_dense(t)  # what swap takes
     expected, layout = t.clone(), ht._layout(t)
-    ref = mgr.add_storage("g", rt.memory.tensor(t, None, ht._HPRT_DTYPES.get(t.dtype, "u8"),
-                                                layout))
+    ref = mgr.add_storage("g", rt.borrow(t))
     s = rt.compute_stream(None)
     mgr.launch_offload("g", s)
     mgr.wait_offload("g")
@@ -356,45 +355,20 @@ def test_host_reloads_recreate_the_saved_layout_in_platform_memory(platform, i):
     assert platform.memory_stats()["device_current"] == before
 
 
-def test_framework_memory_layout_needs_host_reload(platform):
-    """A layout is only taken by a FrameworkMemory made with ``host_reload``; a payload needs
-    exactly one of ``allocate`` and ``layout``; ``host_reload`` needs a backend whose device
-    memory is host memory; a layout must describe a non-empty tensor."""
-    t = torch.randn(4, 4)
-    plain = hprt.FrameworkMemory(platform)
-    with pytest.raises(hprt.HprtError, match="host_reload"):
-        plain.tensor(t, None, "f32", ht._layout(t))
-    with pytest.raises(hprt.HprtError, match="either allocate or layout"):
-        plain.tensor(t)
-    mem = hprt.FrameworkMemory(platform, host_reload=ht._host_reload)
-    with pytest.raises(hprt.HprtError, match="either allocate or layout"):
-        mem.tensor(t, lambda: torch.empty(4, 4), "f32", ht._layout(t))
-    with pytest.raises(hprt.HprtError, match="layout must be"):
-        mem.tensor(t, None, "f32", (4, 4))
-    with pytest.raises(hprt.HprtError, match="empty tensor"):
-        mem.tensor(t, None, "f32", ((0, 4), (4, 1), 0, torch.float32, 4))
-
-
-def test_a_host_reload_that_drops_the_capsule_is_an_error_not_a_write_elsewhere(platform):
-    """The reload writes into the capsule's memory: a ``host_reload`` returning some other
-    tensor is refused (the payload stays on the host), not handed to torch with other bytes."""
+def test_an_allocator_giving_the_wrong_size_keeps_the_host_copy(platform):
+    """The reload writes only into memory of the saved size: an allocator returning another
+    size is refused (the payload stays on the host), not written past its end."""
     t = torch.randn(64, 64)
-    mem = hprt.FrameworkMemory(platform, host_reload=lambda capsule, layout: torch.empty(64, 64))
+    mem = hprt.FrameworkMemory(platform)
     mgr = hprt.SwapManager(platform)
-    ref = mgr.add_storage("g", mem.tensor(t, None, "f32", ht._layout(t)))
+    ref = mgr.add_storage("g", mem.tensor(t, lambda: torch.empty(32, 64), "f32"))
     s = platform.wrap_stream(0)
     mgr.launch_offload("g", s)
     mgr.wait_offload("g")
     del t
-    with pytest.raises(hprt.HprtError, match="not the capsule's memory"):
+    with pytest.raises(hprt.HprtError, match="8192-byte tensor for 16384 saved bytes"):
         mgr.launch_load("g")
     assert mgr.state(ref) == "host"  # the host copy stays
-
-
-@pytest.mark.parametrize("backend", EMULATED)
-def test_host_reload_is_refused_where_device_memory_is_not_host_memory(backend):
-    with pytest.raises(hprt.UnsupportedError, match="not host memory"):
-        hprt.FrameworkMemory(hprt.open_platform(backend), host_reload=ht._host_reload)
 
 
 def test_borrowed_reload_out_of_memory_keeps_the_host_copy_and_retries(platform):

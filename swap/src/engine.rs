@@ -526,7 +526,7 @@ impl SwapEngine {
             t.state = SwapState::D2h;
             // The copy is queued: a framework that orders its memory's reuse after the copy
             // stream takes the memory back now, not when the host later sees the copy done.
-            if self.hand_over(tensor, &self.d2h) {
+            if self.hand_over(tensor, &[&self.d2h]) {
                 release_borrowed(t, &self.empty);
                 t.handed_back = true;
                 self.stats.handed_back_tensors += 1;
@@ -535,14 +535,14 @@ impl SwapEngine {
         Ok(())
     }
 
-    /// Asks a borrowed tensor's framework to take its memory back, ordered after `stream`
+    /// Asks a borrowed tensor's framework to take its memory back, ordered after `streams`
     /// (see [`crate::Allocator::hand_over`]); a failure is logged and leaves the memory with
     /// the engine, which releases it the usual way.
-    fn hand_over(&self, tensor: &DeviceTensor, stream: &Stream) -> bool {
+    fn hand_over(&self, tensor: &DeviceTensor, streams: &[&Stream]) -> bool {
         let Origin::Borrowed(alloc) = &tensor.origin else {
             return false;
         };
-        alloc.hand_over(tensor, &[stream]).unwrap_or_else(|e| {
+        alloc.hand_over(tensor, streams).unwrap_or_else(|e| {
             tracing::warn!(error = %e, "the framework could not take its memory back early");
             false
         })
@@ -687,6 +687,22 @@ impl SwapEngine {
                 Origin::Borrowed(_) => release_borrowed(t, &self.empty),
             }
             t.state = SwapState::Host;
+        }
+        Ok(())
+    }
+
+    /// Waits on the host for the offload copies of the tensors in state `d2h` (once per batch),
+    /// without releasing anything: how a front end keeps its schedule's bound on the copies in
+    /// flight when their memory already went back to the framework, which cannot reuse it
+    /// before the copies finished (device memory is still taken until then).
+    pub fn wait_copies<'a>(&self, tensors: impl IntoIterator<Item = &'a SwapTensor>) -> Result<()> {
+        let mut synced = Waited::default();
+        for t in tensors {
+            if let (SwapState::D2h, Some(f)) = (t.state, &t.d2h) {
+                if synced.first_time(f) {
+                    self.platform.synchronize_event(f)?;
+                }
+            }
         }
         Ok(())
     }
@@ -1071,9 +1087,11 @@ impl SwapEngine {
             t.reload_charge = None;
             t.state = SwapState::Device;
             // The compute stream waits for the copy: the memory is the framework's from now on
-            // (hprt keeps only the handle the front end hands out).
+            // (hprt keeps only the handle the front end hands out). No stream to record: every
+            // use and the free come after that wait in the compute stream's order (recording the
+            // reload stream would hold the block until the later prefetches queued there ran).
             if let Some(tensor) = t.saved.tensor() {
-                self.hand_over(tensor, &self.h2d);
+                self.hand_over(tensor, &[]);
             }
         }
         Ok(())

@@ -271,10 +271,13 @@ impl KeyedSwap {
         let (key, previous_done) = self.keys.get_key(ctx.layer);
         if previous_done {
             let prev = ctx.layer - 1;
-            let group = self
-                .tensors
-                .range_mut(TensorKey::layer_range(prev))
-                .map(|(_, t)| t);
+            // The host waits for the previous layer's copies (its memory may be the
+            // framework's already, but not reusable before they finished): at most a layer
+            // of copies in flight.
+            let range = TensorKey::layer_range(prev);
+            self.engine
+                .wait_copies(self.tensors.range(range.clone()).map(|(_, t)| t))?;
+            let group = self.tensors.range_mut(range).map(|(_, t)| t);
             self.engine.finish_offload(group)?;
         }
         let mut t = SwapTensor::new(value)?;

@@ -203,8 +203,16 @@ impl SwapManager {
     /// Waits for group `group_name`'s offload and releases its device memory.
     pub fn wait_offload(&mut self, group_name: &str) -> Result<()> {
         let id = self.named(group_name)?;
-        self.engine
-            .finish_offload(self.layers[id.0].saved.iter_mut().flatten())
+        self.finish_offload(id)
+    }
+
+    /// Waits on the host for `layer`'s offload copies (also where the framework took the
+    /// memory back when they were queued: it cannot reuse it before they finished, so this is
+    /// what bounds the device memory in flight to a layer), then releases its device memory.
+    fn finish_offload(&mut self, layer: LayerId) -> Result<()> {
+        let group = &mut self.layers[layer.0].saved;
+        self.engine.wait_copies(group.iter().flatten())?;
+        self.engine.finish_offload(group.iter_mut().flatten())
     }
 
     /// Starts reloading group `group_name` (an offload still queued is waited for first).
@@ -343,8 +351,7 @@ impl SwapManager {
             self.engine.offload(group.iter_mut().flatten(), compute)?;
         }
         if let Some(prev) = prev {
-            let group = &mut self.layers[prev.0].saved;
-            self.engine.finish_offload(group.iter_mut().flatten())?;
+            self.finish_offload(prev)?;
         }
         Ok(())
     }

@@ -62,6 +62,8 @@ pub trait Allocator: Send + Sync {
     /// work queued so far on `streams` (torch's `Tensor.record_stream`), so the engine may drop
     /// its references at once instead of when it later sees that work finished (on a GPU the
     /// host runs far ahead of the device: holding on until then keeps many layers alive).
+    /// `streams` may be empty: every use of the memory is already ordered after hprt's work on
+    /// the framework's own stream (a reload the compute stream waits for).
     /// Returns whether the framework took it; `false` (the default: a framework that cannot
     /// order reuse by streams, or an allocator without that knowledge) leaves the memory to
     /// the platform, which releases it once the work on it finished.

@@ -388,6 +388,11 @@ impl PipelineOffload {
             if !(over_cap || done) {
                 break;
             }
+            if over_cap {
+                // Megatron-LM's cap: the oldest group's copies finish before one more starts
+                // (its memory may be the framework's already, but is not reusable before).
+                self.engine.wait_copies(group.tensors.iter().flatten())?;
+            }
             self.inflight.pop_front();
             self.finish_offload(id, g)?;
         }
