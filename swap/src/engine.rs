@@ -217,6 +217,15 @@ struct OpenBatch {
 /// Fences kept for reuse at most (beyond it a batch creates its event and lets it go).
 const SPARE_FENCES: usize = 64;
 
+/// How to give back a re-acquisition whose reload failed.
+enum Undo {
+    Borrowed,
+    /// `resized`: this reload resized the storage (else a sibling view's reload had).
+    Owned {
+        resized: bool,
+    },
+}
+
 struct Released {
     storage: DeviceBuffer,
     /// Views released and not yet reloaded.
@@ -821,11 +830,41 @@ impl SwapEngine {
                 Some(HostCopy::Device { len, .. }) => Some(self.platform.alloc_device(*len)?),
                 _ => None,
             };
+            let (ready_on, undo) = self.reacquire(t)?;
+            // Memory pressure is when swap runs: a step failing after the re-acquisition gives
+            // the memory back, so the tensor stays in `host` with its copy, ready for a retry.
+            let queued = self.queue_reload(
+                t,
+                ready_on,
+                scratch,
+                fence,
+                &mut reuse_waited,
+                &mut copy_waited,
+            );
+            if let Err(e) = queued {
+                self.undo_reacquire(t, undo);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues the reload of `t`, whose memory was just re-acquired (see `reload_into`).
+    fn queue_reload(
+        &mut self,
+        t: &mut SwapTensor,
+        ready_on: Option<Stream>,
+        scratch: Option<DeviceBuffer>,
+        fence: &mut Option<Fence>,
+        reuse_waited: &mut Waited,
+        copy_waited: &mut Waited,
+    ) -> Result<()> {
+        {
             // A platform never hands back memory under queued work, so a reload into it needs
             // no wait and a prefetch overlaps the compute before it; a framework's caching
             // allocator does (torch's hands a block out again in its stream's order): the copy
             // then waits for the work queued on that stream so far.
-            if let Some(ready_on) = self.reacquire(t)? {
+            if let Some(ready_on) = ready_on {
                 self.order_after(&self.h2d, &ready_on, false)?;
             }
             // The host never waited for an offload whose memory went back early: the reload
@@ -896,7 +935,7 @@ impl SwapEngine {
                     encoded, raw_len, ..
                 } => {
                     let encoded = Arc::clone(encoded.as_ref().expect("host state holds it"));
-                    let mut raw = self.block(*raw_len, &self.h2d, &mut reuse_waited)?;
+                    let mut raw = self.block(*raw_len, &self.h2d, reuse_waited)?;
                     let slot: Slot<()> = Arc::default();
                     let (buf, out, ns) = (
                         raw.buffer().clone(),
@@ -932,6 +971,40 @@ impl SwapEngine {
             t.state = SwapState::H2d;
         }
         Ok(())
+    }
+
+    /// Gives back what [`SwapEngine::reacquire`] took for a reload that then failed: borrowed
+    /// memory goes back to its framework, owned storage is resized to zero again (when this
+    /// reload resized it) and counted released again.
+    fn undo_reacquire(&mut self, t: &mut SwapTensor, undo: Undo) {
+        match undo {
+            Undo::Borrowed => release_borrowed(t, &self.empty),
+            Undo::Owned { resized } => {
+                let Saved::Tensor(tensor) = &t.saved else {
+                    return;
+                };
+                if resized {
+                    if let Err(e) = self.platform.resize_device(&tensor.storage, 0) {
+                        tracing::warn!(error = %e, "a failed reload could not release its storage");
+                    }
+                }
+                let bucket = self.released.entry(t.release_key).or_default();
+                match bucket
+                    .iter_mut()
+                    .find(|r| r.storage.same_as(&tensor.storage))
+                {
+                    Some(r) => {
+                        r.pending += 1;
+                        r.reacquired &= !resized;
+                    }
+                    None => bucket.push(Released {
+                        storage: tensor.storage.clone(),
+                        pending: 1,
+                        reacquired: !resized,
+                    }),
+                }
+            }
+        }
     }
 
     /// [`SwapEngine::start_reload`] for a prefetch: only the tensors that fit the reload window
@@ -973,7 +1046,7 @@ impl SwapEngine {
     /// Gives a released tensor device memory again: owned storage is resized back (once for all
     /// its views), borrowed memory comes from the framework's allocator. Returns the stream the
     /// allocator's memory is ready on ([`crate::Reacquired::ready_on`]).
-    fn reacquire(&mut self, t: &mut SwapTensor) -> Result<Option<Stream>> {
+    fn reacquire(&mut self, t: &mut SwapTensor) -> Result<(Option<Stream>, Undo)> {
         let storage_len = t.storage_len;
         let Saved::Tensor(tensor) = &mut t.saved else {
             unreachable!("host state holds a tensor")
@@ -996,6 +1069,7 @@ impl SwapEngine {
                     (Some(b), Some(i)) => b[i].reacquired,
                     _ => false,
                 };
+                let resized = tensor.storage.len() == 0;
                 match tensor.storage.len() {
                     0 => self.platform.resize_device(&tensor.storage, storage_len)?,
                     // Another saved view of it was reloaded first.
@@ -1019,6 +1093,7 @@ impl SwapEngine {
                         }
                     }
                 }
+                Ok((None, Undo::Owned { resized }))
             }
             Origin::Borrowed(allocator) => {
                 let got = allocator.allocate(tensor)?;
@@ -1038,10 +1113,9 @@ impl SwapEngine {
                 tensor.offset = got.offset;
                 tensor.handle = got.handle;
                 tensor.version = got.version;
-                return Ok(got.ready_on);
+                Ok((got.ready_on, Undo::Borrowed))
             }
         }
-        Ok(None)
     }
 
     /// Makes `compute` wait for the reloads of the tensors in state `h2d` (no host

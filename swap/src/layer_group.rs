@@ -358,7 +358,8 @@ impl SwapManager {
 
     /// The layer's backward is about to run on `compute`: prefetch the previous layer's group,
     /// and make `compute` wait for this layer's group if it was offloaded. A failed prefetch
-    /// (device out of memory) leaves the group on the host and can be retried by calling again.
+    /// (device out of memory) leaves that group on the host for its own `backward_pre`; a
+    /// failed load of this layer's group leaves it on the host, and the call can be retried.
     pub fn backward_pre(&mut self, layer: LayerId, compute: &Stream) -> Result<()> {
         let l = self.layer(layer)?;
         l.phase = Phase::PreBackward;
@@ -369,7 +370,12 @@ impl SwapManager {
             self.load(layer)?;
         }
         if let Some(prev) = prev {
-            self.prefetch(prev)?;
+            // A prefetch is an optimization: one that fails (device out of memory, a driver
+            // fault) leaves its layer on the host, where that layer's own backward_pre loads it
+            // or reports the error; this layer's backward goes on.
+            if let Err(e) = self.prefetch(prev) {
+                tracing::debug!(layer = prev.0, error = %e, "prefetch deferred");
+            }
         }
         if next.is_some() {
             let group = &mut self.layers[layer.0].saved;
