@@ -1069,7 +1069,7 @@ impl SwapEngine {
                     (Some(b), Some(i)) => b[i].reacquired,
                     _ => false,
                 };
-                let resized = tensor.storage.len() == 0;
+                let resized = tensor.storage.is_empty();
                 match tensor.storage.len() {
                     0 => self.platform.resize_device(&tensor.storage, storage_len)?,
                     // Another saved view of it was reloaded first.
