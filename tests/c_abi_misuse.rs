@@ -268,3 +268,57 @@ fn oversized_meshes_are_invalid_values_not_aborts() {
         ok(hprt_platform_close(p));
     }
 }
+
+/// ISSUE 32 item 14: an integer that is no `HprtCompression` was taken as the enum (undefined
+/// behaviour in Rust; 4, 7, 255 and -1 returned OK). Each entry point refuses it, names it,
+/// and leaves the object as it was.
+#[test]
+fn out_of_range_compression_modes_are_invalid_values() {
+    let p = open_cpu();
+    // SAFETY: every handle is made here, used while live and released once.
+    unsafe {
+        let (mut m, mut k, mut o) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+        ok(hprt_swap_manager_create(p, 0, &mut m));
+        ok(hprt_keyed_create(p, 0, 0, &mut k));
+        for bad in [4, 7, 255, -1, i32::MIN, i32::MAX] {
+            let calls: [(&str, HprtStatus); 3] = [
+                (
+                    "hprt_swap_set_compression",
+                    hprt_swap_set_compression(m, bad),
+                ),
+                (
+                    "hprt_keyed_set_compression",
+                    hprt_keyed_set_compression(k, bad),
+                ),
+                (
+                    "hprt_pipeline_create",
+                    hprt_pipeline_create(p, 0, 2, 0, 0, bad, &mut o),
+                ),
+            ];
+            for (name, status) in calls {
+                assert_eq!(status, HprtStatus::ErrorInvalidValue, "{name}({bad})");
+                let msg = last_error();
+                assert!(
+                    msg.contains(&format!("{bad} is not an HprtCompression")),
+                    "{name}: {msg}"
+                );
+            }
+            assert!(o.is_null(), "no pipeline is made from mode {bad}");
+        }
+        for mode in [
+            HprtCompression::Off,
+            HprtCompression::Device,
+            HprtCompression::HostStage,
+            HprtCompression::Auto,
+        ] {
+            ok(hprt_swap_set_compression(m, mode as i32));
+            ok(hprt_keyed_set_compression(k, mode as i32));
+            ok(hprt_pipeline_create(p, 0, 2, 0, 0, mode as i32, &mut o));
+            ok(hprt_pipeline_destroy(o));
+            o = ptr::null_mut();
+        }
+        ok(hprt_keyed_destroy(k));
+        ok(hprt_swap_manager_destroy(m));
+        ok(hprt_platform_close(p));
+    }
+}

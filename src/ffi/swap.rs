@@ -167,13 +167,19 @@ impl Allocator for CAllocator {
     }
 }
 
-pub(crate) fn compression(c: HprtCompression) -> Compression {
-    match c {
-        HprtCompression::Off => Compression::Off,
-        HprtCompression::Device => Compression::Device,
-        HprtCompression::HostStage => Compression::HostStage,
-        HprtCompression::Auto => Compression::Auto,
-    }
+/// A `HprtCompression` value from C, checked (an out-of-range integer is an error, not UB).
+pub(crate) fn compression(v: i32) -> FfiResult<Compression> {
+    use HprtCompression as C;
+    [C::Off, C::Device, C::HostStage, C::Auto]
+        .into_iter()
+        .find(|c| *c as i32 == v)
+        .map(|c| match c {
+            C::Off => Compression::Off,
+            C::Device => Compression::Device,
+            C::HostStage => Compression::HostStage,
+            C::Auto => Compression::Auto,
+        })
+        .ok_or_else(|| FfiError::invalid(format!("{v} is not an HprtCompression")))
 }
 
 /// A NUL-terminated UTF-8 group name.
@@ -505,18 +511,20 @@ pub(crate) fn stats_of(engine: &hprt_swap::SwapEngine) -> HprtSwapStats {
     }
 }
 
-/// Compress-then-swap for the tensors offloaded from now on.
+/// Compress-then-swap for the tensors offloaded from now on. `mode` is an `HprtCompression`
+/// (another value is `HPRT_STATUS_ERROR_INVALID_VALUE`).
 ///
 /// # Safety
 /// `manager` live.
 #[no_mangle]
 pub unsafe extern "C" fn hprt_swap_set_compression(
     manager: *mut HprtSwapManager,
-    mode: HprtCompression,
+    mode: i32,
 ) -> HprtStatus {
     guard("hprt_swap_set_compression", || {
+        let mode = compression(mode)?;
         let m = manager_mut(manager)?;
-        m.manager.engine_mut().set_compression(compression(mode));
+        m.manager.engine_mut().set_compression(mode);
         Ok(())
     })
 }
