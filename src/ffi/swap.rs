@@ -205,12 +205,24 @@ fn c_ref(r: SavedRef) -> HprtSavedRef {
 }
 
 /// A tensor of `bytes` at `offset` in `storage`.
+/// `storage` as a tensor for `engine`, which copies it with its own platform: a buffer of
+/// another platform value (or backend), or one already freed, is refused here rather than at
+/// its offload.
 pub(crate) fn view(
+    engine: &hprt_swap::SwapEngine,
     storage: &DeviceBuffer,
     offset: usize,
     bytes: usize,
     dtype: i32,
 ) -> FfiResult<DeviceTensor> {
+    // An empty memset queues nothing: it only runs the platform's checks of the buffer.
+    engine
+        .platform()
+        .memset_async(storage, 0, 0, 0, engine.d2h_stream())
+        .map_err(|e| FfiError {
+            status: e.kind().status(),
+            message: format!("storage: {}", e.message),
+        })?;
     let dtype: DType = dtype_arg(dtype)?;
     if bytes % dtype.size() != 0 {
         return Err(FfiError::invalid(format!(
@@ -378,9 +390,13 @@ pub unsafe extern "C" fn hprt_swap_save(
 ) -> HprtStatus {
     guard("hprt_swap_save", || {
         let (m, s) = (manager_mut(manager)?, arg(storage, "storage")?);
-        let r = m
-            .manager
-            .save(Saved::Tensor(view(&s.0, offset, bytes, dtype)?))?;
+        let r = m.manager.save(Saved::Tensor(view(
+            m.manager.engine(),
+            &s.0,
+            offset,
+            bytes,
+            dtype,
+        )?))?;
         // SAFETY: the caller's contract.
         unsafe { out(out_ref, "out_ref", c_ref(r)) }
     })
@@ -623,9 +639,10 @@ pub unsafe extern "C" fn hprt_swap_add_storage(
         let (m, s) = (manager_mut(manager)?, arg(storage, "storage")?);
         // SAFETY: the caller's contract.
         let name = unsafe { name_arg(group_name) }?;
-        let r = m
-            .manager
-            .add_storage(name, Saved::Tensor(view(&s.0, offset, bytes, dtype)?))?;
+        let r = m.manager.add_storage(
+            name,
+            Saved::Tensor(view(m.manager.engine(), &s.0, offset, bytes, dtype)?),
+        )?;
         // SAFETY: the caller's contract.
         unsafe { out(out_ref, "out_ref", c_ref(r)) }
     })

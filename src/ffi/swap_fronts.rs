@@ -152,7 +152,7 @@ pub unsafe extern "C" fn hprt_keyed_swap_out_cur_and_release_prev(
             .get(layer)
             .ok_or_else(|| FfiError::invalid(format!("layer {layer} was not registered")))?
             .clone();
-        let t = Saved::Tensor(view(&s.0, offset, bytes, dtype)?);
+        let t = Saved::Tensor(view(k.swap.engine(), &s.0, offset, bytes, dtype)?);
         let key = match k.swap.swap_out_cur_and_release_prev(&ctx, t, &c.0)? {
             Packed::Kept(_) => HprtTensorKey::default(),
             Packed::Swapped(key) => HprtTensorKey {
@@ -365,9 +365,13 @@ pub unsafe extern "C" fn hprt_pipeline_save(
 ) -> HprtStatus {
     guard("hprt_pipeline_save", || {
         let (o, s) = (arg_mut(offload, "offload")?, arg(storage, "storage")?);
-        let tag = o
-            .offload
-            .save(Saved::Tensor(view(&s.0, offset, bytes, dtype)?))?;
+        let tag = o.offload.save(Saved::Tensor(view(
+            o.offload.engine(),
+            &s.0,
+            offset,
+            bytes,
+            dtype,
+        )?))?;
         let offloaded = i32::from(matches!(tag, OffloadTag::Offloaded { .. }));
         o.tags.push(tag);
         // SAFETY: the caller's contract.
