@@ -200,6 +200,19 @@ def _set_alloc_tag(tag):
         setter(tag)
 
 
+def _tag_autograd_thread(tag):
+    """Sets the tag on the thread autograd runs CUDA backward on (a persistent thread per
+    device), through a one-element backward whose gradient hook runs there: allocations of the
+    backward before the last layer's first hook get this tag, not the last step's."""
+    try:
+        a = torch.zeros(1, device="cuda", requires_grad=True)
+        b = a * 1
+        b.register_hook(lambda g: _set_alloc_tag(tag))
+        b.sum().backward()
+    except (RuntimeError, AssertionError):  # no CUDA device or build (the stubbed test)
+        pass
+
+
 def _frame_key(frames):
     """The innermost Python frame outside torch's own package, as ``name (file:line)``."""
     for f in frames or ():
@@ -305,6 +318,7 @@ class MemoryProbe:
             handle.runtime.reset_peak()
         start_alloc = torch.cuda.memory_allocated() if self.cuda else 0
         if self.history:
+            _tag_autograd_thread("loss bwd")
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         hooks = self._hooks()
         try:
