@@ -23,9 +23,10 @@
 #define HPRT_HSDP_MAX_PARAM_DIMS 32
 
 /*
- Longest unique id `hprt_unique_id` produces, in bytes.
+ Longest unique id `hprt_unique_id` produces, in bytes: HCCL's root info (4,108 bytes) is the
+ longest; NCCL's id has 128. A buffer of this size holds the id of every backend.
  */
-#define HPRT_UNIQUE_ID_MAX_BYTES 4096
+#define HPRT_UNIQUE_ID_MAX_BYTES 4108
 
 /*
  Status of every C entry point.
@@ -105,25 +106,6 @@ typedef enum HprtParamState {
 } HprtParamState;
 
 /*
- How offloaded tensors travel (compress-then-swap; f32/f16/bf16 tensors only).
- */
-typedef enum HprtCompression {
-  HPRT_COMPRESSION_OFF = 0,
-  /*
-   Encoded by the platform's device codec: only the encoding crosses the link.
-   */
-  HPRT_COMPRESSION_DEVICE = 1,
-  /*
-   Encoded on the host after the copy, in stream order; kept compressed in host memory.
-   */
-  HPRT_COMPRESSION_HOST_STAGE = 2,
-  /*
-   Device where a device codec exists, else the host stage.
-   */
-  HPRT_COMPRESSION_AUTO = 3,
-} HprtCompression;
-
-/*
  Element types (pass them as `int32_t`; other values are rejected).
  */
 typedef enum HprtDtype {
@@ -147,6 +129,25 @@ typedef enum HprtReduceOp {
   HPRT_REDUCE_OP_MIN = 3,
   HPRT_REDUCE_OP_PROD = 4,
 } HprtReduceOp;
+
+/*
+ How offloaded tensors travel (compress-then-swap; f32/f16/bf16 tensors only).
+ */
+typedef enum HprtCompression {
+  HPRT_COMPRESSION_OFF = 0,
+  /*
+   Encoded by the platform's device codec: only the encoding crosses the link.
+   */
+  HPRT_COMPRESSION_DEVICE = 1,
+  /*
+   Encoded on the host after the copy, in stream order; kept compressed in host memory.
+   */
+  HPRT_COMPRESSION_HOST_STAGE = 2,
+  /*
+   Device where a device codec exists, else the host stage.
+   */
+  HPRT_COMPRESSION_AUTO = 3,
+} HprtCompression;
 
 /*
  A communicator: one rank of a world.
@@ -1274,13 +1275,13 @@ enum HprtStatus hprt_swap_end_iteration(struct HprtSwapManager *manager);
 enum HprtStatus hprt_swap_stats(struct HprtSwapManager *manager, struct HprtSwapStats *out_stats);
 
 /*
- Compress-then-swap for the tensors offloaded from now on.
+ Compress-then-swap for the tensors offloaded from now on. `mode` is an `HprtCompression`
+ (another value is `HPRT_STATUS_ERROR_INVALID_VALUE`).
 
  # Safety
  `manager` live.
  */
-enum HprtStatus hprt_swap_set_compression(struct HprtSwapManager *manager,
-                                          enum HprtCompression mode);
+enum HprtStatus hprt_swap_set_compression(struct HprtSwapManager *manager, int32_t mode);
 
 /*
  hyper_parallel's `set_current_group_name`: the group `hprt_swap_save` fills (made on
@@ -1414,12 +1415,13 @@ enum HprtStatus hprt_keyed_wait_cur_and_prefetch_next(struct HprtKeyedSwap *swap
                                                       size_t *out_ptr);
 
 /*
- Compress-then-swap for the tensors packed from now on.
+ Compress-then-swap for the tensors packed from now on. `mode` is an `HprtCompression`
+ (another value is `HPRT_STATUS_ERROR_INVALID_VALUE`).
 
  # Safety
  `swap` live.
  */
-enum HprtStatus hprt_keyed_set_compression(struct HprtKeyedSwap *swap, enum HprtCompression mode);
+enum HprtStatus hprt_keyed_set_compression(struct HprtKeyedSwap *swap, int32_t mode);
 
 /*
  Ends the iteration: waits for the copies and drops what was not unpacked.
@@ -1438,7 +1440,8 @@ enum HprtStatus hprt_keyed_stats(struct HprtKeyedSwap *swap, struct HprtSwapStat
 /*
  Megatron-LM's pipeline offload on `platform`: tensors under `min_tensor_elems` elements stay
  on the device, at most `max_inflight_offloads` groups are in flight, and after warm-up the
- last `keep_last_groups` groups of each chunk stay on the device.
+ last `keep_last_groups` groups of each chunk stay on the device. `mode` is an
+ `HprtCompression` (another value is `HPRT_STATUS_ERROR_INVALID_VALUE`).
 
  # Safety
  `platform` live; `out_offload` valid for writing.
@@ -1448,7 +1451,7 @@ enum HprtStatus hprt_pipeline_create(const struct HprtPlatform *platform,
                                      size_t max_inflight_offloads,
                                      size_t keep_last_groups,
                                      size_t host_budget,
-                                     enum HprtCompression mode,
+                                     int32_t mode,
                                      struct HprtPipelineOffload **out_offload);
 
 /*

@@ -10,6 +10,13 @@
 //! [`scope`]. Byte counts per track are kept even when timing markers are off
 //! ([`Recorder::new`]), which is how `hprt demo` measures host-link traffic.
 //!
+//! With markers on, the platform's device memory in use ([`Platform::memory_stats`]'s
+//! `device_current` on the calling thread's device) is sampled after every call that allocates,
+//! frees or enqueues work, and written as a counter track per rank and section ("device memory
+//! in use", in MiB) beside the stream tracks, so a trace shows where on the step the peak falls
+//! and which copies and kernels ran around it. Memory freed by a dropped buffer (or in stream
+//! order, once its queued work finished) shows at the next sampled call.
+//!
 //! ```
 //! use std::sync::Arc;
 //! use hprt::platform::{CopyKind, CpuBackend, CpuConfig, Platform};
@@ -109,6 +116,24 @@ pub struct Span {
     pub end_us: f64,
 }
 
+/// The device memory in use on one rank, sampled after a platform call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemorySample {
+    pub rank: usize,
+    pub section: String,
+    /// Microseconds since the recorder was made.
+    pub at_us: f64,
+    /// `device_current` of the rank's device: bytes hprt's platform has allocated there.
+    pub device_bytes: u64,
+}
+
+#[derive(Default)]
+struct MemoryTrack {
+    samples: Vec<MemorySample>,
+    /// The last value per (rank, section): only changes are kept.
+    last: HashMap<(usize, String), u64>,
+}
+
 /// Bytes a track moved, by direction.
 #[derive(Debug, Default)]
 struct Counters {
@@ -138,6 +163,7 @@ pub struct Recorder {
     section: Mutex<String>,
     registry: Mutex<Registry>,
     spans: Mutex<Vec<Span>>,
+    memory: Mutex<MemoryTrack>,
 }
 
 impl Recorder {
@@ -150,6 +176,7 @@ impl Recorder {
             section: Mutex::new(String::new()),
             registry: Mutex::default(),
             spans: Mutex::default(),
+            memory: Mutex::default(),
         })
     }
 
@@ -174,6 +201,33 @@ impl Recorder {
     /// Every completed span so far, in no particular order.
     pub fn spans(&self) -> Vec<Span> {
         lock(&self.spans).clone()
+    }
+
+    /// The device-memory samples so far (only changes, per rank and section), in time order
+    /// per rank.
+    pub fn memory_samples(&self) -> Vec<MemorySample> {
+        lock(&self.memory).samples.clone()
+    }
+
+    /// Records `device_bytes` in use on `rank`'s device now, when it changed since the last
+    /// sample of that rank in the current section (with markers only).
+    pub fn sample_memory(&self, rank: usize, device_bytes: u64) {
+        if !self.markers {
+            return;
+        }
+        let section = lock(&self.section).clone();
+        let at_us = self.now_us();
+        let mut m = lock(&self.memory);
+        if m.last.get(&(rank, section.clone())) == Some(&device_bytes) {
+            return;
+        }
+        m.last.insert((rank, section.clone()), device_bytes);
+        m.samples.push(MemorySample {
+            rank,
+            section,
+            at_us,
+            device_bytes,
+        });
     }
 
     /// Bytes copied in direction `kind` on tracks of `section` and `role` (`None`: any).
@@ -278,6 +332,15 @@ impl TracingPlatform {
         &self.rec
     }
 
+    /// Samples the device memory in use on the calling thread's device for its rank's
+    /// counter track (see the module docs).
+    fn sample_memory(&self) {
+        if self.rec.markers {
+            let bytes = self.inner.memory_stats().device_current as u64;
+            self.rec.sample_memory(thread_rank(), bytes);
+        }
+    }
+
     /// Gives `stream` its role and track name, for the calling thread's rank.
     pub fn name_stream(&self, stream: &Stream, role: Role, label: &str) {
         self.rec.register(stream, thread_rank(), role, label);
@@ -345,6 +408,7 @@ impl TracingPlatform {
         bytes: u64,
         work: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
+        self.sample_memory();
         let end = self.begin(stream, op, bytes)?;
         work()?;
         self.end(stream, end)
@@ -437,7 +501,9 @@ impl Platform for TracingPlatform {
         self.inner.event_elapsed_ms(start, end)
     }
     fn alloc_device(&self, bytes: usize) -> Result<DeviceBuffer> {
-        self.inner.alloc_device(bytes)
+        let buf = self.inner.alloc_device(bytes)?;
+        self.sample_memory();
+        Ok(buf)
     }
     unsafe fn wrap_device_memory(
         &self,
@@ -449,10 +515,14 @@ impl Platform for TracingPlatform {
         unsafe { self.inner.wrap_device_memory(ptr, bytes, release) }
     }
     fn free_device(&self, buf: &DeviceBuffer) -> Result<()> {
-        self.inner.free_device(buf)
+        let freed = self.inner.free_device(buf);
+        self.sample_memory();
+        freed
     }
     fn resize_device(&self, buf: &DeviceBuffer, bytes: usize) -> Result<()> {
-        self.inner.resize_device(buf, bytes)
+        let resized = self.inner.resize_device(buf, bytes);
+        self.sample_memory();
+        resized
     }
     fn alloc_pinned(&self, bytes: usize) -> Result<PinnedBuffer> {
         self.inner.alloc_pinned(bytes)
@@ -575,7 +645,12 @@ impl Platform for TracingPlatform {
 pub fn chrome_trace(rec: &Recorder) -> Value {
     let tracks = rec.tracks();
     let mut events = Vec::new();
-    let mut ranks: Vec<usize> = tracks.iter().map(|t| t.rank).collect();
+    let samples = rec.memory_samples();
+    let mut ranks: Vec<usize> = tracks
+        .iter()
+        .map(|t| t.rank)
+        .chain(samples.iter().map(|m| m.rank))
+        .collect();
     ranks.sort_unstable();
     ranks.dedup();
     for r in ranks {
@@ -611,6 +686,21 @@ pub fn chrome_trace(rec: &Recorder) -> Value {
             json!({"name": "thread_sort_index", "ph": "M", "pid": t.rank, "tid": i + 1,
             "args": {"sort_index": section_order * 1000 + role_order * 100 + i}}),
         );
+    }
+    // The memory counter tracks, one per rank and section, beside that rank's stream tracks.
+    for m in samples {
+        let name = if m.section.is_empty() {
+            "device memory in use".to_string()
+        } else {
+            format!("device memory in use [{}]", m.section)
+        };
+        events.push(json!({
+            "name": name,
+            "ph": "C",
+            "ts": m.at_us,
+            "pid": m.rank,
+            "args": {"MiB": m.device_bytes as f64 / (1u64 << 20) as f64},
+        }));
     }
     let mut spans = rec.spans();
     spans.sort_by(|a, b| a.start_us.total_cmp(&b.start_us));
@@ -701,7 +791,58 @@ pub fn timeline(
         }
         let _ = writeln!(out, "{:label_w$} |{line}|", t.label);
     }
+    if let Some(row) = memory_row(rec, rank, section, from_us, to_us, width) {
+        let _ = writeln!(out, "{:label_w$} |{row}|", "memory");
+    }
     out
+}
+
+/// Levels of the timeline's memory row, lowest to highest.
+const MEMORY_LEVELS: &[u8; 10] = b" .:-=+*#%@";
+
+/// The timeline's memory row: per column, the most device memory in use during it (the last
+/// sample before it counts from the column's start), as a level of the highest value in the
+/// window; `None` without samples of `rank` in `section`.
+fn memory_row(
+    rec: &Recorder,
+    rank: usize,
+    section: &str,
+    from_us: f64,
+    to_us: f64,
+    width: usize,
+) -> Option<String> {
+    let mut mine: Vec<(f64, u64)> = rec
+        .memory_samples()
+        .into_iter()
+        .filter(|m| m.rank == rank && m.section == section && m.at_us < to_us)
+        .map(|m| (m.at_us, m.device_bytes))
+        .collect();
+    mine.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let bucket = (to_us - from_us).max(1.0) / width as f64;
+    let columns: Vec<u64> = (0..width)
+        .map(|c| {
+            let (lo, hi) = (
+                from_us + c as f64 * bucket,
+                from_us + (c + 1) as f64 * bucket,
+            );
+            let before = mine.iter().rev().find(|m| m.0 <= lo).map(|m| m.1);
+            let during = mine.iter().filter(|m| m.0 > lo && m.0 < hi).map(|m| m.1);
+            before.into_iter().chain(during).max().unwrap_or(0)
+        })
+        .collect();
+    let top = *columns.iter().max()?;
+    if top == 0 {
+        return None;
+    }
+    Some(
+        columns
+            .iter()
+            .map(|&v| {
+                let level = (v as f64 / top as f64 * 9.0).round() as usize;
+                MEMORY_LEVELS[level.min(9)] as char
+            })
+            .collect(),
+    )
 }
 
 /// `HP_TRACE`: where to write a trace, if set and not empty.
@@ -709,4 +850,79 @@ pub fn trace_path_from_env() -> Option<std::path::PathBuf> {
     std::env::var_os("HP_TRACE")
         .filter(|v| !v.is_empty())
         .map(Into::into)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hprt_platform::{CpuBackend, CpuConfig};
+
+    fn traced(markers: bool) -> (TracingPlatform, Arc<Recorder>) {
+        let inner: Arc<dyn Platform> = Arc::new(CpuBackend::new(CpuConfig::default()));
+        let rec = Recorder::new(markers);
+        (
+            TracingPlatform::new(PlatformHandle::from(inner), Arc::clone(&rec)),
+            rec,
+        )
+    }
+
+    /// The device memory in use is a counter track of the rank, per section, beside its stream
+    /// tracks: a sample after each allocation, free and enqueue that changed it, in MiB.
+    #[test]
+    fn the_trace_has_a_device_memory_counter_track() {
+        let (p, rec) = traced(true);
+        set_thread_rank(1);
+        rec.set_section("swap");
+        let s = p.create_stream().unwrap();
+        p.name_stream(&s, Role::D2h, "d2h");
+        let host = p.alloc_pinned(1 << 20).unwrap();
+        let a = p.alloc_device(1 << 20).unwrap();
+        let b = p.alloc_device(2 << 20).unwrap();
+        p.copy_async((&host).into(), 0, (&a).into(), 0, 1 << 20, &s)
+            .unwrap();
+        p.synchronize_stream(&s).unwrap(); // the copy no longer holds `a`
+        p.resize_device(&a, 0).unwrap();
+        drop(b); // seen at the next call
+        p.copy_async((&host).into(), 0, (&host).into(), 1 << 19, 16, &s)
+            .unwrap();
+        p.synchronize_stream(&s).unwrap();
+        let mib: Vec<u64> = rec
+            .memory_samples()
+            .iter()
+            .inspect(|m| assert_eq!((m.rank, m.section.as_str()), (1, "swap")))
+            .map(|m| m.device_bytes >> 20)
+            .collect();
+        assert_eq!(mib, [1, 3, 2, 0], "{:?}", rec.memory_samples());
+        let json = chrome_trace(&rec);
+        let counters: Vec<&Value> = json["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "C")
+            .collect();
+        assert_eq!(counters.len(), 4);
+        for c in &counters {
+            assert_eq!(c["name"], "device memory in use [swap]");
+            assert_eq!(c["pid"], 1);
+            assert!(c["ts"].as_f64().is_some());
+        }
+        let values: Vec<f64> = counters
+            .iter()
+            .map(|c| c["args"]["MiB"].as_f64().unwrap())
+            .collect();
+        assert_eq!(values, [1.0, 3.0, 2.0, 0.0]);
+        // The terminal timeline shows it as a row of levels, highest where 3 MiB were in use.
+        let t = timeline(&rec, 1, "swap", 0.0, rec.now_us(), 40);
+        let row = t.lines().find(|l| l.starts_with("memory")).expect(&t);
+        assert!(row.contains('@'), "{t}");
+        set_thread_rank(0);
+    }
+
+    /// Without markers nothing is sampled (the demo's byte counting stays free).
+    #[test]
+    fn no_memory_samples_without_markers() {
+        let (p, rec) = traced(false);
+        let _a = p.alloc_device(4096).unwrap();
+        assert!(rec.memory_samples().is_empty());
+    }
 }

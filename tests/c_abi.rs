@@ -408,7 +408,10 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
         let (mut s, mut m) = (ptr::null_mut(), ptr::null_mut());
         ok(hprt_stream_create(p, &mut s));
         ok(hprt_swap_manager_create(p, 0, &mut m));
-        ok(hprt_swap_set_compression(m, HprtCompression::HostStage));
+        ok(hprt_swap_set_compression(
+            m,
+            HprtCompression::HostStage as i32,
+        ));
         let mut busy = ptr::null_mut();
         ok(hprt_device_alloc(p, BUSY_BYTES, &mut busy));
         let mut fw = Framework {
@@ -630,7 +633,10 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
         // Keyed: three layers of two tensors; the last layer stays, the others come back.
         let mut k = ptr::null_mut();
         ok(hprt_keyed_create(p, 0, 0, &mut k));
-        ok(hprt_keyed_set_compression(k, HprtCompression::Device));
+        ok(hprt_keyed_set_compression(
+            k,
+            HprtCompression::Device as i32,
+        ));
         let mut layers = [0usize; 3];
         for l in &mut layers {
             ok(hprt_keyed_register_layer(k, c"model.layer.*".as_ptr(), l));
@@ -679,7 +685,7 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
             1,
             1,
             0,
-            HprtCompression::Off,
+            HprtCompression::Off as i32,
             &mut o,
         ));
         ok(hprt_pipeline_init_chunk(o, 1, 0));
@@ -792,7 +798,7 @@ fn tensor_key_manager_and_pipeline_summary_through_the_c_abi() {
             1,
             1,
             0,
-            HprtCompression::Off,
+            HprtCompression::Off as i32,
             &mut o,
         ));
         let names = [c"attn", c"mlp", c"out"];
@@ -858,7 +864,7 @@ fn pipeline_last_layer_prefetch_and_stream_marks_through_the_c_abi() {
             1,
             1,
             0,
-            HprtCompression::Off,
+            HprtCompression::Off as i32,
             &mut o,
         ));
         ok(hprt_pipeline_init_chunk(o, 1, 0));

@@ -268,3 +268,139 @@ fn oversized_meshes_are_invalid_values_not_aborts() {
         ok(hprt_platform_close(p));
     }
 }
+
+/// ISSUE 32 item 14: an integer that is no `HprtCompression` was taken as the enum (undefined
+/// behaviour in Rust; 4, 7, 255 and -1 returned OK). Each entry point refuses it, names it,
+/// and leaves the object as it was.
+#[test]
+fn out_of_range_compression_modes_are_invalid_values() {
+    let p = open_cpu();
+    // SAFETY: every handle is made here, used while live and released once.
+    unsafe {
+        let (mut m, mut k, mut o) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+        ok(hprt_swap_manager_create(p, 0, &mut m));
+        ok(hprt_keyed_create(p, 0, 0, &mut k));
+        for bad in [4, 7, 255, -1, i32::MIN, i32::MAX] {
+            let calls: [(&str, HprtStatus); 3] = [
+                (
+                    "hprt_swap_set_compression",
+                    hprt_swap_set_compression(m, bad),
+                ),
+                (
+                    "hprt_keyed_set_compression",
+                    hprt_keyed_set_compression(k, bad),
+                ),
+                (
+                    "hprt_pipeline_create",
+                    hprt_pipeline_create(p, 0, 2, 0, 0, bad, &mut o),
+                ),
+            ];
+            for (name, status) in calls {
+                assert_eq!(status, HprtStatus::ErrorInvalidValue, "{name}({bad})");
+                let msg = last_error();
+                assert!(
+                    msg.contains(&format!("{bad} is not an HprtCompression")),
+                    "{name}: {msg}"
+                );
+            }
+            assert!(o.is_null(), "no pipeline is made from mode {bad}");
+        }
+        for mode in [
+            HprtCompression::Off,
+            HprtCompression::Device,
+            HprtCompression::HostStage,
+            HprtCompression::Auto,
+        ] {
+            ok(hprt_swap_set_compression(m, mode as i32));
+            ok(hprt_keyed_set_compression(k, mode as i32));
+            ok(hprt_pipeline_create(p, 0, 2, 0, 0, mode as i32, &mut o));
+            ok(hprt_pipeline_destroy(o));
+            o = ptr::null_mut();
+        }
+        ok(hprt_keyed_destroy(k));
+        ok(hprt_swap_manager_destroy(m));
+        ok(hprt_platform_close(p));
+    }
+}
+
+/// ISSUE 32 item 18: a `forward_pre` inside another layer's forward was accepted, and the outer
+/// layer's `forward_post` then failed with "without its forward_pre". The nested call is
+/// refused, saying why, and the outer forward goes on.
+#[test]
+fn a_nested_forward_pre_is_refused_at_once() {
+    let p = open_cpu();
+    // SAFETY: every handle is made here, used while live and released once.
+    unsafe {
+        let (mut m, mut s, mut buf) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+        ok(hprt_swap_manager_create(p, 0, &mut m));
+        ok(hprt_stream_create(p, &mut s));
+        ok(hprt_device_alloc(p, 256, &mut buf));
+        let (mut a, mut b) = (0, 0);
+        ok(hprt_swap_new_layer(m, &mut a));
+        ok(hprt_swap_new_layer(m, &mut b));
+        ok(hprt_swap_forward_pre(m, a));
+        expect(hprt_swap_forward_pre(m, b), HprtStatus::ErrorWrongState);
+        let msg = last_error();
+        assert!(
+            msg.contains(&format!("layer {b} inside the forward of layer {a}"))
+                && msg.contains("do not nest"),
+            "{msg}"
+        );
+        // Layer a's forward is still the open one.
+        let mut r = HprtSavedRef::default();
+        ok(hprt_swap_save(
+            m,
+            buf,
+            0,
+            256,
+            HprtDtype::F32 as i32,
+            &mut r,
+        ));
+        assert_eq!(r.layer, a);
+        ok(hprt_swap_forward_post(m, a, s));
+        ok(hprt_swap_forward_pre(m, b));
+        ok(hprt_swap_forward_post(m, b, s));
+        ok(hprt_swap_manager_destroy(m));
+        ok(hprt_device_free(p, buf));
+        ok(hprt_stream_destroy(p, s));
+        ok(hprt_platform_close(p));
+    }
+}
+
+/// ISSUE 32 item 18: `hprt_swap_save` took a buffer of another platform value; the engine's
+/// copies would fail only at the offload. Refused at the save, naming the storage.
+#[test]
+fn saving_another_platforms_buffer_is_refused_at_the_save() {
+    let (p, q) = (open_cpu(), open_cpu());
+    // SAFETY: every handle is made here, used while live and released once.
+    unsafe {
+        let (mut m, mut foreign) = (ptr::null_mut(), ptr::null_mut());
+        ok(hprt_swap_manager_create(p, 0, &mut m));
+        ok(hprt_device_alloc(q, 256, &mut foreign));
+        let mut layer = 0;
+        ok(hprt_swap_new_layer(m, &mut layer));
+        ok(hprt_swap_forward_pre(m, layer));
+        let mut r = HprtSavedRef::default();
+        let st = hprt_swap_save(m, foreign, 0, 256, HprtDtype::F32 as i32, &mut r);
+        expect(st, HprtStatus::ErrorInvalidHandle);
+        let msg = last_error();
+        assert!(
+            msg.contains("storage") && msg.contains("another platform"),
+            "{msg}"
+        );
+        let st = hprt_swap_add_storage(
+            m,
+            c"g".as_ptr(),
+            foreign,
+            0,
+            256,
+            HprtDtype::F32 as i32,
+            &mut r,
+        );
+        expect(st, HprtStatus::ErrorInvalidHandle);
+        ok(hprt_swap_manager_destroy(m));
+        ok(hprt_device_free(q, foreign));
+        ok(hprt_platform_close(q));
+        ok(hprt_platform_close(p));
+    }
+}

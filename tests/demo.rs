@@ -249,6 +249,48 @@ fn the_trace_has_a_track_per_stream_and_reloads_follow_offloads() -> Result<()> 
         ensure!(t.lines().any(|l| l.starts_with(row)), "no {row} row:\n{t}");
     }
     ensure!(t.contains('3') && t.contains('0'), "no layer digits:\n{t}");
+    ensure!(
+        t.lines().any(|l| l.starts_with("memory")),
+        "no memory row:\n{t}"
+    );
+    // A device-memory counter track per rank and strategy beside the stream tracks, whose
+    // highest value is the strategy's peak device memory (sampled after every allocation), and
+    // lower with swap than without.
+    let mut counter_peak: HashMap<String, f64> = HashMap::new();
+    let mut counter_ranks: HashMap<String, Vec<u64>> = HashMap::new();
+    for e in events.iter().filter(|e| e["ph"] == "C") {
+        let name = e["name"].as_str().context("counter name")?;
+        let section = name
+            .strip_prefix("device memory in use [")
+            .and_then(|n| n.strip_suffix(']'))
+            .with_context(|| format!("counter {name:?}"))?
+            .to_string();
+        let mib = e["args"]["MiB"].as_f64().context("MiB")?;
+        ensure!(e["ts"].as_f64().is_some(), "counter without a time: {e}");
+        let peak = counter_peak.entry(section.clone()).or_insert(0.0);
+        *peak = peak.max(mib);
+        counter_ranks
+            .entry(section)
+            .or_default()
+            .push(e["pid"].as_u64().context("pid")?);
+    }
+    for s in &report.strategies {
+        let name = s.strategy.name();
+        let ranks = counter_ranks.get(name).map(Vec::as_slice).unwrap_or(&[]);
+        for rank in 0..config.ranks as u64 {
+            ensure!(ranks.contains(&rank), "no {name} counter for rank {rank}");
+        }
+        let peak_mib = s.peak_device as f64 / (1 << 20) as f64;
+        let counter = counter_peak[name];
+        ensure!(
+            (counter - peak_mib).abs() <= 0.1 * peak_mib,
+            "{name}: counter peak {counter} MiB, peak device {peak_mib} MiB"
+        );
+    }
+    ensure!(
+        counter_peak["swap"] < counter_peak["baseline"],
+        "swap's counter peak is not below the baseline's: {counter_peak:?}"
+    );
     Ok(())
 }
 

@@ -35,6 +35,7 @@
 //! # Ok::<(), hprt_compress::CompressError>(())
 //! ```
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use hprt_platform::{
@@ -146,6 +147,50 @@ pub trait DeviceCodec: Send + Sync {
         dst: BufRef<'_>,
         stream: &Stream,
     ) -> Result<PendingDecode>;
+    /// Enqueues the encoding of every tensor of `items` (a layer's saved tensors, say), in
+    /// order; one result per item. The CUDA codec codes them with one launch sequence; this
+    /// default queues [`DeviceCodec::encode_async`] per item.
+    fn encode_batch_async(
+        &self,
+        platform: &dyn Platform,
+        items: &[EncodeItem<'_>],
+        stream: &Stream,
+    ) -> Result<Vec<PendingEncode>> {
+        items
+            .iter()
+            .map(|it| self.encode_async(platform, it.src, it.dtype, it.numel, it.scratch, stream))
+            .collect()
+    }
+    /// Enqueues the decoding of every tensor of `items`; as
+    /// [`DeviceCodec::encode_batch_async`].
+    fn decode_batch_async(
+        &self,
+        platform: &dyn Platform,
+        items: &[DecodeItem<'_>],
+        stream: &Stream,
+    ) -> Result<Vec<PendingDecode>> {
+        items
+            .iter()
+            .map(|it| self.decode_async(platform, it.src, it.dst, stream))
+            .collect()
+    }
+}
+
+/// One tensor of [`DeviceCodec::encode_batch_async`]: `numel` elements of `dtype` at `src`,
+/// encoded into `scratch` (at least [`DeviceCodec::max_encoded_len`] bytes).
+#[derive(Clone, Copy, Debug)]
+pub struct EncodeItem<'a> {
+    pub src: BufRef<'a>,
+    pub dtype: CodecDType,
+    pub numel: usize,
+    pub scratch: &'a DeviceBuffer,
+}
+
+/// One tensor of [`DeviceCodec::decode_batch_async`]: `src` decoded into `dst`.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeItem<'a> {
+    pub src: &'a CompressedTensor,
+    pub dst: BufRef<'a>,
 }
 
 impl std::fmt::Debug for dyn DeviceCodec {
@@ -174,11 +219,42 @@ fn take_slot<T>(slot: &Slot<T>, what: &str) -> Result<T> {
     })
 }
 
-/// Where a queued operation leaves its result: the slot a host step fills, or a little-endian
-/// word that device kernels computed and the stream copied into pinned memory.
+/// Where a queued operation leaves its result: the slot a host step fills, or little-endian
+/// words that device kernels computed and the stream copied into pinned memory.
 enum Outcome<T> {
     Host(Slot<T>),
-    Device(PinnedBuffer),
+    /// Word `index` of `words` (or a value known when queued, still ready only after `done`).
+    Device {
+        words: Arc<DeviceWords>,
+        index: usize,
+        known: Option<u64>,
+    },
+}
+
+/// Result words a device codec's launch sequence leaves in pinned memory (one u64 per tensor
+/// of its batch at `at`), shared by the batch's pending operations; `_lease` gives the pinned
+/// slot back to the codec when the last of them is gone.
+pub(crate) struct DeviceWords {
+    pub(crate) words: PinnedBuffer,
+    pub(crate) at: usize,
+    pub(crate) waited: AtomicBool,
+    pub(crate) _lease: Box<dyn Send + Sync>,
+}
+
+impl DeviceWords {
+    /// Word `index`, once `done` (recorded after the copy that brings the words) completed:
+    /// one event wait for the whole batch.
+    fn word(&self, platform: &dyn Platform, done: &Event, index: usize) -> Result<u64> {
+        if !self.waited.load(Ordering::Acquire) {
+            platform.synchronize_event(done)?;
+            self.waited.store(true, Ordering::Release);
+        }
+        let mut b = [0u8; 8];
+        // SAFETY: the event is recorded after the copy into these bytes and completed; no
+        // later copy writes them while the lease (held by `self`) keeps the slot.
+        unsafe { self.words.read_unsynchronized(self.at + 8 * index, &mut b) }?;
+        Ok(u64::from_le_bytes(b))
+    }
 }
 
 /// Buffers a queued operation uses, held until the stream passed them (dropping device memory
@@ -200,38 +276,48 @@ pub struct PendingEncode {
 }
 
 impl PendingEncode {
-    /// An encoding whose length the device writes as a u64 into `len` (pinned), in stream
-    /// order before `done`.
+    /// An encoding whose length the device writes as word `index` of `words`, in stream
+    /// order before `done` (or `known` when queued).
     pub(crate) fn from_device(
         scratch: &DeviceBuffer,
         done: Event,
-        len: PinnedBuffer,
+        words: Arc<DeviceWords>,
+        index: usize,
+        known: Option<usize>,
         dtype: CodecDType,
         numel: usize,
-        device: Vec<DeviceBuffer>,
     ) -> Self {
         PendingEncode {
             scratch: scratch.clone(),
             done,
-            len: Outcome::Device(len),
+            len: Outcome::Device {
+                words,
+                index,
+                known: known.map(|n| n as u64),
+            },
             dtype,
             numel,
             _held: Held {
                 _pinned: Vec::new(),
-                _device: device,
+                _device: Vec::new(),
             },
         }
     }
 
     /// Waits for the encoding (only it, not the rest of the stream) and returns its length.
     pub fn wait_len(&self, platform: &dyn Platform) -> Result<usize> {
-        platform.synchronize_event(&self.done)?;
         let slot = match &self.len {
-            Outcome::Host(slot) => slot,
-            Outcome::Device(word) => {
-                let mut b = [0u8; 8];
-                word.read(0, &mut b)?;
-                let len = u64::from_le_bytes(b) as usize;
+            Outcome::Host(slot) => {
+                platform.synchronize_event(&self.done)?;
+                slot
+            }
+            Outcome::Device {
+                words,
+                index,
+                known,
+            } => {
+                let word = words.word(platform, &self.done, *index)?;
+                let len = known.unwrap_or(word) as usize;
                 if len > self.scratch.len() {
                     return Err(CompressError::InvalidState(format!(
                         "the device encoder reports {len} bytes in a {}-byte scratch buffer",
@@ -293,32 +379,33 @@ pub struct PendingDecode {
 }
 
 impl PendingDecode {
-    /// A decoding whose kernels leave a status word (u32, 0 = fine, else
-    /// [`crate::codec::cuda::status_message`]) in `status` (pinned) before `done`.
-    pub(crate) fn from_device(
-        done: Event,
-        status: PinnedBuffer,
-        device: Vec<DeviceBuffer>,
-    ) -> Self {
+    /// A decoding whose kernels leave a status word (0 = fine, else
+    /// [`crate::codec::cuda::status_message`]) as word `index` of `words` before `done`.
+    pub(crate) fn from_device(done: Event, words: Arc<DeviceWords>, index: usize) -> Self {
         PendingDecode {
             done,
-            result: Outcome::Device(status),
+            result: Outcome::Device {
+                words,
+                index,
+                known: None,
+            },
             _held: Held {
                 _pinned: Vec::new(),
-                _device: device,
+                _device: Vec::new(),
             },
         }
     }
 
     /// Waits for the decoding and reports a corrupt input.
     pub fn finish(self, platform: &dyn Platform) -> Result<()> {
-        platform.synchronize_event(&self.done)?;
         match &self.result {
-            Outcome::Host(slot) => take_slot(slot, "decode"),
-            Outcome::Device(word) => {
-                let mut b = [0u8; 4];
-                word.read(0, &mut b)?;
-                crate::codec::cuda::status_result(u32::from_le_bytes(b))
+            Outcome::Host(slot) => {
+                platform.synchronize_event(&self.done)?;
+                take_slot(slot, "decode")
+            }
+            Outcome::Device { words, index, .. } => {
+                let word = words.word(platform, &self.done, *index)?;
+                crate::codec::cuda::status_result(word as u32)
             }
         }
     }

@@ -91,13 +91,11 @@ fn cuda_kernels_write_the_cpu_codec_bytes_on_the_cuda_emulator() {
         &EncodeOptions::default(),
         "cuda kernels",
     );
-    let small = CudaCodec {
-        encode: EncodeOptions {
-            chunk_elems: 1024,
-            prob_bits: 11,
-            ..Default::default()
-        },
-    };
+    let small = CudaCodec::new(EncodeOptions {
+        chunk_elems: 1024,
+        prob_bits: 11,
+        ..Default::default()
+    });
     encodes_the_cpu_codec_bytes_and_decodes_bit_exact(&p, &small, &small.encode, "small blocks");
 }
 
@@ -174,8 +172,14 @@ fn a_failed_codec_kernel_launch_is_a_typed_error_without_leaks_on_the_cuda_emula
     round_trip().unwrap();
     p.synchronize_stream(&s).unwrap();
     let baseline = p.memory_stats();
-    // Six launches encode (the third places blocks' payloads), three decode.
-    for spec in ["cuLaunchKernel:3:701", "cuLaunchKernel:8:701"] {
+    // Three launches encode (the second codes the blocks, after the first counted symbols
+    // and checksum terms into counters that the failed sequence leaves non-zero), one decodes.
+    for spec in [
+        "cuLaunchKernel:1:701",
+        "cuLaunchKernel:2:701",
+        "cuLaunchKernel:3:701",
+        "cuLaunchKernel:4:701",
+    ] {
         control.faults(spec);
         let err = round_trip().unwrap_err();
         control.faults("");
@@ -198,18 +202,209 @@ fn a_failed_codec_kernel_launch_is_a_typed_error_without_leaks_on_the_cuda_emula
     }
 }
 
+/// The CUDA emulator's per-function driver call counts (`hprtEmuCallCount`).
+struct DriverCalls(libloading::Library);
+
+impl DriverCalls {
+    fn open() -> Self {
+        let path = hprt_conformance::cuda_emulator::library_path();
+        // SAFETY: the emulator library, already loaded by the backend.
+        DriverCalls(unsafe { libloading::Library::new(path) }.unwrap())
+    }
+    fn reset(&self) {
+        // SAFETY: the emulator's export, `void(void)`.
+        unsafe {
+            self.0
+                .get::<unsafe extern "C" fn()>(b"hprtEmuResetCallCounts\0")
+                .unwrap()()
+        }
+    }
+    /// The calls of each function of interest since the last reset.
+    fn counts(&self) -> std::collections::BTreeMap<&'static str, u64> {
+        // SAFETY: the emulator's export, `u64(const char*)`.
+        let f = unsafe {
+            self.0
+                .get::<unsafe extern "C" fn(*const std::ffi::c_char) -> u64>(b"hprtEmuCallCount\0")
+                .unwrap()
+        };
+        [
+            "cuLaunchKernel",
+            "cuMemAlloc_v2",
+            "cuMemHostAlloc",
+            "cuMemFree_v2",
+            "cuMemFreeHost",
+            "cuMemsetD8Async",
+            "cuMemcpyAsync",
+            "cuEventCreate",
+            "cuStreamSynchronize",
+            "cuEventSynchronize",
+            "cuCtxSynchronize",
+            "cuStreamQuery",
+            "cuLaunchHostFunc",
+        ]
+        .into_iter()
+        .map(|name| {
+            let c = std::ffi::CString::new(name).unwrap();
+            // SAFETY: a NUL-terminated name.
+            (name, unsafe { f(c.as_ptr()) })
+        })
+        .collect()
+    }
+}
+
+/// The work model of the CUDA codec, counted at the driver on the emulator after a warm-up
+/// call: an encode queues three kernel launches, a decode one, each with one upload of its
+/// descriptors and one read-back of its result words, and neither allocates, frees, fills
+/// memory or waits on the host; the host waits once (for one event) when it asks for the
+/// length or the status, and once for a whole batch, whose encode is still three launches.
+#[test]
+fn cuda_codec_work_model_on_the_cuda_emulator() {
+    use hprt_compress::device::{DecodeItem, EncodeItem};
+    let (_serial, p) = cuda_emulator();
+    let calls = DriverCalls::open();
+    let s = p.create_stream().unwrap();
+    let codec = CudaCodec::new(EncodeOptions {
+        chunk_elems: 4096,
+        ..Default::default()
+    });
+    let n = 40_000;
+    let tensors: Vec<_> = (0..4)
+        .map(|i| {
+            upload(
+                p.as_ref(),
+                &s,
+                &codec,
+                DataKind::Gelu,
+                n - 1000 * i,
+                i as u64,
+            )
+        })
+        .collect();
+    let dsts: Vec<_> = tensors
+        .iter()
+        .map(|(d, _, _)| p.alloc_device(d.len()).unwrap())
+        .collect();
+    let expect = |counts: std::collections::BTreeMap<&'static str, u64>,
+                  launches: u64,
+                  waits: u64,
+                  what: &str| {
+        let mut want: std::collections::BTreeMap<&'static str, u64> =
+            counts.keys().map(|k| (*k, 0)).collect();
+        want.insert("cuLaunchKernel", launches);
+        want.insert("cuMemcpyAsync", if launches > 0 { 2 } else { 0 });
+        want.insert("cuEventSynchronize", waits);
+        assert_eq!(counts, want, "{what}");
+    };
+    let round = |check: bool| {
+        let (data, src, scratch) = &tensors[0];
+        let numel = data.len() / 2;
+        calls.reset();
+        let pending = codec
+            .encode_async(p.as_ref(), src.at(0), CodecDType::BF16, numel, scratch, &s)
+            .unwrap();
+        if check {
+            expect(calls.counts(), 3, 0, "encode_async");
+        }
+        calls.reset();
+        let ct = pending.finish_in_place(p.as_ref()).unwrap();
+        if check {
+            expect(calls.counts(), 0, 1, "the encoding's length");
+        }
+        calls.reset();
+        let pending = codec
+            .decode_async(p.as_ref(), &ct, dsts[0].at(0), &s)
+            .unwrap();
+        if check {
+            expect(calls.counts(), 1, 0, "decode_async");
+        }
+        calls.reset();
+        pending.finish(p.as_ref()).unwrap();
+        if check {
+            expect(calls.counts(), 0, 1, "the decoder's status");
+        }
+    };
+    let batch = |check: bool| {
+        let items: Vec<EncodeItem<'_>> = tensors
+            .iter()
+            .map(|(d, src, scratch)| EncodeItem {
+                src: src.at(0),
+                dtype: CodecDType::BF16,
+                numel: d.len() / 2,
+                scratch,
+            })
+            .collect();
+        calls.reset();
+        let pending = codec.encode_batch_async(p.as_ref(), &items, &s).unwrap();
+        if check {
+            expect(calls.counts(), 3, 0, "encode_batch_async of 4");
+        }
+        calls.reset();
+        let cts: Vec<CompressedTensor> = pending
+            .into_iter()
+            .map(|e| e.finish_in_place(p.as_ref()).unwrap())
+            .collect();
+        if check {
+            expect(calls.counts(), 0, 1, "four lengths");
+        }
+        let items: Vec<DecodeItem<'_>> = cts
+            .iter()
+            .zip(&dsts)
+            .map(|(src, dst)| DecodeItem {
+                src,
+                dst: dst.at(0),
+            })
+            .collect();
+        calls.reset();
+        let pending = codec.decode_batch_async(p.as_ref(), &items, &s).unwrap();
+        if check {
+            expect(calls.counts(), 1, 0, "decode_batch_async of 4");
+        }
+        calls.reset();
+        for d in pending {
+            d.finish(p.as_ref()).unwrap();
+        }
+        if check {
+            expect(calls.counts(), 0, 1, "four statuses");
+        }
+        for ((data, _, _), dst) in tensors.iter().zip(&dsts) {
+            let mut back = vec![0u8; data.len()];
+            p.read_device_sync(dst, 0, &mut back, &s).unwrap();
+            assert!(back == *data, "a batch-decoded tensor differs");
+        }
+        for ((data, _, _), ct) in tensors.iter().zip(&cts) {
+            let mut bytes = vec![0u8; ct.byte_len()];
+            p.read_device_sync(ct.device_buffer(), 0, &mut bytes, &s)
+                .unwrap();
+            assert!(bytes == codec::encode(CodecDType::BF16, data, &codec.encode).unwrap());
+        }
+    };
+    // Warm-up: the workspace and the pinned slot are allocated (grown for the batch) here.
+    round(false);
+    batch(false);
+    let ws = codec.workspace_bytes();
+    for _ in 0..2 {
+        round(true);
+        batch(true);
+    }
+    assert_eq!(
+        codec.workspace_bytes(),
+        ws,
+        "the workspace grew after warm-up"
+    );
+    codec.release_workspaces();
+    assert_eq!(codec.workspace_bytes(), 0);
+}
+
 /// What the CUDA decoder refuses: flipped bytes anywhere (header, table, index, payload), a
 /// truncated encoding, another tensor's shape, and version 1 (which only the CPU codec reads).
 #[test]
 fn cuda_kernels_refuse_corrupt_and_foreign_input_on_the_cuda_emulator() {
     let (_serial, p) = cuda_emulator();
     let s = p.create_stream().unwrap();
-    let codec = CudaCodec {
-        encode: EncodeOptions {
-            chunk_elems: 256,
-            ..Default::default()
-        },
-    };
+    let codec = CudaCodec::new(EncodeOptions {
+        chunk_elems: 256,
+        ..Default::default()
+    });
     let n = 3_000;
     let data = generate(DataKind::Gelu, CodecDType::BF16, n, 5);
     let good = codec::encode(CodecDType::BF16, &data, &codec.encode).unwrap();

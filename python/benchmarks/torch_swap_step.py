@@ -7,7 +7,28 @@
 
     python python/benchmarks/torch_swap_step.py [--layers 16] [--dim 256] [--seq 128] [--steps 2]
         [--rounds 3] [--threads N] [--modes swap,keyed] [--no-hook-cost] [--device cuda]
-        [--dtype bf16] [--paired N]
+        [--dtype bf16] [--paired N] [--heads H | --head-dim 128] [--model llama]
+        [--no-memory] [--trace trace.json]
+
+The model is the benchmark's own pre-norm transformer block (``nn.MultiheadAttention`` with
+``--heads`` heads, by default ``dim / --head-dim`` with a head dim of 128, and a 4x GELU MLP),
+or with ``--model llama`` a transformers ``LlamaModel`` built from a small ``LlamaConfig`` of the
+same shape (``--ffn``, default 8/3 of the dim; ``--vocab``), loss = mean square of its output.
+
+Memory, per mode, from one extra untimed step with hooks at every layer (``--no-memory`` skips
+it): the torch peak (CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps; cpu: the
+process's resident-set high water over that step, above its start, via ``/proc/self/clear_refs``),
+the device's true peak (CUDA: total memory minus the low water of ``torch.cuda.mem_get_info``,
+sampled at every layer boundary, so hprt's own allocations, torch's cache and the context count;
+cpu: the hprt platform's device-memory high water, ``memory_stats()["device_peak"]``), hprt's
+``stats()["device_peak"]`` (torch memory hprt keeps referenced) and the platform's own
+``device_peak``. Then a per-layer timeline: live bytes at each layer's forward end and backward
+start (CUDA: ``torch.cuda.memory_allocated``; cpu: the resident set above the step's start), and
+on CUDA torch's memory history of that step (``torch.cuda.memory._record_memory_history``, each
+allocation tagged with its layer and phase through ``_set_memory_metadata``) replayed: the peak
+of live bytes within each layer's forward and backward, where the step's peak falls and which
+Python frames allocated what was alive there. ``--trace`` writes the same as a Chrome / Perfetto
+trace (one process per mode: a track of layer spans and memory counter tracks).
 
 ``--paired N`` measures layer-group swap (``mode="swap"``) and the no-swap ``keep`` mode against
 plain torch in ``N`` rounds of single steps, one of each per round (plain torch, torch's
@@ -26,6 +47,9 @@ timed between device synchronizations, torch's ``save_on_cpu(pin_memory=True)`` 
 offload, and each mode's ``torch.cuda.max_memory_allocated`` during its steps."""
 
 import argparse
+import collections
+import json
+import os
 import random
 import statistics
 import time
@@ -54,12 +78,61 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, args):
         super().__init__()
-        self.layers = nn.ModuleList(Block(args.dim, 4) for _ in range(args.layers))
+        self.layers = nn.ModuleList(Block(args.dim, args.heads) for _ in range(args.layers))
 
     def forward(self, x):
         for layer in self.layers:
             x = layer(x)
         return x.square().mean()
+
+
+def resolve_heads(args):
+    """``--heads``, else ``dim / --head-dim`` (at least one head); the dim must divide."""
+    if args.heads is None:
+        args.heads = max(1, args.dim // args.head_dim)
+    if args.heads < 1 or args.dim % args.heads:
+        raise SystemExit(f"--dim {args.dim} does not split into {args.heads} heads")
+    args.head_dim = args.dim // args.heads
+    if args.ffn is None:
+        args.ffn = max(64, round(args.dim * 8 / 3 / 64) * 64)
+    return args
+
+
+def llama(args):
+    """A transformers ``LlamaModel`` of the benchmark's shape, from a ``LlamaConfig``."""
+    from transformers import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=args.ffn,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.heads, max_position_embeddings=max(args.seq, 128),
+                      attn_implementation="sdpa")
+    return LlamaModel(cfg)
+
+
+def build(args):
+    """The model on the device in the dtype, and a step (gradients cleared, forward, backward)."""
+    torch.manual_seed(0)
+    dtype = DTYPES[args.dtype]
+    if args.model == "llama":
+        model = llama(args).to(args.device, dtype)
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
+
+        def forward():
+            out = model(input_ids=ids, use_cache=False).last_hidden_state
+            return out.float().square().mean()
+    else:
+        model = Transformer(args).to(args.device, dtype)
+        x = torch.randn(args.batch, args.seq, args.dim, device=args.device, dtype=dtype)
+
+        def forward():
+            return model(x)
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        forward().backward()
+
+    return model, step
 
 
 MODES = {
@@ -95,68 +168,248 @@ def platform_for(args, device_memory):
     return hprt.cpu_platform(device_memory=device_memory) if args.device == "cpu" else hprt.get_platform()
 
 
-def interleaved(model, run, args, platform, min_bytes):
+MIB = float(1 << 20)
+
+
+def _proc_status(field):
+    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``), or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_rss_high_water():
+    """Restarts ``VmHWM`` from the current resident set (Linux 4.0+); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _set_alloc_tag(tag):
+    """Tags this thread's next CUDA allocations in torch's memory history (torch 2.6+)."""
+    setter = getattr(torch.cuda.memory, "_set_memory_metadata", None)
+    if setter is not None:
+        setter(tag)
+
+
+def _tag_autograd_thread(tag):
+    """Sets the tag on the thread autograd runs CUDA backward on (a persistent thread per
+    device), through a one-element backward whose gradient hook runs there: allocations of the
+    backward before the last layer's first hook get this tag, not the last step's."""
+    try:
+        a = torch.zeros(1, device="cuda", requires_grad=True)
+        b = a * 1
+        b.register_hook(lambda g: _set_alloc_tag(tag))
+        b.sum().backward()
+    except (RuntimeError, AssertionError):  # no CUDA device or build (the stubbed test)
+        pass
+
+
+def _frame_key(frames):
+    """The innermost Python frame outside torch's own package, as ``name (file:line)``."""
+    for f in frames or ():
+        name = f.get("filename", "")
+        if name and "/torch/" not in name and not name.startswith("<") and name != "??":
+            return f"{f.get('name', '?')} ({os.path.basename(name)}:{f.get('line', 0)})"
+    return "(no Python frame)"
+
+
+def replay_history(trace, start_bytes=0, top=3):
+    """Replays one device's trace of torch's memory history (``_snapshot()["device_traces"]``):
+    live bytes after every ``alloc`` and ``free_completed``, starting from ``start_bytes``
+    allocated before the recording (their frees count down from it). Returns the peak of live
+    bytes per tag (``user_metadata``: the layer and phase, in order of first appearance), the
+    step's peak (bytes, its tag) and the ``top`` frames by bytes alive at that peak."""
+    live, total, per_tag = {}, start_bytes, {}
+    peak, peak_at, peak_tag = start_bytes, -1, ""
+    for i, e in enumerate(trace):
+        action = e.get("action")
+        if action == "alloc":
+            live[e["addr"]] = (e["size"], _frame_key(e.get("frames")))
+            total += e["size"]
+        elif action == "free_completed":
+            block = live.pop(e["addr"], None)
+            total -= block[0] if block else e["size"]
+        else:
+            continue
+        tag = e.get("user_metadata") or ""
+        per_tag[tag] = max(per_tag.get(tag, 0), total)
+        if total > peak:
+            peak, peak_at, peak_tag = total, i, tag
+    # What was alive at the peak, by the frame that allocated it (a second pass to that point).
+    live = {}
+    for e in trace[:peak_at + 1]:
+        if e.get("action") == "alloc":
+            live[e["addr"]] = (e["size"], _frame_key(e.get("frames")))
+        elif e.get("action") == "free_completed":
+            live.pop(e["addr"], None)
+    by_frame = collections.Counter()
+    for size, key in live.values():
+        by_frame[key] += size
+    return per_tag, (peak, peak_tag), by_frame.most_common(top)
+
+
+class MemoryProbe:
+    """One untimed step with hooks at every layer: a sample of memory at each layer's forward
+    end and backward start (its output's gradient hook), and on CUDA torch's memory history of
+    the step with every allocation tagged by its layer and phase."""
+
+    def __init__(self, args, platform, layers):
+        self.cuda = args.device == "cuda"
+        self.platform, self.layers = platform, layers
+        self.history = self.cuda and not args.no_history
+        self.samples = []  # (label, seconds, {series: bytes})
+        self.rss0 = None
+
+    def _sample(self, label):
+        if self.cuda:
+            free, total = torch.cuda.mem_get_info()
+            values = {"torch allocated": torch.cuda.memory_allocated(),
+                      "device used": total - free}
+        else:
+            rss = _proc_status("VmRSS")
+            values = {"platform device": self.platform.memory_stats()["device_current"]}
+            if rss is not None and self.rss0 is not None:
+                values["resident set above step start"] = rss - self.rss0
+        self.samples.append((label, time.perf_counter(), values))
+
+    def _hooks(self):
+        handles = []
+        for i, layer in enumerate(self.layers):
+            def pre(_module, _args, i=i):
+                if self.history:
+                    _set_alloc_tag(f"L{i} fwd")
+
+            def post(_module, _args, out, i=i):
+                self._sample(f"L{i} fwd")
+                t = out[0] if isinstance(out, (tuple, list)) else out
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    def grad(g, i=i):
+                        if self.history:
+                            _set_alloc_tag(f"L{i} bwd")
+                        self._sample(f"L{i} bwd")
+                    t.register_hook(grad)
+                if self.history and i == len(self.layers) - 1:
+                    _set_alloc_tag("loss")
+
+            handles.append(layer.register_forward_pre_hook(pre))
+            handles.append(layer.register_forward_hook(post))
+        return handles
+
+    def run(self, fn, handle=None):
+        """Runs ``fn`` once; returns the memory figures of the step (see the module docs)."""
+        self.samples = []
+        sync_all(self.cuda)
+        if self.cuda:
+            torch.cuda.empty_cache()  # the true peak starts from what is in use
+            torch.cuda.reset_peak_memory_stats()
+        self.rss0 = _proc_status("VmRSS")
+        rss_reset = not self.cuda and _reset_rss_high_water()
+        self.platform.reset_peak_memory()
+        if handle is not None and hasattr(handle, "runtime"):
+            handle.runtime.reset_peak()
+        start_alloc = torch.cuda.memory_allocated() if self.cuda else 0
+        if self.history:
+            _tag_autograd_thread("loss bwd")
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        hooks = self._hooks()
+        try:
+            self._sample("start")
+            fn()
+            sync_all(self.cuda)
+            self._sample("end")
+        finally:
+            for h in hooks:
+                h.remove()
+            if self.history:
+                _set_alloc_tag("")
+        out = {"samples": self.samples,
+               "platform_peak": self.platform.memory_stats()["device_peak"]}
+        if self.history:
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            dev = torch.cuda.current_device()
+            out["history"] = replay_history(snap["device_traces"][dev], start_alloc)
+        if self.cuda:
+            out["torch_peak"] = torch.cuda.max_memory_allocated()
+            out["device_peak"] = max(v["device used"] for _, _, v in self.samples)
+        else:
+            hwm = _proc_status("VmHWM")
+            out["torch_peak"] = (hwm - self.rss0 if rss_reset and hwm is not None
+                                 and self.rss0 is not None else None)
+            out["device_peak"] = out["platform_peak"]
+        if handle is not None:
+            out["hprt_peak"] = handle.stats().get("device_peak")
+        return out
+
+
+def sync_all(cuda):
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def interleaved(model, run, args, platform, min_bytes, layers=None):
     """Per mode: the median step over ``args.rounds`` rounds that visit every mode in turn, the
     median over rounds of its ratio to plain torch's median step in the same round (a load
-    change on the machine between rounds cancels out), and the last round's statistics."""
-    times, ratios, stats, peaks = {}, {}, {}, {}
+    change on the machine between rounds cancels out), and the last round's statistics; with
+    ``layers``, the memory figures of one more step per mode after the last round's timing."""
+    times, ratios, stats, peaks, memory = {}, {}, {}, {}, {}
     cuda = args.device == "cuda"
+    probe = MemoryProbe(args, platform, layers) if layers is not None else None
 
     def on_cpu():
         with torch.autograd.graph.save_on_cpu(pin_memory=cuda):
             run()
 
-    def measure(name, fn):
+    def measure(name, fn, last, handle=None):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t = timed(fn, args.steps, args.device)
         if cuda:
             peaks[name] = torch.cuda.max_memory_allocated()
         times.setdefault(name, []).extend(t)
+        if probe is not None and last:
+            memory[name] = probe.run(fn, handle)
         return statistics.median(t)
 
-    for _ in range(args.rounds):
-        plain = measure("plain torch", run)
+    for r in range(args.rounds):
+        last = r == args.rounds - 1
+        plain = measure("plain torch", run, last)
         ratios.setdefault("plain torch", []).append(1.0)
-        ratios.setdefault("torch save_on_cpu", []).append(measure("torch save_on_cpu", on_cpu) / plain)
+        ratios.setdefault("torch save_on_cpu", []).append(
+            measure("torch save_on_cpu", on_cpu, last) / plain)
         for name, kw in MODES.items():
             if args.modes and kw["mode"] not in args.modes:
                 continue
             if cuda and kw["mode"] in ("compress", "managed_compress"):
                 continue  # host compression of CPU tensors: refused on an accelerator
             with ht.attach(model, platform=platform, min_bytes=min_bytes, **kw) as h:
-                ratios.setdefault(name, []).append(measure(name, run) / plain)
+                ratios.setdefault(name, []).append(measure(name, run, last, h) / plain)
                 stats[name] = h.stats()
     return [(name, statistics.median(t), statistics.median(ratios[name]), stats.get(name),
-             peaks.get(name)) for name, t in times.items()]
+             peaks.get(name), memory.get(name)) for name, t in times.items()]
 
 
 def step_times(args):
-    torch.manual_seed(0)
-    model = Transformer(args).to(args.device, DTYPES[args.dtype])
-    x = torch.randn(args.batch, args.seq, args.dim, device=args.device, dtype=DTYPES[args.dtype])
-
-    def step():
-        for p in model.parameters():
-            p.grad = None
-        model(x).backward()
-
-    return interleaved(model, step, args, platform_for(args, 4 << 30), args.min_bytes)
+    model, step = build(args)
+    layers = None if args.no_memory else ht.find_layers(model)
+    return interleaved(model, step, args, platform_for(args, 4 << 30), args.min_bytes, layers)
 
 
 def paired(args):
     """Per round, one step each of plain torch, ``save_on_cpu``, keep and layer-group swap, in
     an order rotated every round (see the module docs); returns each mode's median step and
     its per-round ratios to the plain step of the round."""
-    torch.manual_seed(0)
-    model = Transformer(args).to(args.device, DTYPES[args.dtype])
-    x = torch.randn(args.batch, args.seq, args.dim, device=args.device, dtype=DTYPES[args.dtype])
+    model, step = build(args)
     rt = ht.Runtime(platform_for(args, 4 << 30))
-
-    def step():
-        for p in model.parameters():
-            p.grad = None
-        model(x).backward()
 
     def on_cpu():
         with torch.autograd.graph.save_on_cpu(pin_memory=args.device == "cuda"):
@@ -241,6 +494,104 @@ def hook_cost(args):
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
+def _mib(v):
+    return "-" if v is None else f"{v / MIB:.0f}"
+
+
+def print_rows(args, rows):
+    """The step table with the memory columns, then each mode's per-layer timeline."""
+    cuda = args.device == "cuda"
+    print("| mode | step (ms, median) | vs plain torch (median of rounds) | offloaded MiB per step "
+          "| compressed tensors per step | torch peak MiB | device peak MiB | hprt device_peak MiB "
+          "| platform device_peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    per_attach = args.steps + 1 + (0 if args.no_memory else 1)  # warm-up (and memory step)
+    for name, t, ratio, st, peak, mem in rows:
+        mem = mem or {}
+        off = "-" if st is None else f"{st['offloaded_bytes'] / MIB / per_attach:.1f}"
+        comp = "-" if st is None else st["compressed_tensors"] // per_attach
+        torch_peak = peak if cuda else mem.get("torch_peak")
+        print(f"| {name} | {t * 1e3:.1f} | {ratio:.3f} | {off} | {comp} | {_mib(torch_peak)} "
+              f"| {_mib(mem.get('device_peak'))} | {_mib(mem.get('hprt_peak'))} "
+              f"| {_mib(mem.get('platform_peak'))} |")
+    if args.no_memory:
+        return
+    if cuda:
+        print("\ntorch peak: torch.cuda.max_memory_allocated over the timed steps; device peak: "
+              "total minus the low water of torch.cuda.mem_get_info over one more step, sampled "
+              "at every layer boundary (hprt's allocations, torch's cache and the CUDA context "
+              "included); hprt device_peak: torch memory hprt kept referenced (stats()); platform "
+              "device_peak: hprt's own device allocations.")
+    else:
+        print("\ntorch peak: the process's resident-set high water over one more step, above its "
+              "start (/proc/self/clear_refs; CPU tensors have no allocator statistics); device "
+              "peak: the hprt cpu platform's device-memory high water (memory_stats()); hprt "
+              "device_peak: torch memory hprt kept referenced (stats()).")
+    series = "torch allocated" if cuda else "resident set above step start"
+    print(f"\nPer-layer timeline ({series}, MiB, at each layer's forward end, then at each "
+          "layer's backward start):")
+    for name, *_, mem in rows:
+        if not mem:
+            continue
+        print(f"  {name}:")
+        for line in timeline_lines(mem["samples"], series):
+            print(f"    {line}")
+        if "history" in mem:
+            for line in history_lines(mem["history"]):
+                print(f"    {line}")
+
+
+def timeline_lines(samples, series):
+    """Compact rows of one step's samples: forward ends in layer order, backward starts in the
+    order backward reached them."""
+    fwd = [f"{v[series] / MIB:.1f}" for label, _, v in samples
+           if label.endswith(" fwd") and series in v]
+    bwd = [f"{label.split()[0]}:{v[series] / MIB:.1f}" for label, _, v in samples
+           if label.endswith(" bwd") and series in v]
+    return [f"fwd  {' '.join(fwd) or '-'}", f"bwd  {' '.join(bwd) or '-'}"]
+
+
+def history_lines(history):
+    """The replayed memory history: peak per layer phase, the step's peak and what was alive."""
+    per_tag, (peak, peak_tag), top = history
+    fwd = [f"{t.split()[0]}:{v / MIB:.0f}" for t, v in per_tag.items() if t.endswith(" fwd")]
+    bwd = [f"{t.split()[0]}:{v / MIB:.0f}" for t, v in per_tag.items() if t.endswith(" bwd")]
+    alive = ", ".join(f"{v / MIB:.0f} MiB {k}" for k, v in top) or "-"
+    return [f"history peak per layer, fwd  {' '.join(fwd) or '-'}",
+            f"history peak per layer, bwd  {' '.join(bwd) or '-'}",
+            f"step peak {peak / MIB:.0f} MiB during {peak_tag or 'untagged work'}; "
+            f"alive there by allocating frame: {alive}"]
+
+
+def trace_events(rows):
+    """Chrome trace events: a process per mode, with a track of layer phases (from one sample
+    to the next) and a counter track per memory series."""
+    events = []
+    t0 = min((mem["samples"][0][1] for *_, mem in rows if mem and mem["samples"]), default=0.0)
+    for pid, (name, *_, mem) in enumerate(rows):
+        if not mem:
+            continue
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"name": name}})
+        events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": 1,
+                       "args": {"name": "layers"}})
+        samples = mem["samples"]
+        for (label, t, values), (_, t_next, _) in zip(samples, samples[1:] + samples[-1:]):
+            us = (t - t0) * 1e6
+            if label not in ("start", "end"):
+                events.append({"name": label, "ph": "X", "pid": pid, "tid": 1, "ts": us,
+                               "dur": max(0.0, (t_next - t) * 1e6), "cat": "layer"})
+            for series, v in values.items():
+                events.append({"name": f"{series} (MiB)", "ph": "C", "pid": pid, "ts": us,
+                               "args": {"MiB": v / MIB}})
+    return events
+
+
+def write_trace(path, rows):
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace_events(rows), "displayTimeUnit": "ms"}, f)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
@@ -264,26 +615,38 @@ def main():
     ap.add_argument("--paired", type=int, default=0, metavar="N",
                     help="only layer-group swap and keep against plain torch, in N rounds of "
                          "single steps taken in turn (see the module docs)")
-    args = ap.parse_args()
+    ap.add_argument("--heads", type=int, default=None,
+                    help="attention heads (default: dim / --head-dim)")
+    ap.add_argument("--head-dim", type=int, default=128,
+                    help="head dim when --heads is not given (default 128, as Llama's)")
+    ap.add_argument("--model", choices=["transformer", "llama"], default="transformer",
+                    help="llama: a transformers LlamaModel built from a LlamaConfig")
+    ap.add_argument("--ffn", type=int, default=None,
+                    help="--model llama's intermediate size (default 8/3 of the dim, in 64s)")
+    ap.add_argument("--vocab", type=int, default=1024, help="--model llama's vocabulary")
+    ap.add_argument("--no-memory", action="store_true",
+                    help="skip the memory step (columns and timeline)")
+    ap.add_argument("--no-history", action="store_true",
+                    help="CUDA: no torch memory history in the memory step")
+    ap.add_argument("--trace", default=None, metavar="PATH",
+                    help="write the memory steps as a Chrome / Perfetto trace")
+    args = resolve_heads(ap.parse_args())
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"{args.layers}-layer transformer, dim {args.dim}, batch {args.batch} x {args.seq} tokens, "
-          f"{args.dtype} on {where}; hprt modes with min_bytes={args.min_bytes}; "
-          f"torch threads: {torch.get_num_threads()}")
+    model = "transformers LlamaModel" if args.model == "llama" else "transformer"
+    print(f"{args.layers}-layer {model}, dim {args.dim}, {args.heads} heads of {args.head_dim}"
+          f"{f', ffn {args.ffn}' if args.model == 'llama' else ''}, batch {args.batch} x "
+          f"{args.seq} tokens, {args.dtype} on {where}; hprt modes with "
+          f"min_bytes={args.min_bytes}; torch threads: {torch.get_num_threads()}")
     if args.paired:
         print_paired(args)
         return
     rows = step_times(args)
-    print("| mode | step (ms, median) | vs plain torch (median of rounds) | offloaded MiB per step "
-          "| compressed tensors per step | torch peak allocated (MiB) |")
-    print("|---|---|---|---|---|---|")
-    per_attach = args.steps + 1  # warm-up included
-    for name, t, ratio, st, peak in rows:
-        off = "-" if st is None else f"{st['offloaded_bytes'] / (1 << 20) / per_attach:.1f}"
-        comp = "-" if st is None else st["compressed_tensors"] // per_attach
-        peak = "-" if peak is None else f"{peak / (1 << 20):.0f}"
-        print(f"| {name} | {t * 1e3:.1f} | {ratio:.3f} | {off} | {comp} | {peak} |")
+    print_rows(args, rows)
+    if args.trace:
+        write_trace(args.trace, rows)
+        print(f"\ntrace written to {args.trace} (open it in ui.perfetto.dev)")
     if args.no_hook_cost:
         return
     base, saved, hooks = hook_cost(args)

@@ -3,8 +3,9 @@
 - Platform layer: ``get_platform()`` (``HP_PLATFORM`` = cpu | cuda | npu), ``cpu_platform()``,
   ``Platform``, ``Stream``, ``Event``, ``DeviceBuffer``, ``PinnedBuffer``, ``Communicator``.
 - Tensors cross by DLPack (``Platform.from_dlpack(obj)``, ``buffer.view(dtype, shape)``
-  implements ``__dlpack__``) or by raw pointer (``Platform.wrap_device_memory(ptr, nbytes,
-  owner)``, ``Platform.wrap_stream(raw)``).
+  implements ``__dlpack__``; the memory cannot be freed while an export lives) or by raw
+  pointer (``Platform.unsafe_wrap_device_memory(ptr, nbytes, owner)``: unchecked,
+  ``Platform.wrap_stream(raw)``).
 - Swap: ``SwapManager`` (hyper_parallel's layer groups: module hooks and ``add_storage`` /
   ``launch_offload`` / ``wait_offload`` / ``launch_load`` / ``wait_load``), ``KeyedSwap`` /
   ``TensorSwapContext`` (``swap_out_cur_and_release_prev`` / ``wait_cur_and_prefetch_next``;

@@ -37,13 +37,16 @@ from hprt's on torch's current stream — that path is untested on hardware.
 private per-block state; the sections below follow that order.)
 """
 
+import functools
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import hprt
@@ -58,6 +61,7 @@ __all__ = [
     "StreamTrace",
     "init_device_mesh",
     "run_on_ranks",
+    "RanksFailed",
     "init_from_process_group",
     "get_rank",
     "get_world_size",
@@ -129,6 +133,33 @@ class _RankContext:
         self.rank, self.world_size = rank, world_size
         self._cache = self._streams = self._memory = None
         self.meshes = {}
+        self._groups = []  # the sub-communicators fsdp made in Python (abort destroys them)
+        self._params = []  # weak references to this rank's _FSDPParams (abort destroys their groups)
+
+    def group_along(self, name, mesh, axes):
+        """``cache.group_along``, remembered so that ``abort`` can destroy its communicator."""
+        group = self.cache.group_along(name, mesh, axes)
+        if group.communicator is not None:
+            self._groups.append(group)
+        return group
+
+    def track(self, param):
+        if len(self._params) >= 64 and len(self._params) & (len(self._params) - 1) == 0:
+            self._params = [r for r in self._params if r() is not None]  # prune now and then
+        self._params.append(weakref.ref(param))
+
+    def abort(self):
+        """Destroys every communicator of this rank that fsdp knows (the parameters' groups,
+        fsdp's own groups, the world): a peer waiting for this rank in a collective over one of
+        them fails at once (the cpu backend: "rank r destroyed its communicator") instead of
+        at the collective timeout. What a failed rank does before ``run_on_ranks`` reports."""
+        for ref in self._params:
+            p = ref()
+            if p is not None:
+                _ignore_hprt_errors(p.sp.destroy_groups)
+        for group in self._groups:
+            _ignore_hprt_errors(group.communicator.destroy)
+        _ignore_hprt_errors(self.comm.destroy)
 
     @property
     def cache(self):
@@ -178,10 +209,105 @@ def get_world_size():
     return _context().world_size
 
 
+def _ignore_hprt_errors(f):
+    try:
+        f()
+    except hprt.HprtError:  # already destroyed (shared by several parameters), or unusable
+        pass
+
+
+class _RankRNG(TorchDispatchMode):
+    """One rank thread's own torch CPU generator state (ranks of ``run_on_ranks`` are threads
+    of one process, and torch has one global CPU generator): every random operation the thread
+    runs without an explicit ``generator`` (``nn.init``, ``torch.randn``, dropout, ...) and the
+    thread's ``torch.manual_seed`` / ``seed`` / ``initial_seed`` / ``get_rng_state`` /
+    ``set_rng_state`` use this state, swapped into the global generator under a process-wide
+    lock, as each rank would use its own process's generator under torchrun."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def run(self, f, *args, **kwargs):
+        g = torch.default_generator
+        with _rng_lock:
+            outer = g.get_state()
+            g.set_state(self.state)
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.state = g.get_state()
+                g.set_state(outer)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags and kwargs.get("generator") is None:
+            return self.run(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+_rng_lock = threading.Lock()
+_rng_patch = {"depth": 0, "lock": threading.Lock()}
+# The torch functions that read or set the global CPU generator; under run_on_ranks a rank
+# thread's calls use its own state (other threads' calls are untouched).
+_RNG_FUNCTIONS = ("manual_seed", "seed", "initial_seed", "get_rng_state", "set_rng_state")
+
+
+def _rank_aware(orig):
+    @functools.wraps(orig)
+    def call(*args, **kwargs):
+        rng = getattr(_tls, "rng", None)
+        if rng is None:
+            return orig(*args, **kwargs)
+        return rng.run(orig, *args, **kwargs)
+
+    call._hprt_original = orig
+    return call
+
+
+def _patch_rng(on):
+    with _rng_patch["lock"]:
+        _rng_patch["depth"] += 1 if on else -1
+        if _rng_patch["depth"] != (1 if on else 0):
+            return
+        for module in (torch, torch.random):
+            for name in _RNG_FUNCTIONS:
+                f = getattr(module, name)
+                if on and not hasattr(f, "_hprt_original"):
+                    setattr(module, name, _rank_aware(f))
+                elif not on and hasattr(f, "_hprt_original"):
+                    setattr(module, name, f._hprt_original)
+
+
+class RanksFailed(RuntimeError):
+    """What ``run_on_ranks`` raises when a rank failed: the message names the first failure
+    (the root cause; the exception is chained as ``__cause__``) and lists every rank's outcome.
+    ``failed_rank`` is that rank, ``outcomes`` each rank's exception (``None`` where it
+    returned)."""
+
+    def __init__(self, message, failed_rank, outcomes):
+        super().__init__(message)
+        self.failed_rank, self.outcomes = failed_rank, outcomes
+
+
+def _describe(e):
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
 def run_on_ranks(world_size, fn, *args, platform=None, **kwargs):
     """Runs ``fn(rank, *args, **kwargs)`` on ``world_size`` threads, each a rank of one hprt
-    world (its communicator made, its device set), and returns the results in rank order; the
-    first rank's exception is re-raised.
+    world (its communicator made, its device set), and returns the results in rank order.
+
+    A rank that raises destroys its communicators (the world's and every group fsdp made), so
+    that the other ranks' collectives waiting for it fail at once instead of at the collective
+    timeout; the call then raises ``RanksFailed`` (a ``RuntimeError``) naming the first failure
+    (the root cause, chained) and listing every rank's outcome, as torchrun's summary does.
+
+    Each rank thread has its own torch CPU generator state (``_RankRNG``), starting from the
+    caller's: a rank that seeds and builds its model gets the weights a process would, not
+    draws interleaved with the other ranks'. Only ``torch.default_generator`` used directly
+    is shared.
 
     ``platform`` defaults to a private cpu platform with one device per rank (so memory is
     accounted per rank; ``HP_CPU_*`` settings such as ``HP_CPU_JITTER`` apply) when the
@@ -193,26 +319,45 @@ def run_on_ranks(world_size, fn, *args, platform=None, **kwargs):
             platform = hprt.cpu_platform(devices=world_size, from_env=True)
     uid = platform.unique_id()
     results, errors = [None] * world_size, [None] * world_size
+    start_state = torch.get_rng_state()
 
     def body(rank):
+        ctx = None
+        rng = _RankRNG(start_state.clone())
         try:
             platform.set_device(rank % platform.device_count())
             comm = platform.comm_init(uid, rank, world_size)
-            _tls.ctx = _RankContext(platform, comm, rank, world_size)
-            results[rank] = fn(rank, *args, **kwargs)
-        except BaseException as e:  # re-raised by the caller below
-            errors[rank] = e
+            ctx = _RankContext(platform, comm, rank, world_size)
+            _tls.ctx, _tls.rng = ctx, rng
+            with rng:
+                results[rank] = fn(rank, *args, **kwargs)
+        except BaseException as e:  # reported by the caller below
+            errors[rank] = (time.monotonic(), e)
+            if ctx is not None:
+                ctx.abort()
         finally:
-            _tls.ctx = None
+            _tls.ctx = _tls.rng = None
 
     threads = [threading.Thread(target=body, args=(r,), name=f"hprt-rank-{r}") for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for rank, e in enumerate(errors):
-        if e is not None:
-            raise RuntimeError(f"rank {rank} of {world_size} failed: {e}") from e
+    _patch_rng(True)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        _patch_rng(False)
+    failed = sorted((err[0], rank) for rank, err in enumerate(errors) if err is not None)
+    if failed:
+        first = failed[0][1]
+        cause = errors[first][1]
+        lines = [f"rank {first} of {world_size} failed: {cause}", "ranks (first failure first):"]
+        for _, rank in failed:
+            note = "first failure" if rank == first else f"after rank {first} failed"
+            lines.append(f"  rank {rank}: {_describe(errors[rank][1])}  ({note})")
+        lines += [f"  rank {rank}: returned" for rank in range(world_size) if errors[rank] is None]
+        outcomes = [err[1] if err is not None else None for err in errors]
+        raise RanksFailed("\n".join(lines), first, outcomes) from cause
     return results
 
 
@@ -260,6 +405,7 @@ class RankMesh:
         self.shape = tuple(shape)
         self.trace = None  # a StreamTrace to record this rank's streams
         self._replicate_group = None
+        self._ctx = ctx
 
     @property
     def shard_axis(self):
@@ -270,7 +416,7 @@ class RankMesh:
         """HSDP's group across the replicas (dim 0): made on first use, which every rank
         reaches at the same point (collective over the world)."""
         if self._replicate_group is None:
-            self._replicate_group = self.cache.group_along("fsdp_replicate", self.mesh, [0])
+            self._replicate_group = self._ctx.group_along("fsdp_replicate", self.mesh, [0])
         return self._replicate_group
 
     def __repr__(self):
@@ -393,7 +539,7 @@ class _CopiedMemory:
       path.
     * ``_DeviceMemory`` — **hardware** (torch CUDA tensors on the cuda backend, torch_npu
       ``device.type == "npu"`` tensors on the npu backend): torch allocates, hprt wraps the
-      pointer (``Platform.wrap_device_memory`` with the tensor as owner), the copies are D2D
+      pointer (``Platform.unsafe_wrap_device_memory`` with the tensor as owner), the copies are D2D
       on hprt's compute stream, which *is* torch's current stream, so nothing waits on the
       host. Its copies and borrowed memory are checked bit-exact on the cpu backend
       (``_HostDeviceMemory``); the stream ordering has not run on hardware.
@@ -520,7 +666,7 @@ class _DeviceMemory(_CopiedMemory):
 
     def alloc(self, shape, dtype):
         t = torch.empty(tuple(shape), dtype=dtype, device=self.device())
-        return t, self.platform.wrap_device_memory(t.data_ptr(), t.numel() * t.element_size(), t)
+        return t, self.platform.unsafe_wrap_device_memory(t.data_ptr(), t.numel() * t.element_size(), t)
 
     def to_device(self, t, streams):
         self._check_stream(streams)
@@ -528,7 +674,7 @@ class _DeviceMemory(_CopiedMemory):
             t = t.to(self.device())  # a module built on the host, as FSDP2 moves it
         elif t.device != self.device():
             raise ValueError(f"a tensor on {t.device}: fully_shard computes on {self.device()}")
-        buf = self.platform.wrap_device_memory(t.data_ptr(), t.numel() * t.element_size(), t)
+        buf = self.platform.unsafe_wrap_device_memory(t.data_ptr(), t.numel() * t.element_size(), t)
         return hprt.DeviceTensor(buf, str(t.dtype), list(t.shape))
 
 
@@ -635,6 +781,7 @@ class _FSDPParam:
         self.partial = self.close_partial = False
         self.has_replicas = len(self.sp.unsharded_group_ranks) > 1
         self.keep = []  # gradients hprt's streams may still read
+        mesh._ctx.track(self)
 
     # the upstream HSDPParamV2 names, over hprt's ShardedParam
     def unshard(self, async_op=False):
@@ -745,7 +892,7 @@ class _FSDPParam:
         if sp.group_size == 1:
             return shard.narrow(dim, 0, rows).clone()
         p = mesh.platform
-        group = mesh.cache.group_along("fsdp_shard", mesh.mesh, [mesh.shard_axis])
+        group = mesh._ctx.group_along("fsdp_shard", mesh.mesh, [mesh.shard_axis])
         host = shard.cpu().contiguous().reshape(-1)
         nbytes = host.numel() * host.element_size()
         send, recv = p.alloc_device(nbytes), p.alloc_device(nbytes * sp.group_size)
@@ -1196,6 +1343,13 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                 by_id[id(p)][1].append((m, attr))  # a tied parameter: one shard, several homes
                 continue
             fqn = f"{mod_name}.{attr}" if mod_name else attr
+            if p.ndim == 0:
+                # FSDP2 refuses them too, with this message (an AssertionError there).
+                raise ValueError(
+                    f"fully_shard: Shard dim 0 is invalid for 0D tensor: {p.shape} (parameter "
+                    f"{fqn!r}); a 0-D parameter cannot be sharded: make it a 1-element tensor "
+                    "or leave it out with ignored_params"
+                )
             by_id[id(p)] = params[fqn] = (p, [(m, attr)], _shard_dim(shard_placement_fn, fqn, p))
     state = _FSDPState(mesh, reshard_after_forward, mp_policy, offload_policy, params)
     cls = type(module)

@@ -2,11 +2,12 @@
 
 use hprt_compress::codec::{self, DecodeOptions, EncodeOptions};
 use hprt_compress::CodecDType;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::dtype;
-use crate::error::{invalid, Result};
+use crate::error::{alloc_refused, invalid, py_bytes, Result};
 
 /// A DLPack producer's host memory, kept alive while it is read or written.
 struct HostTensor {
@@ -107,7 +108,7 @@ pub fn compress<'py>(
     let opts = encode_options(chunk_elems, threads);
     let data = t.bytes();
     let out = py.detach(|| codec::encode(dt, data, &opts))?;
-    Ok(PyBytes::new(py, &out))
+    py_bytes(py, &out, "the encoding")
 }
 
 /// Compresses raw little-endian bytes of `dtype` (`"f32"`, `"f16"`, `"bf16"`).
@@ -124,13 +125,15 @@ pub fn compress_bytes<'py>(
     let opts = encode_options(chunk_elems, threads);
     let bytes = data.as_bytes();
     let out = py.detach(|| codec::encode(dt, bytes, &opts))?;
-    Ok(PyBytes::new(py, &out))
+    py_bytes(py, &out, "the encoding")
 }
 
 /// Decodes an encoding: `(data, dtype, numel)` with `data` the raw little-endian bytes.
 /// `max_output` (bytes) refuses an encoding declaring more before anything is allocated
 /// (`CompressError` with status `HP_COMPRESS_OUTPUT_TOO_LARGE`); set it for untrusted bytes.
-/// The bytes object is decoded into directly: peak memory is the output once, plus scratch.
+/// The bytes object is decoded into directly: peak memory is the output once, plus scratch; its
+/// pages are zero until a chunk is decoded into them, so an encoding refused at its first chunk
+/// costs no resident memory. An output the allocator refuses is a `MemoryError` naming its size.
 #[pyfunction]
 #[pyo3(signature = (blob, threads=1, max_output=None))]
 pub fn decompress<'py>(
@@ -143,16 +146,48 @@ pub fn decompress<'py>(
     let opts = decode_options(threads, max_output);
     let h = codec::inspect(bytes)?.header;
     let len = codec::checked_output_len(&h, max_output)?;
-    let mut failed = None;
-    // A refused allocation is a Python MemoryError here, not an abort.
-    let data = PyBytes::new_with(py, len, |dst| {
-        failed = py.detach(|| codec::decode_into(bytes, dst, &opts)).err();
-        Ok(())
-    })?;
-    match failed {
-        Some(e) => Err(e.into()),
-        None => Ok((data, h.dtype.dtype().name(), h.numel)),
+    let out = zeroed_bytes(py, len)?;
+    // SAFETY: `out` is a bytes object of `len` initialized (zero) bytes that this function made
+    // and alone references (checked in `zeroed_bytes`); it is written only here, before anyone
+    // else can see it, as `PyBytes::new_with` does.
+    let dst =
+        unsafe { std::slice::from_raw_parts_mut(ffi::PyBytes_AsString(out.as_ptr()).cast(), len) };
+    py.detach(|| codec::decode_into(bytes, dst, &opts))?;
+    Ok((out, h.dtype.dtype().name(), h.numel))
+}
+
+/// Outputs from this size on come from `bytes(len)`, which CPython allocates with `calloc`:
+/// fresh pages, untouched (no resident memory) until written. Below it `PyBytes::new_with`
+/// zero-fills, which costs nothing that matters.
+const LAZY_ZERO_BYTES: usize = 1 << 20;
+
+/// A new bytes object of `len` zero bytes, referenced only by the caller; a refused allocation is
+/// a `MemoryError` naming the size.
+fn zeroed_bytes(py: Python<'_>, len: usize) -> Result<Bound<'_, PyBytes>> {
+    let refused = |e: PyErr| {
+        let oom = e.is_instance_of::<pyo3::exceptions::PyMemoryError>(py)
+            || e.is_instance_of::<pyo3::exceptions::PyOverflowError>(py);
+        if oom {
+            alloc_refused(
+                len,
+                "the decoded output (decompress(blob, max_output=...) refuses it before allocating)",
+            )
+        } else {
+            e.into()
+        }
+    };
+    if len >= LAZY_ZERO_BYTES {
+        let made = py.get_type::<PyBytes>().call1((len,)).map_err(refused)?;
+        // SAFETY: `made` is a live object; reading its reference count has no effect.
+        if unsafe { ffi::Py_REFCNT(made.as_ptr()) } == 1 {
+            if let Ok(b) = made.cast_into_exact::<PyBytes>() {
+                if b.as_bytes().len() == len {
+                    return Ok(b);
+                }
+            }
+        }
     }
+    PyBytes::new_with(py, len, |_| Ok(())).map_err(refused)
 }
 
 /// Decodes into `out`: a writable host tensor of exactly the encoded dtype (f16 and bf16 are

@@ -1,7 +1,9 @@
 //! DLPack both ways, through `dlpark`: hprt memory out as `TensorView` (`__dlpack__`), framework
 //! tensors in as borrowed device memory (`Platform.from_dlpack`).
 
+use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::{Mutex, MutexGuard};
 
 use dlpark::ffi::{DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned};
 use dlpark::metadata::Dynamic;
@@ -17,11 +19,106 @@ use crate::error::{invalid, BindError, Result};
 use crate::platform::{device_is_host, unsupported, PyPlatform};
 use crate::swap::PyDeviceTensor;
 
-/// What keeps exported memory alive: a handle clone travels inside every DLPack capsule.
+/// The buffer a view names; a handle clone travels inside every DLPack capsule.
 #[derive(Clone)]
-enum Backing {
+pub(crate) enum Backing {
     Device(DeviceBuffer),
     Pinned(PinnedBuffer),
+}
+
+impl Backing {
+    fn same_as(&self, other: &Backing) -> bool {
+        match (self, other) {
+            (Backing::Device(a), Backing::Device(b)) => a.same_as(b),
+            (Backing::Pinned(a), Backing::Pinned(b)) => a.same_as(b),
+            _ => false,
+        }
+    }
+
+    /// Where the live memory starts (0 while released or freed), and which kind of memory.
+    fn key(&self) -> (bool, usize) {
+        match self {
+            Backing::Device(b) => (false, b.device_ptr()),
+            // SAFETY: only the address is taken; nothing is read or written through it here.
+            Backing::Pinned(b) => (true, unsafe { b.as_ptr() } as usize),
+        }
+    }
+}
+
+/// The live DLPack exports, by the memory they name: a handle clone keeps a buffer's handle but
+/// not its memory (a free or resize through any clone releases it), so an export registers here
+/// for as long as its consumer holds it, and every free or resize made through the bindings
+/// ([`unexported`]) is refused while one is registered. Keyed by kind and address (stable while
+/// an export holds it); each entry lists one handle per export.
+type Leases = HashMap<(bool, usize), Vec<Backing>>;
+
+static LEASES: Mutex<Option<Leases>> = Mutex::new(None);
+
+fn leases() -> MutexGuard<'static, Option<Leases>> {
+    // A poisoned lock still holds a consistent map: every update is a single insert or remove.
+    LEASES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// How many live exports name `b`'s memory.
+fn exports_of(map: &Option<Leases>, b: &Backing) -> usize {
+    let key = b.key();
+    if key.1 == 0 {
+        return 0;
+    }
+    map.as_ref()
+        .and_then(|m| m.get(&key))
+        .map_or(0, |v| v.iter().filter(|x| x.same_as(b)).count())
+}
+
+/// Runs `f`, which frees or resizes the memory of `bufs`, unless a DLPack export of one of them is
+/// alive: then a `BufferExportedError` (Python's `BufferError` too) naming `op`. No export can
+/// start while `f` runs.
+pub(crate) fn unexported<T>(
+    bufs: &[Backing],
+    op: &str,
+    f: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    let map = leases();
+    for b in bufs {
+        let n = exports_of(&map, b);
+        if n > 0 {
+            let what = match b {
+                Backing::Device(_) => "device buffer",
+                Backing::Pinned(_) => "pinned buffer",
+            };
+            return Err(BindError::Exported(format!(
+                "{op}: {n} DLPack export(s) of this {what} are alive (numpy / torch tensors over \
+                 its memory); they would read and write freed memory. Drop them (and their \
+                 views) first, or copy what you keep"
+            )));
+        }
+    }
+    let out = f();
+    drop(map);
+    out
+}
+
+/// One export's registration, travelling in its capsule; dropped when the consumer releases it.
+struct Lease {
+    backing: Backing,
+    key: Option<(bool, usize)>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // Never unwinds (DLPack deleters must not): no panicking call below.
+        let Some(key) = self.key else { return };
+        let mut map = leases();
+        let Some(m) = map.as_mut() else { return };
+        if let Some(v) = m.get_mut(&key) {
+            if let Some(i) = v.iter().position(|x| x.same_as(&self.backing)) {
+                v.swap_remove(i);
+            }
+            if v.is_empty() {
+                m.remove(&key);
+            }
+        }
+    }
 }
 
 /// A typed window on hprt memory that numpy and torch can import without a copy
@@ -31,8 +128,10 @@ enum Backing {
 /// The consumer reads the memory directly. A view of pinned memory is exported once the copies
 /// queued on the buffer finished; device memory (host memory on the cpu backend) is the
 /// caller's to synchronize first.
-/// Resizing or freeing the buffer while a consumer holds the memory leaves it dangling, exactly
-/// as freeing a framework's storage under a view would; every export re-checks the bounds.
+/// While a consumer holds an export, the memory stays: freeing or resizing the buffer (`free`,
+/// `resize`, `ShardedParam.shard`, ...) is refused with a `BufferExportedError` until the
+/// consumer releases it (as `bytearray` refuses a resize while a `memoryview` of it lives); every
+/// export re-checks the bounds.
 #[pyclass(name = "TensorView", module = "hprt._native", frozen)]
 pub struct TensorView {
     backing: Backing,
@@ -92,12 +191,17 @@ impl TensorView {
         Ok(v)
     }
 
+    /// Bytes from the first element to the end of the last one.
+    fn span(&self) -> Result<usize> {
+        match &self.strides {
+            None => dtype::nbytes(self.dtype, &self.shape),
+            Some(strides) => dtype::strided_nbytes(self.dtype, &self.shape, strides),
+        }
+    }
+
     /// The first element's address, after checking the window lies inside the live memory.
     fn address(&self) -> Result<usize> {
-        let nbytes = match &self.strides {
-            None => dtype::nbytes(self.dtype, &self.shape)?,
-            Some(strides) => dtype::strided_nbytes(self.dtype, &self.shape, strides)?,
-        };
+        let nbytes = self.span()?;
         let (base, len) = match &self.backing {
             Backing::Device(b) => (b.device_ptr(), b.len()),
             // SAFETY: only the address is taken; nothing is read or written through it here.
@@ -113,9 +217,24 @@ impl TensorView {
     }
 
     fn managed<M: ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
+        // Checked and registered under the registry's lock: no free can slip in between.
+        let mut map = leases();
         let addr = self.address()?;
+        let key = self.backing.key();
+        let registered = (self.span()? > 0 && key.1 != 0).then_some(key);
+        if let Some(key) = registered {
+            map.get_or_insert_with(HashMap::new)
+                .entry(key)
+                .or_default()
+                .push(self.backing.clone());
+        }
+        drop(map);
+        let lease = Lease {
+            backing: self.backing.clone(),
+            key: registered,
+        };
         let shape: Vec<i64> = self.shape.iter().map(|d| *d as i64).collect();
-        let ctx = Box::new(self.backing.clone());
+        let ctx = Box::new(lease);
         let mut init = match &self.strides {
             None => Dynamic::compact(shape).initialize_as::<M>(ctx),
             Some(strides) => {
@@ -128,9 +247,10 @@ impl TensorView {
             .set_dtype(dtype::to_dlpack(self.dtype))
             .set_device(DLDevice::CPU);
         // SAFETY: every element the shape and strides reach (`addr..addr + nbytes`) was just
-        // checked to lie in the live buffer, whose handle travels in the tensor's context; the
-        // strides are explicit (given, or row-major from the `compact` builder) and no flags are
-        // asserted.
+        // checked to lie in the live buffer, whose export is registered (the lease in the
+        // tensor's context) so that no free or resize through the bindings releases it until
+        // the consumer drops the tensor; the strides are explicit (given, or row-major from the
+        // `compact` builder) and no flags are asserted.
         Ok(unsafe { init.finish() })
     }
 }
@@ -290,7 +410,7 @@ pub(crate) fn import(
     if !(host_tensor && device_is_host(&*platform.p)) {
         return Err(unsupported(format!(
             "a DLPack tensor on device type {} cannot be wrapped by the {} backend; use \
-             wrap_device_memory(ptr, nbytes, owner) with a pointer of this backend",
+             unsafe_wrap_device_memory(ptr, nbytes, owner) with a pointer of this backend",
             device.device_type.0,
             platform.p.backend()
         )));

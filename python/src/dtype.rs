@@ -6,29 +6,27 @@ use hprt_platform::{DType, ReduceOp};
 
 use crate::error::{invalid, Result};
 
-/// Parses a dtype name: hprt's own (`f32`), numpy/torch style (`float32`, `torch.float32`).
+/// Parses a dtype name, exactly as spelled: hprt's own (`f32`), numpy's (`float32`) or torch's
+/// (`torch.float32`, `float32`; `float`, `half`, `double`, `int`, `long`). Nothing else is
+/// guessed (no case folding, no trimming): a misspelled name is an error, not another dtype.
 pub fn parse(name: &str) -> Result<DType> {
-    // hprt's own names first, without normalizing (the swap front ends pass one per tensor)
     if let Some(d) = DType::ALL.into_iter().find(|d| d.name() == name) {
         return Ok(d);
     }
-    let n = name
-        .trim()
-        .trim_start_matches("torch.")
-        .to_ascii_lowercase();
-    Ok(match n.as_str() {
-        "f32" | "float32" | "float" => DType::F32,
-        "f16" | "float16" | "half" => DType::F16,
-        "bf16" | "bfloat16" => DType::BF16,
-        "f64" | "float64" | "double" => DType::F64,
-        "i8" | "int8" => DType::I8,
-        "u8" | "uint8" => DType::U8,
-        "i32" | "int32" | "int" => DType::I32,
-        "i64" | "int64" | "long" => DType::I64,
+    let n = name.strip_prefix("torch.").unwrap_or(name);
+    Ok(match n {
+        "float32" | "float" => DType::F32,
+        "float16" | "half" => DType::F16,
+        "bfloat16" => DType::BF16,
+        "float64" | "double" => DType::F64,
+        "int8" => DType::I8,
+        "uint8" => DType::U8,
+        "int32" | "int" => DType::I32,
+        "int64" | "long" => DType::I64,
         _ => {
             return Err(invalid(format!(
                 "unknown dtype {name:?}; expected one of f32, f16, bf16, f64, i8, u8, i32, i64 \
-                 (or their numpy/torch names)"
+                 or their numpy / torch names (float32, torch.float32, ...), spelled exactly"
             )))
         }
     })
@@ -66,10 +64,9 @@ pub fn from_dlpack(dt: DLDataType) -> Result<DType> {
 }
 
 pub fn parse_reduce_op(name: &str) -> Result<ReduceOp> {
-    let n = name.trim().to_ascii_lowercase();
     ReduceOp::ALL
         .into_iter()
-        .find(|op| op.name() == n)
+        .find(|op| op.name() == name)
         .ok_or_else(|| {
             invalid(format!(
                 "unknown reduce op {name:?}; expected sum, avg, max, min or prod"

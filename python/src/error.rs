@@ -6,8 +6,10 @@
 //! `code`, `kind`, `backend` and `operation` carry the same facts for programs.
 
 use hprt_platform::ErrorKind;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyBufferError, PyException};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
 
 pyo3::create_exception!(hprt, HprtError, PyException, "An hprt operation failed.");
 pyo3::create_exception!(
@@ -71,6 +73,10 @@ pub enum BindError {
     /// Something this binding does not do on the selected backend.
     #[error("HP_ERROR_UNSUPPORTED: {0}")]
     Unsupported(String),
+    /// Memory a live DLPack export reads cannot be freed or resized (Python's `BufferError`
+    /// for a `bytearray` with exports).
+    #[error("HP_ERROR_BUFFER_EXPORTED: {0}")]
+    Exported(String),
     /// An exception raised by Python code the binding called; it reaches the caller unchanged.
     #[error(transparent)]
     Python(#[from] PyErr),
@@ -80,6 +86,34 @@ pub type Result<T, E = BindError> = std::result::Result<T, E>;
 
 pub fn invalid(msg: impl Into<String>) -> BindError {
     BindError::InvalidArgument(msg.into())
+}
+
+/// The `MemoryError` of a refused host allocation of `bytes` for `what`: Python's own has an
+/// empty message, which names neither the size nor the call.
+pub fn alloc_refused(bytes: usize, what: &str) -> BindError {
+    BindError::Python(pyo3::exceptions::PyMemoryError::new_err(format!(
+        "HP_ERROR_OUT_OF_MEMORY: cannot allocate {bytes} host bytes for {what}"
+    )))
+}
+
+/// `data` as a Python `bytes` object; a refused allocation is [`alloc_refused`] (pyo3's
+/// `PyBytes::new` would panic).
+pub fn py_bytes<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    what: &str,
+) -> Result<Bound<'py, pyo3::types::PyBytes>> {
+    pyo3::types::PyBytes::new_with(py, data.len(), |dst| {
+        dst.copy_from_slice(data);
+        Ok(())
+    })
+    .map_err(|e| {
+        if e.is_instance_of::<pyo3::exceptions::PyMemoryError>(py) {
+            alloc_refused(data.len(), what)
+        } else {
+            e.into()
+        }
+    })
 }
 
 /// The status name, numeric code, kind name, backend and operation of an error, as Python sees
@@ -169,6 +203,13 @@ impl BindError {
                 backend: None,
                 operation: None,
             },
+            BindError::Exported(_) => Facts {
+                status: "HP_ERROR_BUFFER_EXPORTED".into(),
+                code: -1,
+                kind: "exported",
+                backend: None,
+                operation: None,
+            },
             BindError::Unsupported(_) | BindError::Python(_) => Facts {
                 status: ErrorKind::Unsupported.code_name().into(),
                 code: ErrorKind::Unsupported.code().into(),
@@ -182,6 +223,10 @@ impl BindError {
     fn exception_type<'py>(&self, py: Python<'py>, kind: &str) -> Bound<'py, pyo3::types::PyType> {
         use pyo3::PyTypeInfo;
         match (self, kind) {
+            (BindError::Exported(_), _) => match BUFFER_EXPORTED.get(py) {
+                Some(t) => t.bind(py).clone(),
+                None => HprtError::type_object(py),
+            },
             (_, "out_of_memory") => OutOfMemoryError::type_object(py),
             (_, "invalid_handle") => InvalidHandleError::type_object(py),
             (_, "invalid_value" | "out_of_range") => InvalidValueError::type_object(py),
@@ -266,8 +311,32 @@ fn build_exception(
     Ok(PyErr::from_value(exc))
 }
 
+/// `hprt.BufferExportedError`: an `HprtError` and a `BufferError` (made at import: a class with
+/// two exception bases).
+static BUFFER_EXPORTED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    let bases = PyTuple::new(
+        py,
+        [
+            py.get_type::<HprtError>().into_any(),
+            py.get_type::<PyBufferError>().into_any(),
+        ],
+    )?;
+    let ns = PyDict::new(py);
+    ns.set_item(
+        "__doc__",
+        "Memory that a live DLPack export (a numpy array, a torch tensor) reads cannot be freed \
+         or resized.",
+    )?;
+    ns.set_item("__module__", "hprt")?;
+    let exported = py
+        .get_type::<PyType>()
+        .call1(("BufferExportedError", bases, ns))?
+        .cast_into::<PyType>()?;
+    m.add("BufferExportedError", &exported)?;
+    let _ = BUFFER_EXPORTED.set(py, exported.unbind());
     m.add("HprtError", py.get_type::<HprtError>())?;
     m.add("OutOfMemoryError", py.get_type::<OutOfMemoryError>())?;
     m.add("InvalidHandleError", py.get_type::<InvalidHandleError>())?;

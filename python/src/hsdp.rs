@@ -24,9 +24,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::collective::PyCommunicator;
-use crate::dlpack::TensorView;
+use crate::dlpack::{unexported, Backing, TensorView};
 use crate::dtype;
-use crate::error::{invalid, Result};
+use crate::error::{invalid, py_bytes, Result};
 use crate::platform::{PyEvent, PyPlatform, PyStream};
 use crate::swap::PyDeviceTensor;
 
@@ -345,6 +345,9 @@ struct ParamInner {
     param: ShardedParam,
     /// The gradient an issued reduction may still read directly; kept until it was applied.
     reducing: Option<DeviceBuffer>,
+    /// The sharded gradient's device buffer as last handed to Python (a view or a
+    /// `DeviceTensor`): `free_grad` releases it even after `clear_grad` hid it.
+    grad_out: Option<DeviceBuffer>,
 }
 
 /// One rank's view of a sharded parameter (the seed's `HSDPParam`): FSDP on a 1-D mesh, HSDP on
@@ -393,6 +396,19 @@ fn reduce_op(name: &str) -> Result<hprt_platform::ReduceOp> {
 impl PyShardedParam {
     fn with<R>(&self, f: impl FnOnce(&ShardedParam) -> R) -> R {
         f(&lock(&self.inner).param)
+    }
+
+    /// `shard()`: releases the gathered parameter unless a DLPack export of it is alive (only
+    /// while unsharded can it be exported: `unsharded()`).
+    fn release_unsharded(&self, py: Python<'_>, op: &str) -> Result<()> {
+        py.detach(|| {
+            let mut g = lock(&self.inner);
+            let bufs: Vec<Backing> = match g.param.unsharded() {
+                Ok(full) => vec![Backing::Device(full.buf.clone())],
+                Err(_) => Vec::new(),
+            };
+            unexported(&bufs, op, || Ok(g.param.shard()?))
+        })
     }
 
     /// A shard-shaped view of `r` (the shard or the sharded gradient).
@@ -528,6 +544,7 @@ impl PyShardedParam {
             inner: Mutex::new(ParamInner {
                 param,
                 reducing: None,
+                grad_out: None,
             }),
         })
     }
@@ -629,13 +646,14 @@ impl PyShardedParam {
     fn wait_for_unshard(&self, py: Python<'_>) -> Result<()> {
         Ok(py.detach(|| lock(&self.inner).param.wait_for_unshard())?)
     }
-    /// Back to sharded; the gathered storage is released.
+    /// Back to sharded; the gathered storage is released. Refused (`BufferExportedError`, the
+    /// parameter stays unsharded) while a DLPack export of the gathered parameter is alive.
     fn shard(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| lock(&self.inner).param.shard())?)
+        self.release_unsharded(py, "shard")
     }
     /// hyper_parallel's name for `shard()`.
     fn to_sharded(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| lock(&self.inner).param.to_sharded())?)
+        self.release_unsharded(py, "to_sharded")
     }
     /// Unsharded from any state (an all-gather is started if none is pending), the compute
     /// stream ordered after it.
@@ -676,7 +694,7 @@ impl PyShardedParam {
                 .read_device_sync(full.buf, full.offset, &mut out, &w.streams().compute)?;
             Ok(out)
         })?;
-        Ok(PyBytes::new(py, &bytes))
+        py_bytes(py, &bytes, "the parameter's bytes")
     }
 
     /// This rank's shard as a DLPack view (`shard_shape`, `dtype`; device memory of the cpu
@@ -702,7 +720,7 @@ impl PyShardedParam {
             let w = &g.param;
             Self::read_shard_ref(&*self.p, w, w.sharded_data())
         })?;
-        Ok(PyBytes::new(py, &bytes))
+        py_bytes(py, &bytes, "the parameter's bytes")
     }
     /// Replaces the shard (e.g. after an optimizer step on the host), in compute-stream order.
     fn write_sharded(&self, py: Python<'_>, data: &Bound<'_, PyBytes>) -> Result<()> {
@@ -798,14 +816,25 @@ impl PyShardedParam {
     /// The sharded gradient as a DLPack view (like `sharded_data()`), `None` before the first
     /// reduction.
     fn sharded_grad(&self) -> Result<Option<TensorView>> {
-        let g = lock(&self.inner);
+        let mut g = lock(&self.inner);
+        let out = match g.param.sharded_grad() {
+            Some(ShardRef::Device(b)) => Some(b.buf.clone()),
+            _ => None,
+        };
+        if out.is_some() {
+            g.grad_out = out;
+        }
         let w = &g.param;
         w.sharded_grad().map(|r| self.shard_view(w, r)).transpose()
     }
     /// The sharded gradient as a `DeviceTensor` (like `sharded_device_tensor()`); `None`
     /// before the first reduction and under the offload policy.
     fn sharded_grad_device_tensor(&self) -> Result<Option<PyDeviceTensor>> {
-        let g = lock(&self.inner);
+        let mut g = lock(&self.inner);
+        if let Some(ShardRef::Device(b)) = g.param.sharded_grad() {
+            let b = b.buf.clone();
+            g.grad_out = Some(b);
+        }
         let w = &g.param;
         match w.sharded_grad() {
             Some(r) => self.device_tensor(w, r),
@@ -822,15 +851,54 @@ impl PyShardedParam {
                 .map(|r| Self::read_shard_ref(&*self.p, w, r))
                 .transpose()
         })?;
-        Ok(bytes.map(|b| PyBytes::new(py, &b)))
+        bytes
+            .map(|b| py_bytes(py, &b, "the gradient's bytes"))
+            .transpose()
     }
     /// Forgets the sharded gradient (the next reduction starts a new one).
     fn clear_grad(&self) -> Result<()> {
         Ok(lock(&self.inner).param.clear_grad()?)
     }
-    /// Releases the sharded gradient's storage too.
-    fn free_grad(&self) -> Result<()> {
-        Ok(lock(&self.inner).param.free_grad()?)
+    /// Releases the sharded gradient's storage too; refused (`BufferExportedError`) while a
+    /// DLPack export of it is alive.
+    fn free_grad(&self, py: Python<'_>) -> Result<()> {
+        py.detach(|| {
+            let mut g = lock(&self.inner);
+            let mut bufs: Vec<Backing> = g.grad_out.iter().cloned().map(Backing::Device).collect();
+            if let Some(ShardRef::Device(b)) = g.param.sharded_grad() {
+                bufs.push(Backing::Device(b.buf.clone()));
+            }
+            unexported(&bufs, "free_grad", || Ok(g.param.free_grad()?))?;
+            g.grad_out = None;
+            Ok(())
+        })
+    }
+    /// Destroys this rank's communicators of the parameter's groups (sharded and replica,
+    /// shared by every parameter over the same ranks; one destroyed already is skipped): a peer
+    /// waiting for this rank in a collective over them fails at once instead of at the
+    /// collective timeout. What a failed rank does (`hprt.torch.run_on_ranks`); collectives of
+    /// these groups fail afterwards.
+    fn destroy_groups(&self, py: Python<'_>) -> Result<()> {
+        let comms: Vec<hprt_platform::Communicator> = self.with(|w| {
+            let g = w.groups();
+            let partial = g.partial.iter().map(|(group, _)| group);
+            [&g.sharded, &g.unsharded]
+                .into_iter()
+                .chain(partial)
+                .filter_map(|group| group.communicator().cloned())
+                .collect()
+        });
+        py.detach(|| {
+            for c in &comms {
+                match self.p.destroy_comm(c) {
+                    Err(e) if e.kind != hprt_platform::ErrorKind::InvalidHandle => {
+                        return Err(e.into())
+                    }
+                    _ => {}
+                }
+            }
+            Ok(())
+        })
     }
     fn __repr__(&self) -> String {
         self.with(|w| {

@@ -15,9 +15,9 @@ use hprt_swap::PlatformHandle;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::dlpack::TensorView;
+use crate::dlpack::{unexported, Backing, TensorView};
 use crate::dtype;
-use crate::error::{invalid, BindError, Result};
+use crate::error::{invalid, py_bytes, BindError, Result};
 use crate::wait::interruptible;
 
 /// A platform: the process-wide one ([`get_platform`]) or a private cpu one ([`cpu_platform`]).
@@ -303,10 +303,12 @@ impl PyPlatform {
     /// Borrows `nbytes` of device memory at `ptr` (a framework tensor's `data_ptr()`); `owner`
     /// (e.g. the tensor) is kept alive until hprt no longer references the memory.
     ///
-    /// The caller promises the memory is device memory of this backend, valid while `owner`
-    /// lives.
+    /// **Unsafe** (hence the name): nothing can check a raw pointer, so the caller promises
+    /// that `ptr..ptr + nbytes` is device memory of this backend, valid while `owner` lives; a
+    /// wrong pointer is undefined behaviour (a crash, or silent corruption) at the first copy.
+    /// `from_dlpack(tensor)` is the safe way to borrow a host tensor.
     #[pyo3(signature = (ptr, nbytes, owner=None))]
-    fn wrap_device_memory(
+    fn unsafe_wrap_device_memory(
         &self,
         ptr: usize,
         nbytes: usize,
@@ -317,10 +319,23 @@ impl PyPlatform {
         }
         let release: Option<hprt_platform::ReleaseFn> =
             owner.map(|o| Box::new(move || drop(o)) as hprt_platform::ReleaseFn);
-        // SAFETY: the documented contract of this method: the caller vouches for the range,
-        // and `owner` (which keeps it valid) lives until the release callback runs.
+        // SAFETY: the documented contract of this method, whose name says it is unchecked: the
+        // caller vouches for the range, and `owner` (which keeps it valid) lives until the
+        // release callback runs.
         let b = unsafe { self.p.wrap_device_memory(ptr, nbytes, release)? };
         Ok(self.device_buffer(b))
+    }
+
+    /// Deprecated name of `unsafe_wrap_device_memory` (the same unchecked call), kept until its
+    /// last caller moved.
+    #[pyo3(signature = (ptr, nbytes, owner=None))]
+    fn wrap_device_memory(
+        &self,
+        ptr: usize,
+        nbytes: usize,
+        owner: Option<Py<PyAny>>,
+    ) -> Result<PyDeviceBuffer> {
+        self.unsafe_wrap_device_memory(ptr, nbytes, owner)
     }
 
     /// Wraps a DLPack producer's memory (a numpy array, a torch tensor) as a `DeviceTensor`
@@ -409,7 +424,7 @@ impl PyPlatform {
         let out = interruptible(py, &self.p, move |p| {
             p.read_device_sync(&b, offset, &mut out, &s).map(|()| out)
         })??;
-        Ok(PyBytes::new(py, &out))
+        py_bytes(py, &out, "the bytes read")
     }
 
     /// A new rendezvous key (rank 0 makes it, hands it to the other ranks).
@@ -541,15 +556,27 @@ impl PyDeviceBuffer {
         self.b.is_freed()
     }
     /// Resizes the storage keeping the handle: 0 releases the bytes, a size re-acquires them.
-    fn resize(&self, nbytes: usize) -> Result<()> {
-        Ok(self.p.resize_device(&self.b, nbytes)?)
+    /// Refused (`BufferExportedError`) while a DLPack export of the memory is alive.
+    fn resize(&self, py: Python<'_>, nbytes: usize) -> Result<()> {
+        if nbytes == self.b.len() {
+            return Ok(self.p.resize_device(&self.b, nbytes)?);
+        }
+        let bufs = [Backing::Device(self.b.clone())];
+        py.detach(|| {
+            unexported(&bufs, "resize", || {
+                Ok(self.p.resize_device(&self.b, nbytes)?)
+            })
+        })
     }
+    /// Frees the memory; refused (`BufferExportedError`) while a DLPack export of it is alive.
     fn free(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| self.p.free_device(&self.b))?)
+        let bufs = [Backing::Device(self.b.clone())];
+        py.detach(|| unexported(&bufs, "free", || Ok(self.p.free_device(&self.b)?)))
     }
     /// A typed view for DLPack export (`numpy.from_dlpack(buf.view("f32", [n]))`); only where
     /// device memory is host-addressable (the cpu backend). Synchronize first: a view reads
-    /// whatever the memory holds when the consumer reads it.
+    /// whatever the memory holds when the consumer reads it. While an export is alive the
+    /// buffer cannot be freed or resized.
     #[pyo3(signature = (dtype, shape, offset=0))]
     fn view(&self, dtype: &str, shape: Vec<usize>, offset: usize) -> Result<TensorView> {
         TensorView::of_device(&self.p, &self.b, dtype::parse(dtype)?, shape, offset)
@@ -580,7 +607,7 @@ impl PyPinnedBuffer {
         self.b.check_range("read", offset, n)?;
         let mut out = zeroed(self.p.backend(), n)?;
         py.detach(|| self.b.read(offset, &mut out))?;
-        Ok(PyBytes::new(py, &out))
+        py_bytes(py, &out, "the bytes read")
     }
     /// Writes `data` at `offset`, once the copies queued on the buffer finished.
     #[pyo3(signature = (data, offset=0))]
@@ -588,8 +615,10 @@ impl PyPinnedBuffer {
         let data = data.as_bytes();
         Ok(py.detach(|| self.b.write(offset, data))?)
     }
+    /// Frees the memory; refused (`BufferExportedError`) while a DLPack export of it is alive.
     fn free(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| self.p.free_pinned(&self.b))?)
+        let bufs = [Backing::Pinned(self.b.clone())];
+        py.detach(|| unexported(&bufs, "free", || Ok(self.p.free_pinned(&self.b)?)))
     }
     /// A typed view for DLPack export (pinned memory is host memory on every backend).
     #[pyo3(signature = (dtype, shape, offset=0))]

@@ -6,6 +6,7 @@ padded shards), and close to plain full-batch training."""
 import copy
 import os
 import threading
+import time
 
 import pytest
 
@@ -14,6 +15,7 @@ import transformers  # noqa: E402  (CI installs it: scripts/test)
 
 import hprt  # noqa: E402
 import hprt.torch as ht  # noqa: E402
+from hprt import fsdp  # noqa: E402
 from torch.distributed.tensor import Shard  # noqa: E402  (FSDP2's placement type)
 from emulated import EMULATED  # noqa: E402
 
@@ -429,6 +431,104 @@ def test_ranks_need_a_context_and_errors_name_the_rank():
         ht.run_on_ranks(2, lambda r: ht.init_device_mesh("cpu", (3,)))
 
 
+def test_each_rank_seeding_and_building_its_model_gets_the_seeded_weights():
+    """FSDP2 code ported as is: every rank seeds torch and builds its model. The ranks are
+    threads and torch has one global CPU generator: with it shared, the ranks' draws interleave
+    (the barrier makes them) and the shards come from different initialisations. Each rank has
+    its own generator state; the caller's is untouched."""
+    barrier = threading.Barrier(2)
+
+    def build():
+        first = torch.nn.Linear(8, 8)
+        barrier.wait()  # both ranks drew `first`; now they draw at the same time
+        return torch.nn.Sequential(first, torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+
+    def rank_fn(rank):
+        torch.manual_seed(0)
+        model = build()
+        assert torch.initial_seed() == 0
+        ht.fully_shard(model)
+        drop = model(torch.ones(4, 8))  # dropout draws from the rank's generator
+        return ht.get_model_state_dict(model), drop.detach()
+
+    torch.manual_seed(123)
+    caller = torch.get_rng_state()
+    barrier_free = threading.Barrier(1)
+    torch.manual_seed(0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(barrier, "wait", barrier_free.wait)
+        ref = build()
+    ref_drop = ref(torch.ones(4, 8)).detach()
+    torch.set_rng_state(caller)
+    out = ht.run_on_ranks(2, rank_fn)
+    for rank, (state, drop) in enumerate(out):
+        for n, t in ref.state_dict().items():
+            assert torch.equal(state[n], t), f"rank {rank}: {n}"
+        assert torch.equal(drop, ref_drop), f"rank {rank}: dropout"
+    assert torch.equal(torch.get_rng_state(), caller)
+    assert torch.initial_seed() == 123
+
+
+class Failing(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["before fully_shard", "before forward", "in backward"])
+def test_a_failing_rank_fails_the_others_at_once_and_is_reported_first(where):
+    """Rank 1 raises while rank 0 waits for it in a collective (a group split in fully_shard,
+    an all-gather in forward, a reduction in backward): rank 0's collective fails at once (rank
+    1 destroyed its communicators) instead of at the collective timeout, and the error names
+    rank 1's exception as the first failure, with every rank's outcome."""
+
+    def rank_fn(rank):
+        if rank == 1 and where == "before fully_shard":
+            raise Failing("boom")
+        model = ht.fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+        if rank == 1 and where == "before forward":
+            raise Failing("boom")
+        loss = model(torch.ones(2, 4)).sum()
+        if rank == 1:
+            raise Failing("boom")
+        loss.backward()
+        model(torch.ones(2, 4))  # rank 0 never gets here
+        return rank
+
+    p = hprt.cpu_platform(devices=2, collective_timeout_s=30)
+    t0 = time.monotonic()
+    with pytest.raises(fsdp.RanksFailed) as e:  # hprt.fsdp's (hprt.torch re-exports a fixed list)
+        ht.run_on_ranks(2, rank_fn, platform=p)
+    assert time.monotonic() - t0 < 10, "rank 0 waited for the collective timeout"
+    err = e.value
+    assert isinstance(err, RuntimeError) and isinstance(err.__cause__, Failing)
+    assert err.failed_rank == 1 and isinstance(err.outcomes[1], Failing)
+    assert isinstance(err.outcomes[0], hprt.HprtError)
+    lines = str(err).splitlines()
+    assert lines[0] == "rank 1 of 2 failed: boom"
+    assert lines[2] == "  rank 1: Failing: boom  (first failure)"
+    assert lines[3].startswith("  rank 0: ") and lines[3].endswith("(after rank 1 failed)")
+
+
+def test_a_0d_parameter_is_refused_as_fsdp2_refuses_it():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    def rank_fn(rank):
+        with pytest.raises(ValueError, match=r"Shard dim 0 is invalid for 0D tensor: torch.Size\(\[\]\) "
+                                             r"\(parameter 'scale'\)"):
+            ht.fully_shard(Scaled())
+        m = Scaled()
+        ht.fully_shard(m, ignored_params={m.scale})  # what the message suggests
+        return m(torch.ones(1, 4)).shape
+
+    assert ht.run_on_ranks(2, rank_fn) == [torch.Size([1, 4])] * 2
+
+
 def test_rendezvous_over_a_torch_process_group(tmp_path):
     """Two processes over gloo: rank 0's unique id reaches both; the cpu backend refuses at
     once (its ranks are threads of one process) instead of timing out."""
@@ -561,8 +661,6 @@ def test_torch_allocated_memory_path_is_bit_exact(name):
     borrows torch's gradients and copies between the two) on the cpu backend, where torch's
     host tensors are device memory: what hardware adds is only torch's stream as hprt's
     compute stream (untested here)."""
-    from hprt import fsdp
-
     case = CASES[name]
     template = MODELS[case.model]()
 

@@ -141,6 +141,46 @@ def test_accumulation_threshold_offload_and_mixed_precision():
         assert np.array_equal(gathered, FULL.astype(np.float16))
 
 
+def test_gathered_and_gradient_memory_under_a_dlpack_export_is_not_released():
+    """torch / numpy tensors over the gathered parameter or the sharded gradient read hprt's
+    memory directly: shard() and free_grad() would leave them reading the next allocation's
+    bytes. Refused while the export lives (the parameter stays unsharded), done once it is
+    dropped."""
+    torch = pytest.importorskip("torch")
+
+    def rank(p, cache, streams, r):
+        w = hprt.ShardedParam(cache, streams, dp_mesh("fsdp", 2), "w", FULL)
+        w.unshard()
+        streams.compute.synchronize()
+        full = torch.from_dlpack(w.unsharded())
+        for release in (w.shard, w.to_sharded):
+            with pytest.raises(hprt.BufferExportedError):
+                release()
+        assert w.state == "unsharded" and np.array_equal(full.numpy(), FULL)
+        del full
+        w.shard()
+        assert w.state == "sharded"
+        w.reduce_grad(grad_of(r), op="sum")
+        g = np.from_dlpack(w.sharded_grad())
+        w.clear_grad()  # hides the gradient; its memory is still exported
+        with pytest.raises(BufferError):
+            w.free_grad()
+        del g
+        w.free_grad()
+        dev = w.sharded_grad_device_tensor()
+        assert dev is None
+        w.reduce_grad(grad_of(r), op="sum")
+        dev = w.sharded_grad_device_tensor()
+        view = np.from_dlpack(dev)
+        with pytest.raises(BufferError):
+            w.free_grad()
+        del view
+        w.free_grad()
+        return True
+
+    assert run_ranks(2, rank) == [True, True]
+
+
 def test_bad_arguments_are_typed_errors():
     def rank(p, cache, streams, r):
         dp = dp_mesh("fsdp", 1)

@@ -183,7 +183,7 @@ def test_raw_pointer_wrap_releases_its_owner():
             released.set()
 
     arr = np.zeros(4, dtype=np.uint8)
-    buf = p.wrap_device_memory(arr.ctypes.data, 4, Owner())
+    buf = p.unsafe_wrap_device_memory(arr.ctypes.data, 4, Owner())
     assert buf.is_borrowed and not released.is_set()
     with pytest.raises(hprt.UnsupportedError):
         buf.resize(0)  # framework memory is not hprt's to resize
@@ -193,6 +193,65 @@ def test_raw_pointer_wrap_releases_its_owner():
     gc.collect()
     p.create_stream()  # a Python call gives the deferred decref a chance to run
     assert released.wait(5)
+
+
+def test_memory_under_a_dlpack_export_is_neither_freed_nor_resized(p):
+    """A numpy / torch tensor over hprt memory reads it directly: freed or resized under it, the
+    tensor would read and write the next allocation's bytes (pinned memory: a segfault). While
+    an export lives, free and resize are refused, as bytearray refuses a resize under a
+    memoryview."""
+    torch = pytest.importorskip("torch")
+    s = p.create_stream()
+    buf = p.alloc_device(64)
+    a = np.from_dlpack(buf.view("f32", [4], offset=16))
+    for op in (buf.free, lambda: buf.resize(0), lambda: buf.resize(128)):
+        with pytest.raises(hprt.BufferExportedError) as e:
+            op()
+        assert isinstance(e.value, BufferError) and isinstance(e.value, hprt.HprtError)
+        assert e.value.status == "HP_ERROR_BUFFER_EXPORTED" and "DLPack export" in str(e.value)
+    assert buf.nbytes == 64 and not buf.is_freed
+    a[:] = 7  # still the buffer's memory
+    assert p.read(buf, 4, s, offset=16) == np.float32(7).tobytes()
+    rest = a[1:]  # a numpy view of the array keeps the export
+    del a
+    with pytest.raises(BufferError):
+        buf.free()
+    del rest
+    buf.resize(0)  # no export left
+    buf.resize(64)
+    t = torch.from_dlpack(buf.view("f32", [16]))
+    with pytest.raises(BufferError):
+        buf.free()
+    del t
+    buf.free()
+    assert buf.is_freed
+    capsule = p.alloc_device(8)
+    unconsumed = capsule.view("u8", [8]).__dlpack__()  # a capsule nobody imported yet
+    with pytest.raises(BufferError):
+        capsule.free()
+    del unconsumed
+    capsule.free()
+    pin = p.alloc_pinned(64)
+    b = np.from_dlpack(pin.view("u8", [64]))
+    with pytest.raises(hprt.BufferExportedError):
+        pin.free()
+    b[0] = 1
+    assert pin.read(0, 1) == b"\x01"
+    del b
+    pin.free()
+    p.alloc_device(0).view("f32", [0]).__dlpack__()  # an empty export holds nothing
+
+
+def test_raw_pointer_wrapping_says_it_is_unsafe(p):
+    """Nothing can check a raw pointer (wrapping 0x1000 and copying from it segfaults), so the
+    call says so in its name; the old name stays an alias until its last caller moved."""
+    assert "unsafe" in p.unsafe_wrap_device_memory.__doc__.lower()
+    with pytest.raises(hprt.InvalidValueError):
+        p.unsafe_wrap_device_memory(0, 4)
+    arr = np.arange(4, dtype=np.uint8)
+    for wrap in (p.unsafe_wrap_device_memory, p.wrap_device_memory):
+        buf = wrap(arr.ctypes.data, 4, arr)
+        assert buf.is_borrowed and p.read(buf, 4, p.create_stream()) == arr.tobytes()
 
 
 def test_wrap_stream_shares_the_stream(p):

@@ -1,5 +1,6 @@
 """Untrusted compressed bytes and misused arguments: typed errors, never an abort."""
 
+import os
 import struct
 
 import numpy as np
@@ -93,3 +94,57 @@ def test_an_oversized_device_mesh_is_an_error_not_an_abort(shape):
         hprt.DeviceMesh(shape)
     assert e.value.status == "HP_HSDP_INVALID_MESH"
     assert "mesh size limit" in str(e.value)
+
+
+def test_a_corrupt_bomb_costs_no_resident_memory_for_its_declared_output():
+    """360 bytes declaring 1 GiB, every chunk checksum wrong: the decoder stops at the first
+    chunk. The output's pages are untouched until decoded into (it zero-filled all of them
+    first: 1 GiB resident for nothing)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+import hprt
+from test_untrusted_input import constant_bomb
+bomb = constant_bomb(16)
+assert len(bomb) == 360 and hprt.compressed_info(bomb)["raw_bytes"] == 1 << 30
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    hprt.decompress(bomb)
+except hprt.CompressError as e:
+    assert e.status == "HP_COMPRESS_CORRUPT", e
+else:
+    raise AssertionError("decoded a corrupt encoding")
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    grown_kib = int(out.stdout.split()[-1])
+    # The first chunk (64 MiB) is decoded before its checksum fails; nothing beyond it.
+    assert grown_kib < 160 << 10, f"{grown_kib} KiB resident for a 360-byte corrupt file"
+
+
+def test_a_refused_output_allocation_names_its_size():
+    bomb = constant_bomb(4000)  # 250 GiB declared: more than any CI machine maps
+    with pytest.raises(MemoryError) as e:
+        hprt.decompress(bomb)
+    assert str(e.value) == f"HP_ERROR_OUT_OF_MEMORY: cannot allocate {250 << 30} host bytes " \
+        "for the decoded output (decompress(blob, max_output=...) refuses it before allocating)"
+
+
+@pytest.mark.parametrize("name", ["F32", "bf16 ", " f32", "Float32", "BFLOAT16", "torch.F16", "f 32"])
+def test_dtype_names_are_exact(name):
+    with pytest.raises(hprt.InvalidValueError) as e:
+        hprt.compress_bytes(bytes(8), name)
+    assert "unknown dtype" in str(e.value)
+    p = hprt.cpu_platform(device_memory=1 << 10)
+    with pytest.raises(hprt.InvalidValueError):
+        p.alloc_device(8).view(name, [2])
+
+
+@pytest.mark.parametrize("name", ["f32", "float32", "torch.float32", "float", "bf16", "torch.bfloat16",
+                                  "f16", "half", "float16"])
+def test_exact_dtype_names_are_accepted(name):
+    assert hprt.compressed_info(hprt.compress_bytes(bytes(8), name))["raw_bytes"] == 8

@@ -148,8 +148,9 @@ pub struct HprtMemoryStats {
     pub pinned_allocations: usize,
 }
 
-/// Longest unique id `hprt_unique_id` produces, in bytes.
-pub const HPRT_UNIQUE_ID_MAX_BYTES: usize = 4096;
+/// Longest unique id `hprt_unique_id` produces, in bytes: HCCL's root info (4,108 bytes) is the
+/// longest; NCCL's id has 128. A buffer of this size holds the id of every backend.
+pub const HPRT_UNIQUE_ID_MAX_BYTES: usize = 4108;
 
 handle_kind!(HprtPlatform, 1, "platform");
 handle_kind!(HprtStream, 2, "stream");

@@ -167,13 +167,19 @@ impl Allocator for CAllocator {
     }
 }
 
-pub(crate) fn compression(c: HprtCompression) -> Compression {
-    match c {
-        HprtCompression::Off => Compression::Off,
-        HprtCompression::Device => Compression::Device,
-        HprtCompression::HostStage => Compression::HostStage,
-        HprtCompression::Auto => Compression::Auto,
-    }
+/// A `HprtCompression` value from C, checked (an out-of-range integer is an error, not UB).
+pub(crate) fn compression(v: i32) -> FfiResult<Compression> {
+    use HprtCompression as C;
+    [C::Off, C::Device, C::HostStage, C::Auto]
+        .into_iter()
+        .find(|c| *c as i32 == v)
+        .map(|c| match c {
+            C::Off => Compression::Off,
+            C::Device => Compression::Device,
+            C::HostStage => Compression::HostStage,
+            C::Auto => Compression::Auto,
+        })
+        .ok_or_else(|| FfiError::invalid(format!("{v} is not an HprtCompression")))
 }
 
 /// A NUL-terminated UTF-8 group name.
@@ -199,12 +205,24 @@ fn c_ref(r: SavedRef) -> HprtSavedRef {
 }
 
 /// A tensor of `bytes` at `offset` in `storage`.
+/// `storage` as a tensor for `engine`, which copies it with its own platform: a buffer of
+/// another platform value (or backend), or one already freed, is refused here rather than at
+/// its offload.
 pub(crate) fn view(
+    engine: &hprt_swap::SwapEngine,
     storage: &DeviceBuffer,
     offset: usize,
     bytes: usize,
     dtype: i32,
 ) -> FfiResult<DeviceTensor> {
+    // An empty memset queues nothing: it only runs the platform's checks of the buffer.
+    engine
+        .platform()
+        .memset_async(storage, 0, 0, 0, engine.d2h_stream())
+        .map_err(|e| FfiError {
+            status: e.kind().status(),
+            message: format!("storage: {}", e.message),
+        })?;
     let dtype: DType = dtype_arg(dtype)?;
     if bytes % dtype.size() != 0 {
         return Err(FfiError::invalid(format!(
@@ -372,9 +390,13 @@ pub unsafe extern "C" fn hprt_swap_save(
 ) -> HprtStatus {
     guard("hprt_swap_save", || {
         let (m, s) = (manager_mut(manager)?, arg(storage, "storage")?);
-        let r = m
-            .manager
-            .save(Saved::Tensor(view(&s.0, offset, bytes, dtype)?))?;
+        let r = m.manager.save(Saved::Tensor(view(
+            m.manager.engine(),
+            &s.0,
+            offset,
+            bytes,
+            dtype,
+        )?))?;
         // SAFETY: the caller's contract.
         unsafe { out(out_ref, "out_ref", c_ref(r)) }
     })
@@ -505,18 +527,20 @@ pub(crate) fn stats_of(engine: &hprt_swap::SwapEngine) -> HprtSwapStats {
     }
 }
 
-/// Compress-then-swap for the tensors offloaded from now on.
+/// Compress-then-swap for the tensors offloaded from now on. `mode` is an `HprtCompression`
+/// (another value is `HPRT_STATUS_ERROR_INVALID_VALUE`).
 ///
 /// # Safety
 /// `manager` live.
 #[no_mangle]
 pub unsafe extern "C" fn hprt_swap_set_compression(
     manager: *mut HprtSwapManager,
-    mode: HprtCompression,
+    mode: i32,
 ) -> HprtStatus {
     guard("hprt_swap_set_compression", || {
+        let mode = compression(mode)?;
         let m = manager_mut(manager)?;
-        m.manager.engine_mut().set_compression(compression(mode));
+        m.manager.engine_mut().set_compression(mode);
         Ok(())
     })
 }
@@ -615,9 +639,10 @@ pub unsafe extern "C" fn hprt_swap_add_storage(
         let (m, s) = (manager_mut(manager)?, arg(storage, "storage")?);
         // SAFETY: the caller's contract.
         let name = unsafe { name_arg(group_name) }?;
-        let r = m
-            .manager
-            .add_storage(name, Saved::Tensor(view(&s.0, offset, bytes, dtype)?))?;
+        let r = m.manager.add_storage(
+            name,
+            Saved::Tensor(view(m.manager.engine(), &s.0, offset, bytes, dtype)?),
+        )?;
         // SAFETY: the caller's contract.
         unsafe { out(out_ref, "out_ref", c_ref(r)) }
     })

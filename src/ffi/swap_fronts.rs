@@ -14,9 +14,7 @@ use hprt_swap::{
 
 use super::handle::{handle_kind, Exclusive};
 use super::platform::{HprtDeviceBuffer, HprtPlatform, HprtStream};
-use super::swap::{
-    compression, name_arg, stats_of, view, write_text, HprtCompression, HprtSwapStats,
-};
+use super::swap::{compression, name_arg, stats_of, view, write_text, HprtSwapStats};
 use super::{arg, arg_mut, guard, out, publish, release, FfiError, FfiResult, HprtStatus};
 
 /// Keyed swap: layers registered per module tag, tensors packed and unpacked by key.
@@ -154,7 +152,7 @@ pub unsafe extern "C" fn hprt_keyed_swap_out_cur_and_release_prev(
             .get(layer)
             .ok_or_else(|| FfiError::invalid(format!("layer {layer} was not registered")))?
             .clone();
-        let t = Saved::Tensor(view(&s.0, offset, bytes, dtype)?);
+        let t = Saved::Tensor(view(k.swap.engine(), &s.0, offset, bytes, dtype)?);
         let key = match k.swap.swap_out_cur_and_release_prev(&ctx, t, &c.0)? {
             Packed::Kept(_) => HprtTensorKey::default(),
             Packed::Swapped(key) => HprtTensorKey {
@@ -199,18 +197,20 @@ pub unsafe extern "C" fn hprt_keyed_wait_cur_and_prefetch_next(
     })
 }
 
-/// Compress-then-swap for the tensors packed from now on.
+/// Compress-then-swap for the tensors packed from now on. `mode` is an `HprtCompression`
+/// (another value is `HPRT_STATUS_ERROR_INVALID_VALUE`).
 ///
 /// # Safety
 /// `swap` live.
 #[no_mangle]
 pub unsafe extern "C" fn hprt_keyed_set_compression(
     swap: *mut HprtKeyedSwap,
-    mode: HprtCompression,
+    mode: i32,
 ) -> HprtStatus {
     guard("hprt_keyed_set_compression", || {
+        let mode = compression(mode)?;
         let k = arg_mut(swap, "swap")?;
-        k.swap.engine_mut().set_compression(compression(mode));
+        k.swap.engine_mut().set_compression(mode);
         Ok(())
     })
 }
@@ -243,7 +243,8 @@ pub unsafe extern "C" fn hprt_keyed_stats(
 
 /// Megatron-LM's pipeline offload on `platform`: tensors under `min_tensor_elems` elements stay
 /// on the device, at most `max_inflight_offloads` groups are in flight, and after warm-up the
-/// last `keep_last_groups` groups of each chunk stay on the device.
+/// last `keep_last_groups` groups of each chunk stay on the device. `mode` is an
+/// `HprtCompression` (another value is `HPRT_STATUS_ERROR_INVALID_VALUE`).
 ///
 /// # Safety
 /// `platform` live; `out_offload` valid for writing.
@@ -254,17 +255,18 @@ pub unsafe extern "C" fn hprt_pipeline_create(
     max_inflight_offloads: usize,
     keep_last_groups: usize,
     host_budget: usize,
-    mode: HprtCompression,
+    mode: i32,
     out_offload: *mut *mut HprtPipelineOffload,
 ) -> HprtStatus {
     guard("hprt_pipeline_create", || {
         let p = arg(platform, "platform")?;
+        let mode = compression(mode)?;
         let cfg = PipelineConfig {
             min_tensor_elems,
             max_inflight_offloads,
             keep_last_groups,
             pool: pool(host_budget),
-            compression: compression(mode),
+            compression: mode,
         };
         // SAFETY: the caller's contract.
         unsafe {
@@ -363,9 +365,13 @@ pub unsafe extern "C" fn hprt_pipeline_save(
 ) -> HprtStatus {
     guard("hprt_pipeline_save", || {
         let (o, s) = (arg_mut(offload, "offload")?, arg(storage, "storage")?);
-        let tag = o
-            .offload
-            .save(Saved::Tensor(view(&s.0, offset, bytes, dtype)?))?;
+        let tag = o.offload.save(Saved::Tensor(view(
+            o.offload.engine(),
+            &s.0,
+            offset,
+            bytes,
+            dtype,
+        )?))?;
         let offloaded = i32::from(matches!(tag, OffloadTag::Offloaded { .. }));
         o.tags.push(tag);
         // SAFETY: the caller's contract.

@@ -58,7 +58,7 @@ pub fn bench(platform: impl Into<PlatformHandle>, max_bytes: usize) -> Result<St
     per_tensor_cost(&platform, &mut out)?;
     front_end_cost(&platform, &mut out)?;
     throughput(&platform, max_bytes, &mut out)?;
-    compressed_link_bytes(&platform, &mut out)?;
+    compressed_link_bytes(&platform, 1 << 20, &mut out)?;
     step_overhead(&platform, &mut out)?;
     Ok(out)
 }
@@ -245,17 +245,36 @@ fn drive(
     }
 }
 
-/// Compress-then-swap against plain swap on the codec's synthetic activations: bytes over the
-/// host link, pinned memory held, codec time.
-fn compressed_link_bytes(platform: &PlatformHandle, out: &mut String) -> Result<()> {
-    const NUMEL: usize = 1 << 20;
+/// What the `Device` rows of [`compressed_link_bytes`] ran: the platform's device codec, by
+/// name (`codec_for`: the CUDA kernels on cuda, the CPU codec through host functions elsewhere).
+fn device_codec_note(p: &dyn Platform) -> String {
+    match hprt_compress::device::codec_for(p).name() {
+        "host" => format!(
+            "The device codec is the host fallback on this backend ({}; no device kernels): its own staging copies are not counted, as a device codec would not make them; `auto` picks the host stage for it, which moves the raw bytes but holds no pinned memory while offloaded.",
+            p.backend()
+        ),
+        "cuda" => format!(
+            "The device codec is the CUDA kernels on this backend ({}, codec `cuda`: encode and decode run on the device, compiled by NVRTC); only the encoding crosses the link and is held in pinned memory; `auto` picks it.",
+            p.backend()
+        ),
+        other => format!(
+            "The device codec is `{other}` on this backend ({}); `auto` picks it.",
+            p.backend()
+        ),
+    }
+}
+
+/// Compress-then-swap against plain swap on the codec's synthetic activations of `numel`
+/// elements: bytes over the host link, pinned memory held, codec time.
+fn compressed_link_bytes(platform: &PlatformHandle, numel: usize, out: &mut String) -> Result<()> {
     let p: &dyn Platform = &**platform;
     let s = p.create_stream()?;
     let _ = writeln!(
         out,
-        "##### Compress-then-swap vs plain swap (bf16 synthetic activations of `hprt_compress::data`, {NUMEL} elements each; link = bytes the engine moved over the host link both ways, ratio = plain / compressed)\n\n\
-         The device codec is the host fallback on this backend (no device kernels): its own staging copies are not counted, as a device codec would not make them; `auto` picks the host stage for it, which moves the raw bytes but holds no pinned memory while offloaded.\n\n\
-         | data | mode | link MiB | link ratio | pinned held while offloaded MiB | codec ms |\n|---|---|---:|---:|---:|---:|"
+        "##### Compress-then-swap vs plain swap (bf16 synthetic activations of `hprt_compress::data`, {numel} elements each; link = bytes the engine moved over the host link both ways, ratio = plain / compressed)\n\n\
+         {}\n\n\
+         | data | mode | link MiB | link ratio | pinned held while offloaded MiB | codec ms |\n|---|---|---:|---:|---:|---:|",
+        device_codec_note(p)
     );
     for kind in [
         DataKind::Gelu,
@@ -263,7 +282,7 @@ fn compressed_link_bytes(platform: &PlatformHandle, out: &mut String) -> Result<
         DataKind::Softmax,
         DataKind::Gaussian,
     ] {
-        let data = generate(kind, CodecDType::BF16, NUMEL, 3);
+        let data = generate(kind, CodecDType::BF16, numel, 3);
         let mut plain = 0u64;
         for mode in [
             Compression::Off,
@@ -279,7 +298,7 @@ fn compressed_link_bytes(platform: &PlatformHandle, out: &mut String) -> Result<
             )?;
             let buf = p.alloc_device(data.len())?;
             p.write_device_sync(&buf, 0, &data, &s)?;
-            let t = DeviceTensor::whole(buf.clone(), DType::BF16, vec![NUMEL]);
+            let t = DeviceTensor::whole(buf.clone(), DType::BF16, vec![numel]);
             let mut t = SwapTensor::new(Saved::Tensor(t))?;
             engine.offload([&mut t], &s)?;
             engine.finish_offload([&mut t])?;
@@ -401,7 +420,7 @@ fn throughput(platform: &PlatformHandle, max_bytes: usize, out: &mut String) -> 
     let _ = writeln!(
         out,
         "##### Offload + reload vs raw stream copies of the same bytes (ratio = raw time / swap time; goal >= 0.95 from 4 MiB)\n\n\
-         The second baseline adds the device release and re-acquisition swap must make (fresh pages on the cpu backend).\n\n\
+         The second baseline adds the device release and re-acquisition swap must make (served by the backend's allocation cache once warm, `HP_CPU_ALLOC_CACHE` / `HP_CUDA_ALLOC_CACHE`; with the cache off, a fresh allocation each time).\n\n\
          | size | raw D2H+H2D GB/s | swap GB/s | ratio | raw + release/re-acquire GB/s | ratio |\n|---:|---:|---:|---:|---:|---:|"
     );
     let mut bytes = 4 << 20;
@@ -478,4 +497,31 @@ fn step_overhead(platform: &PlatformHandle, out: &mut String) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The compress rows name the codec that ran: on cuda the CUDA kernels (the section said
+    /// "the host fallback on this backend (no device kernels)" on every backend before), on
+    /// cpu the host fallback.
+    #[test]
+    fn the_compress_rows_name_the_device_codec_that_ran() {
+        let cuda = hprt_conformance::cuda_emulator::open().expect("cuda on the CUDA emulator");
+        let note = device_codec_note(&cuda);
+        assert!(note.contains("the CUDA kernels"), "{note}");
+        assert!(!note.contains("host fallback"), "{note}");
+        let cpu: Arc<dyn Platform> = Arc::new(hprt_platform::CpuBackend::new(
+            hprt_platform::CpuConfig::default(),
+        ));
+        let mut out = String::new();
+        compressed_link_bytes(&PlatformHandle::from(cpu), 4096, &mut out).unwrap();
+        assert!(
+            out.contains("the host fallback on this backend (cpu"),
+            "{out}"
+        );
+        assert!(!out.contains("CUDA kernels"), "{out}");
+        assert!(out.contains("| gelu | Device |"), "{out}");
+    }
 }

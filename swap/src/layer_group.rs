@@ -291,8 +291,18 @@ impl SwapManager {
 
     /// The layer's forward begins: values saved from now on join its group. A layer whose
     /// backward finished starts a new iteration: its previous group is dropped. (A forward
-    /// during the layer's backward is a checkpointed recomputation: nothing changes.)
+    /// during the layer's backward is a checkpointed recomputation: nothing changes.) Groups do
+    /// not nest: a forward_pre inside another layer's forward is refused.
     pub fn forward_pre(&mut self, layer: LayerId) -> Result<()> {
+        if let Some(open) = self.current.filter(|&c| c != layer) {
+            if self.layer(layer)?.phase != Phase::PreBackward {
+                return Err(SwapError::Order(format!(
+                    "forward_pre of layer {} inside the forward of layer {} (its forward_post \
+                     has not come): layer groups do not nest",
+                    layer.0, open.0
+                )));
+            }
+        }
         let l = self.layer(layer)?;
         match l.phase {
             Phase::PreBackward => return Ok(()),

@@ -1,21 +1,36 @@
 // hprt codec, format version 2 (compress/FORMAT.md), as CUDA C for NVRTC.
 //
-// One source, two compilers: NVRTC for the device, and the host C++ compiler in the byte-equality
-// test, where a shim gives the launch variables the values of a one-thread launch (blockIdx = 0,
-// blockDim = gridDim = 1) and makes __syncthreads a no-op. Every kernel is therefore written with
-// loops over its blocks (`b += gridDim.x`) and over its lanes (`l += blockDim.x`) and only
-// communicates between lanes through __shared__ arrays separated by __syncthreads: a single host
-// thread running each phase for every lane before the next computes what the warp computes.
+// One source, three compilers: NVRTC for the device; the CUDA emulator's NVRTC, which compiles it
+// as host C++ against platform/src/cuda/host_shim.h (every block's threads are fibers that meet
+// at barriers and warp operations); and the byte-equality test in cuda.rs, which compiles it the
+// same way and calls the kernels through the shim's grid runner.
 //
-// Launch shapes (the host side is `CudaCodec` in cuda.rs; G = 4096): histogram
-// <<<min(numel / 256, G), 256>>> into zeroed counts and checksum terms, table <<<1, 512>>>,
-// encode_blocks <<<min(blocks, G), 32>>> (one warp per block: lane l owns rANS state l),
-// scan <<<1, T <= 1024>>> (256), place <<<min(blocks, G), 256>>>, finish <<<1, 1>>>;
-// decode_prefix <<<1, 1>>>, decode_blocks <<<min(max_blocks, G), 32>>> into zeroed checksum
-// terms (the host does not know the block count: max_blocks bounds it, extra blocks return),
-// decode_check <<<1, 1>>>. All on one stream, with no host round trip: lengths, offsets and the
-// total travel in device memory; the host reads back only the encoding's length and the
-// decoder's status word.
+// Batched: one launch sequence codes a batch of tensors. The host writes a header and one
+// descriptor per tensor at the start of the workspace (one host-to-device copy), and every
+// kernel reads them from there: its only parameter is the workspace. Work items are coding
+// blocks numbered across the batch ("global blocks"); a tensor's blocks are consecutive.
+//
+// Encode, three launches (cuda.rs `CudaCodec`; W = HPRT_WARPS warps of 32 threads a CTA):
+//   count  <<<min(blocks, G), 256>>>  one pass over the input: the symbol histogram (shared
+//          memory, then u64 atomics) and the checksum terms from the same 16-byte loads; the
+//          CTA that finishes a tensor's last block builds its frequency table (FORMAT.md's
+//          normalisation, in shared memory) and zeroes the counts for the next use.
+//   encode <<<min(ceil(blocks / W), G), 32 W>>>  warp per block: the table in shared memory,
+//          32 interleaved rANS states (lane l owns state l), emitting lanes' word positions by
+//          ballot + popcount, the mantissa stream packed by shuffles from the same loads; the
+//          payload goes to the block's slot in the workspace. The warp that finishes a
+//          tensor's last block scans its block lengths, writes header, table, index and prefix
+//          checksum, and the encoding's length (device memory: the host reads it after an event).
+//   place  <<<min(blocks, G), 128>>>  every payload from its slot to its place after the prefix.
+// Decode, one launch:
+//   decode <<<G', 32 W>>>  per tensor, every CTA checks the prefix (header, prefix checksum,
+//          table, block lengths) and builds the decoding table in shared memory; its warps
+//          decode blocks (warp per block) straight into the output, with their checksum terms;
+//          the CTA that finishes last compares the tensor checksum and leaves the status word.
+// Counters that make "last" work (tickets, histogram, checksum terms) are zero between launch
+// sequences: the workspace starts zeroed and each sequence's last user of a counter resets it,
+// so no memset runs per call. Nothing waits on the host: lengths, offsets and statuses travel in
+// device memory.
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -24,6 +39,8 @@ typedef unsigned short u16;
 typedef unsigned char u8;
 
 #define HPRT_LANES 32u
+#define HPRT_WARPS 4u
+#define HPRT_FULL 0xffffffffu
 #define HPRT_HEADER_LEN 48u
 #define HPRT_STATES_LEN 128u
 #define HPRT_RANS_L (1u << 15)
@@ -41,6 +58,49 @@ typedef unsigned char u8;
 #define HPRT_BAD_DATA 8u
 #define HPRT_MISMATCH 9u
 #define HPRT_VERSION_1 10u
+
+// Workspace layout (u64 words at the start; cuda.rs `Layout` writes them).
+#define HPRT_W_TENSORS 0
+#define HPRT_W_BLOCKS 1
+#define HPRT_W_HIST 2
+#define HPRT_W_TABLE 3
+#define HPRT_W_COUNTERS 4
+#define HPRT_W_RESULTS 5
+#define HPRT_W_LENS 6
+#define HPRT_W_OFFSETS 7
+#define HPRT_W_DESC 8
+#define HPRT_HEAD_WORDS 16
+// Descriptor fields (u64 each, HPRT_DESC_WORDS per tensor).
+#define HPRT_D_SRC 0        // encode: the tensor; decode: the encoding
+#define HPRT_D_DST 1        // encode: the scratch buffer; decode: the tensor
+#define HPRT_D_NUMEL 2
+#define HPRT_D_LEN 3        // decode: the encoding's length
+#define HPRT_D_DTYPE 4      // dtype code
+#define HPRT_D_SIZE 5       // element bytes
+#define HPRT_D_MANT 6       // mantissa bits
+#define HPRT_D_PROB 7       // encode: prob_bits
+#define HPRT_D_BLOCK 8      // encode: block_elems
+#define HPRT_D_NBLOCKS 9    // encode: blocks; decode: the most blocks the encoding can have
+#define HPRT_D_FIRST 10     // encode: the tensor's first global block
+#define HPRT_D_SLOT 11      // encode: workspace offset of its slots
+#define HPRT_D_SLOT_BYTES 12
+#define HPRT_DESC_WORDS 16
+// Per-tensor counters (u64 each, HPRT_CTR_WORDS per tensor); zero between sequences except
+// TOTAL and PREFIX, which the encode finisher writes for place.
+#define HPRT_C_TERMS 0
+#define HPRT_C_COUNT_DONE 1
+#define HPRT_C_ENCODE_DONE 2
+#define HPRT_C_TOTAL 3
+#define HPRT_C_PREFIX 4
+#define HPRT_C_STATUS 5
+#define HPRT_C_DECODE_DONE 6
+#define HPRT_CTR_WORDS 8
+
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+typedef ulonglong2 hprt_u128;
+#else
+struct hprt_u128 { u64 x, y; };
+#endif
 
 __device__ __forceinline__ u64 hprt_term(u64 w, u64 i) {
     u64 z = (w ^ (i * HPRT_K1)) * HPRT_K2;
@@ -62,13 +122,20 @@ __device__ __forceinline__ u64 hprt_word(const u8* p, u64 len, u64 i) {
     return w;
 }
 
-__device__ __forceinline__ u32 hprt_load(const u8* p, u64 i, u32 size) {
+// Element `i` of `p` (elements of `size` bytes; `aligned`: p is size-aligned).
+__device__ __forceinline__ u32 hprt_load(const u8* p, u64 i, u32 size, int aligned) {
+    if (aligned) return size == 2 ? (u32)((const u16*)p)[i] : ((const u32*)p)[i];
     u32 v = 0;
     for (u32 k = 0; k < size; ++k) v |= (u32)p[i * size + k] << (8 * k);
     return v;
 }
 
-__device__ __forceinline__ void hprt_store(u8* p, u64 i, u32 size, u32 v) {
+__device__ __forceinline__ void hprt_store(u8* p, u64 i, u32 size, u32 v, int aligned) {
+    if (aligned) {
+        if (size == 2) ((u16*)p)[i] = (u16)v;
+        else ((u32*)p)[i] = v;
+        return;
+    }
     for (u32 k = 0; k < size; ++k) p[i * size + k] = (u8)(v >> (8 * k));
 }
 
@@ -86,22 +153,39 @@ __device__ __forceinline__ u32 hprt_get_u32(const u8* p) {
     return (u32)p[0] | (u32)p[1] << 8 | (u32)p[2] << 16 | (u32)p[3] << 24;
 }
 
-// Symbol counts (u64 per symbol of the alphabet) and the checksum terms of the input bytes.
-extern "C" __global__ void hprt_codec_histogram(const u8* src, u64 numel, u32 size, u32 mant_bits,
-                                                u64* hist, u64* terms) {
-    __shared__ u32 local[512];
-    for (u32 s = threadIdx.x; s < 512; s += blockDim.x) local[s] = 0;
-    __syncthreads();
-    u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += stride)
-        atomicAdd(&local[(hprt_load(src, i, size) >> mant_bits) & 511u], 1u);
-    __syncthreads();
-    for (u32 s = threadIdx.x; s < 512; s += blockDim.x)
-        if (local[s]) atomicAdd(&hist[s], (u64)local[s]);
-    u64 nbytes = numel * size, words = (nbytes + 7) / 8, sum = 0;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += stride)
-        sum += hprt_term(hprt_word(src, nbytes, i), i);
-    if (sum) atomicAdd(terms, sum);
+__device__ __forceinline__ const u64* hprt_head(const u8* ws) { return (const u64*)ws; }
+
+__device__ __forceinline__ const u64* hprt_desc(const u8* ws, u32 t) {
+    return (const u64*)(ws + hprt_head(ws)[HPRT_W_DESC]) + (u64)t * HPRT_DESC_WORDS;
+}
+
+__device__ __forceinline__ u64* hprt_ctr(u8* ws, u32 t) {
+    return (u64*)(ws + hprt_head(ws)[HPRT_W_COUNTERS]) + (u64)t * HPRT_CTR_WORDS;
+}
+
+// The tensor holding global block `gb` (descriptors are in block order).
+__device__ __forceinline__ u32 hprt_tensor_of(const u8* ws, u64 gb) {
+    u32 lo = 0, hi = (u32)hprt_head(ws)[HPRT_W_TENSORS];
+    while (hi - lo > 1) {
+        u32 mid = (lo + hi) / 2;
+        if (hprt_desc(ws, mid)[HPRT_D_FIRST] <= gb) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+__device__ __forceinline__ u64 hprt_volatile_u64(const u64* p) { return *(const volatile u64*)p; }
+__device__ __forceinline__ u32 hprt_volatile_u32(const u32* p) { return *(const volatile u32*)p; }
+
+// Sum over the warp (every lane gets it).
+__device__ __forceinline__ u64 hprt_warp_sum(u64 v) {
+    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(HPRT_FULL, v, d);
+    return v;
+}
+
+// Bitwise or over the warp (every lane gets it).
+__device__ __forceinline__ u32 hprt_warp_or(u32 v) {
+    for (int d = 16; d > 0; d >>= 1) v |= __shfl_xor_sync(HPRT_FULL, v, d);
+    return v;
 }
 
 // Whether symbol `b` is a better unit to move than `a` (0xffffffff: none): for `take`, the
@@ -122,16 +206,11 @@ __device__ __forceinline__ int hprt_better(const u64* counts, const u32* freq, u
     return lhs < rhs || (lhs == rhs && b < a);
 }
 
-// The integer frequency normalisation of FORMAT.md (the same steps as `v2::normalize`), and
-// each symbol's cumulative frequency. One block of up to 512 threads: each unit moved is the
-// best symbol found by a tree reduction over the alphabet (ties: the lowest symbol, as the
-// sequential scan picks).
-extern "C" __global__ void hprt_codec_table(const u64* counts, u32 alphabet, u32 prob_bits,
-                                            u32* freq, u32* cum) {
-    __shared__ u32 best[512];
-    __shared__ u64 n_s, sum_s;
-    __shared__ u32 present_s, last_s;
-    if (blockIdx.x != 0) return;
+// FORMAT.md's integer normalisation of `counts` (shared memory, 512 entries) into `freq`
+// (shared), by the whole CTA: each unit moved is the best symbol found by a tree reduction over
+// the alphabet (ties: the lowest symbol, as the sequential scan picks). `best` is scratch.
+__device__ void hprt_normalise(const u64* counts, u32 alphabet, u32 prob_bits, u32* freq,
+                               u32* best, u64* n_s, u64* sum_s, u32* present_s, u32* last_s) {
     u64 m = 1ull << prob_bits;
     if (threadIdx.x == 0) {
         u64 n = 0;
@@ -140,27 +219,27 @@ extern "C" __global__ void hprt_codec_table(const u64* counts, u32 alphabet, u32
             n += counts[s];
             if (counts[s]) { present += 1; last = s; }
         }
-        n_s = n;
-        present_s = present;
-        last_s = last;
+        *n_s = n;
+        *present_s = present;
+        *last_s = last;
     }
     __syncthreads();
-    u64 n = n_s;
-    for (u32 s = threadIdx.x; s < alphabet; s += blockDim.x) {
-        u64 f = present_s > 1 && counts[s] ? (counts[s] * m + n / 2) / n : 0;
-        freq[s] = (u32)(present_s > 1 && counts[s] && f < 1 ? 1 : f);
+    u64 n = *n_s;
+    for (u32 s = threadIdx.x; s < 512; s += blockDim.x) {
+        u64 f = s < alphabet && *present_s > 1 && counts[s] ? (counts[s] * m + n / 2) / n : 0;
+        freq[s] = (u32)(s < alphabet && *present_s > 1 && counts[s] && f < 1 ? 1 : f);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        if (present_s == 1) freq[last_s] = (u32)m;
+        if (*present_s == 1) freq[*last_s] = (u32)m;
         u64 sum = 0;
         for (u32 s = 0; s < alphabet; ++s) sum += freq[s];
-        sum_s = present_s > 1 ? sum : m;
+        *sum_s = *present_s > 1 ? sum : m;
     }
     __syncthreads();
     // Every thread reads sum_s after a barrier, so all take the same number of turns.
-    while (sum_s != m) {
-        int take = sum_s > m;
+    while (*sum_s != m) {
+        int take = *sum_s > m;
         for (u32 s = threadIdx.x; s < 512; s += blockDim.x)
             best[s] = s < alphabet && (take ? freq[s] > 1 : counts[s] > 0) ? s : 0xffffffffu;
         __syncthreads();
@@ -170,341 +249,501 @@ extern "C" __global__ void hprt_codec_table(const u64* counts, u32 alphabet, u32
             __syncthreads();
         }
         if (threadIdx.x == 0) {
-            if (take) { freq[best[0]] -= 1; sum_s -= 1; }
-            else { freq[best[0]] += 1; sum_s += 1; }
+            if (take) { freq[best[0]] -= 1; *sum_s -= 1; }
+            else { freq[best[0]] += 1; *sum_s += 1; }
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) {
-        u32 c = 0;
-        for (u32 s = 0; s < alphabet; ++s) { cum[s] = c; c += freq[s]; }
+}
+
+// Counts the symbols of one 8-byte word (elements wholly before `n_in_word` only).
+__device__ __forceinline__ void hprt_count_word(u32* local, u64 w, u32 size, u32 mant_bits,
+                                                u32 n_in_word) {
+    u32 per = 8 / size, bits = 8 * size;
+    for (u32 e = 0; e < per && e < n_in_word; ++e) {
+        u32 v = (u32)(w >> (bits * e)) & (size == 4 ? 0xffffffffu : 0xffffu);
+        atomicAdd(&local[(v >> mant_bits) & 511u], 1u);
     }
 }
 
-// Byte `j` of the mantissa stream of elements [0, n) of `src` (w bits each, element k at bit k*w).
-__device__ __forceinline__ u32 hprt_mant_byte(const u8* src, u64 n, u32 size, u32 w, u64 j) {
-    u64 lo = 8 * j, hi = n * w < lo + 8 ? n * w : lo + 8;
-    u32 byte = 0;
-    u32 mask = (1u << w) - 1;
-    for (u64 k = lo / w; k * w < hi; ++k) {
-        u64 m = hprt_load(src, k, size) & mask;
-        i64 sh = (i64)(k * w) - (i64)lo;
-        byte |= (u32)(sh >= 0 ? m << sh : m >> -sh);
-    }
-    return byte & 0xffu;
-}
-
-// One warp per block: the block's payload into its slot of `slot_bytes` (the raw size of a
-// full block, or of the whole tensor when it is smaller), its length into `lens[b]`.
-extern "C" __global__ void hprt_codec_encode_blocks(const u8* src, u64 numel, u32 size,
-                                                    u32 mant_bits, u32 prob_bits, u32 block_elems,
-                                                    const u32* freq, const u32* cum, u8* slots,
-                                                    u32* lens) {
-    __shared__ u32 x[HPRT_LANES];
-    __shared__ u32 emit_s;  // bit l: lane l emits in this group
-    __shared__ u32 pos_s;
-    u64 nblocks = (numel + block_elems - 1) / block_elems;
-    u64 slot_bytes = (numel < block_elems ? numel : (u64)block_elems) * size;
-    u32 m = 1u << prob_bits;
-    for (u64 b = blockIdx.x; b < nblocks; b += gridDim.x) {
-        u64 first = b * block_elems;
-        u32 n = (u32)(numel - first < block_elems ? numel - first : block_elems);
-        const u8* in = src + first * size;
-        u8* slot = slots + b * slot_bytes;
-        u64 raw = (u64)n * size, mlen = ((u64)n * mant_bits + 7) / 8;
-        for (u64 j = threadIdx.x; j < mlen; j += blockDim.x)
-            slot[j] = (u8)hprt_mant_byte(in, n, size, mant_bits, j);
-        for (u32 l = threadIdx.x; l < HPRT_LANES; l += blockDim.x) x[l] = HPRT_RANS_L;
-        if (threadIdx.x == 0) { pos_s = 0; emit_s = 0; }
+extern "C" __global__ void hprt_codec_count(u8* ws) {
+    __shared__ u32 local[512];
+    __shared__ u64 counts[512];
+    __shared__ u32 freq[512];
+    __shared__ u32 best[512];
+    __shared__ u64 sum_s, n_s, fsum_s;
+    __shared__ u32 present_s, last_sym_s, last_s;
+    const u64* head = hprt_head(ws);
+    u64 blocks = head[HPRT_W_BLOCKS];
+    for (u64 gb = blockIdx.x; gb < blocks; gb += gridDim.x) {
+        u32 t = hprt_tensor_of(ws, gb);
+        const u64* d = hprt_desc(ws, t);
+        u64 numel = d[HPRT_D_NUMEL], block_elems = d[HPRT_D_BLOCK];
+        u32 size = (u32)d[HPRT_D_SIZE], mant_bits = (u32)d[HPRT_D_MANT];
+        u64 b = gb - d[HPRT_D_FIRST], first = b * block_elems;
+        u64 n = numel - first < block_elems ? numel - first : block_elems;
+        const u8* p = (const u8*)(d[HPRT_D_SRC]) + first * size;
+        u64 bytes = n * size, words = (bytes + 7) / 8, w0 = first * size / 8;
+        for (u32 s = threadIdx.x; s < 512; s += blockDim.x) local[s] = 0;
+        if (threadIdx.x == 0) sum_s = 0;
         __syncthreads();
-        u32 full = n / HPRT_LANES * HPRT_LANES;
-        u32 groups = full / HPRT_LANES + (n > full ? 1 : 0);
+        u64 sum = 0, done = 0;
+        u32 per = 8 / size;
+        if (((u64)p & 15) == 0) {
+            // Coalesced 16-byte loads: two words, their terms and their symbols.
+            const hprt_u128* v = (const hprt_u128*)p;
+            for (u64 i = threadIdx.x; i < bytes / 16; i += blockDim.x) {
+                hprt_u128 q = v[i];
+                sum += hprt_term(q.x, w0 + 2 * i) + hprt_term(q.y, w0 + 2 * i + 1);
+                hprt_count_word(local, q.x, size, mant_bits, per);
+                hprt_count_word(local, q.y, size, mant_bits, per);
+            }
+            done = bytes / 16 * 2;
+        }
+        for (u64 i = done + threadIdx.x; i < words; i += blockDim.x) {
+            u64 w = hprt_word(p, bytes, i);
+            sum += hprt_term(w, w0 + i);
+            u64 e0 = i * per;
+            hprt_count_word(local, w, size, mant_bits, (u32)(n - e0 < per ? n - e0 : per));
+        }
+        if (sum) atomicAdd(&sum_s, sum);
+        __syncthreads();
+        u64* hist = (u64*)(ws + head[HPRT_W_HIST]) + 512ull * t;
+        u64* ctr = hprt_ctr(ws, t);
+        for (u32 s = threadIdx.x; s < 512; s += blockDim.x)
+            if (local[s]) atomicAdd(&hist[s], (u64)local[s]);
+        if (threadIdx.x == 0 && sum_s) atomicAdd(&ctr[HPRT_C_TERMS], sum_s);
+        // Every thread's counts are out before the ticket is taken.
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0)
+            last_s = atomicAdd(&ctr[HPRT_C_COUNT_DONE], 1ull) == d[HPRT_D_NBLOCKS] - 1;
+        __syncthreads();
+        if (last_s) {
+            // The last block of tensor t: its table, then its counts zeroed for the next use.
+            __threadfence();
+            u32 alphabet = 1u << (8 * size - mant_bits), prob_bits = (u32)d[HPRT_D_PROB];
+            for (u32 s = threadIdx.x; s < 512; s += blockDim.x) counts[s] = hprt_volatile_u64(&hist[s]);
+            __syncthreads();
+            hprt_normalise(counts, alphabet, prob_bits, freq, best, &n_s, &fsum_s, &present_s,
+                           &last_sym_s);
+            u32* table = (u32*)(ws + head[HPRT_W_TABLE]) + 512ull * t;
+            if (threadIdx.x == 0) {
+                u32 c = 0;
+                for (u32 s = 0; s < 512; ++s) {
+                    u32 f = s < alphabet ? freq[s] : 0;
+                    table[s] = f | c << 16;
+                    c += f;
+                }
+                ctr[HPRT_C_COUNT_DONE] = 0;
+            }
+            for (u32 s = threadIdx.x; s < 512; s += blockDim.x) hist[s] = 0;
+        }
+        __syncthreads();
+    }
+}
+
+// The header, table, index and prefix checksum of tensor `t`, and its length, by one warp once
+// every block of it is coded (its lengths are in `lens`).
+__device__ void hprt_encode_finish(u8* ws, u32 t, u32 lane) {
+    const u64* head = hprt_head(ws);
+    const u64* d = hprt_desc(ws, t);
+    u64* ctr = hprt_ctr(ws, t);
+    u64 numel = d[HPRT_D_NUMEL], nb = d[HPRT_D_NBLOCKS], gb0 = d[HPRT_D_FIRST];
+    u32 size = (u32)d[HPRT_D_SIZE], mant_bits = (u32)d[HPRT_D_MANT];
+    u32 alphabet = 1u << (8 * size - mant_bits);
+    const u32* table = (const u32*)(ws + head[HPRT_W_TABLE]) + 512ull * t;
+    const u32* lens = (const u32*)(ws + head[HPRT_W_LENS]) + gb0;
+    u64* offsets = (u64*)(ws + head[HPRT_W_OFFSETS]) + gb0;
+    u8* out = (u8*)(d[HPRT_D_DST]);
+    // Exclusive scan of the block lengths (32 at a time), and their total.
+    u64 run = 0;
+    for (u64 k = 0; k < nb; k += HPRT_LANES) {
+        u64 len = k + lane < nb ? hprt_volatile_u32(&lens[k + lane]) : 0, incl = len;
+        for (u32 dd = 1; dd < HPRT_LANES; dd <<= 1) {
+            u64 o = __shfl_up_sync(HPRT_FULL, incl, dd);
+            if (lane >= dd) incl += o;
+        }
+        if (k + lane < nb) offsets[k + lane] = run + incl - len;
+        run += __shfl_sync(HPRT_FULL, incl, 31);
+    }
+    // Table: the presence bitmap, then the present symbols' frequencies in symbol order.
+    u64 table_at = HPRT_HEADER_LEN + alphabet / 8;
+    u32 present = 0;
+    for (u32 s0 = 0; s0 < alphabet; s0 += HPRT_LANES) {
+        u32 s = s0 + lane;
+        u32 f = s < alphabet ? table[s] & 0xffffu : 0;
+        u32 bal = __ballot_sync(HPRT_FULL, f != 0);
+        if (f) {
+            u64 at = table_at + 2ull * (present + __popc(bal & ((1u << lane) - 1)));
+            out[at] = (u8)f;
+            out[at + 1] = (u8)(f >> 8);
+        }
+        if (lane < 4 && s0 / 8 + lane < alphabet / 8) out[HPRT_HEADER_LEN + s0 / 8 + lane] = (u8)(bal >> (8 * lane));
+        present += __popc(bal);
+    }
+    u64 index_at = table_at + 2ull * present, prefix = index_at + 4 * nb;
+    for (u64 b = lane; b < nb; b += HPRT_LANES) {
+        u32 len = hprt_volatile_u32(&lens[b]);
+        for (u32 k = 0; k < 4; ++k) out[index_at + 4 * b + k] = (u8)(len >> (8 * k));
+    }
+    if (lane == 0) {
+        out[0] = 'H'; out[1] = 'P'; out[2] = 'R'; out[3] = 'Z';
+        out[4] = 2; out[5] = 0;
+        out[6] = (u8)d[HPRT_D_DTYPE];
+        out[7] = (u8)HPRT_LANES;
+        out[8] = (u8)d[HPRT_D_PROB];
+        out[9] = out[10] = out[11] = 0;
+        for (u32 k = 0; k < 4; ++k) out[12 + k] = (u8)(d[HPRT_D_BLOCK] >> (8 * k));
+        hprt_put_u64(out + 16, numel);
+        hprt_put_u64(out + 24, run);
+        hprt_put_u64(out + 32, hprt_finish_check(hprt_volatile_u64(&ctr[HPRT_C_TERMS]), numel * size));
+        hprt_put_u64(out + 40, 0);
+    }
+    __syncwarp();
+    u64 sum = 0;
+    for (u64 i = lane; i < (prefix + 7) / 8; i += HPRT_LANES) sum += hprt_term(hprt_word(out, prefix, i), i);
+    sum = hprt_warp_sum(sum);
+    if (lane == 0) {
+        hprt_put_u64(out + 40, hprt_finish_check(sum, prefix));
+        ctr[HPRT_C_TOTAL] = run;
+        ctr[HPRT_C_PREFIX] = prefix;
+        ctr[HPRT_C_TERMS] = 0;
+        ctr[HPRT_C_ENCODE_DONE] = 0;
+        ((u64*)(ws + head[HPRT_W_RESULTS]))[t] = prefix + run;
+    }
+    __syncwarp();
+}
+
+extern "C" __global__ void hprt_codec_encode(u8* ws) {
+    __shared__ u32 tab[HPRT_WARPS][512];
+    __shared__ u32 tab_of[HPRT_WARPS];
+    const u64* head = hprt_head(ws);
+    u64 blocks = head[HPRT_W_BLOCKS];
+    u32 lane = threadIdx.x % HPRT_LANES, warp = threadIdx.x / HPRT_LANES;
+    if (lane == 0) tab_of[warp] = 0xffffffffu;
+    __syncwarp();
+    for (u64 gb = (u64)blockIdx.x * HPRT_WARPS + warp; gb < blocks;
+         gb += (u64)gridDim.x * HPRT_WARPS) {
+        u32 t = hprt_tensor_of(ws, gb);
+        const u64* d = hprt_desc(ws, t);
+        if (tab_of[warp] != t) {
+            // The tensor's table in shared memory, for the warp's blocks of it.
+            const u32* table = (const u32*)(ws + head[HPRT_W_TABLE]) + 512ull * t;
+            for (u32 s = lane; s < 512; s += HPRT_LANES) tab[warp][s] = table[s];
+            __syncwarp();
+            if (lane == 0) tab_of[warp] = t;
+            __syncwarp();
+        }
+        u64 numel = d[HPRT_D_NUMEL], block_elems = d[HPRT_D_BLOCK];
+        u32 size = (u32)d[HPRT_D_SIZE], w = (u32)d[HPRT_D_MANT], prob_bits = (u32)d[HPRT_D_PROB];
+        u64 b = gb - d[HPRT_D_FIRST], first = b * block_elems, slot_bytes = d[HPRT_D_SLOT_BYTES];
+        u32 n = (u32)(numel - first < block_elems ? numel - first : block_elems);
+        const u8* in = (const u8*)(d[HPRT_D_SRC]) + first * size;
+        int aligned = ((u64)in % size) == 0;
+        u8* slot = ws + d[HPRT_D_SLOT] + b * slot_bytes;
+        u64 raw = (u64)n * size, mlen = ((u64)n * w + 7) / 8;
+        u32 m = 1u << prob_bits, lim = (HPRT_RANS_L >> prob_bits) << 16, mask = (1u << w) - 1;
+        u32 x = HPRT_RANS_L, pos = 0, groups = (n + HPRT_LANES - 1) / HPRT_LANES;
+        u32 rounds = (4 * w + HPRT_LANES - 1) / HPRT_LANES;
         int overflow = 0;
         for (u32 gi = groups; gi-- > 0;) {
             // The stream only grows: once it reaches the raw size the block is stored raw.
-            if (mlen + 2ull * pos_s + HPRT_STATES_LEN >= raw) { overflow = 1; break; }
-            u32 base = gi * HPRT_LANES;
-            u32 cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
-            for (u32 l = threadIdx.x; l < cnt; l += blockDim.x) {
-                u32 s = (hprt_load(in, base + l, size) >> mant_bits) & 511u;
-                if (x[l] >= ((HPRT_RANS_L >> prob_bits) << 16) * freq[s]) atomicOr(&emit_s, 1u << l);
-            }
-            __syncthreads();
-            u32 emit = emit_s, total = __popc(emit);
-            for (u32 l = threadIdx.x; l < HPRT_LANES; l += blockDim.x) {
-                if (l >= cnt) continue;
-                u32 s = (hprt_load(in, base + l, size) >> mant_bits) & 511u;
-                u32 f = freq[s], v = x[l];
-                if ((emit >> l) & 1) {
-                    // Lanes emit from the highest to the lowest, as the sequential coder does:
-                    // the emitting lanes above this one go first.
-                    u32 before = __popc((emit >> l) >> 1);
-                    u64 at = mlen + 2ull * (pos_s + before);
-                    if (at + 2 <= slot_bytes) {
-                        slot[at] = (u8)v;
-                        slot[at + 1] = (u8)(v >> 8);
-                    }
-                    v >>= 16;
+            if (mlen + 2ull * pos + HPRT_STATES_LEN >= raw) { overflow = 1; break; }
+            u32 base = gi * HPRT_LANES, cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
+            int active = lane < cnt;
+            u32 v = active ? hprt_load(in, base + lane, size, aligned) : 0;
+            u32 s = (v >> w) & 511u, mant = v & mask;
+            u32 e = tab[warp][s], f = e & 0xffffu;
+            int emit = active && x >= lim * f;
+            u32 bal = __ballot_sync(HPRT_FULL, emit);
+            if (emit) {
+                // Lanes emit from the highest to the lowest, as the sequential coder does.
+                u32 before = lane == 31 ? 0 : __popc(bal >> (lane + 1));
+                u64 at = mlen + 2ull * (pos + before);
+                if (at + 2 <= slot_bytes) {
+                    slot[at] = (u8)x;
+                    slot[at + 1] = (u8)(x >> 8);
                 }
-                x[l] = (v / f) * m + v % f + cum[s];
+                x >>= 16;
             }
-            __syncthreads();
-            if (threadIdx.x == 0) { pos_s += total; emit_s = 0; }
-            __syncthreads();
+            if (active) x = (x / f) * m + x % f + (e >> 16);
+            pos += __popc(bal);
+            // This group's mantissa bytes (32 w bits = 4 w bytes from byte 4 w gi), gathered
+            // from the lanes holding them; inactive lanes hold 0, the padding.
+            u32 gbytes = (cnt * w + 7) / 8;
+            for (u32 r = 0; r < rounds; ++r) {
+                u32 j = lane + HPRT_LANES * r, bit = 8 * j, e0 = bit / w, sh = bit - e0 * w;
+                u32 m0 = __shfl_sync(HPRT_FULL, mant, e0 < 32 ? e0 : 0);
+                u32 m1 = __shfl_sync(HPRT_FULL, mant, e0 + 1 < 32 ? e0 + 1 : 0);
+                if (j < gbytes) {
+                    u32 byte = m0 >> sh;
+                    if (e0 + 1 < cnt) byte |= m1 << (w - sh);
+                    slot[4ull * w * gi + j] = (u8)byte;
+                }
+            }
         }
-        u64 len = mlen + 2ull * pos_s + HPRT_STATES_LEN;
+        // Every lane's stream bytes are out before a raw block overwrites them.
+        __syncwarp();
+        u64 len = mlen + 2ull * pos + HPRT_STATES_LEN;
+        u32* lens = (u32*)(ws + head[HPRT_W_LENS]);
         if (overflow || len >= raw) {
-            for (u64 j = threadIdx.x; j < raw; j += blockDim.x) slot[j] = in[j];
-            if (threadIdx.x == 0) lens[b] = (u32)raw;
+            for (u64 j = lane; j < raw; j += HPRT_LANES) slot[j] = in[j];
+            len = raw;
         } else {
-            u64 at = mlen + 2ull * pos_s;
-            for (u32 l = threadIdx.x; l < HPRT_LANES; l += blockDim.x)
-                for (u32 k = 0; k < 4; ++k) slot[at + 4 * l + k] = (u8)(x[l] >> (8 * k));
-            if (threadIdx.x == 0) lens[b] = (u32)len;
+            u64 at = mlen + 2ull * pos;
+            for (u32 k = 0; k < 4; ++k) slot[at + 4 * lane + k] = (u8)(x >> (8 * k));
+        }
+        __syncwarp();
+        u32 last = 0;
+        if (lane == 0) {
+            lens[gb] = (u32)len;
+            __threadfence();
+            last = atomicAdd(&hprt_ctr(ws, t)[HPRT_C_ENCODE_DONE], 1ull) == d[HPRT_D_NBLOCKS] - 1;
+        }
+        last = __shfl_sync(HPRT_FULL, last, 0);
+        if (last) {
+            __threadfence();
+            hprt_encode_finish(ws, t, lane);
+        }
+    }
+}
+
+// Copies every block's payload from its slot to its place after the prefix.
+extern "C" __global__ void hprt_codec_place(u8* ws) {
+    const u64* head = hprt_head(ws);
+    u64 blocks = head[HPRT_W_BLOCKS];
+    const u32* lens = (const u32*)(ws + head[HPRT_W_LENS]);
+    const u64* offsets = (const u64*)(ws + head[HPRT_W_OFFSETS]);
+    for (u64 gb = blockIdx.x; gb < blocks; gb += gridDim.x) {
+        u32 t = hprt_tensor_of(ws, gb);
+        const u64* d = hprt_desc(ws, t);
+        u64 b = gb - d[HPRT_D_FIRST];
+        const u8* from = ws + d[HPRT_D_SLOT] + b * d[HPRT_D_SLOT_BYTES];
+        u8* to = (u8*)(d[HPRT_D_DST]) + hprt_ctr(ws, t)[HPRT_C_PREFIX] + offsets[gb];
+        u64 len = lens[gb];
+        if ((((u64)to | (u64)from) & 3) == 0) {
+            for (u64 j = threadIdx.x; j < len / 4; j += blockDim.x)
+                ((u32*)to)[j] = ((const u32*)from)[j];
+            for (u64 j = len / 4 * 4 + threadIdx.x; j < len; j += blockDim.x) to[j] = from[j];
+        } else {
+            for (u64 j = threadIdx.x; j < len; j += blockDim.x) to[j] = from[j];
+        }
+    }
+}
+
+// Decodes one coded block (warp per block) of `n` elements from `p` (`len` bytes) into `dst`;
+// returns its status (0 = fine) and adds the checksum terms of its words to `sum`.
+__device__ u32 hprt_decode_block(const u8* p, u64 len, u32 n, u8* dst, u32 size, u32 w,
+                                 u32 prob_bits, const u16* sym, const u32* tab, u64 w0,
+                                 int aligned, u32 lane, u64* sum) {
+    u64 mlen = ((u64)n * w + 7) / 8;
+    u32 used = (u32)(((u64)n * w) % 8), m = 1u << prob_bits;
+    u32 bad = (used != 0 && (p[mlen - 1] >> used) != 0) ? HPRT_BAD_PADDING : 0;
+    u32 pos = (u32)((len - mlen - HPRT_STATES_LEN) / 2);
+    const u8* words = p + mlen;
+    u32 x = hprt_get_u32(p + len - HPRT_STATES_LEN + 4 * lane);
+    if (x < HPRT_RANS_L || x >= (HPRT_RANS_L << 16)) bad |= HPRT_BAD_STATE;
+    bad = hprt_warp_or(bad);
+    u32 groups = (n + HPRT_LANES - 1) / HPRT_LANES, per = 8 / size, wpg = 4 * size;
+    for (u32 g = 0; g < groups && bad == 0; ++g) {
+        u32 base = g * HPRT_LANES, cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
+        int active = lane < cnt;
+        u32 v = 0, need = 0;
+        if (active) {
+            u32 slot = x & (m - 1), s = sym[slot], e = tab[s];
+            x = (e & 0xffffu) * (x >> prob_bits) + slot - (e >> 16);
+            need = x < HPRT_RANS_L;
+            u64 k = base + lane, bit = k * w;
+            u32 mant = 0;
+            for (u32 q = 0; q < 4 && bit / 8 + q < mlen; ++q) mant |= (u32)p[bit / 8 + q] << (8 * q);
+            mant = (mant >> (bit % 8)) & ((1u << w) - 1);
+            v = s << w | mant;
+            hprt_store(dst, k, size, v, aligned);
+        }
+        u32 bal = __ballot_sync(HPRT_FULL, need);
+        u32 total = __popc(bal);
+        if (total > pos) {
+            bad = HPRT_BAD_STREAM;
+        } else {
+            if (need) {
+                // The decoder reads in lane order 0, 1, ...: the reverse of the encoder.
+                u32 at = pos - __popc(bal & ((1u << lane) - 1)) - 1;
+                x = x << 16 | (u32)words[2 * at] | (u32)words[2 * at + 1] << 8;
+            }
+            pos -= total;
+        }
+        // The group's words (8 bytes from `per` elements), their checksum terms.
+        u64 word = 0;
+        for (u32 i = 0; i < per; ++i) {
+            u32 src = (lane * per + i) & 31u;
+            u64 e = __shfl_sync(HPRT_FULL, v, src);
+            word |= e << (8 * size * i);
+        }
+        if (lane < wpg && lane * per < cnt) *sum += hprt_term(word, w0 + (u64)g * wpg + lane);
+    }
+    if (bad == 0 && pos != 0) bad = HPRT_BAD_STREAM;
+    if (bad == 0 && __ballot_sync(HPRT_FULL, x != HPRT_RANS_L)) bad = HPRT_BAD_STREAM;
+    return bad;
+}
+
+extern "C" __global__ void hprt_codec_decode(u8* ws) {
+    __shared__ u16 sym[1 << 14];
+    __shared__ u32 tab[512];
+    __shared__ u32 status_s, prob_s, block_s, last_s;
+    __shared__ u64 nblocks_s, prefix_s, index_s, sum_s, total_s;
+    const u64* head = hprt_head(ws);
+    u32 nt = (u32)head[HPRT_W_TENSORS];
+    u32 lane = threadIdx.x % HPRT_LANES, warp = threadIdx.x / HPRT_LANES;
+    u32 warps = blockDim.x / HPRT_LANES;
+    for (u32 t = 0; t < nt; ++t) {
+        const u64* d = hprt_desc(ws, t);
+        u64* ctr = hprt_ctr(ws, t);
+        const u8* enc = (const u8*)(d[HPRT_D_SRC]);
+        u8* out = (u8*)(d[HPRT_D_DST]);
+        u64 enc_len = d[HPRT_D_LEN], numel = d[HPRT_D_NUMEL];
+        u32 size = (u32)d[HPRT_D_SIZE], w = (u32)d[HPRT_D_MANT];
+        u32 alphabet = 1u << (8 * size - w);
+        if (threadIdx.x == 0) {
+            u32 st = 0;
+            sum_s = 0;
+            total_s = 0;
+            if (enc_len >= HPRT_HEADER_LEN && enc[0] == 'H' && enc[1] == 'P' && enc[2] == 'R' &&
+                enc[3] == 'Z' && enc[4] == 1 && enc[5] == 0) st = HPRT_VERSION_1;
+            else if (enc_len < HPRT_HEADER_LEN || enc[0] != 'H' || enc[1] != 'P' || enc[2] != 'R' ||
+                     enc[3] != 'Z' || enc[4] != 2 || enc[5] != 0 || enc[7] != HPRT_LANES || enc[9] ||
+                     enc[10] || enc[11]) st = HPRT_BAD_HEADER;
+            else if (enc[6] != (u8)d[HPRT_D_DTYPE] || hprt_get_u64(enc + 16) != numel) st = HPRT_MISMATCH;
+            u32 prob_bits = 0, block_elems = 0;
+            u64 nblocks = 0, table_at = HPRT_HEADER_LEN + alphabet / 8, present = 0, index_at = 0, prefix = 0;
+            if (st == 0) {
+                prob_bits = enc[8];
+                block_elems = hprt_get_u32(enc + 12);
+                if (prob_bits < 9 || prob_bits > 14 || block_elems == 0 || block_elems % HPRT_LANES != 0 ||
+                    block_elems > (1u << 24)) st = HPRT_BAD_HEADER;
+            }
+            if (st == 0) {
+                nblocks = (numel + block_elems - 1) / block_elems;
+                if (nblocks > d[HPRT_D_NBLOCKS]) st = HPRT_BAD_HEADER;
+            }
+            if (st == 0 && table_at > enc_len) st = HPRT_BAD_LENGTH;
+            if (st == 0) {
+                for (u32 k = 0; k < alphabet / 8; ++k) present += __popc((u32)enc[HPRT_HEADER_LEN + k]);
+                index_at = table_at + 2 * present;
+                prefix = index_at + 4ull * nblocks;
+                if (prefix > enc_len) st = HPRT_BAD_LENGTH;
+            }
+            status_s = st;
+            prob_s = prob_bits;
+            block_s = block_elems;
+            nblocks_s = nblocks;
+            prefix_s = prefix;
+            index_s = index_at;
         }
         __syncthreads();
-    }
-}
-
-// Exclusive scan of the block lengths into payload offsets, and their total (one block); also
-// the prefix length (header, bitmap, present frequencies, index), which places the payload.
-extern "C" __global__ void hprt_codec_scan(const u32* lens, u64 nblocks, const u32* freq,
-                                           u32 alphabet, u64* offsets, u64* total,
-                                           u64* prefix_len) {
-    __shared__ u64 part[1024];
-    u32 t = threadIdx.x, T = blockDim.x;
-    u64 per = (nblocks + T - 1) / T;
-    for (u32 i = t; i < T; i += blockDim.x) {
-        u64 lo = i * per, hi = lo + per < nblocks ? lo + per : nblocks, s = 0;
-        for (u64 k = lo; k < hi; ++k) s += lens[k];
-        part[i] = s;
-    }
-    __syncthreads();
-    if (t == 0) {
-        u64 run = 0;
-        for (u32 i = 0; i < T; ++i) { u64 s = part[i]; part[i] = run; run += s; }
-        *total = run;
-        u64 present = 0;
-        for (u32 s = 0; s < alphabet; ++s) present += freq[s] != 0;
-        *prefix_len = HPRT_HEADER_LEN + alphabet / 8 + 2 * present + 4 * nblocks;
-    }
-    __syncthreads();
-    for (u32 i = t; i < T; i += blockDim.x) {
-        u64 lo = i * per, hi = lo + per < nblocks ? lo + per : nblocks, run = part[i];
-        for (u64 k = lo; k < hi; ++k) { offsets[k] = run; run += lens[k]; }
-    }
-}
-
-// Copies every block from its slot to its place after the prefix.
-extern "C" __global__ void hprt_codec_place(const u8* slots, u64 slot_bytes, const u32* lens,
-                                            const u64* offsets, u64 nblocks, u8* out,
-                                            const u64* prefix_len) {
-    for (u64 b = blockIdx.x; b < nblocks; b += gridDim.x) {
-        const u8* from = slots + b * slot_bytes;
-        u8* to = out + *prefix_len + offsets[b];
-        for (u64 j = threadIdx.x; j < lens[b]; j += blockDim.x) to[j] = from[j];
-    }
-}
-
-// Header, table and index, the prefix checksum, and the encoding's length into `out_len`.
-extern "C" __global__ void hprt_codec_finish(u8* out, u32 dtype_code, u32 alphabet, u32 prob_bits,
-                                             u32 block_elems, u64 numel, u32 size,
-                                             const u32* freq, const u32* lens, u64 nblocks,
-                                             const u64* total, const u64* terms,
-                                             const u64* prefix_len, u64* out_len) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    u64 prefix = *prefix_len;
-    out[0] = 'H'; out[1] = 'P'; out[2] = 'R'; out[3] = 'Z';
-    out[4] = 2; out[5] = 0;
-    out[6] = (u8)dtype_code;
-    out[7] = (u8)HPRT_LANES;
-    out[8] = (u8)prob_bits;
-    out[9] = out[10] = out[11] = 0;
-    for (u32 k = 0; k < 4; ++k) out[12 + k] = (u8)(block_elems >> (8 * k));
-    hprt_put_u64(out + 16, numel);
-    hprt_put_u64(out + 24, *total);
-    hprt_put_u64(out + 32, hprt_finish_check(*terms, numel * size));
-    hprt_put_u64(out + 40, 0);
-    // Table: a presence bitmap, then the frequencies of the present symbols.
-    u64 at = HPRT_HEADER_LEN + alphabet / 8;
-    for (u32 k = 0; k < alphabet / 8; ++k) out[HPRT_HEADER_LEN + k] = 0;
-    for (u32 s = 0; s < alphabet; ++s) {
-        if (freq[s] == 0) continue;
-        out[HPRT_HEADER_LEN + s / 8] |= (u8)(1u << (s % 8));
-        out[at++] = (u8)freq[s];
-        out[at++] = (u8)(freq[s] >> 8);
-    }
-    for (u64 b = 0; b < nblocks; ++b)
-        for (u32 k = 0; k < 4; ++k) out[at + 4 * b + k] = (u8)(lens[b] >> (8 * k));
-    u64 sum = 0;
-    for (u64 i = 0; i < (prefix + 7) / 8; ++i) sum += hprt_term(hprt_word(out, prefix, i), i);
-    hprt_put_u64(out + 40, hprt_finish_check(sum, prefix));
-    *out_len = prefix + *total;
-}
-
-// Checks header, prefix checksum, table and block lengths against the expected dtype and
-// element count; fills `freq`, `cum`, `offsets` (absolute) and `data_check`, or sets `status`.
-extern "C" __global__ void hprt_codec_decode_prefix(const u8* enc, u64 enc_len, u32 dtype_code,
-                                                    u32 alphabet, u32 size, u32 mant_bits,
-                                                    u64 numel, u64 max_blocks, u32* freq, u32* cum,
-                                                    u64* offsets, u64* data_check, u32* status) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    *status = 0;
-    if (enc_len >= HPRT_HEADER_LEN && enc[0] == 'H' && enc[1] == 'P' && enc[2] == 'R' &&
-        enc[3] == 'Z' && enc[4] == 1 && enc[5] == 0) { *status = HPRT_VERSION_1; return; }
-    if (enc_len < HPRT_HEADER_LEN || enc[0] != 'H' || enc[1] != 'P' || enc[2] != 'R' ||
-        enc[3] != 'Z' || enc[4] != 2 || enc[5] != 0 || enc[7] != HPRT_LANES || enc[9] ||
-        enc[10] || enc[11]) { *status = HPRT_BAD_HEADER; return; }
-    u32 prob_bits = enc[8], block_elems = hprt_get_u32(enc + 12);
-    if (enc[6] != dtype_code || hprt_get_u64(enc + 16) != numel) { *status = HPRT_MISMATCH; return; }
-    if (prob_bits < 9 || prob_bits > 14 || block_elems == 0 || block_elems % HPRT_LANES != 0 ||
-        block_elems > (1u << 24)) { *status = HPRT_BAD_HEADER; return; }
-    u64 nblocks = (numel + block_elems - 1) / block_elems;
-    if (nblocks > max_blocks) { *status = HPRT_BAD_HEADER; return; }
-    u64 table_at = HPRT_HEADER_LEN + alphabet / 8, present = 0;
-    if (table_at > enc_len) { *status = HPRT_BAD_LENGTH; return; }
-    for (u32 s = 0; s < alphabet; ++s) present += (enc[HPRT_HEADER_LEN + s / 8] >> (s % 8)) & 1;
-    u64 index_at = table_at + 2 * present, prefix = index_at + 4ull * nblocks;
-    if (prefix > enc_len) { *status = HPRT_BAD_LENGTH; return; }
-    u64 sum = 0;
-    for (u64 i = 0; i < (prefix + 7) / 8; ++i) {
-        u64 w = hprt_word(enc, prefix, i);
-        if (i == 5) w = 0;  // bytes 40..48: the stored prefix checksum
-        sum += hprt_term(w, i);
-    }
-    if (hprt_finish_check(sum, prefix) != hprt_get_u64(enc + 40)) { *status = HPRT_BAD_CHECKSUM; return; }
-    if (prefix + hprt_get_u64(enc + 24) != enc_len || hprt_get_u64(enc + 24) > enc_len) {
-        *status = HPRT_BAD_LENGTH; return;
-    }
-    u32 c = 0;
-    u64 at = table_at;
-    for (u32 s = 0; s < alphabet; ++s) {
-        freq[s] = 0;
-        if ((enc[HPRT_HEADER_LEN + s / 8] >> (s % 8)) & 1) {
-            freq[s] = (u32)enc[at] | (u32)enc[at + 1] << 8;
-            at += 2;
-            if (freq[s] == 0) { *status = HPRT_BAD_TABLE; return; }
+        if (status_s == 0) {
+            // The prefix checksum and the block lengths, by every thread.
+            u64 prefix = prefix_s, nblocks = nblocks_s, sum = 0, total = 0;
+            for (u64 i = threadIdx.x; i < (prefix + 7) / 8; i += blockDim.x)
+                sum += hprt_term(i == 5 ? 0 : hprt_word(enc, prefix, i), i);
+            atomicAdd(&sum_s, sum);
+            u32 bad = 0;
+            for (u64 b = threadIdx.x; b < nblocks; b += blockDim.x) {
+                u64 len = hprt_get_u32(enc + index_s + 4 * b);
+                u64 n = numel - b * block_s < block_s ? numel - b * block_s : block_s;
+                u64 raw = n * size, min = (n * w + 7) / 8 + HPRT_STATES_LEN;
+                if (len != raw && !(len >= min && len < raw && (len - min) % 2 == 0)) bad = 1;
+                total += len;
+            }
+            atomicAdd(&total_s, total);
+            if (bad) atomicOr(&status_s, 1u << 31);
         }
-        cum[s] = c;
-        c += freq[s];
-    }
-    if ((numel == 0 && c != 0) || (numel > 0 && c != (1u << prob_bits))) { *status = HPRT_BAD_TABLE; return; }
-    u64 off = prefix;
-    for (u64 b = 0; b < nblocks; ++b) {
-        u64 len = hprt_get_u32(enc + index_at + 4 * b);
-        u64 n = numel - b * block_elems < block_elems ? numel - b * block_elems : block_elems;
-        u64 raw = n * size, min = (n * mant_bits + 7) / 8 + HPRT_STATES_LEN;
-        if (len != raw && !(len >= min && len < raw && (len - min) % 2 == 0)) { *status = HPRT_BAD_LENGTH; return; }
-        offsets[b] = off;
-        off += len;
-    }
-    if (off != enc_len) { *status = HPRT_BAD_LENGTH; return; }
-    *data_check = hprt_get_u64(enc + 32);
-}
-
-// One warp per block, after decode_prefix: the elements of block `b` into `out`, their checksum
-// terms into `terms`; any inconsistency sets `status`.
-extern "C" __global__ void hprt_codec_decode_blocks(const u8* enc, u64 enc_len, u32 size,
-                                                    u32 mant_bits, u64 numel, const u32* freq,
-                                                    const u32* cum, const u64* offsets, u8* out,
-                                                    u64* terms, u32* status) {
-    __shared__ u16 slot_sym[1 << 14];
-    __shared__ u32 x[HPRT_LANES];
-    __shared__ u32 need_s;  // bit l: lane l refills in this group
-    __shared__ u32 pos_s;
-    __shared__ u32 bad_s;
-    __shared__ u32 failed_s;
-    // Read once for the whole block: another block may set it meanwhile, and threads that
-    // disagreed would miss each other at the barriers below.
-    if (threadIdx.x == 0) failed_s = *status;
-    __syncthreads();
-    if (failed_s != 0) return;
-    u32 prob_bits = enc[8], block_elems = hprt_get_u32(enc + 12), m = 1u << prob_bits;
-    u32 alphabet = 1u << (8 * size - mant_bits);
-    for (u32 s = 0; s < alphabet; ++s)
-        for (u32 k = threadIdx.x; k < freq[s]; k += blockDim.x) slot_sym[cum[s] + k] = (u16)s;
-    __syncthreads();
-    u64 nblocks = (numel + block_elems - 1) / block_elems;
-    u64 sum = 0;
-    for (u64 b = blockIdx.x; b < nblocks; b += gridDim.x) {
-        u64 first = b * block_elems;
-        u32 n = (u32)(numel - first < block_elems ? numel - first : block_elems);
-        u64 raw = (u64)n * size, mlen = ((u64)n * mant_bits + 7) / 8;
-        u64 end = b + 1 < nblocks ? offsets[b + 1] : enc_len;
-        u64 len = end - offsets[b];
-        const u8* p = enc + offsets[b];
-        u8* dst = out + first * size;
-        if (len == raw) {
-            for (u64 j = threadIdx.x; j < raw; j += blockDim.x) dst[j] = p[j];
-        } else {
-            u32 used = (u32)(((u64)n * mant_bits) % 8);
-            if (threadIdx.x == 0) {
-                bad_s = (used != 0 && (p[mlen - 1] >> used) != 0) ? HPRT_BAD_PADDING : 0;
-                need_s = 0;
-                pos_s = (u32)((len - mlen - HPRT_STATES_LEN) / 2);
-            }
-            __syncthreads();
-            const u8* words = p + mlen;
-            for (u32 l = threadIdx.x; l < HPRT_LANES; l += blockDim.x) {
-                x[l] = hprt_get_u32(p + len - HPRT_STATES_LEN + 4 * l);
-                if (x[l] < HPRT_RANS_L || x[l] >= (HPRT_RANS_L << 16)) atomicOr(&bad_s, HPRT_BAD_STATE);
-            }
-            __syncthreads();
-            u32 groups = (n + HPRT_LANES - 1) / HPRT_LANES;
-            for (u32 g = 0; g < groups && bad_s == 0; ++g) {
-                u32 base = g * HPRT_LANES;
-                u32 cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
-                for (u32 l = threadIdx.x; l < HPRT_LANES; l += blockDim.x) {
-                    if (l < cnt) {
-                        u32 slot = x[l] & (m - 1), s = slot_sym[slot];
-                        u32 v = freq[s] * (x[l] >> prob_bits) + slot - cum[s];
-                        x[l] = v;
-                        if (v < HPRT_RANS_L) atomicOr(&need_s, 1u << l);
-                        u64 k = base + l, bit = k * mant_bits;
-                        u32 mant = 0;
-                        for (u32 q = 0; q < 4 && bit / 8 + q < mlen; ++q)
-                            mant |= (u32)p[bit / 8 + q] << (8 * q);
-                        mant = (mant >> (bit % 8)) & ((1u << mant_bits) - 1);
-                        hprt_store(dst, k, size, s << mant_bits | mant);
+        __syncthreads();
+        if (threadIdx.x == 0 && status_s != 0 && status_s != (1u << 31)) {
+            // Already failed in the header checks.
+        } else if (threadIdx.x == 0) {
+            // In the CPU decoder's order: checksum, payload length, table, block lengths.
+            u32 st = 0, lengths_bad = status_s != 0;
+            u64 prefix = prefix_s, payload = hprt_get_u64(enc + 24);
+            if (hprt_finish_check(sum_s, prefix) != hprt_get_u64(enc + 40)) st = HPRT_BAD_CHECKSUM;
+            else if (prefix + payload != enc_len || payload > enc_len) st = HPRT_BAD_LENGTH;
+            if (st == 0) {
+                u32 c = 0;
+                u64 at = HPRT_HEADER_LEN + alphabet / 8;
+                for (u32 s = 0; s < alphabet && st == 0; ++s) {
+                    u32 f = 0;
+                    if ((enc[HPRT_HEADER_LEN + s / 8] >> (s % 8)) & 1) {
+                        f = (u32)enc[at] | (u32)enc[at + 1] << 8;
+                        at += 2;
+                        if (f == 0) st = HPRT_BAD_TABLE;
                     }
+                    tab[s] = f | c << 16;
+                    c += f;
                 }
-                __syncthreads();
-                u32 need = need_s, total = __popc(need);
-                for (u32 l = threadIdx.x; l < HPRT_LANES; l += blockDim.x) {
-                    if (l >= cnt || !((need >> l) & 1)) continue;
-                    // The decoder reads in lane order 0, 1, ...: the reverse of the encoder.
-                    u32 before = __popc(need & ((1u << l) - 1));
-                    if (pos_s < before + 1) { atomicOr(&bad_s, HPRT_BAD_STREAM); continue; }
-                    u32 at = pos_s - before - 1;
-                    x[l] = x[l] << 16 | (u32)words[2 * at] | (u32)words[2 * at + 1] << 8;
-                }
-                __syncthreads();
-                if (threadIdx.x == 0) {
-                    if (bad_s == 0) pos_s -= total;
-                    need_s = 0;
-                }
-                __syncthreads();
+                if (st == 0 && ((numel == 0 && c != 0) || (numel > 0 && c != (1u << prob_s)))) st = HPRT_BAD_TABLE;
             }
-            if (threadIdx.x == 0 && bad_s == 0 && pos_s != 0) bad_s = HPRT_BAD_STREAM;
-            for (u32 l = threadIdx.x; l < HPRT_LANES; l += blockDim.x)
-                if (x[l] != HPRT_RANS_L) atomicOr(&bad_s, HPRT_BAD_STREAM);
-            __syncthreads();
-            if (threadIdx.x == 0 && bad_s != 0) atomicOr(status, bad_s);
-            __syncthreads();
+            if (st == 0 && (lengths_bad || prefix_s + total_s != enc_len)) st = HPRT_BAD_LENGTH;
+            status_s = st;
         }
-        // Every thread's bytes of the block are written before any thread sums its words.
         __syncthreads();
-        // Blocks start at multiples of 8 bytes (block_elems is a multiple of 32).
-        u64 w0 = first * size / 8, words_n = (raw + 7) / 8;
-        for (u64 i = threadIdx.x; i < words_n; i += blockDim.x)
-            sum += hprt_term(hprt_word(dst, raw, i), w0 + i);
+        if (status_s == 0) {
+            for (u32 s = 0; s < alphabet; ++s) {
+                u32 f = tab[s] & 0xffffu, c = tab[s] >> 16;
+                for (u32 k = threadIdx.x; k < f; k += blockDim.x) sym[c + k] = (u16)s;
+            }
+        }
+        __syncthreads();
+        if (status_s == 0) {
+            u64 nblocks = nblocks_s, block_elems = block_s;
+            int aligned = ((u64)out % size) == 0;
+            u64 sum = 0;
+            u32 bad = 0;
+            for (u64 b = (u64)blockIdx.x * warps + warp; b < nblocks; b += (u64)gridDim.x * warps) {
+                // The block's place: the prefix plus the lengths before it.
+                u64 before = 0;
+                for (u64 k = lane; k < b; k += HPRT_LANES) before += hprt_get_u32(enc + index_s + 4 * k);
+                before = hprt_warp_sum(before);
+                u64 len = hprt_get_u32(enc + index_s + 4 * b);
+                const u8* p = enc + prefix_s + before;
+                u64 first = b * block_elems;
+                u32 n = (u32)(numel - first < block_elems ? numel - first : block_elems);
+                u64 raw = (u64)n * size, w0 = first * size / 8;
+                u8* dst = out + first * size;
+                if (len == raw) {
+                    for (u64 j = lane; j < raw; j += HPRT_LANES) dst[j] = p[j];
+                    for (u64 i = lane; i < (raw + 7) / 8; i += HPRT_LANES) sum += hprt_term(hprt_word(p, raw, i), w0 + i);
+                } else {
+                    u32 st = hprt_decode_block(p, len, n, dst, size, w, prob_s, sym, tab, w0, aligned,
+                                               lane, &sum);
+                    bad |= st;
+                    if (st) break;
+                }
+            }
+            sum = hprt_warp_sum(sum);
+            if (lane == 0) {
+                if (sum) atomicAdd(&ctr[HPRT_C_TERMS], sum);
+                if (bad) atomicOr((u32*)&ctr[HPRT_C_STATUS], bad);
+            }
+        } else if (threadIdx.x == 0) {
+            atomicOr((u32*)&ctr[HPRT_C_STATUS], status_s);
+        }
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0)
+            last_s = atomicAdd(&ctr[HPRT_C_DECODE_DONE], 1ull) == gridDim.x - 1;
+        __syncthreads();
+        if (threadIdx.x == 0 && last_s) {
+            // Every CTA is done with tensor t: its status, then the counters zeroed.
+            __threadfence();
+            u32 st = (u32)hprt_volatile_u64(&ctr[HPRT_C_STATUS]);
+            if (st == 0 && hprt_finish_check(hprt_volatile_u64(&ctr[HPRT_C_TERMS]), numel * size) !=
+                               hprt_get_u64(enc + 32))
+                st = HPRT_BAD_DATA;
+            ((u64*)(ws + head[HPRT_W_RESULTS]))[t] = st;
+            ctr[HPRT_C_STATUS] = 0;
+            ctr[HPRT_C_TERMS] = 0;
+            ctr[HPRT_C_DECODE_DONE] = 0;
+        }
+        __syncthreads();
     }
-    if (sum) atomicAdd(terms, sum);
-}
-
-// The decoded tensor against the header's checksum.
-extern "C" __global__ void hprt_codec_decode_check(const u64* terms, u64 nbytes,
-                                                   const u64* data_check, u32* status) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    if (*status == 0 && hprt_finish_check(*terms, nbytes) != *data_check) *status = HPRT_BAD_DATA;
 }

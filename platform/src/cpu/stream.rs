@@ -2,9 +2,16 @@
 //! The host stream (raw handle 0) has no worker: a job queued on it runs in the calling thread
 //! before `enqueue` returns, as CPU tensors' compute does (torch's CPU ops are done when their
 //! call returns). Waiting for an event on it blocks the caller; recording one marks it at once.
+//!
+//! A worker's queue holds at most [`QUEUE_DEPTH`] jobs: past that the enqueuing thread blocks
+//! until the worker takes one, as CUDA's launch queue blocks the host, so a loop that queues
+//! work without ever synchronizing runs at the stream's pace instead of growing memory without
+//! bound. (Jobs that queue work themselves, from a stream worker, are not held back: the
+//! worker they would wait for may be their own.)
 
 use crate::sync::lock;
-use std::sync::mpsc::{self, Sender};
+use std::cell::Cell;
+use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -13,8 +20,18 @@ use crate::error::{BackendKind, Error, ErrorKind, Result};
 /// A unit of queued work. It receives the stream it runs on so it can see that stream's state.
 pub(crate) type Job = Box<dyn FnOnce(&StreamCore) -> Result<()> + Send>;
 
+/// Jobs a stream's queue holds before `enqueue` blocks (what runs is not counted).
+pub(crate) const QUEUE_DEPTH: usize = 1024;
+
+thread_local! {
+    /// Whether this thread is a stream's worker.
+    static IN_WORKER: Cell<bool> = const { Cell::new(false) };
+}
+
 struct Queue {
-    tx: Option<Sender<Job>>,
+    jobs: VecDeque<Job>,
+    /// False once the stream is destroyed: nothing more is accepted.
+    open: bool,
     submitted: u64,
 }
 
@@ -32,6 +49,10 @@ pub(crate) struct StreamCore {
     /// Jobs run in the enqueuing thread (the host stream).
     inline: bool,
     queue: Mutex<Queue>,
+    /// Signals the worker: a job was queued, or the stream closed.
+    queued_cv: Condvar,
+    /// Signals blocked producers: the worker took a job, or the stream closed.
+    space_cv: Condvar,
     done: Mutex<Done>,
     done_cv: Condvar,
 }
@@ -44,14 +65,14 @@ impl StreamCore {
         jitter: Option<u64>,
         orphans: Orphans,
     ) -> Result<Arc<StreamCore>> {
-        let (tx, rx) = mpsc::channel::<Job>();
-        let core = Self::new(false, tx);
+        let core = Self::new(false);
         let worker = Arc::clone(&core);
         let mut jitter = jitter.map(|seed| Jitter::new(seed, id));
         std::thread::Builder::new()
             .name(format!("hprt-cpu-stream-{id}"))
             .spawn(move || {
-                while let Ok(job) = rx.recv() {
+                IN_WORKER.with(|w| w.set(true));
+                while let Some(job) = worker.next_job() {
                     if let Some(j) = jitter.as_mut() {
                         j.delay();
                     }
@@ -74,22 +95,40 @@ impl StreamCore {
 
     /// The host stream: no worker, jobs run where they are queued.
     pub(crate) fn host() -> Arc<StreamCore> {
-        Self::new(true, mpsc::channel::<Job>().0)
+        Self::new(true)
     }
 
-    fn new(inline: bool, tx: Sender<Job>) -> Arc<StreamCore> {
+    fn new(inline: bool) -> Arc<StreamCore> {
         Arc::new(StreamCore {
             inline,
             queue: Mutex::new(Queue {
-                tx: Some(tx),
+                jobs: VecDeque::new(),
+                open: true,
                 submitted: 0,
             }),
+            queued_cv: Condvar::new(),
+            space_cv: Condvar::new(),
             done: Mutex::new(Done {
                 completed: 0,
                 error: None,
             }),
             done_cv: Condvar::new(),
         })
+    }
+
+    /// The worker's next job, once there is one; `None` once the stream is closed and drained.
+    fn next_job(&self) -> Option<Job> {
+        let mut q = lock(&self.queue);
+        loop {
+            if let Some(job) = q.jobs.pop_front() {
+                self.space_cv.notify_one();
+                return Some(job);
+            }
+            if !q.open {
+                return None;
+            }
+            q = self.queued_cv.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
     }
 
     /// A job ran: counts it, keeps its error for the next synchronize, wakes the waiters.
@@ -103,29 +142,31 @@ impl StreamCore {
     }
 
     /// Queues `job`; returns its ticket (the number of jobs queued on this stream so far).
+    /// Blocks while [`QUEUE_DEPTH`] jobs wait (except on a stream worker's thread).
     pub(crate) fn enqueue(&self, op: &'static str, job: Job) -> Result<u64> {
         if self.inline {
             return Ok(self.run_inline(job));
         }
+        let held_back = !IN_WORKER.try_with(Cell::get).unwrap_or(false);
         let mut q = lock(&self.queue);
-        let Some(tx) = q.tx.as_ref() else {
-            return Err(Error::new(
-                ErrorKind::InvalidHandle,
-                BackendKind::Cpu,
-                op,
-                "the stream was destroyed",
-            ));
-        };
+        loop {
+            if !q.open {
+                return Err(Error::new(
+                    ErrorKind::InvalidHandle,
+                    BackendKind::Cpu,
+                    op,
+                    "the stream was destroyed",
+                ));
+            }
+            if q.jobs.len() < QUEUE_DEPTH || !held_back {
+                break;
+            }
+            q = self.space_cv.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
         // Under the queue lock so tickets follow FIFO order across enqueuing threads.
-        tx.send(job).map_err(|_| {
-            Error::new(
-                ErrorKind::Internal,
-                BackendKind::Cpu,
-                op,
-                "the stream worker is gone",
-            )
-        })?;
+        q.jobs.push_back(job);
         q.submitted += 1;
+        self.queued_cv.notify_one();
         Ok(q.submitted)
     }
 
@@ -147,7 +188,9 @@ impl StreamCore {
         if self.inline {
             return; // the host stream lives as long as its platform
         }
-        lock(&self.queue).tx = None;
+        lock(&self.queue).open = false;
+        self.queued_cv.notify_all();
+        self.space_cv.notify_all();
     }
 
     pub(crate) fn is_inline(&self) -> bool {
@@ -155,7 +198,7 @@ impl StreamCore {
     }
 
     pub(crate) fn is_open(&self) -> bool {
-        lock(&self.queue).tx.is_some()
+        lock(&self.queue).open
     }
 
     fn submitted(&self) -> u64 {
@@ -230,6 +273,9 @@ impl Jitter {
 }
 
 struct EventState {
+    /// Generations handed to records (a record whose queueing failed leaves a gap).
+    issued: u64,
+    /// The latest generation queued: what waits and synchronizes wait for.
     recorded: u64,
     reached: u64,
     time: Option<Instant>,
@@ -248,6 +294,7 @@ impl EventCore {
     pub(crate) fn new() -> CpuEvent {
         Arc::new(EventCore {
             state: Mutex::new(EventState {
+                issued: 0,
                 recorded: 0,
                 reached: 0,
                 time: None,
@@ -257,9 +304,12 @@ impl EventCore {
         })
     }
 
+    /// Queued without the event's lock held: the queue may be full, and a job ahead in it may
+    /// be waiting for this event (whose record jobs take the lock).
     pub(crate) fn record(self: &Arc<Self>, stream: &StreamCore) -> Result<()> {
         let mut st = lock(&self.state);
-        let generation = st.recorded + 1;
+        st.issued += 1;
+        let generation = st.issued;
         if stream.inline {
             // The host's work queued so far is done: the mark is reached now.
             st.recorded = generation;
@@ -269,6 +319,7 @@ impl EventCore {
             self.cv.notify_all();
             return Ok(());
         }
+        drop(st);
         let me = Arc::clone(self);
         stream.enqueue(
             "record_event",
@@ -284,7 +335,8 @@ impl EventCore {
                 Ok(())
             }),
         )?;
-        st.recorded = generation;
+        let mut st = lock(&self.state);
+        st.recorded = st.recorded.max(generation);
         Ok(())
     }
 
@@ -362,5 +414,157 @@ impl EventCore {
             (Some(a), Some(b)) => Ok(-((a - b).as_secs_f32() * 1e3)),
             _ => Err(not_ready("start")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CpuBackend, CpuConfig, Platform};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::mpsc;
+
+    fn noop() -> Job {
+        Box::new(|_: &StreamCore| Ok(()))
+    }
+
+    /// A job that blocks its worker until the returned sender sends or is dropped.
+    fn hold(core: &StreamCore) -> mpsc::Sender<()> {
+        let (tx, rx) = mpsc::channel::<()>();
+        core.enqueue(
+            "hold",
+            Box::new(move |_: &StreamCore| {
+                let _ = rx.recv();
+                Ok(())
+            }),
+        )
+        .unwrap();
+        tx
+    }
+
+    /// Runs `f` on a thread of its own; panics when it has not returned within 20 s.
+    fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|_| panic!("{what}: no answer within 20 s (a deadlock)"))
+    }
+
+    /// ISSUE 32 item 16: a producer that never synchronizes is held back at `QUEUE_DEPTH`
+    /// queued jobs (it queued without bound before), and goes on once the worker does.
+    #[test]
+    fn a_full_queue_blocks_the_producer_until_the_worker_takes_jobs() {
+        let core = StreamCore::spawn(1, None, Arc::default()).unwrap();
+        let release = hold(&core);
+        let queued = Arc::new(AtomicUsize::new(0));
+        let producer = {
+            let (core, queued) = (Arc::clone(&core), Arc::clone(&queued));
+            std::thread::spawn(move || {
+                for _ in 0..2 * QUEUE_DEPTH {
+                    core.enqueue("noop", noop()).unwrap();
+                    queued.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(queued.load(Ordering::SeqCst), QUEUE_DEPTH);
+        drop(release);
+        producer.join().unwrap();
+        assert_eq!(queued.load(Ordering::SeqCst), 2 * QUEUE_DEPTH);
+        core.synchronize().unwrap();
+        core.close();
+    }
+
+    /// A job that queues work on its own full stream is not held back (its worker is the one
+    /// that would have to make room).
+    #[test]
+    fn a_job_queueing_on_its_own_full_stream_does_not_wait_for_itself() {
+        let core = StreamCore::spawn(2, None, Arc::default()).unwrap();
+        let (tx, rx) = mpsc::channel::<()>();
+        let me = Arc::clone(&core);
+        core.enqueue(
+            "requeue",
+            Box::new(move |_: &StreamCore| {
+                let _ = rx.recv();
+                for _ in 0..10 {
+                    me.enqueue("noop", noop())?;
+                }
+                Ok(())
+            }),
+        )
+        .unwrap();
+        for _ in 0..QUEUE_DEPTH {
+            core.enqueue("noop", noop()).unwrap();
+        }
+        drop(tx);
+        let c = Arc::clone(&core);
+        within("a job queueing on its own full stream", move || {
+            c.synchronize()
+        })
+        .unwrap();
+        core.close();
+    }
+
+    /// A record blocked on a full stream holds no lock its event's other records need: the job
+    /// at the head of that stream waits for the event recorded on another stream.
+    #[test]
+    fn a_record_blocked_on_a_full_stream_lets_the_event_complete() {
+        let (s, t) = (
+            StreamCore::spawn(3, None, Arc::default()).unwrap(),
+            StreamCore::spawn(4, None, Arc::default()).unwrap(),
+        );
+        let e = EventCore::new();
+        let release = hold(&t);
+        e.record(&t).unwrap();
+        e.make_stream_wait(&s).unwrap();
+        for _ in 0..QUEUE_DEPTH {
+            s.enqueue("noop", noop()).unwrap();
+        }
+        let (e2, s2) = (Arc::clone(&e), Arc::clone(&s));
+        let recorder = std::thread::spawn(move || e2.record(&s2));
+        std::thread::sleep(Duration::from_millis(100));
+        drop(release);
+        let s3 = Arc::clone(&s);
+        within("a record on a full stream", move || {
+            recorder.join().unwrap().unwrap();
+            s3.synchronize()
+        })
+        .unwrap();
+        e.synchronize().unwrap();
+        s.close();
+        t.close();
+    }
+
+    /// The issue's loop: alloc, memset_async, free, never synchronizing. The memory the queued
+    /// memsets hold stays under the queue's bound.
+    #[test]
+    fn an_unsynchronized_alloc_memset_free_loop_stays_bounded() {
+        const BYTES: usize = 64 << 10;
+        let p = CpuBackend::new(CpuConfig {
+            device_memory: 1 << 30,
+            alloc_cache: 0,
+            ..CpuConfig::default()
+        });
+        let s = p.create_stream().unwrap();
+        // The stream is busy a while first, as a device is with earlier work.
+        p.launch_host_fn(
+            &s,
+            Box::new(|| std::thread::sleep(Duration::from_millis(300))),
+        )
+        .unwrap();
+        let mut peak = 0;
+        for i in 0..4 * QUEUE_DEPTH {
+            let b = p.alloc_device(BYTES).unwrap();
+            p.memset_async(&b, 0, i as u8, BYTES, &s).unwrap();
+            p.free_device(&b).unwrap();
+            peak = peak.max(p.memory_stats().device_current);
+        }
+        p.synchronize_stream(&s).unwrap();
+        assert!(
+            peak <= (QUEUE_DEPTH + 2) * BYTES,
+            "{peak} bytes held by queued work"
+        );
     }
 }

@@ -89,12 +89,17 @@ pub unsafe extern "C" fn aclrtRecordEvent(event: *mut c_void, stream: *mut c_voi
         let ev = resolve(event)?;
         let s = stream::resolve(stream)?;
         let mark = Arc::new(Mark::default());
-        *lock(&ev.latest) = Some(mark.clone());
-        let on = s.clone();
+        // The completion is queued before the mark is published (under the event's lock, so
+        // records of one event publish in their queue order): a wait that sees the mark queues
+        // behind its completion. Published first, a wait on the same stream from another
+        // thread could queue ahead of it and wait for ever.
+        let mut latest = lock(&ev.latest);
+        let (on, done) = (s.clone(), mark.clone());
         s.enqueue(Box::new(move || {
-            mark.complete(on.pending_error());
+            done.complete(on.pending_error());
             Ok(())
         }));
+        *latest = Some(mark);
         Ok(())
     })
 }

@@ -1186,3 +1186,42 @@ fn panics_do_not_cross_the_boundary() {
     assert_eq!(acl, ACL_ERROR_RT_INTERNAL_ERROR);
     assert_eq!(hccl, HCCL_E_INTERNAL);
 }
+
+/// ISSUE 32 item 16: one thread records an event on a stream while another makes the same
+/// stream wait on it. The record published its mark before queueing the mark's completion, so
+/// a wait queued in between sat ahead of the completion it waits for: the stream hung.
+#[test]
+fn a_record_racing_a_wait_on_its_own_stream_never_hangs() {
+    let _g = setup();
+    let s = new_stream();
+    let e = new_event(ACL_EVENT_SYNC);
+    let (su, eu) = (s as usize, e as usize);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        assert_eq!(unsafe { aclrtSetDevice(0) }, 0);
+        std::thread::scope(|sc| {
+            sc.spawn(|| unsafe {
+                assert_eq!(aclrtSetDevice(0), 0);
+                for _ in 0..30_000 {
+                    assert_eq!(aclrtRecordEvent(eu as *mut c_void, su as *mut c_void), 0);
+                }
+            });
+            sc.spawn(|| unsafe {
+                assert_eq!(aclrtSetDevice(0), 0);
+                for _ in 0..30_000 {
+                    assert_eq!(
+                        aclrtStreamWaitEvent(su as *mut c_void, eu as *mut c_void),
+                        0
+                    );
+                }
+            });
+        });
+        let _ = tx.send(sync(su as *mut c_void));
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the stream hung: a wait queued ahead of the record it waits for");
+    assert_eq!(r, 0);
+    assert_eq!(unsafe { aclrtDestroyEvent(e) }, 0);
+    destroy_stream(s);
+}

@@ -834,3 +834,52 @@ fn injected_faults_fire_once_on_the_named_call() {
     }
     unbind(0);
 }
+
+/// ISSUE 32 item 16: one thread records an event on a stream while another makes the same
+/// stream wait on it. The record published its mark before queueing the mark's completion, so
+/// a wait queued in between sat ahead of the completion it waits for: the stream hung.
+#[test]
+fn a_record_racing_a_wait_on_its_own_stream_never_hangs() {
+    let _g = setup();
+    bind(0);
+    let s = stream();
+    let mut e = null_mut();
+    // SAFETY: out-pointer to a local.
+    assert_eq!(
+        unsafe { cuEventCreate(&mut e, CU_EVENT_DISABLE_TIMING) },
+        CUDA_SUCCESS
+    );
+    let (su, eu) = (s as usize, e as usize);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        bind(0);
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                bind(0);
+                for _ in 0..30_000 {
+                    assert_eq!(cuEventRecord(eu as *mut c_void, su as *mut c_void), 0);
+                }
+                unbind(0);
+            });
+            sc.spawn(|| {
+                bind(0);
+                for _ in 0..30_000 {
+                    assert_eq!(
+                        cuStreamWaitEvent(su as *mut c_void, eu as *mut c_void, 0),
+                        0
+                    );
+                }
+                unbind(0);
+            });
+        });
+        let _ = tx.send(cuStreamSynchronize(su as *mut c_void));
+        unbind(0);
+    });
+    let r = rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("the stream hung: a wait queued ahead of the record it waits for");
+    assert_eq!(r, CUDA_SUCCESS);
+    assert_eq!(cuEventDestroy_v2(e), CUDA_SUCCESS);
+    assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
+    unbind(0);
+}

@@ -1,0 +1,155 @@
+//! The C ABI on the npu backend over the Ascend emulator (`tests/ascend-emulator`, built by
+//! `cargo build -p hprt-ascend-emulator`, which `scripts/test` runs first): what a C program on
+//! Ascend does, from `hprt_platform_open("npu")` through a communicator to a collective.
+//!
+//! The emulator is found through `HP_ACL_LIB` / `HP_HCCL_LIB`, set once for this test binary
+//! before any platform is opened (its one test keeps the process-wide emulator to itself).
+
+use std::ptr;
+
+use hprt::ffi::*;
+
+mod common;
+use common::*;
+
+/// target/<profile>/libhprt_ascend_emulator.so, next to this test binary's directory.
+fn emulator() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let lib = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>")
+        .join("libhprt_ascend_emulator.so");
+    assert!(
+        lib.is_file(),
+        "{} is missing: build it with `cargo build -p hprt-ascend-emulator` (scripts/test does)",
+        lib.display()
+    );
+    lib
+}
+
+fn open_npu() -> *mut HprtPlatform {
+    let mut p = ptr::null_mut();
+    // SAFETY: a NUL-terminated request and a valid out-pointer.
+    ok(unsafe { hprt_platform_open(c"npu".as_ptr(), &mut p) });
+    p
+}
+
+/// ISSUE 32 item 13: HCCL's root info is 4,108 bytes and `HPRT_UNIQUE_ID_MAX_BYTES` was 4,096,
+/// so `hprt_unique_id` answered BUFFER_TOO_SMALL into a buffer of that size, and
+/// `hprt_comm_init` refused the id's length: no communicator, collective or hsdp from C on
+/// Ascend. A buffer of `HPRT_UNIQUE_ID_MAX_BYTES` now holds it, and two ranks all-reduce.
+#[test]
+fn a_c_program_makes_a_communicator_and_all_reduces_on_npu() {
+    let lib = emulator();
+    // Before any platform is opened and before this binary starts a thread of its own.
+    std::env::set_var("HP_ACL_LIB", &lib);
+    std::env::set_var("HP_HCCL_LIB", &lib);
+    std::env::set_var("HP_EMU_DEVICES", "2");
+    std::env::set_var("HP_EMU_HCCL_TIMEOUT_MS", "20000");
+    let p = open_npu();
+    let mut name = ptr::null();
+    // SAFETY: live platform, valid out-pointer; the name is a static string.
+    unsafe {
+        ok(hprt_platform_backend_name(p, &mut name));
+        assert_eq!(std::ffi::CStr::from_ptr(name).to_str().unwrap(), "npu");
+    }
+    let world = 2usize;
+    let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
+    let mut len = 0;
+    // SAFETY: `id` has the capacity passed.
+    ok(unsafe { hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len) });
+    assert_eq!(len, 4108, "an HcclRootInfo");
+    // One byte short of it: the typed error that says how much is needed.
+    // SAFETY: as above, with a smaller capacity.
+    let st = unsafe { hprt_unique_id(p, id.as_mut_ptr(), len - 1, &mut len) };
+    assert_eq!(st, HprtStatus::ErrorBufferTooSmall);
+    assert!(last_error().contains("4108"), "{}", last_error());
+    // A length past the maximum is refused before anything is read.
+    let mut comm = ptr::null_mut();
+    // SAFETY: `id` is valid for `len` bytes; the longer length is refused before any read.
+    let st = unsafe {
+        hprt_comm_init(
+            p,
+            id.as_ptr(),
+            HPRT_UNIQUE_ID_MAX_BYTES + 1,
+            0,
+            world,
+            &mut comm,
+        )
+    };
+    assert_eq!(st, HprtStatus::ErrorInvalidValue);
+    assert!(comm.is_null());
+
+    let pa = p as usize;
+    let ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let p = pa as *const HprtPlatform;
+                let n = 1000usize;
+                // SAFETY: every handle below is made here, used while live and released once;
+                // the pinned address is used for its `4 * n` bytes while the buffer lives.
+                unsafe {
+                    ok(hprt_set_device(p, rank));
+                    let (mut s, mut comm, mut dev, mut host) = (
+                        ptr::null_mut(),
+                        ptr::null_mut(),
+                        ptr::null_mut(),
+                        ptr::null_mut(),
+                    );
+                    ok(hprt_stream_create(p, &mut s));
+                    ok(hprt_comm_init(p, id.as_ptr(), len, rank, world, &mut comm));
+                    ok(hprt_device_alloc(p, 4 * n, &mut dev));
+                    ok(hprt_pinned_alloc(p, 4 * n, &mut host));
+                    let mut hp = ptr::null_mut();
+                    ok(hprt_pinned_info(host, &mut hp, ptr::null_mut()));
+                    let vals = std::slice::from_raw_parts_mut(hp.cast::<f32>(), n);
+                    for (i, v) in vals.iter_mut().enumerate() {
+                        *v = (rank * n + i) as f32;
+                    }
+                    let d = HprtMemRef {
+                        device: dev,
+                        pinned: ptr::null(),
+                        offset: 0,
+                    };
+                    let h = HprtMemRef {
+                        device: ptr::null(),
+                        pinned: host,
+                        offset: 0,
+                    };
+                    ok(hprt_copy_async(p, d, h, 4 * n, s));
+                    ok(hprt_all_reduce(
+                        p,
+                        comm,
+                        dev,
+                        0,
+                        dev,
+                        0,
+                        n,
+                        HprtDtype::F32 as i32,
+                        HprtReduceOp::Sum as i32,
+                        s,
+                    ));
+                    ok(hprt_copy_async(p, h, d, 4 * n, s));
+                    ok(hprt_stream_synchronize(p, s));
+                    for (i, v) in vals.iter().enumerate() {
+                        let want: usize = (0..world).map(|r| r * n + i).sum();
+                        assert_eq!(*v, want as f32, "rank {rank} element {i}");
+                    }
+                    ok(hprt_comm_destroy(p, comm));
+                    ok(hprt_device_free(p, dev));
+                    ok(hprt_pinned_free(p, host));
+                    ok(hprt_stream_destroy(p, s));
+                }
+            })
+        })
+        .collect();
+    for r in ranks {
+        r.join().unwrap();
+    }
+    // SAFETY: closed once, after every object made from it.
+    unsafe {
+        ok(hprt_platform_synchronize(p));
+        ok(hprt_platform_close(p));
+    }
+}
