@@ -267,6 +267,7 @@ pub unsafe extern "C" fn hprt_pipeline_create(
             keep_last_groups,
             pool: pool(host_budget),
             compression: mode,
+            ..PipelineConfig::default()
         };
         // SAFETY: the caller's contract.
         unsafe {
