@@ -35,8 +35,9 @@ Every mode gives torch's own results under the patterns training uses: a front e
 forward pass and its backward at a time (``_Flow``: a forward that starts while an earlier pass's
 saved tensors are still referenced is left to autograd; what a dropped graph left is freed at the
 next pass), a second read of a saved tensor (``retain_graph``) returns the same tensor, an
-in-place write to a saved tensor raises torch's error (``_Witness``), reloads keep strides and
-storage offsets, and hooks are removed when a layer raises.
+in-place write to a saved tensor raises torch's error (``_Witness``; ``_Declined`` for one left
+to autograd, held without its autograd node so that a dropped graph goes), reloads keep strides
+and storage offsets, and hooks are removed when a layer raises.
 
 Sharded data parallel (``fully_shard``, ``run_on_ranks``, ``MixedPrecisionPolicy``, ...) lives in
 ``hprt.fsdp`` and is re-exported here.
@@ -494,13 +495,58 @@ class _Witness:
         if t is None and self._base is not None:
             t = self._base()
         if t is not None and t._version != self.version:
-            what = f"output {self.output_nr} of {self.grad_fn}" if self.grad_fn else "a leaf Variable"
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: [{t.type()} {list(self.shape)}], which is {what}, is at version "
-                f"{t._version}; expected version {self.version} instead. Hint: the tensor was "
-                "saved through hprt.torch; enable anomaly detection to find the operation that "
-                "failed to compute its gradient, with torch.autograd.set_detect_anomaly(True).")
+            raise _modified(t, self.shape, self.version, self.grad_fn, self.output_nr)
+
+
+def _modified(t, shape, version, grad_fn, output_nr):
+    """torch's error for a saved tensor modified in place (its message's shape: ``which is
+    output N of NODE,`` only for a tensor some node made)."""
+    what = f", which is output {output_nr} of {grad_fn}," if grad_fn else ""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{t.type()} {list(shape)}]{what} is at version {t._version}; "
+        f"expected version {version} instead. Hint: the tensor was saved through hprt.torch; "
+        "enable anomaly detection to find the operation that failed to compute its gradient, "
+        "with torch.autograd.set_detect_anomaly(True).")
+
+
+class _Declined:
+    """What a pack hook returns for a tensor hprt leaves to autograd (under ``min_bytes``,
+    refused by a predicate, a parameter or a view of one, not on this platform's device, not
+    dense): the tensor as torch itself would save it and its version at save time, checked at
+    unpack as torch checks a saved tensor.
+
+    Returning ``t`` itself lost both: torch checks no version of what a hook returned (a
+    weight or an activation changed in place between forward and backward gave a different
+    gradient without an error), and a saved *output* holds its ``grad_fn``, which held what
+    the hook returned: a reference cycle through autograd's C++ nodes that Python's collector
+    cannot see, so a graph dropped without backward (an evaluation with grad on) stayed alive
+    for good, and with it the pass the front end follows. So a tensor some node made is held
+    as ``t.detach()`` (the same memory and version counter, not the node), as torch holds a
+    saved output; a leaf (a parameter, an input) has no node and is held itself, as torch
+    holds it, so a parameter whose ``.data`` is replaced between forward and backward (a
+    sharded data-parallel unshard) is read as it is then."""
+
+    __slots__ = ("t", "version", "grad_fn", "output_nr")
+
+    def __init__(self, t):
+        fn = t.grad_fn
+        self.t, self.version = t if fn is None else t.detach(), t._version
+        # The node's class name is its name(); the node itself would be the cycle.
+        self.grad_fn = fn and type(fn).__name__
+        self.output_nr = t.output_nr
+
+    def read(self, load=None):
+        t = self.t
+        if t._version != self.version:
+            raise _modified(t, t.shape, self.version, self.grad_fn, self.output_nr)
+        return t
+
+
+def _declined(t):
+    """What a pack hook returns for ``t`` left to autograd (see ``_Declined``). An inference
+    tensor has no version counter (torch checks none) and no autograd node: itself."""
+    return t if t.is_inference() else _Declined(t)
 
 
 class _Pass:
@@ -584,7 +630,8 @@ def _load_layer(packed, load_one, start=None, ahead=None):
 
 def _unpack_with(load):
     def unpack(packed):
-        return packed.read(load) if isinstance(packed, _Packed) else packed
+        # What the pack hooks return: a _Packed, a _Declined, or an inference tensor.
+        return packed if isinstance(packed, torch.Tensor) else packed.read(load)
     return unpack
 
 
@@ -689,7 +736,7 @@ def _keyed_enter(ctx):
 
     def pack(t):
         if not is_swappable(t, rt):
-            return t
+            return _declined(t)
         ref = swap.swap_out_cur_and_release_prev(layer, rt.borrow(t), rt.compute_stream(t.device))
         return _Packed(ref, t, layer.layer, flow.current)
 
@@ -902,7 +949,7 @@ class SwapManager:
 
     def _pack(self, t, policy_fn=None):
         if not is_swappable(t, self.rt, self.min_bytes, self.custom_check_fn):
-            return t
+            return _declined(t)
         if policy_fn is not None:
             policy = policy_fn(t)
             if policy in (ActivationPolicy.SAVE, CheckpointPolicy.MUST_SAVE):
@@ -995,7 +1042,7 @@ class keep_saved_tensors(_Hooks):
 
     def _pack(self, t):
         if not is_swappable(t, self.rt, self.min_bytes):
-            return t
+            return _declined(t)
         return _Kept(self.rt.borrow(t), t)
 
     _unpack = staticmethod(_unpack_with(None))
@@ -1036,7 +1083,7 @@ class compress_saved_tensors(_Hooks):
             or t.nbytes < self.min_bytes
             or not _is_dense(t)
         ):
-            return t
+            return _declined(t)
         flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())  # memory order
         raw = [flat]
         small = t.nbytes < _CODEC_THREAD_MIN_BYTES
@@ -1111,7 +1158,7 @@ class compress_saved_tensors(_Hooks):
             begun += 1
 
     def _unpack(self, packed):
-        return packed.read(self._load) if isinstance(packed, _Packed) else packed
+        return packed if isinstance(packed, torch.Tensor) else packed.read(self._load)
 
     @staticmethod
     def _decompress(ref):
@@ -1223,13 +1270,13 @@ class ManagedCompression:
     def _pack(self, layer, t):
         _refuse_off_cpu("ManagedCompression", t)
         if not self._eligible(t):
-            return t
+            return _declined(t)
         key = self.manager.save(layer, t.detach())
-        return t if key is None else _ManagedKey(key, t, self, self.flow.current)
+        return _declined(t) if key is None else _ManagedKey(key, t, self, self.flow.current)
 
     def _unpack(self, packed):
         if not isinstance(packed, _ManagedKey):
-            return packed
+            return packed if isinstance(packed, torch.Tensor) else packed.read()
         packed.check()
         if packed.out is None:
             layer = packed.key[0]
@@ -1551,7 +1598,7 @@ class PipelineOffloadManager:
                 return _Packed(tag, t)
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             self._kept.add(t.untyped_storage().data_ptr())
-        return t
+        return _declined(t) if isinstance(t, torch.Tensor) else t
 
     def _load(self, packed):
         # Handed over, as Megatron-LM's handler pops a tensor at unpack (_Packed keeps it for a
@@ -1838,7 +1885,7 @@ class _PipelineFront:
 
     def _pack(self, t):
         if not is_swappable(t, self.rt, self.min_bytes, self.predicate):
-            return t
+            return _declined(t)
         return _Packed(self.off.save(self.rt.borrow(t)), t, self.layer, self.flow.current)
 
     def _load_one(self, packed):

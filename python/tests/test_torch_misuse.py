@@ -1,0 +1,278 @@
+"""hprt.torch where a real client slips (ISSUE 32 items 1-7): tensors a mode leaves to autograd
+(under ``min_bytes``, refused by a predicate, parameters), an evaluation forward with grad on,
+weights changed between forward and backward, models built and freed in a loop, and wrong
+arguments to ``attach``. On GPT-2 and Llama built from small transformers configs (as
+``test_torch_patterns``), gradients compared with plain torch's by ``torch.equal``."""
+
+import gc
+import re
+import warnings
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import hprt  # noqa: E402
+import hprt.torch as ht  # noqa: E402
+import test_torch_patterns as tp  # noqa: E402
+from test_torch_patterns import platform  # noqa: E402,F401  (the fixture)
+
+ATTACH_MODES = list(ht.MODES)  # keep, keyed, swap, pipeline, compress, managed_compress
+if tp.DEVICE != "cpu":
+    ATTACH_MODES = [m for m in ATTACH_MODES if m not in tp.HOST_COMPRESSION]
+SWAP_MODES = ["swap", "keyed", "pipeline"]
+MIB = 1 << 20
+
+
+def no_hooks_left(model):
+    return (not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
+
+
+def steps(model, data, rec, n=2, first=0):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for ids in data[first:first + n]:
+        tp.step(model, opt, ids, rec)
+
+
+def eval_forward_then_steps(model, data, rec, between=None):
+    """An evaluation forward with grad on whose graph is dropped unused, then training steps."""
+    model.eval()
+    rec(tp.lm_loss(model, data[0]))
+    model.train()
+    if between is not None:
+        between()
+    steps(model, data, rec, first=1)
+
+
+def plain(model_name, pattern):
+    torch.manual_seed(0)
+    model = tp.new_model(model_name)
+    rec = tp.Recorder(model)
+    pattern(model, tp.data_for(), rec)
+    return rec.values
+
+
+# ---- item 1: a declined saved tensor kept its graph alive for good ----------------------------
+
+
+class Probe:
+    def __call__(self, grad):
+        return None
+
+
+@pytest.mark.parametrize("mode", ATTACH_MODES)
+@pytest.mark.parametrize("model_name", list(tp.MODELS))
+def test_a_dropped_graph_of_declined_tensors_is_freed(model_name, mode, platform):
+    """``min_bytes=1 MiB``: every saved tensor of these models is left to autograd. An
+    evaluation forward with grad on, its graph dropped: the graph goes at once, by reference
+    counting (a declined saved output held its grad_fn, which held the output: a cycle through
+    autograd's nodes no collector frees, a whole graph leaked per forward), and the training
+    steps after it are plain torch's."""
+    freed = []
+
+    def pattern(model, data, rec):
+        seen = []
+
+        def probe(mod, args, out):
+            # A gradient hook on the first layer's output lives as long as its node does.
+            hook = Probe()
+            (out[0] if isinstance(out, tuple) else out).register_hook(hook)
+            seen.append(weakref.ref(hook))
+
+        handle = tp.layers_of(model)[0].register_forward_hook(probe)
+        model.eval()
+        loss = tp.lm_loss(model, data[0])
+        handle.remove()
+        assert seen[0]() is not None
+        rec(loss)
+        del loss
+        freed.append(seen[0]() is None)  # without a collection
+        gc.collect()
+        freed.append(seen[0]() is None)
+        model.train()
+        steps(model, data, rec, first=1)
+
+    want = plain(model_name, pattern)
+    assert freed == [True, True]
+    torch.manual_seed(0)
+    model = tp.new_model(model_name)
+    rec = tp.Recorder(model)
+    with ht.attach(model, mode=mode, platform=platform, min_bytes=MIB):
+        pattern(model, tp.data_for(), rec)
+    assert freed[2:] == [True, True], "the dropped graph is still alive"
+    tp.assert_identical(rec.values, want)
+
+
+@pytest.mark.parametrize("mode", SWAP_MODES)
+@pytest.mark.parametrize("model_name", list(tp.MODELS))
+def test_a_predicate_mode_offloads_after_an_evaluation_forward(model_name, mode, platform):
+    """With a predicate, the tensors it refuses were returned as they are: the evaluation
+    forward's graph stayed alive, the swap modes took its pass for still live and offloaded
+    nothing for the rest of the run (an OverlappingForwardWarning at each later step's
+    forward). Every step after it offloads as the first one did, exactly."""
+    torch.manual_seed(0)
+    model = tp.new_model(model_name)
+    rec = tp.Recorder(model)
+    offloaded = []
+
+    def count():
+        offloaded.append(handle.stats()["offloaded_tensors"])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ht.OverlappingForwardWarning)
+        with ht.attach(model, mode=mode, platform=platform, min_bytes=0,
+                       predicate=lambda t: t.numel() >= 512) as handle:
+            data = tp.data_for()
+            steps(model, data, rec, n=1)
+            count()
+            eval_forward_then_steps(model, data[1:], rec, between=count)
+            count()
+            steps(model, data, rec, n=1, first=4)
+            count()
+    per_step = offloaded[0]
+    assert per_step > 0
+    # The evaluation forward may offload too (its pass is the front end's); each step does.
+    assert offloaded[2] - offloaded[1] == 2 * per_step and offloaded[3] - offloaded[2] == per_step, \
+        offloaded
+
+    def pattern(m, d, r):
+        steps(m, d, r, n=1)
+        eval_forward_then_steps(m, d[1:], r)
+        steps(m, d, r, n=1, first=4)
+
+    tp.assert_identical(rec.values, plain(model_name, pattern))
+
+
+# ---- item 2: managed_compress switched itself off after one forward without backward ----------
+
+
+@pytest.mark.skipif(tp.DEVICE != "cpu", reason="managed_compress compresses CPU tensors")
+@pytest.mark.parametrize("model_name", list(tp.MODELS))
+def test_managed_compress_keeps_compressing_after_a_forward_without_backward(model_name, platform):
+    """SDPA (transformers' default attention) saves a non-contiguous output the manager
+    declines; its graph stayed alive after a forward without backward, and managed_compress
+    left every later pass to autograd (Llama: 52 tensors compressed per step, then 0, with a
+    warning naming two forwards then one backward). Every step compresses the same tensors, no
+    warning, gradients exact."""
+    torch.manual_seed(0)
+    model = tp.new_model(model_name)
+    assert model.config._attn_implementation == "sdpa"
+    rec = tp.Recorder(model)
+    counts = []
+    data = tp.data_for()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ht.attach(model, mode="managed_compress", platform=platform) as handle:
+            def count():
+                counts.append(handle.stats()["compressed_tensors"])
+
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            tp.step(model, opt, data[0], rec)
+            count()
+            rec(tp.lm_loss(model, data[1]))  # a skipped step: its graph dropped unused
+            count()
+            for ids in data[2:4]:
+                tp.step(model, opt, ids, rec)
+                count()
+    assert not [str(w.message) for w in caught], [str(w.message) for w in caught]
+    per_step = counts[0]
+    assert per_step > 0
+    assert [b - a for a, b in zip(counts[1:], counts[2:])] == [per_step, per_step], counts
+
+    def pattern(m, d, r):
+        tp.p_forward_without_backward(m, torch.optim.AdamW(m.parameters(), lr=1e-2), d, r)
+
+    tp.assert_identical(rec.values, plain(model_name, pattern))
+
+
+# ---- item 3: an in-place write to a declined saved tensor went undetected ---------------------
+
+VERSION_ERROR = r"one of the variables needed for gradient computation has been modified by " \
+                r"an inplace operation: \[(\S+ \[[0-9, ]+\])\](, which is output \d+ of \w+,)? " \
+                r"is at version (\d+); expected version (\d+) instead"
+
+
+def backward_error(model_name, mode, platform, modify, **kw):
+    """torch's error when ``modify(model)`` runs between a forward and its backward (the
+    message's tensor, node and versions), in ``mode`` or in plain torch (None)."""
+    torch.manual_seed(0)
+    model = tp.new_model(model_name)
+    handle = None if mode is None else ht.attach(model, mode=mode, platform=platform, **kw)
+    try:
+        loss = tp.lm_loss(model, tp.data_for()[0])
+        modify(model)
+        with pytest.raises(RuntimeError, match=VERSION_ERROR) as err:
+            loss.backward()
+        return error_fields(err.value)
+    finally:
+        if handle is not None:
+            handle.detach()
+
+
+def error_fields(err):
+    """The tensor, versions, and whether a node is named, of torch's in-place error. (torch
+    names the node a view's grad_fn is regenerated as after its base changed, AsStrided for
+    ``weight.t()``; hprt the one that made the tensor when it was saved, TBackward0.)"""
+    tensor, node, version, expected = re.search(VERSION_ERROR, str(err)).groups()
+    return tensor, node is not None, version, expected
+
+
+def change_a_weight(model):
+    """An optimizer-like update between the forward and the backward: GPT-2's Conv1D weight is
+    saved as it is (addmm), Llama's Linear weight as ``weight.t()``."""
+    block = tp.layers_of(model)[0]
+    weight = block.mlp.c_fc.weight if hasattr(block.mlp, "c_fc") else block.mlp.up_proj.weight
+    with torch.no_grad():
+        weight.mul_(2)
+
+
+@pytest.mark.parametrize("mode", list(tp.MODES))
+@pytest.mark.parametrize("model_name", list(tp.MODELS))
+def test_a_weight_changed_before_backward_raises_torchs_error(model_name, mode, platform):
+    """A parameter is never swapped nor compressed; it was returned to autograd as it is,
+    whose version torch then no longer checked: a silently different gradient. Now torch's
+    error, naming the same tensor and versions."""
+    want = backward_error(model_name, None, platform, change_a_weight)
+    kw = dict(tp.MODES[mode])
+    kw.pop("_codec_thread_min_bytes", None)
+    assert backward_error(model_name, kw.pop("mode"), platform, change_a_weight, min_bytes=0,
+                          **kw) == want
+
+
+@pytest.mark.parametrize("mode", ATTACH_MODES)
+@pytest.mark.parametrize("model_name", list(tp.MODELS))
+def test_an_activation_under_min_bytes_written_in_place_raises_torchs_error(model_name, mode,
+                                                                            platform):
+    """``min_bytes=1 MiB``: the MLP's activation is left to autograd; modified in place after
+    the forward, torch refuses the backward, and so does every mode."""
+
+    kept = []
+
+    def caught(model):
+        mlp = tp.layers_of(model)[0].mlp
+        act = mlp.act if hasattr(mlp, "act") else mlp.act_fn
+        act.register_forward_hook(lambda mod, args, out: kept.append(out))
+        return model
+
+    def modify(model):
+        kept[-1].mul_(2)  # after c_proj / down_proj saved it
+
+    def run(m):
+        torch.manual_seed(0)
+        model = caught(tp.new_model(model_name))
+        handle = None if m is None else ht.attach(model, mode=m, platform=platform,
+                                                   min_bytes=MIB)
+        try:
+            loss = tp.lm_loss(model, tp.data_for()[0])
+            modify(model)
+            with pytest.raises(RuntimeError, match=VERSION_ERROR) as err:
+                loss.backward()
+            return error_fields(err.value)
+        finally:
+            if handle is not None:
+                handle.detach()
+
+    assert run(mode) == run(None)
