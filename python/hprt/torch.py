@@ -1051,6 +1051,17 @@ class keep_saved_tensors(_Hooks):
 _CODEC_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
+def _of_parameter(t):
+    """Whether ``t`` is a parameter or a view of one (``nn.Linear``'s backward saves
+    ``weight.t()``): its memory lives on whatever hprt does with the saved tensor, so
+    compressing it would only cost the encode, every step (the swap modes' ``is_swappable``
+    leaves them out the same way)."""
+    if isinstance(t, nn.Parameter):
+        return True
+    base = t._base
+    return base is not None and isinstance(base, nn.Parameter)
+
+
 class compress_saved_tensors(_Hooks):
     """Lossless compression of saved f32/f16/bf16 dense CPU tensors: in pack, ``hprt.compress``
     of the tensor's memory is queued on a codec thread of hprt's (the step goes on while it
@@ -1077,7 +1088,7 @@ class compress_saved_tensors(_Hooks):
         _refuse_off_cpu("compress_saved_tensors", t)
         if (
             t.dtype not in _CODEC_DTYPES
-            or isinstance(t, nn.Parameter)
+            or _of_parameter(t)
             or (t.is_leaf and t.requires_grad)
             or t.numel() == 0
             or t.nbytes < self.min_bytes
@@ -1260,7 +1271,7 @@ class ManagedCompression:
         return (
             t.dtype in _CODEC_DTYPES  # and on the CPU: _pack refused the others
             and self.platform.backend == "cpu"
-            and not isinstance(t, nn.Parameter)
+            and not _of_parameter(t)
             and not (t.is_leaf and t.requires_grad)
             and t.is_contiguous()
             and t.storage_offset() == 0

@@ -276,3 +276,74 @@ def test_an_activation_under_min_bytes_written_in_place_raises_torchs_error(mode
                 handle.detach()
 
     assert run(mode) == run(None)
+
+
+# ---- item 4: compress mode encoded every nn.Linear weight each step ---------------------------
+
+
+class ViewOfAParameter(torch.nn.Module):
+    """Saves a contiguous view of its parameter (``mul`` saves both operands)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 256))
+
+    def forward(self, x):
+        return x * self.w.view(16, 16)
+
+
+class ViewModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(ViewOfAParameter() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.mark.skipif(tp.DEVICE != "cpu", reason="the compress modes compress CPU tensors")
+@pytest.mark.parametrize("mode", ["compress", "compress_codec_thread"])
+@pytest.mark.parametrize("model_name", list(tp.MODELS))
+def test_compress_mode_leaves_parameter_views_alone(model_name, mode, platform, monkeypatch):
+    """Autograd saves ``weight.t()`` for every nn.Linear (Llama), a view of the parameter: it
+    was encoded every step, saving no memory (the parameter lives on). Nothing encoded shares
+    a parameter's storage; the activations still are; gradients exact."""
+    want = tp.baseline(model_name, "steps")
+    encoded, models = [], []
+    real, new_model = hprt.compress, tp.new_model
+
+    def recording(x, *args, **kwargs):
+        encoded.append(x.untyped_storage().data_ptr())
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(hprt, "compress", recording)
+    monkeypatch.setattr(tp, "new_model", lambda name: models.append(new_model(name)) or models[-1])
+    got, handle = tp.run(model_name, "steps", mode, platform)
+    tp.assert_identical(got, want)
+    params = {p.untyped_storage().data_ptr() for p in models[0].parameters()}
+    assert encoded and handle.stats()["tensors"] == len(encoded)
+    assert not params & set(encoded), f"{len(params & set(encoded))} of {len(encoded)} encoded"
+
+
+@pytest.mark.skipif(tp.DEVICE != "cpu", reason="the compress modes compress CPU tensors")
+@pytest.mark.parametrize("mode", ["compress", "managed_compress"])
+def test_a_contiguous_view_of_a_parameter_is_not_compressed(mode, platform):
+    """A contiguous view of a parameter (``w.view(...)``) is left out too, by both compress
+    modes: one saved tensor per layer is compressed (the layer's input), not two."""
+    torch.manual_seed(0)
+    model = ViewModel()
+    x = torch.randn(16, 16)
+    model(x).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    with ht.attach(model, mode=mode, platform=platform) as handle:
+        model(x).backward()
+        st = handle.stats()
+    tp.assert_identical([p.grad for p in model.parameters()], want)
+    if mode == "compress":
+        assert st["tensors"] == 3, st
+    else:
+        assert [layer["saved"] for _, layer in sorted(st["layers"].items())] == [1, 1, 1], st
