@@ -782,7 +782,9 @@ class SwapManager:
             inst.rt = rt
             inst.min_bytes = min_bytes or 0
             inst.custom_check_fn = custom_check_fn
-            inst.layers = {}
+            # module -> its layer; weak (a module's id() is reused once it is freed: a new
+            # model's block at a freed one's address got no hooks).
+            inst.layers = weakref.WeakKeyDictionary()
             inst.seconds = set()
             inst.handles = []
             inst.flow = _Flow(inst._end_iteration)
@@ -819,20 +821,21 @@ class SwapManager:
             if module is not None and hasattr(module, "_swap_group_name"):
                 del module._swap_group_name
         layers = list(self.layers.values())
-        self.handles, self.layers, self.seconds, self.named = [], {}, set(), []
+        self.handles, self.seconds, self.named = [], set(), []
+        self.layers = weakref.WeakKeyDictionary()
         self.flow.settle()
         if self.flow.current is None:  # no pass alive: the next attach may order them anew
             for layer in layers:
                 self.rt.layers.unlink(layer)
 
     def _layer(self, module):
-        layer = self.layers.get(id(module))
+        layer = self.layers.get(module)
         if layer is None:
             slots = self.rt._layer_slots
             layer = slots.get(module)
             if layer is None:
                 layer = slots[module] = self.rt.layers.new_layer()
-            self.layers[id(module)] = layer
+            self.layers[module] = layer
             # hyper_parallel names the module's group on the module.
             module._swap_group_name = f"swap_group_{layer}"
             self.named.append(weakref.ref(module))

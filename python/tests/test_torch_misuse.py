@@ -347,3 +347,50 @@ def test_a_contiguous_view_of_a_parameter_is_not_compressed(mode, platform):
         assert st["tensors"] == 3, st
     else:
         assert [layer["saved"] for _, layer in sorted(st["layers"].items())] == [1, 1, 1], st
+
+
+# ---- item 5: SwapManager remembered modules by id() --------------------------------------------
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, n=3, dim=16):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU()) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.mark.skipif(tp.DEVICE != "cpu", reason="address reuse replayed on CPU tensors")
+def test_swap_manager_hooks_every_block_of_models_built_in_a_loop(platform):
+    """hyper_parallel's ``SwapManager`` singleton, a model built, trained and freed again and
+    again (a sweep, a test suite): Python reuses a freed block's id(), and a new block at that
+    address was taken for the old one, given no hooks (then a SwapStateError, or nothing
+    swapped). Every block of every model is hooked and swaps; gradients exact."""
+    rt = ht.Runtime(platform)
+    mgr = ht.SwapManager(rt)
+    x = torch.randn(8, 16)
+    freed, reused, per_model = set(), 0, []
+    try:
+        for _ in range(30):
+            torch.manual_seed(0)
+            model = Stack()
+            want = torch.autograd.grad(model(x), list(model.parameters()))
+            reused += any(id(layer) in freed for layer in model.layers)
+            for a, b in zip(model.layers[:-1], model.layers[1:]):
+                mgr.set_forward_prefetch_layer(a, b)
+            assert all(layer._forward_pre_hooks for layer in model.layers)
+            before = rt.stats()["offloaded_tensors"]
+            got = torch.autograd.grad(model(x), list(model.parameters()))
+            per_model.append(rt.stats()["offloaded_tensors"] - before)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            freed |= {id(layer) for layer in model.layers}
+            del model, got, want
+    finally:
+        mgr.detach()
+        ht.SwapManager._instances.pop(id(rt), None)
+    assert reused, "no block was built at a freed one's address: the case was not replayed"
+    assert per_model[0] > 0 and per_model == [per_model[0]] * len(per_model), per_model
