@@ -2186,21 +2186,44 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
         raise ValueError(f"hprt.torch mode {mode!r} takes no predicate (the swap modes do); "
                          "use min_bytes")
     _check_plan_args(mode, budget, offload_fraction)
+    window = dict(max_inflight_offload_bytes=max_inflight_offload_bytes,
+                  max_inflight_reload_bytes=max_inflight_reload_bytes)
+    _check_attach_args(model, mode, layers, min_bytes, predicate, compression, runtime_,
+                       prefetch, window)
     if isinstance(layers, str) or layers is None:
         layers = find_layers(model, layers)
     layers = list(layers)
+    _check_layers(layers)
     _refuse_attached(layers)
-    window = dict(max_inflight_offload_bytes=max_inflight_offload_bytes,
-                  max_inflight_reload_bytes=max_inflight_reload_bytes)
     rt = runtime_ if runtime_ is not None else Runtime(platform, compression=compression,
                                                         **window)
+    if runtime_ is not None and compression not in ("off", rt.compression):
+        raise ValueError(
+            f"hprt.torch.attach: compression={compression!r}, but the Runtime given "
+            f"(runtime_=) compresses with {rt.compression!r}: a runtime's front ends share its "
+            "setting; give it to Runtime(compression=...), or attach without runtime_")
+    if mode in ("compress", "managed_compress"):
+        _check_host_compression(model, mode, rt)
+    # Nothing is installed above; from here on a failure removes what was (``undo``).
+    undo = []
+    try:
+        return _attach(model, mode, layers, rt, runtime_, min_bytes, predicate, prefetch, budget,
+                       offload_fraction, window, undo)
+    except BaseException:
+        for fn in reversed(undo):
+            fn()
+        raise
+
+
+def _attach(model, mode, layers, rt, runtime_, min_bytes, predicate, prefetch, budget,
+            offload_fraction, window, undo):
+    """``attach`` once its arguments are checked; appends to ``undo`` what removes each thing
+    it installed, for a failure part way."""
     plan = None
     if budget is not None or offload_fraction is not None:
         plan = _OffloadPlan(rt, len(layers), budget, offload_fraction, predicate)
         predicate = plan.takes
     windowed = runtime_ is not None and any(v is not None for v in window.values())
-    if mode in ("compress", "managed_compress"):
-        _check_host_compression(model, mode, rt)
     if mode == "swap":
         live = SwapManager._instances.get(id(rt))
         if live is not None and live.handles:
@@ -2211,37 +2234,46 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
                 "attach(mode='swap') not detached, or set_forward_prefetch_layer); detach() them "
                 "first, or attach this model with a Runtime of its own")
         mgr = SwapManager(rt, min_bytes=min_bytes, custom_check_fn=predicate)
-        if windowed:
-            rt.layers.set_window(max_inflight_offload_bytes, max_inflight_reload_bytes)
-        for a, b in zip(layers[:-1], layers[1:]):
-            mgr.set_forward_prefetch_layer(a, b)
-        if len(layers) == 1:
-            mgr._layer(layers[0])
+        if live is None:  # made here: a failure forgets it again
+            undo.append(lambda: SwapManager._instances.pop(id(rt), None))
         on_detach = [mgr.detach]
         if runtime_ is None:  # the handle's own runtime: its SwapManager goes with the handle
             on_detach.append(lambda: SwapManager._instances.pop(id(rt), None))
         handle = Attached(mode, layers, rt, [mgr.flow.settle], on_detach=on_detach,
                           stats_extra=plan and plan.stats)
+        undo.append(handle.detach)
+        handle._handles = mgr.handles
+        if windowed:
+            rt.layers.set_window(window["max_inflight_offload_bytes"],
+                                 window["max_inflight_reload_bytes"])
+        for a, b in zip(layers[:-1], layers[1:]):
+            mgr.set_forward_prefetch_layer(a, b)
+        if len(layers) == 1:
+            mgr._layer(layers[0])
         handle._handles = mgr.handles
         _hook_plan(handle, layers, plan)
         return handle
     settle, extra, on_detach = [], None, []
     if mode == "keyed":
         front_end = rt.new_keyed()
-        if windowed:
-            front_end.set_window(max_inflight_offload_bytes, max_inflight_reload_bytes)
         flow = _Flow(front_end.end_iteration)
+        undo.append(lambda: rt.retire(front_end, flow))
+        if windowed:
+            front_end.set_window(window["max_inflight_offload_bytes"],
+                                 window["max_inflight_reload_bytes"])
         tag = f"attach{id(rt)}.layers.*"
         ctxs = [TensorSwapContext(tag, predicate, prefetch, min_bytes, rt, (front_end, flow))
                 for _ in layers]
         front, settle = _ContextFront(lambda i: ctxs[i]), [flow.settle]
-        on_detach = [lambda: rt.retire(front_end, flow)]
+        on_detach = [undo.pop()]
     elif mode == "pipeline":
         front = _PipelineFront(rt, min_bytes, predicate, prefetch, len(layers))
+        undo.append(lambda: rt.retire(front.off, front.flow))
         if windowed:
-            front.off.set_window(max_inflight_offload_bytes, max_inflight_reload_bytes)
+            front.off.set_window(window["max_inflight_offload_bytes"],
+                                 window["max_inflight_reload_bytes"])
         settle, extra = [front.flow.settle], front.stats
-        on_detach = [lambda: rt.retire(front.off, front.flow)]
+        on_detach = [undo.pop()]
     elif mode == "keep":
         front = _ContextFront(lambda i: keep_saved_tensors(rt, min_bytes))
     elif mode == "compress":
@@ -2255,6 +2287,7 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
     if plan is not None:
         extra = _merged(extra, plan.stats)
     handle = Attached(mode, layers, rt, settle, extra, on_detach)
+    undo.append(handle.detach)
     _hook_plan(handle, layers, plan)
     for i, layer in enumerate(layers):
         opened = []
@@ -2270,6 +2303,66 @@ def attach(model, mode="swap", *, layers=None, min_bytes=0, predicate=None, comp
         handle._handles.append(layer.register_forward_pre_hook(pre))
         handle._handles.append(layer.register_forward_hook(post, always_call=True))
     return handle
+
+
+_COMPRESSIONS = ("off", "device", "host_stage", "auto")
+
+
+def _check_attach_args(model, mode, layers, min_bytes, predicate, compression, runtime_,
+                       prefetch, window):
+    """``attach``'s arguments, checked before anything is installed (a wrong type failed only
+    inside the first forward, or part way through installing hooks)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hprt.torch.attach: model must be a torch.nn.Module, not "
+                        f"{type(model).__name__}")
+    if layers is not None and not isinstance(layers, (str, list, tuple, nn.ModuleList,
+                                                      nn.Sequential)):
+        raise TypeError("hprt.torch.attach: layers= takes a list (or tuple, nn.ModuleList, "
+                        "nn.Sequential) of modules or a dotted path such as 'model.layers', not "
+                        f"{type(layers).__name__}")
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int):
+        raise TypeError(f"hprt.torch.attach: min_bytes must be an int (bytes), not "
+                        f"{type(min_bytes).__name__}")
+    if min_bytes < 0:
+        raise ValueError(f"hprt.torch.attach: min_bytes must be >= 0, not {min_bytes}")
+    if predicate is not None and not callable(predicate):
+        raise TypeError(f"hprt.torch.attach: predicate must be callable (tensor -> bool), not "
+                        f"{type(predicate).__name__}")
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"hprt.torch.attach: prefetch must be True or False, not {prefetch!r}")
+    if not isinstance(compression, str) or compression not in _COMPRESSIONS:
+        raise ValueError(f"hprt.torch.attach: compression must be one of "
+                         f"{', '.join(map(repr, _COMPRESSIONS))}, not {compression!r}")
+    if compression != "off" and mode not in ("swap", "keyed", "pipeline"):
+        raise ValueError(
+            f"hprt.torch mode {mode!r} does not swap: compression={compression!r} "
+            "(compress-then-swap) applies to the swap modes ('swap', 'keyed', 'pipeline'); "
+            "mode='compress' or 'managed_compress' compresses without swapping")
+    if runtime_ is not None and not isinstance(runtime_, Runtime):
+        raise TypeError(f"hprt.torch.attach: runtime_ must be an hprt.torch.Runtime, not "
+                        f"{type(runtime_).__name__}")
+    for name, value in window.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+            raise ValueError(f"hprt.torch.attach: {name} must be a number of bytes (int >= 0) "
+                             f"or None, not {value!r}")
+
+
+def _check_layers(layers):
+    """The layer list: not empty, modules only, each once (a block named twice was linked
+    after itself: attach failed part way, its hooks left behind)."""
+    if not layers:
+        raise ValueError("hprt.torch.attach: layers= is empty (nothing would be attached); name "
+                         "the model's blocks, or leave layers= out to find them")
+    seen = {}
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"hprt.torch.attach: layers= must hold torch.nn.Module objects; "
+                            f"item {i} is {type(layer).__name__}")
+        j = seen.setdefault(id(layer), i)
+        if j != i:
+            raise ValueError(f"hprt.torch.attach: layers= names {type(layer).__name__} twice "
+                             f"(items {j} and {i}); each layer once, in forward order")
 
 
 def _merged(first, second):

@@ -394,3 +394,128 @@ def test_swap_manager_hooks_every_block_of_models_built_in_a_loop(platform):
         ht.SwapManager._instances.pop(id(rt), None)
     assert reused, "no block was built at a freed one's address: the case was not replayed"
     assert per_model[0] > 0 and per_model == [per_model[0]] * len(per_model), per_model
+
+
+# ---- items 6 and 7: attach checks its arguments and leaves nothing behind ----------------------
+
+
+def attach_leaves_nothing(model, platform, error, match, **kw):
+    singletons = dict(ht.SwapManager._instances)
+    with pytest.raises(error, match=match):
+        ht.attach(model, platform=platform, **kw)
+    assert no_hooks_left(model)
+    assert not any(layer in ht._ATTACHED for layer in model.modules())
+    assert ht.SwapManager._instances == singletons
+
+
+def trains_exactly_after(model_name, model, mode, platform, **kw):
+    """The model attached properly after the refusal trains as plain torch does."""
+    rec = tp.Recorder(model)
+    with ht.attach(model, mode=mode, platform=platform, **kw) as handle:
+        steps(model, tp.data_for(), rec)
+    assert tp.took_tensors(handle), handle.stats()
+    tp.assert_identical(rec.values, tp.baseline(model_name, "steps"))
+
+
+@pytest.mark.parametrize("mode", ATTACH_MODES)
+def test_a_layer_named_twice_is_refused_before_anything_is_installed(mode, platform):
+    """``layers=[b0, b1, b0]``: swap mode failed part way (b0's hooks left behind), compress
+    mode failed in the first forward with its saved-tensor hooks left on torch's global stack,
+    the other modes failed in the forward or ran with one layer hooked twice."""
+    torch.manual_seed(0)
+    model = tp.new_model("gpt2")
+    blocks = list(tp.layers_of(model))
+    attach_leaves_nothing(model, platform, ValueError, "names GPT2Block twice", mode=mode,
+                          layers=[blocks[0], blocks[1], blocks[0]])
+    trains_exactly_after("gpt2", model, mode, platform, min_bytes=0)
+
+
+@pytest.mark.parametrize("mode", ATTACH_MODES)
+def test_a_failure_part_way_through_attach_leaves_nothing(mode, platform, monkeypatch):
+    """A failure while attach installs its hooks (here the last block refuses a forward hook)
+    removes what was installed: module hooks, the layer claims, the SwapManager it made, the
+    front end it added to a shared runtime."""
+    torch.manual_seed(0)
+    model = tp.new_model("gpt2")
+    rt = ht.Runtime(platform)
+    fronts = list(rt._fronts)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no hook for you")
+
+    monkeypatch.setattr(tp.layers_of(model)[-1], "register_forward_hook", refuse)
+    attach_leaves_nothing(model, platform, RuntimeError, "no hook for you", mode=mode,
+                          runtime_=rt, min_bytes=0)
+    rt.stats()
+    assert rt._fronts == fronts
+    monkeypatch.undo()
+    trains_exactly_after("gpt2", model, mode, platform, runtime_=rt, min_bytes=0)
+
+
+def _blocks(model):
+    return list(tp.layers_of(model))
+
+
+MISUSES = {
+    # name: (attach keywords given the model, error, message)
+    "no layers": (lambda m: dict(layers=[]), ValueError, "layers= is empty"),
+    "empty tuple": (lambda m: dict(layers=()), ValueError, "layers= is empty"),
+    "not a module": (lambda m: dict(layers=[_blocks(m)[0], "h.1"]), TypeError,
+                     "item 1 is str"),
+    "one module": (lambda m: dict(layers=_blocks(m)[0]), TypeError, "layers= takes a list"),
+    "min_bytes str": (lambda m: dict(min_bytes="1024"), TypeError, "min_bytes must be an int"),
+    "min_bytes float": (lambda m: dict(min_bytes=1024.0), TypeError, "min_bytes must be an int"),
+    "min_bytes negative": (lambda m: dict(min_bytes=-1), ValueError, "min_bytes must be >= 0"),
+    "min_bytes None": (lambda m: dict(min_bytes=None), TypeError, "min_bytes must be an int"),
+    "prefetch str": (lambda m: dict(prefetch="no"), TypeError, "prefetch must be True or False"),
+    "compression unknown": (lambda m: dict(compression="zstd"), ValueError,
+                            "compression must be one of"),
+    "runtime not a Runtime": (lambda m: dict(runtime_=hprt.cpu_platform(device_memory=1 << 20)), TypeError,
+                              "runtime_ must be an hprt.torch.Runtime"),
+    "window negative": (lambda m: dict(max_inflight_offload_bytes=-1), ValueError,
+                        "max_inflight_offload_bytes must be"),
+}
+
+
+@pytest.mark.parametrize("misuse", list(MISUSES))
+@pytest.mark.parametrize("mode", ATTACH_MODES)
+def test_attach_refuses_wrong_arguments_at_once(mode, misuse, platform):
+    """Refused by attach itself, with nothing installed (before: ``layers=[]`` did nothing
+    without a word, a wrong type failed inside the first forward or part way through
+    installing hooks, or was ignored by the modes that do not read it)."""
+    torch.manual_seed(0)
+    model = tp.new_model("gpt2")
+    kw, error, match = MISUSES[misuse]
+    attach_leaves_nothing(model, platform, error, match, mode=mode, **kw(model))
+    trains_exactly_after("gpt2", model, mode, platform, min_bytes=0)
+
+
+@pytest.mark.parametrize("mode", SWAP_MODES)
+def test_a_predicate_must_be_callable(mode, platform):
+    torch.manual_seed(0)
+    model = tp.new_model("gpt2")
+    attach_leaves_nothing(model, platform, TypeError, "predicate must be callable", mode=mode,
+                          predicate=512)
+
+
+@pytest.mark.parametrize("mode", [m for m in ATTACH_MODES if m not in SWAP_MODES])
+@pytest.mark.parametrize("compression", ["device", "host_stage", "auto"])
+def test_compression_is_refused_by_modes_that_do_not_swap(mode, compression, platform):
+    """compress-then-swap has nothing to do in a mode that swaps nothing: it was ignored
+    without a word (keep, compress)."""
+    torch.manual_seed(0)
+    model = tp.new_model("gpt2")
+    attach_leaves_nothing(model, platform, ValueError, f"mode '{mode}' does not swap", mode=mode,
+                          compression=compression)
+
+
+@pytest.mark.parametrize("mode", SWAP_MODES)
+def test_compression_other_than_a_given_runtimes_is_refused(mode, platform):
+    """With ``runtime_=``, the runtime's compression applies: another one given to attach was
+    ignored without a word."""
+    torch.manual_seed(0)
+    model = tp.new_model("gpt2")
+    rt = ht.Runtime(platform)
+    attach_leaves_nothing(model, platform, ValueError, "compresses with 'off'", mode=mode,
+                          runtime_=rt, compression="host_stage")
+    ht.attach(model, mode=mode, runtime_=rt, compression="off").detach()
