@@ -134,9 +134,10 @@ def test_a_predicate_mode_offloads_after_an_evaluation_forward(model_name, mode,
             count()
     per_step = offloaded[0]
     assert per_step > 0
-    # The evaluation forward may offload too (its pass is the front end's); each step does.
-    assert offloaded[2] - offloaded[1] == 2 * per_step and offloaded[3] - offloaded[2] == per_step, \
-        offloaded
+    # The evaluation forward may offload too (its pass is the front end's); each step does,
+    # as many as the first.
+    assert offloaded[2] - offloaded[1] == 2 * per_step, offloaded
+    assert offloaded[3] - offloaded[2] == per_step, offloaded
 
     def pattern(m, d, r):
         steps(m, d, r, n=1)
@@ -177,7 +178,9 @@ def test_managed_compress_keeps_compressing_after_a_forward_without_backward(mod
             for ids in data[2:4]:
                 tp.step(model, opt, ids, rec)
                 count()
-    assert not [str(w.message) for w in caught], [str(w.message) for w in caught]
+    overlap = [str(w.message) for w in caught
+               if issubclass(w.category, ht.OverlappingForwardWarning)]
+    assert not overlap, overlap
     per_step = counts[0]
     assert per_step > 0
     assert [b - a for a, b in zip(counts[1:], counts[2:])] == [per_step, per_step], counts
@@ -470,8 +473,8 @@ MISUSES = {
     "prefetch str": (lambda m: dict(prefetch="no"), TypeError, "prefetch must be True or False"),
     "compression unknown": (lambda m: dict(compression="zstd"), ValueError,
                             "compression must be one of"),
-    "runtime not a Runtime": (lambda m: dict(runtime_=hprt.cpu_platform(device_memory=1 << 20)), TypeError,
-                              "runtime_ must be an hprt.torch.Runtime"),
+    "runtime not a Runtime": (lambda m: dict(runtime_=hprt.cpu_platform(device_memory=1 << 20)),
+                              TypeError, "runtime_ must be an hprt.torch.Runtime"),
     "window negative": (lambda m: dict(max_inflight_offload_bytes=-1), ValueError,
                         "max_inflight_offload_bytes must be"),
 }
