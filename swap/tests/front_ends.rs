@@ -149,11 +149,16 @@ fn layer_group_reload_out_of_memory_can_be_retried() {
     m.forward_pre(b).unwrap();
     m.forward_post(b, &s).unwrap();
     let filler = p.alloc_device(40 << 10).unwrap();
-    let e = m.backward_pre(b, &s).unwrap_err();
-    assert_eq!(e.platform_kind(), Some(ErrorKind::OutOfMemory));
-    p.free_device(&filler).unwrap();
+    // The prefetch of layer a finds no room: deferred, not an error (layer b's backward goes
+    // on, ISSUE 32 item 11); layer a stays on the host with its copy.
     m.backward_pre(b, &s).unwrap();
+    assert_eq!(m.state(r).unwrap(), SwapState::Host);
     m.backward_post(b).unwrap();
+    // Layer a's own load is the error, and a retry once there is room succeeds.
+    let e = m.backward_pre(a, &s).unwrap_err();
+    assert_eq!(e.platform_kind(), Some(ErrorKind::OutOfMemory));
+    assert_eq!(m.state(r).unwrap(), SwapState::Host);
+    p.free_device(&filler).unwrap();
     m.backward_pre(a, &s).unwrap();
     assert_eq!(bytes_of(&p, &s, m.get(r).unwrap()), vec![5; 16 << 10]);
 }
@@ -203,10 +208,11 @@ fn an_iteration_aborted_in_backward_does_not_break_the_next() {
     let layers = (m.new_layer(), m.new_layer());
     m.set_forward_prefetch_layer(layers.0, layers.1).unwrap();
     two_layer_forward(&p, &s, &mut m, layers, 1);
-    // backward_pre raises (the prefetch runs out of memory); the loop ends the iteration.
+    // The prefetch runs out of memory (deferred, not an error); the loop then aborts the
+    // iteration midway through its backward.
     p.synchronize_device().unwrap();
     let filler = p.alloc_device(p.mem_info().unwrap().free - 1024).unwrap();
-    assert!(m.backward_pre(layers.1, &s).is_err());
+    m.backward_pre(layers.1, &s).unwrap();
     m.end_iteration().unwrap();
     p.free_device(&filler).unwrap();
     // The next iteration runs its whole schedule: layer 0's offload is waited and released at

@@ -16,6 +16,13 @@ use hprt_swap::{
 
 const NUMEL: usize = 16 << 10;
 
+/// The emulator's fault table is global to the process: one test at a time sets it.
+static FAULT_TABLE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    FAULT_TABLE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// What a reload calls, by driver entry point (the emulator's fault table names them).
 const FAULTS: [&str; 6] = [
     "cuMemcpyAsync",
@@ -70,6 +77,7 @@ fn read(p: &Arc<dyn Platform>, s: &Stream, t: &SwapTensor) -> Vec<u8> {
 
 #[test]
 fn every_failed_reload_step_keeps_the_host_copy_and_the_retry_succeeds() {
+    let _only = exclusive();
     let p: Arc<dyn Platform> = Arc::new(cuda_emulator::open().expect("cuda on the emulator"));
     let control = Control::open(&cuda_emulator::library_path());
     let s = p.create_stream().unwrap();
@@ -131,6 +139,7 @@ fn every_failed_reload_step_keeps_the_host_copy_and_the_retry_succeeds() {
 
 #[test]
 fn a_failed_prefetch_does_not_stop_the_layer_whose_backward_begins() {
+    let _only = exclusive();
     let p: Arc<dyn Platform> = Arc::new(cuda_emulator::open().expect("cuda on the emulator"));
     let control = Control::open(&cuda_emulator::library_path());
     let s = p.create_stream().unwrap();
