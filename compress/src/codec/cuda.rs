@@ -794,6 +794,11 @@ extern "C" int hprt_test_launch(unsigned k, unsigned grid, unsigned block, u8* w
     }
     return 2;
 }
+extern "C" void hprt_test_bytes(u64* read, u64* written, int reset) {
+    *read = hprt_bytes_read;
+    *written = hprt_bytes_written;
+    if (reset) hprt_bytes_read = hprt_bytes_written = 0;
+}
 "#;
 
     /// The compiled source, built once per process; the lock serialises the tests (the
@@ -819,6 +824,7 @@ extern "C" int hprt_test_launch(unsigned k, unsigned grid, unsigned block, u8* w
                 "-Wall",
                 "-Werror",
                 "-Wno-unused-function",
+                "-DHPRT_COUNT_BYTES",
                 "-o",
             ])
             .arg(&lib)
@@ -980,6 +986,28 @@ extern "C" int hprt_test_launch(unsigned k, unsigned grid, unsigned block, u8* w
         kernel_decode_with(lib, dtype, numel, enc, None)
     }
 
+    /// As `kernel_decode` on one CTA of one warp (the cheapest launch to repeat).
+    fn kernel_decode_small(
+        lib: &libloading::Library,
+        dtype: CodecDType,
+        numel: usize,
+        enc: &[u8],
+    ) -> (Vec<u8>, u32) {
+        let mut out = vec![0u8; numel * dtype.size()];
+        let descs = [DecodeDesc {
+            enc: enc.as_ptr() as u64,
+            enc_len: enc.len(),
+            dst: out.as_mut_ptr() as u64,
+            dtype,
+            numel,
+        }];
+        let l = Layout::decode(1, &descs);
+        let mut ws = workspace(&l);
+        run(lib, 3, LaunchShape { grid: 1, block: 32 }, &mut ws, None);
+        assert_counters_zero(&ws, &l);
+        (out, result(&ws, &l, 0) as u32)
+    }
+
     fn corpus() -> Vec<(CodecDType, Vec<u8>)> {
         let mut rng = SplitMix64::new(99);
         let mut out = Vec::new();
@@ -1035,7 +1063,7 @@ extern "C" int hprt_test_launch(unsigned k, unsigned grid, unsigned block, u8* w
                         .collect();
                     let numel = data.len() / 2;
                     let opts = EncodeOptions {
-                        chunk_elems: 256,
+                        chunk_elems: 16_384,
                         prob_bits: pb,
                         threads: 1,
                     };
@@ -1075,6 +1103,58 @@ extern "C" int hprt_test_launch(unsigned k, unsigned grid, unsigned block, u8* w
                 }
             }
         }
+    }
+
+    /// Bytes the kernels read and wrote since the last call (the source's work-model counters).
+    fn bytes_moved(lib: &libloading::Library) -> (u64, u64) {
+        type Bytes = unsafe extern "C" fn(*mut u64, *mut u64, i32);
+        let (mut r, mut w) = (0, 0);
+        // SAFETY: the signature `LAUNCHERS` defines.
+        unsafe { lib.get::<Bytes>(b"hprt_test_bytes\0").unwrap()(&mut r, &mut w, 1) };
+        (r, w)
+    }
+
+    /// The work model in bytes: an encode reads its input twice (count, then code) and its
+    /// payload once more (place), writes the payload twice (slot, place); a decode reads the
+    /// encoding once (plus the prefix per CTA) and writes the tensor once. A change that adds
+    /// a pass over the data fails here.
+    #[test]
+    fn kernels_move_the_modelled_bytes_per_input_byte() {
+        let lib = library();
+        let data = generate(DataKind::Gelu, CodecDType::BF16, 200_000, 9);
+        let opts = EncodeOptions {
+            chunk_elems: 16_384,
+            prob_bits: 12,
+            threads: 1,
+        };
+        bytes_moved(&lib);
+        let enc = kernel_encode_batch(&lib, &[(CodecDType::BF16, &data)], &opts, None)
+            .pop()
+            .unwrap();
+        let (er, ew) = bytes_moved(&lib);
+        let (back, status) = kernel_decode_with(&lib, CodecDType::BF16, 200_000, &enc, Some(4));
+        let (dr, dw) = bytes_moved(&lib);
+        assert_eq!(status, 0);
+        assert!(back == data);
+        let (n, c) = (data.len() as f64, enc.len() as f64);
+        let per = |b: u64| b as f64 / n;
+        eprintln!(
+            "per input byte (ratio {:.3}): encode reads {:.3}, writes {:.3}; decode reads {:.3}, writes {:.3}",
+            n / c,
+            per(er),
+            per(ew),
+            per(dr),
+            per(dw)
+        );
+        assert!(per(er) <= 2.0 + 1.0 * c / n + 0.01, "encode reads {er}");
+        assert!(per(ew) <= 2.0 * c / n + 0.01, "encode writes {ew}");
+        let prefix = crate::codec::inspect(&enc).unwrap().offsets[0] as f64;
+        let ctas = 4.0;
+        assert!(
+            per(dr) <= (c + ctas * prefix) / n + 0.01,
+            "decode reads {dr}"
+        );
+        assert!(per(dw) <= 1.0 + 0.001, "decode writes {dw}");
     }
 
     #[test]
@@ -1235,7 +1315,7 @@ extern "C" int hprt_test_launch(unsigned k, unsigned grid, unsigned block, u8* w
         for bit in 0..enc.len() * 8 {
             let mut m = enc.clone();
             m[bit / 8] ^= 1 << (bit % 8);
-            let (back, status) = kernel_decode(&lib, CodecDType::BF16, 700, &m);
+            let (back, status) = kernel_decode_small(&lib, CodecDType::BF16, 700, &m);
             assert!(
                 status != 0 || back == data,
                 "flip of bit {bit} silently changed the data"
@@ -1243,11 +1323,11 @@ extern "C" int hprt_test_launch(unsigned k, unsigned grid, unsigned block, u8* w
         }
         for len in 0..enc.len() {
             assert_ne!(
-                kernel_decode(&lib, CodecDType::BF16, 700, &enc[..len]).1,
+                kernel_decode_small(&lib, CodecDType::BF16, 700, &enc[..len]).1,
                 0,
                 "truncated to {len}"
             );
         }
-        assert_eq!(kernel_decode(&lib, CodecDType::BF16, 701, &enc).1, 9);
+        assert_eq!(kernel_decode_small(&lib, CodecDType::BF16, 701, &enc).1, 9);
     }
 }

@@ -96,6 +96,18 @@ typedef unsigned char u8;
 #define HPRT_C_DECODE_DONE 6
 #define HPRT_CTR_WORDS 8
 
+// The work model: bytes each kernel moves through global memory for the data (input, slots,
+// output; not its few words of tables and counters), counted where the host-compiled test
+// defines HPRT_COUNT_BYTES and compiled away everywhere else.
+#ifdef HPRT_COUNT_BYTES
+extern "C" { u64 hprt_bytes_read = 0, hprt_bytes_written = 0; }
+#define HPRT_READ(n) __atomic_fetch_add(&hprt_bytes_read, (u64)(n), __ATOMIC_RELAXED)
+#define HPRT_WRITE(n) __atomic_fetch_add(&hprt_bytes_written, (u64)(n), __ATOMIC_RELAXED)
+#else
+#define HPRT_READ(n) ((void)0)
+#define HPRT_WRITE(n) ((void)0)
+#endif
+
 #if defined(__CUDACC_RTC__) || defined(__CUDACC__)
 typedef ulonglong2 hprt_u128;
 #else
@@ -294,6 +306,7 @@ extern "C" __global__ void hprt_codec_count(u8* ws) {
             const hprt_u128* v = (const hprt_u128*)p;
             for (u64 i = threadIdx.x; i < bytes / 16; i += blockDim.x) {
                 hprt_u128 q = v[i];
+                HPRT_READ(16);
                 sum += hprt_term(q.x, w0 + 2 * i) + hprt_term(q.y, w0 + 2 * i + 1);
                 hprt_count_word(local, q.x, size, mant_bits, per);
                 hprt_count_word(local, q.y, size, mant_bits, per);
@@ -302,6 +315,7 @@ extern "C" __global__ void hprt_codec_count(u8* ws) {
         }
         for (u64 i = done + threadIdx.x; i < words; i += blockDim.x) {
             u64 w = hprt_word(p, bytes, i);
+            HPRT_READ(bytes - 8 * i < 8 ? bytes - 8 * i : 8);
             sum += hprt_term(w, w0 + i);
             u64 e0 = i * per;
             hprt_count_word(local, w, size, mant_bits, (u32)(n - e0 < per ? n - e0 : per));
@@ -406,6 +420,8 @@ __device__ void hprt_encode_finish(u8* ws, u32 t, u32 lane) {
     sum = hprt_warp_sum(sum);
     if (lane == 0) {
         hprt_put_u64(out + 40, hprt_finish_check(sum, prefix));
+        HPRT_WRITE(prefix);
+        HPRT_READ(prefix);
         ctr[HPRT_C_TOTAL] = run;
         ctr[HPRT_C_PREFIX] = prefix;
         ctr[HPRT_C_TERMS] = 0;
@@ -453,6 +469,7 @@ extern "C" __global__ void hprt_codec_encode(u8* ws) {
             u32 base = gi * HPRT_LANES, cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
             int active = lane < cnt;
             u32 v = active ? hprt_load(in, base + lane, size, aligned) : 0;
+            if (active) HPRT_READ(size);
             u32 s = (v >> w) & 511u, mant = v & mask;
             u32 e = tab[warp][s], f = e & 0xffffu;
             int emit = active && x >= lim * f;
@@ -462,6 +479,7 @@ extern "C" __global__ void hprt_codec_encode(u8* ws) {
                 u32 before = lane == 31 ? 0 : __popc(bal >> (lane + 1));
                 u64 at = mlen + 2ull * (pos + before);
                 if (at + 2 <= slot_bytes) {
+                    HPRT_WRITE(2);
                     slot[at] = (u8)x;
                     slot[at + 1] = (u8)(x >> 8);
                 }
@@ -479,6 +497,7 @@ extern "C" __global__ void hprt_codec_encode(u8* ws) {
                 if (j < gbytes) {
                     u32 byte = m0 >> sh;
                     if (e0 + 1 < cnt) byte |= m1 << (w - sh);
+                    HPRT_WRITE(1);
                     slot[4ull * w * gi + j] = (u8)byte;
                 }
             }
@@ -489,10 +508,12 @@ extern "C" __global__ void hprt_codec_encode(u8* ws) {
         u32* lens = (u32*)(ws + head[HPRT_W_LENS]);
         if (overflow || len >= raw) {
             for (u64 j = lane; j < raw; j += HPRT_LANES) slot[j] = in[j];
+            if (lane == 0) { HPRT_READ(raw); HPRT_WRITE(raw); }
             len = raw;
         } else {
             u64 at = mlen + 2ull * pos;
             for (u32 k = 0; k < 4; ++k) slot[at + 4 * lane + k] = (u8)(x >> (8 * k));
+            HPRT_WRITE(4);
         }
         __syncwarp();
         u32 last = 0;
@@ -522,6 +543,7 @@ extern "C" __global__ void hprt_codec_place(u8* ws) {
         const u8* from = ws + d[HPRT_D_SLOT] + b * d[HPRT_D_SLOT_BYTES];
         u8* to = (u8*)(d[HPRT_D_DST]) + hprt_ctr(ws, t)[HPRT_C_PREFIX] + offsets[gb];
         u64 len = lens[gb];
+        if (threadIdx.x == 0) { HPRT_READ(len); HPRT_WRITE(len); }
         if ((((u64)to | (u64)from) & 3) == 0) {
             for (u64 j = threadIdx.x; j < len / 4; j += blockDim.x)
                 ((u32*)to)[j] = ((const u32*)from)[j];
@@ -560,6 +582,7 @@ __device__ u32 hprt_decode_block(const u8* p, u64 len, u32 n, u8* dst, u32 size,
             mant = (mant >> (bit % 8)) & ((1u << w) - 1);
             v = s << w | mant;
             hprt_store(dst, k, size, v, aligned);
+            HPRT_WRITE(size);
         }
         u32 bal = __ballot_sync(HPRT_FULL, need);
         u32 total = __popc(bal);
@@ -591,7 +614,7 @@ extern "C" __global__ void hprt_codec_decode(u8* ws) {
     __shared__ u16 sym[1 << 14];
     __shared__ u32 tab[512];
     __shared__ u32 status_s, prob_s, block_s, last_s;
-    __shared__ u64 nblocks_s, prefix_s, index_s, sum_s, total_s;
+    __shared__ u64 nblocks_s, prefix_s, index_s, sum_s, total_s, base_s;
     const u64* head = hprt_head(ws);
     u32 nt = (u32)head[HPRT_W_TENSORS];
     u32 lane = threadIdx.x % HPRT_LANES, warp = threadIdx.x / HPRT_LANES;
@@ -608,6 +631,7 @@ extern "C" __global__ void hprt_codec_decode(u8* ws) {
             u32 st = 0;
             sum_s = 0;
             total_s = 0;
+            base_s = 0;
             if (enc_len >= HPRT_HEADER_LEN && enc[0] == 'H' && enc[1] == 'P' && enc[2] == 'R' &&
                 enc[3] == 'Z' && enc[4] == 1 && enc[5] == 0) st = HPRT_VERSION_1;
             else if (enc_len < HPRT_HEADER_LEN || enc[0] != 'H' || enc[1] != 'P' || enc[2] != 'R' ||
@@ -646,16 +670,21 @@ extern "C" __global__ void hprt_codec_decode(u8* ws) {
             u64 prefix = prefix_s, nblocks = nblocks_s, sum = 0, total = 0;
             for (u64 i = threadIdx.x; i < (prefix + 7) / 8; i += blockDim.x)
                 sum += hprt_term(i == 5 ? 0 : hprt_word(enc, prefix, i), i);
+            if (threadIdx.x == 0) HPRT_READ(prefix);
             atomicAdd(&sum_s, sum);
             u32 bad = 0;
+            // This CTA decodes blocks [lo, hi): their place starts after the lengths before lo.
+            u64 lo = blockIdx.x * ((nblocks + gridDim.x - 1) / gridDim.x), base = 0;
             for (u64 b = threadIdx.x; b < nblocks; b += blockDim.x) {
                 u64 len = hprt_get_u32(enc + index_s + 4 * b);
                 u64 n = numel - b * block_s < block_s ? numel - b * block_s : block_s;
                 u64 raw = n * size, min = (n * w + 7) / 8 + HPRT_STATES_LEN;
                 if (len != raw && !(len >= min && len < raw && (len - min) % 2 == 0)) bad = 1;
                 total += len;
+                if (b < lo) base += len;
             }
             atomicAdd(&total_s, total);
+            if (base) atomicAdd(&base_s, base);
             if (bad) atomicOr(&status_s, 1u << 31);
         }
         __syncthreads();
@@ -698,11 +727,15 @@ extern "C" __global__ void hprt_codec_decode(u8* ws) {
             int aligned = ((u64)out % size) == 0;
             u64 sum = 0;
             u32 bad = 0;
-            for (u64 b = (u64)blockIdx.x * warps + warp; b < nblocks; b += (u64)gridDim.x * warps) {
-                // The block's place: the prefix plus the lengths before it.
-                u64 before = 0;
-                for (u64 k = lane; k < b; k += HPRT_LANES) before += hprt_get_u32(enc + index_s + 4 * k);
-                before = hprt_warp_sum(before);
+            // Contiguous ranges (one pass over the index, not one per block): warp w of a round
+            // of `warps` blocks places its block after the round's earlier ones.
+            u64 per = (nblocks + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per;
+            u64 hi = lo + per < nblocks ? lo + per : nblocks, run = base_s;
+            for (u64 c = lo; c < hi && bad == 0; c += warps) {
+                u64 b = c + warp, before = run;
+                for (u64 k = c; k < b && k < hi; ++k) before += hprt_get_u32(enc + index_s + 4 * k);
+                for (u64 k = c; k < c + warps && k < hi; ++k) run += hprt_get_u32(enc + index_s + 4 * k);
+                if (b >= hi) continue;
                 u64 len = hprt_get_u32(enc + index_s + 4 * b);
                 const u8* p = enc + prefix_s + before;
                 u64 first = b * block_elems;
@@ -711,12 +744,12 @@ extern "C" __global__ void hprt_codec_decode(u8* ws) {
                 u8* dst = out + first * size;
                 if (len == raw) {
                     for (u64 j = lane; j < raw; j += HPRT_LANES) dst[j] = p[j];
+                    if (lane == 0) { HPRT_READ(raw); HPRT_WRITE(raw); }
                     for (u64 i = lane; i < (raw + 7) / 8; i += HPRT_LANES) sum += hprt_term(hprt_word(p, raw, i), w0 + i);
                 } else {
-                    u32 st = hprt_decode_block(p, len, n, dst, size, w, prob_s, sym, tab, w0, aligned,
-                                               lane, &sum);
-                    bad |= st;
-                    if (st) break;
+                    if (lane == 0) HPRT_READ(len);
+                    bad |= hprt_decode_block(p, len, n, dst, size, w, prob_s, sym, tab, w0, aligned,
+                                             lane, &sum);
                 }
             }
             sum = hprt_warp_sum(sum);
