@@ -99,8 +99,9 @@ fn cuda_kernels_write_the_cpu_codec_bytes_on_the_cuda_emulator() {
     encodes_the_cpu_codec_bytes_and_decodes_bit_exact(&p, &small, &small.encode, "small blocks");
 }
 
-/// The kernels' device workspace is the tensor's size plus fixed tables (512-symbol counts,
-/// frequencies and cumulative frequencies), also for a tensor smaller than one block.
+/// The kernels' device workspace is fixed tables (512-symbol counts and frequencies, counters)
+/// and 12 bytes a block, never a copy of the tensor: the codec keeps it per stream, so a
+/// tensor-sized one would stay on the device for good (swap's emulator test caught that).
 #[test]
 fn cuda_codec_workspace_is_bounded_by_the_tensor_on_the_cuda_emulator() {
     let (_serial, p) = cuda_emulator();
@@ -124,7 +125,7 @@ fn cuda_codec_workspace_is_bounded_by_the_tensor_on_the_cuda_emulator() {
         .unwrap();
     let extra = p.memory_stats().device_peak - before;
     assert!(
-        extra <= data.len() + (10 << 10),
+        extra <= 10 << 10,
         "{extra} bytes of workspace for a {}-byte tensor",
         data.len()
     );
@@ -172,7 +173,7 @@ fn a_failed_codec_kernel_launch_is_a_typed_error_without_leaks_on_the_cuda_emula
     round_trip().unwrap();
     p.synchronize_stream(&s).unwrap();
     let baseline = p.memory_stats();
-    // Three launches encode (the second codes the blocks, after the first counted symbols
+    // Three launches encode (the second measures the blocks, after the first counted symbols
     // and checksum terms into counters that the failed sequence leaves non-zero), one decodes.
     for spec in [
         "cuLaunchKernel:1:701",

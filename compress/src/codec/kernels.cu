@@ -15,13 +15,14 @@
 //          memory, then u64 atomics) and the checksum terms from the same 16-byte loads; the
 //          CTA that finishes a tensor's last block builds its frequency table (FORMAT.md's
 //          normalisation, in shared memory) and zeroes the counts for the next use.
-//   encode <<<min(ceil(blocks / W), G), 32 W>>>  warp per block: the table in shared memory,
-//          32 interleaved rANS states (lane l owns state l), emitting lanes' word positions by
-//          ballot + popcount, the mantissa stream packed by shuffles from the same loads; the
-//          payload goes to the block's slot in the workspace. The warp that finishes a
-//          tensor's last block scans its block lengths, writes header, table, index and prefix
-//          checksum, and the encoding's length (device memory: the host reads it after an event).
-//   place  <<<min(blocks, G), 128>>>  every payload from its slot to its place after the prefix.
+//   measure <<<min(ceil(blocks / W), G), 32 W>>>  warp per block: the table in shared memory,
+//          32 interleaved rANS states (lane l owns state l), the block's coded length only
+//          (no payload is kept: no tensor-sized workspace). The warp that measures a tensor's
+//          last block scans its block lengths, writes header, table, index and prefix checksum,
+//          and the encoding's length (device memory: the host reads it after an event).
+//   encode <<<min(ceil(blocks / W), G), 32 W>>>  every block coded again, straight to its
+//          place after the prefix: emitting lanes' word positions by ballot + popcount, the
+//          mantissa stream packed by shuffles from the same loads; raw blocks copied.
 // Decode, one launch:
 //   decode <<<G', 32 W>>>  per tensor, every CTA checks the prefix (header, prefix checksum,
 //          table, block lengths) and builds the decoding table in shared memory; its warps
@@ -82,8 +83,6 @@ typedef unsigned char u8;
 #define HPRT_D_BLOCK 8      // encode: block_elems
 #define HPRT_D_NBLOCKS 9    // encode: blocks; decode: the most blocks the encoding can have
 #define HPRT_D_FIRST 10     // encode: the tensor's first global block
-#define HPRT_D_SLOT 11      // encode: workspace offset of its slots
-#define HPRT_D_SLOT_BYTES 12
 #define HPRT_DESC_WORDS 16
 // Per-tensor counters (u64 each, HPRT_CTR_WORDS per tensor); zero between sequences except
 // TOTAL and PREFIX, which the encode finisher writes for place.
@@ -112,6 +111,9 @@ extern "C" { u64 hprt_bytes_read = 0, hprt_bytes_written = 0; }
 typedef ulonglong2 hprt_u128;
 #else
 struct hprt_u128 { u64 x, y; };
+// Register allocation hints, for NVRTC only (the platform compiles a cubin for the device's own
+// architecture, sm_XY, where NVRTC knows it).
+#define __launch_bounds__(n)
 #endif
 
 __device__ __forceinline__ u64 hprt_term(u64 w, u64 i) {
@@ -278,7 +280,7 @@ __device__ __forceinline__ void hprt_count_word(u32* local, u64 w, u32 size, u32
     }
 }
 
-extern "C" __global__ void hprt_codec_count(u8* ws) {
+extern "C" __global__ void __launch_bounds__(256) hprt_codec_count(u8* ws) {
     __shared__ u32 local[512];
     __shared__ u64 counts[512];
     __shared__ u32 freq[512];
@@ -431,7 +433,82 @@ __device__ void hprt_encode_finish(u8* ws, u32 t, u32 lane) {
     __syncwarp();
 }
 
-extern "C" __global__ void hprt_codec_encode(u8* ws) {
+// The table of tensor `t` in this warp's shared copy (`tab`, for tensor `*tab_of`).
+__device__ __forceinline__ void hprt_warp_table(const u8* ws, u32 t, u32* tab, u32* tab_of, u32 lane) {
+    if (*tab_of == t) return;
+    const u32* table = (const u32*)(ws + hprt_head(ws)[HPRT_W_TABLE]) + 512ull * t;
+    for (u32 s = lane; s < 512; s += HPRT_LANES) tab[s] = table[s];
+    __syncwarp();
+    if (lane == 0) *tab_of = t;
+    __syncwarp();
+}
+
+// Codes block `b` of the tensor of descriptor `d` with one warp (lane `lane` owns rANS state
+// `lane`). With `dst` null it only measures: the coded length, or the raw size once the stream
+// reaches it (the stream only grows). Otherwise the block is known to be coded (shorter than
+// raw) and its payload (mantissas, words, states) is written at `dst`.
+__device__ u64 hprt_code_block(const u64* d, u64 b, const u32* tab, u8* dst, u32 lane) {
+    u64 numel = d[HPRT_D_NUMEL], block_elems = d[HPRT_D_BLOCK];
+    u32 size = (u32)d[HPRT_D_SIZE], w = (u32)d[HPRT_D_MANT], prob_bits = (u32)d[HPRT_D_PROB];
+    u64 first = b * block_elems;
+    u32 n = (u32)(numel - first < block_elems ? numel - first : block_elems);
+    const u8* in = (const u8*)(d[HPRT_D_SRC]) + first * size;
+    int aligned = ((u64)in % size) == 0;
+    u64 raw = (u64)n * size, mlen = ((u64)n * w + 7) / 8;
+    u32 m = 1u << prob_bits, lim = (HPRT_RANS_L >> prob_bits) << 16, mask = (1u << w) - 1;
+    u32 x = HPRT_RANS_L, pos = 0, groups = (n + HPRT_LANES - 1) / HPRT_LANES;
+    u32 rounds = dst ? (4 * w + HPRT_LANES - 1) / HPRT_LANES : 0;
+    for (u32 gi = groups; gi-- > 0;) {
+        if (mlen + 2ull * pos + HPRT_STATES_LEN >= raw) return raw;
+        u32 base = gi * HPRT_LANES, cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
+        int active = lane < cnt;
+        u32 v = active ? hprt_load(in, base + lane, size, aligned) : 0;
+        if (active) HPRT_READ(size);
+        u32 s = (v >> w) & 511u, mant = v & mask;
+        u32 e = tab[s], f = e & 0xffffu;
+        int emit = active && x >= lim * f;
+        u32 bal = __ballot_sync(HPRT_FULL, emit);
+        if (emit) {
+            if (dst) {
+                // Lanes emit from the highest to the lowest, as the sequential coder does.
+                u32 before = lane == 31 ? 0 : __popc(bal >> (lane + 1));
+                u64 at = mlen + 2ull * (pos + before);
+                HPRT_WRITE(2);
+                dst[at] = (u8)x;
+                dst[at + 1] = (u8)(x >> 8);
+            }
+            x >>= 16;
+        }
+        if (active) x = (x / f) * m + x % f + (e >> 16);
+        pos += __popc(bal);
+        // This group's mantissa bytes (32 w bits = 4 w bytes from byte 4 w gi), gathered from
+        // the lanes holding them; inactive lanes hold 0, the padding.
+        u32 gbytes = (cnt * w + 7) / 8;
+        for (u32 r = 0; r < rounds; ++r) {
+            u32 j = lane + HPRT_LANES * r, bit = 8 * j, e0 = bit / w, sh = bit - e0 * w;
+            u32 m0 = __shfl_sync(HPRT_FULL, mant, e0 < 32 ? e0 : 0);
+            u32 m1 = __shfl_sync(HPRT_FULL, mant, e0 + 1 < 32 ? e0 + 1 : 0);
+            if (j < gbytes) {
+                u32 byte = m0 >> sh;
+                if (e0 + 1 < cnt) byte |= m1 << (w - sh);
+                HPRT_WRITE(1);
+                dst[4ull * w * gi + j] = (u8)byte;
+            }
+        }
+    }
+    u64 len = mlen + 2ull * pos + HPRT_STATES_LEN;
+    if (len >= raw) return raw;
+    if (dst) {
+        u64 at = mlen + 2ull * pos;
+        for (u32 k = 0; k < 4; ++k) dst[at + 4 * lane + k] = (u8)(x >> (8 * k));
+        HPRT_WRITE(4);
+    }
+    return len;
+}
+
+// Pass 1 of the coder: every block's length (no payload written); the warp that measures a
+// tensor's last block writes its prefix (`hprt_encode_finish`).
+extern "C" __global__ void __launch_bounds__(128) hprt_codec_measure(u8* ws) {
     __shared__ u32 tab[HPRT_WARPS][512];
     __shared__ u32 tab_of[HPRT_WARPS];
     const u64* head = hprt_head(ws);
@@ -439,83 +516,13 @@ extern "C" __global__ void hprt_codec_encode(u8* ws) {
     u32 lane = threadIdx.x % HPRT_LANES, warp = threadIdx.x / HPRT_LANES;
     if (lane == 0) tab_of[warp] = 0xffffffffu;
     __syncwarp();
+    u32* lens = (u32*)(ws + head[HPRT_W_LENS]);
     for (u64 gb = (u64)blockIdx.x * HPRT_WARPS + warp; gb < blocks;
          gb += (u64)gridDim.x * HPRT_WARPS) {
         u32 t = hprt_tensor_of(ws, gb);
         const u64* d = hprt_desc(ws, t);
-        if (tab_of[warp] != t) {
-            // The tensor's table in shared memory, for the warp's blocks of it.
-            const u32* table = (const u32*)(ws + head[HPRT_W_TABLE]) + 512ull * t;
-            for (u32 s = lane; s < 512; s += HPRT_LANES) tab[warp][s] = table[s];
-            __syncwarp();
-            if (lane == 0) tab_of[warp] = t;
-            __syncwarp();
-        }
-        u64 numel = d[HPRT_D_NUMEL], block_elems = d[HPRT_D_BLOCK];
-        u32 size = (u32)d[HPRT_D_SIZE], w = (u32)d[HPRT_D_MANT], prob_bits = (u32)d[HPRT_D_PROB];
-        u64 b = gb - d[HPRT_D_FIRST], first = b * block_elems, slot_bytes = d[HPRT_D_SLOT_BYTES];
-        u32 n = (u32)(numel - first < block_elems ? numel - first : block_elems);
-        const u8* in = (const u8*)(d[HPRT_D_SRC]) + first * size;
-        int aligned = ((u64)in % size) == 0;
-        u8* slot = ws + d[HPRT_D_SLOT] + b * slot_bytes;
-        u64 raw = (u64)n * size, mlen = ((u64)n * w + 7) / 8;
-        u32 m = 1u << prob_bits, lim = (HPRT_RANS_L >> prob_bits) << 16, mask = (1u << w) - 1;
-        u32 x = HPRT_RANS_L, pos = 0, groups = (n + HPRT_LANES - 1) / HPRT_LANES;
-        u32 rounds = (4 * w + HPRT_LANES - 1) / HPRT_LANES;
-        int overflow = 0;
-        for (u32 gi = groups; gi-- > 0;) {
-            // The stream only grows: once it reaches the raw size the block is stored raw.
-            if (mlen + 2ull * pos + HPRT_STATES_LEN >= raw) { overflow = 1; break; }
-            u32 base = gi * HPRT_LANES, cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
-            int active = lane < cnt;
-            u32 v = active ? hprt_load(in, base + lane, size, aligned) : 0;
-            if (active) HPRT_READ(size);
-            u32 s = (v >> w) & 511u, mant = v & mask;
-            u32 e = tab[warp][s], f = e & 0xffffu;
-            int emit = active && x >= lim * f;
-            u32 bal = __ballot_sync(HPRT_FULL, emit);
-            if (emit) {
-                // Lanes emit from the highest to the lowest, as the sequential coder does.
-                u32 before = lane == 31 ? 0 : __popc(bal >> (lane + 1));
-                u64 at = mlen + 2ull * (pos + before);
-                if (at + 2 <= slot_bytes) {
-                    HPRT_WRITE(2);
-                    slot[at] = (u8)x;
-                    slot[at + 1] = (u8)(x >> 8);
-                }
-                x >>= 16;
-            }
-            if (active) x = (x / f) * m + x % f + (e >> 16);
-            pos += __popc(bal);
-            // This group's mantissa bytes (32 w bits = 4 w bytes from byte 4 w gi), gathered
-            // from the lanes holding them; inactive lanes hold 0, the padding.
-            u32 gbytes = (cnt * w + 7) / 8;
-            for (u32 r = 0; r < rounds; ++r) {
-                u32 j = lane + HPRT_LANES * r, bit = 8 * j, e0 = bit / w, sh = bit - e0 * w;
-                u32 m0 = __shfl_sync(HPRT_FULL, mant, e0 < 32 ? e0 : 0);
-                u32 m1 = __shfl_sync(HPRT_FULL, mant, e0 + 1 < 32 ? e0 + 1 : 0);
-                if (j < gbytes) {
-                    u32 byte = m0 >> sh;
-                    if (e0 + 1 < cnt) byte |= m1 << (w - sh);
-                    HPRT_WRITE(1);
-                    slot[4ull * w * gi + j] = (u8)byte;
-                }
-            }
-        }
-        // Every lane's stream bytes are out before a raw block overwrites them.
-        __syncwarp();
-        u64 len = mlen + 2ull * pos + HPRT_STATES_LEN;
-        u32* lens = (u32*)(ws + head[HPRT_W_LENS]);
-        if (overflow || len >= raw) {
-            for (u64 j = lane; j < raw; j += HPRT_LANES) slot[j] = in[j];
-            if (lane == 0) { HPRT_READ(raw); HPRT_WRITE(raw); }
-            len = raw;
-        } else {
-            u64 at = mlen + 2ull * pos;
-            for (u32 k = 0; k < 4; ++k) slot[at + 4 * lane + k] = (u8)(x >> (8 * k));
-            HPRT_WRITE(4);
-        }
-        __syncwarp();
+        hprt_warp_table(ws, t, tab[warp], &tab_of[warp], lane);
+        u64 len = hprt_code_block(d, gb - d[HPRT_D_FIRST], tab[warp], 0, lane);
         u32 last = 0;
         if (lane == 0) {
             lens[gb] = (u32)len;
@@ -530,27 +537,38 @@ extern "C" __global__ void hprt_codec_encode(u8* ws) {
     }
 }
 
-// Copies every block's payload from its slot to its place after the prefix.
-extern "C" __global__ void hprt_codec_place(u8* ws) {
+// Pass 2: every block coded again, straight to its place after the prefix (raw blocks copied).
+extern "C" __global__ void __launch_bounds__(128) hprt_codec_encode(u8* ws) {
+    __shared__ u32 tab[HPRT_WARPS][512];
+    __shared__ u32 tab_of[HPRT_WARPS];
     const u64* head = hprt_head(ws);
     u64 blocks = head[HPRT_W_BLOCKS];
+    u32 lane = threadIdx.x % HPRT_LANES, warp = threadIdx.x / HPRT_LANES;
+    if (lane == 0) tab_of[warp] = 0xffffffffu;
+    __syncwarp();
     const u32* lens = (const u32*)(ws + head[HPRT_W_LENS]);
     const u64* offsets = (const u64*)(ws + head[HPRT_W_OFFSETS]);
-    for (u64 gb = blockIdx.x; gb < blocks; gb += gridDim.x) {
+    for (u64 gb = (u64)blockIdx.x * HPRT_WARPS + warp; gb < blocks;
+         gb += (u64)gridDim.x * HPRT_WARPS) {
         u32 t = hprt_tensor_of(ws, gb);
         const u64* d = hprt_desc(ws, t);
-        u64 b = gb - d[HPRT_D_FIRST];
-        const u8* from = ws + d[HPRT_D_SLOT] + b * d[HPRT_D_SLOT_BYTES];
+        u64 b = gb - d[HPRT_D_FIRST], len = lens[gb], size = d[HPRT_D_SIZE];
+        u64 first = b * d[HPRT_D_BLOCK], numel = d[HPRT_D_NUMEL];
+        u64 raw = (numel - first < d[HPRT_D_BLOCK] ? numel - first : d[HPRT_D_BLOCK]) * size;
         u8* to = (u8*)(d[HPRT_D_DST]) + hprt_ctr(ws, t)[HPRT_C_PREFIX] + offsets[gb];
-        u64 len = lens[gb];
-        if (threadIdx.x == 0) { HPRT_READ(len); HPRT_WRITE(len); }
-        if ((((u64)to | (u64)from) & 3) == 0) {
-            for (u64 j = threadIdx.x; j < len / 4; j += blockDim.x)
-                ((u32*)to)[j] = ((const u32*)from)[j];
-            for (u64 j = len / 4 * 4 + threadIdx.x; j < len; j += blockDim.x) to[j] = from[j];
-        } else {
-            for (u64 j = threadIdx.x; j < len; j += blockDim.x) to[j] = from[j];
+        if (len == raw) {
+            const u8* in = (const u8*)(d[HPRT_D_SRC]) + first * size;
+            if (lane == 0) { HPRT_READ(raw); HPRT_WRITE(raw); }
+            if ((((u64)to | (u64)in) & 3) == 0) {
+                for (u64 j = lane; j < raw / 4; j += HPRT_LANES) ((u32*)to)[j] = ((const u32*)in)[j];
+                for (u64 j = raw / 4 * 4 + lane; j < raw; j += HPRT_LANES) to[j] = in[j];
+            } else {
+                for (u64 j = lane; j < raw; j += HPRT_LANES) to[j] = in[j];
+            }
+            continue;
         }
+        hprt_warp_table(ws, t, tab[warp], &tab_of[warp], lane);
+        hprt_code_block(d, b, tab[warp], to, lane);
     }
 }
 
@@ -610,7 +628,7 @@ __device__ u32 hprt_decode_block(const u8* p, u64 len, u32 n, u8* dst, u32 size,
     return bad;
 }
 
-extern "C" __global__ void hprt_codec_decode(u8* ws) {
+extern "C" __global__ void __launch_bounds__(128) hprt_codec_decode(u8* ws) {
     __shared__ u16 sym[1 << 14];
     __shared__ u32 tab[512];
     __shared__ u32 status_s, prob_s, block_s, last_s;
