@@ -159,6 +159,8 @@ struct Device {
     memory: MemoryCounter,
     /// Freed device memory kept for reuse (`memory.rs`).
     pool: memory::DevicePool,
+    /// Use events of freed buffers kept for reuse, while the pool is on (`memory.rs`).
+    events: memory::EventPool,
     /// NVRTC modules by name, compiled once per device. Only successes are kept: a failed
     /// compile or load (the driver may have been out of memory) is tried again by the next use.
     modules: Mutex<HashMap<&'static str, Arc<Module>>>,
