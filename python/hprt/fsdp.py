@@ -334,7 +334,10 @@ def run_on_ranks(world_size, fn, *args, platform=None, **kwargs):
         except BaseException as e:  # reported by the caller below
             errors[rank] = (time.monotonic(), e)
             if ctx is not None:
-                ctx.abort()
+                try:
+                    ctx.abort()
+                except Exception:  # best effort: the failure itself is what is reported
+                    pass
         finally:
             _tls.ctx = _tls.rng = None
 
