@@ -236,13 +236,26 @@ enum Outcome<T> {
 }
 
 /// Result words a device codec's launch sequence leaves in pinned memory (one u64 per tensor
-/// of its batch at `at`), shared by the batch's pending operations; `_lease` gives the pinned
+/// of its batch at `at`), shared by the batch's pending operations; `lease` gives the pinned
 /// slot back to the codec when the last of them is gone.
 pub(crate) struct DeviceWords {
     pub(crate) words: PinnedBuffer,
     pub(crate) at: usize,
     pub(crate) waited: AtomicBool,
-    pub(crate) _lease: Box<dyn Send + Sync>,
+    pub(crate) lease: Box<dyn GiveBack>,
+}
+
+/// What a [`DeviceWords`] gives back to its codec when the last pending operation of its batch
+/// is gone: whether its event was seen complete (then the memory its kernels used can be let
+/// go at once; otherwise only once the event completed).
+pub(crate) trait GiveBack: Send + Sync {
+    fn give_back(&mut self, completed: bool);
+}
+
+impl Drop for DeviceWords {
+    fn drop(&mut self) {
+        self.lease.give_back(self.waited.load(Ordering::Acquire));
+    }
 }
 
 impl DeviceWords {

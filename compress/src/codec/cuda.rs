@@ -33,7 +33,7 @@ use hprt_platform::{
 
 use crate::codec::{self, v2, EncodeOptions};
 use crate::device::{
-    CompressedTensor, DecodeItem, DeviceCodec, DeviceWords, EncodeItem, PendingDecode,
+    CompressedTensor, DecodeItem, DeviceCodec, DeviceWords, EncodeItem, GiveBack, PendingDecode,
     PendingEncode,
 };
 use crate::error::{CompressError, Result};
@@ -70,7 +70,7 @@ const HEAD: usize = 128;
 const DESC: usize = 128;
 const HIST: usize = 512 * 8;
 const COUNTERS: usize = 8 * 8;
-const TABLE: usize = 512 * 4;
+const TABLE: usize = 512 * 16;
 
 /// What a non-zero decoder status word of the kernels means.
 pub fn status_message(status: u32) -> &'static str {
@@ -156,14 +156,16 @@ fn put(buf: &mut [u8], word: usize, v: u64) {
 }
 
 impl Layout {
+    /// The regions of a workspace for `tensors`: a decode needs them up to its counters (a
+    /// few hundred bytes a tensor), an encode all.
     fn base(tensors: usize, n: usize) -> (Layout, usize) {
         let desc_at = HEAD;
-        let zero_at = desc_at + DESC * tensors;
-        let hist_at = zero_at;
-        let counters_at = hist_at + HIST * tensors;
-        let table_at = counters_at + COUNTERS * tensors;
-        let results_at = table_at + TABLE * tensors;
-        let end = results_at + 8 * tensors;
+        let results_at = desc_at + DESC * tensors;
+        let zero_at = results_at + 8 * tensors;
+        let counters_at = zero_at;
+        let hist_at = counters_at + COUNTERS * tensors;
+        let table_at = hist_at + HIST * tensors;
+        let end = table_at + TABLE * tensors;
         let mut upload = vec![0u8; HEAD + DESC * n];
         for (word, v) in [
             (0, n),
@@ -227,6 +229,9 @@ impl Layout {
     pub(crate) fn decode(tensors: usize, items: &[DecodeDesc]) -> Layout {
         let tensors = tensors.max(items.len());
         let (mut l, _) = Layout::base(tensors, items.len());
+        // Neither counts nor tables: a stream that only decodes keeps a few hundred bytes.
+        l.zero_len = COUNTERS * tensors;
+        l.len = l.zero_at + l.zero_len;
         for (t, d) in items.iter().enumerate() {
             // Every block holds at least 32 elements and has a 4-byte index entry: this bounds
             // the blocks the decoder accepts whatever the header declares.
@@ -319,15 +324,24 @@ struct Lease {
     held: Vec<DeviceBuffer>,
 }
 
-impl Drop for Lease {
-    fn drop(&mut self) {
+impl GiveBack for Lease {
+    /// The slot is free again; the buffers its sequence used are let go now when its event was
+    /// seen complete (a finished encode or decode: the swap engine releases a tensor's memory
+    /// right after), else held by the slot until its event completed.
+    fn give_back(&mut self, completed: bool) {
+        let held = std::mem::take(&mut self.held);
         let mut states = lock(&self.states);
         if let Some(st) = states.iter_mut().find(|s| s.stream.same_as(&self.stream)) {
             if let Some(slot) = st.slots.get_mut(self.slot) {
                 slot.busy = false;
-                slot.held = std::mem::take(&mut self.held);
+                if !completed {
+                    slot.held = held;
+                    return;
+                }
             }
         }
+        drop(states);
+        drop(held);
     }
 }
 
@@ -335,7 +349,7 @@ impl Drop for Lease {
 /// options, with every step queued on the stream and nothing waited for until `finish`.
 /// Only the cuda backend launches them; elsewhere launching is a typed `Unsupported` error.
 ///
-/// Per stream it keeps a workspace (about 6.5 KiB per tensor of the largest batch and 12 bytes
+/// Per stream it keeps a workspace (about 12.5 KiB per tensor of the largest batch and 12 bytes
 /// per block: never a copy of the data) and pinned slots, reused by every later call; [`CudaCodec::release_workspaces`] frees them.
 /// Clones share them.
 #[derive(Clone, Default)]
@@ -604,7 +618,9 @@ impl CudaCodec {
         }
         let ws = st.ws.clone().expect("allocated above");
         if st.dirty {
-            p.memset_async(&ws, l.zero_at, 0, l.zero_len, s)?;
+            // Counters and counts, as far as this workspace has them.
+            let full = (COUNTERS + HIST) * st.tensors;
+            p.memset_async(&ws, l.zero_at, 0, full.min(ws.len() - l.zero_at), s)?;
             st.dirty = false;
         }
         let results_in_slot = l.upload.len() + extra;
@@ -679,7 +695,7 @@ impl CudaCodec {
             words: pinned,
             at: results_in_slot,
             waited: AtomicBool::new(false),
-            _lease: Box::new(Lease {
+            lease: Box::new(Lease {
                 states: Arc::clone(&self.states),
                 stream: s.clone(),
                 slot: i,
@@ -886,11 +902,9 @@ extern "C" void hprt_test_bytes(u64* read, u64* written, int reset) {
         let z = unsafe {
             std::slice::from_raw_parts((ws.as_ptr() as *const u8).add(l.zero_at), l.zero_len)
         };
-        let counters = HIST * l.tensors;
+        let counters = COUNTERS * l.tensors;
         for (i, w) in z.chunks(8).enumerate() {
-            let in_counters = i * 8 >= counters;
-            let word = (i * 8 - if in_counters { counters } else { 0 }) / 8 % 8;
-            if in_counters && (word == 3 || word == 4) {
+            if i * 8 < counters && matches!(i % 8, 3 | 4) {
                 continue;
             }
             assert!(w.iter().all(|&b| b == 0), "counter word {i} left non-zero");
@@ -1074,28 +1088,32 @@ extern "C" void hprt_test_bytes(u64* read, u64* written, int reset) {
                     let mut ws = workspace(&l);
                     let (k, shape) = encode_shapes(l.blocks)[0];
                     run(&lib, k, shape, &mut ws, Some(3));
-                    // SAFETY: the table region of tensor 0.
-                    let table: &[u32] = unsafe {
+                    // SAFETY: the table region of tensor 0 (512 entries of 16 bytes).
+                    let table: &[u8] = unsafe {
                         let at = u64::from_le_bytes(
                             std::slice::from_raw_parts((ws.as_ptr() as *const u8).add(24), 8)
                                 .try_into()
                                 .unwrap(),
                         ) as usize;
-                        std::slice::from_raw_parts(
-                            (ws.as_ptr() as *const u8).add(at) as *const u32,
-                            512,
-                        )
+                        std::slice::from_raw_parts((ws.as_ptr() as *const u8).add(at), 512 * 16)
                     };
-                    let freq: Vec<u32> = table[..a].iter().map(|e| e & 0xffff).collect();
-                    assert_eq!(
-                        freq,
-                        v2::normalize(&counts, pb),
-                        "{dtype} {pb} bits, {counts:?}"
-                    );
-                    let mut c = 0;
-                    for s in 0..a {
-                        assert_eq!(table[s] >> 16, c);
-                        c += freq[s];
+                    let freq = v2::normalize(&counts, pb);
+                    let cpu = crate::codec::rans::enc_table(&freq, pb);
+                    for s in 0..512 {
+                        let e = &table[16 * s..16 * s + 16];
+                        let word =
+                            |k: usize| u32::from_le_bytes(e[4 * k..4 * k + 4].try_into().unwrap());
+                        let c = &cpu[s];
+                        assert_eq!(
+                            (word(0), word(1), word(2), word(3)),
+                            (
+                                c.x_max,
+                                c.rcp,
+                                c.bias,
+                                c.cmpl as u32 | (c.shift as u32) << 16
+                            ),
+                            "{dtype} {pb} bits, symbol {s}, {counts:?}"
+                        );
                     }
                 }
             }

@@ -116,6 +116,15 @@ struct hprt_u128 { u64 x, y; };
 #define __launch_bounds__(n)
 #endif
 
+// The high 32 bits of a * b.
+__device__ __forceinline__ u32 hprt_mulhi(u32 a, u32 b) {
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+    return __umulhi(a, b);
+#else
+    return (u32)(((u64)a * b) >> 32);
+#endif
+}
+
 __device__ __forceinline__ u64 hprt_term(u64 w, u64 i) {
     u64 z = (w ^ (i * HPRT_K1)) * HPRT_K2;
     return z ^ (z >> 29);
@@ -343,12 +352,28 @@ extern "C" __global__ void __launch_bounds__(256) hprt_codec_count(u8* ws) {
             __syncthreads();
             hprt_normalise(counts, alphabet, prob_bits, freq, best, &n_s, &fsum_s, &present_s,
                            &last_sym_s);
-            u32* table = (u32*)(ws + head[HPRT_W_TABLE]) + 512ull * t;
+            // The encoder's constants per symbol (16 bytes, rans.rs `EncSym`): x_max, an exact
+            // reciprocal of the frequency, bias and M - freq | shift << 16, so coding a symbol
+            // is a multiply-high, not a division.
+            u32* table = (u32*)(ws + head[HPRT_W_TABLE]) + 2048ull * t;
             if (threadIdx.x == 0) {
-                u32 c = 0;
+                u32 c = 0, m = 1u << prob_bits, lim = (HPRT_RANS_L >> prob_bits) << 16;
                 for (u32 s = 0; s < 512; ++s) {
-                    u32 f = s < alphabet ? freq[s] : 0;
-                    table[s] = f | c << 16;
+                    u32 f = s < alphabet ? freq[s] : 0, *e = table + 4 * s;
+                    if (f == 0) {
+                        e[0] = e[1] = e[2] = e[3] = 0;
+                    } else if (f == 1) {
+                        e[0] = lim;
+                        e[1] = 0xffffffffu;
+                        e[2] = c + m - 1;
+                        e[3] = m - 1;
+                    } else {
+                        u32 shift = 32 - __clz((int)(f - 1));
+                        e[0] = lim * f;
+                        e[1] = (u32)(((1ull << (shift + 31)) + f - 1) / f);
+                        e[2] = c;
+                        e[3] = (m - f) | (shift - 1) << 16;
+                    }
                     c += f;
                 }
                 ctr[HPRT_C_COUNT_DONE] = 0;
@@ -368,7 +393,8 @@ __device__ void hprt_encode_finish(u8* ws, u32 t, u32 lane) {
     u64 numel = d[HPRT_D_NUMEL], nb = d[HPRT_D_NBLOCKS], gb0 = d[HPRT_D_FIRST];
     u32 size = (u32)d[HPRT_D_SIZE], mant_bits = (u32)d[HPRT_D_MANT];
     u32 alphabet = 1u << (8 * size - mant_bits);
-    const u32* table = (const u32*)(ws + head[HPRT_W_TABLE]) + 512ull * t;
+    const u32* table = (const u32*)(ws + head[HPRT_W_TABLE]) + 2048ull * t;
+    u32 pb_shift = 31 - (u32)d[HPRT_D_PROB];
     const u32* lens = (const u32*)(ws + head[HPRT_W_LENS]) + gb0;
     u64* offsets = (u64*)(ws + head[HPRT_W_OFFSETS]) + gb0;
     u8* out = (u8*)(d[HPRT_D_DST]);
@@ -388,7 +414,7 @@ __device__ void hprt_encode_finish(u8* ws, u32 t, u32 lane) {
     u32 present = 0;
     for (u32 s0 = 0; s0 < alphabet; s0 += HPRT_LANES) {
         u32 s = s0 + lane;
-        u32 f = s < alphabet ? table[s] & 0xffffu : 0;
+        u32 f = s < alphabet ? table[4 * s] >> pb_shift : 0;
         u32 bal = __ballot_sync(HPRT_FULL, f != 0);
         if (f) {
             u64 at = table_at + 2ull * (present + __popc(bal & ((1u << lane) - 1)));
@@ -436,8 +462,8 @@ __device__ void hprt_encode_finish(u8* ws, u32 t, u32 lane) {
 // The table of tensor `t` in this warp's shared copy (`tab`, for tensor `*tab_of`).
 __device__ __forceinline__ void hprt_warp_table(const u8* ws, u32 t, u32* tab, u32* tab_of, u32 lane) {
     if (*tab_of == t) return;
-    const u32* table = (const u32*)(ws + hprt_head(ws)[HPRT_W_TABLE]) + 512ull * t;
-    for (u32 s = lane; s < 512; s += HPRT_LANES) tab[s] = table[s];
+    const u32* table = (const u32*)(ws + hprt_head(ws)[HPRT_W_TABLE]) + 2048ull * t;
+    for (u32 s = lane; s < 2048; s += HPRT_LANES) tab[s] = table[s];
     __syncwarp();
     if (lane == 0) *tab_of = t;
     __syncwarp();
@@ -449,13 +475,13 @@ __device__ __forceinline__ void hprt_warp_table(const u8* ws, u32 t, u32* tab, u
 // raw) and its payload (mantissas, words, states) is written at `dst`.
 __device__ u64 hprt_code_block(const u64* d, u64 b, const u32* tab, u8* dst, u32 lane) {
     u64 numel = d[HPRT_D_NUMEL], block_elems = d[HPRT_D_BLOCK];
-    u32 size = (u32)d[HPRT_D_SIZE], w = (u32)d[HPRT_D_MANT], prob_bits = (u32)d[HPRT_D_PROB];
+    u32 size = (u32)d[HPRT_D_SIZE], w = (u32)d[HPRT_D_MANT];
     u64 first = b * block_elems;
     u32 n = (u32)(numel - first < block_elems ? numel - first : block_elems);
     const u8* in = (const u8*)(d[HPRT_D_SRC]) + first * size;
     int aligned = ((u64)in % size) == 0;
     u64 raw = (u64)n * size, mlen = ((u64)n * w + 7) / 8;
-    u32 m = 1u << prob_bits, lim = (HPRT_RANS_L >> prob_bits) << 16, mask = (1u << w) - 1;
+    u32 mask = (1u << w) - 1;
     u32 x = HPRT_RANS_L, pos = 0, groups = (n + HPRT_LANES - 1) / HPRT_LANES;
     u32 rounds = dst ? (4 * w + HPRT_LANES - 1) / HPRT_LANES : 0;
     for (u32 gi = groups; gi-- > 0;) {
@@ -465,8 +491,8 @@ __device__ u64 hprt_code_block(const u64* d, u64 b, const u32* tab, u8* dst, u32
         u32 v = active ? hprt_load(in, base + lane, size, aligned) : 0;
         if (active) HPRT_READ(size);
         u32 s = (v >> w) & 511u, mant = v & mask;
-        u32 e = tab[s], f = e & 0xffffu;
-        int emit = active && x >= lim * f;
+        const u32* e = tab + 4 * s;
+        int emit = active && x >= e[0];
         u32 bal = __ballot_sync(HPRT_FULL, emit);
         if (emit) {
             if (dst) {
@@ -479,7 +505,7 @@ __device__ u64 hprt_code_block(const u64* d, u64 b, const u32* tab, u8* dst, u32
             }
             x >>= 16;
         }
-        if (active) x = (x / f) * m + x % f + (e >> 16);
+        if (active) x = x + e[2] + (hprt_mulhi(x, e[1]) >> (e[3] >> 16)) * (e[3] & 0xffffu);
         pos += __popc(bal);
         // This group's mantissa bytes (32 w bits = 4 w bytes from byte 4 w gi), gathered from
         // the lanes holding them; inactive lanes hold 0, the padding.
@@ -509,7 +535,7 @@ __device__ u64 hprt_code_block(const u64* d, u64 b, const u32* tab, u8* dst, u32
 // Pass 1 of the coder: every block's length (no payload written); the warp that measures a
 // tensor's last block writes its prefix (`hprt_encode_finish`).
 extern "C" __global__ void __launch_bounds__(128) hprt_codec_measure(u8* ws) {
-    __shared__ u32 tab[HPRT_WARPS][512];
+    __shared__ u32 tab[HPRT_WARPS][2048];
     __shared__ u32 tab_of[HPRT_WARPS];
     const u64* head = hprt_head(ws);
     u64 blocks = head[HPRT_W_BLOCKS];
@@ -539,7 +565,7 @@ extern "C" __global__ void __launch_bounds__(128) hprt_codec_measure(u8* ws) {
 
 // Pass 2: every block coded again, straight to its place after the prefix (raw blocks copied).
 extern "C" __global__ void __launch_bounds__(128) hprt_codec_encode(u8* ws) {
-    __shared__ u32 tab[HPRT_WARPS][512];
+    __shared__ u32 tab[HPRT_WARPS][2048];
     __shared__ u32 tab_of[HPRT_WARPS];
     const u64* head = hprt_head(ws);
     u64 blocks = head[HPRT_W_BLOCKS];
