@@ -242,7 +242,8 @@ fn a_failed_codec_kernel_launch_is_a_typed_error_without_leaks_on_the_cuda_emula
     }
 }
 
-/// The CUDA emulator's per-function driver call counts (`hprtEmuCallCount`).
+/// The CUDA emulator's per-function driver call counts (`hprtEmuGetCallCount`, restarted by
+/// `hprtEmuSetFaults("")`).
 struct DriverCalls(libloading::Library);
 
 impl DriverCalls {
@@ -252,19 +253,22 @@ impl DriverCalls {
         DriverCalls(unsafe { libloading::Library::new(path) }.unwrap())
     }
     fn reset(&self) {
-        // SAFETY: the emulator's export, `void(void)`.
-        unsafe {
+        // SAFETY: the emulator's export, `int(const char*)`: no faults, counts restarted.
+        let rc = unsafe {
             self.0
-                .get::<unsafe extern "C" fn()>(b"hprtEmuResetCallCounts\0")
-                .unwrap()()
-        }
+                .get::<unsafe extern "C" fn(*const std::ffi::c_char) -> i32>(b"hprtEmuSetFaults\0")
+                .unwrap()(c"".as_ptr())
+        };
+        assert_eq!(rc, 0);
     }
     /// The calls of each function of interest since the last reset.
     fn counts(&self) -> std::collections::BTreeMap<&'static str, u64> {
         // SAFETY: the emulator's export, `u64(const char*)`.
         let f = unsafe {
             self.0
-                .get::<unsafe extern "C" fn(*const std::ffi::c_char) -> u64>(b"hprtEmuCallCount\0")
+                .get::<unsafe extern "C" fn(*const std::ffi::c_char) -> u64>(
+                    b"hprtEmuGetCallCount\0",
+                )
                 .unwrap()
         };
         [
