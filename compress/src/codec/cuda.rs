@@ -4,7 +4,7 @@
 //! and [`CudaCodec`], which launches them on a platform stream through the backend's NVRTC
 //! ([`Platform::launch_module_kernel`]: compiled once per device, as a cubin for the device's
 //! own architecture where NVRTC knows it, and cached, like the platform's elementwise kernels).
-//! Launch shapes and the workspace layout are in the source's header comment and [`Layout`].
+//! Launch shapes and the workspace layout are in the source's header comment and `Layout`.
 //! (Over 800 lines because the launcher and its host-compiled byte-equality tests belong with
 //! the source they check.)
 //!
