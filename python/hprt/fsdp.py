@@ -22,7 +22,8 @@ gradients arrived; the last callback of backward waits for the reductions and se
 ``.grad`` to its reduced sharded gradient.
 
 Ranks: ``run_on_ranks(n, fn)`` runs ``fn(rank)`` on ``n`` threads of this process (the cpu
-backend and the emulators: ranks of one world are threads of one process there);
+backend and the emulators: ranks of one world are threads of one process there), each with its
+own torch CPU generator state, a failing rank aborting the others' collectives;
 ``init_from_process_group()`` makes the hprt communicator of a torchrun-launched process per
 device, passing the unique id through ``torch.distributed``.
 
