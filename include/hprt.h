@@ -582,6 +582,8 @@ enum HprtStatus hprt_hsdp_param_create(const struct HprtHsdp *hsdp,
 /*
  Releases a parameter: its shard, gradients and gathered storage (work already queued on
  them still completes).
+ While another call uses it, the destroy is `HPRT_STATUS_ERROR_WRONG_STATE` and the handle
+ stays valid: destroy it again once that call returned.
 
  # Safety
  `param` from `hprt_hsdp_param_create`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
@@ -1170,6 +1172,8 @@ enum HprtStatus hprt_swap_manager_create(const struct HprtPlatform *platform,
 
 /*
  Synchronizes the manager's copies and releases it (saved values are dropped).
+ While another call uses it, the destroy is `HPRT_STATUS_ERROR_WRONG_STATE` and the handle
+ stays valid: destroy it again once that call returned.
 
  # Safety
  `manager` from `hprt_swap_manager_create`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
@@ -1368,6 +1372,8 @@ enum HprtStatus hprt_keyed_create(const struct HprtPlatform *platform,
 
 /*
  Synchronizes the copies and releases the swap (values not unpacked are dropped).
+ While another call uses it, the destroy is `HPRT_STATUS_ERROR_WRONG_STATE` and the handle
+ stays valid: destroy it again once that call returned.
 
  # Safety
  `swap` from `hprt_keyed_create`; afterwards the handle is invalid.
@@ -1456,6 +1462,8 @@ enum HprtStatus hprt_pipeline_create(const struct HprtPlatform *platform,
 
 /*
  Synchronizes the copies and releases the offload manager.
+ While another call uses it, the destroy is `HPRT_STATUS_ERROR_WRONG_STATE` and the handle
+ stays valid: destroy it again once that call returned.
 
  # Safety
  `offload` from `hprt_pipeline_create`; afterwards the handle is invalid.
@@ -1645,6 +1653,10 @@ enum HprtStatus hprt_pipeline_summary_table(struct HprtPipelineOffload *offload,
 enum HprtStatus hprt_tensor_key_manager_create(struct HprtTensorKeyManager **out_manager);
 
 /*
+ Releases the key manager.
+ While another call uses it, the destroy is `HPRT_STATUS_ERROR_WRONG_STATE` and the handle
+ stays valid: destroy it again once that call returned.
+
  # Safety
  `manager` from `hprt_tensor_key_manager_create`; afterwards the handle is invalid.
  */

@@ -131,6 +131,7 @@ pub fn run(p: &'static dyn Platform, max_bytes: usize, only: &[String]) -> Resul
     }
     if wanted("swap") {
         writeln!(out, "#### swap (`hprt-swap`)\n")?;
+        writeln!(out, "{}", swap_settings(p))?;
         out += &hprt::swap::bench(p, max_bytes.min(64 << 20))?;
         writeln!(out)?;
     }
@@ -150,6 +151,25 @@ pub fn run(p: &'static dyn Platform, max_bytes: usize, only: &[String]) -> Resul
         writeln!(out)?;
     }
     Ok(out)
+}
+
+/// What the swap rows ran with besides the platform: the device codec of compress-then-swap
+/// (`codec_for`) and, where the backend reports one, its device allocation cache (swap releases
+/// and re-acquires a storage at every offload and reload).
+fn swap_settings(p: &dyn Platform) -> String {
+    let codec = hprt::compress::device::codec_for(p);
+    let what = match codec.name() {
+        "cuda" => "the CUDA kernels, compiled by NVRTC on the device",
+        "host" => "the CPU codec in host functions: no device kernels on this backend",
+        _ => "the backend's",
+    };
+    let mut s = format!("- device codec: `{}` ({what})\n", codec.name());
+    for (key, value) in p.info().settings {
+        if key == "device allocation cache" {
+            s += &format!("- {key}: {value}\n");
+        }
+    }
+    s
 }
 
 /// The platform's device codec (on cuda the CUDA kernels) against a device-to-device copy of
@@ -551,7 +571,23 @@ fn collectives(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<(
 
 #[cfg(test)]
 mod tests {
-    use super::splice;
+    use super::{splice, swap_settings};
+
+    /// The swap section says which device codec and allocation cache it ran with: on cuda the
+    /// CUDA kernels (its compress rows said "the host fallback ... (no device kernels)" there).
+    #[test]
+    fn the_swap_section_names_the_codec_and_the_allocation_cache() {
+        let cuda = hprt_conformance::cuda_emulator::open().expect("cuda on the CUDA emulator");
+        let s = swap_settings(&cuda);
+        assert!(
+            s.contains("- device codec: `cuda` (the CUDA kernels"),
+            "{s}"
+        );
+        assert!(s.contains("- device allocation cache: "), "{s}");
+        let cpu = hprt::platform::CpuBackend::new(hprt::platform::CpuConfig::default());
+        let s = swap_settings(&cpu);
+        assert!(s.contains("- device codec: `host` (the CPU codec"), "{s}");
+    }
 
     #[test]
     fn splice_replaces_only_the_marked_part() {

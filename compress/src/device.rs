@@ -3,11 +3,15 @@
 //! [`DeviceCodec`] is what a device implementation provides; it must produce the bytes of
 //! `FORMAT.md`, identical to the CPU codec. [`codec_for`] chooses per backend: on `cuda`
 //! [`CudaCodec`], the v2 kernels of [`crate::codec::cuda`] compiled by the backend's NVRTC and
-//! launched in stream order (no host round trip: the encoding's length and the decoder's status
-//! come back as one pinned word each); on `cpu` (device memory is host memory) and on `npu`
+//! launched in stream order (three launches an encode, one a decode, on a workspace and pinned
+//! result words the codec keeps per stream: no allocation and no host wait per call; the
+//! encoding's length and the decoder's status are read after an event, when asked for); on
+//! `cpu` (device memory is host memory) and on `npu`
 //! (no Ascend kernel exists yet) [`HostCodec`]: in stream order it copies the tensor to pinned
 //! memory, runs the CPU codec on host threads inside a host function
-//! ([`Platform::launch_host_fn`]) and copies the result back.
+//! ([`Platform::launch_host_fn`]) and copies the result back. Both take batches
+//! ([`DeviceCodec::encode_batch_async`]: a layer's saved tensors in one launch sequence on
+//! `cuda`, one after the other elsewhere).
 //!
 //! ```
 //! use std::sync::Arc;
@@ -232,13 +236,26 @@ enum Outcome<T> {
 }
 
 /// Result words a device codec's launch sequence leaves in pinned memory (one u64 per tensor
-/// of its batch at `at`), shared by the batch's pending operations; `_lease` gives the pinned
+/// of its batch at `at`), shared by the batch's pending operations; `lease` gives the pinned
 /// slot back to the codec when the last of them is gone.
 pub(crate) struct DeviceWords {
     pub(crate) words: PinnedBuffer,
     pub(crate) at: usize,
     pub(crate) waited: AtomicBool,
-    pub(crate) _lease: Box<dyn Send + Sync>,
+    pub(crate) lease: Box<dyn GiveBack>,
+}
+
+/// What a [`DeviceWords`] gives back to its codec when the last pending operation of its batch
+/// is gone: whether its event was seen complete (then the memory its kernels used can be let
+/// go at once; otherwise only once the event completed).
+pub(crate) trait GiveBack: Send + Sync {
+    fn give_back(&mut self, completed: bool);
+}
+
+impl Drop for DeviceWords {
+    fn drop(&mut self) {
+        self.lease.give_back(self.waited.load(Ordering::Acquire));
+    }
 }
 
 impl DeviceWords {

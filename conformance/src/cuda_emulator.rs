@@ -56,3 +56,20 @@ pub fn device_memory_calls() -> (u64, u64) {
     }
     (allocs, frees)
 }
+
+/// Calls of the emulator's exported function `name` (e.g. `cuEventCreate`) in this process so far
+/// (`hprtEmuGetCallCount`; restarted by every fault-list change, and process-wide as
+/// [`device_memory_calls`]).
+pub fn driver_calls(name: &str) -> u64 {
+    // SAFETY: the emulator library (already loaded by the backend: the same handle).
+    let lib = unsafe { libloading::Library::new(library_path()) }.expect("open the emulator");
+    let name = std::ffi::CString::new(name).expect("no NUL");
+    // SAFETY: the export's documented signature.
+    unsafe {
+        let f: libloading::Symbol<unsafe extern "C" fn(*const std::ffi::c_char) -> u64> =
+            lib.get(b"hprtEmuGetCallCount\0").expect(
+                "hprtEmuGetCallCount (rebuild the emulator: cargo build -p hprt-cuda-emulator)",
+            );
+        f(name.as_ptr())
+    }
+}

@@ -1,13 +1,14 @@
 //! The cuda backend's device allocation cache over the CUDA emulator (`tests/cuda-emulator`,
 //! built by `cargo build -p hprt-cuda-emulator`, which `scripts/test` runs first): repeated
 //! offload / reload cycles as a swap engine makes them (device-to-host copy, storage released,
-//! re-acquired, host-to-device copy) make no `cuMemAlloc` / `cuMemFree` calls once the first
-//! cycle filled the cache (before it: one of each per tensor and cycle); the cache gives its
-//! memory back when the driver runs out; dropping the platform frees everything.
+//! re-acquired, host-to-device copy) make no `cuMemAlloc` / `cuMemFree` and no `cuEventCreate` /
+//! `cuEventDestroy` calls once the first cycle filled the cache (before it: one of each per
+//! tensor and cycle); the cache gives its memory back when the driver runs out; dropping the
+//! platform frees everything.
 //!
 //! The emulator counts driver calls per process: this binary holds this one test only.
 
-use hprt_conformance::cuda_emulator::{self, device_memory_calls};
+use hprt_conformance::cuda_emulator::{self, device_memory_calls, driver_calls};
 use hprt_platform::{BackendKind, ErrorKind, Platform};
 
 const DEVICE_MEMORY: usize = 64 << 20;
@@ -53,17 +54,33 @@ fn offload_reload_cycles_reuse_device_memory_without_the_driver_allocator() {
             }
             p.synchronize_stream(&s).unwrap();
         };
+        let events = || {
+            (
+                driver_calls("cuEventCreate"),
+                driver_calls("cuEventDestroy_v2"),
+            )
+        };
         cycle(); // fills the cache
-        let warm = device_memory_calls();
+        let (warm, warm_events) = (device_memory_calls(), events());
         const CYCLES: u64 = 5;
         for _ in 0..CYCLES {
             cycle();
         }
-        let after = device_memory_calls();
+        let (after, after_events) = (device_memory_calls(), events());
         assert_eq!(
             (after.0 - warm.0, after.1 - warm.1),
             (0, 0),
             "(cuMemAlloc, cuMemFree) calls over {CYCLES} offload/reload cycles of {} tensors",
+            sizes.len()
+        );
+        // A re-acquired storage is a new buffer: its use events come from the freed ones.
+        assert_eq!(
+            (
+                after_events.0 - warm_events.0,
+                after_events.1 - warm_events.1
+            ),
+            (0, 0),
+            "(cuEventCreate, cuEventDestroy) calls over {CYCLES} cycles of {} tensors",
             sizes.len()
         );
         // The reloaded bytes are the saved ones.

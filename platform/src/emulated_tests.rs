@@ -221,3 +221,98 @@ fn waiting_on_ever_new_streams_keeps_a_bounded_record_cuda() {
     let p = open_cuda();
     waits_on_ever_new_streams(&p, |s| s.waited_sources());
 }
+
+/// Sets the Ascend emulator's HCCL timeout.
+fn hccl_timeout(lib: &std::path::Path, ms: u64) {
+    // SAFETY: the emulator's documented test export, in a library the backend already loaded.
+    unsafe {
+        let l = libloading::Library::new(lib).expect("open the emulator");
+        let f: libloading::Symbol<extern "C" fn(u64) -> i32> = l
+            .get(b"hprtEmuSetHcclTimeoutMs\0")
+            .expect("hprtEmuSetHcclTimeoutMs");
+        assert_eq!(f(ms), 0);
+    }
+}
+
+/// Rank 0 of 2 all-gathers 4 floats per rank on a stream of its own; `rank1` is what rank 1
+/// does with its communicator (nothing, or an all-gather of `Some(count)`). Returns the errors
+/// of rank 0's compute stream (which waited on the gather) and of the gather's stream.
+fn gather_on_two_ranks(p: &NpuBackend, rank1: Option<usize>) -> (crate::Error, crate::Error) {
+    let p: &dyn Platform = p;
+    let id = p.unique_id().unwrap();
+    std::thread::scope(|sc| {
+        let peer = sc.spawn(|| {
+            let c = p.comm_init(&id, 1, 2).unwrap();
+            if let Some(count) = rank1 {
+                let s = p.create_stream().unwrap();
+                let send = p.alloc_device(4 * count).unwrap();
+                let recv = p.alloc_device(8 * count).unwrap();
+                p.all_gather(
+                    (&send).into(),
+                    (&recv).into(),
+                    count,
+                    crate::DType::F32,
+                    &c,
+                    &s,
+                )
+                .unwrap();
+                let _ = p.synchronize_stream(&s);
+            }
+        });
+        let c = p.comm_init(&id, 0, 2).unwrap();
+        let (gather, compute) = (p.create_stream().unwrap(), p.create_stream().unwrap());
+        let send = p.alloc_device(16).unwrap();
+        let recv = p.alloc_device(32).unwrap();
+        p.all_gather(
+            (&send).into(),
+            (&recv).into(),
+            4,
+            crate::DType::F32,
+            &c,
+            &gather,
+        )
+        .unwrap();
+        let done = p.create_event(false).unwrap();
+        p.record_event(&done, &gather).unwrap();
+        p.stream_wait_event(&compute, &done).unwrap();
+        let on_compute = p.synchronize_stream(&compute).unwrap_err();
+        let on_gather = p.synchronize_stream(&gather).unwrap_err();
+        peer.join().unwrap();
+        (on_compute, on_gather)
+    })
+}
+
+/// ISSUE 32 item 18: a collective HCCL failed (a peer that never issued it, or ranks that
+/// disagree on it) was `aclrtSynchronizeStream returned 507000`: neither the collective nor
+/// "timeout". Now the error names it, and says it timed out when it ran for the collective
+/// timeout, on its stream and on a stream that waited for it.
+#[test]
+fn a_failed_npu_collective_is_named_and_a_timeout_says_so() {
+    let _g = serial();
+    let lib = npu_lib();
+    let p = open_npu();
+    p.set_collective_timeout(Duration::from_millis(1000));
+    hccl_timeout(&lib, 1000);
+    let (compute, gather) = gather_on_two_ranks(&p, None);
+    for e in [&compute, &gather] {
+        assert_eq!(e.kind(), crate::ErrorKind::Timeout, "{e}");
+        assert_eq!(e.operation, "all_gather", "{e}");
+        assert!(
+            e.message
+                .contains("all_gather #1 on the HCCL communicator of rank 0 of 2 timed out after"),
+            "{e}"
+        );
+    }
+    // Ranks that disagree fail at once: named, not a timeout.
+    let (compute, gather) = gather_on_two_ranks(&p, Some(3));
+    for e in [&compute, &gather] {
+        assert_ne!(e.kind(), crate::ErrorKind::Timeout, "{e}");
+        assert!(
+            e.message
+                .contains("all_gather #1 on the HCCL communicator of rank 0 of 2 failed")
+                && e.message.contains("disagree"),
+            "{e}"
+        );
+    }
+    hccl_timeout(&lib, 120_000);
+}

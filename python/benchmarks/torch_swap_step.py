@@ -17,13 +17,15 @@ same shape (``--ffn``, default 8/3 of the dim; ``--vocab``), loss = mean square 
 
 Memory, per mode, from one extra untimed step with hooks at every layer (``--no-memory`` skips
 it): the torch peak (CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps; cpu: the
-process's resident-set high water over that step, above its start, via ``/proc/self/clear_refs``),
+most C-heap bytes live at a layer boundary of that step, above its start, from glibc's
+``mallinfo2`` with one arena, hprt's pinned memory left out: CPU tensors are malloc'd and torch
+keeps no statistics of them),
 the device's true peak (CUDA: total memory minus the low water of ``torch.cuda.mem_get_info``,
 sampled at every layer boundary, so hprt's own allocations, torch's cache and the context count;
 cpu: the hprt platform's device-memory high water, ``memory_stats()["device_peak"]``), hprt's
 ``stats()["device_peak"]`` (torch memory hprt keeps referenced) and the platform's own
 ``device_peak``. Then a per-layer timeline: live bytes at each layer's forward end and backward
-start (CUDA: ``torch.cuda.memory_allocated``; cpu: the resident set above the step's start), and
+start (CUDA: ``torch.cuda.memory_allocated``; cpu: the live heap above the step's start), and
 on CUDA torch's memory history of that step (``torch.cuda.memory._record_memory_history``, each
 allocation tagged with its layer and phase through ``_set_memory_metadata``) replayed: the peak
 of live bytes within each layer's forward and backward, where the step's peak falls and which
@@ -48,6 +50,7 @@ offload, and each mode's ``torch.cuda.max_memory_allocated`` during its steps.""
 
 import argparse
 import collections
+import ctypes
 import json
 import os
 import random
@@ -169,28 +172,42 @@ def platform_for(args, device_memory):
 
 
 MIB = float(1 << 20)
+HEAP = "heap live above step start"
 
 
-def _proc_status(field):
-    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``), or None off Linux."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _libc():
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        return libc
+    except (OSError, AttributeError):  # not glibc 2.33+
+        return None
 
 
-def _reset_rss_high_water():
-    """Restarts ``VmHWM`` from the current resident set (Linux 4.0+); False where it cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+_LIBC = _libc()
+
+
+def one_heap_arena():
+    """Makes glibc keep every thread's allocations in one arena (``M_ARENA_MAX`` = 1), so that
+    ``mallinfo2`` (which reports the main arena and mmapped chunks) sees all of them. Called
+    first thing on cpu, before torch's and hprt's threads allocate."""
+    if _LIBC is not None:
+        _LIBC.mallopt(-8, 1)  # M_ARENA_MAX
+
+
+def heap_live():
+    """Bytes of the C heap handed out and not given back (CPU tensors are malloc'd: torch's CPU
+    allocator keeps no cache and no statistics), or None off glibc."""
+    if _LIBC is None:
+        return None
+    m = _LIBC.mallinfo2()
+    return m.uordblks + m.hblkhd
 
 
 def _set_alloc_tag(tag):
@@ -204,6 +221,8 @@ def _tag_autograd_thread(tag):
     """Sets the tag on the thread autograd runs CUDA backward on (a persistent thread per
     device), through a one-element backward whose gradient hook runs there: allocations of the
     backward before the last layer's first hook get this tag, not the last step's."""
+    if not getattr(torch.cuda, "is_available", lambda: False)():
+        return  # no CUDA device (the stubbed test)
     try:
         a = torch.zeros(1, device="cuda", requires_grad=True)
         b = a * 1
@@ -267,7 +286,7 @@ class MemoryProbe:
         self.platform, self.layers = platform, layers
         self.history = self.cuda and not args.no_history
         self.samples = []  # (label, seconds, {series: bytes})
-        self.rss0 = None
+        self.heap0 = None
 
     def _sample(self, label):
         if self.cuda:
@@ -275,10 +294,12 @@ class MemoryProbe:
             values = {"torch allocated": torch.cuda.memory_allocated(),
                       "device used": total - free}
         else:
-            rss = _proc_status("VmRSS")
-            values = {"platform device": self.platform.memory_stats()["device_current"]}
-            if rss is not None and self.rss0 is not None:
-                values["resident set above step start"] = rss - self.rss0
+            st = self.platform.memory_stats()
+            values = {"platform device": st["device_current"]}
+            heap = heap_live()
+            if heap is not None and self.heap0 is not None:
+                # hprt's pinned memory is the host side of the swap, not the "device"'s.
+                values[HEAP] = heap - st["pinned_current"] - self.heap0
         self.samples.append((label, time.perf_counter(), values))
 
     def _hooks(self):
@@ -311,9 +332,9 @@ class MemoryProbe:
         if self.cuda:
             torch.cuda.empty_cache()  # the true peak starts from what is in use
             torch.cuda.reset_peak_memory_stats()
-        self.rss0 = _proc_status("VmRSS")
-        rss_reset = not self.cuda and _reset_rss_high_water()
         self.platform.reset_peak_memory()
+        if not self.cuda and heap_live() is not None:
+            self.heap0 = heap_live() - self.platform.memory_stats()["pinned_current"]
         if handle is not None and hasattr(handle, "runtime"):
             handle.runtime.reset_peak()
         start_alloc = torch.cuda.memory_allocated() if self.cuda else 0
@@ -342,9 +363,8 @@ class MemoryProbe:
             out["torch_peak"] = torch.cuda.max_memory_allocated()
             out["device_peak"] = max(v["device used"] for _, _, v in self.samples)
         else:
-            hwm = _proc_status("VmHWM")
-            out["torch_peak"] = (hwm - self.rss0 if rss_reset and hwm is not None
-                                 and self.rss0 is not None else None)
+            heap = [v[HEAP] for _, _, v in self.samples if HEAP in v]
+            out["torch_peak"] = max(heap) if heap else None
             out["device_peak"] = out["platform_peak"]
         if handle is not None:
             out["hprt_peak"] = handle.stats().get("device_peak")
@@ -495,7 +515,7 @@ DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _mib(v):
-    return "-" if v is None else f"{v / MIB:.0f}"
+    return "-" if v is None else f"{v / MIB:.1f}"
 
 
 def print_rows(args, rows):
@@ -523,11 +543,13 @@ def print_rows(args, rows):
               "included); hprt device_peak: torch memory hprt kept referenced (stats()); platform "
               "device_peak: hprt's own device allocations.")
     else:
-        print("\ntorch peak: the process's resident-set high water over one more step, above its "
-              "start (/proc/self/clear_refs; CPU tensors have no allocator statistics); device "
-              "peak: the hprt cpu platform's device-memory high water (memory_stats()); hprt "
-              "device_peak: torch memory hprt kept referenced (stats()).")
-    series = "torch allocated" if cuda else "resident set above step start"
+        print("\ntorch peak: the most C-heap bytes live (glibc mallinfo2, one arena; CPU tensors "
+              "are malloc'd and torch keeps no CPU statistics) at a layer boundary of one more "
+              "step, above the step's start, hprt's pinned memory left out (it includes the cpu "
+              "platform's cached device blocks); device peak: the hprt cpu platform's "
+              "device-memory high water (memory_stats()); hprt device_peak: torch memory hprt "
+              "kept referenced (stats()).")
+    series = "torch allocated" if cuda else HEAP
     print(f"\nPer-layer timeline ({series}, MiB, at each layer's forward end, then at each "
           "layer's backward start):")
     for name, *_, mem in rows:
@@ -631,6 +653,8 @@ def main():
     ap.add_argument("--trace", default=None, metavar="PATH",
                     help="write the memory steps as a Chrome / Perfetto trace")
     args = resolve_heads(ap.parse_args())
+    if args.device == "cpu":
+        one_heap_arena()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

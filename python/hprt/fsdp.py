@@ -22,7 +22,8 @@ gradients arrived; the last callback of backward waits for the reductions and se
 ``.grad`` to its reduced sharded gradient.
 
 Ranks: ``run_on_ranks(n, fn)`` runs ``fn(rank)`` on ``n`` threads of this process (the cpu
-backend and the emulators: ranks of one world are threads of one process there);
+backend and the emulators: ranks of one world are threads of one process there), each with its
+own torch CPU generator state, a failing rank aborting the others' collectives;
 ``init_from_process_group()`` makes the hprt communicator of a torchrun-launched process per
 device, passing the unique id through ``torch.distributed``.
 
@@ -334,7 +335,10 @@ def run_on_ranks(world_size, fn, *args, platform=None, **kwargs):
         except BaseException as e:  # reported by the caller below
             errors[rank] = (time.monotonic(), e)
             if ctx is not None:
-                ctx.abort()
+                try:
+                    ctx.abort()
+                except Exception:  # best effort: the failure itself is what is reported
+                    pass
         finally:
             _tls.ctx = _tls.rng = None
 

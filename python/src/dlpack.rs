@@ -48,54 +48,75 @@ impl Backing {
 /// The live DLPack exports, by the memory they name: a handle clone keeps a buffer's handle but
 /// not its memory (a free or resize through any clone releases it), so an export registers here
 /// for as long as its consumer holds it, and every free or resize made through the bindings
-/// ([`unexported`]) is refused while one is registered. Keyed by kind and address (stable while
-/// an export holds it); each entry lists one handle per export.
-type Leases = HashMap<(bool, usize), Vec<Backing>>;
-
-static LEASES: Mutex<Option<Leases>> = Mutex::new(None);
-
-fn leases() -> MutexGuard<'static, Option<Leases>> {
-    // A poisoned lock still holds a consistent map: every update is a single insert or remove.
-    LEASES.lock().unwrap_or_else(|e| e.into_inner())
+/// ([`unexported`]) is refused while one is registered. Exports are keyed by kind and address
+/// (stable while an export holds it), one handle per export.
+#[derive(Default)]
+struct Registry {
+    leases: HashMap<(bool, usize), Vec<Backing>>,
+    /// Buffers an [`unexported`] call is freeing or resizing: no export of them may start. (The
+    /// release runs outside the lock: it may drop the last reference to an import of one of
+    /// our own exports, whose lease then unregisters.)
+    releasing: Vec<Backing>,
 }
 
-/// How many live exports name `b`'s memory.
-fn exports_of(map: &Option<Leases>, b: &Backing) -> usize {
-    let key = b.key();
-    if key.1 == 0 {
-        return 0;
+static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
+
+fn registry() -> MutexGuard<'static, Option<Registry>> {
+    // A poisoned lock still holds a consistent registry: every update is one push or removal.
+    REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn remove_one(v: &mut Vec<Backing>, b: &Backing) {
+    if let Some(i) = v.iter().position(|x| x.same_as(b)) {
+        v.swap_remove(i);
     }
-    map.as_ref()
-        .and_then(|m| m.get(&key))
-        .map_or(0, |v| v.iter().filter(|x| x.same_as(b)).count())
 }
 
 /// Runs `f`, which frees or resizes the memory of `bufs`, unless a DLPack export of one of them is
-/// alive: then a `BufferExportedError` (Python's `BufferError` too) naming `op`. No export can
-/// start while `f` runs.
+/// alive: then a `BufferExportedError` (Python's `BufferError` too) naming `op`. No export of
+/// them can start while `f` runs.
 pub(crate) fn unexported<T>(
     bufs: &[Backing],
     op: &str,
     f: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
-    let map = leases();
-    for b in bufs {
-        let n = exports_of(&map, b);
-        if n > 0 {
-            let what = match b {
-                Backing::Device(_) => "device buffer",
-                Backing::Pinned(_) => "pinned buffer",
-            };
-            return Err(BindError::Exported(format!(
-                "{op}: {n} DLPack export(s) of this {what} are alive (numpy / torch tensors over \
-                 its memory); they would read and write freed memory. Drop them (and their \
-                 views) first, or copy what you keep"
-            )));
+    {
+        let mut reg = registry();
+        let reg = reg.get_or_insert_with(Registry::default);
+        for b in bufs {
+            let key = b.key();
+            let n = reg
+                .leases
+                .get(&key)
+                .filter(|_| key.1 != 0)
+                .map_or(0, |v| v.iter().filter(|x| x.same_as(b)).count());
+            if n > 0 {
+                let what = match b {
+                    Backing::Device(_) => "device buffer",
+                    Backing::Pinned(_) => "pinned buffer",
+                };
+                return Err(BindError::Exported(format!(
+                    "{op}: {n} DLPack export(s) of this {what} are alive (numpy / torch tensors \
+                     over its memory); they would read and write freed memory. Drop them (and \
+                     their views) first, or copy what you keep"
+                )));
+            }
+        }
+        reg.releasing.extend(bufs.iter().cloned());
+    }
+    /// Takes `bufs` off the releasing list however `f` ends.
+    struct Done<'a>(&'a [Backing]);
+    impl Drop for Done<'_> {
+        fn drop(&mut self) {
+            if let Some(reg) = registry().as_mut() {
+                for b in self.0 {
+                    remove_one(&mut reg.releasing, b);
+                }
+            }
         }
     }
-    let out = f();
-    drop(map);
-    out
+    let _done = Done(bufs);
+    f()
 }
 
 /// One export's registration, travelling in its capsule; dropped when the consumer releases it.
@@ -108,14 +129,12 @@ impl Drop for Lease {
     fn drop(&mut self) {
         // Never unwinds (DLPack deleters must not): no panicking call below.
         let Some(key) = self.key else { return };
-        let mut map = leases();
-        let Some(m) = map.as_mut() else { return };
-        if let Some(v) = m.get_mut(&key) {
-            if let Some(i) = v.iter().position(|x| x.same_as(&self.backing)) {
-                v.swap_remove(i);
-            }
+        let mut reg = registry();
+        let Some(reg) = reg.as_mut() else { return };
+        if let Some(v) = reg.leases.get_mut(&key) {
+            remove_one(v, &self.backing);
             if v.is_empty() {
-                m.remove(&key);
+                reg.leases.remove(&key);
             }
         }
     }
@@ -217,18 +236,28 @@ impl TensorView {
     }
 
     fn managed<M: ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
-        // Checked and registered under the registry's lock: no free can slip in between.
-        let mut map = leases();
-        let addr = self.address()?;
-        let key = self.backing.key();
-        let registered = (self.span()? > 0 && key.1 != 0).then_some(key);
-        if let Some(key) = registered {
-            map.get_or_insert_with(HashMap::new)
-                .entry(key)
-                .or_default()
-                .push(self.backing.clone());
-        }
-        drop(map);
+        // Checked and registered under the registry's lock: no free can slip in between. The
+        // lock is released before anything can drop a lease (which takes it).
+        let (addr, registered) = {
+            let mut guard = registry();
+            let reg = guard.get_or_insert_with(Registry::default);
+            if reg.releasing.iter().any(|b| b.same_as(&self.backing)) {
+                return Err(BindError::Exported(
+                    "the buffer is being freed or resized by another thread".into(),
+                )
+                .into());
+            }
+            let addr = self.address()?;
+            let key = self.backing.key();
+            let registered = (self.span()? > 0 && key.1 != 0).then_some(key);
+            if let Some(key) = registered {
+                reg.leases
+                    .entry(key)
+                    .or_default()
+                    .push(self.backing.clone());
+            }
+            (addr, registered)
+        };
         let lease = Lease {
             backing: self.backing.clone(),
             key: registered,

@@ -240,6 +240,13 @@ def test_memory_under_a_dlpack_export_is_neither_freed_nor_resized(p):
     del b
     pin.free()
     p.alloc_device(0).view("f32", [0]).__dlpack__()  # an empty export holds nothing
+    # hprt importing its own export: freeing the import releases the export (no deadlock)
+    buf = p.alloc_device(16)
+    t = p.from_dlpack(buf.view("f32", [4]))
+    with pytest.raises(BufferError):
+        buf.free()
+    t.buffer.free()
+    buf.free()
 
 
 def test_raw_pointer_wrapping_says_it_is_unsafe(p):

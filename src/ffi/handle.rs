@@ -11,7 +11,9 @@
 //! returns (its `Arc` is held in a per-thread list that [`super::guard`] clears), so a release
 //! on another thread cannot free it mid-call. Kinds used through `&mut` (swap managers, hsdp
 //! contexts and parameters) are stored as [`Exclusive`]: one call at a time, a second
-//! concurrent one is `HPRT_STATUS_ERROR_WRONG_STATE`.
+//! concurrent one is `HPRT_STATUS_ERROR_WRONG_STATE`. A destroy is such a call: racing a use,
+//! it is refused the same way and the handle stays valid (the caller destroys it again once
+//! the use returned; it is never released under the use).
 //!
 //! Adopting it for a new handle type: `handle_kind!(HprtThing, KIND, "thing")` (shared) or
 //! `handle_kind!(exclusive HprtThing, KIND, "thing")`, with a kind number not used yet.

@@ -421,6 +421,8 @@ pub unsafe extern "C" fn hprt_hsdp_param_create(
 
 /// Releases a parameter: its shard, gradients and gathered storage (work already queued on
 /// them still completes).
+/// While another call uses it, the destroy is `HPRT_STATUS_ERROR_WRONG_STATE` and the handle
+/// stays valid: destroy it again once that call returned.
 ///
 /// # Safety
 /// `param` from `hprt_hsdp_param_create`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).

@@ -307,6 +307,8 @@ pub unsafe extern "C" fn hprt_swap_manager_create(
 }
 
 /// Synchronizes the manager's copies and releases it (saved values are dropped).
+/// While another call uses it, the destroy is `HPRT_STATUS_ERROR_WRONG_STATE` and the handle
+/// stays valid: destroy it again once that call returned.
 ///
 /// # Safety
 /// `manager` from `hprt_swap_manager_create`; afterwards the handle is invalid (`HPRT_STATUS_ERROR_INVALID_HANDLE`).
@@ -771,3 +773,47 @@ group_call!(
     /// hyper_parallel's `wait_load`: `compute` waits for the group's reload.
     hprt_swap_wait_load, wait_load, compute
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ffi::platform::{hprt_platform_close, hprt_platform_open};
+    use std::sync::mpsc;
+
+    /// ISSUE 32 item 18, documented behaviour: a destroy racing a use of an exclusive object
+    /// (here a swap manager) is `HPRT_STATUS_ERROR_WRONG_STATE` and leaves the handle valid;
+    /// the destroy succeeds once the use returned.
+    #[test]
+    fn a_destroy_racing_a_use_is_wrong_state_and_leaves_the_handle_valid() {
+        let (mut p, mut m) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: valid request and out-pointers; every handle is released once below.
+        unsafe {
+            assert_eq!(hprt_platform_open(c"cpu".as_ptr(), &mut p), HprtStatus::Ok);
+            assert_eq!(hprt_swap_manager_create(p, 0, &mut m), HprtStatus::Ok);
+        }
+        let (using, release) = (mpsc::channel(), mpsc::channel::<()>());
+        let id = m as usize;
+        let user = std::thread::spawn(move || {
+            guard("a use", || {
+                manager_mut(id as *mut HprtSwapManager)?;
+                using.0.send(()).unwrap();
+                let _ = release.1.recv();
+                Ok(())
+            })
+        });
+        using.1.recv().unwrap();
+        // SAFETY: a live handle (in use on the other thread).
+        let raced = unsafe { hprt_swap_manager_destroy(m) };
+        assert_eq!(raced, HprtStatus::ErrorWrongState);
+        let mut layer = 0;
+        drop(release.0);
+        assert_eq!(user.join().unwrap(), HprtStatus::Ok);
+        // SAFETY: the handle is still valid; released once, then the platform.
+        unsafe {
+            assert_eq!(hprt_swap_new_layer(m, &mut layer), HprtStatus::Ok);
+            assert_eq!(hprt_swap_manager_destroy(m), HprtStatus::Ok);
+            assert_eq!(hprt_swap_manager_destroy(m), HprtStatus::ErrorInvalidHandle);
+            assert_eq!(hprt_platform_close(p), HprtStatus::Ok);
+        }
+    }
+}

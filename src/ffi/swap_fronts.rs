@@ -90,6 +90,8 @@ pub unsafe extern "C" fn hprt_keyed_create(
 }
 
 /// Synchronizes the copies and releases the swap (values not unpacked are dropped).
+/// While another call uses it, the destroy is `HPRT_STATUS_ERROR_WRONG_STATE` and the handle
+/// stays valid: destroy it again once that call returned.
 ///
 /// # Safety
 /// `swap` from `hprt_keyed_create`; afterwards the handle is invalid.
@@ -282,6 +284,8 @@ pub unsafe extern "C" fn hprt_pipeline_create(
 }
 
 /// Synchronizes the copies and releases the offload manager.
+/// While another call uses it, the destroy is `HPRT_STATUS_ERROR_WRONG_STATE` and the handle
+/// stays valid: destroy it again once that call returned.
 ///
 /// # Safety
 /// `offload` from `hprt_pipeline_create`; afterwards the handle is invalid.
@@ -677,6 +681,10 @@ pub unsafe extern "C" fn hprt_tensor_key_manager_create(
     })
 }
 
+/// Releases the key manager.
+/// While another call uses it, the destroy is `HPRT_STATUS_ERROR_WRONG_STATE` and the handle
+/// stays valid: destroy it again once that call returned.
+///
 /// # Safety
 /// `manager` from `hprt_tensor_key_manager_create`; afterwards the handle is invalid.
 #[no_mangle]

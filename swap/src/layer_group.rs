@@ -291,18 +291,8 @@ impl SwapManager {
 
     /// The layer's forward begins: values saved from now on join its group. A layer whose
     /// backward finished starts a new iteration: its previous group is dropped. (A forward
-    /// during the layer's backward is a checkpointed recomputation: nothing changes.) Groups do
-    /// not nest: a forward_pre inside another layer's forward is refused.
+    /// during the layer's backward is a checkpointed recomputation: nothing changes.)
     pub fn forward_pre(&mut self, layer: LayerId) -> Result<()> {
-        if let Some(open) = self.current.filter(|&c| c != layer) {
-            if self.layer(layer)?.phase != Phase::PreBackward {
-                return Err(SwapError::Order(format!(
-                    "forward_pre of layer {} inside the forward of layer {} (its forward_post \
-                     has not come): layer groups do not nest",
-                    layer.0, open.0
-                )));
-            }
-        }
         let l = self.layer(layer)?;
         match l.phase {
             Phase::PreBackward => return Ok(()),
@@ -350,8 +340,16 @@ impl SwapManager {
         }
         let (prev, next) = (l.prev, l.next);
         if self.current != Some(layer) {
+            // Groups do not nest: a forward_pre inside this layer's forward moved the saves to
+            // its own group (a forward abandoned half-way must not block every later one).
+            let open = match self.current {
+                Some(other) => format!("layer {}'s forward is the open one", other.0),
+                None => "no layer's forward is open".into(),
+            };
             return Err(SwapError::Order(format!(
-                "forward_post of layer {} without its forward_pre",
+                "forward_post of layer {} without its forward_pre, or after another layer's \
+                 forward_pre inside its forward ({open}): layer groups do not nest, so each \
+                 layer's forward_post must come before the next layer's forward_pre",
                 layer.0
             )));
         }

@@ -15,13 +15,14 @@
 //          memory, then u64 atomics) and the checksum terms from the same 16-byte loads; the
 //          CTA that finishes a tensor's last block builds its frequency table (FORMAT.md's
 //          normalisation, in shared memory) and zeroes the counts for the next use.
-//   encode <<<min(ceil(blocks / W), G), 32 W>>>  warp per block: the table in shared memory,
-//          32 interleaved rANS states (lane l owns state l), emitting lanes' word positions by
-//          ballot + popcount, the mantissa stream packed by shuffles from the same loads; the
-//          payload goes to the block's slot in the workspace. The warp that finishes a
-//          tensor's last block scans its block lengths, writes header, table, index and prefix
-//          checksum, and the encoding's length (device memory: the host reads it after an event).
-//   place  <<<min(blocks, G), 128>>>  every payload from its slot to its place after the prefix.
+//   measure <<<min(ceil(blocks / W), G), 32 W>>>  warp per block: the table in shared memory,
+//          32 interleaved rANS states (lane l owns state l), the block's coded length only
+//          (no payload is kept: no tensor-sized workspace). The warp that measures a tensor's
+//          last block scans its block lengths, writes header, table, index and prefix checksum,
+//          and the encoding's length (device memory: the host reads it after an event).
+//   encode <<<min(ceil(blocks / W), G), 32 W>>>  every block coded again, straight to its
+//          place after the prefix: emitting lanes' word positions by ballot + popcount, the
+//          mantissa stream packed by shuffles from the same loads; raw blocks copied.
 // Decode, one launch:
 //   decode <<<G', 32 W>>>  per tensor, every CTA checks the prefix (header, prefix checksum,
 //          table, block lengths) and builds the decoding table in shared memory; its warps
@@ -82,8 +83,6 @@ typedef unsigned char u8;
 #define HPRT_D_BLOCK 8      // encode: block_elems
 #define HPRT_D_NBLOCKS 9    // encode: blocks; decode: the most blocks the encoding can have
 #define HPRT_D_FIRST 10     // encode: the tensor's first global block
-#define HPRT_D_SLOT 11      // encode: workspace offset of its slots
-#define HPRT_D_SLOT_BYTES 12
 #define HPRT_DESC_WORDS 16
 // Per-tensor counters (u64 each, HPRT_CTR_WORDS per tensor); zero between sequences except
 // TOTAL and PREFIX, which the encode finisher writes for place.
@@ -96,11 +95,35 @@ typedef unsigned char u8;
 #define HPRT_C_DECODE_DONE 6
 #define HPRT_CTR_WORDS 8
 
+// The work model: bytes each kernel moves through global memory for the data (input, slots,
+// output; not its few words of tables and counters), counted where the host-compiled test
+// defines HPRT_COUNT_BYTES and compiled away everywhere else.
+#ifdef HPRT_COUNT_BYTES
+extern "C" { u64 hprt_bytes_read = 0, hprt_bytes_written = 0; }
+#define HPRT_READ(n) __atomic_fetch_add(&hprt_bytes_read, (u64)(n), __ATOMIC_RELAXED)
+#define HPRT_WRITE(n) __atomic_fetch_add(&hprt_bytes_written, (u64)(n), __ATOMIC_RELAXED)
+#else
+#define HPRT_READ(n) ((void)0)
+#define HPRT_WRITE(n) ((void)0)
+#endif
+
 #if defined(__CUDACC_RTC__) || defined(__CUDACC__)
 typedef ulonglong2 hprt_u128;
 #else
 struct hprt_u128 { u64 x, y; };
+// Register allocation hints, for NVRTC only (the platform compiles a cubin for the device's own
+// architecture, sm_XY, where NVRTC knows it).
+#define __launch_bounds__(n)
 #endif
+
+// The high 32 bits of a * b.
+__device__ __forceinline__ u32 hprt_mulhi(u32 a, u32 b) {
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+    return __umulhi(a, b);
+#else
+    return (u32)(((u64)a * b) >> 32);
+#endif
+}
 
 __device__ __forceinline__ u64 hprt_term(u64 w, u64 i) {
     u64 z = (w ^ (i * HPRT_K1)) * HPRT_K2;
@@ -266,7 +289,7 @@ __device__ __forceinline__ void hprt_count_word(u32* local, u64 w, u32 size, u32
     }
 }
 
-extern "C" __global__ void hprt_codec_count(u8* ws) {
+extern "C" __global__ void __launch_bounds__(256) hprt_codec_count(u8* ws) {
     __shared__ u32 local[512];
     __shared__ u64 counts[512];
     __shared__ u32 freq[512];
@@ -294,6 +317,7 @@ extern "C" __global__ void hprt_codec_count(u8* ws) {
             const hprt_u128* v = (const hprt_u128*)p;
             for (u64 i = threadIdx.x; i < bytes / 16; i += blockDim.x) {
                 hprt_u128 q = v[i];
+                HPRT_READ(16);
                 sum += hprt_term(q.x, w0 + 2 * i) + hprt_term(q.y, w0 + 2 * i + 1);
                 hprt_count_word(local, q.x, size, mant_bits, per);
                 hprt_count_word(local, q.y, size, mant_bits, per);
@@ -302,6 +326,7 @@ extern "C" __global__ void hprt_codec_count(u8* ws) {
         }
         for (u64 i = done + threadIdx.x; i < words; i += blockDim.x) {
             u64 w = hprt_word(p, bytes, i);
+            HPRT_READ(bytes - 8 * i < 8 ? bytes - 8 * i : 8);
             sum += hprt_term(w, w0 + i);
             u64 e0 = i * per;
             hprt_count_word(local, w, size, mant_bits, (u32)(n - e0 < per ? n - e0 : per));
@@ -327,12 +352,28 @@ extern "C" __global__ void hprt_codec_count(u8* ws) {
             __syncthreads();
             hprt_normalise(counts, alphabet, prob_bits, freq, best, &n_s, &fsum_s, &present_s,
                            &last_sym_s);
-            u32* table = (u32*)(ws + head[HPRT_W_TABLE]) + 512ull * t;
+            // The encoder's constants per symbol (16 bytes, rans.rs `EncSym`): x_max, an exact
+            // reciprocal of the frequency, bias and M - freq | shift << 16, so coding a symbol
+            // is a multiply-high, not a division.
+            u32* table = (u32*)(ws + head[HPRT_W_TABLE]) + 2048ull * t;
             if (threadIdx.x == 0) {
-                u32 c = 0;
+                u32 c = 0, m = 1u << prob_bits, lim = (HPRT_RANS_L >> prob_bits) << 16;
                 for (u32 s = 0; s < 512; ++s) {
-                    u32 f = s < alphabet ? freq[s] : 0;
-                    table[s] = f | c << 16;
+                    u32 f = s < alphabet ? freq[s] : 0, *e = table + 4 * s;
+                    if (f == 0) {
+                        e[0] = e[1] = e[2] = e[3] = 0;
+                    } else if (f == 1) {
+                        e[0] = lim;
+                        e[1] = 0xffffffffu;
+                        e[2] = c + m - 1;
+                        e[3] = m - 1;
+                    } else {
+                        u32 shift = 32 - __clz((int)(f - 1));
+                        e[0] = lim * f;
+                        e[1] = (u32)(((1ull << (shift + 31)) + f - 1) / f);
+                        e[2] = c;
+                        e[3] = (m - f) | (shift - 1) << 16;
+                    }
                     c += f;
                 }
                 ctr[HPRT_C_COUNT_DONE] = 0;
@@ -352,7 +393,8 @@ __device__ void hprt_encode_finish(u8* ws, u32 t, u32 lane) {
     u64 numel = d[HPRT_D_NUMEL], nb = d[HPRT_D_NBLOCKS], gb0 = d[HPRT_D_FIRST];
     u32 size = (u32)d[HPRT_D_SIZE], mant_bits = (u32)d[HPRT_D_MANT];
     u32 alphabet = 1u << (8 * size - mant_bits);
-    const u32* table = (const u32*)(ws + head[HPRT_W_TABLE]) + 512ull * t;
+    const u32* table = (const u32*)(ws + head[HPRT_W_TABLE]) + 2048ull * t;
+    u32 pb_shift = 31 - (u32)d[HPRT_D_PROB];
     const u32* lens = (const u32*)(ws + head[HPRT_W_LENS]) + gb0;
     u64* offsets = (u64*)(ws + head[HPRT_W_OFFSETS]) + gb0;
     u8* out = (u8*)(d[HPRT_D_DST]);
@@ -372,7 +414,7 @@ __device__ void hprt_encode_finish(u8* ws, u32 t, u32 lane) {
     u32 present = 0;
     for (u32 s0 = 0; s0 < alphabet; s0 += HPRT_LANES) {
         u32 s = s0 + lane;
-        u32 f = s < alphabet ? table[s] & 0xffffu : 0;
+        u32 f = s < alphabet ? table[4 * s] >> pb_shift : 0;
         u32 bal = __ballot_sync(HPRT_FULL, f != 0);
         if (f) {
             u64 at = table_at + 2ull * (present + __popc(bal & ((1u << lane) - 1)));
@@ -406,6 +448,8 @@ __device__ void hprt_encode_finish(u8* ws, u32 t, u32 lane) {
     sum = hprt_warp_sum(sum);
     if (lane == 0) {
         hprt_put_u64(out + 40, hprt_finish_check(sum, prefix));
+        HPRT_WRITE(prefix);
+        HPRT_READ(prefix);
         ctr[HPRT_C_TOTAL] = run;
         ctr[HPRT_C_PREFIX] = prefix;
         ctr[HPRT_C_TERMS] = 0;
@@ -415,86 +459,96 @@ __device__ void hprt_encode_finish(u8* ws, u32 t, u32 lane) {
     __syncwarp();
 }
 
-extern "C" __global__ void hprt_codec_encode(u8* ws) {
-    __shared__ u32 tab[HPRT_WARPS][512];
+// The table of tensor `t` in this warp's shared copy (`tab`, for tensor `*tab_of`).
+__device__ __forceinline__ void hprt_warp_table(const u8* ws, u32 t, u32* tab, u32* tab_of, u32 lane) {
+    if (*tab_of == t) return;
+    const u32* table = (const u32*)(ws + hprt_head(ws)[HPRT_W_TABLE]) + 2048ull * t;
+    for (u32 s = lane; s < 2048; s += HPRT_LANES) tab[s] = table[s];
+    __syncwarp();
+    if (lane == 0) *tab_of = t;
+    __syncwarp();
+}
+
+// Codes block `b` of the tensor of descriptor `d` with one warp (lane `lane` owns rANS state
+// `lane`). With `dst` null it only measures: the coded length, or the raw size once the stream
+// reaches it (the stream only grows). Otherwise the block is known to be coded (shorter than
+// raw) and its payload (mantissas, words, states) is written at `dst`.
+__device__ u64 hprt_code_block(const u64* d, u64 b, const u32* tab, u8* dst, u32 lane) {
+    u64 numel = d[HPRT_D_NUMEL], block_elems = d[HPRT_D_BLOCK];
+    u32 size = (u32)d[HPRT_D_SIZE], w = (u32)d[HPRT_D_MANT];
+    u64 first = b * block_elems;
+    u32 n = (u32)(numel - first < block_elems ? numel - first : block_elems);
+    const u8* in = (const u8*)(d[HPRT_D_SRC]) + first * size;
+    int aligned = ((u64)in % size) == 0;
+    u64 raw = (u64)n * size, mlen = ((u64)n * w + 7) / 8;
+    u32 mask = (1u << w) - 1;
+    u32 x = HPRT_RANS_L, pos = 0, groups = (n + HPRT_LANES - 1) / HPRT_LANES;
+    u32 rounds = dst ? (4 * w + HPRT_LANES - 1) / HPRT_LANES : 0;
+    for (u32 gi = groups; gi-- > 0;) {
+        if (mlen + 2ull * pos + HPRT_STATES_LEN >= raw) return raw;
+        u32 base = gi * HPRT_LANES, cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
+        int active = lane < cnt;
+        u32 v = active ? hprt_load(in, base + lane, size, aligned) : 0;
+        if (active) HPRT_READ(size);
+        u32 s = (v >> w) & 511u, mant = v & mask;
+        const u32* e = tab + 4 * s;
+        int emit = active && x >= e[0];
+        u32 bal = __ballot_sync(HPRT_FULL, emit);
+        if (emit) {
+            if (dst) {
+                // Lanes emit from the highest to the lowest, as the sequential coder does.
+                u32 before = lane == 31 ? 0 : __popc(bal >> (lane + 1));
+                u64 at = mlen + 2ull * (pos + before);
+                HPRT_WRITE(2);
+                dst[at] = (u8)x;
+                dst[at + 1] = (u8)(x >> 8);
+            }
+            x >>= 16;
+        }
+        if (active) x = x + e[2] + (hprt_mulhi(x, e[1]) >> (e[3] >> 16)) * (e[3] & 0xffffu);
+        pos += __popc(bal);
+        // This group's mantissa bytes (32 w bits = 4 w bytes from byte 4 w gi), gathered from
+        // the lanes holding them; inactive lanes hold 0, the padding.
+        u32 gbytes = (cnt * w + 7) / 8;
+        for (u32 r = 0; r < rounds; ++r) {
+            u32 j = lane + HPRT_LANES * r, bit = 8 * j, e0 = bit / w, sh = bit - e0 * w;
+            u32 m0 = __shfl_sync(HPRT_FULL, mant, e0 < 32 ? e0 : 0);
+            u32 m1 = __shfl_sync(HPRT_FULL, mant, e0 + 1 < 32 ? e0 + 1 : 0);
+            if (j < gbytes) {
+                u32 byte = m0 >> sh;
+                if (e0 + 1 < cnt) byte |= m1 << (w - sh);
+                HPRT_WRITE(1);
+                dst[4ull * w * gi + j] = (u8)byte;
+            }
+        }
+    }
+    u64 len = mlen + 2ull * pos + HPRT_STATES_LEN;
+    if (len >= raw) return raw;
+    if (dst) {
+        u64 at = mlen + 2ull * pos;
+        for (u32 k = 0; k < 4; ++k) dst[at + 4 * lane + k] = (u8)(x >> (8 * k));
+        HPRT_WRITE(4);
+    }
+    return len;
+}
+
+// Pass 1 of the coder: every block's length (no payload written); the warp that measures a
+// tensor's last block writes its prefix (`hprt_encode_finish`).
+extern "C" __global__ void __launch_bounds__(128) hprt_codec_measure(u8* ws) {
+    __shared__ u32 tab[HPRT_WARPS][2048];
     __shared__ u32 tab_of[HPRT_WARPS];
     const u64* head = hprt_head(ws);
     u64 blocks = head[HPRT_W_BLOCKS];
     u32 lane = threadIdx.x % HPRT_LANES, warp = threadIdx.x / HPRT_LANES;
     if (lane == 0) tab_of[warp] = 0xffffffffu;
     __syncwarp();
+    u32* lens = (u32*)(ws + head[HPRT_W_LENS]);
     for (u64 gb = (u64)blockIdx.x * HPRT_WARPS + warp; gb < blocks;
          gb += (u64)gridDim.x * HPRT_WARPS) {
         u32 t = hprt_tensor_of(ws, gb);
         const u64* d = hprt_desc(ws, t);
-        if (tab_of[warp] != t) {
-            // The tensor's table in shared memory, for the warp's blocks of it.
-            const u32* table = (const u32*)(ws + head[HPRT_W_TABLE]) + 512ull * t;
-            for (u32 s = lane; s < 512; s += HPRT_LANES) tab[warp][s] = table[s];
-            __syncwarp();
-            if (lane == 0) tab_of[warp] = t;
-            __syncwarp();
-        }
-        u64 numel = d[HPRT_D_NUMEL], block_elems = d[HPRT_D_BLOCK];
-        u32 size = (u32)d[HPRT_D_SIZE], w = (u32)d[HPRT_D_MANT], prob_bits = (u32)d[HPRT_D_PROB];
-        u64 b = gb - d[HPRT_D_FIRST], first = b * block_elems, slot_bytes = d[HPRT_D_SLOT_BYTES];
-        u32 n = (u32)(numel - first < block_elems ? numel - first : block_elems);
-        const u8* in = (const u8*)(d[HPRT_D_SRC]) + first * size;
-        int aligned = ((u64)in % size) == 0;
-        u8* slot = ws + d[HPRT_D_SLOT] + b * slot_bytes;
-        u64 raw = (u64)n * size, mlen = ((u64)n * w + 7) / 8;
-        u32 m = 1u << prob_bits, lim = (HPRT_RANS_L >> prob_bits) << 16, mask = (1u << w) - 1;
-        u32 x = HPRT_RANS_L, pos = 0, groups = (n + HPRT_LANES - 1) / HPRT_LANES;
-        u32 rounds = (4 * w + HPRT_LANES - 1) / HPRT_LANES;
-        int overflow = 0;
-        for (u32 gi = groups; gi-- > 0;) {
-            // The stream only grows: once it reaches the raw size the block is stored raw.
-            if (mlen + 2ull * pos + HPRT_STATES_LEN >= raw) { overflow = 1; break; }
-            u32 base = gi * HPRT_LANES, cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
-            int active = lane < cnt;
-            u32 v = active ? hprt_load(in, base + lane, size, aligned) : 0;
-            u32 s = (v >> w) & 511u, mant = v & mask;
-            u32 e = tab[warp][s], f = e & 0xffffu;
-            int emit = active && x >= lim * f;
-            u32 bal = __ballot_sync(HPRT_FULL, emit);
-            if (emit) {
-                // Lanes emit from the highest to the lowest, as the sequential coder does.
-                u32 before = lane == 31 ? 0 : __popc(bal >> (lane + 1));
-                u64 at = mlen + 2ull * (pos + before);
-                if (at + 2 <= slot_bytes) {
-                    slot[at] = (u8)x;
-                    slot[at + 1] = (u8)(x >> 8);
-                }
-                x >>= 16;
-            }
-            if (active) x = (x / f) * m + x % f + (e >> 16);
-            pos += __popc(bal);
-            // This group's mantissa bytes (32 w bits = 4 w bytes from byte 4 w gi), gathered
-            // from the lanes holding them; inactive lanes hold 0, the padding.
-            u32 gbytes = (cnt * w + 7) / 8;
-            for (u32 r = 0; r < rounds; ++r) {
-                u32 j = lane + HPRT_LANES * r, bit = 8 * j, e0 = bit / w, sh = bit - e0 * w;
-                u32 m0 = __shfl_sync(HPRT_FULL, mant, e0 < 32 ? e0 : 0);
-                u32 m1 = __shfl_sync(HPRT_FULL, mant, e0 + 1 < 32 ? e0 + 1 : 0);
-                if (j < gbytes) {
-                    u32 byte = m0 >> sh;
-                    if (e0 + 1 < cnt) byte |= m1 << (w - sh);
-                    slot[4ull * w * gi + j] = (u8)byte;
-                }
-            }
-        }
-        // Every lane's stream bytes are out before a raw block overwrites them.
-        __syncwarp();
-        u64 len = mlen + 2ull * pos + HPRT_STATES_LEN;
-        u32* lens = (u32*)(ws + head[HPRT_W_LENS]);
-        if (overflow || len >= raw) {
-            for (u64 j = lane; j < raw; j += HPRT_LANES) slot[j] = in[j];
-            len = raw;
-        } else {
-            u64 at = mlen + 2ull * pos;
-            for (u32 k = 0; k < 4; ++k) slot[at + 4 * lane + k] = (u8)(x >> (8 * k));
-        }
-        __syncwarp();
+        hprt_warp_table(ws, t, tab[warp], &tab_of[warp], lane);
+        u64 len = hprt_code_block(d, gb - d[HPRT_D_FIRST], tab[warp], 0, lane);
         u32 last = 0;
         if (lane == 0) {
             lens[gb] = (u32)len;
@@ -509,26 +563,38 @@ extern "C" __global__ void hprt_codec_encode(u8* ws) {
     }
 }
 
-// Copies every block's payload from its slot to its place after the prefix.
-extern "C" __global__ void hprt_codec_place(u8* ws) {
+// Pass 2: every block coded again, straight to its place after the prefix (raw blocks copied).
+extern "C" __global__ void __launch_bounds__(128) hprt_codec_encode(u8* ws) {
+    __shared__ u32 tab[HPRT_WARPS][2048];
+    __shared__ u32 tab_of[HPRT_WARPS];
     const u64* head = hprt_head(ws);
     u64 blocks = head[HPRT_W_BLOCKS];
+    u32 lane = threadIdx.x % HPRT_LANES, warp = threadIdx.x / HPRT_LANES;
+    if (lane == 0) tab_of[warp] = 0xffffffffu;
+    __syncwarp();
     const u32* lens = (const u32*)(ws + head[HPRT_W_LENS]);
     const u64* offsets = (const u64*)(ws + head[HPRT_W_OFFSETS]);
-    for (u64 gb = blockIdx.x; gb < blocks; gb += gridDim.x) {
+    for (u64 gb = (u64)blockIdx.x * HPRT_WARPS + warp; gb < blocks;
+         gb += (u64)gridDim.x * HPRT_WARPS) {
         u32 t = hprt_tensor_of(ws, gb);
         const u64* d = hprt_desc(ws, t);
-        u64 b = gb - d[HPRT_D_FIRST];
-        const u8* from = ws + d[HPRT_D_SLOT] + b * d[HPRT_D_SLOT_BYTES];
+        u64 b = gb - d[HPRT_D_FIRST], len = lens[gb], size = d[HPRT_D_SIZE];
+        u64 first = b * d[HPRT_D_BLOCK], numel = d[HPRT_D_NUMEL];
+        u64 raw = (numel - first < d[HPRT_D_BLOCK] ? numel - first : d[HPRT_D_BLOCK]) * size;
         u8* to = (u8*)(d[HPRT_D_DST]) + hprt_ctr(ws, t)[HPRT_C_PREFIX] + offsets[gb];
-        u64 len = lens[gb];
-        if ((((u64)to | (u64)from) & 3) == 0) {
-            for (u64 j = threadIdx.x; j < len / 4; j += blockDim.x)
-                ((u32*)to)[j] = ((const u32*)from)[j];
-            for (u64 j = len / 4 * 4 + threadIdx.x; j < len; j += blockDim.x) to[j] = from[j];
-        } else {
-            for (u64 j = threadIdx.x; j < len; j += blockDim.x) to[j] = from[j];
+        if (len == raw) {
+            const u8* in = (const u8*)(d[HPRT_D_SRC]) + first * size;
+            if (lane == 0) { HPRT_READ(raw); HPRT_WRITE(raw); }
+            if ((((u64)to | (u64)in) & 3) == 0) {
+                for (u64 j = lane; j < raw / 4; j += HPRT_LANES) ((u32*)to)[j] = ((const u32*)in)[j];
+                for (u64 j = raw / 4 * 4 + lane; j < raw; j += HPRT_LANES) to[j] = in[j];
+            } else {
+                for (u64 j = lane; j < raw; j += HPRT_LANES) to[j] = in[j];
+            }
+            continue;
         }
+        hprt_warp_table(ws, t, tab[warp], &tab_of[warp], lane);
+        hprt_code_block(d, b, tab[warp], to, lane);
     }
 }
 
@@ -560,6 +626,7 @@ __device__ u32 hprt_decode_block(const u8* p, u64 len, u32 n, u8* dst, u32 size,
             mant = (mant >> (bit % 8)) & ((1u << w) - 1);
             v = s << w | mant;
             hprt_store(dst, k, size, v, aligned);
+            HPRT_WRITE(size);
         }
         u32 bal = __ballot_sync(HPRT_FULL, need);
         u32 total = __popc(bal);
@@ -587,11 +654,11 @@ __device__ u32 hprt_decode_block(const u8* p, u64 len, u32 n, u8* dst, u32 size,
     return bad;
 }
 
-extern "C" __global__ void hprt_codec_decode(u8* ws) {
+extern "C" __global__ void __launch_bounds__(128) hprt_codec_decode(u8* ws) {
     __shared__ u16 sym[1 << 14];
     __shared__ u32 tab[512];
     __shared__ u32 status_s, prob_s, block_s, last_s;
-    __shared__ u64 nblocks_s, prefix_s, index_s, sum_s, total_s;
+    __shared__ u64 nblocks_s, prefix_s, index_s, sum_s, total_s, base_s;
     const u64* head = hprt_head(ws);
     u32 nt = (u32)head[HPRT_W_TENSORS];
     u32 lane = threadIdx.x % HPRT_LANES, warp = threadIdx.x / HPRT_LANES;
@@ -608,6 +675,7 @@ extern "C" __global__ void hprt_codec_decode(u8* ws) {
             u32 st = 0;
             sum_s = 0;
             total_s = 0;
+            base_s = 0;
             if (enc_len >= HPRT_HEADER_LEN && enc[0] == 'H' && enc[1] == 'P' && enc[2] == 'R' &&
                 enc[3] == 'Z' && enc[4] == 1 && enc[5] == 0) st = HPRT_VERSION_1;
             else if (enc_len < HPRT_HEADER_LEN || enc[0] != 'H' || enc[1] != 'P' || enc[2] != 'R' ||
@@ -646,16 +714,21 @@ extern "C" __global__ void hprt_codec_decode(u8* ws) {
             u64 prefix = prefix_s, nblocks = nblocks_s, sum = 0, total = 0;
             for (u64 i = threadIdx.x; i < (prefix + 7) / 8; i += blockDim.x)
                 sum += hprt_term(i == 5 ? 0 : hprt_word(enc, prefix, i), i);
+            if (threadIdx.x == 0) HPRT_READ(prefix);
             atomicAdd(&sum_s, sum);
             u32 bad = 0;
+            // This CTA decodes blocks [lo, hi): their place starts after the lengths before lo.
+            u64 lo = blockIdx.x * ((nblocks + gridDim.x - 1) / gridDim.x), base = 0;
             for (u64 b = threadIdx.x; b < nblocks; b += blockDim.x) {
                 u64 len = hprt_get_u32(enc + index_s + 4 * b);
                 u64 n = numel - b * block_s < block_s ? numel - b * block_s : block_s;
                 u64 raw = n * size, min = (n * w + 7) / 8 + HPRT_STATES_LEN;
                 if (len != raw && !(len >= min && len < raw && (len - min) % 2 == 0)) bad = 1;
                 total += len;
+                if (b < lo) base += len;
             }
             atomicAdd(&total_s, total);
+            if (base) atomicAdd(&base_s, base);
             if (bad) atomicOr(&status_s, 1u << 31);
         }
         __syncthreads();
@@ -698,11 +771,15 @@ extern "C" __global__ void hprt_codec_decode(u8* ws) {
             int aligned = ((u64)out % size) == 0;
             u64 sum = 0;
             u32 bad = 0;
-            for (u64 b = (u64)blockIdx.x * warps + warp; b < nblocks; b += (u64)gridDim.x * warps) {
-                // The block's place: the prefix plus the lengths before it.
-                u64 before = 0;
-                for (u64 k = lane; k < b; k += HPRT_LANES) before += hprt_get_u32(enc + index_s + 4 * k);
-                before = hprt_warp_sum(before);
+            // Contiguous ranges (one pass over the index, not one per block): warp w of a round
+            // of `warps` blocks places its block after the round's earlier ones.
+            u64 per = (nblocks + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per;
+            u64 hi = lo + per < nblocks ? lo + per : nblocks, run = base_s;
+            for (u64 c = lo; c < hi && bad == 0; c += warps) {
+                u64 b = c + warp, before = run;
+                for (u64 k = c; k < b && k < hi; ++k) before += hprt_get_u32(enc + index_s + 4 * k);
+                for (u64 k = c; k < c + warps && k < hi; ++k) run += hprt_get_u32(enc + index_s + 4 * k);
+                if (b >= hi) continue;
                 u64 len = hprt_get_u32(enc + index_s + 4 * b);
                 const u8* p = enc + prefix_s + before;
                 u64 first = b * block_elems;
@@ -711,12 +788,12 @@ extern "C" __global__ void hprt_codec_decode(u8* ws) {
                 u8* dst = out + first * size;
                 if (len == raw) {
                     for (u64 j = lane; j < raw; j += HPRT_LANES) dst[j] = p[j];
+                    if (lane == 0) { HPRT_READ(raw); HPRT_WRITE(raw); }
                     for (u64 i = lane; i < (raw + 7) / 8; i += HPRT_LANES) sum += hprt_term(hprt_word(p, raw, i), w0 + i);
                 } else {
-                    u32 st = hprt_decode_block(p, len, n, dst, size, w, prob_s, sym, tab, w0, aligned,
-                                               lane, &sum);
-                    bad |= st;
-                    if (st) break;
+                    if (lane == 0) HPRT_READ(len);
+                    bad |= hprt_decode_block(p, len, n, dst, size, w, prob_s, sym, tab, w0, aligned,
+                                             lane, &sum);
                 }
             }
             sum = hprt_warp_sum(sum);

@@ -367,7 +367,11 @@ fn encode_elems<E: Elem>(
     let present = freq.iter().filter(|&&f| f > 0).count();
     let prefix_len = prefix_len(E::DTYPE, present, n_blocks).expect("fits: the input is in memory");
     out.clear();
+    let fresh = out.capacity() < prefix_len + data.len();
     out.reserve(prefix_len + data.len());
+    if fresh {
+        super::advise_huge_pages(out.as_ptr(), out.capacity());
+    }
     out.resize(prefix_len, 0);
     // Pass 2: blocks. The first run of blocks is appended to `out` on this thread, the others
     // into buffers of their own threads, appended after it.

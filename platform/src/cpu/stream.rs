@@ -7,7 +7,9 @@
 //! until the worker takes one, as CUDA's launch queue blocks the host, so a loop that queues
 //! work without ever synchronizing runs at the stream's pace instead of growing memory without
 //! bound. (Jobs that queue work themselves, from a stream worker, are not held back: the
-//! worker they would wait for may be their own.)
+//! worker they would wait for may be their own. And a worker that takes no job for
+//! [`STALL`] may be waiting for something the blocked thread holds, such as Python's GIL for a
+//! release callback: the job is then queued past the bound rather than deadlock.)
 
 use crate::sync::lock;
 use std::cell::Cell;
@@ -23,6 +25,10 @@ pub(crate) type Job = Box<dyn FnOnce(&StreamCore) -> Result<()> + Send>;
 /// Jobs a stream's queue holds before `enqueue` blocks (what runs is not counted).
 pub(crate) const QUEUE_DEPTH: usize = 1024;
 
+/// How long a full queue's producer waits for a worker that takes no job before it queues past
+/// the bound.
+pub(crate) const STALL: Duration = Duration::from_millis(50);
+
 thread_local! {
     /// Whether this thread is a stream's worker.
     static IN_WORKER: Cell<bool> = const { Cell::new(false) };
@@ -33,6 +39,8 @@ struct Queue {
     /// False once the stream is destroyed: nothing more is accepted.
     open: bool,
     submitted: u64,
+    /// Jobs the worker took so far (its progress, for a producer waiting on a full queue).
+    taken: u64,
 }
 
 struct Done {
@@ -105,6 +113,7 @@ impl StreamCore {
                 jobs: VecDeque::new(),
                 open: true,
                 submitted: 0,
+                taken: 0,
             }),
             queued_cv: Condvar::new(),
             space_cv: Condvar::new(),
@@ -121,6 +130,7 @@ impl StreamCore {
         let mut q = lock(&self.queue);
         loop {
             if let Some(job) = q.jobs.pop_front() {
+                q.taken += 1;
                 self.space_cv.notify_one();
                 return Some(job);
             }
@@ -142,13 +152,15 @@ impl StreamCore {
     }
 
     /// Queues `job`; returns its ticket (the number of jobs queued on this stream so far).
-    /// Blocks while [`QUEUE_DEPTH`] jobs wait (except on a stream worker's thread).
+    /// Blocks while [`QUEUE_DEPTH`] jobs wait and the worker takes them (except on a stream
+    /// worker's thread; a worker that took none for [`STALL`] lets the job in).
     pub(crate) fn enqueue(&self, op: &'static str, job: Job) -> Result<u64> {
         if self.inline {
             return Ok(self.run_inline(job));
         }
         let held_back = !IN_WORKER.try_with(Cell::get).unwrap_or(false);
         let mut q = lock(&self.queue);
+        let mut progress = q.taken;
         loop {
             if !q.open {
                 return Err(Error::new(
@@ -161,7 +173,15 @@ impl StreamCore {
             if q.jobs.len() < QUEUE_DEPTH || !held_back {
                 break;
             }
-            q = self.space_cv.wait(q).unwrap_or_else(|p| p.into_inner());
+            let (g, waited) = self
+                .space_cv
+                .wait_timeout(q, STALL)
+                .unwrap_or_else(|p| p.into_inner());
+            q = g;
+            if waited.timed_out() && q.taken == progress && q.jobs.len() >= QUEUE_DEPTH {
+                break; // the worker is stalled: past the bound rather than a deadlock
+            }
+            progress = q.taken;
         }
         // Under the queue lock so tickets follow FIFO order across enqueuing threads.
         q.jobs.push_back(job);
@@ -469,7 +489,13 @@ mod tests {
             })
         };
         std::thread::sleep(Duration::from_millis(300));
-        assert_eq!(queued.load(Ordering::SeqCst), QUEUE_DEPTH);
+        // Held at the bound, but for one job per STALL the stalled worker lets in.
+        let held = queued.load(Ordering::SeqCst);
+        let stalls = (300 / STALL.as_millis()) as usize;
+        assert!(
+            (QUEUE_DEPTH..=QUEUE_DEPTH + stalls + 1).contains(&held),
+            "{held} jobs queued behind a busy worker"
+        );
         drop(release);
         producer.join().unwrap();
         assert_eq!(queued.load(Ordering::SeqCst), 2 * QUEUE_DEPTH);
@@ -504,6 +530,35 @@ mod tests {
             c.synchronize()
         })
         .unwrap();
+        core.close();
+    }
+
+    /// A worker stalled on something the producer holds (Python's GIL for a release callback,
+    /// say) does not make the full queue a deadlock: after `STALL` the job goes in.
+    #[test]
+    fn a_stalled_worker_lets_the_producer_past_the_bound() {
+        let core = StreamCore::spawn(5, None, Arc::default()).unwrap();
+        let gate = Arc::new(Mutex::new(()));
+        let held = lock(&gate);
+        let g = Arc::clone(&gate);
+        core.enqueue(
+            "stalled",
+            Box::new(move |_: &StreamCore| {
+                drop(lock(&g));
+                Ok(())
+            }),
+        )
+        .unwrap();
+        for _ in 0..QUEUE_DEPTH {
+            core.enqueue("noop", noop()).unwrap();
+        }
+        let c = Arc::clone(&core);
+        within("a job past a stalled worker", move || {
+            c.enqueue("noop", noop())
+        })
+        .unwrap();
+        drop(held);
+        core.synchronize().unwrap();
         core.close();
     }
 
@@ -562,8 +617,9 @@ mod tests {
             peak = peak.max(p.memory_stats().device_current);
         }
         p.synchronize_stream(&s).unwrap();
+        let stalls = (300 / STALL.as_millis()) as usize;
         assert!(
-            peak <= (QUEUE_DEPTH + 2) * BYTES,
+            peak <= (QUEUE_DEPTH + stalls + 3) * BYTES,
             "{peak} bytes held by queued work"
         );
     }

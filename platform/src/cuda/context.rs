@@ -115,7 +115,13 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        type Work = (usize, result::Context, Vec<result::Module>, Vec<u64>);
+        type Work = (
+            usize,
+            result::Context,
+            Vec<result::Module>,
+            Vec<u64>,
+            Vec<result::Event>,
+        );
         let mut work: Vec<Work> = Vec::new();
         for (i, d) in self.devices.iter_mut().enumerate() {
             let modules: Vec<result::Module> = d
@@ -127,19 +133,24 @@ impl Drop for Shared {
                 .collect();
             // The allocation cache: every buffer is gone, so this is all the memory left.
             let cached = d.pool.drain();
+            let events = d.events.drain();
             if let Some(&ctx) = d.ctx.get() {
-                work.push((i, ctx, modules, cached));
+                work.push((i, ctx, modules, cached, events));
             }
         }
         let handles: Vec<cu::CUdevice> = self.devices.iter().map(|d| d.handle).collect();
         let release = move || {
-            for (i, ctx, modules, cached) in work {
+            for (i, ctx, modules, cached, events) in work {
                 let _ = result::ctx::set_current(Some(ctx));
                 // SAFETY: the context is ours (retained once); the modules were loaded in it,
-                // the cached blocks allocated in it, and nothing of this platform uses them.
+                // the cached blocks allocated and the pooled events created in it, and nothing
+                // of this platform uses them.
                 unsafe {
                     for p in cached {
                         let _ = result::mem::free(p);
+                    }
+                    for e in events {
+                        result::event::destroy(e);
                     }
                     for m in modules {
                         result::module::unload(m);
@@ -345,6 +356,7 @@ impl CudaBackend {
             ctx_init: Mutex::new(()),
             memory: MemoryCounter::new(None),
             pool: memory::DevicePool::new(alloc_cache),
+            events: memory::EventPool::default(),
             modules: Mutex::new(HashMap::new()),
         })
     }

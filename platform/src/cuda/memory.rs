@@ -98,7 +98,45 @@ impl DevicePool {
     }
 }
 
+/// Most use events a device keeps for reuse.
+const EVENT_POOL_MAX: usize = 4096;
+
+/// Use events of freed buffers, kept for the next buffers' uses while the allocation cache is
+/// on: a re-acquired storage is a new buffer, whose first use on each stream would otherwise be a
+/// `cuEventCreate`, and whose free a `cuEventDestroy`. An event enters only once its last record
+/// completed (the deferred-free list checked it), so recording it again is all a reuse needs.
+#[derive(Default)]
+pub(super) struct EventPool {
+    idle: Mutex<Vec<result::Event>>,
+}
+
+impl EventPool {
+    fn take(&self) -> Option<result::Event> {
+        lock(&self.idle).pop()
+    }
+
+    fn put(&self, event: result::Event) -> bool {
+        let mut idle = lock(&self.idle);
+        if idle.len() >= EVENT_POOL_MAX {
+            return false;
+        }
+        idle.push(event);
+        true
+    }
+
+    /// Every pooled event, leaving the pool empty.
+    pub(super) fn drain(&self) -> Vec<result::Event> {
+        std::mem::take(&mut *lock(&self.idle))
+    }
+}
+
 impl Shared {
+    /// The device whose context is bound on this thread, if it is one of this platform's.
+    fn bound_device(&self) -> Option<usize> {
+        let ctx = result::ctx::current().ok()??;
+        self.devices.iter().position(|d| d.ctx.get() == Some(&ctx))
+    }
+
     /// `size` bytes (a [`DevicePool::block_size`]) of `device`'s memory: a cached block, else
     /// the driver's; when the driver is out of memory the pool is emptied and the allocation
     /// tried once more. Binds `device`.
@@ -158,7 +196,14 @@ impl UseEvents for Shared {
         self.bind(device)
     }
     fn create_event(&self) -> Result<result::Event> {
-        result::event::create(CU_EVENT_DISABLE_TIMING)
+        // Called with the stream's device bound: a pooled event of that context, if any.
+        let pooled = self
+            .bound_device()
+            .and_then(|d| self.devices[d].events.take());
+        match pooled {
+            Some(e) => Ok(e),
+            None => result::event::create(CU_EVENT_DISABLE_TIMING),
+        }
     }
     fn record_event(
         &self,
@@ -174,8 +219,14 @@ impl UseEvents for Shared {
         result::event::synchronize(event).is_ok()
     }
     fn destroy_event(&self, event: result::Event) {
-        // SAFETY: an event use tracking created, destroyed once, no longer waited on.
-        unsafe { result::event::destroy(event) };
+        // Called with the device of the stream it was recorded on bound, its record complete.
+        let pooled = self
+            .bound_device()
+            .is_some_and(|d| self.devices[d].pool.cap() > 0 && self.devices[d].events.put(event));
+        if !pooled {
+            // SAFETY: an event use tracking created, destroyed once, no longer waited on.
+            unsafe { result::event::destroy(event) };
+        }
     }
     fn drain(&self, (stream, _): (result::Stream, usize)) {
         let _ = result::stream::synchronize(stream);

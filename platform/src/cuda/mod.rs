@@ -12,7 +12,8 @@
 //! used it, re-recorded after every use, and memory whose last handle goes under queued work is
 //! freed once those events completed, without a host wait (`crate::auxil::uses`), into a
 //! per-device allocation cache that later allocations of the size reuse without calling the
-//! driver (`memory.rs`, `HP_CUDA_ALLOC_CACHE`).
+//! driver, and their events into a pool the next buffers' uses take from (`memory.rs`,
+//! `HP_CUDA_ALLOC_CACHE`).
 //!
 //! Kernels ([`crate::Kernel`]) are CUDA C generated in `kernels.rs`, compiled by NVRTC once per
 //! device on first use and cached; `Avg` reductions use `ncclAvg` (NCCL 2.10+) or a sum followed
@@ -159,6 +160,8 @@ struct Device {
     memory: MemoryCounter,
     /// Freed device memory kept for reuse (`memory.rs`).
     pool: memory::DevicePool,
+    /// Use events of freed buffers kept for reuse, while the pool is on (`memory.rs`).
+    events: memory::EventPool,
     /// NVRTC modules by name, compiled once per device. Only successes are kept: a failed
     /// compile or load (the driver may have been out of memory) is tried again by the next use.
     modules: Mutex<HashMap<&'static str, Arc<Module>>>,
@@ -294,7 +297,7 @@ impl Backend for CudaBackend {
                     match s.devices.first().map_or(0, |d| d.pool.cap()) {
                         0 => "off (HP_CUDA_ALLOC_CACHE=0): every buffer is a cuMemAlloc / cuMemFree".into(),
                         cap => format!(
-                            "up to {cap} bytes of freed device memory per device kept for reuse (HP_CUDA_ALLOC_CACHE), emptied when the driver runs out of memory; {} bytes cached on the current device",
+                            "up to {cap} bytes of freed device memory per device kept for reuse, with the freed buffers' use events (HP_CUDA_ALLOC_CACHE), emptied when the driver runs out of memory; {} bytes cached on the current device",
                             s.devices[s.current_device()].pool.cached_bytes()
                         ),
                     },

@@ -39,6 +39,13 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
+        let watched = std::mem::take(self.watched.get_mut().unwrap_or_else(|p| p.into_inner()));
+        if !watched.is_empty() && self.bind().is_ok() {
+            for w in watched {
+                // SAFETY: bound; the platform is going, nothing waits on the marks.
+                unsafe { w.destroy(&self.api) };
+            }
+        }
         for (_, bufs) in lock(&self.staging).drain() {
             for p in bufs {
                 // SAFETY: pool buffers came from aclrtMallocHost and are no longer referenced.
@@ -95,6 +102,9 @@ impl NpuBackend {
                 "ACL reports no NPU device",
             )));
         }
+        let timeout = crate::collective::collective_timeout_from_env(BackendKind::Npu, None)
+            .map_err(finalize)?
+            .unwrap_or(crate::collective::DEFAULT_COLLECTIVE_TIMEOUT);
         let (frees, frees_ref) = deferred::new_list();
         let shared = Arc::new(Shared {
             frees: frees_ref,
@@ -108,6 +118,8 @@ impl NpuBackend {
             reporter: OnceLock::new(),
             reporter_start: Mutex::new(()),
             staging: Arc::new(Mutex::new(HashMap::new())),
+            watched: Mutex::default(),
+            collective_timeout_ms: AtomicU64::new(timeout.as_millis() as u64),
             api,
         });
         Ok(NpuBackend {

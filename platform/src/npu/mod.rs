@@ -37,7 +37,7 @@ use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
-use crate::host_errors::{first_error, Retired, Span, StreamErrors};
+use crate::host_errors::{first_error, Point, Retired, Span, StreamErrors};
 use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
 use crate::kernel::{run_on_host, Access, HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
@@ -68,6 +68,9 @@ static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
 thread_local! {
     /// (platform instance → device bound on this thread with `aclrtSetDevice`).
     static BOUND: RefCell<HashMap<u64, i32>> = RefCell::new(HashMap::new());
+    /// `HcclGroupStart`s of this thread not yet ended: grouped collectives are queued at the
+    /// end, so no marks are recorded around them.
+    static GROUP_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
 /// What every object of one npu platform value shares.
@@ -87,6 +90,10 @@ pub struct Shared {
     /// Where memory whose queued work is not finished waits to be freed (the platform value
     /// owns the list).
     frees: Weak<DeferredFrees>,
+    /// Collectives queued and not known to have finished (`collective::Watched`).
+    watched: Mutex<Vec<collective::Watched>>,
+    /// `HP_COLLECTIVE_TIMEOUT_MS`: a collective that failed after running this long timed out.
+    collective_timeout_ms: AtomicU64,
 }
 
 /// An ACL stream.
@@ -120,6 +127,8 @@ pub struct CommObj {
     rank: usize,
     world: usize,
     scratch: Arc<MemObj>,
+    /// Collectives issued on it, for their names in errors (`all_gather #3`).
+    issued: AtomicU64,
 }
 
 /// The npu backend (see the module docs).
@@ -301,8 +310,16 @@ impl Backend for NpuBackend {
     fn synchronize_stream(&self, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind()?;
         let driver = result::stream::synchronize(self.api(), stream.raw);
-        // Both reported at once: the backend's are not left for a later synchronize.
-        driver.and(stream.errors.take())
+        // A collective that failed becomes its own error, naming it, at its place; those that
+        // finished are no longer watched.
+        self.shared.settle_collectives();
+        // Both reported at once: the backend's are not left for a later synchronize. The
+        // backend's is the more telling (a collective's name and cause, a host function's
+        // panic) where both failed.
+        let backend = stream.errors.take();
+        driver
+            .and(backend.clone())
+            .map_err(|e| backend.err().unwrap_or(e))
     }
     fn query_stream(&self, stream: &Arc<StreamObj>) -> Result<bool> {
         self.shared.bind()?;
@@ -380,8 +397,15 @@ impl Backend for NpuBackend {
             return Ok(());
         }
         event.shared.bind()?;
-        result::event::synchronize(&event.shared.api, event.raw)?;
-        first_error(&lock(&event.carries)).map_or(Ok(()), Err)
+        let driver = result::event::synchronize(&event.shared.api, event.raw);
+        if driver.is_err() {
+            event.shared.settle_collectives();
+        }
+        // As in `synchronize_stream`: the backend's error where both failed.
+        match first_error(&lock(&event.carries)) {
+            Some(e) => Err(e),
+            None => driver,
+        }
     }
     fn event_elapsed_ms(&self, start: &Arc<EventObj>, end: &Arc<EventObj>) -> Result<f32> {
         for (e, what) in [(start, "start"), (end, "end")] {
@@ -605,7 +629,9 @@ impl Backend for NpuBackend {
             ));
         }
         // SAFETY: plain HCCL call.
-        hccl(unsafe { h.HcclGroupStart() }.0 as i32, "HcclGroupStart")
+        hccl(unsafe { h.HcclGroupStart() }.0 as i32, "HcclGroupStart")?;
+        GROUP_DEPTH.with(|d| d.set(d.get() + 1));
+        Ok(())
     }
     fn group_end(&self) -> Result<()> {
         let h = &self.api().hccl;
@@ -616,6 +642,7 @@ impl Backend for NpuBackend {
                 "this HCCL does not export HcclGroupEnd",
             ));
         }
+        GROUP_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
         // SAFETY: plain HCCL call.
         hccl(unsafe { h.HcclGroupEnd() }.0 as i32, "HcclGroupEnd")
     }

@@ -1,6 +1,6 @@
-//! Emulator-only exports for tests: fault injection at run time, the NCCL timeout, and counters
-//! of live resources and tolerated contract breaches. None of these exist in CUDA; callers look
-//! them up in the emulator library.
+//! Emulator-only exports for tests: fault injection at run time, the NCCL timeout, counters of
+//! live resources and tolerated contract breaches, and per-function call counts. None of these
+//! exist in CUDA; callers look them up in the emulator library.
 
 use std::ffi::{c_char, CStr};
 use std::sync::atomic::Ordering;
@@ -40,24 +40,19 @@ pub unsafe extern "C" fn hprtEmuSetFaults(spec: *const c_char) -> i32 {
     i32::from(state::FAULTS.replace(spec).is_err())
 }
 
-/// Calls of the driver function `name` (e.g. `cuLaunchKernel`) since the last
-/// `hprtEmuResetCallCounts`; 0 for a null or unknown name.
+/// Calls of the exported function `name` (a driver, NCCL or NVRTC entry point fault injection
+/// knows) since the process started or `hprtEmuSetFaults` last restarted the counts; 0 for a
+/// null or unknown name.
 #[no_mangle]
-pub unsafe extern "C" fn hprtEmuCallCount(name: *const c_char) -> u64 {
+pub unsafe extern "C" fn hprtEmuGetCallCount(name: *const c_char) -> u64 {
     if name.is_null() {
         return 0;
     }
     // SAFETY: a NUL-terminated string by contract.
     match unsafe { CStr::from_ptr(name) }.to_str() {
-        Ok(n) => state::call_count(n),
+        Ok(name) => state::FAULTS.calls(name),
         Err(_) => 0,
     }
-}
-
-/// Restarts every count of `hprtEmuCallCount`.
-#[no_mangle]
-pub extern "C" fn hprtEmuResetCallCounts() {
-    state::reset_call_counts();
 }
 
 /// How long `ncclCommInitRank` waits for every rank before failing; overrides

@@ -17,7 +17,7 @@
 //! - [`nvrtc`] — NVRTC on the host compiler; [`module`] — modules and kernel launches.
 //! - [`nccl`] — communicators, collectives, send/receive.
 //! - [`control`] — emulator-only exports: `hprtEmuSetFaults`, `hprtEmuSetNcclTimeoutMs`,
-//!   `hprtEmuGetStats`.
+//!   `hprtEmuGetStats`, `hprtEmuGetCallCount` (and `hprtEmuGetDeviceMemoryCalls` in [`memory`]).
 //!
 //! Not modelled (a GPU run is what checks these): speed (a grid runs block by block on its
 //! stream's thread); device memory being unreachable from the host (here it is host memory, so a

@@ -168,7 +168,6 @@ pub(crate) fn cu_entry(
         if in_host_fn() {
             return CUDA_ERROR_NOT_PERMITTED;
         }
-        count_call(name);
         if let Some(code) = FAULTS.hit(name) {
             return code as CuResult;
         }
@@ -222,30 +221,6 @@ pub(crate) unsafe fn put<T, E>(out: *mut T, v: T, err: E) -> Result<(), E> {
     // SAFETY: non-null, and the API's contract makes it writable.
     unsafe { out.write(v) };
     Ok(())
-}
-
-/// Calls of each driver entry point since the last reset (`hprtEmuCallCount`), for work-model
-/// tests: kernel launches, allocations and host waits per operation.
-static CALLS: std::sync::Mutex<Vec<(&'static str, u64)>> = std::sync::Mutex::new(Vec::new());
-
-fn count_call(name: &'static str) {
-    let mut calls = lock(&CALLS);
-    match calls.iter_mut().find(|(n, _)| *n == name) {
-        Some((_, c)) => *c += 1,
-        None => calls.push((name, 1)),
-    }
-}
-
-/// Calls of `name` since the last [`reset_call_counts`].
-pub(crate) fn call_count(name: &str) -> u64 {
-    lock(&CALLS)
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map_or(0, |(_, c)| *c)
-}
-
-pub(crate) fn reset_call_counts() {
-    lock(&CALLS).clear();
 }
 
 /// Counters of contract breaches the emulator tolerates but reports (see `hprtEmuGetStats`).

@@ -100,6 +100,11 @@ impl FaultTable {
             .map(|r| r.code)
     }
 
+    /// Calls of `name` counted since the process started or the rules were last replaced.
+    pub fn calls(&self, name: &str) -> u64 {
+        self.state().calls.get(name).copied().unwrap_or(0)
+    }
+
     pub fn env_malformed(&self) -> bool {
         self.state().env_malformed
     }
@@ -160,6 +165,7 @@ mod tests {
         let t = FaultTable::new(&["f"]);
         t.replace("f:2:7").unwrap();
         assert_eq!([t.hit("f"), t.hit("f"), t.hit("f")], [None, Some(7), None]);
+        assert_eq!((t.calls("f"), t.calls("g")), (3, 0));
         assert!(t.replace("g:1:1").is_err());
     }
 }
