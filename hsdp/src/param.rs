@@ -351,6 +351,12 @@ impl ShardedParam {
         let numel = spec.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
         let numel = match numel {
             Some(n) if n > 0 && !spec.shape.is_empty() => n,
+            None => {
+                return Err(invalid(format!(
+                    "shape {:?} has more elements than a usize holds",
+                    spec.shape
+                )))
+            }
             _ => return Err(invalid(format!("shape {:?} has no elements", spec.shape))),
         };
         let shard = config.shard.unwrap_or(Placement::Shard(0));

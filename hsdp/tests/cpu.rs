@@ -915,7 +915,13 @@ fn bad_inputs_are_typed_errors() -> Result<()> {
         ));
         ensure!(matches!(
             new(ParamSpec::new("empty", &[0], DType::F32), &cfg),
-            Err(HsdpError::InvalidParam { .. })
+            Err(HsdpError::InvalidParam { ref message, .. }) if message.contains("no elements")
+        ));
+        // An element count past usize is not an empty shape (ISSUE 32 item 18).
+        ensure!(matches!(
+            new(ParamSpec::new("huge", &[1 << 40, 1 << 40], DType::F32), &cfg),
+            Err(HsdpError::InvalidParam { ref message, .. })
+                if message.contains("more elements than a usize holds")
         ));
         ensure!(matches!(
             new(ParamSpec::new("int", &[4], DType::I32), &cfg),
