@@ -75,6 +75,7 @@ from hprt.fsdp import (  # noqa: F401  (sharded data parallel: see hprt.fsdp)
     MixedPrecisionPolicy,
     OffloadPolicy,
     RankMesh,
+    RanksFailed,
     StreamTrace,
     fully_shard,
     get_model_state_dict,
@@ -1636,8 +1637,9 @@ class PipelineOffloadManager:
         _refuse_graph_capture("fine_grained_offloading_group_commit")
         self.group_open = False
         forced = [t for t in forced if self._releasable(t)]
-        bufs = [self.rt.platform.wrap_device_memory(t.untyped_storage().data_ptr(),
-                                                    t.untyped_storage().nbytes(), t)
+        # The storage of a live torch tensor, which ``t`` keeps alive for hprt.
+        bufs = [self.rt.platform.unsafe_wrap_device_memory(t.untyped_storage().data_ptr(),
+                                                           t.untyped_storage().nbytes(), t)
                 for t in forced]
         self.off.group_commit(self.rt.compute_stream(None), bufs, delay)
         self._forced.extend(zip(bufs, forced))

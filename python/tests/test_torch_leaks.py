@@ -231,8 +231,16 @@ class Stack(torch.nn.Module):
         return x
 
 
-def _threads():
-    return len(os.listdir("/proc/self/task"))
+def _threads(at_most=None):
+    """The process's threads; with ``at_most``, once they are that few or after 5 s: threads of
+    a stream hprt closed exit in the background, so a count taken at once can be one or two
+    over while they wind down."""
+    deadline = time.monotonic() + 5
+    while True:
+        n = len(os.listdir("/proc/self/task"))
+        if at_most is None or n <= at_most or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
@@ -255,7 +263,7 @@ def test_attaching_again_and_again_to_one_runtime_grows_nothing(mode):
         threads.append(_threads())
         fronts.append(len(rt._fronts))
         offloaded.append(rt.stats()["offloaded_tensors"])
-    assert threads[-1] <= threads[4], threads
+    assert _threads(at_most=max(threads[:5])) <= max(threads[:5]), threads
     assert fronts[-1] <= fronts[4], fronts
     assert offloaded[0] > 0 and offloaded[-1] == 40 * offloaded[0], offloaded
     # No layer-group slot per attach: the next new one is numbered by the model's layers.
