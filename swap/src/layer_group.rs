@@ -396,25 +396,28 @@ impl SwapManager {
     /// Starts reloading the layer's group; an offload still queued is waited for first, and
     /// values already reloading are left alone.
     fn load(&mut self, layer: LayerId) -> Result<()> {
-        let group = &mut self.layers[layer.0].saved;
-        let in_flight = group
-            .iter_mut()
-            .flatten()
-            .filter(|t| t.state() == SwapState::D2h);
-        self.engine.finish_offload(in_flight)?;
-        self.engine.start_reload(group.iter_mut().flatten())
+        self.bring_back(layer, false)
     }
 
     /// [`SwapManager::load`] ahead of need, within the engine's reload window: what does not
     /// fit waits for the layer's own `backward_pre`.
     fn prefetch(&mut self, layer: LayerId) -> Result<()> {
+        self.bring_back(layer, true)
+    }
+
+    fn bring_back(&mut self, layer: LayerId, ahead: bool) -> Result<()> {
         let group = &mut self.layers[layer.0].saved;
         let in_flight = group
             .iter_mut()
             .flatten()
             .filter(|t| t.state() == SwapState::D2h);
         self.engine.finish_offload(in_flight)?;
-        self.engine.prefetch(group.iter_mut().flatten()).map(drop)
+        let group = group.iter_mut().flatten();
+        if ahead {
+            self.engine.prefetch(group).map(drop)
+        } else {
+            self.engine.start_reload(group)
+        }
     }
 
     /// The layer's backward was queued (after its `backward_pre`). Values it did not take
