@@ -27,6 +27,7 @@ class StandInTensor:
     def __init__(self, buf, shape, stride, offset, device):
         self.buf, self.shape, self._stride, self._offset = buf, tuple(shape), tuple(stride), offset
         self.dtype, self.device, self._version = torch.float32, device, 0
+        self.itemsize = ITEM
 
     def size(self):
         return torch.Size(self.shape)
