@@ -200,7 +200,6 @@ pub struct SwapEngine {
     /// Offload batches whose copies are not known to have finished, oldest first, with their
     /// bytes (the fences are shared with the batch's tensors).
     offloads_in_flight: VecDeque<(Fence, usize)>,
-    offload_inflight_bytes: usize,
     /// Bytes of reloads started and not yet handed to a compute stream (see [`Charge`]).
     reload_inflight: Arc<AtomicUsize>,
     /// Fences no tensor holds any more, to record again instead of creating an event per batch.
@@ -282,7 +281,6 @@ impl SwapEngine {
             codec_ns: Arc::default(),
             window: config.window,
             offloads_in_flight: VecDeque::new(),
-            offload_inflight_bytes: 0,
             reload_inflight: Arc::default(),
             spare_fences: Vec::new(),
         })
@@ -332,7 +330,7 @@ impl SwapEngine {
     /// stream, now.
     pub fn inflight_bytes(&self) -> (usize, usize) {
         (
-            self.offload_inflight_bytes,
+            self.offload_inflight_bytes(),
             self.reload_inflight.load(Ordering::Acquire),
         )
     }
@@ -427,25 +425,28 @@ impl SwapEngine {
             return outcome;
         };
         self.platform.record_event(&f, &self.d2h)?;
-        self.offload_inflight_bytes += batch.bytes;
         self.offloads_in_flight
             .push_back((f, std::mem::take(&mut batch.bytes)));
         self.note_offload_peak();
         outcome
     }
 
+    /// Bytes of the offload batches in flight (a few batches: summed when asked).
+    fn offload_inflight_bytes(&self) -> usize {
+        self.offloads_in_flight.iter().map(|(_, n)| n).sum()
+    }
+
     fn note_offload_peak(&mut self) {
-        let now = self.offload_inflight_bytes as u64;
+        let now = self.offload_inflight_bytes() as u64;
         self.stats.offload_inflight_peak = self.stats.offload_inflight_peak.max(now);
     }
 
     /// Forgets the offload batches whose copies finished (never blocks).
     fn retire_offloads(&mut self) -> Result<()> {
-        while let Some((f, n)) = self.offloads_in_flight.front() {
+        while let Some((f, _)) = self.offloads_in_flight.front() {
             if !self.platform.query_event(f)? {
                 break;
             }
-            self.offload_inflight_bytes -= n;
             self.offloads_in_flight.pop_front();
         }
         Ok(())
@@ -460,19 +461,18 @@ impl SwapEngine {
             return Ok(());
         };
         loop {
-            let inflight = self.offload_inflight_bytes + batch.bytes;
+            let inflight = self.offload_inflight_bytes() + batch.bytes;
             if inflight == 0 || inflight + bytes <= max {
                 return Ok(());
             }
             if self.offloads_in_flight.is_empty() {
                 self.close_batch(batch, Ok(()))?;
             }
-            let (f, n) = self
+            let (f, _) = self
                 .offloads_in_flight
                 .pop_front()
                 .expect("the open batch was just closed");
             self.platform.synchronize_event(&f)?;
-            self.offload_inflight_bytes -= n;
             self.stats.offload_window_waits += 1;
         }
     }
@@ -1209,7 +1209,6 @@ impl SwapEngine {
         self.released.clear();
         self.taken_back.clear();
         self.offloads_in_flight.clear();
-        self.offload_inflight_bytes = 0;
         self.pool.reset();
         Ok(())
     }
