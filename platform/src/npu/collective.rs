@@ -39,6 +39,10 @@ impl Watched {
 impl Shared {
     /// Turns each watched collective whose end mark was reached into an error at its place
     /// when the mark carries the driver's error (it failed), and stops watching it.
+    ///
+    /// The list stays locked until every failure is posted: ranks that are threads of one
+    /// process share it, and a synchronize that found it emptied by another rank's settle, still
+    /// posting, would report the driver's unnamed error.
     pub(super) fn settle_collectives(&self) {
         let mut watched = lock(&self.watched);
         if watched.is_empty() || self.bind().is_err() {
@@ -53,7 +57,6 @@ impl Shared {
             }
         }
         *watched = pending;
-        drop(watched);
         for w in done {
             // An error the start mark carries came before the collective: not its failure.
             let before = result::event::synchronize(&self.api, w.start);
