@@ -618,6 +618,9 @@ impl Platform for TracingPlatform {
     fn destroy_comm(&self, comm: &Communicator) -> Result<()> {
         self.inner.destroy_comm(comm)
     }
+    fn abort_comm(&self, comm: &Communicator) -> Result<()> {
+        self.inner.abort_comm(comm)
+    }
     fn collective(
         &self,
         comm: &Communicator,

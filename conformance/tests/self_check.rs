@@ -222,6 +222,9 @@ impl Platform for Faulty {
     fn destroy_comm(&self, comm: &Communicator) -> Result<()> {
         Platform::destroy_comm(&self.inner, comm)
     }
+    fn abort_comm(&self, comm: &Communicator) -> Result<()> {
+        Platform::abort_comm(&self.inner, comm)
+    }
     fn collective(
         &self,
         comm: &Communicator,

@@ -568,6 +568,10 @@ impl<B: Backend> Platform for B {
         let obj = comm.handle.take::<B::Comm>(owner(self), "destroy_comm")?;
         Backend::destroy_comm(self, obj)
     }
+    fn abort_comm(&self, comm: &Communicator) -> Result<()> {
+        let obj = comm.handle.take::<B::Comm>(owner(self), "abort_comm")?;
+        Backend::abort_comm(self, obj)
+    }
     fn collective(
         &self,
         comm: &Communicator,

@@ -157,6 +157,15 @@ pub trait Platform: Send + Sync {
     /// another collective: on the cpu backend, peers' collectives and receives waiting for it
     /// fail at once.
     fn destroy_comm(&self, comm: &Communicator) -> Result<()>;
+    /// What a rank that failed does: ends its membership now, without waiting for its queued
+    /// collectives (they fail), so that peers waiting for it in a collective fail at once
+    /// rather than at the collective timeout. On the cpu backend it is [`destroy_comm`]; on
+    /// cuda, `ncclCommAbort` (peers see it as a remote error, which their watchdog turns into
+    /// the failure of their waiting collectives); HCCL has no abort, so on npu it is
+    /// `HcclCommDestroy` and peers fail at HCCL's timeout.
+    ///
+    /// [`destroy_comm`]: Platform::destroy_comm
+    fn abort_comm(&self, comm: &Communicator) -> Result<()>;
     /// Enqueues one collective on `stream`.
     fn collective(
         &self,

@@ -150,17 +150,19 @@ class _RankContext:
         self._params.append(weakref.ref(param))
 
     def abort(self):
-        """Destroys every communicator of this rank that fsdp knows (the parameters' groups,
+        """Aborts every communicator of this rank that fsdp knows (the parameters' groups,
         fsdp's own groups, the world): a peer waiting for this rank in a collective over one of
-        them fails at once (the cpu backend: "rank r destroyed its communicator") instead of
-        at the collective timeout. What a failed rank does before ``run_on_ranks`` reports."""
+        them fails at once (the cpu backend: "rank r destroyed its communicator"; cuda: NCCL's
+        abort, seen by the peers' watchdog) instead of at the collective timeout. HCCL has no
+        abort: on npu the peers fail at HCCL's timeout, and ``run_on_ranks`` still reports this
+        rank's error first. What a failed rank does before ``run_on_ranks`` reports."""
         for ref in self._params:
             p = ref()
             if p is not None:
                 _ignore_hprt_errors(p.sp.destroy_groups)
         for group in self._groups:
-            _ignore_hprt_errors(group.communicator.destroy)
-        _ignore_hprt_errors(self.comm.destroy)
+            _ignore_hprt_errors(group.communicator.abort)
+        _ignore_hprt_errors(self.comm.abort)
 
     @property
     def cache(self):
@@ -300,9 +302,9 @@ def run_on_ranks(world_size, fn, *args, platform=None, **kwargs):
     """Runs ``fn(rank, *args, **kwargs)`` on ``world_size`` threads, each a rank of one hprt
     world (its communicator made, its device set), and returns the results in rank order.
 
-    A rank that raises destroys its communicators (the world's and every group fsdp made), so
+    A rank that raises aborts its communicators (the world's and every group fsdp made), so
     that the other ranks' collectives waiting for it fail at once instead of at the collective
-    timeout; the call then raises ``RanksFailed`` (a ``RuntimeError``) naming the first failure
+    timeout (not on npu: HCCL has no abort, and peers fail at its timeout); the call then raises ``RanksFailed`` (a ``RuntimeError``) naming the first failure
     (the root cause, chained) and listing every rank's outcome, as torchrun's summary does.
 
     Each rank thread has its own torch CPU generator state (``_RankRNG``), starting from the

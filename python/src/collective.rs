@@ -153,6 +153,14 @@ impl PyCommunicator {
         py.detach(|| Ok(self.p.destroy_comm(&self.c)?))
     }
 
+    /// What a rank that failed does: ends this communicator now, without waiting for its
+    /// queued collectives, so that peers waiting for this rank fail at once (cpu; cuda:
+    /// `ncclCommAbort`). HCCL has no abort: on npu this is `destroy` and peers fail at HCCL's
+    /// timeout.
+    fn abort(&self, py: Python<'_>) -> Result<()> {
+        py.detach(|| Ok(self.p.abort_comm(&self.c)?))
+    }
+
     fn __repr__(&self) -> String {
         format!("{:?}", self.c)
     }

@@ -161,6 +161,7 @@ fn swap_status(e: &hprt_swap::SwapError) -> &'static str {
         S::ReacquiredOutsideSwap => "HP_SWAP_REACQUIRED_OUTSIDE_SWAP",
         S::Codec(_) => "HP_SWAP_CODEC",
         S::InvalidTensor(_) => "HP_SWAP_INVALID_TENSOR",
+        S::StorageInUse(_) => "HP_ERROR_BUFFER_EXPORTED",
         S::HostBudgetExceeded { .. } => "HP_SWAP_HOST_BUDGET_EXCEEDED",
         S::Unknown { .. } => "HP_SWAP_UNKNOWN",
         S::Order(_) => "HP_SWAP_ORDER",
@@ -172,6 +173,9 @@ impl BindError {
         match self {
             BindError::Platform(e) | BindError::Swap(hprt_swap::SwapError::Platform(e)) => {
                 platform_facts(e)
+            }
+            BindError::Swap(hprt_swap::SwapError::StorageInUse(_)) => {
+                BindError::Exported(String::new()).facts()
             }
             BindError::Swap(e) => Facts {
                 status: swap_status(e).into(),
@@ -223,7 +227,10 @@ impl BindError {
     fn exception_type<'py>(&self, py: Python<'py>, kind: &str) -> Bound<'py, pyo3::types::PyType> {
         use pyo3::PyTypeInfo;
         match (self, kind) {
-            (BindError::Exported(_), _) => match BUFFER_EXPORTED.get(py) {
+            (
+                BindError::Exported(_) | BindError::Swap(hprt_swap::SwapError::StorageInUse(_)),
+                _,
+            ) => match BUFFER_EXPORTED.get(py) {
                 Some(t) => t.bind(py).clone(),
                 None => HprtError::type_object(py),
             },

@@ -873,11 +873,12 @@ impl PyShardedParam {
             Ok(())
         })
     }
-    /// Destroys this rank's communicators of the parameter's groups (sharded and replica,
-    /// shared by every parameter over the same ranks; one destroyed already is skipped): a peer
+    /// Aborts this rank's communicators of the parameter's groups (sharded and replica,
+    /// shared by every parameter over the same ranks; one ended already is skipped): a peer
     /// waiting for this rank in a collective over them fails at once instead of at the
-    /// collective timeout. What a failed rank does (`hprt.torch.run_on_ranks`); collectives of
-    /// these groups fail afterwards.
+    /// collective timeout (`Platform::abort_comm`: not on npu, where HCCL has no abort). What
+    /// a failed rank does (`hprt.torch.run_on_ranks`); collectives of these groups fail
+    /// afterwards.
     fn destroy_groups(&self, py: Python<'_>) -> Result<()> {
         let comms: Vec<hprt_platform::Communicator> = self.with(|w| {
             let g = w.groups();
@@ -890,7 +891,7 @@ impl PyShardedParam {
         });
         py.detach(|| {
             for c in &comms {
-                match self.p.destroy_comm(c) {
+                match self.p.abort_comm(c) {
                     Err(e) if e.kind != hprt_platform::ErrorKind::InvalidHandle => {
                         return Err(e.into())
                     }

@@ -326,18 +326,6 @@ impl PyPlatform {
         Ok(self.device_buffer(b))
     }
 
-    /// Deprecated name of `unsafe_wrap_device_memory` (the same unchecked call), kept until its
-    /// last caller moved.
-    #[pyo3(signature = (ptr, nbytes, owner=None))]
-    fn wrap_device_memory(
-        &self,
-        ptr: usize,
-        nbytes: usize,
-        owner: Option<Py<PyAny>>,
-    ) -> Result<PyDeviceBuffer> {
-        self.unsafe_wrap_device_memory(ptr, nbytes, owner)
-    }
-
     /// Wraps a DLPack producer's memory (a numpy array, a torch tensor) as a `DeviceTensor`
     /// without copying. The producer's memory must be addressable by this backend's devices
     /// (host memory on the cpu backend).

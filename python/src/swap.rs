@@ -19,7 +19,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::borrowed::{handle_object, PyBorrowedTensor};
-use crate::dlpack::TensorView;
+use crate::dlpack::{unexported, Backing, TensorView};
 use crate::dtype;
 use crate::error::{invalid, Result};
 use crate::platform::{PyDeviceBuffer, PyPlatform, PyStream};
@@ -214,6 +214,26 @@ fn pool(host_budget: Option<usize>) -> PoolConfig {
     PoolConfig { host_budget }
 }
 
+/// A swap offload releases an hprt-owned tensor's storage only while no DLPack export of it is
+/// alive (the same rule as `free` and `resize`): the offload is refused with a
+/// `BufferExportedError` and the tensor stays in flight, to be finished once the view is gone.
+struct NoLiveExports;
+
+impl hprt_swap::ReleaseGuard for NoLiveExports {
+    fn release(
+        &self,
+        storage: &DeviceBuffer,
+        release: &mut dyn FnMut() -> hprt_swap::Result<()>,
+    ) -> hprt_swap::Result<()> {
+        let bufs = [Backing::Device(storage.clone())];
+        match unexported(&bufs, "swap offload", || Ok(release()?)) {
+            Ok(()) => Ok(()),
+            Err(crate::error::BindError::Swap(e)) => Err(e),
+            Err(e) => Err(hprt_swap::SwapError::StorageInUse(e.to_string())),
+        }
+    }
+}
+
 /// The engine's in-flight bounds from the constructors' and `set_window`'s keywords.
 fn window(offload_bytes: Option<usize>, reload_bytes: Option<usize>) -> InflightWindow {
     InflightWindow {
@@ -267,6 +287,8 @@ impl PySwapManager {
             max_inflight_offload_bytes,
             max_inflight_reload_bytes,
         ));
+        m.engine_mut()
+            .set_release_guard(Some(Arc::new(NoLiveExports)));
         Ok(PySwapManager {
             p: p.clone(),
             inner: Mutex::new(m),
@@ -544,6 +566,8 @@ impl PyKeyedSwap {
             max_inflight_offload_bytes,
             max_inflight_reload_bytes,
         ));
+        k.engine_mut()
+            .set_release_guard(Some(Arc::new(NoLiveExports)));
         Ok(PyKeyedSwap {
             p: p.clone(),
             inner: Mutex::new(k),
@@ -769,9 +793,13 @@ impl PyPipelineOffload {
             compression: parse_compression(compression)?,
             window: window(max_inflight_offload_bytes, max_inflight_reload_bytes),
         };
+        let mut pipeline = PipelineOffload::new(p.clone(), cfg)?;
+        pipeline
+            .engine_mut()
+            .set_release_guard(Some(Arc::new(NoLiveExports)));
         Ok(PyPipelineOffload {
             p: p.clone(),
-            inner: Mutex::new(PipelineOffload::new(p.clone(), cfg)?),
+            inner: Mutex::new(pipeline),
         })
     }
     #[pyo3(signature = (vp_size=1, vp_stage=None))]

@@ -3,7 +3,9 @@ gradients and weights after three AdamW steps must be bit-identical to a single-
 same arithmetic (per-rank forward/backward, gradients reduced in rank order, AdamW on the same
 padded shards), and close to plain full-batch training."""
 
+import contextlib
 import copy
+import ctypes
 import os
 import threading
 import time
@@ -473,12 +475,26 @@ class Failing(Exception):
     pass
 
 
+@contextlib.contextmanager
+def _short_hccl_timeout(ms):
+    """The Ascend emulator's HCCL timeout (its test export) set to ``ms`` meanwhile."""
+    lib = ctypes.CDLL(os.environ["HP_ACL_LIB"])
+    lib.hprtEmuSetHcclTimeoutMs.argtypes = [ctypes.c_uint64]
+    assert lib.hprtEmuSetHcclTimeoutMs(ms) == 0
+    try:
+        yield
+    finally:
+        lib.hprtEmuSetHcclTimeoutMs(120_000)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpu")] + EMULATED)
 @pytest.mark.parametrize("where", ["before fully_shard", "before forward", "in backward"])
-def test_a_failing_rank_fails_the_others_at_once_and_is_reported_first(where):
+def test_a_failing_rank_fails_the_others_at_once_and_is_reported_first(where, backend):
     """Rank 1 raises while rank 0 waits for it in a collective (a group split in fully_shard,
     an all-gather in forward, a reduction in backward): rank 0's collective fails at once (rank
-    1 destroyed its communicators) instead of at the collective timeout, and the error names
-    rank 1's exception as the first failure, with every rank's outcome."""
+    1 aborted its communicators) instead of at the collective timeout, and the error names
+    rank 1's exception as the first failure, with every rank's outcome. HCCL has no abort: on
+    npu rank 0 fails at HCCL's timeout (2 s here), and the report is the same."""
 
     def rank_fn(rank):
         if rank == 1 and where == "before fully_shard":
@@ -493,10 +509,14 @@ def test_a_failing_rank_fails_the_others_at_once_and_is_reported_first(where):
         model(torch.ones(2, 4))  # rank 0 never gets here
         return rank
 
-    p = hprt.cpu_platform(devices=2, collective_timeout_s=30)
+    if backend == "cpu":
+        p = hprt.cpu_platform(devices=2, collective_timeout_s=30)
+    else:
+        p = hprt.open_platform(backend)  # the collective timeout: 120 s
     t0 = time.monotonic()
     with pytest.raises(fsdp.RanksFailed) as e:  # hprt.fsdp's (hprt.torch re-exports a fixed list)
-        ht.run_on_ranks(2, rank_fn, platform=p)
+        with _short_hccl_timeout(2000) if backend == "npu" else contextlib.nullcontext():
+            ht.run_on_ranks(2, rank_fn, platform=p)
     assert time.monotonic() - t0 < 10, "rank 0 waited for the collective timeout"
     err = e.value
     assert isinstance(err, RuntimeError) and isinstance(err.__cause__, Failing)

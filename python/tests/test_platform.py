@@ -251,14 +251,14 @@ def test_memory_under_a_dlpack_export_is_neither_freed_nor_resized(p):
 
 def test_raw_pointer_wrapping_says_it_is_unsafe(p):
     """Nothing can check a raw pointer (wrapping 0x1000 and copying from it segfaults), so the
-    call says so in its name; the old name stays an alias until its last caller moved."""
+    call says so in its name, and the old safe-sounding name is gone."""
     assert "unsafe" in p.unsafe_wrap_device_memory.__doc__.lower()
+    assert not hasattr(p, "wrap_device_memory")
     with pytest.raises(hprt.InvalidValueError):
         p.unsafe_wrap_device_memory(0, 4)
     arr = np.arange(4, dtype=np.uint8)
-    for wrap in (p.unsafe_wrap_device_memory, p.wrap_device_memory):
-        buf = wrap(arr.ctypes.data, 4, arr)
-        assert buf.is_borrowed and p.read(buf, 4, p.create_stream()) == arr.tobytes()
+    buf = p.unsafe_wrap_device_memory(arr.ctypes.data, 4, arr)
+    assert buf.is_borrowed and p.read(buf, 4, p.create_stream()) == arr.tobytes()
 
 
 def test_wrap_stream_shares_the_stream(p):

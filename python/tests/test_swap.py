@@ -281,3 +281,56 @@ def test_every_front_end_on_an_emulated_accelerator(backend, compression):
     if compression != "off":
         for front in (m, keyed, off):
             assert front.stats()["compressed_tensors"] > 0
+
+
+def test_an_offload_never_releases_memory_a_dlpack_view_reads(p):
+    """ISSUE 32 item 15: a swap offload released an hprt-owned tensor's storage under a live
+    DLPack export of it, and the view then read the next allocation's bytes. Now the release is
+    refused as ``free`` is (``BufferExportedError``), the memory and the view stay, and the
+    offload finishes once the view is gone."""
+    s = p.create_stream()
+    m = hprt.SwapManager(p)
+    t, arr = tensor(p, s, np.arange(64) * 0.5)
+    s.synchronize()
+    view = np.from_dlpack(t.view())
+    ref = m.add_storage("attn", t)
+    m.launch_offload("attn", s)
+    with pytest.raises(hprt.BufferExportedError, match="swap offload: 1 DLPack export"):
+        m.wait_offload("attn")
+    assert t.buffer.nbytes == 256 and np.array_equal(view, arr)
+    other = p.alloc_device(256)  # would take the released memory
+    p.memset(other, 0xFF, 256, s)
+    s.synchronize()
+    assert np.array_equal(view, arr)
+    del view
+    m.wait_offload("attn")
+    assert t.buffer.nbytes == 0
+    m.launch_load("attn")
+    m.wait_load("attn", s)
+    assert np.array_equal(read(p, s, m.get(ref)), arr)
+
+
+def test_keyed_and_pipeline_offloads_refuse_to_release_a_viewed_storage(p):
+    s = p.create_stream()
+    swap = hprt.KeyedSwap(p)
+    ctxs = [hprt.TensorSwapContext(module_tag="viewed.*", swap=swap) for _ in range(3)]
+    t, arr = tensor(p, s, np.arange(32) + 7.0)
+    s.synchronize()
+    view = np.from_dlpack(t.view())
+    with pytest.raises(hprt.BufferExportedError):
+        for c in ctxs:
+            c.pack(t if c is ctxs[0] else tensor(p, s, np.zeros(32))[0], s)
+    assert t.buffer.nbytes == 128 and np.array_equal(view, arr)
+
+    off = hprt.PipelineOffload(p, min_tensor_elems=16)
+    off.init_chunk()
+    t, arr = tensor(p, s, np.arange(64) - 3.0)
+    s.synchronize()
+    view = np.from_dlpack(t.view())
+    with pytest.raises(hprt.BufferExportedError):
+        for name in ["attn", "mlp", "out"]:
+            off.group_start(name)
+            off.save(t if name == "attn" else tensor(p, s, np.zeros(64))[0])
+            off.group_commit(s)
+            s.synchronize()
+    assert t.buffer.nbytes == 256 and np.array_equal(view, arr)

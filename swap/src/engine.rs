@@ -40,6 +40,19 @@ pub struct EngineConfig {
     pub window: InflightWindow,
 }
 
+/// Whoever else may read an owned storage's memory through a view of it (a binding's DLPack
+/// exports): the engine releases owned storage only through it, so that no view outlives the
+/// memory it names.
+pub trait ReleaseGuard: Send + Sync {
+    /// Runs `release`, which frees `storage`'s memory, unless a view of it is alive: then
+    /// [`SwapError::StorageInUse`] and nothing is released. No view may start meanwhile.
+    fn release(
+        &self,
+        storage: &DeviceBuffer,
+        release: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()>;
+}
+
 /// How many bytes may be on their way at once, each way (`None`: no bound beyond the front
 /// end's own schedule).
 ///
@@ -197,6 +210,7 @@ pub struct SwapEngine {
     stats: EngineStats,
     codec_ns: Arc<AtomicU64>,
     window: InflightWindow,
+    release_guard: Option<Arc<dyn ReleaseGuard>>,
     /// Offload batches whose copies are not known to have finished, oldest first, with their
     /// bytes (the fences are shared with the batch's tensors).
     offloads_in_flight: VecDeque<(Fence, usize)>,
@@ -280,6 +294,7 @@ impl SwapEngine {
             stats: EngineStats::default(),
             codec_ns: Arc::default(),
             window: config.window,
+            release_guard: None,
             offloads_in_flight: VecDeque::new(),
             reload_inflight: Arc::default(),
             spare_fences: Vec::new(),
@@ -325,6 +340,18 @@ impl SwapEngine {
     }
     pub fn set_window(&mut self, window: InflightWindow) {
         self.window = window;
+    }
+    /// Releases owned storage through `guard` from now on (see [`ReleaseGuard`]).
+    pub fn set_release_guard(&mut self, guard: Option<Arc<dyn ReleaseGuard>>) {
+        self.release_guard = guard;
+    }
+    /// Frees an owned storage's memory (resized to zero), through the release guard if any.
+    fn release_owned(&self, storage: &DeviceBuffer) -> Result<()> {
+        let mut release = || Ok(self.platform.resize_device(storage, 0)?);
+        match &self.release_guard {
+            Some(guard) => guard.release(storage, &mut release),
+            None => release(),
+        }
     }
     /// Bytes of offloads not known to have finished, and of reloads not yet handed to a compute
     /// stream, now.
@@ -663,6 +690,13 @@ impl SwapEngine {
             if (staged || !t.handed_back) && synced.first_time(fence) {
                 self.platform.synchronize_event(fence)?;
             }
+            if let (false, Saved::Tensor(tensor)) = (t.handed_back, &t.saved) {
+                if matches!(tensor.origin, Origin::Owned) {
+                    // First, so that a refusal (a view of the memory is alive) leaves the
+                    // tensor in `d2h`, to be finished again once the view is gone.
+                    self.release_owned(&tensor.storage)?;
+                }
+            }
             self.keep_host_copy(t);
             if t.handed_back {
                 t.state = SwapState::Host;
@@ -679,7 +713,6 @@ impl SwapEngine {
             match tensor.origin {
                 Origin::Owned => {
                     let key = t.release_key;
-                    self.platform.resize_device(&tensor.storage, 0)?;
                     let bucket = self.released.entry(key).or_default();
                     match bucket
                         .iter_mut()
@@ -984,7 +1017,7 @@ impl SwapEngine {
                     return;
                 };
                 if resized {
-                    if let Err(e) = self.platform.resize_device(&tensor.storage, 0) {
+                    if let Err(e) = self.release_owned(&tensor.storage) {
                         tracing::warn!(error = %e, "a failed reload could not release its storage");
                     }
                 }

@@ -67,6 +67,10 @@ pub enum SwapError {
     /// A tensor description does not fit its storage.
     #[error("invalid tensor: {0}")]
     InvalidTensor(String),
+    /// An owned storage's memory was not released because a view of it is alive
+    /// ([`crate::ReleaseGuard`]); the reason says whose.
+    #[error("{0}")]
+    StorageInUse(String),
     /// The pinned pool would grow past its configured host budget.
     #[error(
         "pinned host budget exceeded: {requested} more bytes asked, {held} of {budget} bytes held"

@@ -40,7 +40,9 @@ mod tensor;
 pub use bench::bench;
 #[doc(hidden)]
 pub use engine::Faults;
-pub use engine::{EngineConfig, EngineStats, InflightWindow, PlatformHandle, SwapEngine};
+pub use engine::{
+    EngineConfig, EngineStats, InflightWindow, PlatformHandle, ReleaseGuard, SwapEngine,
+};
 pub use error::{Result, SwapError, SwapState};
 /// The names of layers and saved tensors, shared with hprt-compress's activation manager.
 pub use hprt_compress::{LayerId, TensorKey};

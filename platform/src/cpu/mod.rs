@@ -676,6 +676,10 @@ impl Backend for CpuBackend {
     fn destroy_comm(&self, _comm: CpuComm) -> Result<()> {
         Ok(())
     }
+    /// A departure already fails the peers waiting for this rank at once.
+    fn abort_comm(&self, comm: CpuComm) -> Result<()> {
+        Backend::destroy_comm(self, comm)
+    }
     fn collective(
         &self,
         comm: &CpuComm,

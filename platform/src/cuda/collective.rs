@@ -45,6 +45,27 @@ impl CudaBackend {
         }))
     }
 
+    /// [`Backend::abort_comm`]: `ncclCommAbort` now, its unfinished collectives failing with
+    /// the abort as their cause (the communicator is then done: its drop destroys nothing).
+    pub(super) fn abort_comm_now(&self, comm: &Arc<CommObj>) -> Result<()> {
+        let n = self.shared.nccl()?;
+        self.shared.bind(comm.device)?;
+        let mut watch = lock(&comm.watch);
+        if watch.aborted.is_none() {
+            let ident = comm.ident();
+            let cause = cuda_err(
+                ErrorKind::Internal,
+                "abort_comm",
+                format!(
+                    "rank {} of {} aborted its NCCL communicator (the rank failed)",
+                    ident.rank, ident.world
+                ),
+            );
+            watchdog::abort(n, ident, &mut watch, cause);
+        }
+        Ok(())
+    }
+
     /// [`Backend::comm_split`] by leader id over an all-gather (any NCCL).
     pub(super) fn split_comm(
         &self,

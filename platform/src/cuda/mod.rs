@@ -649,6 +649,9 @@ impl Backend for CudaBackend {
         drop(comm);
         Ok(())
     }
+    fn abort_comm(&self, comm: Arc<CommObj>) -> Result<()> {
+        self.abort_comm_now(&comm)
+    }
     fn collective(
         &self,
         comm: &Arc<CommObj>,

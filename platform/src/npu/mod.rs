@@ -611,6 +611,11 @@ impl Backend for NpuBackend {
         drop(comm);
         Ok(())
     }
+    /// HCCL has no abort (CANN's API has `HcclCommDestroy` only): peers waiting for this rank
+    /// fail at HCCL's timeout.
+    fn abort_comm(&self, comm: Arc<CommObj>) -> Result<()> {
+        Backend::destroy_comm(self, comm)
+    }
     fn collective(
         &self,
         comm: &Arc<CommObj>,
