@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hprt_compress::codec::{self, DecodeOptions, EncodeOptions};
-use hprt_compress::device::{codec_for, CompressedTensor, DeviceCodec};
+use hprt_compress::device::{codec_for, CompressedTensor, DecodeItem, DeviceCodec, EncodeItem};
 pub use hprt_platform::PlatformHandle;
 use hprt_platform::{DeviceBuffer, Platform, Stream};
 
@@ -227,10 +227,29 @@ struct OpenBatch {
     bytes: usize,
 }
 
+/// A reload's device decode, queued with the others of its call.
+struct DeferredDecode {
+    /// The tensor's place in the call.
+    index: usize,
+    enc: CompressedTensor,
+    undo: Undo,
+}
+
+/// A device encoding waiting for its copy: the scratch it lies in and its length.
+struct Encoded {
+    scratch: DeviceBuffer,
+    len: usize,
+}
+
+/// Device scratch the encodings of one batched launch may take at most (beyond one tensor's):
+/// they all live until their copies are queued, on top of the tensors being offloaded.
+const ENCODE_SCRATCH_BYTES: usize = 256 << 20;
+
 /// Fences kept for reuse at most (beyond it a batch creates its event and lets it go).
 const SPARE_FENCES: usize = 64;
 
 /// How to give back a re-acquisition whose reload failed.
+#[derive(Clone, Copy)]
 enum Undo {
     Borrowed,
     /// `resized`: this reload resized the storage (else a sibling view's reload had).
@@ -511,12 +530,28 @@ impl SwapEngine {
         batch: &mut OpenBatch,
     ) -> Result<()> {
         let mut reuse_waited = Waited::default();
-        for t in tensors {
-            match t.state {
-                SwapState::Device => {}
-                SwapState::NonTensor | SwapState::D2h | SwapState::Host => continue,
+        let mut tensors: Vec<&mut SwapTensor> = tensors.into_iter().collect();
+        // How each tensor to offload travels, decided once (a policy may be the framework's).
+        let mut modes = Vec::with_capacity(tensors.len());
+        for t in &tensors {
+            modes.push(match t.state {
+                SwapState::Device => {
+                    let tensor = t.saved.tensor().expect("device state holds a tensor");
+                    Some(self.compression_for(tensor))
+                }
+                SwapState::NonTensor | SwapState::D2h | SwapState::Host => None,
                 SwapState::H2d => return Err(t.wrong("offload", "device")),
+            });
+        }
+        // Device-codec encodings of the tensors ahead, by index: made a chunk at a time.
+        let mut encoded: HashMap<usize, Encoded> = HashMap::new();
+        for i in 0..tensors.len() {
+            let Some(mode) = modes[i] else { continue };
+            if mode == Compression::Device && !encoded.contains_key(&i) {
+                self.order_after(&self.d2h, compute, self.faults.skip_producer_wait)?;
+                encoded = self.encode_chunk_on_device(&tensors, &modes, i)?;
             }
+            let t = &mut *tensors[i];
             self.make_room(t.swap_bytes(), batch)?;
             let f = match &batch.fence {
                 Some(f) => Arc::clone(f),
@@ -529,10 +564,11 @@ impl SwapEngine {
             };
             let tensor = t.saved.tensor().expect("device state holds a tensor");
             let version = tensor.version.get();
-            let mut host = match self.compression_for(tensor) {
-                Compression::Device => self.encode_on_device(tensor, &mut reuse_waited)?,
-                Compression::HostStage => self.encode_on_host(tensor, &mut reuse_waited)?,
-                _ => {
+            // (A device-coded tensor always has its encoding made ahead.)
+            let mut host = match (encoded.remove(&i), mode) {
+                (Some(e), _) => self.copy_encoding(e, &mut reuse_waited)?,
+                (None, Compression::HostStage) => self.encode_on_host(tensor, &mut reuse_waited)?,
+                (None, _) => {
                     let block = self.block(tensor.len, &self.d2h, &mut reuse_waited)?;
                     self.platform.copy_async(
                         block.buffer().into(),
@@ -584,14 +620,33 @@ impl SwapEngine {
         })
     }
 
-    /// Encodes on the device codec (the host waits for the encode: its length sizes the copy),
-    /// then queues the copy of the encoding alone.
-    fn encode_on_device(&mut self, t: &DeviceTensor, waited: &mut Waited) -> Result<HostCopy> {
-        let dtype = codec_dtype(t.dtype).expect("compression_for checked the dtype");
-        let numel = t.numel();
+    /// Encodes, with one batched launch sequence on the device codec, the device-coded tensors
+    /// from `first` on, as many as fit [`ENCODE_SCRATCH_BYTES`] of scratch (at least one), and
+    /// waits on the host once for their lengths, which size the copies.
+    fn encode_chunk_on_device(
+        &mut self,
+        tensors: &[&mut SwapTensor],
+        modes: &[Option<Compression>],
+        first: usize,
+    ) -> Result<HashMap<usize, Encoded>> {
         let p: &dyn Platform = &*self.platform;
         let start = Instant::now();
-        let scratch = p.alloc_device(self.codec.max_encoded_len(dtype, numel))?;
+        let mut chunk = Vec::new(); // (index, tensor, dtype, numel, scratch)
+        let mut scratch_bytes = 0;
+        for (i, t) in tensors.iter().enumerate().skip(first) {
+            if modes[i] != Some(Compression::Device) {
+                continue;
+            }
+            let tensor = t.saved.tensor().expect("device state holds a tensor");
+            let dtype = codec_dtype(tensor.dtype).expect("compression_for checked the dtype");
+            let numel = tensor.numel();
+            let max = self.codec.max_encoded_len(dtype, numel);
+            if !chunk.is_empty() && scratch_bytes + max > ENCODE_SCRATCH_BYTES {
+                break;
+            }
+            scratch_bytes += max;
+            chunk.push((i, tensor, dtype, numel, p.alloc_device(max)?));
+        }
         let stream = match &self.codec_stream {
             // After the producer, which the offload stream already waits for.
             Some(c) => {
@@ -600,15 +655,34 @@ impl SwapEngine {
             }
             None => &self.d2h,
         };
-        let pending =
-            self.codec
-                .encode_async(p, t.storage.at(t.offset), dtype, numel, &scratch, stream)?;
-        // The host waited for the encode, so the copy queued below reads a complete encoding.
-        let len = pending.wait_len(p)?;
+        let items: Vec<EncodeItem<'_>> = chunk
+            .iter()
+            .map(|(_, t, dtype, numel, scratch)| EncodeItem {
+                src: t.storage.at(t.offset),
+                dtype: *dtype,
+                numel: *numel,
+                scratch,
+            })
+            .collect();
+        let pending = self.codec.encode_batch_async(p, &items, stream)?;
+        drop(items);
+        let mut encoded = HashMap::with_capacity(chunk.len());
+        // The host waits for the encodes (once: they share a stream), so the copies queued
+        // from them read complete encodings.
+        for ((i, _, _, _, scratch), pending) in chunk.into_iter().zip(pending) {
+            let len = pending.wait_len(p)?;
+            encoded.insert(i, Encoded { scratch, len });
+        }
         self.codec_ns
             .fetch_add(elapsed_ns(start), Ordering::Relaxed);
+        Ok(encoded)
+    }
+
+    /// Queues the copy of a device encoding alone into a pinned block.
+    fn copy_encoding(&mut self, e: Encoded, waited: &mut Waited) -> Result<HostCopy> {
+        let Encoded { scratch, len } = e;
         let block = self.block(size_class(len), &self.d2h, waited)?;
-        p.copy_async(
+        self.platform.copy_async(
             block.buffer().into(),
             0,
             (&scratch).into(),
@@ -842,9 +916,26 @@ impl SwapEngine {
         tensors: impl IntoIterator<Item = &'a mut SwapTensor>,
         fence: &mut Option<Fence>,
     ) -> Result<()> {
+        let mut tensors: Vec<&mut SwapTensor> = tensors.into_iter().collect();
+        let mut decodes = Vec::new();
+        let queued = self.queue_reloads(&mut tensors, fence, &mut decodes);
+        // The device decodes of the tensors queued, also when a later one failed.
+        let decoded = self.decode_on_device(&mut tensors, decodes);
+        queued.and(decoded)
+    }
+
+    /// The loop of [`SwapEngine::reload_into`]: the device codec's decodes are left in
+    /// `decodes`, to be queued together.
+    fn queue_reloads(
+        &mut self,
+        tensors: &mut [&mut SwapTensor],
+        fence: &mut Option<Fence>,
+        decodes: &mut Vec<DeferredDecode>,
+    ) -> Result<()> {
         let mut reuse_waited = Waited::default();
         let mut copy_waited = Waited::default();
-        for t in tensors {
+        for (index, t) in tensors.iter_mut().enumerate() {
+            let t = &mut **t;
             match t.state {
                 SwapState::Host => {}
                 SwapState::NonTensor | SwapState::H2d | SwapState::Device => continue,
@@ -874,15 +965,79 @@ impl SwapEngine {
                 &mut reuse_waited,
                 &mut copy_waited,
             );
-            if let Err(e) = queued {
-                self.undo_reacquire(t, undo);
-                return Err(e);
+            match queued {
+                Ok(Some(enc)) => decodes.push(DeferredDecode { index, enc, undo }),
+                Ok(None) => {}
+                Err(e) => {
+                    self.undo_reacquire(t, undo);
+                    return Err(e);
+                }
             }
         }
         Ok(())
     }
 
-    /// Queues the reload of `t`, whose memory was just re-acquired (see `reload_into`).
+    /// Queues the device codec's decodes of one reload call with one batched launch, on the
+    /// codec stream between the copies in and the reload's fence. A failure gives every one
+    /// of them back to `host`, as a failed reload of each would.
+    fn decode_on_device(
+        &mut self,
+        tensors: &mut [&mut SwapTensor],
+        decodes: Vec<DeferredDecode>,
+    ) -> Result<()> {
+        if decodes.is_empty() {
+            return Ok(());
+        }
+        let p: &dyn Platform = &*self.platform;
+        let start = Instant::now();
+        let items: Vec<DecodeItem<'_>> = decodes
+            .iter()
+            .map(|d| {
+                let t = tensors[d.index].saved.tensor().expect("h2d holds a tensor");
+                DecodeItem {
+                    src: &d.enc,
+                    dst: t.storage.at(t.offset),
+                }
+            })
+            .collect();
+        let pending = match &self.codec_stream {
+            // After the copies in, and the reload stream (whose fence the caller waits for)
+            // after the decodes.
+            Some(c) => self.order_after(c, &self.h2d, false).and_then(|()| {
+                let d = self.codec.decode_batch_async(p, &items, c)?;
+                self.order_after(&self.h2d, c, false)?;
+                Ok(d)
+            }),
+            None => self
+                .codec
+                .decode_batch_async(p, &items, &self.h2d)
+                .map_err(SwapError::from),
+        };
+        drop(items);
+        self.codec_ns
+            .fetch_add(elapsed_ns(start), Ordering::Relaxed);
+        match pending {
+            Ok(pending) => {
+                for (d, pending) in decodes.into_iter().zip(pending) {
+                    tensors[d.index].check = ReloadCheck::Decode(pending);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for d in decodes {
+                    let t = &mut *tensors[d.index];
+                    t.state = SwapState::Host;
+                    t.h2d = None;
+                    t.reload_charge = None;
+                    self.undo_reacquire(t, d.undo);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Queues the reload of `t`, whose memory was just re-acquired (see `reload_into`); a
+    /// device encoding's decode is returned, to be queued with the others of the call.
     fn queue_reload(
         &mut self,
         t: &mut SwapTensor,
@@ -891,7 +1046,8 @@ impl SwapEngine {
         fence: &mut Option<Fence>,
         reuse_waited: &mut Waited,
         copy_waited: &mut Waited,
-    ) -> Result<()> {
+    ) -> Result<Option<CompressedTensor>> {
+        let mut decode = None;
         {
             // A platform never hands back memory under queued work, so a reload into it needs
             // no wait and a prefetch overlaps the compute before it; a framework's caching
@@ -937,31 +1093,14 @@ impl SwapEngine {
                     )?;
                     block.set_last_use(&f);
                     let dtype = codec_dtype(tensor.dtype).expect("compressed dtype");
-                    let enc = CompressedTensor::from_device_bytes(
-                        scratch.clone(),
+                    // The encoding holds the scratch, which the platform frees after the
+                    // queued decode read it.
+                    decode = Some(CompressedTensor::from_device_bytes(
+                        scratch,
                         *n,
                         dtype,
                         tensor.numel(),
-                    )?;
-                    let start = Instant::now();
-                    let pending = match &self.codec_stream {
-                        // After the copy in, and the reload stream (whose fence the caller
-                        // waits for) after the decode.
-                        Some(c) => {
-                            self.order_after(c, &self.h2d, false)?;
-                            let d = self.codec.decode_async(p, &enc, dst.at(offset), c)?;
-                            self.order_after(&self.h2d, c, false)?;
-                            d
-                        }
-                        None => self
-                            .codec
-                            .decode_async(p, &enc, dst.at(offset), &self.h2d)?,
-                    };
-                    self.codec_ns
-                        .fetch_add(elapsed_ns(start), Ordering::Relaxed);
-                    // The platform frees the scratch after the queued decode read it.
-                    drop(scratch);
-                    t.check = ReloadCheck::Decode(pending);
+                    )?);
                     *n
                 }
                 HostCopy::Staged {
@@ -1003,7 +1142,7 @@ impl SwapEngine {
             t.h2d = Some(f);
             t.state = SwapState::H2d;
         }
-        Ok(())
+        Ok(decode)
     }
 
     /// Gives back what [`SwapEngine::reacquire`] took for a reload that then failed: borrowed
