@@ -96,38 +96,50 @@ fn every_failed_reload_step_keeps_the_host_copy_and_the_retry_succeeds() {
                     ..EngineConfig::default()
                 };
                 let mut engine = SwapEngine::new(Arc::clone(&p), config).unwrap();
-                let mem = p.alloc_device(want.len()).unwrap();
-                p.write_device_sync(&mem, 0, &want, &s).unwrap();
-                let tensor = if borrow {
-                    borrowed(&p, mem)
-                } else {
-                    DeviceTensor::whole(mem, DType::BF16, vec![NUMEL])
-                };
-                let mut t = SwapTensor::new(Saved::Tensor(tensor)).unwrap();
-                engine.offload([&mut t], &s).unwrap();
-                engine.finish_offload([&mut t]).unwrap();
+                // Two tensors a call: the device codec decodes them with one launch, and its
+                // failure must give both back.
+                let mut pair: Vec<SwapTensor> = (0..2)
+                    .map(|_| {
+                        let mem = p.alloc_device(want.len()).unwrap();
+                        p.write_device_sync(&mem, 0, &want, &s).unwrap();
+                        let tensor = if borrow {
+                            borrowed(&p, mem)
+                        } else {
+                            DeviceTensor::whole(mem, DType::BF16, vec![NUMEL])
+                        };
+                        SwapTensor::new(Saved::Tensor(tensor)).unwrap()
+                    })
+                    .collect();
+                engine.offload(pair.iter_mut(), &s).unwrap();
+                engine.finish_offload(pair.iter_mut()).unwrap();
                 control.faults(&format!("{fault}:1:2"));
-                let first = engine
-                    .start_reload([&mut t])
-                    .and_then(|()| engine.finish_reload([&mut t], &s));
+                let started = engine.start_reload(pair.iter_mut());
+                if compression == Compression::Device && fault == "cuLaunchKernel" {
+                    // The pair's one decode launch failed: both go back to the host.
+                    assert!(started.is_err(), "{what}");
+                    assert!(pair.iter().all(|t| t.state() == SwapState::Host), "{what}");
+                }
+                let first = started.and_then(|()| engine.finish_reload(pair.iter_mut(), &s));
                 control.faults("");
                 if first.is_ok() {
                     // This payload's reload does not call it.
-                    assert!(read(&p, &s, &t) == want, "{what}");
+                    assert!(pair.iter().all(|t| read(&p, &s, t) == want), "{what}");
                     continue;
                 }
                 // Failed before its copy was queued: back on the host; after (the compute
                 // stream's wait): still reloading, for `finish_reload` again.
-                assert!(
-                    matches!(t.state(), SwapState::Host | SwapState::H2d),
-                    "{what}: {first:?} left {}",
-                    t.state()
-                );
+                for t in &pair {
+                    assert!(
+                        matches!(t.state(), SwapState::Host | SwapState::H2d),
+                        "{what}: {first:?} left {}",
+                        t.state()
+                    );
+                }
                 let retry = engine
-                    .start_reload([&mut t])
-                    .and_then(|()| engine.finish_reload([&mut t], &s));
+                    .start_reload(pair.iter_mut())
+                    .and_then(|()| engine.finish_reload(pair.iter_mut(), &s));
                 match retry {
-                    Ok(()) => assert!(read(&p, &s, &t) == want, "{what}"),
+                    Ok(()) => assert!(pair.iter().all(|t| read(&p, &s, t) == want), "{what}"),
                     Err(e) => failed.push(format!("{what}: {e}")),
                 }
                 engine.synchronize().unwrap();
