@@ -509,6 +509,51 @@ impl PinnedBuffer {
         Ok(())
     }
 
+    /// Runs `f` on `offset..offset + len` of the buffer in place, without waiting for queued
+    /// copies and without copying the bytes out (a host function encoding what a copy just
+    /// brought in). The buffer cannot be freed while `f` runs.
+    ///
+    /// # Safety
+    /// As [`PinnedBuffer::read_unsynchronized`]: no queued device copy may write the range while
+    /// `f` runs.
+    pub unsafe fn with_unsynchronized<R>(
+        &self,
+        offset: usize,
+        len: usize,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R> {
+        let st = self.host_range("pinned_read", offset, len)?;
+        if len == 0 {
+            return Ok(f(&[]));
+        }
+        // SAFETY: the range was checked against the live allocation, which the held lock keeps
+        // from being freed; device-side writers are excluded by the caller.
+        let bytes = unsafe { std::slice::from_raw_parts((st.ptr as *const u8).add(offset), len) };
+        Ok(f(bytes))
+    }
+
+    /// As [`PinnedBuffer::with_unsynchronized`], writing: `f` fills the range in place (a host
+    /// function decoding straight into the block a copy then takes to the device).
+    ///
+    /// # Safety
+    /// As [`PinnedBuffer::write_unsynchronized`]: no queued device copy may read or write the
+    /// range while `f` runs.
+    pub unsafe fn with_unsynchronized_mut<R>(
+        &self,
+        offset: usize,
+        len: usize,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R> {
+        let st = self.host_range("pinned_write", offset, len)?;
+        if len == 0 {
+            return Ok(f(&mut []));
+        }
+        // SAFETY: as in `with_unsynchronized`; the held lock also keeps any other host access
+        // through this handle out while `f` writes.
+        let bytes = unsafe { std::slice::from_raw_parts_mut((st.ptr as *mut u8).add(offset), len) };
+        Ok(f(bytes))
+    }
+
     /// The whole buffer as a new vector.
     pub fn to_vec(&self) -> Result<Vec<u8>> {
         let mut v = vec![0u8; self.len()];

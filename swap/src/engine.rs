@@ -721,15 +721,17 @@ impl SwapEngine {
             &self.d2h,
             Box::new(move || {
                 let start = Instant::now();
-                let mut raw = vec![0u8; raw_len];
+                // Encoded where the copy left the bytes: no copy out of the block, and no
+                // fresh buffer for it to fault in page by page.
                 // SAFETY: stream order: the copy into the block, queued before this host
                 // function on its stream, finished, and nothing queued after it has started.
-                let r = unsafe { buf.read_unsynchronized(0, &mut raw) }
-                    .map_err(SwapError::from)
-                    .and_then(|()| {
-                        codec::encode(dtype, &raw, &EncodeOptions::default())
-                            .map_err(SwapError::from)
-                    });
+                let r = unsafe {
+                    buf.with_unsynchronized(0, raw_len, |raw| {
+                        codec::encode(dtype, raw, &EncodeOptions::default())
+                    })
+                }
+                .map_err(SwapError::from)
+                .and_then(|encoded| encoded.map_err(SwapError::from));
                 ns.fetch_add(elapsed_ns(start), Ordering::Relaxed);
                 *lock(&out) = Some(r);
             }),
@@ -1107,7 +1109,8 @@ impl SwapEngine {
                     encoded, raw_len, ..
                 } => {
                     let encoded = Arc::clone(encoded.as_ref().expect("host state holds it"));
-                    let mut raw = self.block(*raw_len, &self.h2d, reuse_waited)?;
+                    let raw_len = *raw_len;
+                    let mut raw = self.block(raw_len, &self.h2d, reuse_waited)?;
                     let slot: Slot<()> = Arc::default();
                     let (buf, out, ns) = (
                         raw.buffer().clone(),
@@ -1118,11 +1121,18 @@ impl SwapEngine {
                         &self.h2d,
                         Box::new(move || {
                             let start = Instant::now();
-                            let r = codec::decode_with(&encoded, &DecodeOptions::default())
-                                .map_err(SwapError::from)
-                                // SAFETY: stream order: the copy out of the block is
-                                // queued after this host function on its stream.
-                                .and_then(|d| Ok(unsafe { buf.write_unsynchronized(0, &d.data) }?));
+                            // Decoded straight into the pinned block the copy takes to the
+                            // device: no fresh buffer, no second pass over the bytes.
+                            // SAFETY: stream order: the copy out of the block is queued after
+                            // this host function on its stream, and the block's previous use
+                            // finished before the pool handed it out.
+                            let r = unsafe {
+                                buf.with_unsynchronized_mut(0, raw_len, |out| {
+                                    codec::decode_into(&encoded, out, &DecodeOptions::default())
+                                })
+                            }
+                            .map_err(SwapError::from)
+                            .and_then(|decoded| decoded.map(drop).map_err(SwapError::from));
                             ns.fetch_add(elapsed_ns(start), Ordering::Relaxed);
                             *lock(&out) = Some(r);
                         }),
