@@ -22,8 +22,8 @@
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
-use hprt_compress::device::PendingDecode;
 use hprt_compress::CodecDType;
+use hprt_compress::PendingDecode;
 use hprt_platform::{DType, DeviceBuffer, Stream};
 
 use crate::error::Result;

@@ -103,7 +103,7 @@ pub struct DemoReport {
     pub devices: usize,
     pub config: DemoConfig,
     pub mesh: String,
-    /// The device codec's name (`hprt_compress::device::codec_for` the platform).
+    /// The device codec's name (`hprt_compress::codec_for` the platform).
     pub codec: String,
     /// In run order; the first is the baseline.
     pub strategies: Vec<StrategyReport>,
