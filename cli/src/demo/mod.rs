@@ -18,7 +18,7 @@
 //!
 //! What differs is where saved activations live between forward and backward ([`Strategy`]):
 //! on the device, swapped to pinned host memory with [`hprt_swap::SwapEngine`], compressed on
-//! the device ([`hprt_compress::device`]), or compressed then swapped. The last layer's
+//! the device ([`hprt_compress::codec_for`]), or compressed then swapped. The last layer's
 //! activations stay on the device in every strategy (they are needed at once, as in the
 //! hyper_parallel layer-group swap). Every strategy's gradients and weights are compared with the
 //! baseline's bit for bit.
