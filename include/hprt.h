@@ -403,10 +403,6 @@ typedef struct HprtTensorKey {
 
 
 
-
-
-
-
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus

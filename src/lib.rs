@@ -1,29 +1,20 @@
 //! hprt — hyper-parallel runtime: the native layer under large-model training frameworks.
 //!
-//! This facade re-exports the workspace's crates; the `hprt` binary (`hprt info`,
-//! `hprt conformance`, `hprt bench`, `hprt demo`, `hprt compress`) lives beside it.
-//!
-//! The default feature `tooling` builds the binary, [`demo`] and [`trace`], and turns on the
-//! workspace crates' bench / CLI / simulation modules. The C library is built without it
-//! (`cargo build --lib --no-default-features`), so `libhprt.so` carries neither zstd, lz4_flex,
-//! anyhow, clap nor the conformance crate.
+//! This crate is the product library: the C ABI (`libhprt.so` / `libhprt.a`, `include/hprt.h`)
+//! and a facade over the workspace's library crates. The tooling — the `hprt` binary (`hprt
+//! info`, `hprt conformance`, `hprt bench`, `hprt demo`, `hprt compress`), the demo, the trace
+//! decorator and the benchmarks — is the crate `hprt-cli` (`cli/`), so `libhprt` carries neither
+//! clap, anyhow, zstd, lz4_flex nor the conformance suite.
 //!
 //! - [`platform`] — the `Platform` trait, handles, and the cpu / cuda / npu backends.
-//! - [`swap`] — activation swap to pinned host memory (arrives with its issue).
-//! - [`compress`] — lossless activation compression (arrives with its issue).
-//! - [`hsdp`] — sharded parameters and gradient reduction (arrives with its issue).
+//! - [`swap`] — activation swap to pinned host memory.
+//! - [`compress`] — lossless activation compression.
+//! - [`hsdp`] — sharded parameters and gradient reduction.
 //! - [`ffi`] — the C ABI (`include/hprt.h`), built into `libhprt.so` / `libhprt.a`.
-//! - [`demo`] — `hprt demo`: a simulated training step under each memory strategy, compared.
-//! - [`trace`] — a tracing `Platform` decorator, Chrome/Perfetto traces and ASCII timelines.
 
 // C entry points mirror the Platform calls argument for argument.
 #[allow(clippy::too_many_arguments)]
 pub mod ffi;
-
-#[cfg(feature = "tooling")]
-pub mod demo;
-#[cfg(feature = "tooling")]
-pub mod trace;
 
 pub use hprt_compress as compress;
 pub use hprt_hsdp as hsdp;

@@ -1,5 +1,5 @@
-//! The C ABI on the npu backend over the Ascend emulator (`tests/ascend-emulator`, built by
-//! `cargo build -p hprt-ascend-emulator`, which `scripts/test` runs first): what a C program on
+//! The C ABI on the npu backend over the Ascend emulator (`tests/ascend-emulator`, built on first
+//! use by `hprt_emulator_common::library`): what a C program on
 //! Ascend does, from `hprt_platform_open("npu")` through a communicator to a collective.
 //!
 //! The emulator is found through `HP_ACL_LIB` / `HP_HCCL_LIB`, set once for this test binary
@@ -12,20 +12,8 @@ use hprt::ffi::*;
 mod common;
 use common::*;
 
-/// target/<profile>/libhprt_ascend_emulator.so, next to this test binary's directory.
 fn emulator() -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let lib = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target/<profile>")
-        .join("libhprt_ascend_emulator.so");
-    assert!(
-        lib.is_file(),
-        "{} is missing: build it with `cargo build -p hprt-ascend-emulator` (scripts/test does)",
-        lib.display()
-    );
-    lib
+    hprt_emulator_common::library::ascend_emulator()
 }
 
 fn open_npu() -> *mut HprtPlatform {

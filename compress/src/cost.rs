@@ -10,7 +10,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use hprt_compress::cost::{CostModel, CostTable, Op};
+//! use hprt_compress::{CostModel, CostTable, Op};
 //! use hprt_compress::CodecDType;
 //!
 //! let mut table = CostTable::default();

@@ -15,7 +15,7 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use hprt_compress::device::{codec_for, CompressedTensor};
+//! use hprt_compress::{codec_for, CompressedTensor};
 //! use hprt_compress::CodecDType;
 //! use hprt_platform::{CpuBackend, CpuConfig, Platform};
 //!
@@ -104,25 +104,6 @@ impl CompressedTensor {
     /// Original bytes over compressed bytes.
     pub fn ratio(&self) -> f64 {
         self.original_len() as f64 / self.len.max(1) as f64
-    }
-}
-
-/// What a swap engine needs to offload a compressed tensor and bring it back: the device
-/// buffer holding the bytes and how many of them matter. Offloading `byte_len()` bytes instead
-/// of the original tensor is the point of compress-then-swap.
-pub trait SwapPayload {
-    /// The device buffer to copy from (and, after a reload, into).
-    fn device_buffer(&self) -> &DeviceBuffer;
-    /// Bytes at the start of the buffer that must be moved.
-    fn byte_len(&self) -> usize;
-}
-
-impl SwapPayload for CompressedTensor {
-    fn device_buffer(&self) -> &DeviceBuffer {
-        CompressedTensor::device_buffer(self)
-    }
-    fn byte_len(&self) -> usize {
-        CompressedTensor::byte_len(self)
     }
 }
 

@@ -1,42 +1,51 @@
 //! hprt-compress: lossless compression of activations and weights (f32, f16, bf16), and the
 //! machinery that compresses saved activations while the model computes.
 //!
-//! - [`format`] — the version-1 container of `FORMAT.md` (header, chunk table), the checksum
-//!   and its bounds; version 2's layout is [`codec::v2`].
-//! - [`codec`] — the CPU codec: sign+exponent symbols rANS-coded (v2: one table per tensor,
-//!   blocks of 32 interleaved states, AVX2 where available), mantissas raw, multi-threaded;
-//!   decoding untrusted bytes returns [`CompressError`], never panics. [`codec::cuda`] holds the
-//!   same codec as CUDA C (checked byte for byte as host C++) and [`device::CudaCodec`],
-//!   which launches it through the cuda backend's NVRTC.
-//! - [`device`] — the codec on a `Platform` stream ([`device::DeviceCodec`], chosen per backend
-//!   by [`device::codec_for`]) and [`device::CompressedTensor`], a [`device::SwapPayload`] a swap
-//!   engine can offload (compress-then-swap).
-//! - [`cost`] — measured, cached, overridable throughputs; operator durations and how much the
-//!   codec can do within them.
-//! - [`key`] — [`LayerId`] and [`TensorKey`], the names of layers and saved tensors in every
-//!   front end (swap's and the activation manager's).
-//! - [`planner`] — layer order learned in the first step; which tensors fit a window.
-//! - [`manager`] — MindSpeed's per-layer activation manager.
-//! - [`data`] — synthetic tensors (the cost model calibrates the codec on them).
-//! - `cli` — `hprt compress`, `hprt decompress`, `hprt codec-stats`; `bench` — the codec
-//!   benchmark (against zstd level 1 and LZ4). Both only with the non-default feature
-//!   `tooling`, so the library the C ABI and the Python wheel link carries neither zstd nor
-//!   lz4_flex.
+//! The crate root is the API; the modules behind it are private except three namespaces whose
+//! items are named by their module: [`codec`] (the CPU codec: `codec::encode`, `codec::decode`,
+//! their options; `codec::v2`, version 2's layout; `codec::cuda`, the same codec as CUDA C,
+//! checked byte for byte as host C++), [`format`] (the version-1 container of `FORMAT.md`:
+//! header, chunk table, checksum and bounds) and [`data`] (synthetic tensors: the cost model
+//! calibrates the codec on them, tests and benchmarks use them). Decoding untrusted bytes
+//! returns [`CompressError`], never panics.
 
-#[cfg(feature = "tooling")]
-pub mod bench;
-#[cfg(feature = "tooling")]
-pub mod cli;
 pub mod codec;
-pub mod cost;
+mod cost;
 pub mod data;
-pub mod device;
+mod device;
 mod error;
 pub mod format;
-pub mod key;
-pub mod manager;
-pub mod planner;
+mod key;
+mod manager;
+mod planner;
 
+// The crate's one error, and the element types the codec takes.
 pub use error::{CompressError, Result};
 pub use format::CodecDType;
+
+// The names of layers and saved tensors in every front end (swap's and the activation manager's).
 pub use key::{LayerId, TensorKey};
+
+// The codec on a `Platform` stream: one per backend (`codec_for`: the CUDA kernels through NVRTC
+// on cuda, the CPU codec in host functions elsewhere), and the tensor it encodes into, which a
+// swap engine offloads in compress-then-swap.
+pub use device::{
+    codec_for, CompressedTensor, CudaCodec, DecodeItem, DeviceCodec, EncodeItem, HostCodec,
+    PendingDecode, PendingEncode,
+};
+
+// The cost model: measured, cached, overridable throughputs; operator durations and how much
+// the codec can do within them.
+pub use cost::{
+    check_codec_predictions, measure_codec, measure_collective, CollectiveKind, CostModel,
+    CostOverrides, CostTable, Op, PredictionCheck,
+};
+
+// The layer order learned in the first step, and which tensors fit a window.
+pub use planner::{fit_window, LayerOrder};
+
+// MindSpeed's per-layer activation manager.
+pub use manager::{
+    ActivationManager, LayerStats, ManagerConfig, SavedTensor, TensorFilter, WindowRecord,
+    RECORDS_KEPT,
+};

@@ -7,10 +7,10 @@
 //! ```
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use hprt_compress::cost::{CostModel, CostTable, Op};
+//! use hprt_compress::{CostModel, CostTable, Op};
 //! use hprt_compress::data::{generate, DataKind};
-//! use hprt_compress::manager::{ActivationManager, ManagerConfig, SavedTensor};
-//! use hprt_compress::planner::LayerId;
+//! use hprt_compress::{ActivationManager, ManagerConfig, SavedTensor};
+//! use hprt_compress::LayerId;
 //! use hprt_compress::CodecDType;
 //! use hprt_platform::{CpuBackend, CpuConfig, DType, Platform};
 //!

@@ -8,7 +8,7 @@ pub use crate::key::LayerId;
 /// time is linked after the current one; a known layer just becomes current.
 ///
 /// ```
-/// use hprt_compress::planner::{LayerId, LayerOrder};
+/// use hprt_compress::{LayerId, LayerOrder};
 /// let mut fwd = LayerOrder::default();
 /// for l in [1, 2, 3, 1, 2, 3] {
 ///     fwd.enter(LayerId(l));
@@ -52,7 +52,7 @@ impl LayerOrder {
 /// would overflow is skipped and later, smaller ones are still tried (as the seed does).
 ///
 /// ```
-/// use hprt_compress::planner::fit_window;
+/// use hprt_compress::fit_window;
 /// assert_eq!(fit_window(&[(0, 50), (1, 80), (2, 30)], 100), vec![0, 2]);
 /// ```
 pub fn fit_window<K: Copy>(candidates: &[(K, usize)], max_numel: usize) -> Vec<K> {

@@ -1,19 +1,17 @@
 //! The codec on platform streams (cpu backend, with and without jitter), compress-then-swap
-//! through the SwapPayload interface, and the cost model's predictions against measurements.
+//! the way a swap engine moves a compressed tensor, and the cost model's predictions against measurements.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use hprt_compress::codec::EncodeOptions;
-use hprt_compress::cost::{
+use hprt_compress::data::{generate, DataKind};
+use hprt_compress::{
     check_codec_predictions, measure_codec, measure_collective, CollectiveKind, CostModel,
     CostOverrides, Op,
 };
-use hprt_compress::data::{generate, DataKind};
-use hprt_compress::device::{
-    codec_for, CompressedTensor, CudaCodec, DeviceCodec, HostCodec, SwapPayload,
-};
 use hprt_compress::{codec, CodecDType, CompressError};
+use hprt_compress::{codec_for, CompressedTensor, CudaCodec, DeviceCodec, HostCodec};
 use hprt_platform::{CpuBackend, CpuConfig, Mem, Platform};
 
 fn platform(jitter: Option<u64>) -> Arc<dyn Platform> {
@@ -36,7 +34,7 @@ fn device_encoding_is_the_cpu_codec_bytes_and_decodes_bit_exact_under_jitter() {
     }
 }
 
-/// The cuda backend over the CUDA emulator (`cargo build -p hprt-cuda-emulator` first), and
+/// The cuda backend over the CUDA emulator (built on first use), and
 /// its process-wide lock: fault injection and statistics are global to the emulator.
 fn cuda_emulator() -> (std::sync::MutexGuard<'static, ()>, Arc<dyn Platform>) {
     let serial = hprt_conformance::emulator::serial();
@@ -170,24 +168,6 @@ fn finished_cuda_codec_calls_hold_no_caller_memory_on_the_cuda_emulator() {
     );
 }
 
-/// The GPU benchmark's code path (device events, the D2D copy beside it, the byte checks) on
-/// the emulator; its speeds mean nothing there.
-#[test]
-fn device_bench_runs_the_cuda_kernels_on_the_cuda_emulator() {
-    let (_serial, p) = cuda_emulator();
-    let codec = codec_for(p.as_ref());
-    let rows = hprt_compress::bench::device_bench(
-        p.as_ref(),
-        codec.as_ref(),
-        &EncodeOptions::default(),
-        &[256 << 10],
-        1,
-    )
-    .unwrap();
-    assert_eq!(rows.len(), 1);
-    assert!(rows[0].ratio > 1.2 && rows[0].encode_gbps > 0.0 && rows[0].memcpy_gbps > 0.0);
-}
-
 /// An injected launch failure in the middle of an encoding and of a decoding (the emulator's
 /// `HP_EMU_FAULTS`): a typed error naming the CUDA status, no memory kept, and the next
 /// encoding and decoding work.
@@ -303,7 +283,7 @@ impl DriverCalls {
 /// length or the status, and once for a whole batch, whose encode is still three launches.
 #[test]
 fn cuda_codec_work_model_on_the_cuda_emulator() {
-    use hprt_compress::device::{DecodeItem, EncodeItem};
+    use hprt_compress::{DecodeItem, EncodeItem};
     let (_serial, p) = cuda_emulator();
     let calls = DriverCalls::open();
     let s = p.create_stream().unwrap();
@@ -636,7 +616,7 @@ fn corrupt_device_bytes_are_reported_at_finish() {
 /// storage, later re-acquire and copy back. The decoded tensor must be bit-exact, and fewer bytes
 /// cross the host link than the original tensor has.
 #[test]
-fn compressed_payload_offloads_and_reloads_through_the_swap_interface() {
+fn compressed_payload_offloads_and_reloads_as_the_swap_engine_moves_it() {
     for jitter in [None, Some(5)] {
         let p = platform(jitter);
         let s = p.create_stream().unwrap();
@@ -652,7 +632,7 @@ fn compressed_payload_offloads_and_reloads_through_the_swap_interface() {
 
         fn offload(
             p: &dyn Platform,
-            payload: &dyn SwapPayload,
+            payload: &CompressedTensor,
             s: &hprt_platform::Stream,
         ) -> hprt_platform::PinnedBuffer {
             let host = p.alloc_pinned(payload.byte_len()).unwrap();
@@ -795,7 +775,7 @@ impl DeviceCodec for Counting {
         numel: usize,
         scratch: &hprt_platform::DeviceBuffer,
         s: &hprt_platform::Stream,
-    ) -> hprt_compress::Result<hprt_compress::device::PendingEncode> {
+    ) -> hprt_compress::Result<hprt_compress::PendingEncode> {
         self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.0.encode_async(p, src, dtype, numel, scratch, s)
     }
@@ -805,7 +785,7 @@ impl DeviceCodec for Counting {
         src: &CompressedTensor,
         dst: hprt_platform::BufRef<'_>,
         s: &hprt_platform::Stream,
-    ) -> hprt_compress::Result<hprt_compress::device::PendingDecode> {
+    ) -> hprt_compress::Result<hprt_compress::PendingDecode> {
         self.0.decode_async(p, src, dst, s)
     }
 }

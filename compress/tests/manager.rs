@@ -6,13 +6,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use hprt_compress::cost::{CostModel, CostTable, Op};
 use hprt_compress::data::{generate, DataKind};
-use hprt_compress::manager::{
-    ActivationManager, ManagerConfig, SavedTensor, TensorFilter, TensorKey,
-};
-use hprt_compress::planner::LayerId;
+use hprt_compress::LayerId;
+use hprt_compress::{ActivationManager, ManagerConfig, SavedTensor, TensorFilter, TensorKey};
 use hprt_compress::{CodecDType, CompressError};
+use hprt_compress::{CostModel, CostTable, Op};
 use hprt_platform::{CpuBackend, CpuConfig, DType, DeviceBuffer, Kernel, Mem, Platform, Stream};
 
 const LAYERS: usize = 4;
@@ -531,7 +529,7 @@ fn window_records_stay_bounded() {
     let s = p.create_stream().unwrap();
     let mut m = ActivationManager::new(p.clone(), s, ManagerConfig::new(model())).unwrap();
     m.forward_start(LayerId(0)).unwrap();
-    let kept = hprt_compress::manager::RECORDS_KEPT;
+    let kept = hprt_compress::RECORDS_KEPT;
     for i in 0..kept + 10 {
         m.window(&Op::Fixed(Duration::from_micros(i as u64)), || ())
             .unwrap();

@@ -1,8 +1,6 @@
 //! Finding and opening the CUDA emulator (`tests/cuda-emulator`) from test binaries of any crate.
-//! `cargo test` does not link the cdylib, so `cargo build -p hprt-cuda-emulator` (which
-//! `scripts/test` runs first) must have put it next to the test binaries, in target/<profile>/.
-
-use std::path::PathBuf;
+//! `cargo test` does not link the cdylib: [`library_path`] builds it on first use
+//! (`hprt_emulator_common::library`), next to the test binaries in target/<profile>/.
 
 use hprt_platform::cuda::{CudaBackend, CudaSearch};
 use hprt_platform::Platform;
@@ -10,11 +8,7 @@ use hprt_platform::Platform;
 /// The device name the emulator reports, so cases can tell it from a GPU.
 const DEVICE_NAME: &str = "hprt CUDA emulator";
 
-/// The emulator library next to the running test binary (panics with the command to run when
-/// it is missing, so a test never passes by skipping).
-pub fn library_path() -> PathBuf {
-    crate::emulator::sibling_library("libhprt_cuda_emulator.so", "hprt-cuda-emulator")
-}
+pub use hprt_emulator_common::library::cuda_emulator as library_path;
 
 /// Library search settings naming the emulator for the driver, NCCL and NVRTC.
 pub fn search() -> CudaSearch {

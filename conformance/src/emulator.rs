@@ -1,35 +1,13 @@
 //! Finding and opening the Ascend emulator (`tests/ascend-emulator`) from test binaries of any
-//! crate. `cargo test` does not link the cdylib, so `cargo build -p hprt-ascend-emulator` (which
-//! `scripts/test` runs first) must have put it next to the test binaries, in target/<profile>/.
+//! crate. `cargo test` does not link the cdylib: [`library_path`] builds it on first use
+//! (`hprt_emulator_common::library`), next to the test binaries in target/<profile>/.
 
-use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
 use hprt_platform::NpuBackend;
 use hprt_sys::SearchEnv;
 
-/// The emulator library next to the running test binary. Panics with the command to run when it
-/// is missing, so a test never passes by skipping.
-pub fn library_path() -> PathBuf {
-    sibling_library("libhprt_ascend_emulator.so", "hprt-ascend-emulator")
-}
-
-/// The library `file` (built by `cargo build -p <package>`) in target/<profile>/, next to the
-/// running test binary's directory.
-pub fn sibling_library(file: &str, package: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target/<profile>");
-    let lib = dir.join(file);
-    assert!(
-        lib.is_file(),
-        "{} is missing: build it with `cargo build -p {package}` (scripts/test does)",
-        lib.display()
-    );
-    lib
-}
+pub use hprt_emulator_common::library::ascend_emulator as library_path;
 
 /// An emulator's test-only exports (`hprtEmuGetStats`, `hprtEmuSetFaults`), which both
 /// emulators provide with their own statistics struct.

@@ -1,6 +1,6 @@
 //! `Platform::launch_module_kernel`: CUDA C that a crate above the platform brings (the codec's
-//! kernels), on the cuda backend over the CUDA emulator (`cargo build -p hprt-cuda-emulator`
-//! first), and refused with a typed error where no CUDA C compiler exists.
+//! kernels), on the cuda backend over the CUDA emulator (built on first
+//! use), and refused with a typed error where no CUDA C compiler exists.
 
 use hprt_platform::{
     Access, CpuBackend, CpuConfig, DeviceModule, ErrorKind, KernelArg, LaunchShape, Mem, Platform,

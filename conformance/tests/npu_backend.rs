@@ -1,5 +1,5 @@
-//! The npu backend against the Ascend emulator (`tests/ascend-emulator`, built by
-//! `cargo build -p hprt-ascend-emulator`, which `scripts/test` runs first): loading, optional
+//! The npu backend against the Ascend emulator (`tests/ascend-emulator`, built on first
+//! use): loading, optional
 //! symbols, ACL ownership, fault injection on every call class, and leaks.
 //!
 //! The emulator's state is process-global, so these tests take one lock.

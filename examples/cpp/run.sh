@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Builds examples/cpp against the hprt C library of the current cargo profile and runs it.
-# Usage: examples/cpp/run.sh [debug|release]   (builds the library first, as shipped: without the
-# `hprt` binary's feature `tooling`)
+# Usage: examples/cpp/run.sh [debug|release]   (builds the library first, as shipped: the package
+# `hprt` alone, without the tooling of hprt-cli)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 profile="${1:-debug}"
 flags=()
 [ "$profile" = release ] && flags=(--release)
-flags+=(--lib --no-default-features)
+flags+=(-p hprt --lib)
 cargo build "${flags[@]}" 2>/dev/null || cargo build "${flags[@]}"
 target="${CARGO_TARGET_DIR:-target}"
 [[ "$target" = /* ]] || target="$(pwd)/$target"

@@ -1,40 +1,34 @@
 //! hprt-hsdp: sharded data parallelism (FSDP, HSDP, DDP) written once against
-//! `hprt_platform::Platform`.
+//! `hprt_platform::Platform`. The crate root is the API (the modules are private):
 //!
-//! - [`mesh`] — [`DeviceMesh`]: n-D grids of ranks with named dims, rank lists along any axes,
+//! - `mesh` — [`DeviceMesh`]: n-D grids of ranks with named dims, rank lists along any axes,
 //!   sub-meshes and concatenation (pure).
-//! - [`group`] — [`ProcessGroup`] and [`GroupCache`]: sub-communicators split collectively and
+//! - `group` — [`ProcessGroup`] and [`GroupCache`]: sub-communicators split collectively and
 //!   cached by sorted rank list; a group of one rank is the explicit no-op group.
-//! - [`placement`] — [`Placement`] (`Shard`, `Replicate`, `Partial`), [`DataParallelMesh`]
+//! - `placement` — [`Placement`] (`Shard`, `Replicate`, `Partial`), [`DataParallelMesh`]
 //!   (FSDP / HSDP / DDP), [`SpmdLayout`] and the layout-driven [`GroupInfos`].
-//! - [`policy`] — [`MixedPrecisionPolicy`] and [`OffloadPolicy`].
-//! - [`param`] — [`ShardedParam`]: padded shards, `unshard` (async all-gather, prefetch,
+//! - `policy` — [`MixedPrecisionPolicy`] and [`OffloadPolicy`].
+//! - `param` — [`ShardedParam`]: padded shards, `unshard` (async all-gather, prefetch,
 //!   [`UnshardHandle`]), `wait_for_unshard`, `shard`, and hyper_parallel's `HSDPParamV2` names
 //!   `to_sharded`, `to_unsharded`, `alloc_all_gather_outputs`, `free_unsharded_param`;
 //!   [`ShardGeometry`] for `Shard(dim)` layouts.
-//! - [`grad`] — gradient accumulation, reduce-scatter + all-reduce ([`ReduceOptions`]; in two
+//! - `grad` — gradient accumulation, reduce-scatter + all-reduce ([`ReduceOptions`]; in two
 //!   halves as `reduce_scatter_grad` / `all_reduce_grad`) and the ordered [`GradQueue`].
-//! - `bench` — all-gather / reduce-scatter through hsdp against the direct collective (only with
-//!   the non-default feature `tooling`, which the `hprt` binary enables).
-//! - [`error`] — [`HsdpError`], the crate's one error.
+//! - `error` — [`HsdpError`], the crate's one error.
 //!
 //! Ranks are whatever the platform's communicators connect (threads of one process on the cpu
 //! backend); each rank builds one [`GroupCache`] over its world communicator and its parameters
 //! in the same order as every other rank. torch modules are sharded with these parameters by
 //! `hprt.torch.fully_shard` (the Python package's `hprt/fsdp.py`).
 
-#[cfg(feature = "tooling")]
-pub mod bench;
-pub mod error;
-pub mod grad;
-pub mod group;
-pub mod mesh;
-pub mod param;
-pub mod placement;
-pub mod policy;
+mod error;
+mod grad;
+mod group;
+mod mesh;
+mod param;
+mod placement;
+mod policy;
 
-#[cfg(feature = "tooling")]
-pub use bench::bench;
 pub use error::{HsdpError, Result};
 pub use grad::{GradInput, GradQueue, ReduceOptions};
 pub use group::{GroupCache, ProcessGroup};

@@ -963,26 +963,6 @@ fn bad_inputs_are_typed_errors() -> Result<()> {
     })
 }
 
-#[test]
-fn bench_reports_both_collectives_per_size() -> Result<()> {
-    let p = cpu(4);
-    // Below the smallest bench size: one size, all-gather and reduce-scatter.
-    let table = hprt_hsdp::bench(&p, 16 << 10)?;
-    let rows: Vec<&str> = table.lines().skip(2).collect();
-    ensure!(rows.len() == 2, "{table}");
-    ensure!(rows.iter().all(|r| r.contains("| 16384 |")), "{table}");
-    for row in rows {
-        let ratio: f64 = row
-            .trim_end_matches(" |")
-            .rsplit("| ")
-            .next()
-            .unwrap()
-            .parse()?;
-        ensure!(ratio.is_finite() && ratio > 0.0, "{row}");
-    }
-    Ok(())
-}
-
 /// Ranks that disagree on a parameter's shape, or a rank that skips an unshard or a reduction:
 /// the failed all-gather (or reduce-scatter) reaches the compute stream
 /// (`failed_collectives_reach_compute`).

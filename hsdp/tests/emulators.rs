@@ -1,5 +1,5 @@
 //! A subset of the hsdp cases on the npu backend over the Ascend emulator and on the cuda backend
-//! over the CUDA emulator (`cargo build -p hprt-ascend-emulator -p hprt-cuda-emulator` first):
+//! over the CUDA emulator (both built on first use):
 //! 1-D over 2 ranks, 2-D 2 × 2, mixed precision, each against the host f64 reference, and
 //! failed gathers and reduces reaching the compute stream. The
 //! emulators' state is process-global, so the cases run under one lock.

@@ -1,8 +1,7 @@
 //! The dispatch layer and the driver backends' own bookkeeping on the Ascend and CUDA emulators
 //! (`tests/ascend-emulator`, `tests/cuda-emulator`), where the emulators' fault injection reaches
-//! driver calls the conformance suite cannot fail on purpose. `cargo build -p
-//! hprt-ascend-emulator -p hprt-cuda-emulator` (which `scripts/test` runs first) puts the
-//! libraries next to this test binary; a missing one fails the test rather than skipping it.
+//! driver calls the conformance suite cannot fail on purpose. The libraries are built on first
+//! use (`hprt_emulator_common::library`); a failed build fails the test rather than skipping it.
 //!
 //! The emulators' state is process-wide: these tests take one lock.
 
@@ -20,28 +19,12 @@ fn serial() -> MutexGuard<'static, ()> {
     crate::sync::lock(&SERIAL)
 }
 
-/// target/<profile>/`file`, next to the directory of this test binary.
-fn library(file: &str, package: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target/<profile>");
-    let lib = dir.join(file);
-    assert!(
-        lib.is_file(),
-        "{} is missing: build it with `cargo build -p {package}` (scripts/test does)",
-        lib.display()
-    );
-    lib
-}
-
 fn npu_lib() -> PathBuf {
-    library("libhprt_ascend_emulator.so", "hprt-ascend-emulator")
+    hprt_emulator_common::library::ascend_emulator()
 }
 
 fn cuda_lib() -> PathBuf {
-    library("libhprt_cuda_emulator.so", "hprt-cuda-emulator")
+    hprt_emulator_common::library::cuda_emulator()
 }
 
 fn open_npu() -> NpuBackend {

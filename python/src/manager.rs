@@ -9,10 +9,10 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use hprt_compress::cost::{CollectiveKind, CostModel, CostOverrides, CostTable, Op};
-use hprt_compress::manager::{ActivationManager, ManagerConfig, SavedTensor, TensorKey};
 use hprt_compress::CodecDType;
 use hprt_compress::LayerId;
+use hprt_compress::{ActivationManager, ManagerConfig, SavedTensor, TensorKey};
+use hprt_compress::{CollectiveKind, CostModel, CostOverrides, CostTable, Op};
 use hprt_platform::DType;
 use hprt_platform::PlatformHandle;
 use pyo3::prelude::*;
@@ -148,7 +148,7 @@ impl PyActivationManager {
         let mut cost = if encode_gbps.is_some() && decode_gbps.is_some() {
             CostModel::from_table(CostTable::default())
         } else {
-            let codec = hprt_compress::device::codec_for(&*p);
+            let codec = hprt_compress::codec_for(&*p);
             py.detach(|| CostModel::for_platform(&*p, codec.as_ref()))?
         };
         cost.set_overrides(overrides);

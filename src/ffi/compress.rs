@@ -4,7 +4,7 @@
 use std::ffi::c_void;
 
 use hprt_compress::codec::{self, DecodeOptions, EncodeOptions};
-use hprt_compress::device::{codec_for, CompressedTensor};
+use hprt_compress::{codec_for, CompressedTensor};
 use hprt_compress::{CodecDType, CompressError};
 
 use super::platform::{dtype_arg, HprtDeviceBuffer, HprtDtype, HprtPlatform, HprtStream};

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hprt_compress::codec::{self, DecodeOptions, EncodeOptions};
-use hprt_compress::device::{codec_for, CompressedTensor, DecodeItem, DeviceCodec, EncodeItem};
+use hprt_compress::{codec_for, CompressedTensor, DecodeItem, DeviceCodec, EncodeItem};
 pub use hprt_platform::PlatformHandle;
 use hprt_platform::{DeviceBuffer, Platform, Stream};
 
@@ -84,8 +84,9 @@ impl std::fmt::Debug for EngineConfig {
 }
 
 /// Test-only switches that each remove one wait the engine needs, so tests can show (under the
-/// cpu backend's jitter) that the wait is what keeps the bytes right. Never set them otherwise.
-#[doc(hidden)]
+/// cpu backend's jitter) that the wait is what keeps the bytes right. Exported, with the
+/// engine's and front ends' `set_faults`, only with the feature `test-faults`: without it every
+/// switch stays off.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Faults {
     /// Offload does not wait for the compute stream that produced the tensor.
@@ -381,6 +382,7 @@ impl SwapEngine {
         )
     }
 
+    #[cfg(feature = "test-faults")]
     #[doc(hidden)]
     pub fn set_faults(&mut self, faults: Faults) {
         self.faults = faults;

@@ -8,7 +8,7 @@ use std::ops::Range;
 use hprt_compress::TensorKey;
 use hprt_platform::Stream;
 
-use crate::engine::{EngineConfig, Faults, PlatformHandle, SwapEngine};
+use crate::engine::{EngineConfig, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError, SwapState};
 use crate::pool::PoolConfig;
 use crate::tensor::{DeviceTensor, Saved, SwapTensor};
@@ -186,8 +186,9 @@ impl KeyedSwap {
         &mut self.engine
     }
 
+    #[cfg(feature = "test-faults")]
     #[doc(hidden)]
-    pub fn set_faults(&mut self, faults: Faults) {
+    pub fn set_faults(&mut self, faults: crate::engine::Faults) {
         self.engine.set_faults(faults);
     }
 

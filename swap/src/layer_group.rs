@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use hprt_compress::{LayerId, TensorKey};
 use hprt_platform::Stream;
 
-use crate::engine::{EngineConfig, Faults, PlatformHandle, SwapEngine};
+use crate::engine::{EngineConfig, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError, SwapState};
 use crate::pool::PoolConfig;
 use crate::tensor::{Saved, SwapTensor};
@@ -113,8 +113,9 @@ impl SwapManager {
         &mut self.engine
     }
 
+    #[cfg(feature = "test-faults")]
     #[doc(hidden)]
-    pub fn set_faults(&mut self, faults: Faults) {
+    pub fn set_faults(&mut self, faults: crate::engine::Faults) {
         self.engine.set_faults(faults);
     }
 

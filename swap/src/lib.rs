@@ -18,12 +18,11 @@
 //!   (Megatron-LM).
 //! - [`plan_offload`] — which layers to offload for a memory budget, an offload fraction or
 //!   `auto` (what hides behind compute), from measured bytes, compute times and link speed.
-//! - `sim` — a simulated N-layer step driven through each front end (tests, benchmark);
-//!   `bench()` — the swap rows of `hprt bench`. Both only with the non-default feature
-//!   `tooling` (the `hprt` binary, the tests and examples enable it).
+//! - `sim` — a simulated N-layer step driven through each front end (the tests, `hprt bench`'s
+//!   swap rows), with the non-default feature `sim`.
+//! - `Faults` and `set_faults` — test-only switches that each remove one wait, with the
+//!   non-default feature `test-faults` (the tests enable it; the product never does).
 
-#[cfg(feature = "tooling")]
-mod bench;
 mod engine;
 mod error;
 mod keyed;
@@ -32,13 +31,11 @@ mod payload;
 mod pipeline;
 mod plan;
 mod pool;
-#[cfg(feature = "tooling")]
+#[cfg(feature = "sim")]
 pub mod sim;
 mod tensor;
 
-#[cfg(feature = "tooling")]
-pub use bench::bench;
-#[doc(hidden)]
+#[cfg(feature = "test-faults")]
 pub use engine::Faults;
 pub use engine::{
     EngineConfig, EngineStats, InflightWindow, PlatformHandle, ReleaseGuard, SwapEngine,

@@ -22,8 +22,8 @@
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
-use hprt_compress::device::PendingDecode;
 use hprt_compress::CodecDType;
+use hprt_compress::PendingDecode;
 use hprt_platform::{DType, DeviceBuffer, Stream};
 
 use crate::error::Result;
@@ -108,7 +108,7 @@ pub enum Compression {
     /// The raw bytes.
     #[default]
     Off,
-    /// Encoded on the device by the platform's device codec (`hprt_compress::device`); only the
+    /// Encoded on the device by the platform's device codec (`hprt_compress::codec_for`); only the
     /// encoding crosses the link and occupies pinned memory. The offload waits on the host for
     /// the encode (its length sizes the copy) and the reload checks the decode on the host.
     Device,

@@ -6,9 +6,7 @@ use std::fmt::Write as _;
 
 use hprt_platform::{DeviceBuffer, Stream};
 
-use crate::engine::{
-    EngineConfig, EngineStats, Faults, InflightWindow, PlatformHandle, SwapEngine,
-};
+use crate::engine::{EngineConfig, EngineStats, InflightWindow, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError, SwapState};
 use crate::payload::Compression;
 use crate::pool::{PoolConfig, PoolStats};
@@ -195,8 +193,9 @@ impl PipelineOffload {
         &mut self.engine
     }
 
+    #[cfg(feature = "test-faults")]
     #[doc(hidden)]
-    pub fn set_faults(&mut self, faults: Faults) {
+    pub fn set_faults(&mut self, faults: crate::engine::Faults) {
         self.engine.set_faults(faults);
     }
 

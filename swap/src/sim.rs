@@ -436,7 +436,7 @@ pub fn simulate(
 
 /// `len` bytes at `offset` of `owner` as borrowed memory that keeps `owner` alive until swap
 /// (and everything else in hprt) dropped it: how a framework hands its tensors to swap.
-pub(crate) fn borrow(
+pub fn borrow(
     p: &dyn Platform,
     owner: &DeviceBuffer,
     offset: usize,
@@ -455,7 +455,7 @@ pub(crate) fn borrow(
 }
 
 /// The simulated framework's allocator: fresh device memory, borrowed like the original.
-pub(crate) struct FrameworkAllocator(pub(crate) PlatformHandle);
+pub struct FrameworkAllocator(pub PlatformHandle);
 
 impl Allocator for FrameworkAllocator {
     fn allocate(&self, like: &DeviceTensor) -> Result<Reacquired> {

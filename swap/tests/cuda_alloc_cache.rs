@@ -1,5 +1,5 @@
-//! The swap engine on the cuda backend over the CUDA emulator (`tests/cuda-emulator`, built by
-//! `cargo build -p hprt-cuda-emulator`, which `scripts/test` runs first): repeated offload /
+//! The swap engine on the cuda backend over the CUDA emulator (`tests/cuda-emulator`, built on
+//! first use): repeated offload /
 //! reload cycles make no `cuMemAlloc` / `cuMemFree` calls once the first cycle filled the
 //! backend's allocation cache (before it: one of each per tensor and cycle), and dropping the
 //! platform frees everything. The cache's own cases: `conformance/tests/cuda_alloc_cache.rs`.

@@ -1,6 +1,6 @@
 //! The three front ends on the npu backend over the Ascend emulator (`tests/ascend-emulator`)
-//! and on the cuda backend over the CUDA emulator (`tests/cuda-emulator`), both built by
-//! `cargo build -p hprt-ascend-emulator -p hprt-cuda-emulator`, which `scripts/test` runs first.
+//! and on the cuda backend over the CUDA emulator (`tests/cuda-emulator`), both built on first use
+//! (`hprt_emulator_common::library`).
 
 use std::sync::Arc;
 

@@ -26,6 +26,7 @@
 //! statuses into errors, `probe.rs` / `dynlib.rs` find the libraries, `nccl.rs` / `nvrtc.rs`
 //! load their tables.
 
+#[cfg(feature = "bench-baselines")]
 mod baseline;
 mod check;
 mod collective;

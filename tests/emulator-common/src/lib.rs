@@ -6,12 +6,15 @@
 //! - [`faults`] — `HP_EMU_FAULTS` fault tables over a list of entry points.
 //! - [`reduce`] — element types and reductions of collectives.
 //! - [`block`] — host memory standing in for device memory; [`env`] — reading `HP_EMU_*`.
+//! - [`library`] — for the tests of every crate: the emulator libraries' paths, built with
+//!   `cargo build -p <emulator>` on first use.
 
 #![warn(unsafe_op_in_unsafe_fn)]
 
 pub mod block;
 pub mod env;
 pub mod faults;
+pub mod library;
 pub mod mark;
 pub mod reduce;
 pub mod worker;

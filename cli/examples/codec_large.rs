@@ -1,4 +1,4 @@
-//! `cargo run --release -p hprt-compress --example codec_large [numel] [rounds] [kinds]`: the
+//! `cargo run --release -p hprt-cli --example codec_large [numel] [rounds] [kinds]`: the
 //! CPU codec on one core where it is used, on tensors far larger than the caches (default 2^26
 //! bf16 elements, 128 MiB): each round encodes with `codec::encode` and decodes with
 //! `codec::decode_with` as one-shot calls (a fresh output each time, as `hprt codec-stats` and
@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use hprt_compress::bench::CoreTimer;
+use hprt_cli::bench::codec::CoreTimer;
 use hprt_compress::codec::{self, DecodeOptions, EncodeOptions};
 use hprt_compress::data::{generate, DataKind};
 use hprt_compress::CodecDType;

@@ -19,9 +19,9 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use hprt::platform::{CopyKind, CpuBackend, CpuConfig, Platform};
-//! use hprt::platform::PlatformHandle;
-//! use hprt::trace::{chrome_trace, scope, Recorder, Role, TracingPlatform};
+//! use hprt_platform::{CopyKind, CpuBackend, CpuConfig, Platform};
+//! use hprt_platform::PlatformHandle;
+//! use hprt_cli::trace::{chrome_trace, scope, Recorder, Role, TracingPlatform};
 //!
 //! let inner: Arc<dyn Platform> = Arc::new(CpuBackend::new(CpuConfig::default()));
 //! let rec = Recorder::new(true);
@@ -37,7 +37,7 @@
 //! assert_eq!(rec.bytes(None, Some(Role::D2h), CopyKind::DeviceToHost), 4096);
 //! let json = chrome_trace(&rec);
 //! assert!(json["traceEvents"].as_array().unwrap().iter().any(|e| e["name"] == "L0.x"));
-//! # Ok::<(), hprt::Error>(())
+//! # Ok::<(), hprt_platform::Error>(())
 //! ```
 
 use hprt_platform::sync::lock;

@@ -89,7 +89,7 @@ pub struct LinkCosts {
     /// Device → pinned host copy bandwidth, GB/s.
     pub d2h_gbps: f64,
     pub h2d_gbps: f64,
-    /// The platform's codec (from `hprt_compress::cost`), GB/s of original bytes.
+    /// The platform's codec (from `hprt_compress::CostModel`), GB/s of original bytes.
     pub encode_gbps: f64,
     pub decode_gbps: f64,
     /// Matmul throughput one rank achieved in the baseline, FLOP/s.
@@ -103,7 +103,7 @@ pub struct DemoReport {
     pub devices: usize,
     pub config: DemoConfig,
     pub mesh: String,
-    /// The device codec's name (`hprt_compress::device::codec_for` the platform).
+    /// The device codec's name (`hprt_compress::codec_for` the platform).
     pub codec: String,
     /// In run order; the first is the baseline.
     pub strategies: Vec<StrategyReport>,

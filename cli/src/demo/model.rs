@@ -5,10 +5,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hprt_compress::device::{
-    codec_for, CompressedTensor, DeviceCodec, PendingDecode, PendingEncode,
-};
 use hprt_compress::CodecDType;
+use hprt_compress::{codec_for, CompressedTensor, DeviceCodec, PendingDecode, PendingEncode};
 use hprt_hsdp::{
     DataParallelMesh, DeviceMesh, GradInput, GradQueue, GroupCache, HsdpStreams, ParamConfig,
     ParamSpec, ReduceOptions, ShardRef, ShardedParam,

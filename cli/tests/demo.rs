@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use hprt::demo::{run, DemoConfig, DemoReport, Strategy};
-use hprt::platform::{CpuBackend, CpuConfig, DType, Platform};
-use hprt::trace::{chrome_trace, timeline, Recorder};
+use hprt_cli::demo::{run, DemoConfig, DemoReport, Strategy};
+use hprt_cli::trace::{chrome_trace, timeline, Recorder};
+use hprt_platform::{CpuBackend, CpuConfig, DType, Platform};
 use serde_json::Value;
 
 fn tiny(ranks: usize, record_spans: bool) -> DemoConfig {

@@ -5,8 +5,8 @@
 use std::path::Path;
 use std::process::Command;
 
-use hprt::compress::format::{constant_encoding, MAX_CHUNK_ELEMS};
-use hprt::compress::CodecDType;
+use hprt_compress::format::{constant_encoding, MAX_CHUNK_ELEMS};
+use hprt_compress::CodecDType;
 
 /// `hprt decompress --max-output LIMIT IN OUT`.
 fn decompress(limit: &str, input: &Path, output: &Path) -> std::process::Output {

@@ -6,10 +6,10 @@ use std::fmt::Write as _;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use crate::codec::{self, DecodeOptions, EncodeOptions};
-use crate::data::{generate, DataKind};
-use crate::error::{CompressError, Result};
-use crate::format::{CodecDType, HEADER_LEN};
+use hprt_compress::codec::{self, DecodeOptions, EncodeOptions};
+use hprt_compress::data::{generate, DataKind};
+use hprt_compress::format::{CodecDType, HEADER_LEN};
+use hprt_compress::{CompressError, Result};
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -32,7 +32,7 @@ impl Default for BenchOptions {
             dtypes: CodecDType::ALL.to_vec(),
             kinds: DataKind::ALL.to_vec(),
             trials: 5,
-            chunk_elems: crate::codec::v2::DEFAULT_BLOCK_ELEMS,
+            chunk_elems: hprt_compress::codec::v2::DEFAULT_BLOCK_ELEMS,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         }
     }
@@ -440,7 +440,7 @@ pub struct DeviceBenchRow {
 /// decoding bit for bit: a wrong codec fails instead of reporting a speed.
 pub fn device_bench(
     p: &dyn hprt_platform::Platform,
-    codec: &dyn crate::device::DeviceCodec,
+    codec: &dyn hprt_compress::DeviceCodec,
     opts: &EncodeOptions,
     sizes: &[usize],
     trials: usize,

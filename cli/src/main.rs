@@ -1,12 +1,11 @@
 //! The `hprt` command: what the selected platform is, whether it conforms, how fast it is.
 
-mod bench;
-
 use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use hprt::platform::{get_platform, platform_selection_reason};
+use hprt_cli::{bench, codec_cli};
+use hprt_platform::{get_platform, platform_selection_reason};
 
 #[derive(Parser)]
 #[command(
@@ -176,12 +175,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
             input,
             output,
         } => {
-            let mut opts = hprt::compress::codec::EncodeOptions::default();
+            let mut opts = hprt_compress::codec::EncodeOptions::default();
             if let Some(t) = threads {
                 opts.threads = t;
             }
-            let dtype = hprt::compress::CodecDType::parse(&dtype)?;
-            let report = hprt::compress::cli::compress_file(dtype, &input, &output, &opts)?;
+            let dtype = hprt_compress::CodecDType::parse(&dtype)?;
+            let report = codec_cli::compress_file(dtype, &input, &output, &opts)?;
             println!("{report}");
             Ok(ExitCode::SUCCESS)
         }
@@ -191,26 +190,23 @@ fn run(cli: Cli) -> Result<ExitCode> {
             input,
             output,
         } => {
-            let mut opts = hprt::compress::codec::DecodeOptions {
+            let mut opts = hprt_compress::codec::DecodeOptions {
                 max_output,
                 ..Default::default()
             };
             if let Some(t) = threads {
                 opts.threads = t;
             }
-            let report = hprt::compress::cli::decompress_file(&input, &output, &opts)?;
+            let report = codec_cli::decompress_file(&input, &output, &opts)?;
             println!("{report}");
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo(args) => demo(args),
         Command::CodecStats { dtype, files } => {
-            let dtype = hprt::compress::CodecDType::parse(&dtype)?;
+            let dtype = hprt_compress::CodecDType::parse(&dtype)?;
             let files: Vec<&std::path::Path> = files.iter().map(|f| f.as_path()).collect();
-            let opts = hprt::compress::codec::EncodeOptions::default();
-            print!(
-                "{}",
-                hprt::compress::cli::codec_stats(dtype, &files, &opts)?
-            );
+            let opts = hprt_compress::codec::EncodeOptions::default();
+            print!("{}", codec_cli::codec_stats(dtype, &files, &opts)?);
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -286,8 +282,8 @@ fn conformance(filter: Option<&str>) -> Result<ExitCode> {
 }
 
 fn demo(args: DemoArgs) -> Result<ExitCode> {
-    use hprt::demo::{DemoConfig, Strategy};
-    use hprt::trace::{timeline, trace_path_from_env, write_chrome_trace};
+    use hprt_cli::demo::{DemoConfig, Strategy};
+    use hprt_cli::trace::{timeline, trace_path_from_env, write_chrome_trace};
     // The cpu backend simulates one device per rank so that memory is accounted per rank; an
     // explicit HP_CPU_DEVICES wins, and backends with real devices ignore the variable.
     if std::env::var_os("HP_CPU_DEVICES").is_none() {
@@ -306,7 +302,7 @@ fn demo(args: DemoArgs) -> Result<ExitCode> {
         seq: args.seq,
         ranks: args.ranks.unwrap_or(platform.device_count()),
         steps: args.steps,
-        act_dtype: hprt::DType::ALL
+        act_dtype: hprt_platform::DType::ALL
             .into_iter()
             .find(|d| d.name() == args.act_dtype)
             .ok_or_else(|| anyhow::anyhow!("unknown dtype {:?}", args.act_dtype))?,
@@ -334,7 +330,7 @@ fn demo(args: DemoArgs) -> Result<ExitCode> {
             bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
         }
     };
-    let (report, rec) = hprt::demo::run(platform.into(), &config, &progress)?;
+    let (report, rec) = hprt_cli::demo::run(platform.into(), &config, &progress)?;
     bar.finish_and_clear();
     print!("{report}");
     if args.timeline {

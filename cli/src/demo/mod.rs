@@ -18,7 +18,7 @@
 //!
 //! What differs is where saved activations live between forward and backward ([`Strategy`]):
 //! on the device, swapped to pinned host memory with [`hprt_swap::SwapEngine`], compressed on
-//! the device ([`hprt_compress::device`]), or compressed then swapped. The last layer's
+//! the device ([`hprt_compress::codec_for`]), or compressed then swapped. The last layer's
 //! activations stay on the device in every strategy (they are needed at once, as in the
 //! hyper_parallel layer-group swap). Every strategy's gradients and weights are compared with the
 //! baseline's bit for bit.
@@ -108,7 +108,7 @@ pub type Result<T, E = DemoError> = std::result::Result<T, E>;
 /// The model and the run.
 ///
 /// ```
-/// use hprt::demo::{DemoConfig, Strategy};
+/// use hprt_cli::demo::{DemoConfig, Strategy};
 /// let c = DemoConfig { layers: 2, hidden: 32, seq: 16, ranks: 2, ..DemoConfig::default() };
 /// assert_eq!(c.ffn(), 64);
 /// assert!(c.strategies.contains(&Strategy::Baseline));
@@ -254,9 +254,7 @@ pub fn run(
         devices: platform.device_count(),
         config: config.clone(),
         mesh: model::mesh_name(config.ranks),
-        codec: hprt_compress::device::codec_for(&*platform)
-            .name()
-            .to_string(),
+        codec: hprt_compress::codec_for(&*platform).name().to_string(),
         strategies,
         link: Some(link),
     };
@@ -285,8 +283,8 @@ fn measure_link(p: &dyn Platform, rank_flops: f64) -> Result<LinkCosts> {
             }
         }
     }
-    let codec = hprt_compress::device::codec_for(p);
-    let cost = hprt_compress::cost::CostModel::for_platform(p, codec.as_ref())?;
+    let codec = hprt_compress::codec_for(p);
+    let cost = hprt_compress::CostModel::for_platform(p, codec.as_ref())?;
     Ok(LinkCosts {
         d2h_gbps: BYTES as f64 / best[0] / 1e9,
         h2d_gbps: BYTES as f64 / best[1] / 1e9,

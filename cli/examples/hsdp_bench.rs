@@ -1,4 +1,4 @@
-//! `cargo run --release -p hprt-hsdp --example bench -- [max_bytes]`: hsdp's all-gather and
+//! `cargo run --release -p hprt-cli --example hsdp_bench -- [max_bytes]`: hsdp's all-gather and
 //! reduce-scatter against the direct collective on the platform `HP_PLATFORM` selects.
 
 fn main() -> anyhow::Result<()> {
@@ -7,6 +7,6 @@ fn main() -> anyhow::Result<()> {
         None => 64 << 20,
     };
     let platform = hprt_platform::get_platform()?;
-    print!("{}", hprt_hsdp::bench(platform, max_bytes)?);
+    print!("{}", hprt_cli::bench::hsdp::bench(platform, max_bytes)?);
     Ok(())
 }

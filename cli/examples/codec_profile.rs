@@ -1,10 +1,10 @@
-//! `cargo run --release -p hprt-compress --example codec_profile [kind] [dtype] [numel] [secs]`:
+//! `cargo run --release -p hprt-cli --example codec_profile [kind] [dtype] [numel] [secs]`:
 //! encodes and decodes one synthetic tensor in a loop on one thread for a fixed time, so `perf
 //! record` sees only the codec; prints per-core encode and decode GB/s.
 
 use std::time::{Duration, Instant};
 
-use hprt_compress::bench::CoreTimer;
+use hprt_cli::bench::codec::CoreTimer;
 use hprt_compress::codec::{decode_into, encode_into, DecodeOptions, EncodeOptions};
 use hprt_compress::data::{generate, DataKind};
 use hprt_compress::CodecDType;

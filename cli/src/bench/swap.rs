@@ -10,14 +10,11 @@ use std::sync::Arc;
 use hprt_compress::data::{generate, DataKind};
 use hprt_compress::CodecDType;
 
-use crate::engine::{EngineConfig, PlatformHandle, SwapEngine};
-use crate::error::Result;
-use crate::keyed::KeyedSwap;
-use crate::layer_group::SwapManager;
-use crate::payload::Compression;
-use crate::pipeline::{PipelineConfig, PipelineOffload};
-use crate::sim::{borrow, simulate, FrameworkAllocator, FrontEnd, PayloadKind, SimConfig};
-use crate::tensor::{DeviceTensor, Saved, SwapTensor};
+use hprt_swap::sim::{borrow, simulate, FrameworkAllocator, FrontEnd, PayloadKind, SimConfig};
+use hprt_swap::{
+    Compression, DeviceTensor, EngineConfig, KeyedSwap, PipelineConfig, PipelineOffload,
+    PlatformHandle, Result, Saved, SwapEngine, SwapManager, SwapTensor,
+};
 
 const TRIALS: usize = 3;
 
@@ -248,7 +245,7 @@ fn drive(
 /// What the `Device` rows of [`compressed_link_bytes`] ran: the platform's device codec, by
 /// name (`codec_for`: the CUDA kernels on cuda, the CPU codec through host functions elsewhere).
 fn device_codec_note(p: &dyn Platform) -> String {
-    match hprt_compress::device::codec_for(p).name() {
+    match hprt_compress::codec_for(p).name() {
         "host" => format!(
             "The device codec is the host fallback on this backend ({}; no device kernels): its own staging copies are not counted, as a device codec would not make them; `auto` picks the host stage for it, which moves the raw bytes but holds no pinned memory while offloaded.",
             p.backend()
@@ -308,7 +305,7 @@ fn compressed_link_bytes(platform: &PlatformHandle, numel: usize, out: &mut Stri
             let mut back = vec![0u8; data.len()];
             p.read_device_sync(&buf, 0, &mut back, &s)?;
             if back != data {
-                return Err(crate::error::SwapError::Order(format!(
+                return Err(hprt_swap::SwapError::Order(format!(
                     "{mode:?} swap of {} changed bytes",
                     kind.name()
                 )));

@@ -7,12 +7,10 @@ use std::time::{Duration, Instant};
 
 use hprt_platform::{BackendKind, DType, Platform, PlatformHandle, ReduceOp};
 
-use crate::error::{HsdpError, Result};
-use crate::grad::{GradInput, ReduceOptions};
-use crate::group::GroupCache;
-use crate::mesh::DeviceMesh;
-use crate::param::{HsdpStreams, ParamConfig, ParamSpec, ShardRef, ShardedParam};
-use crate::placement::DataParallelMesh;
+use hprt_hsdp::{
+    DataParallelMesh, DeviceMesh, GradInput, GroupCache, HsdpError, HsdpStreams, ParamConfig,
+    ParamSpec, ReduceOptions, Result, ShardRef, ShardedParam,
+};
 
 const TRIALS: usize = 5;
 

@@ -5,9 +5,9 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::codec::{self, DecodeOptions, EncodeOptions};
-use crate::error::{CompressError, Result};
-use crate::format::{ChunkMode, CodecDType};
+use hprt_compress::codec::{self, DecodeOptions, EncodeOptions};
+use hprt_compress::format::{ChunkMode, CodecDType};
+use hprt_compress::{CompressError, Result};
 
 fn read(path: &Path) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|source| CompressError::Io {
@@ -180,7 +180,7 @@ pub fn codec_stats(dtype: CodecDType, files: &[&Path], opts: &EncodeOptions) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::{generate, DataKind};
+    use hprt_compress::data::{generate, DataKind};
 
     #[test]
     fn files_round_trip_and_stats_report_ratio_bound_and_modes() {

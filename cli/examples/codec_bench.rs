@@ -1,9 +1,9 @@
-//! `cargo run --release -p hprt-compress --example codec_bench [numel] [trials]`: the codec
+//! `cargo run --release -p hprt-cli --example codec_bench [numel] [trials]`: the codec
 //! benchmark table (what `hprt bench` includes).
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
-    let mut opts = hprt_compress::bench::BenchOptions::default();
+    let mut opts = hprt_cli::bench::codec::BenchOptions::default();
     if let Some(n) = args.next() {
         opts.numel = n.parse()?;
     }
@@ -16,6 +16,6 @@ fn main() -> anyhow::Result<()> {
             .map(hprt_compress::CodecDType::parse)
             .collect::<Result<_, _>>()?;
     }
-    print!("{}", hprt_compress::bench::bench(&opts)?);
+    print!("{}", hprt_cli::bench::codec::bench(&opts)?);
     Ok(())
 }

@@ -3,6 +3,14 @@
 //! Every figure is a ratio to something measured seconds earlier on the same machine (a plain
 //! `memcpy`, a bare channel send), so numbers stay comparable across machines; the table names
 //! the machine and the platform it ran on.
+//!
+//! - [`swap`] — the swap rows (the engine, the three front ends, the simulated step).
+//! - [`codec`] — the CPU codec against zstd level 1 and LZ4; the device codec against a copy.
+//! - [`hsdp`] — all-gather / reduce-scatter through hsdp against the direct collective.
+
+pub mod codec;
+pub mod hsdp;
+pub mod swap;
 
 use std::fmt::Write as _;
 use std::hint::black_box;
@@ -10,7 +18,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
-use hprt::platform::{
+use hprt_platform::{
     cuda::CudaBackend, BackendKind, CopyKind, DType, DeviceBuffer, Mem, PinnedBuffer, Platform,
     ReduceOp, Stream,
 };
@@ -132,13 +140,13 @@ pub fn run(p: &'static dyn Platform, max_bytes: usize, only: &[String]) -> Resul
     if wanted("swap") {
         writeln!(out, "#### swap (`hprt-swap`)\n")?;
         writeln!(out, "{}", swap_settings(p))?;
-        out += &hprt::swap::bench(p, max_bytes.min(64 << 20))?;
+        out += &swap::bench(p, max_bytes.min(64 << 20))?;
         writeln!(out)?;
     }
     if wanted("compress") {
         // The CPU codec on one host core, whatever the platform.
         writeln!(out, "#### compress (`hprt-compress`, CPU codec)\n")?;
-        out += &hprt::compress::bench::bench(&hprt::compress::bench::BenchOptions::default())?;
+        out += &codec::bench(&codec::BenchOptions::default())?;
         writeln!(out)?;
     }
     // Its own section: on a GPU machine the CPU codec's minutes are not what is measured.
@@ -147,7 +155,7 @@ pub fn run(p: &'static dyn Platform, max_bytes: usize, only: &[String]) -> Resul
     }
     if wanted("hsdp") {
         writeln!(out, "#### hsdp (`hprt-hsdp`)\n")?;
-        out += &hprt::hsdp::bench(p, max_bytes.min(64 << 20))?;
+        out += &hsdp::bench(p, max_bytes.min(64 << 20))?;
         writeln!(out)?;
     }
     Ok(out)
@@ -157,7 +165,7 @@ pub fn run(p: &'static dyn Platform, max_bytes: usize, only: &[String]) -> Resul
 /// (`codec_for`) and, where the backend reports one, its device allocation cache (swap releases
 /// and re-acquires a storage at every offload and reload).
 fn swap_settings(p: &dyn Platform) -> String {
-    let codec = hprt::compress::device::codec_for(p);
+    let codec = hprt_compress::codec_for(p);
     let what = match codec.name() {
         "cuda" => "the CUDA kernels, compiled by NVRTC on the device",
         "host" => "the CPU codec in host functions: no device kernels on this backend",
@@ -175,13 +183,13 @@ fn swap_settings(p: &dyn Platform) -> String {
 /// The platform's device codec (on cuda the CUDA kernels) against a device-to-device copy of
 /// the same bytes, timed with device events; the bytes are checked against the CPU codec.
 fn device_codec(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<()> {
-    use hprt::compress::bench::device_bench;
-    let codec = hprt::compress::device::codec_for(p);
+    use codec::device_bench;
+    let codec = hprt_compress::codec_for(p);
     let sizes: Vec<usize> = [64usize << 20, 256 << 20, 1 << 30]
         .into_iter()
         .filter(|&b| b <= max_bytes.max(64 << 20))
         .collect();
-    let opts = hprt::compress::codec::EncodeOptions::default();
+    let opts = hprt_compress::codec::EncodeOptions::default();
     let rows = device_bench(p, codec.as_ref(), &opts, &sizes, TRIALS)?;
     writeln!(
         out,
@@ -401,7 +409,7 @@ fn enqueue_overhead(p: &dyn Platform, out: &mut String) -> Result<()> {
     let dev = p.alloc_device(4096)?;
     let dev2 = p.alloc_device(4096)?;
     let ev = p.create_event(false)?;
-    let ops: [(&str, &dyn Fn() -> hprt::Result<()>); 3] = [
+    let ops: [(&str, &dyn Fn() -> hprt_platform::Result<()>); 3] = [
         ("memset 64 B", &|| p.memset_async(&dev, 0, 1, 64, &s)),
         ("copy D2D 64 B", &|| {
             p.copy_async((&dev2).into(), 0, (&dev).into(), 0, 64, &s)
@@ -437,7 +445,7 @@ fn enqueue_overhead(p: &dyn Platform, out: &mut String) -> Result<()> {
 /// One rank's timing of `iters` collectives of `bytes` (f32) after a warm-up.
 fn rank_loop(
     p: &dyn Platform,
-    id: &hprt::platform::UniqueId,
+    id: &hprt_platform::UniqueId,
     rank: usize,
     world: usize,
     bytes: usize,
@@ -459,7 +467,7 @@ fn rank_loop(
     p.memset_async(&send, 0, 1, send.len(), &s)?;
     p.memset_async(&recv, 0, 1, recv.len(), &s)?;
     let iters = ((256usize << 20) / bytes).clamp(3, 50);
-    let issue = || -> hprt::Result<()> {
+    let issue = || -> hprt_platform::Result<()> {
         if gather {
             p.all_gather(
                 (&send).into(),
@@ -584,7 +592,7 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("- device allocation cache: "), "{s}");
-        let cpu = hprt::platform::CpuBackend::new(hprt::platform::CpuConfig::default());
+        let cpu = hprt_platform::CpuBackend::new(hprt_platform::CpuConfig::default());
         let s = swap_settings(&cpu);
         assert!(s.contains("- device codec: `host` (the CPU codec"), "{s}");
     }
