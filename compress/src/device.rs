@@ -465,12 +465,16 @@ impl DeviceCodec for HostCodec {
         p.launch_host_fn(
             stream,
             Box::new(move || {
-                // SAFETY (both accesses): stream order: the copy into `inp` is queued before
-                // this host function on its stream, the copy out of `out` after it.
+                // Both accesses are in stream order: the copy into `inp` is queued before this
+                // host function on its stream, the copy out of `out` after it.
                 let r = (|| {
                     let mut raw = vec![0u8; inp.len()];
+                    // SAFETY: the copy into `inp` ran before this host function (stream
+                    // order), and no other queued copy touches `inp`.
                     unsafe { inp.read_unsynchronized(0, &mut raw) }?;
                     let enc = codec::encode(dtype, &raw, &opts)?;
+                    // SAFETY: the copy out of `out` is queued after this host function on
+                    // the same stream, so it cannot run while this writes.
                     unsafe { out.write_unsynchronized(0, &enc) }?;
                     Ok(enc.len())
                 })();
@@ -530,9 +534,11 @@ impl DeviceCodec for HostCodec {
         p.launch_host_fn(
             stream,
             Box::new(move || {
-                // SAFETY (both accesses): as in `encode_async`.
+                // Both accesses are in stream order, as in `encode_async`.
                 let r = (|| {
                     let mut enc = vec![0u8; inp.len()];
+                    // SAFETY: the copy into `inp` ran before this host function (stream
+                    // order), and no other queued copy touches `inp`.
                     unsafe { inp.read_unsynchronized(0, &mut enc) }?;
                     // The expected size, not the declared one, bounds what decoding allocates.
                     let h = codec::inspect(&enc)?.header;
@@ -546,6 +552,8 @@ impl DeviceCodec for HostCodec {
                         ));
                     }
                     let d = codec::decode_with(&enc, &opts)?;
+                    // SAFETY: the copy out of `out` is queued after this host function on
+                    // the same stream, so it cannot run while this writes.
                     unsafe { out.write_unsynchronized(0, &d.data) }?;
                     Ok(())
                 })();

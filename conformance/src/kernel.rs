@@ -294,14 +294,18 @@ pub(crate) fn host_fn_in_stream_order(p: &dyn Platform) -> Result<()> {
                 // Waiting is refused here (stream order is what orders a host function).
                 let refused = staged.to_vec().map_err(|e| e.kind);
                 let mut v = vec![0u8; staged.len()];
-                // SAFETY: stream order: the D2H before this host function finished, and the
-                // H2D after it has not started.
+                // Stream order: the D2H before this host function finished, and the H2D after
+                // it has not started.
                 if refused == Err(ErrorKind::Unsupported)
+                    // SAFETY: the D2H into `staged`, queued before this host function, has
+                    // finished; nothing else queued touches it.
                     && unsafe { staged.read_unsynchronized(0, &mut v) }.is_ok()
                 {
                     *seen.lock().unwrap() = v;
                 }
                 // The host function writes the pinned buffer that the next H2D reads.
+                // SAFETY: the H2D out of `staged` is queued after this host function on the
+                // same stream, so it cannot run while this writes.
                 let _ = unsafe { staged.write_unsynchronized(0, &[0xAB; 16]) };
             }),
         )?;

@@ -489,8 +489,12 @@ impl Value {
     }
 }
 
+/// Element `i` of a `dtype` array at `p`.
+///
+/// # Safety
+/// `p` is readable for `(i + 1) * dtype.size()` bytes; it needs no alignment.
 unsafe fn load(p: *const u8, dtype: DType, i: usize) -> Value {
-    // SAFETY (all arms): the caller guarantees element i is in bounds; reads are unaligned-safe.
+    // SAFETY: (all arms) the caller guarantees element i is in bounds; reads are unaligned-safe.
     unsafe {
         match dtype {
             DType::F32 => Value::F(p.cast::<f32>().add(i).read_unaligned() as f64),
@@ -509,8 +513,12 @@ unsafe fn load(p: *const u8, dtype: DType, i: usize) -> Value {
     }
 }
 
+/// Writes `v` as element `i` of a `dtype` array at `p`.
+///
+/// # Safety
+/// `p` is writable for `(i + 1) * dtype.size()` bytes; it needs no alignment.
 unsafe fn store(p: *mut u8, dtype: DType, i: usize, v: Value) {
-    // SAFETY (all arms): the caller guarantees element i is in bounds; writes are unaligned-safe.
+    // SAFETY: (all arms) the caller guarantees element i is in bounds; writes are unaligned-safe.
     unsafe {
         match (dtype, v) {
             (DType::F32, Value::F(x)) => p.cast::<f32>().add(i).write_unaligned(x as f32),
@@ -644,6 +652,8 @@ mod tests {
     fn host_kernels_follow_the_documented_semantics() {
         let mut a = [1.5f32, -2.0, f32::NAN, 3.0];
         let mut b = [0u16; 4];
+        // SAFETY: 4 f32 read from `a` (16 bytes), 4 bf16 written to `b` (8 bytes): both local
+        // arrays of exactly that size, disjoint.
         unsafe {
             run_on_host(&Kernel::Cast {
                 src: a.as_mut_ptr().cast(),
@@ -656,6 +666,7 @@ mod tests {
         assert_eq!(half::bf16::from_bits(b[0]).to_f32(), 1.5);
         assert!(half::bf16::from_bits(b[2]).is_nan());
         let mut i = [0i32; 4];
+        // SAFETY: 4 f32 read from `a`, 4 i32 written to `i`: local arrays of 16 bytes each.
         unsafe {
             run_on_host(&Kernel::Cast {
                 src: a.as_mut_ptr().cast(),
@@ -666,6 +677,9 @@ mod tests {
             })
         };
         assert_eq!(i, [1, -2, 0, 3]);
+        // SAFETY: axpy reads 2 bf16 of `b` and updates 2 f32 of `a`; scale updates `a[0]` in
+        // place; fill writes `a[3]` (`add(3)` stays inside the 4-element array): every range
+        // lies inside its local array, and the read and written ranges are disjoint.
         unsafe {
             run_on_host(&Kernel::Axpy {
                 src: b.as_mut_ptr().cast(),
@@ -694,6 +708,8 @@ mod tests {
         let nan_bits = 0x7fc0_1234u32;
         let src = [f32::from_bits(nan_bits)];
         let mut dst = [0f32];
+        // SAFETY: one f32 read from `src` (only read, despite the `*mut` the kernel type
+        // takes) and one written to `dst`, both one-element local arrays.
         unsafe {
             run_on_host(&Kernel::Cast {
                 src: src.as_ptr() as *mut u8,
@@ -712,6 +728,9 @@ mod tests {
         let a = [1f32, 2.0, 3.0, -4.0, 5.0, -6.0];
         let b = [7f32, 8.0, 9.0, 10.0, -11.0, 12.0];
         let mut c = [0f32; 4];
+        // SAFETY: every call below passes `a` and `b` readable for 2 * k f32 (10 or 6 floats,
+        // `b` once at an odd address: no alignment is needed) and `c` writable for 4, all live
+        // local buffers that do not overlap.
         let run = |a: *const u8, b: *const u8, c: *mut u8, k: usize| unsafe {
             run_on_host(&Kernel::Matmul {
                 a: a as *mut u8,

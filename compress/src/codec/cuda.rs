@@ -889,6 +889,9 @@ extern "C" void hprt_test_bytes(u64* read, u64* written, int reset) {
         // SAFETY: in bounds of the workspace.
         let p = unsafe { (ws.as_ptr() as *const u8).add(l.results_at + 8 * t) };
         u64::from_le_bytes(
+            // SAFETY: the 8 bytes at `p` are tensor `t`'s result slot (`t < l.tensors`), inside
+            // the workspace of `l.len` bytes borrowed for this call; its u128s are initialised
+            // and any byte is a valid u8.
             unsafe { std::slice::from_raw_parts(p, 8) }
                 .try_into()
                 .unwrap(),

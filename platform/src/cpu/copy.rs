@@ -31,14 +31,18 @@ pub(crate) unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize, bypass
 }
 
 /// 32-byte streaming stores from an aligned destination on; the ragged ends by `memcpy`.
+///
+/// # Safety
+/// Both ranges valid for `len` bytes and disjoint; the CPU has AVX.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
 unsafe fn streaming_copy(src: *const u8, dst: *mut u8, len: usize) {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
     const LANE: usize = 32;
     let head = dst.align_offset(LANE).min(len);
-    // SAFETY (whole function): every access is inside [0, len) of both ranges, which the
-    // caller guarantees valid and disjoint; stores through `dst + i` are 32-byte aligned.
+    // SAFETY: (the whole function) every access is inside [0, len) of both ranges, which the
+    // caller guarantees valid and disjoint; stores through `dst + i` are 32-byte aligned; the
+    // caller checked AVX.
     unsafe {
         std::ptr::copy_nonoverlapping(src, dst, head);
         let mut i = head;

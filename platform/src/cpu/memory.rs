@@ -101,6 +101,9 @@ pub struct CpuMem {
 
 // SAFETY: the allocation is plain bytes; access is ordered by streams and events, as on a GPU.
 unsafe impl Send for CpuMem {}
+// SAFETY: `&CpuMem` hands out only the address and length (plain integers) and the release
+// hook behind a mutex; the raw `base` is used by `Drop` alone (`&mut self`); the bytes
+// themselves are read and written by stream jobs, which streams and events order, as on a GPU.
 unsafe impl Sync for CpuMem {}
 
 pub(crate) type MemRef = Arc<CpuMem>;

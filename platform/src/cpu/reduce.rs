@@ -214,6 +214,8 @@ mod tests {
         let ins: Vec<Vec<u8>> = vals.iter().map(|v| v.to_le_bytes().to_vec()).collect();
         let ptrs: Vec<*const u8> = ins.iter().map(|v| v.as_ptr()).collect();
         let mut out = [0u8; 2];
+        // SAFETY: one bf16 element: each input is a live 2-byte Vec, the output a 2-byte local
+        // array; one thread.
         unsafe { reduce(DType::BF16, ReduceOp::Sum, &ptrs, &[out.as_mut_ptr()], 1) };
         assert_eq!(bf16::from_le_bytes(out).to_f32(), 258.0);
     }
@@ -227,6 +229,8 @@ mod tests {
         let bufs: Vec<Vec<u8>> = ins.iter().map(|e| e.concat()).collect();
         let ptrs: Vec<*const u8> = bufs.iter().map(|v| v.as_ptr()).collect();
         let mut out = [0u8; 8];
+        // SAFETY: two i32 elements: each input is a live 8-byte Vec, the output an 8-byte local
+        // array; one thread.
         unsafe { reduce(DType::I32, ReduceOp::Avg, &ptrs, &[out.as_mut_ptr()], 2) };
         assert_eq!(i32::from_le_bytes(out[..4].try_into().unwrap()), 2);
         assert_eq!(i32::from_le_bytes(out[4..].try_into().unwrap()), 2);

@@ -162,9 +162,10 @@ impl CudaBackend {
             // Every rank passes the same count: skipping on all of them keeps them paired.
             return Ok(());
         }
-        // SAFETY (every call below): places were bounds-checked by the dispatch layer for the
-        // extent NCCL touches; handles are live; NCCL only queues the work on `s`.
         let issued = (|| -> Result<()> {
+            // SAFETY: (every call below) places were bounds-checked by the dispatch layer for
+            // the extent NCCL touches; the communicator and stream are live (`comm` and `stream`
+            // own them and are borrowed for the call); NCCL only queues the work on `s`.
             unsafe {
                 match &op {
                     Collective::AllReduce {
@@ -369,6 +370,9 @@ impl CudaBackend {
             let dt = nccl_dtype(dtype);
             if sc > 0 {
                 issued = n.check(
+                    // SAFETY: peer `q`'s send block lies inside the bounds-checked send place;
+                    // `c` and `s` are live (owned by `comm` and `stream`); NCCL only queues the
+                    // send on `s`, inside the group opened above.
                     unsafe {
                         (n.api.ncclSend)(
                             (sp + sd * size) as *const c_void,
@@ -384,6 +388,8 @@ impl CudaBackend {
             }
             if rc > 0 && issued.is_ok() {
                 issued = n.check(
+                    // SAFETY: peer `q`'s receive block lies inside the bounds-checked receive
+                    // place; `c` and `s` are live; NCCL only queues the receive on `s`.
                     unsafe {
                         (n.api.ncclRecv)((rp + rd * size) as *mut c_void, rc, dt, q as c_int, c, s)
                     },
@@ -391,6 +397,8 @@ impl CudaBackend {
                 );
             }
         }
+        // SAFETY: closes the group opened by the `ncclGroupStart` above (which succeeded, or
+        // we returned), whatever happened to the calls in between.
         let closed = n.check(unsafe { (n.api.ncclGroupEnd)() }, "ncclGroupEnd");
         issued.and(closed)
     }

@@ -602,8 +602,9 @@ impl Backend for CudaBackend {
     fn unique_id(&self) -> Result<UniqueId> {
         let n = self.shared.nccl()?;
         let mut id = ncclUniqueId { internal: [0; 128] };
-        // SAFETY: plain NCCL call into a correctly sized struct.
         n.check(
+            // SAFETY: NCCL writes one `ncclUniqueId` through the pointer: a live local of that
+            // type; the function pointer comes from the loaded library `n` keeps open.
             unsafe { (n.api.ncclGetUniqueId)(&mut id) },
             "ncclGetUniqueId",
         )?;
@@ -632,8 +633,10 @@ impl Backend for CudaBackend {
             *d = *s as _;
         }
         let mut comm: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: plain NCCL call; blocks until every rank joined.
         n.check(
+            // SAFETY: the out-pointer is a live local `ncclComm_t`; the id is passed by value;
+            // NCCL checks `rank < world` itself; the device is bound above. Blocks until every
+            // rank joined.
             unsafe { (n.api.ncclCommInitRank)(&mut comm, world as c_int, uid, rank as c_int) },
             "ncclCommInitRank",
         )?;

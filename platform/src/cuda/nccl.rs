@@ -18,6 +18,8 @@ pub(crate) struct Comm(ncclComm_t);
 // SAFETY: a communicator handle is an identifier NCCL accepts from any thread; hprt issues its
 // calls one at a time (the communicator's watch lock).
 unsafe impl Send for Comm {}
+// SAFETY: `&self` only copies the identifier out; the calls made with it are serialised by the
+// communicator's watch lock, as above, and `CommObj` alone destroys it.
 unsafe impl Sync for Comm {}
 
 impl Comm {

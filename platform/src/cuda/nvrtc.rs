@@ -78,11 +78,12 @@ impl Nvrtc {
             self.api.nvrtcGetSupportedArchs?,
         );
         let mut n = 0;
-        // SAFETY: plain NVRTC queries into buffers of the size NVRTC reported.
+        // SAFETY: NVRTC writes one `c_int` through the out-pointer, a live local.
         if unsafe { num(&mut n) } != 0 || n <= 0 {
             return None;
         }
         let mut archs = vec![0; n as usize];
+        // SAFETY: NVRTC writes the `n` architectures it just counted into a buffer of `n`.
         (unsafe { get(archs.as_mut_ptr()) } == 0).then_some(archs)
     }
 
@@ -122,8 +123,9 @@ impl Nvrtc {
         let cname = CString::new(name)
             .map_err(|_| cuda_err(ErrorKind::InvalidValue, "nvrtc_compile", "NUL in name"))?;
         let mut prog: Program = std::ptr::null_mut();
-        // SAFETY: NUL-terminated strings that outlive the call; no headers.
         self.check(
+            // SAFETY: NUL-terminated strings that outlive the call; no headers (count 0, null
+            // arrays); the out-pointer is a live local.
             unsafe {
                 (api.nvrtcCreateProgram)(
                     &mut prog,
@@ -164,13 +166,16 @@ impl Nvrtc {
             (api.nvrtcGetPTXSize, api.nvrtcGetPTX, "ptx")
         };
         let mut size = 0usize;
-        // SAFETY: a compiled program; the buffer has the size NVRTC reported.
         self.check(
+            // SAFETY: a live, compiled program (`guard` destroys it only on return); the
+            // out-pointer is a live local.
             unsafe { size_fn(guard.1, &mut size) },
             "nvrtcGetCUBINSize/PTXSize",
         )?;
         let mut bytes = vec![0u8; size];
         self.check(
+            // SAFETY: the same program; NVRTC writes the `size` bytes it just reported into a
+            // buffer of `size` bytes.
             unsafe { get_fn(guard.1, bytes.as_mut_ptr().cast()) },
             "nvrtcGetCUBIN/PTX",
         )?;
@@ -179,11 +184,14 @@ impl Nvrtc {
 
     fn log(&self, prog: Program) -> String {
         let mut size = 0usize;
-        // SAFETY: a live program; the buffer has the size NVRTC reported.
+        // SAFETY: a live program (the caller's `ProgramGuard` holds it); the out-pointer is a
+        // live local.
         if unsafe { (self.api.nvrtcGetProgramLogSize)(prog, &mut size) } != 0 || size == 0 {
             return String::new();
         }
         let mut log = vec![0u8; size];
+        // SAFETY: the same program; NVRTC writes the `size` bytes it just reported (the NUL
+        // included) into a buffer of `size` bytes.
         if unsafe { (self.api.nvrtcGetProgramLog)(prog, log.as_mut_ptr().cast()) } != 0 {
             return String::new();
         }

@@ -24,6 +24,8 @@ macro_rules! handle {
         // SAFETY: a driver handle is an identifier the driver accepts from any thread (with
         // its context current where the call needs one).
         unsafe impl Send for $name {}
+        // SAFETY: `&self` only copies the identifier out; the driver calls made with it are
+        // thread-safe, and the owning object (not this handle) decides when it is destroyed.
         unsafe impl Sync for $name {}
     };
 }
@@ -87,8 +89,9 @@ pub(crate) mod ctx {
 
     pub(crate) fn primary_retain(device: cu::CUdevice) -> Result<Context> {
         let mut c = std::ptr::null_mut();
-        // SAFETY: plain driver call into a local.
         cu(
+            // SAFETY: the out-pointer is a live local `CUcontext`; the driver checks `device`
+            // itself (an unknown ordinal is an error status).
             unsafe { cu::cuDevicePrimaryCtxRetain(&mut c, device) },
             "cuDevicePrimaryCtxRetain",
         )?;
@@ -98,6 +101,8 @@ pub(crate) mod ctx {
     /// # Safety
     /// Once per successful [`primary_retain`], after nothing uses the context any more.
     pub(crate) unsafe fn primary_release(device: cu::CUdevice) {
+        // SAFETY: the caller's contract: this balances one successful `primary_retain` of
+        // `device`, and nothing uses the context any more.
         unsafe { cu::cuDevicePrimaryCtxRelease_v2(device) };
     }
 
@@ -119,14 +124,19 @@ pub(crate) mod ctx {
     /// put back).
     pub(crate) fn device_of(c: Context) -> Result<cu::CUdevice> {
         let mut dev = 0;
-        // SAFETY: a live context, pushed and popped around one query.
         cu(
+            // SAFETY: `c` is a live context (a `Context` comes from `primary_retain` or from
+            // the driver's answer for a live stream, and its device's retain outlives its use);
+            // it is popped again below, whatever the query returns.
             unsafe { cu::cuCtxPushCurrent_v2(c.0) },
             "cuCtxPushCurrent_v2",
         )?;
+        // SAFETY: a context is current (pushed above); the out-pointer is a live local.
         let got = cu(unsafe { cu::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice");
         let mut popped = std::ptr::null_mut();
         cu(
+            // SAFETY: pops the context pushed above (the push succeeded, or we returned); the
+            // out-pointer is a live local.
             unsafe { cu::cuCtxPopCurrent_v2(&mut popped) },
             "cuCtxPopCurrent_v2",
         )?;
@@ -136,8 +146,9 @@ pub(crate) mod ctx {
     /// Free and total bytes of the current context's device.
     pub(crate) fn mem_info() -> Result<(usize, usize)> {
         let (mut free, mut total) = (0, 0);
-        // SAFETY: plain driver call into locals.
         cu(
+            // SAFETY: both out-pointers are live locals; without a current context the driver
+            // answers an error status.
             unsafe { cu::cuMemGetInfo_v2(&mut free, &mut total) },
             "cuMemGetInfo_v2",
         )?;
@@ -151,8 +162,8 @@ pub(crate) mod stream {
     /// A stream of the current context that does not synchronise with the legacy stream.
     pub(crate) fn create(flags: u32) -> Result<Stream> {
         let mut s = std::ptr::null_mut();
-        // SAFETY: plain driver call into a local.
         cu(
+            // SAFETY: the out-pointer is a live local `CUstream`; the driver checks `flags`.
             unsafe { cu::cuStreamCreate(&mut s, flags) },
             "cuStreamCreate",
         )?;
@@ -162,6 +173,8 @@ pub(crate) mod stream {
     /// # Safety
     /// A stream created by [`create`], destroyed once, its context current.
     pub(crate) unsafe fn destroy(s: Stream) -> Result<()> {
+        // SAFETY: the caller's contract: `s` is a stream of ours, destroyed this once, with its
+        // context current.
         cu(unsafe { cu::cuStreamDestroy_v2(s.0) }, "cuStreamDestroy_v2")
     }
 
@@ -208,6 +221,7 @@ pub(crate) mod event {
     /// # Safety
     /// An event created by [`create`], destroyed once.
     pub(crate) unsafe fn destroy(e: Event) {
+        // SAFETY: the caller's contract: `e` is an event of ours, destroyed this once.
         unsafe { cu::cuEventDestroy_v2(e.0) };
     }
 
@@ -229,8 +243,9 @@ pub(crate) mod event {
 
     pub(crate) fn elapsed_ms(start: Event, end: Event) -> Result<f32> {
         let mut ms = 0f32;
-        // SAFETY: live events; plain driver call into a local.
         cu(
+            // SAFETY: both events are live (their `EventObj`s own them for the duration of
+            // this call); the out-pointer is a live local.
             unsafe { cu::cuEventElapsedTime(&mut ms, start.0, end.0) },
             "cuEventElapsedTime",
         )?;
@@ -252,6 +267,8 @@ pub(crate) mod mem {
     /// # Safety
     /// Memory from [`alloc`], freed once, no queued work using it.
     pub(crate) unsafe fn free(p: u64) -> Result<()> {
+        // SAFETY: the caller's contract: `p` came from `alloc`, is freed this once, and no
+        // queued work uses it.
         cu(unsafe { cu::cuMemFree_v2(p) }, "cuMemFree_v2")
     }
 
@@ -278,6 +295,8 @@ pub(crate) mod mem {
     /// # Safety
     /// Memory from [`alloc_host`], freed once, no queued work using it.
     pub(crate) unsafe fn free_host(p: *mut c_void) -> Result<()> {
+        // SAFETY: the caller's contract: `p` came from `alloc_host`, is freed this once, and no
+        // queued work uses it.
         cu(unsafe { cu::cuMemFreeHost(p) }, "cuMemFreeHost")
     }
 
@@ -285,6 +304,8 @@ pub(crate) mod mem {
     /// Both ranges are live memory of `bytes` bytes that stays so until the copy ran.
     pub(crate) unsafe fn copy_async(dst: u64, src: u64, bytes: usize, s: Stream) -> Result<()> {
         cu(
+            // SAFETY: the caller's contract: both ranges are live for `bytes` until the copy
+            // ran on `s`.
             unsafe { cu::cuMemcpyAsync(dst, src, bytes, s.0) },
             "cuMemcpyAsync",
         )
@@ -294,6 +315,8 @@ pub(crate) mod mem {
     /// `dst..dst + bytes` is live device memory that stays so until the memset ran.
     pub(crate) unsafe fn set_d8_async(dst: u64, value: u8, bytes: usize, s: Stream) -> Result<()> {
         cu(
+            // SAFETY: the caller's contract: `dst..dst + bytes` is live device memory until the
+            // memset ran on `s`.
             unsafe { cu::cuMemsetD8Async(dst, value, bytes, s.0) },
             "cuMemsetD8Async",
         )
@@ -306,8 +329,9 @@ pub(crate) mod module {
     /// Loads a module from a PTX or cubin image in the current context.
     pub(crate) fn load_data(image: &[u8]) -> Result<Module> {
         let mut m = std::ptr::null_mut();
-        // SAFETY: the image is a NUL-terminated PTX or a cubin the driver only reads.
         cu(
+            // SAFETY: the image is a NUL-terminated PTX or a cubin the driver only reads, during
+            // this call (the slice outlives it); the out-pointer is a live local.
             unsafe { cu::cuModuleLoadData(&mut m, image.as_ptr().cast()) },
             "cuModuleLoadData",
         )?;
@@ -317,13 +341,18 @@ pub(crate) mod module {
     /// # Safety
     /// A module from [`load_data`], unloaded once, its context current, no kernel of it queued.
     pub(crate) unsafe fn unload(m: Module) {
+        // SAFETY: the caller's contract: `m` is a module of ours, unloaded this once, its
+        // context current and no kernel of it queued.
         unsafe { cu::cuModuleUnload(m.0) };
     }
 
     pub(crate) fn function(m: Module, name: &CStr) -> Result<Function> {
         let mut f = std::ptr::null_mut();
-        // SAFETY: a live module; plain driver call into a local.
         cu(
+            // SAFETY: `m` is live (a device's module table owns it; it is unloaded only when
+            // the platform is dropped);
+            // `name` is a NUL-terminated string borrowed for the call; the out-pointer is a
+            // live local.
             unsafe { cu::cuModuleGetFunction(&mut f, m.0, name.as_ptr()) },
             "cuModuleGetFunction",
         )?;
@@ -344,6 +373,9 @@ pub(crate) mod module {
         args: &mut [*mut c_void],
     ) -> Result<()> {
         cu(
+            // SAFETY: the caller's contract: `args` match the kernel's parameters and every
+            // pointer among them stays live until the kernel ran; `args` itself is read during
+            // this call only, and `extra` is null.
             unsafe {
                 cu::cuLaunchKernel(
                     f.0,
@@ -373,8 +405,8 @@ pub(crate) fn init() -> Result<()> {
 /// The driver's CUDA version (1000 × major + 10 × minor).
 pub(crate) fn driver_version() -> Result<c_int> {
     let mut v = 0;
-    // SAFETY: plain driver call into a local.
     cu(
+        // SAFETY: the out-pointer is a live local `c_int`.
         unsafe { cu::cuDriverGetVersion(&mut v) },
         "cuDriverGetVersion",
     )?;
@@ -401,8 +433,9 @@ pub(crate) mod device {
 
     pub(crate) fn name(d: cu::CUdevice) -> Result<String> {
         let mut name = [0 as std::ffi::c_char; 256];
-        // SAFETY: a buffer of the size passed.
         cu(
+            // SAFETY: the driver writes at most `name.len()` bytes into the local buffer; it
+            // checks `d` itself.
             unsafe { cu::cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, d) },
             "cuDeviceGetName",
         )?;
@@ -413,8 +446,8 @@ pub(crate) mod device {
 
     pub(crate) fn total_mem(d: cu::CUdevice) -> Result<usize> {
         let mut total = 0;
-        // SAFETY: plain driver call into a local.
         cu(
+            // SAFETY: the out-pointer is a live local; the driver checks `d` itself.
             unsafe { cu::cuDeviceTotalMem_v2(&mut total, d) },
             "cuDeviceTotalMem_v2",
         )?;
@@ -423,8 +456,8 @@ pub(crate) mod device {
 
     pub(crate) fn attribute(d: cu::CUdevice, a: cu::CUdevice_attribute) -> Result<c_int> {
         let mut v = 0;
-        // SAFETY: plain driver call into a local.
         cu(
+            // SAFETY: the out-pointer is a live local; the driver checks `a` and `d` itself.
             unsafe { cu::cuDeviceGetAttribute(&mut v, a, d) },
             "cuDeviceGetAttribute",
         )?;

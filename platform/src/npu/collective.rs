@@ -188,8 +188,9 @@ impl NpuBackend {
         let (c, s) = (comm.raw.sys(), stream.raw.sys());
         let grouped = GROUP_DEPTH.with(|d| d.get() > 0);
         let start = if grouped { None } else { self.mark(stream) };
-        // SAFETY (every call below): places were bounds-checked for the extent HCCL touches;
-        // handles are live; HCCL only queues the work on `s`.
+        // SAFETY: (every call below) places were bounds-checked for the extent HCCL touches;
+        // the communicator and stream are live (`comm` and `stream` own them and are borrowed
+        // for the call); HCCL only queues the work on `s`.
         let (code, name) = unsafe {
             match &op {
                 Collective::AllReduce {

@@ -93,7 +93,7 @@ impl NpuBackend {
             e
         };
         let mut count = 0u32;
-        // SAFETY: plain ACL call.
+        // SAFETY: ACL writes one `u32` through the out-pointer, a live local.
         acl_call!(api, aclrtGetDeviceCount(&mut count)).map_err(finalize)?;
         if count == 0 {
             return Err(finalize(npu_err(

@@ -50,10 +50,16 @@ impl Reporter {
         let thread = std::thread::Builder::new()
             .name("hprt-npu-report".into())
             .spawn(move || {
-                // SAFETY: plain ACL calls on this thread; the library outlives it (Arc).
+                // SAFETY: no pointer arguments; ACL checks the ordinal itself; the library
+                // outlives this thread (`a` holds it).
                 let bound = acl(unsafe { a.acl.aclrtSetDevice(device) }, "aclrtSetDevice");
+                // SAFETY: `pthread_self` has no preconditions and cannot fail; its `pthread_t`
+                // is an unsigned long on Linux, the `usize` declared above.
                 let _ = tx.send(bound.map(|()| unsafe { pthread_self() } as u64));
                 while !s.load(Ordering::Acquire) {
+                    // SAFETY: no pointer arguments; the library outlives this thread. (A
+                    // missing optional symbol panics in the table, never calls through null;
+                    // reporters start only where `available` found it.)
                     let code = unsafe { a.acl.aclrtProcessReport(50) };
                     if code != 0 && code != ACL_ERROR_RT_REPORT_TIMEOUT as i32 {
                         tracing::warn!(code, "aclrtProcessReport failed");
@@ -109,6 +115,8 @@ pub(crate) fn launch(api: &Ascend, stream: usize, block: bool, f: HostFn) -> Res
     };
     if code != 0 {
         // The driver refused it, so it will never run: take the box back.
+        // SAFETY: `user` came from `Box::into_raw` above, and the trampoline that would have
+        // taken it back will not run, so this is its one release.
         drop(unsafe { Box::from_raw(user) });
     }
     acl(code, "aclrtLaunchCallback")

@@ -49,6 +49,8 @@ use launch::host_fn_unsupported;
 /// the error. The call is `unsafe`: each use carries the SAFETY reasoning for its arguments.
 macro_rules! acl_call {
     ($api:expr, $f:ident($($arg:expr),* $(,)?)) => {
+        // SAFETY: the function pointer is one `$api` resolved and keeps loaded; the arguments
+        // are the caller's to justify: every use carries a `// SAFETY:` comment for them.
         acl(unsafe { $api.acl.$f($($arg),*) }, stringify!($f))
     };
 }
@@ -250,7 +252,7 @@ impl Backend for NpuBackend {
                 ),
             ));
         }
-        // SAFETY: plain ACL call.
+        // SAFETY: no pointer arguments; ACL checks the ordinal itself.
         acl_call!(self.api(), aclrtSetDevice(ordinal as i32))?;
         BOUND.with(|b| b.borrow_mut().insert(self.shared.instance, ordinal as i32));
         Ok(())
@@ -545,8 +547,9 @@ impl Backend for NpuBackend {
         let mut info = HcclRootInfo {
             internal: [0; ROOT_INFO_BYTES],
         };
-        // SAFETY: plain HCCL call into a correctly sized struct.
         hccl(
+            // SAFETY: HCCL writes one `HcclRootInfo` (`ROOT_INFO_BYTES` bytes) through the
+            // pointer: a live local of that type; the device is bound above.
             unsafe { self.api().hccl.HcclGetRootInfo(&mut info) }.0 as i32,
             "HcclGetRootInfo",
         )?;
@@ -576,8 +579,10 @@ impl Backend for NpuBackend {
             *d = *s as _;
         }
         let mut comm = std::ptr::null_mut();
-        // SAFETY: plain HCCL call; blocks until every rank joined.
         hccl(
+            // SAFETY: `info` is a live local `HcclRootInfo` HCCL only reads; the out-pointer is
+            // a live local `HcclComm`; HCCL checks `rank < world` itself. Blocks until every rank
+            // joined.
             unsafe {
                 self.api()
                     .hccl

@@ -27,6 +27,8 @@ macro_rules! handle {
         // SAFETY: an ACL handle is an identifier ACL accepts from any thread bound to its
         // device.
         unsafe impl Send for $name {}
+        // SAFETY: `&self` only copies the identifier out; the ACL and HCCL calls made with it
+        // are thread-safe, and the owning object (not this handle) decides when it is destroyed.
         unsafe impl Sync for $name {}
     };
 }
@@ -76,8 +78,9 @@ pub(crate) mod stream {
 
     pub(crate) fn create(api: &Ascend) -> Result<Stream> {
         let mut s = std::ptr::null_mut();
-        // SAFETY: plain ACL call into a local.
         acl(
+            // SAFETY: the out-pointer is a live local `aclrtStream`; `api` holds the library
+            // loaded, so the function pointer is valid.
             unsafe { api.acl.aclrtCreateStream(&mut s) },
             "aclrtCreateStream",
         )?;
@@ -88,6 +91,7 @@ pub(crate) mod stream {
     /// A stream from [`create`], destroyed once (ACL lets queued work finish).
     pub(crate) unsafe fn destroy(api: &Ascend, s: Stream) -> Result<()> {
         acl(
+            // SAFETY: the caller's contract: `s` is a stream of ours, destroyed this once.
             unsafe { api.acl.aclrtDestroyStream(s.0) },
             "aclrtDestroyStream",
         )
@@ -128,8 +132,8 @@ pub(crate) mod event {
 
     pub(crate) fn create(api: &Ascend, flags: u32) -> Result<Event> {
         let mut e = std::ptr::null_mut();
-        // SAFETY: plain ACL call into a local.
         acl(
+            // SAFETY: the out-pointer is a live local `aclrtEvent`; ACL checks `flags`.
             unsafe { api.acl.aclrtCreateEventWithFlag(&mut e, flags) },
             "aclrtCreateEventWithFlag",
         )?;
@@ -139,6 +143,8 @@ pub(crate) mod event {
     /// # Safety
     /// An event from [`create`], destroyed once, no longer waited on.
     pub(crate) unsafe fn destroy(api: &Ascend, e: Event) {
+        // SAFETY: the caller's contract: `e` is an event of ours, destroyed this once and no
+        // longer waited on.
         unsafe { api.acl.aclrtDestroyEvent(e.0) };
     }
 
@@ -153,8 +159,9 @@ pub(crate) mod event {
     /// Whether the work before the event's last record finished.
     pub(crate) fn query(api: &Ascend, e: Event) -> Result<bool> {
         let mut status = aclrtEventRecordedStatus(0);
-        // SAFETY: a live event; plain ACL call into a local.
         acl(
+            // SAFETY: `e` is live (its `EventObj` owns it for the duration of the call); the
+            // out-pointer is a live local.
             unsafe { api.acl.aclrtQueryEventStatus(e.0, &mut status) },
             "aclrtQueryEventStatus",
         )?;
@@ -171,8 +178,9 @@ pub(crate) mod event {
 
     pub(crate) fn elapsed_ms(api: &Ascend, start: Event, end: Event) -> Result<f32> {
         let mut ms = 0f32;
-        // SAFETY: live events; plain ACL call into a local.
         acl(
+            // SAFETY: both events are live (their `EventObj`s own them for the duration of
+            // the call); the out-pointer is a live local.
             unsafe { api.acl.aclrtEventElapsedTime(&mut ms, start.0, end.0) },
             "aclrtEventElapsedTime",
         )?;
@@ -186,8 +194,9 @@ pub(crate) mod mem {
     /// `bytes` of device memory on the bound device.
     pub(crate) fn alloc(api: &Ascend, bytes: usize) -> Result<usize> {
         let mut p = std::ptr::null_mut();
-        // SAFETY: plain ACL call into a local.
         acl(
+            // SAFETY: the out-pointer is a live local; ACL checks the size and the policy (0:
+            // `ACL_MEM_MALLOC_HUGE_FIRST`).
             unsafe { api.acl.aclrtMalloc(&mut p, bytes, aclrtMemMallocPolicy(0)) },
             "aclrtMalloc",
         )?;
@@ -197,14 +206,16 @@ pub(crate) mod mem {
     /// # Safety
     /// Memory from [`alloc`], freed once, no queued work using it.
     pub(crate) unsafe fn free(api: &Ascend, p: usize) -> Result<()> {
+        // SAFETY: the caller's contract: `p` came from `alloc`, is freed this once, and no
+        // queued work uses it.
         acl(unsafe { api.acl.aclrtFree(p as *mut c_void) }, "aclrtFree")
     }
 
     /// `bytes` of page-locked host memory.
     pub(crate) fn alloc_host(api: &Ascend, bytes: usize) -> Result<usize> {
         let mut p = std::ptr::null_mut();
-        // SAFETY: plain ACL call into a local.
         acl(
+            // SAFETY: the out-pointer is a live local; ACL checks the size.
             unsafe { api.acl.aclrtMallocHost(&mut p, bytes) },
             "aclrtMallocHost",
         )?;
@@ -215,6 +226,8 @@ pub(crate) mod mem {
     /// Memory from [`alloc_host`], freed once, no queued work using it.
     pub(crate) unsafe fn free_host(api: &Ascend, p: usize) -> Result<()> {
         acl(
+            // SAFETY: the caller's contract: `p` came from `alloc_host`, is freed this once, and
+            // no queued work uses it.
             unsafe { api.acl.aclrtFreeHost(p as *mut c_void) },
             "aclrtFreeHost",
         )
@@ -234,6 +247,8 @@ pub(crate) mod mem {
         s: Stream,
     ) -> Result<()> {
         acl(
+            // SAFETY: the caller's contract: both ranges stay live until the copy ran on `s`;
+            // ACL itself refuses `bytes > dst_max`.
             unsafe {
                 api.acl.aclrtMemcpyAsync(
                     dst as *mut c_void,
@@ -260,6 +275,8 @@ pub(crate) mod mem {
         s: Stream,
     ) -> Result<()> {
         acl(
+            // SAFETY: the caller's contract: `dst..dst + bytes` is live device memory until the
+            // memset ran on `s`; ACL itself refuses `bytes > dst_max`.
             unsafe {
                 api.acl
                     .aclrtMemsetAsync(dst as *mut c_void, dst_max, i32::from(value), bytes, s.0)
@@ -271,8 +288,8 @@ pub(crate) mod mem {
     /// Free and total bytes of the bound device's HBM.
     pub(crate) fn info(api: &Ascend) -> Result<(usize, usize)> {
         let (mut free, mut total) = (0, 0);
-        // SAFETY: plain ACL call into locals.
         acl(
+            // SAFETY: both out-pointers are live locals; attribute 1 is `ACL_HBM_MEM`.
             unsafe {
                 api.acl
                     .aclrtGetMemInfo(aclrtMemAttr(1), &mut free, &mut total)

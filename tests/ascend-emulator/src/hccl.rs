@@ -494,6 +494,8 @@ fn perform(descs: &[Option<Desc>]) -> Result<(), AclError> {
         .map(|x| {
             x.send
                 .as_ref()
+                // SAFETY: `r` is a send range pinned in `keep` above and validated at the call
+                // for exactly this count.
                 .map_or_else(Vec::new, |r| unsafe { memory::read(r) })
         })
         .collect();
@@ -501,6 +503,8 @@ fn perform(descs: &[Option<Desc>]) -> Result<(), AclError> {
     let recv_ptr = |r: usize| d[r].recv.as_ref().map(|x| x.ptr);
     let put = |r: usize, off: usize, data: &[u8]| {
         if let (Some(p), false) = (recv_ptr(r), data.is_empty()) {
+            // SAFETY: `p + off .. + data.len()` lies inside rank `r`'s receive range, pinned in
+            // `keep` above and validated at the call for the extent each case below writes.
             unsafe { memory::write(p + off, data) };
         }
     };

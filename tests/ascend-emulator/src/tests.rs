@@ -1,6 +1,13 @@
 //! Tests through the exported functions, as the backend calls them. The emulator's state is
 //! process-wide, so every test takes [`setup`]'s lock and starts from a known configuration.
 //! (Over 800 lines for the same reason: one process-wide state, one lock, one file.)
+//!
+//! The exported functions are `unsafe` for what the C header leaves to the caller: out-pointers
+//! (here live locals, or null, which the emulator refuses) and host buffers (live locals of at
+//! least the count, kept alive until the work on them ran). Handles and device pointers it looks
+//! up in its registries, so the stale, bogus and out-of-range ones these tests pass are refused
+//! with the asserted codes, never dereferenced. The SAFETY comments below say which of these
+//! each block relies on.
 
 use std::ffi::c_void;
 use std::ptr::{null, null_mut};
@@ -34,6 +41,8 @@ fn setup() -> MutexGuard<'static, ()> {
         c.preinit = false;
         c.malformed = false;
     });
+    // SAFETY: `hprtEmuSetFaults` reads a NUL-terminated literal; a null config path is the header's
+    // "no config file"; the rest take no pointers.
     unsafe {
         assert_eq!(hprtEmuSetFaults(c"".as_ptr()), 0);
         reset_life(false);
@@ -45,17 +54,21 @@ fn setup() -> MutexGuard<'static, ()> {
 
 fn stats() -> HprtEmuStats {
     let mut s = HprtEmuStats::default();
+    // SAFETY: the out-pointer is a live local `HprtEmuStats`.
     assert_eq!(unsafe { hprtEmuGetStats(&mut s) }, 0);
     s
 }
 
 fn malloc(size: usize) -> *mut c_void {
     let mut p = null_mut();
+    // SAFETY: the out-pointer is a live local.
     assert_eq!(unsafe { aclrtMalloc(&mut p, size, 0) }, 0);
     p
 }
 
 fn free(p: *mut c_void) {
+    // SAFETY: the emulator looks `p` up in its allocation registry (module doc); the callers pass
+    // their own allocations.
     assert_eq!(unsafe { aclrtFree(p) }, 0);
 }
 
@@ -68,6 +81,8 @@ fn as_bytes<T: Copy>(v: &[T]) -> &[u8] {
 fn upload<T: Copy>(v: &[T]) -> *mut c_void {
     let b = as_bytes(v);
     let p = malloc(b.len().max(1));
+    // SAFETY: `b` is a live host slice of `b.len()` bytes and `p` a fresh device allocation of at
+    // least that size.
     let rc = unsafe {
         aclrtMemcpy(
             p,
@@ -84,6 +99,8 @@ fn upload<T: Copy>(v: &[T]) -> *mut c_void {
 fn download<T: Copy + Default>(p: *const c_void, n: usize) -> Vec<T> {
     let mut v = vec![T::default(); n];
     let bytes = std::mem::size_of_val(v.as_slice());
+    // SAFETY: `v` is a live Vec of `bytes` bytes; `p..p + bytes` is checked against the allocation
+    // registry (module doc).
     let rc = unsafe {
         aclrtMemcpy(
             v.as_mut_ptr().cast(),
@@ -99,15 +116,18 @@ fn download<T: Copy + Default>(p: *const c_void, n: usize) -> Vec<T> {
 
 fn new_stream() -> *mut c_void {
     let mut s = null_mut();
+    // SAFETY: the out-pointer is a live local.
     assert_eq!(unsafe { aclrtCreateStream(&mut s) }, 0);
     s
 }
 
 fn destroy_stream(s: *mut c_void) {
+    // SAFETY: a stream handle, checked against the emulator's registry (module doc).
     assert_eq!(unsafe { aclrtDestroyStream(s) }, 0);
 }
 
 fn sync(s: *mut c_void) -> AclError {
+    // SAFETY: a stream handle, checked against the emulator's registry (module doc).
     unsafe { aclrtSynchronizeStream(s) }
 }
 
@@ -123,6 +143,7 @@ fn hold(s: *mut c_void) -> mpsc::Sender<()> {
 
 fn new_event(flag: u32) -> *mut c_void {
     let mut e = null_mut();
+    // SAFETY: the out-pointer is a live local.
     assert_eq!(unsafe { aclrtCreateEventWithFlag(&mut e, flag) }, 0);
     e
 }
@@ -136,6 +157,8 @@ fn on_new_thread<T: Send>(f: impl FnOnce() -> T + Send) -> T {
 #[test]
 fn init_finalize_lifecycle() {
     let _g = setup();
+    // SAFETY: every out-pointer is a live local; a null config path is the header's "no config
+    // file".
     unsafe {
         reset_life(false);
         let mut p = null_mut();
@@ -161,6 +184,7 @@ fn init_finalize_lifecycle() {
 #[test]
 fn preinit_means_someone_else_initialised() {
     let _g = setup();
+    // SAFETY: a null config path is the header's "no config file"; `p` is our own allocation.
     unsafe {
         reset_life(true);
         assert_eq!(aclInit(null()), ACL_ERROR_REPEAT_INITIALIZE);
@@ -173,6 +197,7 @@ fn preinit_means_someone_else_initialised() {
 #[test]
 fn malformed_configuration_fails_init() {
     let _g = setup();
+    // SAFETY: a null config path is the header's "no config file"; no other pointers.
     unsafe {
         reset_life(false);
         with_config(|c| c.malformed = true);
@@ -185,6 +210,8 @@ fn malformed_configuration_fails_init() {
 #[test]
 fn devices_and_mem_info() {
     let _g = setup();
+    // SAFETY: every out-pointer is a live local of this or the new thread, or null, which the
+    // emulator refuses (asserted); handles are registry-checked (module doc).
     unsafe {
         let mut n = 0;
         assert_eq!(aclrtGetDeviceCount(&mut n), 0);
@@ -236,6 +263,9 @@ fn devices_and_mem_info() {
 #[test]
 fn malloc_free_contracts() {
     let _g = setup();
+    // SAFETY: out-pointers are live locals or null (refused); the pointers that are not live
+    // allocations of the right kind (an offset into one, a local, null, a freed one, pinned vs
+    // device) are looked up in the registries and refused, never freed (module doc).
     unsafe {
         let mut p = null_mut();
         assert_eq!(aclrtMalloc(&mut p, 0, 0), ACL_ERROR_INVALID_PARAM);
@@ -280,6 +310,10 @@ fn malloc_free_contracts() {
 #[test]
 fn memcpy_kinds_and_bounds() {
     let _g = setup();
+    // SAFETY: `h` and `pinned` are 256-byte host buffers alive to the end, and no call that runs
+    // moves more than 256 bytes into or out of them (the ones that would, or that go past an
+    // allocation, are refused at call time); every async call here is refused, so nothing queued
+    // outlives the test.
     unsafe {
         let d = upload(&[1u8; 256]);
         let d2 = malloc(256);
@@ -351,6 +385,9 @@ fn memcpy_kinds_and_bounds() {
 fn streams_are_asynchronous_and_ordered_under_delays() {
     let _g = setup();
     with_config(|c| c.delay_seed = Some(0x5EED));
+    // SAFETY: `out` (32 slots of 64 bytes) and `host` (64 bytes) stay alive until the `sync` after
+    // the copies into them; each copy writes 64 bytes at a slot's start, so `add` stays inside
+    // `out`.
     unsafe {
         let s = new_stream();
         let d = malloc(64);
@@ -408,6 +445,9 @@ fn streams_are_asynchronous_and_ordered_under_delays() {
 #[test]
 fn stream_handles_errors_and_default_stream() {
     let _g = setup();
+    // SAFETY: the host buffer `h` (16 bytes) outlives the `sync` that reports its copy's failure;
+    // out-pointers are live locals or null (refused); destroyed and null stream handles are
+    // registry-checked (module doc).
     unsafe {
         let inv = ACL_ERROR_INVALID_PARAM;
         assert_eq!(aclrtCreateStream(null_mut()), inv);
@@ -481,6 +521,8 @@ fn stream_handles_errors_and_default_stream() {
 #[test]
 fn events_status_and_elapsed_time() {
     let _g = setup();
+    // SAFETY: out-pointers are live locals or null (refused, asserted); destroyed handles, and a
+    // stream passed as an event, are registry-checked and refused (module doc).
     unsafe {
         let inv = ACL_ERROR_INVALID_PARAM;
         let mut e = null_mut();
@@ -556,12 +598,16 @@ struct CbState {
 }
 
 unsafe extern "C" fn slow_cb(user: *mut c_void) {
+    // SAFETY: `user` is `Arc::as_ptr` of the test's `CbState`, which outlives every callback
+    // launched with it (each ran, or failed its stream, before the test returns).
     let st = unsafe { &*(user as *const CbState) };
     std::thread::sleep(Duration::from_millis(30));
     st.log.lock().unwrap().push("callback");
 }
 
 unsafe extern "C" fn gated_cb(user: *mut c_void) {
+    // SAFETY: `user` is `Arc::as_ptr` of the test's `CbState`, which outlives every callback
+    // launched with it (each ran, or failed its stream, before the test returns).
     let st = unsafe { &*(user as *const CbState) };
     if let Some(rx) = st.release.lock().unwrap().take() {
         let _ = rx.recv();
@@ -584,6 +630,10 @@ fn callbacks_block_and_no_block() {
     });
     let user = Arc::as_ptr(&state) as *mut c_void;
     let user_addr = user as usize;
+    // SAFETY: `user` points at `state`, alive to the end of the test, after every callback launched
+    // with it ran or was dropped with its failed stream; both callbacks have the header's
+    // signature; `pthread_self` has no preconditions; stream handles are registry-checked (module
+    // doc).
     unsafe {
         let inv = ACL_ERROR_INVALID_PARAM;
         let s = new_stream();
@@ -663,6 +713,7 @@ fn callbacks_block_and_no_block() {
 
 fn root_info() -> Vec<u8> {
     let mut root = vec![0u8; HCCL_ROOT_INFO_BYTES];
+    // SAFETY: the emulator writes `HCCL_ROOT_INFO_BYTES` into a Vec of that length.
     assert_eq!(unsafe { HcclGetRootInfo(root.as_mut_ptr().cast()) }, 0);
     root
 }
@@ -673,6 +724,8 @@ fn ranks(n: u32, f: impl Fn(u32, *mut c_void, *mut c_void) + Sync) {
     let (root, f) = (&root, &f);
     std::thread::scope(|sc| {
         for r in 0..n {
+            // SAFETY: `root` holds `HCCL_ROOT_INFO_BYTES`, which the init reads; the out-pointer is
+            // a live local; the communicator and stream are destroyed only after `f` returned.
             sc.spawn(move || unsafe {
                 assert_eq!(aclrtSetDevice((r % 4) as i32), 0);
                 let mut comm = null_mut();
@@ -697,6 +750,9 @@ fn all_reduce_all_gather_reduce_scatter() {
     let _g = setup();
     with_config(|c| c.delay_seed = Some(3));
     for n in [2u32, 4] {
+        // SAFETY: every device buffer comes from `upload` / `malloc` sized for the count its
+        // collective moves (and the emulator checks each against its allocation); `comm` and `s`
+        // live for the closure (`ranks`).
         ranks(n, |r, comm, s| unsafe {
             let len = 10usize;
             let mine: Vec<f32> = (0..len).map(|i| (r * 100) as f32 + i as f32).collect();
@@ -748,6 +804,9 @@ fn broadcast_alltoall_alltoallv() {
     let _g = setup();
     with_config(|c| c.delay_seed = Some(11));
     for n in [2u32, 4] {
+        // SAFETY: the count and displacement arrays each hold the world size's u64s, as the
+        // all-to-all-v reads them; every device buffer is sized for what its collective moves (and
+        // registry-checked); `comm` and `s` live for the closure (`ranks`).
         ranks(n, |r, comm, s| unsafe {
             let nn = n as usize;
             let b = upload(&[r as i32; 5]);
@@ -816,6 +875,8 @@ fn broadcast_alltoall_alltoallv() {
 fn send_recv_pairs_and_groups() {
     let _g = setup();
     with_config(|c| c.delay_seed = Some(5));
+    // SAFETY: `mine` and `got` are 32-byte device buffers, 8 i32 as each call moves; `comm` and `s`
+    // live for the closure (`ranks`).
     ranks(4, |r, comm, s| unsafe {
         let mine = upload(&[r as i32; 8]);
         let got = malloc(32);
@@ -854,6 +915,8 @@ fn hccl_mismatch_and_missing_peer_fail_the_stream() {
     let _g = setup();
     crate::control::hprtEmuSetHcclTimeoutMs(300);
     // Each failure on its own communicator: after one, the communicator is broken.
+    // SAFETY: `buf` is a 64-byte device buffer, at least the 8 f32 any call here moves;
+    // out-pointers are live locals; `comm` and `s` live for the closure (`ranks`).
     ranks(2, |r, comm, s| unsafe {
         let buf = malloc(64);
         let count = if r == 0 { 4 } else { 8 };
@@ -880,6 +943,8 @@ fn hccl_mismatch_and_missing_peer_fail_the_stream() {
         assert_eq!(aclrtDestroyEvent(ev), 0);
         free(buf);
     });
+    // SAFETY: `buf` is a 64-byte device buffer, more than the 4 f32 the call moves; `comm` and `s`
+    // live for the closure (`ranks`).
     ranks(2, |r, comm, s| unsafe {
         let buf = malloc(64);
         // Different ops also disagree.
@@ -892,6 +957,8 @@ fn hccl_mismatch_and_missing_peer_fail_the_stream() {
         assert_eq!(sync(s), ACL_ERROR_RT_INTERNAL_ERROR);
         free(buf);
     });
+    // SAFETY: `buf` is a 64-byte device buffer, at least the 4 f32 either call moves; `comm` and
+    // `s` live for the closure (`ranks`).
     ranks(2, |r, comm, s| unsafe {
         let buf = malloc(64);
         // Send/recv whose counts disagree.
@@ -903,6 +970,8 @@ fn hccl_mismatch_and_missing_peer_fail_the_stream() {
         assert_eq!(sync(s), ACL_ERROR_RT_INTERNAL_ERROR);
         free(buf);
     });
+    // SAFETY: `buf` is a 64-byte device buffer, more than the 4 f32 the call moves; `comm` and `s`
+    // live for the closure (`ranks`).
     ranks(2, |r, comm, s| unsafe {
         let buf = malloc(64);
         // Rank 1 never joins: rank 0 times out instead of hanging, once; the communicator is
@@ -925,6 +994,11 @@ fn hccl_mismatch_and_missing_peer_fail_the_stream() {
 fn hccl_call_time_validation() {
     let _g = setup();
     crate::control::hprtEmuSetHcclTimeoutMs(300);
+    // SAFETY: root infos are `HCCL_ROOT_INFO_BYTES` buffers alive for each call; out-pointers are
+    // live locals or null (refused); the bogus communicator and stream handles, the host buffer
+    // passed as device memory and the counts past an allocation's end are refused by registry
+    // checks at call time (module doc); `counts` and `displs` hold one u64 each, for a one-rank
+    // communicator.
     unsafe {
         let mut comm = null_mut();
         let root = root_info();
@@ -1080,6 +1154,8 @@ fn hccl_call_time_validation() {
 #[test]
 fn fault_injection() {
     let _g = setup();
+    // SAFETY: fault specs are NUL-terminated literals or null (refused); out-pointers are live
+    // locals; the null handles of the count-0 calls are never used.
     unsafe {
         assert_eq!(
             hprtEmuSetFaults(c"aclrtMalloc:2:207001,HcclAllReduce:1:9".as_ptr()),
@@ -1129,6 +1205,7 @@ fn fault_injection() {
 #[test]
 fn stats_track_live_resources() {
     let _g = setup();
+    // SAFETY: out-pointers are live locals or null (refused); `root` holds `HCCL_ROOT_INFO_BYTES`.
     unsafe {
         let before = stats();
         let d = malloc(1000);
@@ -1198,14 +1275,19 @@ fn a_record_racing_a_wait_on_its_own_stream_never_hangs() {
     let (su, eu) = (s as usize, e as usize);
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
+        // SAFETY: no pointer arguments.
         assert_eq!(unsafe { aclrtSetDevice(0) }, 0);
         std::thread::scope(|sc| {
+            // SAFETY: no pointer arguments but the stream and event handles, which live until both
+            // threads are joined (and are registry-checked, module doc).
             sc.spawn(|| unsafe {
                 assert_eq!(aclrtSetDevice(0), 0);
                 for _ in 0..30_000 {
                     assert_eq!(aclrtRecordEvent(eu as *mut c_void, su as *mut c_void), 0);
                 }
             });
+            // SAFETY: no pointer arguments but the stream and event handles, which live until both
+            // threads are joined (and are registry-checked, module doc).
             sc.spawn(|| unsafe {
                 assert_eq!(aclrtSetDevice(0), 0);
                 for _ in 0..30_000 {
@@ -1222,6 +1304,7 @@ fn a_record_racing_a_wait_on_its_own_stream_never_hangs() {
         .recv_timeout(Duration::from_secs(30))
         .expect("the stream hung: a wait queued ahead of the record it waits for");
     assert_eq!(r, 0);
+    // SAFETY: an event handle, checked against the emulator's registry (module doc).
     assert_eq!(unsafe { aclrtDestroyEvent(e) }, 0);
     destroy_stream(s);
 }

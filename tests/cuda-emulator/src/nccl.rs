@@ -562,7 +562,7 @@ fn perform(d: &Desc, ptrs: &[(usize, usize)]) {
     let dtype = dtype_of(d.dtype).expect("checked at the call");
     let size = dtype.size();
     let n = d.count * size;
-    // SAFETY (all below): every buffer was bounds-checked at the call for the extent used here
+    // SAFETY: (all below) every buffer was bounds-checked at the call for the extent used here
     // and is held by its rank's stream job, which is waiting for this to finish.
     unsafe {
         match d.kind {

@@ -111,6 +111,8 @@ pub unsafe extern "C" fn nvrtcCreateProgram(
         }
         // SAFETY: API contract: NUL-terminated strings, `num_headers` entries in each array.
         let source = unsafe { text(src) }.ok_or(NVRTC_ERROR_INVALID_INPUT)?;
+        // SAFETY: API contract: `name` is null (`text` gives `None`: the default name) or
+        // NUL-terminated.
         let name = unsafe { text(name) }.unwrap_or_else(|| "default_program".into());
         if num_headers < 0 || (num_headers > 0 && (headers.is_null() || include_names.is_null())) {
             return Err(NVRTC_ERROR_INVALID_INPUT);

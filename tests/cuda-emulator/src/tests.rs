@@ -32,8 +32,8 @@ fn setup() -> MutexGuard<'static, ()> {
 /// Retains device `dev`'s primary context and makes it current on this thread.
 fn bind(dev: i32) -> *mut c_void {
     let mut ctx = null_mut();
-    // SAFETY: out-pointer to a local.
     assert_eq!(
+        // SAFETY: out-pointer to a local.
         unsafe { cuDevicePrimaryCtxRetain(&mut ctx, dev) },
         CUDA_SUCCESS
     );
@@ -48,8 +48,8 @@ fn unbind(dev: i32) {
 
 fn stream() -> *mut c_void {
     let mut s = null_mut();
-    // SAFETY: out-pointer to a local.
     assert_eq!(
+        // SAFETY: out-pointer to a local.
         unsafe { cuStreamCreate(&mut s, CU_STREAM_NON_BLOCKING) },
         CUDA_SUCCESS
     );
@@ -95,8 +95,8 @@ fn calls_before_cuinit_are_refused() {
     let _g = setup();
     state::testing::set_initialized(false);
     let mut n = 0;
-    // SAFETY: out-pointer to a local.
     assert_eq!(
+        // SAFETY: out-pointer to a local.
         unsafe { cuDeviceGetCount(&mut n) },
         CUDA_ERROR_NOT_INITIALIZED
     );
@@ -249,8 +249,8 @@ fn memory_contracts() {
         "double free"
     );
     let mut too_much = 0;
-    // SAFETY: out-pointer to a local.
     assert_eq!(
+        // SAFETY: out-pointer to a local.
         unsafe { cuMemAlloc_v2(&mut too_much, (state::config().device_memory + 1) as usize) },
         CUDA_ERROR_OUT_OF_MEMORY
     );
@@ -450,8 +450,8 @@ fn load(src: &str) -> *mut c_void {
 fn function(module: *mut c_void, name: &str) -> *mut c_void {
     let mut f = null_mut();
     let name = CString::new(name).unwrap();
-    // SAFETY: a loaded module and a NUL-terminated name.
     assert_eq!(
+        // SAFETY: a loaded module and a NUL-terminated name.
         unsafe { cuModuleGetFunction(&mut f, module, name.as_ptr()) },
         CUDA_SUCCESS
     );
@@ -629,8 +629,8 @@ fn kernels_meet_at_barriers_and_use_warp_intrinsics_and_shared_memory() {
     assert_eq!(r, CUDA_ERROR_NOT_SUPPORTED);
     let mut missing = null_mut();
     let bad = CString::new("no_such_kernel").unwrap();
-    // SAFETY: as in `function`.
     assert_eq!(
+        // SAFETY: as in `function`.
         unsafe { cuModuleGetFunction(&mut missing, module, bad.as_ptr()) },
         CUDA_ERROR_NOT_FOUND
     );
@@ -700,9 +700,9 @@ fn world(n: usize, f: impl Fn(usize, *mut c_void, *mut c_void) + Sync) {
             sc.spawn(move || {
                 bind(rank as i32);
                 let mut comm = null_mut();
-                // SAFETY: out-pointer to a local; the id is passed by value.
                 let uid = UniqueId::from_bytes(id);
                 assert_eq!(
+                    // SAFETY: out-pointer to a local; the id is passed by value.
                     unsafe { ncclCommInitRank(&mut comm, n as i32, uid, rank as i32) },
                     0
                 );
@@ -844,8 +844,8 @@ fn a_record_racing_a_wait_on_its_own_stream_never_hangs() {
     bind(0);
     let s = stream();
     let mut e = null_mut();
-    // SAFETY: out-pointer to a local.
     assert_eq!(
+        // SAFETY: out-pointer to a local.
         unsafe { cuEventCreate(&mut e, CU_EVENT_DISABLE_TIMING) },
         CUDA_SUCCESS
     );
