@@ -6,7 +6,7 @@
 //! the same run. GB/s of raw bytes, wall time of one thread, best of `--rounds`.
 //!
 //! ```bash
-//! cargo run --release -p hprt-swap --example host_stage_codec -- --rounds 5 data/*.bf16
+//! cargo run --release -p hprt-cli --example host_stage_codec -- --rounds 5 data/*.bf16
 //! ```
 
 use std::sync::Arc;
