@@ -131,7 +131,8 @@ pub(crate) mod avx2 {
     /// decoded symbols (one per 32-bit lane).
     ///
     /// # Safety
-    /// AVX2 and POPCNT; `window` points at 16 readable bytes, the eight words below the next unread one.
+    /// AVX2 and POPCNT; `window` points at 16 readable bytes, the eight words below the next
+    /// unread one.
     #[target_feature(enable = "avx2,popcnt")]
     #[inline]
     unsafe fn step(
