@@ -22,6 +22,10 @@ pub(crate) mod avx2 {
     #[repr(C, align(32))]
     struct Lanes([u32; 8]);
 
+    /// Four vectors of `u32`, aligned for vector stores.
+    #[repr(C, align(32))]
+    struct Lanes4([u32; 32]);
+
     /// For each 8-bit refill mask, the window lane each lane takes its word from: the window
     /// holds words `p - 8 .. p` in order and refilling lane `k` takes word
     /// `p - 1 - popcount(mask & ((1 << k) - 1))` (the refilling lanes in lane order).
@@ -60,8 +64,10 @@ pub(crate) mod avx2 {
         t
     };
 
+    /// AVX2, and POPCNT for the refill and emit counts (every AVX2 CPU has it; without it
+    /// `count_ones` compiles to a multiply-and-shift sequence on the loops' critical paths).
     pub(crate) fn available() -> bool {
-        std::is_x86_feature_detected!("avx2")
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("popcnt")
     }
 
     /// Loop constants, built once per call.
@@ -73,8 +79,9 @@ pub(crate) mod avx2 {
     }
 
     /// # Safety
-    /// AVX2 (`unsafe` rather than a safe `#[target_feature]` fn, which needs Rust 1.86).
-    #[target_feature(enable = "avx2")]
+    /// AVX2 and POPCNT (`unsafe` rather than a safe `#[target_feature]` fn, which needs Rust
+    /// 1.86).
+    #[target_feature(enable = "avx2,popcnt")]
     unsafe fn consts(prob_bits: u32) -> Consts {
         // Masked slots index the decoding table unchecked (`lookup8`).
         assert!(1 << prob_bits <= MAX_SLOTS);
@@ -90,8 +97,8 @@ pub(crate) mod avx2 {
     /// cores): `freq | (slot - cum) << 16` and the symbols, one lane per slot.
     ///
     /// # Safety
-    /// AVX2.
-    #[target_feature(enable = "avx2")]
+    /// AVX2 and POPCNT.
+    #[target_feature(enable = "avx2,popcnt")]
     #[inline]
     unsafe fn lookup8(table: &DecTable, slot: __m256i) -> (__m256i, __m256i) {
         let mut idx = [0u32; 8];
@@ -124,8 +131,9 @@ pub(crate) mod avx2 {
     /// decoded symbols (one per 32-bit lane).
     ///
     /// # Safety
-    /// AVX2; `window` points at 16 readable bytes, the eight words below the next unread one.
-    #[target_feature(enable = "avx2")]
+    /// AVX2 and POPCNT; `window` points at 16 readable bytes, the eight words below the next
+    /// unread one.
+    #[target_feature(enable = "avx2,popcnt")]
     #[inline]
     unsafe fn step(
         c: &Consts,
@@ -159,8 +167,8 @@ pub(crate) mod avx2 {
     /// words used.
     ///
     /// # Safety
-    /// AVX2; `8 <= p <= words.len() / 2`; `grp` has eight symbols.
-    #[target_feature(enable = "avx2")]
+    /// AVX2 and POPCNT; `8 <= p <= words.len() / 2`; `grp` has eight symbols.
+    #[target_feature(enable = "avx2,popcnt")]
     #[inline]
     unsafe fn group(
         c: &Consts,
@@ -185,8 +193,8 @@ pub(crate) mod avx2 {
     /// The caller finishes the rest with the scalar decoder.
     ///
     /// # Safety
-    /// The CPU must support AVX2 ([`available`]).
-    #[target_feature(enable = "avx2")]
+    /// The CPU must support AVX2 and POPCNT ([`available`]).
+    #[target_feature(enable = "avx2,popcnt")]
     pub(crate) unsafe fn decode_groups<const N: usize>(
         syms: [&mut [u16]; N],
         tables: [&DecTable; N],
@@ -231,8 +239,8 @@ pub(crate) mod avx2 {
     /// keeps those of its emitting lanes).
     ///
     /// # Safety
-    /// The CPU must support AVX2 ([`available`]); `syms.len()` is a multiple of 32.
-    #[target_feature(enable = "avx2")]
+    /// The CPU must support AVX2 and POPCNT ([`available`]); `syms.len()` is a multiple of 32.
+    #[target_feature(enable = "avx2,popcnt")]
     pub(crate) unsafe fn encode_groups32(
         syms: &[u16],
         table: &EncTable,
@@ -256,9 +264,11 @@ pub(crate) mod avx2 {
                 let q = $q;
                 // The eight lanes' 16-byte entries, loaded one by one (faster than four
                 // gathers on AMD cores) and transposed into one vector per field.
+                // Volatile: each offset is one plain load, not a two-uop lane extraction the
+                // compiler would otherwise make of the stored vector.
                 let ent = |k: usize| {
                     t.cast::<u8>()
-                        .add($grp[q * LANES + k] as usize)
+                        .add(std::ptr::read_volatile(&$grp[q * LANES + k]) as usize)
                         .cast::<__m128i>()
                 };
                 let row = |k: usize| _mm256_loadu2_m128i(ent(k + 4), ent(k));
@@ -289,16 +299,17 @@ pub(crate) mod avx2 {
                 $v = _mm256_add_epi32(_mm256_add_epi32(v, bias), _mm256_mullo_epi32(quot, cmpl));
             };
         }
-        let (mask, offsets) = (_mm256_set1_epi16(511), &mut [0u16; 4 * LANES]);
+        let (mask, offsets) = (_mm256_set1_epi32(511), &mut Lanes4([0u32; 4 * LANES]));
         for grp in syms.chunks_exact(4 * LANES).rev() {
-            // Byte offsets of the group's table entries, computed 16 at a time (the scalar
+            // Byte offsets of the group's table entries, computed eight at a time (the scalar
             // loads below then need no arithmetic).
-            for h in 0..2 {
-                let v = _mm256_loadu_si256(grp[16 * h..].as_ptr().cast());
-                let o = _mm256_slli_epi16::<4>(_mm256_and_si256(v, mask));
-                _mm256_storeu_si256(offsets[16 * h..].as_mut_ptr().cast(), o);
+            for h in 0..4 {
+                let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(grp[8 * h..].as_ptr().cast()));
+                let o = _mm256_slli_epi32::<4>(_mm256_and_si256(v, mask));
+                _mm256_store_si256(offsets.0[8 * h..].as_mut_ptr().cast(), o);
             }
-            let grp = &*offsets;
+            let offsets = &offsets.0;
+            let grp = offsets;
             quarter!(grp, x3, 3);
             quarter!(grp, x2, 2);
             quarter!(grp, x1, 1);
@@ -317,8 +328,8 @@ pub(crate) mod avx2 {
     /// `dst` ends, and the caller packs the rest (overwriting what those wide stores spilled).
     ///
     /// # Safety
-    /// The CPU must support AVX2 ([`available`]).
-    #[target_feature(enable = "avx2")]
+    /// The CPU must support AVX2 and POPCNT ([`available`]).
+    #[target_feature(enable = "avx2,popcnt")]
     pub(crate) unsafe fn pack_mantissas16<E: Elem>(src: &[u8], dst: &mut [u8]) -> usize {
         if E::BYTES != 2 {
             return 0;
@@ -366,8 +377,8 @@ pub(crate) mod avx2 {
     /// 32-bit ones. Returns the sum and how many bytes it covered.
     ///
     /// # Safety
-    /// The CPU must support AVX2 ([`available`]).
-    #[target_feature(enable = "avx2")]
+    /// The CPU must support AVX2 and POPCNT ([`available`]).
+    #[target_feature(enable = "avx2,popcnt")]
     pub(crate) unsafe fn checksum_terms32(data: &[u8], first_word: u64) -> (u64, usize) {
         use crate::format::{K1, K2};
         let k2 = _mm256_set1_epi64x(K2 as i64);
@@ -408,8 +419,8 @@ pub(crate) mod avx2 {
     }
 
     /// # Safety
-    /// AVX2.
-    #[target_feature(enable = "avx2")]
+    /// AVX2 and POPCNT.
+    #[target_feature(enable = "avx2,popcnt")]
     unsafe fn mant_layout(w: u32) -> MantLayout {
         let byte = |k: u32| (k * w / 8) as usize;
         let second = byte(4);
@@ -440,8 +451,8 @@ pub(crate) mod avx2 {
     /// words, states), `words` its word bytes.
     ///
     /// # Safety
-    /// The CPU must support AVX2 ([`available`]).
-    #[target_feature(enable = "avx2")]
+    /// The CPU must support AVX2 and POPCNT ([`available`]).
+    #[target_feature(enable = "avx2,popcnt")]
     pub(crate) unsafe fn decode_merge32<E: Elem>(
         out: &mut [u8],
         payload: &[u8],
@@ -567,7 +578,7 @@ pub(crate) fn decode_pair_groups(
 ) -> usize {
     #[cfg(target_arch = "x86_64")]
     if avx2::available() {
-        // SAFETY: the CPU has AVX2.
+        // SAFETY: the CPU has AVX2 and POPCNT.
         return unsafe { avx2::decode_groups(syms, tables, prob_bits, words, pos, x) };
     }
     let _ = (syms, tables, prob_bits, words, pos, x);
@@ -588,7 +599,7 @@ pub(crate) fn decode_merge32<E: super::split::Elem>(
 ) -> usize {
     #[cfg(target_arch = "x86_64")]
     if avx2::available() {
-        // SAFETY: the CPU has AVX2.
+        // SAFETY: the CPU has AVX2 and POPCNT.
         return unsafe {
             avx2::decode_merge32::<E>(out, payload, words_len, table, prob_bits, pos, x)
         };
@@ -602,7 +613,7 @@ pub(crate) fn decode_merge32<E: super::split::Elem>(
 pub(crate) fn pack_mantissas16<E: super::split::Elem>(src: &[u8], dst: &mut [u8]) -> usize {
     #[cfg(target_arch = "x86_64")]
     if avx2::available() {
-        // SAFETY: the CPU has AVX2.
+        // SAFETY: the CPU has AVX2 and POPCNT.
         return unsafe { avx2::pack_mantissas16::<E>(src, dst) };
     }
     let _ = (src, dst);
@@ -615,7 +626,7 @@ pub(crate) fn checksum_terms(data: &[u8], first_word: u64) -> u64 {
     let (mut sum, mut done) = (0u64, 0usize);
     #[cfg(target_arch = "x86_64")]
     if avx2::available() {
-        // SAFETY: the CPU has AVX2.
+        // SAFETY: the CPU has AVX2 and POPCNT.
         (sum, done) = unsafe { avx2::checksum_terms32(data, first_word) };
     }
     sum.wrapping_add(crate::format::checksum_terms(
@@ -635,7 +646,7 @@ pub(crate) fn encode_groups32(
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     if avx2::available() {
-        // SAFETY: the CPU has AVX2; the callee asserts its length requirements.
+        // SAFETY: the CPU has AVX2 and POPCNT; the callee asserts its length requirements.
         unsafe { avx2::encode_groups32(syms, table, words, pos, x) };
         return true;
     }
