@@ -1,6 +1,7 @@
-"""How torch sees hprt's memory on each backend (views on the cpu backend, copies through pinned
-memory on the emulators, torch's own device tensors on hardware): one object per rank, so that
-parameters, gradients and state dicts move bytes without asking which backend runs."""
+"""How torch sees hprt's memory differs by backend (views on the cpu backend, copies through pinned
+memory on the emulators, torch's own device tensors on hardware); one object per rank hides the
+difference, so that parameters, gradients and state dicts move bytes without asking which
+backend runs."""
 
 import torch
 

@@ -1,6 +1,6 @@
 """hprt.torch: activation swap (and compression) of PyTorch's saved tensors through hprt.
 
-Importable only where torch is installed. This module is glue: hooks call hprt-swap's Rust front
+Importable only where torch is installed. This package is glue: hooks call hprt-swap's Rust front
 ends, which hold every swap rule. A saved tensor becomes a *borrowed* payload
 (``FrameworkMemory.tensor``): hprt borrows its memory, copies it to pinned memory on its d2h
 stream after the framework's current stream and drops its reference (so torch frees it) only

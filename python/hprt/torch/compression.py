@@ -1,7 +1,7 @@
-"""The modes that do not swap: ``keep`` (saved tensors stay on the device, counted: the baseline
-the others are measured against) and ``compress`` (lossless compression of CPU tensors on a
-codec thread of hprt's, decoded ahead of backward's reads), and the refusal of host compression
-where it would compress nothing (an accelerator's tensors)."""
+"""The modes that do not swap: ``keep`` (saved tensors stay on the device, counted by the same
+accounting: the baseline the other modes are measured against) and ``compress`` (lossless
+compression of CPU tensors on a codec thread of hprt's, decoded ahead of backward's reads); and
+the refusal of host compression where it would compress nothing (an accelerator's tensors)."""
 
 import concurrent.futures
 import threading

@@ -1,6 +1,6 @@
-"""The keyed swap (``TensorSwapContext``, the ``keyed`` mode): the with-block of
-``hprt.TensorSwapContext`` that hands torch's saved tensors to the context's ``KeyedSwap``. The
-class itself lives in ``hprt`` (it also swaps hprt's own values without torch)."""
+"""The keyed swap on torch (the ``keyed`` mode): the with-block of ``hprt.TensorSwapContext``,
+which hands torch's saved tensors to the context's ``KeyedSwap``. The class itself lives in
+``hprt``, which must not import torch (it also swaps hprt's own values)."""
 
 import hprt
 

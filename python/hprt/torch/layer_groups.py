@@ -1,7 +1,8 @@
-"""hyper_parallel's layer-group swap on torch modules (the ``swap`` mode): ``SwapManager``'s module
-hooks over the Rust ``SwapManager``, the tensors swapped in place with a group
-(``add_storage``, ``swap_tensor_wrapper``), and the module wrappers whose regions alone save into
-a layer's group (``swap_wrapper``, ``checkpoint_wrapper``), under hyper_parallel's names."""
+"""hyper_parallel's layer-group swap under its own names, so that code written for it runs on hprt
+(the ``swap`` mode): ``SwapManager``'s module hooks over the Rust ``SwapManager``, tensors
+swapped in place with their layer's group (``add_storage``, ``swap_tensor_wrapper``), and the
+module wrappers whose regions alone save into a layer's group (``swap_wrapper``,
+``checkpoint_wrapper``)."""
 
 import contextlib
 import enum

@@ -1,6 +1,6 @@
 """MindSpeed's activation compression (the ``managed_compress`` mode): torch's saved tensors
-registered per layer with hprt's ``ActivationManager``, which encodes them in operator windows
-and decodes them ahead of backward."""
+registered per layer with hprt's ``ActivationManager``, whose cost model decides what to encode
+in each operator window and which decodes run ahead of backward."""
 
 import torch
 

@@ -1,7 +1,8 @@
-"""Where a saved tensor's memory goes and where a reload lands: the layout a reload recreates
-(shape, strides, storage offset), the memory it is made in (the cpu platform's caching allocator
-on the cpu backend, torch's elsewhere), and torch's ``record_stream`` hand-over on the cuda
-backend. Shared by the swap front ends (through ``Runtime``) and by compress mode's decodes."""
+"""A reload must hand autograd a tensor indistinguishable from the one it saved, in memory torch
+can free again. Here: the layout a reload recreates (shape, strides, storage offset), the memory
+it lands in (the cpu platform's caching allocator on the cpu backend, torch's elsewhere), and the
+hand-over of memory to torch's stream-ordered allocator on the cuda backend (``record_stream``).
+Shared by the swap front ends (through ``Runtime``) and by compress mode's decodes."""
 
 import torch
 

@@ -1,5 +1,6 @@
-"""``attach(model, mode=...)``: one of the modes on an ordinary model's layer list, its arguments
-checked before anything is installed, and the ``Attached`` handle that removes it again."""
+"""``attach(model, mode=...)``: one mode on an ordinary model's layer list, without the model's
+code changing. Its arguments are checked before anything is installed, a failure part way
+removes what was, and the ``Attached`` handle removes it all again."""
 
 import weakref
 

@@ -1,7 +1,8 @@
-"""What every mode shares: torch's in-place check for the saved tensors hprt takes or leaves to
-autograd, one tensor per second read of a retained graph, and following one forward pass and
-its backward at a time (a pass overlapping a live one is left to autograd). The front ends'
-pack and unpack hooks are built from these pieces."""
+"""Every mode must give torch's own results under the patterns training uses (a tensor written in
+place after it was saved, ``retain_graph``, a graph dropped without backward, a second forward
+before the backward). The pieces here do that once for every front end: torch's in-place check
+for the tensors hprt takes or leaves to autograd, one tensor per saved tensor however often it
+is read, and following one forward pass and its backward at a time."""
 
 import threading
 import warnings

@@ -1,7 +1,8 @@
-"""Megatron-LM's fine-grained activation offloading over hprt's ``PipelineOffload``: its upstream
-names for marking offload groups inside a layer (``fine_grained_offloading_*``,
-``PipelineOffloadManager``, ``FineGrainedActivationOffloadingInterface``), and the ``pipeline``
-mode of ``attach``, a group per layer."""
+"""Megatron-LM's fine-grained activation offloading under its own names, so that model code that
+marks offload groups inside a layer runs on hprt's ``PipelineOffload``
+(``fine_grained_offloading_*``, ``PipelineOffloadManager``,
+``FineGrainedActivationOffloadingInterface``); and the ``pipeline`` mode of ``attach``, which
+makes each layer a group for models that mark nothing."""
 
 import contextlib
 

@@ -1,5 +1,6 @@
-"""``attach(..., budget=...)`` / ``offload_fraction=...``: which layers the swap modes offload,
-planned by ``hprt.plan_offload`` from what a profiling pass measured."""
+"""A swap mode offloads every layer but the last unless told otherwise; with a memory budget (or
+Megatron-LM's offload fraction) it offloads only the layers ``hprt.plan_offload`` picks from what
+a profiling pass measured (``attach(..., budget=...)`` / ``offload_fraction=...``)."""
 
 import time
 import warnings

@@ -1,7 +1,7 @@
-"""``Runtime``: hprt's side of the integration for one platform, which every mode goes through
-(which torch tensors and streams a backend takes, the framework-memory accounting, the front
-ends made for it and their counters), and the torch side of what may be swapped
-(``is_swappable``)."""
+"""What every mode needs of its platform, kept once per platform rather than per front end
+(``Runtime``): which torch tensors and streams the backend takes, the accounting of the torch
+memory hprt holds, the front ends made for it and their counters. Also the torch side of which
+saved tensors may be swapped at all (``is_swappable``)."""
 
 import time
 import weakref
