@@ -110,3 +110,40 @@ def test_torch_integration_names():
         scope = {}
         exec(name, scope)
         assert set(TORCH_ALL if "torch" in name else FSDP_ALL) <= set(scope)
+
+
+def test_names_patched_on_hprt_torch_take_effect(monkeypatch):
+    """Tests and benchmarks patch these private names on ``hprt.torch`` (the reload allocation,
+    the hand-over to torch's allocator, compress mode's codec-thread threshold); the modules
+    that use them look them up there, so a patch still takes effect."""
+    torch = pytest.importorskip("torch")
+    import hprt
+    import hprt.torch as ht
+
+    calls = []
+    monkeypatch.setattr(ht, "_stream_recorder", lambda backend: calls.append(backend))
+    ht.Runtime(hprt.cpu_platform())
+    assert calls == ["cpu"]
+
+    calls.clear()
+    real_empty, real_reload = ht._empty_like_layout, ht._host_reload
+    monkeypatch.setattr(ht, "_empty_like_layout",
+                        lambda *a: calls.append("empty") or real_empty(*a))
+    monkeypatch.setattr(ht, "_host_reload",
+                        lambda *a: calls.append("reload") or real_reload(*a))
+    platform = hprt.cpu_platform(device_memory=1 << 20)
+    out = ht._platform_empty(platform, (2, 3), (3, 1), 0, torch.float32)
+    assert calls == ["reload"] and tuple(out.shape) == (2, 3)
+    calls.clear()
+    out = ht._host_reload(None, ((4,), (1,), 0, torch.float32, 4))  # no room: torch allocates
+    assert calls == ["reload", "empty"] and tuple(out.shape) == (4,)
+
+    monkeypatch.setattr(ht, "_CODEC_THREAD_MIN_BYTES", 0)  # every tensor to the codec thread
+    comp = ht.compress_saved_tensors()
+    x = torch.randn(64, requires_grad=True)
+    with comp:
+        h = x * 2
+        loss = (h * h).sum()
+    assert comp._codec is not None
+    loss.backward()
+    assert torch.equal(x.grad, 8 * x.detach()) and comp.stats()["tensors"] > 0
