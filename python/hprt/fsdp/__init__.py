@@ -39,6 +39,8 @@ parameter), ``state`` (a module's gathers, hooks and backward), ``module`` (``fu
 ``FSDPModule``), ``policies`` and ``state_dict``.
 """
 
+# The modules' public names, and the private ones the tests read here (``_context``,
+# ``_HostDeviceMemory``, ``_is_emulator``).
 from .memory import _HostDeviceMemory, _is_emulator  # noqa: F401
 from .mesh import RankMesh, StreamTrace, init_device_mesh
 from .module import FSDPModule, fully_shard
