@@ -19,7 +19,7 @@
 //! Ranks are whatever the platform's communicators connect (threads of one process on the cpu
 //! backend); each rank builds one [`GroupCache`] over its world communicator and its parameters
 //! in the same order as every other rank. torch modules are sharded with these parameters by
-//! `hprt.torch.fully_shard` (the Python package's `hprt/fsdp.py`).
+//! `hprt.torch.fully_shard` (the Python package's `hprt/fsdp/`).
 
 mod error;
 mod grad;

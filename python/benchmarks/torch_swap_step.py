@@ -233,10 +233,12 @@ def _tag_autograd_thread(tag):
 
 
 def _frame_key(frames):
-    """The innermost Python frame outside torch's own package, as ``name (file:line)``."""
+    """The innermost Python frame outside torch's own package (hprt.torch's modules, under
+    ``hprt/torch/``, count), as ``name (file:line)``."""
     for f in frames or ():
         name = f.get("filename", "")
-        if name and "/torch/" not in name and not name.startswith("<") and name != "??":
+        in_torch = "/torch/" in name and "/hprt/torch/" not in name
+        if name and not in_torch and not name.startswith("<") and name != "??":
             return f"{f.get('name', '?')} ({os.path.basename(name)}:{f.get('line', 0)})"
     return "(no Python frame)"
 

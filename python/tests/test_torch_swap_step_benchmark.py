@@ -91,7 +91,7 @@ def test_heads_and_head_dim(bench):
         bench.resolve_heads(types.SimpleNamespace(heads=3, head_dim=128, dim=1024, ffn=None))
 
 
-def frames(name, filename="/x/site-packages/hprt/torch.py", line=150):
+def frames(name, filename="/x/site-packages/hprt/torch/memory.py", line=150):
     return [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
             {"filename": filename, "line": line, "name": name}]
 
@@ -115,7 +115,7 @@ def test_replay_of_torch_memory_history(bench):
     per_tag, (peak, tag), top = bench.replay_history(trace, start_bytes=10)
     assert per_tag == {"L0 fwd": 110, "L1 fwd": 160, "L1 bwd": 460, "L0 bwd": 350}
     assert (peak, tag) == (460, "L1 bwd")
-    assert top == [("_empty_like_layout (torch.py:150)", 300), ("forward (m.py:7)", 150)]
+    assert top == [("_empty_like_layout (memory.py:150)", 300), ("forward (m.py:7)", 150)]
     lines = bench.history_lines((per_tag, (peak, tag), top))
     assert "L0:0 L1:0" in lines[0] and "during L1 bwd" in lines[2]
 
