@@ -31,12 +31,14 @@ mod host_errors;
 mod info;
 mod kernel;
 mod memory;
+mod names;
 pub mod npu;
 mod platform;
 mod select;
 pub mod sync;
 
 pub use backend::{Backend, Loc, Place};
+pub use capabilities::{Capabilities, CapabilityValue};
 pub use collective::{Collective, DEFAULT_COLLECTIVE_TIMEOUT};
 pub use cpu::{CpuBackend, CpuConfig, HOST_STREAM as CPU_HOST_STREAM};
 pub use cuda::CudaBackend;
@@ -49,6 +51,7 @@ pub use handle::{
 pub use info::{DeviceInfo, LibraryProbe, PlatformInfo};
 pub use kernel::{Access, DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
 pub use memory::{MemInfo, MemoryCounter, MemoryStats};
+pub use names::UnknownName;
 pub use npu::NpuBackend;
 pub use platform::{Platform, PlatformHandle};
 pub use select::{
