@@ -5,6 +5,8 @@
 //! - Handles: [`Stream`], [`Event`], [`DeviceBuffer`], [`PinnedBuffer`], [`Communicator`] —
 //!   backend-neutral, cheap to clone, typed errors after destroy.
 //! - [`Collective`], [`DType`], [`ReduceOp`] — what collectives do, for every backend.
+//! - [`Capabilities`] — what a platform can do ([`Platform::capabilities`]): what the layers
+//!   above branch on, never a backend's name.
 //! - [`Backend`] — the static per-backend trait; every `Backend` is a `Platform` (`dispatch`).
 //! - [`cpu`] — the reference backend: streams are worker threads, device memory has a capacity,
 //!   ranks are threads, and `HP_CPU_JITTER` makes missing waits visible.
@@ -18,6 +20,7 @@
 
 mod auxil;
 mod backend;
+mod capabilities;
 mod collective;
 pub mod cpu;
 pub mod cuda;
