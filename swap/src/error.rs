@@ -1,6 +1,9 @@
 //! The one error type of `hprt-swap`.
 
+use std::borrow::Cow;
 use std::fmt;
+
+use hprt_platform::HprtStatus;
 
 /// Where a [`crate::SwapTensor`] is in its life cycle (see [`crate::SwapTensor`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -17,23 +20,13 @@ pub enum SwapState {
     NonTensor,
 }
 
-impl SwapState {
-    pub fn name(self) -> &'static str {
-        match self {
-            SwapState::Device => "device",
-            SwapState::D2h => "d2h",
-            SwapState::Host => "host",
-            SwapState::H2d => "h2d",
-            SwapState::NonTensor => "non_tensor",
-        }
-    }
-}
-
-impl fmt::Display for SwapState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+hprt_platform::named_enum!(SwapState, "swap state", {
+    Device => "device",
+    D2h => "d2h",
+    Host => "host",
+    H2d => "h2d",
+    NonTensor => "non_tensor",
+});
 
 /// Everything that can go wrong in swap.
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +83,45 @@ impl SwapError {
             what,
             id: id.to_string(),
         }
+    }
+
+    /// How this error reports, the one table both bindings use: the C ABI's status
+    /// (`hprt_platform::HprtStatus`) and the status name Python's `HprtError.status` carries
+    /// (`HP_SWAP_WRONG_STATE`, …; a platform or codec error reports its own).
+    pub fn status(&self) -> HprtStatus {
+        self.report().0
+    }
+
+    /// The status name (see [`SwapError::status`]).
+    pub fn status_name(&self) -> Cow<'static, str> {
+        self.report().1
+    }
+
+    fn report(&self) -> (HprtStatus, Cow<'static, str>) {
+        use HprtStatus as H;
+        let (status, name) = match self {
+            SwapError::Platform(e) => return (e.kind.status(), e.code_name.clone()),
+            SwapError::Codec(e) => return (e.status(), e.status_name()),
+            SwapError::WrongState { .. } => (H::ErrorWrongState, "HP_SWAP_WRONG_STATE"),
+            SwapError::Order(_) => (H::ErrorWrongState, "HP_SWAP_ORDER"),
+            SwapError::ModifiedSinceOffload { .. } => (
+                H::ErrorModifiedSinceOffload,
+                "HP_SWAP_MODIFIED_SINCE_OFFLOAD",
+            ),
+            SwapError::StorageResized { .. } => {
+                (H::ErrorModifiedSinceOffload, "HP_SWAP_STORAGE_RESIZED")
+            }
+            SwapError::ReacquiredOutsideSwap => (
+                H::ErrorModifiedSinceOffload,
+                "HP_SWAP_REACQUIRED_OUTSIDE_SWAP",
+            ),
+            SwapError::HostBudgetExceeded { .. } => {
+                (H::ErrorOutOfMemory, "HP_SWAP_HOST_BUDGET_EXCEEDED")
+            }
+            SwapError::InvalidTensor(_) => (H::ErrorInvalidValue, "HP_SWAP_INVALID_TENSOR"),
+            SwapError::Unknown { .. } => (H::ErrorInvalidValue, "HP_SWAP_UNKNOWN"),
+        };
+        (status, Cow::Borrowed(name))
     }
 
     /// The platform error kind, when this is a platform error.
