@@ -386,7 +386,7 @@ impl SwapEngine {
             return Compression::Off;
         }
         match chosen {
-            Compression::Auto if self.codec.name() == "host" => Compression::HostStage,
+            Compression::Auto if self.codec.encodes_on_host() => Compression::HostStage,
             Compression::Auto => Compression::Device,
             c => c,
         }
