@@ -212,6 +212,19 @@ pub unsafe extern "C" fn hprt_platform_backend_name(
     })
 }
 
+/// The body of the `*_destroy` / `*_free` of an object `platform` made: the platform's own
+/// destroy (`undo`), then the handle's release (so a failed destroy leaves the handle valid).
+fn destroy_on<H: Handle>(
+    platform: *const HprtPlatform,
+    obj: *const H,
+    what: &str,
+    undo: impl FnOnce(&dyn Platform, &H::Stored) -> hprt_platform::Result<()>,
+) -> FfiResult {
+    let p = arg(platform, "platform")?.get();
+    undo(p, arg(obj, what)?)?;
+    release(obj, what)
+}
+
 /// A static name (an enum's canonical name, say) as a C string that lives as long as the
 /// process (made once per distinct name).
 fn static_c_str(name: &'static str) -> &'static CStr {
@@ -416,11 +429,7 @@ pub unsafe extern "C" fn hprt_stream_destroy(
     stream: *mut HprtStream,
 ) -> HprtStatus {
     guard("hprt_stream_destroy", || {
-        let p = arg(platform, "platform")?.get();
-        let s = arg(stream, "stream")?;
-        p.destroy_stream(&s.0)?;
-        release(stream, "stream")?;
-        Ok(())
+        destroy_on(platform, stream, "stream", |p, s| p.destroy_stream(&s.0))
     })
 }
 
@@ -467,11 +476,7 @@ pub unsafe extern "C" fn hprt_event_destroy(
     event: *mut HprtEvent,
 ) -> HprtStatus {
     guard("hprt_event_destroy", || {
-        let p = arg(platform, "platform")?.get();
-        let e = arg(event, "event")?;
-        p.destroy_event(&e.0)?;
-        release(event, "event")?;
-        Ok(())
+        destroy_on(platform, event, "event", |p, e| p.destroy_event(&e.0))
     })
 }
 
@@ -626,11 +631,7 @@ pub unsafe extern "C" fn hprt_device_free(
     buffer: *mut HprtDeviceBuffer,
 ) -> HprtStatus {
     guard("hprt_device_free", || {
-        let p = arg(platform, "platform")?.get();
-        let b = arg(buffer, "buffer")?;
-        p.free_device(&b.0)?;
-        release(buffer, "buffer")?;
-        Ok(())
+        destroy_on(platform, buffer, "buffer", |p, b| p.free_device(&b.0))
     })
 }
 
@@ -685,11 +686,7 @@ pub unsafe extern "C" fn hprt_pinned_free(
     buffer: *mut HprtPinnedBuffer,
 ) -> HprtStatus {
     guard("hprt_pinned_free", || {
-        let p = arg(platform, "platform")?.get();
-        let b = arg(buffer, "buffer")?;
-        p.free_pinned(&b.0)?;
-        release(buffer, "buffer")?;
-        Ok(())
+        destroy_on(platform, buffer, "buffer", |p, b| p.free_pinned(&b.0))
     })
 }
 
@@ -877,11 +874,7 @@ pub unsafe extern "C" fn hprt_comm_destroy(
     comm: *mut HprtComm,
 ) -> HprtStatus {
     guard("hprt_comm_destroy", || {
-        let p = arg(platform, "platform")?.get();
-        let c = arg(comm, "comm")?;
-        p.destroy_comm(&c.0)?;
-        release(comm, "comm")?;
-        Ok(())
+        destroy_on(platform, comm, "comm", |p, c| p.destroy_comm(&c.0))
     })
 }
 
