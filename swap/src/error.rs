@@ -87,7 +87,8 @@ impl SwapError {
 
     /// How this error reports, the one table both bindings use: the C ABI's status
     /// (`hprt_platform::HprtStatus`) and the status name Python's `HprtError.status` carries
-    /// (`HP_SWAP_WRONG_STATE`, …; a platform or codec error reports its own).
+    /// (`HP_SWAP_WRONG_STATE`, …; a platform error reports its own, a codec error its status
+    /// under the name `HP_SWAP_CODEC`).
     pub fn status(&self) -> HprtStatus {
         self.report().0
     }
@@ -101,7 +102,7 @@ impl SwapError {
         use HprtStatus as H;
         let (status, name) = match self {
             SwapError::Platform(e) => return (e.kind.status(), e.code_name.clone()),
-            SwapError::Codec(e) => return (e.status(), e.status_name()),
+            SwapError::Codec(e) => return (e.status(), Cow::Borrowed("HP_SWAP_CODEC")),
             SwapError::WrongState { .. } => (H::ErrorWrongState, "HP_SWAP_WRONG_STATE"),
             SwapError::Order(_) => (H::ErrorWrongState, "HP_SWAP_ORDER"),
             SwapError::ModifiedSinceOffload { .. } => (
@@ -134,3 +135,60 @@ impl SwapError {
 }
 
 pub type Result<T, E = SwapError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Compression, EngineStats, PoolStats};
+
+    #[test]
+    fn each_error_reports_one_status_and_name() {
+        let unknown = SwapError::unknown("layer", 3);
+        assert_eq!(unknown.status(), HprtStatus::ErrorInvalidValue);
+        assert_eq!(unknown.status_name(), "HP_SWAP_UNKNOWN");
+        let budget = SwapError::HostBudgetExceeded {
+            requested: 1,
+            held: 2,
+            budget: 2,
+        };
+        assert_eq!(budget.status(), HprtStatus::ErrorOutOfMemory);
+        let codec = SwapError::Codec(hprt_compress::CompressError::Corrupt {
+            at: 0,
+            what: "x".into(),
+        });
+        assert_eq!(codec.status(), HprtStatus::ErrorCorruptData);
+        assert_eq!(codec.status_name(), "HP_SWAP_CODEC");
+        let platform = SwapError::Platform(hprt_platform::Error::new(
+            hprt_platform::ErrorKind::OutOfMemory,
+            hprt_platform::BackendKind::Cpu,
+            "alloc",
+            "full",
+        ));
+        assert_eq!(platform.status(), HprtStatus::ErrorOutOfMemory);
+        assert_eq!(platform.status_name(), "HP_ERROR_OUT_OF_MEMORY");
+    }
+
+    #[test]
+    fn names_parse_exactly() {
+        for c in Compression::ALL {
+            assert_eq!(c.to_string().parse::<Compression>(), Ok(c));
+        }
+        assert!("Auto".parse::<Compression>().is_err());
+        assert!("host-stage".parse::<Compression>().is_err());
+        assert_eq!("h2d".parse::<SwapState>(), Ok(SwapState::H2d));
+    }
+
+    #[test]
+    fn stat_field_names_are_distinct() {
+        let mut names: Vec<_> = EngineStats::default()
+            .fields()
+            .iter()
+            .chain(PoolStats::default().fields().iter())
+            .map(|(n, _)| *n)
+            .collect();
+        let n = names.len();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), n);
+    }
+}
