@@ -317,6 +317,43 @@ typedef struct HprtHsdpParamInfo {
 } HprtHsdpParamInfo;
 
 /*
+ What a platform can do (`hprt_platform_capabilities`); each field as `Capabilities` in
+ hprt-platform documents it.
+ */
+typedef struct HprtCapabilities {
+  /*
+   Device memory is plain host memory (a device address is a host address).
+   */
+  bool device_memory_is_host;
+  /*
+   The framework device type whose tensors live in this platform's device memory ("cpu",
+   "cuda", "npu"; a static string), or null where none does (the emulators).
+   */
+  const char *framework_device;
+  /*
+   Raw stream 0 wraps the host's own stream (work runs in the calling thread).
+   */
+  bool host_stream;
+  /*
+   Device kernels are compiled from source at run time (the device codec runs on the
+   device).
+   */
+  bool kernel_compiler;
+  /*
+   All ranks of a world are threads of one process.
+   */
+  bool ranks_are_threads;
+  /*
+   Several ranks of a world may use one device.
+   */
+  bool ranks_share_device;
+  /*
+   The devices are hprt's own, any number can be made in-process.
+   */
+  bool configurable_devices;
+} HprtCapabilities;
+
+/*
  Device and pinned memory accounting of a platform, in bytes.
  */
 typedef struct HprtMemoryStats {
@@ -394,14 +431,6 @@ typedef struct HprtTensorKey {
   size_t layer;
   size_t index;
 } HprtTensorKey;
-
-
-
-
-
-
-
-
 
 #ifdef __cplusplus
 extern "C" {
@@ -809,6 +838,16 @@ enum HprtStatus hprt_platform_close(struct HprtPlatform *platform);
  */
 enum HprtStatus hprt_platform_backend_name(const struct HprtPlatform *platform,
                                            const char **out_name);
+
+/*
+ What `platform` can do: what a framework integration branches on instead of the backend's
+ name.
+
+ # Safety
+ `platform` must be live; `out_capabilities` valid for writing.
+ */
+enum HprtStatus hprt_platform_capabilities(const struct HprtPlatform *platform,
+                                           struct HprtCapabilities *out_capabilities);
 
 /*
  Makes device `ordinal` the calling thread's current device (one rank per GPU: call it on each

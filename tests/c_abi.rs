@@ -23,6 +23,31 @@ fn a_panic_becomes_a_status_and_a_message() {
     ok(unsafe { hprt_platform_close(p) });
 }
 
+/// ISSUE 31 item 2: a C program asks what the platform can do, not which backend it is.
+#[test]
+fn capabilities_of_the_cpu_backend() {
+    let p = open_cpu();
+    let mut c = std::mem::MaybeUninit::<HprtCapabilities>::uninit();
+    // SAFETY: live platform, valid out-pointer (written on success).
+    let c = unsafe {
+        ok(hprt_platform_capabilities(p, c.as_mut_ptr()));
+        c.assume_init()
+    };
+    assert!(c.device_memory_is_host && c.host_stream && c.configurable_devices);
+    assert!(c.ranks_are_threads && c.ranks_share_device && !c.kernel_compiler);
+    // SAFETY: a static NUL-terminated string.
+    let device = unsafe { CStr::from_ptr(c.framework_device) };
+    assert_eq!(device.to_str().unwrap(), "cpu");
+    // SAFETY: a null out-pointer is refused; `p` is live and closed once.
+    unsafe {
+        expect(
+            hprt_platform_capabilities(p, ptr::null_mut()),
+            HprtStatus::ErrorNullArgument,
+        );
+        ok(hprt_platform_close(p));
+    }
+}
+
 #[test]
 fn bad_arguments_are_typed_errors() {
     let mut out = ptr::null_mut();

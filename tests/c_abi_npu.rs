@@ -42,6 +42,16 @@ fn a_c_program_makes_a_communicator_and_all_reduces_on_npu() {
         ok(hprt_platform_backend_name(p, &mut name));
         assert_eq!(std::ffi::CStr::from_ptr(name).to_str().unwrap(), "npu");
     }
+    // On the emulator no framework device addresses its memory, and ranks are threads.
+    let mut caps = std::mem::MaybeUninit::<HprtCapabilities>::uninit();
+    // SAFETY: live platform, valid out-pointer (written on success).
+    let caps = unsafe {
+        ok(hprt_platform_capabilities(p, caps.as_mut_ptr()));
+        caps.assume_init()
+    };
+    assert!(caps.framework_device.is_null());
+    assert!(caps.ranks_are_threads && !caps.ranks_share_device);
+    assert!(!caps.device_memory_is_host && !caps.host_stream && !caps.kernel_compiler);
     let world = 2usize;
     let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
     let mut len = 0;

@@ -440,6 +440,9 @@ impl Platform for TracingPlatform {
     fn info(&self) -> PlatformInfo {
         self.inner.info()
     }
+    fn capabilities(&self) -> hprt_platform::Capabilities {
+        self.inner.capabilities()
+    }
     fn device_count(&self) -> usize {
         self.inner.device_count()
     }

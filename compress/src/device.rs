@@ -42,9 +42,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use hprt_platform::{
-    BackendKind, BufRef, DeviceBuffer, Event, Mem, PinnedBuffer, Platform, Stream,
-};
+use hprt_platform::{BufRef, DeviceBuffer, Event, Mem, PinnedBuffer, Platform, Stream};
 
 pub use crate::codec::cuda::CudaCodec;
 use crate::codec::{self, DecodeOptions, EncodeOptions};
@@ -111,6 +109,12 @@ impl CompressedTensor {
 /// codec (`FORMAT.md`), so an encoding made on one backend decodes on any other.
 pub trait DeviceCodec: Send + Sync {
     fn name(&self) -> &'static str;
+    /// Whether this codec computes on the host (the CPU codec behind [`HostCodec`]): then
+    /// compressing in a host stage moves fewer bytes than coding "on the device" (what
+    /// `hprt-swap` resolves `Compression::Auto` against).
+    fn encodes_on_host(&self) -> bool {
+        false
+    }
     /// Bytes a scratch buffer for [`DeviceCodec::encode_async`] must have.
     fn max_encoded_len(&self, dtype: CodecDType, numel: usize) -> usize;
     /// Enqueues the encoding of `numel` elements at `src` into `scratch` on `stream`. The
@@ -184,13 +188,17 @@ impl std::fmt::Debug for dyn DeviceCodec {
     }
 }
 
-/// The device codec for `platform`, chosen by its backend: `cuda` gets the CUDA kernels
-/// ([`CudaCodec`], named `"cuda"`); `cpu`, whose device memory is host memory, and `npu`, until
-/// an Ascend kernel exists, get the CPU codec through [`HostCodec`] (`"host"`).
+/// The device codec for `platform`, chosen by its capabilities: a platform with a run-time
+/// kernel compiler ([`Capabilities::kernel_compiler`], CUDA C) gets the CUDA kernels
+/// ([`CudaCodec`], named `"cuda"`); the others (cpu, whose device memory is host memory; npu,
+/// until an Ascend kernel exists) get the CPU codec through [`HostCodec`] (`"host"`).
+///
+/// [`Capabilities::kernel_compiler`]: hprt_platform::Capabilities::kernel_compiler
 pub fn codec_for(platform: &dyn Platform) -> Arc<dyn DeviceCodec> {
-    match platform.backend() {
-        BackendKind::Cuda => Arc::new(CudaCodec::default()),
-        BackendKind::Cpu | BackendKind::Npu => Arc::new(HostCodec::default()),
+    if platform.capabilities().kernel_compiler {
+        Arc::new(CudaCodec::default())
+    } else {
+        Arc::new(HostCodec::default())
     }
 }
 
@@ -411,8 +419,9 @@ impl PendingDecode {
 
 /// The CPU codec on a platform stream, which every backend can run: D2H into pinned memory,
 /// encode or decode in a host function in stream order, H2D back. The caller's thread never
-/// blocks. Its name is `"host"` (what `hprt-swap` resolves `Compression::Auto` against: where
-/// the codec is the host's, compressing in a host stage moves fewer bytes).
+/// blocks. Its name is `"host"`, and it [encodes on the host](DeviceCodec::encodes_on_host)
+/// (what `hprt-swap` resolves `Compression::Auto` against: where the codec is the host's,
+/// compressing in a host stage moves fewer bytes).
 #[derive(Clone, Debug, Default)]
 pub struct HostCodec {
     pub encode: EncodeOptions,
@@ -422,6 +431,10 @@ pub struct HostCodec {
 impl DeviceCodec for HostCodec {
     fn name(&self) -> &'static str {
         "host"
+    }
+
+    fn encodes_on_host(&self) -> bool {
+        true
     }
 
     fn max_encoded_len(&self, dtype: CodecDType, numel: usize) -> usize {

@@ -89,30 +89,36 @@ impl CodecDType {
             CodecDType::BF16 => DType::BF16,
         }
     }
-    /// Parses `f32`, `f16`, `bf16` (also `float32`, `float16`, `bfloat16`).
+    /// The codec's element type of `d`, if it codes it (the one mapping: [`TryFrom`] and
+    /// [`FromStr`](std::str::FromStr) go through it).
+    pub fn of(d: DType) -> Option<Self> {
+        CodecDType::ALL.into_iter().find(|c| c.dtype() == d)
+    }
+    /// Parses a dtype name as [`DType`]'s `FromStr` does (`f32`, `f16`, `bf16`, or their
+    /// numpy / torch names, spelled exactly).
     pub fn parse(s: &str) -> Result<Self> {
-        match s.to_ascii_lowercase().as_str() {
-            "f32" | "float32" | "fp32" => Ok(CodecDType::F32),
-            "f16" | "float16" | "fp16" | "half" => Ok(CodecDType::F16),
-            "bf16" | "bfloat16" => Ok(CodecDType::BF16),
-            _ => Err(CompressError::InvalidArgument(format!(
-                "no codec for dtype {s:?} (expected f32, f16 or bf16)"
-            ))),
-        }
+        s.parse()
+    }
+}
+
+impl std::str::FromStr for CodecDType {
+    type Err = CompressError;
+    fn from_str(s: &str) -> Result<Self> {
+        let d: DType = s.parse().map_err(|e: hprt_platform::UnknownName| {
+            CompressError::InvalidArgument(e.to_string())
+        })?;
+        d.try_into()
     }
 }
 
 impl TryFrom<DType> for CodecDType {
     type Error = CompressError;
     fn try_from(d: DType) -> Result<Self> {
-        match d {
-            DType::F32 => Ok(CodecDType::F32),
-            DType::F16 => Ok(CodecDType::F16),
-            DType::BF16 => Ok(CodecDType::BF16),
-            other => Err(CompressError::InvalidArgument(format!(
-                "no codec for dtype {other} (only f32, f16 and bf16 are coded)"
-            ))),
-        }
+        CodecDType::of(d).ok_or_else(|| {
+            CompressError::InvalidArgument(format!(
+                "no codec for dtype {d} (only f32, f16 and bf16 are coded)"
+            ))
+        })
     }
 }
 

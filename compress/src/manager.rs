@@ -157,6 +157,19 @@ impl LayerStats {
     pub fn ratio(&self) -> f64 {
         self.original_bytes as f64 / self.compressed_bytes.max(1) as f64
     }
+
+    /// Every counter with its name, in declaration order (what the Python `layer_stats()`
+    /// dicts hold, beside `ratio`).
+    pub fn fields(&self) -> [(&'static str, usize); 6] {
+        [
+            ("saved", self.saved),
+            ("compressed", self.compressed),
+            ("original_bytes", self.original_bytes),
+            ("compressed_bytes", self.compressed_bytes),
+            ("decoded_in_window", self.decoded_in_window),
+            ("recovered_sync", self.recovered_sync),
+        ]
+    }
 }
 
 /// One operator window: what was predicted and (once resolved) measured, and what ran in it.

@@ -58,6 +58,9 @@ impl Platform for Faulty {
     fn info(&self) -> PlatformInfo {
         Platform::info(&self.inner)
     }
+    fn capabilities(&self) -> hprt_platform::Capabilities {
+        Platform::capabilities(&self.inner)
+    }
     fn device_count(&self) -> usize {
         Platform::device_count(&self.inner)
     }

@@ -1,6 +1,8 @@
 //! The one error type of `hprt-hsdp`.
 
-use hprt_platform::DType;
+use std::borrow::Cow;
+
+use hprt_platform::{DType, HprtStatus};
 
 /// What can go wrong while building meshes and groups or sharding, gathering and reducing.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +39,36 @@ pub enum HsdpError {
     /// Something the task describes but this crate does not implement.
     #[error("not implemented: {0}")]
     Unsupported(String),
+}
+
+impl HsdpError {
+    /// How this error reports, the one table both bindings use: the C ABI's status and the
+    /// status name Python's `HprtError.status` carries (`HP_HSDP_INVALID_MESH`, …; a platform
+    /// error reports its own).
+    pub fn status(&self) -> HprtStatus {
+        self.report().0
+    }
+
+    /// The status name (see [`HsdpError::status`]).
+    pub fn status_name(&self) -> Cow<'static, str> {
+        self.report().1
+    }
+
+    fn report(&self) -> (HprtStatus, Cow<'static, str>) {
+        use HprtStatus as S;
+        use HsdpError as H;
+        let (status, name) = match self {
+            H::Platform(e) => return (e.kind.status(), e.code_name.clone()),
+            H::InvalidMesh(_) => (S::ErrorInvalidValue, "HP_HSDP_INVALID_MESH"),
+            H::InvalidPlacement(_) => (S::ErrorInvalidValue, "HP_HSDP_INVALID_PLACEMENT"),
+            H::InvalidParam { .. } => (S::ErrorInvalidValue, "HP_HSDP_INVALID_PARAM"),
+            H::InvalidState { .. } => (S::ErrorWrongState, "HP_HSDP_INVALID_STATE"),
+            H::UnsupportedDType { .. } => (S::ErrorUnsupported, "HP_HSDP_UNSUPPORTED_DTYPE"),
+            H::RankNotInMesh { .. } => (S::ErrorInvalidValue, "HP_HSDP_RANK_NOT_IN_MESH"),
+            H::Unsupported(_) => (S::ErrorUnsupported, "HP_HSDP_UNSUPPORTED"),
+        };
+        (status, Cow::Borrowed(name))
+    }
 }
 
 pub type Result<T, E = HsdpError> = std::result::Result<T, E>;

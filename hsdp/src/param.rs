@@ -56,15 +56,11 @@ pub enum ParamState {
     Unsharded,
 }
 
-impl ParamState {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            ParamState::Sharded => "sharded",
-            ParamState::Unsharding => "unsharding",
-            ParamState::Unsharded => "unsharded",
-        }
-    }
-}
+hprt_platform::named_enum!(ParamState, "parameter state", {
+    Sharded => "sharded",
+    Unsharding => "unsharding",
+    Unsharded => "unsharded",
+});
 
 /// How a parameter of `shape` is cut into `group_size` shards along `dim`.
 ///

@@ -97,3 +97,9 @@ pub enum OffloadPolicy {
     /// accumulation, so only the gathered parameter occupies device memory.
     PinnedHost,
 }
+
+// The names the bindings take (`offload_policy="pinned_host"`).
+hprt_platform::named_enum!(OffloadPolicy, "offload policy", {
+    None => "none",
+    PinnedHost => "pinned_host",
+});

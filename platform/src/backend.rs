@@ -5,6 +5,7 @@
 //! types and does every check that does not need a driver (ownership, liveness, bounds, sizes),
 //! so no backend repeats them.
 
+use crate::capabilities::Capabilities;
 use crate::collective::Collective;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
@@ -33,6 +34,8 @@ pub trait Backend: Send + Sync + 'static {
     /// Distinguishes platform values of one backend (handles may not cross between them).
     fn instance(&self) -> u64;
     fn info(&self) -> PlatformInfo;
+    /// What this platform can do ([`Capabilities`]): what the layers above branch on.
+    fn capabilities(&self) -> Capabilities;
 
     fn device_count(&self) -> usize;
     /// Makes `ordinal` the calling thread's current device.

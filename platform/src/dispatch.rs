@@ -2,6 +2,7 @@
 //! objects here, after the checks that need no driver.
 
 use crate::backend::{Backend, Loc, Place};
+use crate::capabilities::Capabilities;
 use crate::collective::Collective;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{
@@ -181,6 +182,9 @@ impl<B: Backend> Platform for B {
     }
     fn info(&self) -> PlatformInfo {
         Backend::info(self)
+    }
+    fn capabilities(&self) -> Capabilities {
+        Backend::capabilities(self)
     }
 
     fn device_count(&self) -> usize {

@@ -139,6 +139,26 @@ fn failed_pinned_mark_with_a_host_fn_on_the_block<P: Platform + 'static>(
     p.destroy_stream(&s).unwrap();
 }
 
+/// ISSUE 31 item 2: the backends say what they can do; only they know their driver is an
+/// emulator (no framework device addresses its memory, ranks are threads of one process).
+#[test]
+fn the_emulators_report_their_capabilities() {
+    let _g = serial();
+    let npu = open_npu();
+    let c = Platform::capabilities(&npu);
+    assert_eq!(c, crate::Capabilities::driver("npu", true, false));
+    assert_eq!(c.framework_device, None);
+    assert!(c.ranks_are_threads && !c.ranks_share_device && !c.device_memory_is_host);
+    assert!(!c.kernel_compiler && !c.host_stream && !c.configurable_devices);
+    drop(npu);
+    let cuda = open_cuda();
+    let c = Platform::capabilities(&cuda);
+    // The emulator's NVRTC compiles the device codec's kernels.
+    assert_eq!(c, crate::Capabilities::driver("cuda", true, true));
+    assert_eq!(c.framework_device, None);
+    assert!(c.kernel_compiler && c.ranks_are_threads && !c.device_memory_is_host);
+}
+
 #[test]
 fn a_failed_pinned_mark_under_a_host_function_does_not_hang_npu() {
     let _g = serial();

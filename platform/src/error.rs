@@ -2,7 +2,6 @@
 
 use std::borrow::Cow;
 use std::ffi::CStr;
-use std::fmt;
 
 /// Which backend produced a value or an error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -12,24 +11,8 @@ pub enum BackendKind {
     Npu,
 }
 
-impl BackendKind {
-    pub const ALL: [BackendKind; 3] = [BackendKind::Cpu, BackendKind::Cuda, BackendKind::Npu];
-
-    /// The name `HP_PLATFORM` accepts.
-    pub fn name(self) -> &'static str {
-        match self {
-            BackendKind::Cpu => "cpu",
-            BackendKind::Cuda => "cuda",
-            BackendKind::Npu => "npu",
-        }
-    }
-}
-
-impl fmt::Display for BackendKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+// The names `HP_PLATFORM` and the bindings' `open` accept.
+crate::named_enum!(BackendKind, "backend", { Cpu => "cpu", Cuda => "cuda", Npu => "npu" });
 
 /// A backend-neutral classification of what went wrong; the driver's own code and name travel
 /// beside it in [`Error`].
@@ -57,20 +40,21 @@ pub enum ErrorKind {
     Internal,
 }
 
-impl ErrorKind {
-    pub const ALL: [ErrorKind; 10] = [
-        ErrorKind::Unavailable,
-        ErrorKind::InvalidValue,
-        ErrorKind::InvalidHandle,
-        ErrorKind::OutOfRange,
-        ErrorKind::OutOfMemory,
-        ErrorKind::NotReady,
-        ErrorKind::Mismatch,
-        ErrorKind::Timeout,
-        ErrorKind::Unsupported,
-        ErrorKind::Internal,
-    ];
+// The kind's name in Python errors (`HprtError.kind`).
+crate::named_enum!(ErrorKind, "error kind", {
+    Unavailable => "unavailable",
+    InvalidValue => "invalid_value",
+    InvalidHandle => "invalid_handle",
+    OutOfRange => "out_of_range",
+    OutOfMemory => "out_of_memory",
+    NotReady => "not_ready",
+    Mismatch => "mismatch",
+    Timeout => "timeout",
+    Unsupported => "unsupported",
+    Internal => "internal",
+});
 
+impl ErrorKind {
     /// The status this kind reports as (the one mapping; [`HprtStatus::kind`] is its inverse).
     pub fn status(self) -> HprtStatus {
         match self {
@@ -249,6 +233,11 @@ impl Error {
 
     pub fn kind(&self) -> ErrorKind {
         self.kind
+    }
+
+    /// The status this error reports as (its kind's: [`ErrorKind::status`]).
+    pub fn status(&self) -> HprtStatus {
+        self.kind.status()
     }
 }
 

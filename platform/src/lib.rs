@@ -5,6 +5,8 @@
 //! - Handles: [`Stream`], [`Event`], [`DeviceBuffer`], [`PinnedBuffer`], [`Communicator`] —
 //!   backend-neutral, cheap to clone, typed errors after destroy.
 //! - [`Collective`], [`DType`], [`ReduceOp`] — what collectives do, for every backend.
+//! - [`Capabilities`] — what a platform can do ([`Platform::capabilities`]): what the layers
+//!   above branch on, never a backend's name.
 //! - [`Backend`] — the static per-backend trait; every `Backend` is a `Platform` (`dispatch`).
 //! - [`cpu`] — the reference backend: streams are worker threads, device memory has a capacity,
 //!   ranks are threads, and `HP_CPU_JITTER` makes missing waits visible.
@@ -18,6 +20,7 @@
 
 mod auxil;
 mod backend;
+mod capabilities;
 mod collective;
 pub mod cpu;
 pub mod cuda;
@@ -31,12 +34,14 @@ mod host_errors;
 mod info;
 mod kernel;
 mod memory;
+mod names;
 pub mod npu;
 mod platform;
 mod select;
 pub mod sync;
 
 pub use backend::{Backend, Loc, Place};
+pub use capabilities::{Capabilities, CapabilityValue};
 pub use collective::{Collective, DEFAULT_COLLECTIVE_TIMEOUT};
 pub use cpu::{CpuBackend, CpuConfig, HOST_STREAM as CPU_HOST_STREAM};
 pub use cuda::CudaBackend;
@@ -49,6 +54,7 @@ pub use handle::{
 pub use info::{DeviceInfo, LibraryProbe, PlatformInfo};
 pub use kernel::{Access, DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
 pub use memory::{MemInfo, MemoryCounter, MemoryStats};
+pub use names::UnknownName;
 pub use npu::NpuBackend;
 pub use platform::{Platform, PlatformHandle};
 pub use select::{

@@ -22,6 +22,21 @@ pub struct MemoryStats {
     pub pinned_allocations: usize,
 }
 
+impl MemoryStats {
+    /// Every counter with its name, in declaration order: the one list the Python
+    /// `memory_stats()` dict and the C `HprtMemoryStats` are filled from.
+    pub fn fields(&self) -> [(&'static str, usize); 6] {
+        [
+            ("device_current", self.device_current),
+            ("device_peak", self.device_peak),
+            ("device_allocations", self.device_allocations),
+            ("pinned_current", self.pinned_current),
+            ("pinned_peak", self.pinned_peak),
+            ("pinned_allocations", self.pinned_allocations),
+        ]
+    }
+}
+
 /// Current / peak bytes of one memory pool, with an optional capacity that turns into a typed
 /// out-of-memory error. Lock-free: allocation paths call it from many threads.
 #[derive(Debug)]

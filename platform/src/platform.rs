@@ -3,6 +3,7 @@
 use std::ops::Deref;
 use std::sync::Arc;
 
+use crate::capabilities::Capabilities;
 use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Result};
@@ -30,6 +31,9 @@ use crate::memory::{MemInfo, MemoryStats};
 pub trait Platform: Send + Sync {
     fn backend(&self) -> BackendKind;
     fn info(&self) -> PlatformInfo;
+    /// What this platform can do: the facts the layers above branch on instead of the
+    /// backend's name ([`Capabilities`] lists each backend's).
+    fn capabilities(&self) -> Capabilities;
 
     // --- devices -------------------------------------------------------------------------
     fn device_count(&self) -> usize;

@@ -24,11 +24,9 @@ impl PlatformRequest {
         if v.is_empty() || v == "auto" {
             return Ok(PlatformRequest::Auto);
         }
-        BackendKind::ALL
-            .into_iter()
-            .find(|k| k.name() == v)
+        v.parse::<BackendKind>()
             .map(PlatformRequest::Forced)
-            .ok_or_else(|| {
+            .map_err(|_| {
                 Error::new(
                     ErrorKind::InvalidValue,
                     BackendKind::Cpu,
@@ -42,7 +40,7 @@ impl PlatformRequest {
     /// `auto`, `cpu`, `cuda` or `npu`. Unlike the environment variable, an empty or padded name
     /// is an error rather than a guess.
     pub fn parse_name(name: &str) -> Result<Self> {
-        if name == "auto" || BackendKind::ALL.iter().any(|k| k.name() == name) {
+        if name == "auto" || name.parse::<BackendKind>().is_ok() {
             return Self::parse(Some(name));
         }
         Err(Error::new(

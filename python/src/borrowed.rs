@@ -300,7 +300,7 @@ impl PyFrameworkMemory {
             shared: Arc::clone(&self.shared),
             allocate,
         });
-        let dtype = crate::dtype::parse(dtype)?;
+        let dtype = dtype.parse::<DType>()?;
         Ok(PyBorrowedTensor {
             t: self.shared.tensor(py, t, allocator, dtype)?,
         })

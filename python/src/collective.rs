@@ -2,11 +2,10 @@
 //! each call `Platform.comm_init`; every collective releases the GIL while it is issued so the
 //! other rank threads of the process can reach it too.
 
-use hprt_platform::{Communicator, ReduceOp};
+use hprt_platform::{Communicator, DType, ReduceOp};
 use hprt_swap::PlatformHandle;
 use pyo3::prelude::*;
 
-use crate::dtype;
 use crate::error::Result;
 use crate::platform::{PyDeviceBuffer, PyStream};
 
@@ -24,7 +23,7 @@ pub struct PyCommunicator {
 }
 
 fn op(name: &str) -> Result<ReduceOp> {
-    dtype::parse_reduce_op(name)
+    Ok(name.parse()?)
 }
 
 #[pymethods]
@@ -53,7 +52,7 @@ impl PyCommunicator {
         send_offset: usize,
         recv_offset: usize,
     ) -> Result<()> {
-        let (dt, o) = (dtype::parse(dtype)?, op(op_name)?);
+        let (dt, o) = (dtype.parse::<DType>()?, op(op_name)?);
         py.detach(|| {
             Ok(self.p.all_reduce(
                 send.b.at(send_offset),
@@ -77,7 +76,7 @@ impl PyCommunicator {
         dtype: &str,
         stream: &PyStream,
     ) -> Result<()> {
-        let dt = dtype::parse(dtype)?;
+        let dt = dtype.parse::<DType>()?;
         py.detach(|| {
             Ok(self.p.all_gather(
                 (&send.b).into(),
@@ -102,7 +101,7 @@ impl PyCommunicator {
         op_name: &str,
         stream: &PyStream,
     ) -> Result<()> {
-        let (dt, o) = (dtype::parse(dtype)?, op(op_name)?);
+        let (dt, o) = (dtype.parse::<DType>()?, op(op_name)?);
         py.detach(|| {
             Ok(self.p.reduce_scatter(
                 (&send.b).into(),
@@ -125,7 +124,7 @@ impl PyCommunicator {
         root: usize,
         stream: &PyStream,
     ) -> Result<()> {
-        let dt = dtype::parse(dtype)?;
+        let dt = dtype.parse::<DType>()?;
         py.detach(|| {
             Ok(self
                 .p

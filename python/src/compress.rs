@@ -2,6 +2,7 @@
 
 use hprt_compress::codec::{self, DecodeOptions, EncodeOptions};
 use hprt_compress::CodecDType;
+use hprt_platform::DType;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -121,7 +122,7 @@ pub fn compress_bytes<'py>(
     chunk_elems: Option<usize>,
     threads: usize,
 ) -> Result<Bound<'py, PyBytes>> {
-    let dt = CodecDType::try_from(dtype::parse(dtype)?)?;
+    let dt = CodecDType::try_from(dtype.parse::<DType>()?)?;
     let opts = encode_options(chunk_elems, threads);
     let bytes = data.as_bytes();
     let out = py.detach(|| codec::encode(dt, bytes, &opts))?;

@@ -1,36 +1,10 @@
-//! Element types as Python names them (`"float32"`, `"f32"`, `"bfloat16"`, …) and as DLPack
-//! encodes them.
+//! Element types as DLPack encodes them, and tensor sizes. (Their names, `"f32"`, `"float32"`,
+//! `"torch.bfloat16"`, …, are `DType`'s `FromStr` in hprt-platform.)
 
 use dlpark::ffi::{DLDataType, DLDataTypeCode};
-use hprt_platform::{DType, ReduceOp};
+use hprt_platform::DType;
 
 use crate::error::{invalid, Result};
-
-/// Parses a dtype name, exactly as spelled: hprt's own (`f32`), numpy's (`float32`) or torch's
-/// (`torch.float32`, `float32`; `float`, `half`, `double`, `int`, `long`). Nothing else is
-/// guessed (no case folding, no trimming): a misspelled name is an error, not another dtype.
-pub fn parse(name: &str) -> Result<DType> {
-    if let Some(d) = DType::ALL.into_iter().find(|d| d.name() == name) {
-        return Ok(d);
-    }
-    let n = name.strip_prefix("torch.").unwrap_or(name);
-    Ok(match n {
-        "float32" | "float" => DType::F32,
-        "float16" | "half" => DType::F16,
-        "bfloat16" => DType::BF16,
-        "float64" | "double" => DType::F64,
-        "int8" => DType::I8,
-        "uint8" => DType::U8,
-        "int32" | "int" => DType::I32,
-        "int64" | "long" => DType::I64,
-        _ => {
-            return Err(invalid(format!(
-                "unknown dtype {name:?}; expected one of f32, f16, bf16, f64, i8, u8, i32, i64 \
-                 or their numpy / torch names (float32, torch.float32, ...), spelled exactly"
-            )))
-        }
-    })
-}
 
 /// The DLPack descriptor of `dtype`.
 pub fn to_dlpack(dtype: DType) -> DLDataType {
@@ -61,17 +35,6 @@ pub fn from_dlpack(dt: DLDataType) -> Result<DType> {
             dt.code.0, dt.bits, dt.lanes
         ))),
     }
-}
-
-pub fn parse_reduce_op(name: &str) -> Result<ReduceOp> {
-    ReduceOp::ALL
-        .into_iter()
-        .find(|op| op.name() == name)
-        .ok_or_else(|| {
-            invalid(format!(
-                "unknown reduce op {name:?}; expected sum, avg, max, min or prod"
-            ))
-        })
 }
 
 /// Bytes from the first element to the end of the last one of a tensor of `shape` and element

@@ -5,7 +5,7 @@
 //! `ACL_ERROR_RT_MEMORY_ALLOCATION`, or a swap error's name) and whose attributes `status`,
 //! `code`, `kind`, `backend` and `operation` carry the same facts for programs.
 
-use hprt_platform::ErrorKind;
+use hprt_platform::{ErrorKind, HprtStatus};
 use pyo3::exceptions::{PyBufferError, PyException};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -54,6 +54,13 @@ pyo3::create_exception!(
     HprtError,
     "A swap call came in a state or order it does not accept."
 );
+
+/// A name none of an enum's spellings (a dtype, reduce op, compression mode, …).
+impl From<hprt_platform::UnknownName> for BindError {
+    fn from(e: hprt_platform::UnknownName) -> Self {
+        BindError::InvalidArgument(e.to_string())
+    }
+}
 
 /// Everything a binding call can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -116,171 +123,129 @@ pub fn py_bytes<'py>(
     })
 }
 
+/// Which layer an error comes from: the exception class is chosen from it and the status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    /// A platform error (also one a swap, codec or hsdp error wraps) or the binding's own.
+    Platform,
+    Swap,
+    Compress,
+    Hsdp,
+    /// Memory a live DLPack export reads.
+    Exported,
+}
+
 /// The status name, numeric code, kind name, backend and operation of an error, as Python sees
-/// them.
+/// them, with the C status it reports as (the crates' one table: `status()` / `status_name()`).
 struct Facts {
-    status: String,
+    family: Family,
+    status: HprtStatus,
+    status_name: String,
     code: i64,
     kind: &'static str,
     backend: Option<&'static str>,
     operation: Option<String>,
 }
 
-fn kind_name(kind: ErrorKind) -> &'static str {
-    match kind {
-        ErrorKind::Unavailable => "unavailable",
-        ErrorKind::InvalidValue => "invalid_value",
-        ErrorKind::InvalidHandle => "invalid_handle",
-        ErrorKind::OutOfRange => "out_of_range",
-        ErrorKind::OutOfMemory => "out_of_memory",
-        ErrorKind::NotReady => "not_ready",
-        ErrorKind::Mismatch => "mismatch",
-        ErrorKind::Timeout => "timeout",
-        ErrorKind::Unsupported => "unsupported",
-        ErrorKind::Internal => "internal",
+impl Facts {
+    fn platform(e: &hprt_platform::Error) -> Facts {
+        Facts {
+            family: Family::Platform,
+            status: e.status(),
+            status_name: e.code_name.to_string(),
+            code: e.code,
+            kind: e.kind.name(),
+            backend: Some(e.backend.name()),
+            operation: Some(e.operation.to_string()),
+        }
     }
-}
 
-fn platform_facts(e: &hprt_platform::Error) -> Facts {
-    Facts {
-        status: e.code_name.to_string(),
-        code: e.code,
-        kind: kind_name(e.kind),
-        backend: Some(e.backend.name()),
-        operation: Some(e.operation.to_string()),
+    /// A binding error of platform `kind` (hprt's own code, no backend or operation).
+    fn binding(kind: ErrorKind) -> Facts {
+        Facts {
+            family: Family::Platform,
+            status: kind.status(),
+            status_name: kind.code_name().into(),
+            code: kind.code().into(),
+            kind: kind.name(),
+            backend: None,
+            operation: None,
+        }
     }
-}
 
-fn swap_status(e: &hprt_swap::SwapError) -> &'static str {
-    use hprt_swap::SwapError as S;
-    match e {
-        S::Platform(e) => e.kind.code_name(),
-        S::WrongState { .. } => "HP_SWAP_WRONG_STATE",
-        S::ModifiedSinceOffload { .. } => "HP_SWAP_MODIFIED_SINCE_OFFLOAD",
-        S::StorageResized { .. } => "HP_SWAP_STORAGE_RESIZED",
-        S::ReacquiredOutsideSwap => "HP_SWAP_REACQUIRED_OUTSIDE_SWAP",
-        S::Codec(_) => "HP_SWAP_CODEC",
-        S::InvalidTensor(_) => "HP_SWAP_INVALID_TENSOR",
-        S::StorageInUse(_) => "HP_ERROR_BUFFER_EXPORTED",
-        S::HostBudgetExceeded { .. } => "HP_SWAP_HOST_BUDGET_EXCEEDED",
-        S::Unknown { .. } => "HP_SWAP_UNKNOWN",
-        S::Order(_) => "HP_SWAP_ORDER",
+    /// A swap, compress or hsdp error of its own (`kind` is the family's name).
+    fn layer(family: Family, kind: &'static str, status: HprtStatus, name: String) -> Facts {
+        Facts {
+            family,
+            status,
+            status_name: name,
+            code: -1,
+            kind,
+            backend: None,
+            operation: None,
+        }
     }
 }
 
 impl BindError {
     fn facts(&self) -> Facts {
+        use hprt_compress::CompressError as C;
+        use hprt_hsdp::HsdpError as H;
+        use hprt_swap::SwapError as S;
         match self {
-            BindError::Platform(e) | BindError::Swap(hprt_swap::SwapError::Platform(e)) => {
-                platform_facts(e)
+            BindError::Platform(e)
+            | BindError::Swap(S::Platform(e))
+            | BindError::Hsdp(H::Platform(e))
+            | BindError::Compress(C::Platform(e)) => Facts::platform(e),
+            // A swap release refused under a live DLPack export: the bindings' own refusal.
+            BindError::Swap(S::StorageInUse(_)) => BindError::Exported(String::new()).facts(),
+            BindError::Swap(e) => {
+                Facts::layer(Family::Swap, "swap", e.status(), e.status_name().into())
             }
-            BindError::Swap(hprt_swap::SwapError::StorageInUse(_)) => {
-                BindError::Exported(String::new()).facts()
+            BindError::Hsdp(e) => {
+                Facts::layer(Family::Hsdp, "hsdp", e.status(), e.status_name().into())
             }
-            BindError::Swap(e) => Facts {
-                status: swap_status(e).into(),
-                code: -1,
-                kind: "swap",
-                backend: None,
-                operation: None,
-            },
-            BindError::Hsdp(hprt_hsdp::HsdpError::Platform(p)) => platform_facts(p),
-            BindError::Hsdp(e) => Facts {
-                status: hsdp_status(e).into(),
-                code: -1,
-                kind: "hsdp",
-                backend: None,
-                operation: None,
-            },
-            BindError::Compress(hprt_compress::CompressError::Platform(p)) => platform_facts(p),
-            BindError::Compress(e) => Facts {
-                status: compress_status(e).into(),
-                code: -1,
-                kind: "compress",
-                backend: None,
-                operation: None,
-            },
-            BindError::InvalidArgument(_) => Facts {
-                status: ErrorKind::InvalidValue.code_name().into(),
-                code: ErrorKind::InvalidValue.code().into(),
-                kind: kind_name(ErrorKind::InvalidValue),
-                backend: None,
-                operation: None,
-            },
-            BindError::Exported(_) => Facts {
-                status: "HP_ERROR_BUFFER_EXPORTED".into(),
-                code: -1,
-                kind: "exported",
-                backend: None,
-                operation: None,
-            },
-            BindError::Unsupported(_) | BindError::Python(_) => Facts {
-                status: ErrorKind::Unsupported.code_name().into(),
-                code: ErrorKind::Unsupported.code().into(),
-                kind: kind_name(ErrorKind::Unsupported),
-                backend: None,
-                operation: None,
-            },
-        }
-    }
-
-    fn exception_type<'py>(&self, py: Python<'py>, kind: &str) -> Bound<'py, pyo3::types::PyType> {
-        use pyo3::PyTypeInfo;
-        match (self, kind) {
-            (
-                BindError::Exported(_) | BindError::Swap(hprt_swap::SwapError::StorageInUse(_)),
-                _,
-            ) => match BUFFER_EXPORTED.get(py) {
-                Some(t) => t.bind(py).clone(),
-                None => HprtError::type_object(py),
-            },
-            (_, "out_of_memory") => OutOfMemoryError::type_object(py),
-            (_, "invalid_handle") => InvalidHandleError::type_object(py),
-            (_, "invalid_value" | "out_of_range") => InvalidValueError::type_object(py),
-            (_, "unavailable") => UnavailableError::type_object(py),
-            (_, "unsupported") => UnsupportedError::type_object(py),
-            (BindError::Swap(hprt_swap::SwapError::HostBudgetExceeded { .. }), _) => {
-                OutOfMemoryError::type_object(py)
+            BindError::Compress(e) => Facts::layer(
+                Family::Compress,
+                "compress",
+                e.status(),
+                e.status_name().into(),
+            ),
+            BindError::InvalidArgument(_) => Facts::binding(ErrorKind::InvalidValue),
+            BindError::Unsupported(_) | BindError::Python(_) => {
+                Facts::binding(ErrorKind::Unsupported)
             }
-            (BindError::Swap(_), _) => SwapStateError::type_object(py),
-            (BindError::Compress(hprt_compress::CompressError::InvalidArgument(_)), _) => {
-                InvalidValueError::type_object(py)
-            }
-            (BindError::Compress(hprt_compress::CompressError::OutOfMemory { .. }), _) => {
-                OutOfMemoryError::type_object(py)
-            }
-            (BindError::Compress(_), _) => CompressError::type_object(py),
-            _ => HprtError::type_object(py),
+            BindError::Exported(_) => Facts::layer(
+                Family::Exported,
+                "exported",
+                HprtStatus::ErrorWrongState,
+                "HP_ERROR_BUFFER_EXPORTED".into(),
+            ),
         }
     }
 }
 
-fn compress_status(e: &hprt_compress::CompressError) -> &'static str {
-    use hprt_compress::CompressError as C;
-    match e {
-        C::Corrupt { .. } => "HP_COMPRESS_CORRUPT",
-        C::UnsupportedFormat(_) => "HP_COMPRESS_UNSUPPORTED_FORMAT",
-        C::OutputTooLarge { .. } => "HP_COMPRESS_OUTPUT_TOO_LARGE",
-        C::OutOfMemory { .. } => "HP_COMPRESS_OUT_OF_MEMORY",
-        C::InvalidArgument(_) => "HP_COMPRESS_INVALID_ARGUMENT",
-        C::InvalidState(_) => "HP_COMPRESS_INVALID_STATE",
-        C::CostUnknown(_) => "HP_COMPRESS_COST_UNKNOWN",
-        C::Platform(e) => e.kind.code_name(),
-        C::Io { .. } => "HP_COMPRESS_IO",
-    }
-}
-
-fn hsdp_status(e: &hprt_hsdp::HsdpError) -> &'static str {
-    use hprt_hsdp::HsdpError as H;
-    match e {
-        H::InvalidMesh(_) => "HP_HSDP_INVALID_MESH",
-        H::InvalidPlacement(_) => "HP_HSDP_INVALID_PLACEMENT",
-        H::InvalidParam { .. } => "HP_HSDP_INVALID_PARAM",
-        H::InvalidState { .. } => "HP_HSDP_INVALID_STATE",
-        H::UnsupportedDType { .. } => "HP_HSDP_UNSUPPORTED_DTYPE",
-        H::RankNotInMesh { .. } => "HP_HSDP_RANK_NOT_IN_MESH",
-        H::Unsupported(_) => "HP_HSDP_UNSUPPORTED",
-        H::Platform(e) => e.kind.code_name(),
+/// The one table of exception classes: by the error's family and the status it reports as.
+fn exception_type(py: Python<'_>, family: Family, status: HprtStatus) -> Bound<'_, PyType> {
+    use pyo3::PyTypeInfo;
+    use HprtStatus as S;
+    match (family, status) {
+        (Family::Exported, _) => match BUFFER_EXPORTED.get(py) {
+            Some(t) => t.bind(py).clone(),
+            None => HprtError::type_object(py),
+        },
+        (_, S::ErrorOutOfMemory) => OutOfMemoryError::type_object(py),
+        (Family::Swap, _) => SwapStateError::type_object(py),
+        (Family::Compress, S::ErrorInvalidValue) => InvalidValueError::type_object(py),
+        (Family::Compress, _) => CompressError::type_object(py),
+        (Family::Hsdp, _) => HprtError::type_object(py),
+        (Family::Platform, S::ErrorInvalidHandle) => InvalidHandleError::type_object(py),
+        (Family::Platform, S::ErrorInvalidValue | S::ErrorOutOfRange) => {
+            InvalidValueError::type_object(py)
+        }
+        (Family::Platform, S::ErrorUnavailable) => UnavailableError::type_object(py),
+        (Family::Platform, S::ErrorUnsupported) => UnsupportedError::type_object(py),
+        (Family::Platform, _) => HprtError::type_object(py),
     }
 }
 
@@ -292,25 +257,20 @@ impl From<BindError> for PyErr {
         let facts = e.facts();
         let text = e.to_string();
         // Platform errors already print their status name; others get it in front.
-        let message = if text.contains(&facts.status) {
+        let message = if text.contains(&facts.status_name) {
             text
         } else {
-            format!("{}: {text}", facts.status)
+            format!("{}: {text}", facts.status_name)
         };
-        Python::attach(|py| build_exception(py, &e, &facts, message).unwrap_or_else(|err| err))
+        Python::attach(|py| build_exception(py, &facts, message).unwrap_or_else(|err| err))
     }
 }
 
 /// The exception object with its attributes set; a failure while building it is reported
 /// instead (it is still a Python exception, never a panic).
-fn build_exception(
-    py: Python<'_>,
-    e: &BindError,
-    facts: &Facts,
-    message: String,
-) -> PyResult<PyErr> {
-    let exc = e.exception_type(py, facts.kind).call1((message,))?;
-    exc.setattr("status", &facts.status)?;
+fn build_exception(py: Python<'_>, facts: &Facts, message: String) -> PyResult<PyErr> {
+    let exc = exception_type(py, facts.family, facts.status).call1((message,))?;
+    exc.setattr("status", &facts.status_name)?;
     exc.setattr("code", facts.code)?;
     exc.setattr("kind", facts.kind)?;
     exc.setattr("backend", facts.backend)?;

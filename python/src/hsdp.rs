@@ -15,8 +15,8 @@ use std::sync::Mutex;
 
 use hprt_hsdp::{
     DataParallelMesh, DeviceMesh, GradInput, GroupCache, HsdpStreams, MixedPrecisionPolicy,
-    OffloadPolicy, ParamConfig, ParamSpec, ParamState, Placement, ProcessGroup, ReduceOptions,
-    ShardRef, ShardedParam, UnshardHandle,
+    OffloadPolicy, ParamConfig, ParamSpec, Placement, ProcessGroup, ReduceOptions, ShardRef,
+    ShardedParam, UnshardHandle,
 };
 use hprt_platform::{DType, DeviceBuffer, Platform};
 use hprt_swap::{DeviceTensor, PlatformHandle};
@@ -31,7 +31,7 @@ use crate::platform::{PyEvent, PyPlatform, PyStream};
 use crate::swap::PyDeviceTensor;
 
 fn opt_dtype(name: Option<&str>) -> Result<Option<DType>> {
-    name.map(dtype::parse).transpose()
+    Ok(name.map(str::parse).transpose()?)
 }
 
 /// A tensor argument: an hprt `DeviceTensor`, or a DLPack producer (numpy array, torch tensor)
@@ -371,28 +371,6 @@ pub struct PyShardedParam {
     inner: Mutex<ParamInner>,
 }
 
-fn offload_policy(name: &str) -> Result<OffloadPolicy> {
-    match name.trim().to_ascii_lowercase().as_str() {
-        "none" | "device" => Ok(OffloadPolicy::None),
-        "pinned_host" | "pinned" | "cpu" => Ok(OffloadPolicy::PinnedHost),
-        _ => Err(invalid(format!(
-            "unknown offload policy {name:?}; expected \"none\" or \"pinned_host\""
-        ))),
-    }
-}
-
-fn state_name(s: ParamState) -> &'static str {
-    match s {
-        ParamState::Sharded => "sharded",
-        ParamState::Unsharding => "unsharding",
-        ParamState::Unsharded => "unsharded",
-    }
-}
-
-fn reduce_op(name: &str) -> Result<hprt_platform::ReduceOp> {
-    dtype::parse_reduce_op(name)
-}
-
 impl PyShardedParam {
     fn with<R>(&self, f: impl FnOnce(&ShardedParam) -> R) -> R {
         f(&lock(&self.inner).param)
@@ -454,7 +432,7 @@ impl PyShardedParam {
     ) -> Result<()> {
         let g = grad.map(|g| tensor_arg(&self.p, g)).transpose()?;
         let opts = ReduceOptions {
-            op: reduce_op(op)?,
+            op: op.parse()?,
             scale,
         };
         py.detach(|| {
@@ -516,7 +494,7 @@ impl PyShardedParam {
         let config = ParamConfig {
             shard: Some(Placement::Shard(shard_dim)),
             mp: mp_policy.map(|m| m.mp).unwrap_or_default(),
-            offload: self::offload_policy(offload_policy)?,
+            offload: offload_policy.parse()?,
             threshold,
         };
         let spec = ParamSpec::new(name, &full.shape, full.dtype);
@@ -556,7 +534,7 @@ impl PyShardedParam {
     /// `"sharded"`, `"unsharding"` (an all-gather not yet waited for) or `"unsharded"`.
     #[getter]
     fn state(&self) -> &'static str {
-        self.with(|w| state_name(w.state()))
+        self.with(|w| w.state().name())
     }
     /// The dtype of the stored shard and the sharded gradient.
     #[getter]
@@ -622,9 +600,10 @@ impl PyShardedParam {
     #[getter]
     fn offload_policy(&self) -> &'static str {
         self.with(|w| match w.sharded_data() {
-            ShardRef::Device(_) => "none",
-            ShardRef::Pinned(_) => "pinned_host",
+            ShardRef::Device(_) => OffloadPolicy::None,
+            ShardRef::Pinned(_) => OffloadPolicy::PinnedHost,
         })
+        .name()
     }
     #[getter]
     fn reduce_pending(&self) -> bool {
@@ -907,7 +886,7 @@ impl PyShardedParam {
                 "ShardedParam({:?}, shape={:?}, {}, shard {} of {})",
                 w.name(),
                 w.geometry().shape(),
-                state_name(w.state()),
+                w.state().name(),
                 w.geometry().index(),
                 w.geometry().group_size()
             )

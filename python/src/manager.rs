@@ -157,7 +157,7 @@ impl PyActivationManager {
         if let Some(names) = dtypes {
             config.filter.dtypes = names
                 .iter()
-                .map(|n| Ok(CodecDType::try_from(dtype::parse(n)?)?))
+                .map(|n| Ok(CodecDType::try_from(n.parse::<DType>()?)?))
                 .collect::<Result<_>>()?;
         }
         let m = ActivationManager::new(p.clone(), stream.s.clone(), config)?;
@@ -319,13 +319,10 @@ impl PyActivationManager {
         let out = PyDict::new(py);
         for (layer, s) in lock(&self.inner).m.layer_stats() {
             let d = PyDict::new(py);
-            d.set_item("saved", s.saved)?;
-            d.set_item("compressed", s.compressed)?;
-            d.set_item("original_bytes", s.original_bytes)?;
-            d.set_item("compressed_bytes", s.compressed_bytes)?;
+            for (name, value) in s.fields() {
+                d.set_item(name, value)?;
+            }
             d.set_item("ratio", s.ratio())?;
-            d.set_item("decoded_in_window", s.decoded_in_window)?;
-            d.set_item("recovered_sync", s.recovered_sync)?;
             out.set_item(layer.0, d)?;
         }
         Ok(out)

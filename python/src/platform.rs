@@ -8,15 +8,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hprt_platform::{
-    BackendKind, CpuBackend, CpuConfig, DeviceBuffer, ErrorKind, Event, Mem, PinnedBuffer,
-    Platform, PlatformRequest, Stream,
+    BackendKind, CapabilityValue, CpuBackend, CpuConfig, DType, DeviceBuffer, ErrorKind, Event,
+    Mem, PinnedBuffer, Platform, PlatformRequest, Stream,
 };
 use hprt_swap::PlatformHandle;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::dlpack::{unexported, Backing, TensorView};
-use crate::dtype;
 use crate::error::{invalid, py_bytes, BindError, Result};
 use crate::wait::interruptible;
 
@@ -201,6 +200,35 @@ impl PyPlatform {
         self.p.backend().name()
     }
 
+    /// What this platform can do, to branch on instead of `backend` (hprt-platform's
+    /// `Capabilities`): a `types.SimpleNamespace` with
+    ///
+    /// - `device_memory_is_host` — device memory is plain host memory (DLPack `kDLCPU`: torch
+    ///   views it as CPU tensors);
+    /// - `framework_device` — torch's device type whose tensors live in this platform's device
+    ///   memory (`"cpu"`, `"cuda"`, `"npu"`), or `None` (the emulators: torch computes on host
+    ///   tensors, staged into the emulator's memory);
+    /// - `host_stream` — `wrap_stream(0)` is the host's own stream (work runs in the calling
+    ///   thread, a wait blocks it);
+    /// - `kernel_compiler` — device kernels are compiled at run time (the device codec runs on
+    ///   the device);
+    /// - `ranks_are_threads` — all ranks of a world are threads of this process;
+    /// - `ranks_share_device` — several ranks may use one device;
+    /// - `configurable_devices` — the devices are hprt's own (`cpu_platform(devices=n)`).
+    #[getter]
+    fn capabilities<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let kwargs = PyDict::new(py);
+        for (name, value) in self.p.capabilities().fields() {
+            match value {
+                CapabilityValue::Flag(b) => kwargs.set_item(name, b)?,
+                CapabilityValue::Name(n) => kwargs.set_item(name, n)?,
+            }
+        }
+        py.import("types")?
+            .getattr("SimpleNamespace")?
+            .call((), Some(&kwargs))
+    }
+
     /// Backend, driver, devices and settings, as a dict.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let info = self.p.info();
@@ -232,14 +260,10 @@ impl PyPlatform {
 
     /// hprt's accounting of device and pinned memory (current, peak, allocations).
     fn memory_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.p.memory_stats();
         let d = PyDict::new(py);
-        d.set_item("device_current", s.device_current)?;
-        d.set_item("device_peak", s.device_peak)?;
-        d.set_item("device_allocations", s.device_allocations)?;
-        d.set_item("pinned_current", s.pinned_current)?;
-        d.set_item("pinned_peak", s.pinned_peak)?;
-        d.set_item("pinned_allocations", s.pinned_allocations)?;
+        for (name, value) in self.p.memory_stats().fields() {
+            d.set_item(name, value)?;
+        }
         Ok(d)
     }
 
@@ -295,7 +319,7 @@ impl PyPlatform {
         let made = crate::dlpack::HostLayout::parse(layout)?.alloc_capsule(
             py,
             &self.p,
-            dtype::parse(dtype)?,
+            dtype.parse::<DType>()?,
         )?;
         Ok(made.map(|(capsule, _)| capsule))
     }
@@ -567,7 +591,7 @@ impl PyDeviceBuffer {
     /// buffer cannot be freed or resized.
     #[pyo3(signature = (dtype, shape, offset=0))]
     fn view(&self, dtype: &str, shape: Vec<usize>, offset: usize) -> Result<TensorView> {
-        TensorView::of_device(&self.p, &self.b, dtype::parse(dtype)?, shape, offset)
+        TensorView::of_device(&self.p, &self.b, dtype.parse::<DType>()?, shape, offset)
     }
     fn same_as(&self, other: &PyDeviceBuffer) -> bool {
         self.b.same_as(&other.b)
@@ -611,16 +635,16 @@ impl PyPinnedBuffer {
     /// A typed view for DLPack export (pinned memory is host memory on every backend).
     #[pyo3(signature = (dtype, shape, offset=0))]
     fn view(&self, dtype: &str, shape: Vec<usize>, offset: usize) -> Result<TensorView> {
-        TensorView::of_pinned(&self.p, &self.b, dtype::parse(dtype)?, shape, offset)
+        TensorView::of_pinned(&self.p, &self.b, dtype.parse::<DType>()?, shape, offset)
     }
     fn __repr__(&self) -> String {
         format!("{:?}", self.b)
     }
 }
 
-/// Whether this backend's device memory is plain host memory (so DLPack can name it `kDLCPU`).
+/// Whether this platform's device memory is plain host memory (so DLPack can name it `kDLCPU`).
 pub(crate) fn device_is_host(p: &dyn Platform) -> bool {
-    p.backend() == BackendKind::Cpu
+    p.capabilities().device_memory_is_host
 }
 
 pub(crate) fn unsupported(msg: impl Into<String>) -> BindError {

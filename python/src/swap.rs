@@ -20,8 +20,7 @@ use pyo3::types::PyDict;
 
 use crate::borrowed::{handle_object, PyBorrowedTensor};
 use crate::dlpack::{unexported, Backing, TensorView};
-use crate::dtype;
-use crate::error::{invalid, Result};
+use crate::error::{invalid, BindError, Result};
 use crate::platform::{PyDeviceBuffer, PyPlatform, PyStream};
 
 /// A device tensor as swap sees it: `nbytes` at `offset` in a `DeviceBuffer`, with a dtype, a
@@ -67,7 +66,7 @@ impl PyDeviceTensor {
             &buffer.p,
             buffer.b.clone(),
             offset,
-            dtype::parse(dtype)?,
+            dtype.parse::<DType>()?,
             shape,
             is_parameter,
         )
@@ -178,35 +177,16 @@ fn from_saved(py: Python<'_>, p: &PlatformHandle, saved: Saved) -> Result<Py<PyA
     }
 }
 
+/// A front end's `stats()`: the engine's one field list ([`hprt_swap::SwapEngine::stat_fields`],
+/// which the C `HprtSwapStats` is filled from too).
 fn stats_dict<'py>(
     py: Python<'py>,
     engine: &hprt_swap::SwapEngine,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let s = engine.stats();
-    let pool = engine.pool_stats();
     let d = PyDict::new(py);
-    d.set_item("offloaded_tensors", s.offloaded_tensors)?;
-    d.set_item("offloaded_bytes", s.offloaded_bytes)?;
-    d.set_item("reloaded_tensors", s.reloaded_tensors)?;
-    d.set_item("reloaded_bytes", s.reloaded_bytes)?;
-    d.set_item("link_d2h_bytes", s.link_d2h_bytes)?;
-    d.set_item("link_h2d_bytes", s.link_h2d_bytes)?;
-    d.set_item("compressed_tensors", s.compressed_tensors)?;
-    d.set_item("compressed_bytes", s.compressed_bytes)?;
-    d.set_item("codec_ns", s.codec_ns)?;
-    d.set_item("handed_back_tensors", s.handed_back_tensors)?;
-    d.set_item("offload_window_waits", s.offload_window_waits)?;
-    d.set_item("prefetches_deferred", s.prefetches_deferred)?;
-    d.set_item("offload_inflight_peak", s.offload_inflight_peak)?;
-    d.set_item("reload_inflight_peak", s.reload_inflight_peak)?;
-    let (offloads, reloads) = engine.inflight_bytes();
-    d.set_item("offload_inflight_bytes", offloads)?;
-    d.set_item("reload_inflight_bytes", reloads)?;
-    d.set_item("pinned_bytes_held", pool.bytes_held)?;
-    d.set_item("pinned_bytes_in_use", pool.bytes_in_use)?;
-    d.set_item("pinned_high_water", pool.high_water)?;
-    d.set_item("pool_hits", pool.hits)?;
-    d.set_item("pool_misses", pool.misses)?;
+    for (name, value) in engine.stat_fields() {
+        d.set_item(name, value)?;
+    }
     Ok(d)
 }
 
@@ -282,7 +262,7 @@ impl PySwapManager {
         let p = crate::platform::resolve(platform)?;
         let mut m = SwapManager::with_pool(p.clone(), pool(host_budget))?;
         m.engine_mut()
-            .set_compression(parse_compression(compression)?);
+            .set_compression(compression.parse::<Compression>()?);
         m.engine_mut().set_window(window(
             max_inflight_offload_bytes,
             max_inflight_reload_bytes,
@@ -423,7 +403,7 @@ impl PySwapManager {
     fn set_compression(&self, compression: &str) -> Result<()> {
         lock(&self.inner)
             .engine_mut()
-            .set_compression(parse_compression(compression)?);
+            .set_compression(compression.parse::<Compression>()?);
         Ok(())
     }
     /// Per-tensor compression: `policy(tensor) -> "off" | "device" | "host_stage" | "auto"`
@@ -469,10 +449,10 @@ fn py_policy(
                 let chosen = tensor_object(py, &p, t)
                     .and_then(|a| f.call1(py, (a,)))
                     .and_then(|r| r.extract::<String>(py));
-                match chosen.map(|name| parse_compression(&name)) {
+                match chosen.map(|name| name.parse::<Compression>()) {
                     Ok(Ok(c)) => c,
                     Ok(Err(e)) => {
-                        PyErr::from(e).write_unraisable(py, None);
+                        PyErr::from(BindError::from(e)).write_unraisable(py, None);
                         Compression::Off
                     }
                     Err(e) => {
@@ -482,21 +462,6 @@ fn py_policy(
                 }
             })
         }) as hprt_swap::CompressionPolicy
-    })
-}
-
-/// A compression mode by name.
-fn parse_compression(name: &str) -> Result<Compression> {
-    Ok(match name {
-        "off" => Compression::Off,
-        "device" => Compression::Device,
-        "host_stage" => Compression::HostStage,
-        "auto" => Compression::Auto,
-        other => {
-            return Err(invalid(format!(
-                "compression {other:?}: expected off, device, host_stage or auto"
-            )))
-        }
     })
 }
 
@@ -561,7 +526,7 @@ impl PyKeyedSwap {
         let mut k = KeyedSwap::with_pool(p.clone(), pool(host_budget))?;
         k.set_min_bytes(min_bytes);
         k.engine_mut()
-            .set_compression(parse_compression(compression)?);
+            .set_compression(compression.parse::<Compression>()?);
         k.engine_mut().set_window(window(
             max_inflight_offload_bytes,
             max_inflight_reload_bytes,
@@ -613,7 +578,7 @@ impl PyKeyedSwap {
     fn set_compression(&self, compression: &str) -> Result<()> {
         lock(&self.inner)
             .engine_mut()
-            .set_compression(parse_compression(compression)?);
+            .set_compression(compression.parse::<Compression>()?);
         Ok(())
     }
     /// An extra eligibility test (the upstream `custom_check_fn`): `predicate(t) -> bool` with
@@ -790,7 +755,7 @@ impl PyPipelineOffload {
             max_inflight_offloads,
             keep_last_groups,
             pool: pool(host_budget),
-            compression: parse_compression(compression)?,
+            compression: compression.parse::<Compression>()?,
             window: window(max_inflight_offload_bytes, max_inflight_reload_bytes),
         };
         let mut pipeline = PipelineOffload::new(p.clone(), cfg)?;

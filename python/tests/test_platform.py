@@ -49,6 +49,30 @@ def test_accelerator_backend_through_its_emulator(backend):
     assert np.from_dlpack(pin.view("u8", [64])).tolist() == list(range(64))
 
 
+_CAPABILITY_FIELDS = {"device_memory_is_host", "framework_device", "host_stream", "kernel_compiler",
+                      "ranks_are_threads", "ranks_share_device", "configurable_devices"}
+
+
+def test_capabilities_of_the_cpu_backend(p):
+    c = p.capabilities
+    assert set(vars(c)) == _CAPABILITY_FIELDS
+    assert c.device_memory_is_host and c.host_stream and c.configurable_devices
+    assert c.ranks_are_threads and c.ranks_share_device and not c.kernel_compiler
+    assert c.framework_device == "cpu"
+
+
+@pytest.mark.parametrize("backend", EMULATED)
+def test_capabilities_on_the_emulators(backend):
+    """ISSUE 31 item 2: what used to be ``"emulator" in info()["driver"]`` is the platform's to
+    say: no torch device addresses the emulators' memory, and their ranks are threads."""
+    c = hprt.open_platform(backend).capabilities
+    assert set(vars(c)) == _CAPABILITY_FIELDS
+    assert c.framework_device is None
+    assert c.ranks_are_threads and not c.ranks_share_device
+    assert not c.device_memory_is_host and not c.host_stream and not c.configurable_devices
+    assert c.kernel_compiler == (backend == "cuda")  # the CUDA emulator's NVRTC
+
+
 def test_copy_round_trip_through_pinned_memory(p):
     s = p.create_stream()
     dev = p.alloc_device(256)

@@ -144,6 +144,17 @@ def test_dtype_names_are_exact(name):
         p.alloc_device(8).view(name, [2])
 
 
+@pytest.mark.parametrize("name", ["Host_stage", "host-stage", " off", "OFF", "none"])
+def test_compression_names_are_exact(name):
+    """ISSUE 31 item 5: every enum name is parsed by its one FromStr, spelled exactly."""
+    p = hprt.cpu_platform(device_memory=1 << 10)
+    with pytest.raises(hprt.InvalidValueError) as e:
+        hprt.SwapManager(p, compression=name)
+    assert "unknown compression" in str(e.value)
+    for good in ["off", "device", "host_stage", "auto"]:
+        hprt.SwapManager(p, compression=good)
+
+
 @pytest.mark.parametrize("name", ["f32", "float32", "torch.float32", "float", "bf16", "torch.bfloat16",
                                   "f16", "half", "float16"])
 def test_exact_dtype_names_are_accepted(name):

@@ -4,32 +4,11 @@
 use std::ffi::c_void;
 
 use hprt_compress::codec::{self, DecodeOptions, EncodeOptions};
+use hprt_compress::CodecDType;
 use hprt_compress::{codec_for, CompressedTensor};
-use hprt_compress::{CodecDType, CompressError};
 
 use super::platform::{dtype_arg, HprtDeviceBuffer, HprtDtype, HprtPlatform, HprtStream};
 use super::{arg, guard, out, FfiError, FfiResult, HprtStatus};
-
-impl From<CompressError> for FfiError {
-    fn from(e: CompressError) -> Self {
-        let status = match &e {
-            CompressError::Platform(p) => return p.clone().into(),
-            CompressError::Corrupt { .. } | CompressError::UnsupportedFormat(_) => {
-                HprtStatus::ErrorCorruptData
-            }
-            CompressError::OutputTooLarge { .. } => HprtStatus::ErrorBufferTooSmall,
-            CompressError::OutOfMemory { .. } => HprtStatus::ErrorOutOfMemory,
-            CompressError::InvalidArgument(_) => HprtStatus::ErrorInvalidValue,
-            CompressError::InvalidState(_) => HprtStatus::ErrorWrongState,
-            CompressError::CostUnknown(_) => HprtStatus::ErrorUnavailable,
-            CompressError::Io { .. } => HprtStatus::ErrorInternal,
-        };
-        FfiError {
-            status,
-            message: e.to_string(),
-        }
-    }
-}
 
 /// What an encoding holds, read from its (checksummed) header and chunk table.
 #[repr(C)]
@@ -49,11 +28,7 @@ fn codec_dtype(dtype: i32) -> FfiResult<CodecDType> {
 }
 
 fn c_dtype(d: CodecDType) -> HprtDtype {
-    match d {
-        CodecDType::F32 => HprtDtype::F32,
-        CodecDType::F16 => HprtDtype::F16,
-        CodecDType::BF16 => HprtDtype::Bf16,
-    }
+    d.dtype().into()
 }
 
 /// `numel` elements' bytes, checked with room for the header and chunk table (less than one

@@ -6,34 +6,17 @@ use std::ffi::{c_char, CStr};
 use std::sync::Arc;
 
 use hprt_hsdp::{
-    DataParallelMesh, DeviceMesh, GradInput, GroupCache, HsdpError, HsdpStreams,
-    MixedPrecisionPolicy, OffloadPolicy, ParamConfig, ParamSpec, ParamState, Placement,
-    ReduceOptions, ShardRef, ShardedParam,
+    DataParallelMesh, DeviceMesh, GradInput, GroupCache, HsdpStreams, MixedPrecisionPolicy,
+    OffloadPolicy, ParamConfig, ParamSpec, ParamState, Placement, ReduceOptions, ShardRef,
+    ShardedParam,
 };
 use hprt_platform::{DType, ReduceOp};
 
 use super::handle::{handle_kind, Exclusive};
 use super::platform::{
-    dtype_arg, HprtComm, HprtDeviceBuffer, HprtDtype, HprtPlatform, HprtReduceOp, HprtStream,
+    dtype_arg, op_arg, HprtComm, HprtDeviceBuffer, HprtDtype, HprtPlatform, HprtStream,
 };
 use super::{arg, arg_mut, guard, opt_arg, out, publish, release, FfiError, FfiResult, HprtStatus};
-
-impl From<HsdpError> for FfiError {
-    fn from(e: HsdpError) -> Self {
-        let status = match &e {
-            HsdpError::Platform(p) => return p.clone().into(),
-            HsdpError::InvalidState { .. } => HprtStatus::ErrorWrongState,
-            HsdpError::UnsupportedDType { .. } | HsdpError::Unsupported(_) => {
-                HprtStatus::ErrorUnsupported
-            }
-            _ => HprtStatus::ErrorInvalidValue,
-        };
-        FfiError {
-            status,
-            message: e.to_string(),
-        }
-    }
-}
 
 /// The data-parallel layouts `hprt_hsdp_create` builds (passed as `int32_t`).
 #[repr(C)]
@@ -154,20 +137,7 @@ pub struct HprtHsdpParam {
 }
 
 fn c_dtype(d: DType) -> i32 {
-    use HprtDtype as D;
-    [
-        D::F32,
-        D::F16,
-        D::Bf16,
-        D::F64,
-        D::I8,
-        D::U8,
-        D::I32,
-        D::I64,
-    ]
-    .into_iter()
-    .find(|c| DType::from(*c) == d)
-    .map_or(HPRT_HSDP_UNSET, |c| c as i32)
+    HprtDtype::from(d) as i32
 }
 
 fn optional_dtype(v: i32) -> FfiResult<Option<DType>> {
@@ -633,12 +603,11 @@ fn reduce_args<'a>(
             dtype: dtype_arg(grad_dtype)?,
         }),
     };
-    let op = match op {
-        o if o == HprtReduceOp::Sum as i32 => ReduceOp::Sum,
-        o if o == HprtReduceOp::Avg as i32 => ReduceOp::Avg,
-        o => {
+    let op = match op_arg(op) {
+        Ok(o @ (ReduceOp::Sum | ReduceOp::Avg)) => o,
+        _ => {
             return Err(FfiError::invalid(format!(
-                "gradients reduce with HPRT_REDUCE_OP_SUM or _AVG, not {o}"
+                "gradients reduce with HPRT_REDUCE_OP_SUM or _AVG, not {op}"
             )))
         }
     };

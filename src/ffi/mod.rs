@@ -39,14 +39,86 @@ pub(crate) struct FfiError {
     pub(crate) message: String,
 }
 
-impl From<hprt_platform::Error> for FfiError {
-    fn from(e: hprt_platform::Error) -> Self {
-        FfiError {
-            status: e.kind().status(),
-            message: e.to_string(),
+/// Every crate's error reports its own status (`status()`, one table per crate, shared with
+/// the Python binding's status names): the C ABI returns it with the error's sentence.
+macro_rules! errors_report_their_status {
+    ($($error:ty),* $(,)?) => {$(
+        impl From<$error> for FfiError {
+            fn from(e: $error) -> Self {
+                FfiError {
+                    status: e.status(),
+                    message: e.to_string(),
+                }
+            }
         }
-    }
+    )*};
 }
+
+errors_report_their_status!(
+    hprt_platform::Error,
+    hprt_swap::SwapError,
+    hprt_compress::CompressError,
+    hprt_hsdp::HsdpError,
+);
+
+/// Pairs a `#[repr(C)]` enum of the header (written out there, for cbindgen) with the Rust
+/// enum it stands for, variant by variant: `From` both ways, and `$arg`, which checks an
+/// `int32_t` from C (an out-of-range value is `HPRT_STATUS_ERROR_INVALID_VALUE`, not UB).
+macro_rules! c_enum {
+    ($c:ident <=> $rust:ty, fn $arg:ident, { $($cv:ident <=> $rv:ident),+ $(,)? }) => {
+        impl From<$c> for $rust {
+            fn from(c: $c) -> Self {
+                match c {
+                    $($c::$cv => <$rust>::$rv,)+
+                }
+            }
+        }
+
+        impl From<$rust> for $c {
+            fn from(r: $rust) -> Self {
+                match r {
+                    $(<$rust>::$rv => $c::$cv,)+
+                }
+            }
+        }
+
+        #[doc = concat!("A `", stringify!($c), "` value from C, checked.")]
+        pub(crate) fn $arg(v: i32) -> $crate::ffi::FfiResult<$rust> {
+            [$($c::$cv),+]
+                .into_iter()
+                .find(|c| *c as i32 == v)
+                .map(<$rust>::from)
+                .ok_or_else(|| {
+                    $crate::ffi::FfiError::invalid(format!(
+                        concat!("{} is not an ", stringify!($c)),
+                        v
+                    ))
+                })
+        }
+    };
+}
+pub(crate) use c_enum;
+
+/// A `#[repr(C)]` statistics struct filled from a `[(name, value)]` field list (the one list the
+/// Python dicts come from too): each C field takes the value of the same name. A name missing
+/// from the list is a bug this panics on (the entry point's guard reports it; tests call every
+/// stats entry point).
+macro_rules! c_stats {
+    ($c:ident { $($field:ident),+ $(,)? } from $fields:expr) => {{
+        let fields = $fields;
+        let get = |name: &str| {
+            fields
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| *v)
+                .unwrap_or_else(|| panic!("no statistic named {name}"))
+        };
+        $c {
+            $($field: get(stringify!($field)) as _,)+
+        }
+    }};
+}
+pub(crate) use c_stats;
 
 impl FfiError {
     pub(crate) fn invalid(message: impl Into<String>) -> Self {

@@ -4,16 +4,16 @@
 //! (Over 800 lines because it is one thin `extern "C"` function per `Platform` operation, each
 //! with its safety contract, in the trait's order.)
 
-use std::ffi::{c_char, c_void, CStr};
-use std::sync::{Arc, OnceLock};
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use hprt_platform::{
-    select_platform, BackendKind, Communicator, DType, DeviceBuffer, Event, PinnedBuffer, Platform,
+    select_platform, Communicator, DType, DeviceBuffer, Event, PinnedBuffer, Platform,
     PlatformRequest, RawStream, ReduceOp, Stream, UniqueId,
 };
 
 use super::handle::{handle_kind, Handle};
-use super::{arg, guard, out, publish, release, FfiError, FfiResult, HprtStatus};
+use super::{arg, c_enum, c_stats, guard, out, publish, release, FfiError, FfiResult, HprtStatus};
 
 /// A platform: the process-wide one (`hprt_platform_get`) or one opened for the caller
 /// (`hprt_platform_open`, released with `hprt_platform_close`).
@@ -69,49 +69,16 @@ pub enum HprtDtype {
     I64 = 7,
 }
 
-/// A `HprtDtype` value from C, checked (an out-of-range integer is an error, not UB).
-pub(crate) fn dtype_arg(v: i32) -> FfiResult<DType> {
-    use HprtDtype as D;
-    let all = [
-        D::F32,
-        D::F16,
-        D::Bf16,
-        D::F64,
-        D::I8,
-        D::U8,
-        D::I32,
-        D::I64,
-    ];
-    all.into_iter()
-        .find(|d| *d as i32 == v)
-        .map(DType::from)
-        .ok_or_else(|| FfiError::invalid(format!("{v} is not an HprtDtype")))
-}
-
-/// A `HprtReduceOp` value from C, checked.
-fn op_arg(v: i32) -> FfiResult<ReduceOp> {
-    use HprtReduceOp as O;
-    [O::Sum, O::Avg, O::Max, O::Min, O::Prod]
-        .into_iter()
-        .find(|o| *o as i32 == v)
-        .map(ReduceOp::from)
-        .ok_or_else(|| FfiError::invalid(format!("{v} is not an HprtReduceOp")))
-}
-
-impl From<HprtDtype> for DType {
-    fn from(d: HprtDtype) -> Self {
-        match d {
-            HprtDtype::F32 => DType::F32,
-            HprtDtype::F16 => DType::F16,
-            HprtDtype::Bf16 => DType::BF16,
-            HprtDtype::F64 => DType::F64,
-            HprtDtype::I8 => DType::I8,
-            HprtDtype::U8 => DType::U8,
-            HprtDtype::I32 => DType::I32,
-            HprtDtype::I64 => DType::I64,
-        }
-    }
-}
+c_enum!(HprtDtype <=> DType, fn dtype_arg, {
+    F32 <=> F32,
+    F16 <=> F16,
+    Bf16 <=> BF16,
+    F64 <=> F64,
+    I8 <=> I8,
+    U8 <=> U8,
+    I32 <=> I32,
+    I64 <=> I64,
+});
 
 /// Reduction operators (see `ReduceOp` for their exact semantics; passed as `int32_t`).
 #[repr(C)]
@@ -124,17 +91,13 @@ pub enum HprtReduceOp {
     Prod = 4,
 }
 
-impl From<HprtReduceOp> for ReduceOp {
-    fn from(o: HprtReduceOp) -> Self {
-        match o {
-            HprtReduceOp::Sum => ReduceOp::Sum,
-            HprtReduceOp::Avg => ReduceOp::Avg,
-            HprtReduceOp::Max => ReduceOp::Max,
-            HprtReduceOp::Min => ReduceOp::Min,
-            HprtReduceOp::Prod => ReduceOp::Prod,
-        }
-    }
-}
+c_enum!(HprtReduceOp <=> ReduceOp, fn op_arg, {
+    Sum <=> Sum,
+    Avg <=> Avg,
+    Max <=> Max,
+    Min <=> Min,
+    Prod <=> Prod,
+});
 
 /// Device and pinned memory accounting of a platform, in bytes.
 #[repr(C)]
@@ -243,13 +206,90 @@ pub unsafe extern "C" fn hprt_platform_backend_name(
 ) -> HprtStatus {
     guard("hprt_platform_backend_name", || {
         let p = arg(platform, "platform")?.get();
-        let name: &'static CStr = match p.backend() {
-            BackendKind::Cpu => c"cpu",
-            BackendKind::Cuda => c"cuda",
-            BackendKind::Npu => c"npu",
-        };
+        let name = static_c_str(p.backend().name());
         // SAFETY: the caller's contract.
         unsafe { out(out_name, "out_name", name.as_ptr()) }
+    })
+}
+
+/// The body of the `*_destroy` / `*_free` of an object `platform` made: the platform's own
+/// destroy (`undo`), then the handle's release (so a failed destroy leaves the handle valid).
+fn destroy_on<H: Handle>(
+    platform: *const HprtPlatform,
+    obj: *const H,
+    what: &str,
+    undo: impl FnOnce(&dyn Platform, &H::Stored) -> hprt_platform::Result<()>,
+) -> FfiResult {
+    let p = arg(platform, "platform")?.get();
+    undo(p, arg(obj, what)?)?;
+    release(obj, what)
+}
+
+/// A static name (an enum's canonical name, say) as a C string that lives as long as the
+/// process (made once per distinct name).
+fn static_c_str(name: &'static str) -> &'static CStr {
+    static NAMES: Mutex<Vec<(&'static str, &'static CStr)>> = Mutex::new(Vec::new());
+    let mut names = hprt_platform::sync::lock(&NAMES);
+    if let Some((_, c)) = names.iter().find(|(n, _)| *n == name) {
+        return c;
+    }
+    let c: &'static CStr = Box::leak(
+        CString::new(name)
+            .expect("enum names hold no NUL")
+            .into_boxed_c_str(),
+    );
+    names.push((name, c));
+    c
+}
+
+/// What a platform can do (`hprt_platform_capabilities`); each field as `Capabilities` in
+/// hprt-platform documents it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct HprtCapabilities {
+    /// Device memory is plain host memory (a device address is a host address).
+    pub device_memory_is_host: bool,
+    /// The framework device type whose tensors live in this platform's device memory ("cpu",
+    /// "cuda", "npu"; a static string), or null where none does (the emulators).
+    pub framework_device: *const c_char,
+    /// Raw stream 0 wraps the host's own stream (work runs in the calling thread).
+    pub host_stream: bool,
+    /// Device kernels are compiled from source at run time (the device codec runs on the
+    /// device).
+    pub kernel_compiler: bool,
+    /// All ranks of a world are threads of one process.
+    pub ranks_are_threads: bool,
+    /// Several ranks of a world may use one device.
+    pub ranks_share_device: bool,
+    /// The devices are hprt's own, any number can be made in-process.
+    pub configurable_devices: bool,
+}
+
+/// What `platform` can do: what a framework integration branches on instead of the backend's
+/// name.
+///
+/// # Safety
+/// `platform` must be live; `out_capabilities` valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn hprt_platform_capabilities(
+    platform: *const HprtPlatform,
+    out_capabilities: *mut HprtCapabilities,
+) -> HprtStatus {
+    guard("hprt_platform_capabilities", || {
+        let c = arg(platform, "platform")?.get().capabilities();
+        let caps = HprtCapabilities {
+            device_memory_is_host: c.device_memory_is_host,
+            framework_device: c
+                .framework_device
+                .map_or(std::ptr::null(), |d| static_c_str(d).as_ptr()),
+            host_stream: c.host_stream,
+            kernel_compiler: c.kernel_compiler,
+            ranks_are_threads: c.ranks_are_threads,
+            ranks_share_device: c.ranks_share_device,
+            configurable_devices: c.configurable_devices,
+        };
+        // SAFETY: the caller's contract.
+        unsafe { out(out_capabilities, "out_capabilities", caps) }
     })
 }
 
@@ -308,14 +348,14 @@ pub unsafe extern "C" fn hprt_platform_memory_stats(
 ) -> HprtStatus {
     guard("hprt_platform_memory_stats", || {
         let s = arg(platform, "platform")?.get().memory_stats();
-        let c = HprtMemoryStats {
-            device_current: s.device_current,
-            device_peak: s.device_peak,
-            device_allocations: s.device_allocations,
-            pinned_current: s.pinned_current,
-            pinned_peak: s.pinned_peak,
-            pinned_allocations: s.pinned_allocations,
-        };
+        let c = c_stats!(HprtMemoryStats {
+            device_current,
+            device_peak,
+            device_allocations,
+            pinned_current,
+            pinned_peak,
+            pinned_allocations,
+        } from s.fields());
         // SAFETY: the caller's contract.
         unsafe { out(out_stats, "out_stats", c) }
     })
@@ -389,11 +429,7 @@ pub unsafe extern "C" fn hprt_stream_destroy(
     stream: *mut HprtStream,
 ) -> HprtStatus {
     guard("hprt_stream_destroy", || {
-        let p = arg(platform, "platform")?.get();
-        let s = arg(stream, "stream")?;
-        p.destroy_stream(&s.0)?;
-        release(stream, "stream")?;
-        Ok(())
+        destroy_on(platform, stream, "stream", |p, s| p.destroy_stream(&s.0))
     })
 }
 
@@ -440,11 +476,7 @@ pub unsafe extern "C" fn hprt_event_destroy(
     event: *mut HprtEvent,
 ) -> HprtStatus {
     guard("hprt_event_destroy", || {
-        let p = arg(platform, "platform")?.get();
-        let e = arg(event, "event")?;
-        p.destroy_event(&e.0)?;
-        release(event, "event")?;
-        Ok(())
+        destroy_on(platform, event, "event", |p, e| p.destroy_event(&e.0))
     })
 }
 
@@ -599,11 +631,7 @@ pub unsafe extern "C" fn hprt_device_free(
     buffer: *mut HprtDeviceBuffer,
 ) -> HprtStatus {
     guard("hprt_device_free", || {
-        let p = arg(platform, "platform")?.get();
-        let b = arg(buffer, "buffer")?;
-        p.free_device(&b.0)?;
-        release(buffer, "buffer")?;
-        Ok(())
+        destroy_on(platform, buffer, "buffer", |p, b| p.free_device(&b.0))
     })
 }
 
@@ -658,11 +686,7 @@ pub unsafe extern "C" fn hprt_pinned_free(
     buffer: *mut HprtPinnedBuffer,
 ) -> HprtStatus {
     guard("hprt_pinned_free", || {
-        let p = arg(platform, "platform")?.get();
-        let b = arg(buffer, "buffer")?;
-        p.free_pinned(&b.0)?;
-        release(buffer, "buffer")?;
-        Ok(())
+        destroy_on(platform, buffer, "buffer", |p, b| p.free_pinned(&b.0))
     })
 }
 
@@ -850,11 +874,7 @@ pub unsafe extern "C" fn hprt_comm_destroy(
     comm: *mut HprtComm,
 ) -> HprtStatus {
     guard("hprt_comm_destroy", || {
-        let p = arg(platform, "platform")?.get();
-        let c = arg(comm, "comm")?;
-        p.destroy_comm(&c.0)?;
-        release(comm, "comm")?;
-        Ok(())
+        destroy_on(platform, comm, "comm", |p, c| p.destroy_comm(&c.0))
     })
 }
 

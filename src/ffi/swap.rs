@@ -14,25 +14,9 @@ use hprt_swap::{
 
 use super::handle::{handle_kind, Exclusive};
 use super::platform::{dtype_arg, HprtDeviceBuffer, HprtPlatform, HprtStream};
-use super::{arg, arg_mut, guard, out, publish, release, FfiError, FfiResult, HprtStatus};
-
-impl From<SwapError> for FfiError {
-    fn from(e: SwapError) -> Self {
-        let status = match &e {
-            SwapError::Platform(p) => return p.clone().into(),
-            SwapError::WrongState { .. } | SwapError::Order(_) => HprtStatus::ErrorWrongState,
-            SwapError::ModifiedSinceOffload { .. }
-            | SwapError::StorageResized { .. }
-            | SwapError::ReacquiredOutsideSwap => HprtStatus::ErrorModifiedSinceOffload,
-            SwapError::HostBudgetExceeded { .. } => HprtStatus::ErrorOutOfMemory,
-            _ => HprtStatus::ErrorInvalidValue,
-        };
-        FfiError {
-            status,
-            message: e.to_string(),
-        }
-    }
-}
+use super::{
+    arg, arg_mut, c_enum, c_stats, guard, out, publish, release, FfiError, FfiResult, HprtStatus,
+};
 
 /// A layer-group swap manager with its own copy stream and pinned pool.
 pub struct HprtSwapManager {
@@ -167,20 +151,12 @@ impl Allocator for CAllocator {
     }
 }
 
-/// A `HprtCompression` value from C, checked (an out-of-range integer is an error, not UB).
-pub(crate) fn compression(v: i32) -> FfiResult<Compression> {
-    use HprtCompression as C;
-    [C::Off, C::Device, C::HostStage, C::Auto]
-        .into_iter()
-        .find(|c| *c as i32 == v)
-        .map(|c| match c {
-            C::Off => Compression::Off,
-            C::Device => Compression::Device,
-            C::HostStage => Compression::HostStage,
-            C::Auto => Compression::Auto,
-        })
-        .ok_or_else(|| FfiError::invalid(format!("{v} is not an HprtCompression")))
-}
+c_enum!(HprtCompression <=> Compression, fn compression, {
+    Off <=> Off,
+    Device <=> Device,
+    HostStage <=> HostStage,
+    Auto <=> Auto,
+});
 
 /// A NUL-terminated UTF-8 group name.
 ///
@@ -512,21 +488,20 @@ pub unsafe extern "C" fn hprt_swap_stats(
 
 /// A front end's counters for C.
 pub(crate) fn stats_of(engine: &hprt_swap::SwapEngine) -> HprtSwapStats {
-    let (e, p) = (engine.stats(), engine.pool_stats());
-    HprtSwapStats {
-        offloaded_tensors: e.offloaded_tensors,
-        offloaded_bytes: e.offloaded_bytes,
-        reloaded_tensors: e.reloaded_tensors,
-        reloaded_bytes: e.reloaded_bytes,
-        link_d2h_bytes: e.link_d2h_bytes,
-        link_h2d_bytes: e.link_h2d_bytes,
-        compressed_tensors: e.compressed_tensors,
-        codec_ns: e.codec_ns,
-        pinned_bytes_held: p.bytes_held,
-        pinned_high_water: p.high_water,
-        pool_hits: p.hits,
-        pool_misses: p.misses,
-    }
+    c_stats!(HprtSwapStats {
+        offloaded_tensors,
+        offloaded_bytes,
+        reloaded_tensors,
+        reloaded_bytes,
+        link_d2h_bytes,
+        link_h2d_bytes,
+        compressed_tensors,
+        codec_ns,
+        pinned_bytes_held,
+        pinned_high_water,
+        pool_hits,
+        pool_misses,
+    } from engine.stat_fields())
 }
 
 /// Compress-then-swap for the tensors offloaded from now on. `mode` is an `HprtCompression`

@@ -129,6 +129,29 @@ pub struct EngineStats {
     pub reload_inflight_peak: u64,
 }
 
+impl EngineStats {
+    /// Every counter with its name, in declaration order: the one list the Python `stats()`
+    /// dicts and the C `HprtSwapStats` are filled from.
+    pub fn fields(&self) -> [(&'static str, u64); 14] {
+        [
+            ("offloaded_tensors", self.offloaded_tensors),
+            ("offloaded_bytes", self.offloaded_bytes),
+            ("reloaded_tensors", self.reloaded_tensors),
+            ("reloaded_bytes", self.reloaded_bytes),
+            ("link_d2h_bytes", self.link_d2h_bytes),
+            ("link_h2d_bytes", self.link_h2d_bytes),
+            ("compressed_tensors", self.compressed_tensors),
+            ("compressed_bytes", self.compressed_bytes),
+            ("codec_ns", self.codec_ns),
+            ("handed_back_tensors", self.handed_back_tensors),
+            ("offload_window_waits", self.offload_window_waits),
+            ("prefetches_deferred", self.prefetches_deferred),
+            ("offload_inflight_peak", self.offload_inflight_peak),
+            ("reload_inflight_peak", self.reload_inflight_peak),
+        ]
+    }
+}
+
 /// Moves tensors between device and pinned host memory for all three front ends.
 ///
 /// The caller passes its compute stream (the framework's current stream); the engine owns its
@@ -373,6 +396,18 @@ impl SwapEngine {
             None => release(),
         }
     }
+    /// Everything a front end's `stats()` reports, by name: [`EngineStats::fields`], the bytes in
+    /// flight now (`offload_inflight_bytes`, `reload_inflight_bytes`) and [`PoolStats::fields`].
+    /// The Python dicts and the C `HprtSwapStats` are filled from this one list.
+    pub fn stat_fields(&self) -> Vec<(&'static str, u64)> {
+        let (offloads, reloads) = self.inflight_bytes();
+        let mut fields = self.stats().fields().to_vec();
+        fields.push(("offload_inflight_bytes", offloads as u64));
+        fields.push(("reload_inflight_bytes", reloads as u64));
+        fields.extend(self.pool_stats().fields());
+        fields
+    }
+
     /// Bytes of offloads not known to have finished, and of reloads not yet handed to a compute
     /// stream, now.
     pub fn inflight_bytes(&self) -> (usize, usize) {
@@ -399,7 +434,7 @@ impl SwapEngine {
             return Compression::Off;
         }
         match chosen {
-            Compression::Auto if self.codec.name() == "host" => Compression::HostStage,
+            Compression::Auto if self.codec.encodes_on_host() => Compression::HostStage,
             Compression::Auto => Compression::Device,
             c => c,
         }

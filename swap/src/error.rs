@@ -1,6 +1,9 @@
 //! The one error type of `hprt-swap`.
 
+use std::borrow::Cow;
 use std::fmt;
+
+use hprt_platform::HprtStatus;
 
 /// Where a [`crate::SwapTensor`] is in its life cycle (see [`crate::SwapTensor`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -17,23 +20,13 @@ pub enum SwapState {
     NonTensor,
 }
 
-impl SwapState {
-    pub fn name(self) -> &'static str {
-        match self {
-            SwapState::Device => "device",
-            SwapState::D2h => "d2h",
-            SwapState::Host => "host",
-            SwapState::H2d => "h2d",
-            SwapState::NonTensor => "non_tensor",
-        }
-    }
-}
-
-impl fmt::Display for SwapState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+hprt_platform::named_enum!(SwapState, "swap state", {
+    Device => "device",
+    D2h => "d2h",
+    Host => "host",
+    H2d => "h2d",
+    NonTensor => "non_tensor",
+});
 
 /// Everything that can go wrong in swap.
 #[derive(Debug, thiserror::Error)]
@@ -96,6 +89,48 @@ impl SwapError {
         }
     }
 
+    /// How this error reports, the one table both bindings use: the C ABI's status
+    /// (`hprt_platform::HprtStatus`) and the status name Python's `HprtError.status` carries
+    /// (`HP_SWAP_WRONG_STATE`, …; a platform error reports its own, a codec error its status
+    /// under the name `HP_SWAP_CODEC`).
+    pub fn status(&self) -> HprtStatus {
+        self.report().0
+    }
+
+    /// The status name (see [`SwapError::status`]).
+    pub fn status_name(&self) -> Cow<'static, str> {
+        self.report().1
+    }
+
+    fn report(&self) -> (HprtStatus, Cow<'static, str>) {
+        use HprtStatus as H;
+        let (status, name) = match self {
+            SwapError::Platform(e) => return (e.kind.status(), e.code_name.clone()),
+            SwapError::Codec(e) => return (e.status(), Cow::Borrowed("HP_SWAP_CODEC")),
+            SwapError::WrongState { .. } => (H::ErrorWrongState, "HP_SWAP_WRONG_STATE"),
+            SwapError::Order(_) => (H::ErrorWrongState, "HP_SWAP_ORDER"),
+            SwapError::ModifiedSinceOffload { .. } => (
+                H::ErrorModifiedSinceOffload,
+                "HP_SWAP_MODIFIED_SINCE_OFFLOAD",
+            ),
+            SwapError::StorageResized { .. } => {
+                (H::ErrorModifiedSinceOffload, "HP_SWAP_STORAGE_RESIZED")
+            }
+            SwapError::ReacquiredOutsideSwap => (
+                H::ErrorModifiedSinceOffload,
+                "HP_SWAP_REACQUIRED_OUTSIDE_SWAP",
+            ),
+            SwapError::HostBudgetExceeded { .. } => {
+                (H::ErrorOutOfMemory, "HP_SWAP_HOST_BUDGET_EXCEEDED")
+            }
+            SwapError::InvalidTensor(_) => (H::ErrorInvalidValue, "HP_SWAP_INVALID_TENSOR"),
+            // As the bindings' own refusal of a free under a live export.
+            SwapError::StorageInUse(_) => (H::ErrorWrongState, "HP_ERROR_BUFFER_EXPORTED"),
+            SwapError::Unknown { .. } => (H::ErrorInvalidValue, "HP_SWAP_UNKNOWN"),
+        };
+        (status, Cow::Borrowed(name))
+    }
+
     /// The platform error kind, when this is a platform error.
     pub fn platform_kind(&self) -> Option<hprt_platform::ErrorKind> {
         match self {
@@ -106,3 +141,60 @@ impl SwapError {
 }
 
 pub type Result<T, E = SwapError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Compression, EngineStats, PoolStats};
+
+    #[test]
+    fn each_error_reports_one_status_and_name() {
+        let unknown = SwapError::unknown("layer", 3);
+        assert_eq!(unknown.status(), HprtStatus::ErrorInvalidValue);
+        assert_eq!(unknown.status_name(), "HP_SWAP_UNKNOWN");
+        let budget = SwapError::HostBudgetExceeded {
+            requested: 1,
+            held: 2,
+            budget: 2,
+        };
+        assert_eq!(budget.status(), HprtStatus::ErrorOutOfMemory);
+        let codec = SwapError::Codec(hprt_compress::CompressError::Corrupt {
+            at: 0,
+            what: "x".into(),
+        });
+        assert_eq!(codec.status(), HprtStatus::ErrorCorruptData);
+        assert_eq!(codec.status_name(), "HP_SWAP_CODEC");
+        let platform = SwapError::Platform(hprt_platform::Error::new(
+            hprt_platform::ErrorKind::OutOfMemory,
+            hprt_platform::BackendKind::Cpu,
+            "alloc",
+            "full",
+        ));
+        assert_eq!(platform.status(), HprtStatus::ErrorOutOfMemory);
+        assert_eq!(platform.status_name(), "HP_ERROR_OUT_OF_MEMORY");
+    }
+
+    #[test]
+    fn names_parse_exactly() {
+        for c in Compression::ALL {
+            assert_eq!(c.to_string().parse::<Compression>(), Ok(c));
+        }
+        assert!("Auto".parse::<Compression>().is_err());
+        assert!("host-stage".parse::<Compression>().is_err());
+        assert_eq!("h2d".parse::<SwapState>(), Ok(SwapState::H2d));
+    }
+
+    #[test]
+    fn stat_field_names_are_distinct() {
+        let mut names: Vec<_> = EngineStats::default()
+            .fields()
+            .iter()
+            .chain(PoolStats::default().fields().iter())
+            .map(|(n, _)| *n)
+            .collect();
+        let n = names.len();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), n);
+    }
+}

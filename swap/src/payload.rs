@@ -122,18 +122,21 @@ pub enum Compression {
     Auto,
 }
 
+// The names the bindings take (`set_compression("host_stage")`).
+hprt_platform::named_enum!(Compression, "compression", {
+    Off => "off",
+    Device => "device",
+    HostStage => "host_stage",
+    Auto => "auto",
+});
+
 /// Chooses the compression per tensor (e.g. by size or dtype); the front end's setting applies
 /// where there is no policy.
 pub type CompressionPolicy = Arc<dyn Fn(&DeviceTensor) -> Compression + Send + Sync>;
 
 /// The codec's element type of a swap dtype (only floating-point tensors are compressed).
 pub(crate) fn codec_dtype(dtype: DType) -> Option<CodecDType> {
-    match dtype {
-        DType::F32 => Some(CodecDType::F32),
-        DType::F16 => Some(CodecDType::F16),
-        DType::BF16 => Some(CodecDType::BF16),
-        _ => None,
-    }
+    CodecDType::of(dtype)
 }
 
 /// The encoding a host-stage function produced (or its error), filled in stream order.

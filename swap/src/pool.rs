@@ -34,6 +34,21 @@ pub struct PoolStats {
     pub evictions: u64,
 }
 
+impl PoolStats {
+    /// Every counter under the name a swap front end's `stats()` gives it (`pinned_*`,
+    /// `pool_*`), in declaration order (see `SwapEngine::stat_fields`).
+    pub fn fields(&self) -> [(&'static str, u64); 6] {
+        [
+            ("pinned_bytes_held", self.bytes_held as u64),
+            ("pinned_bytes_in_use", self.bytes_in_use as u64),
+            ("pinned_high_water", self.high_water as u64),
+            ("pool_hits", self.hits),
+            ("pool_misses", self.misses),
+            ("pool_evictions", self.evictions),
+        ]
+    }
+}
+
 struct Idle {
     buf: PinnedBuffer,
     last_use: Option<Fence>,

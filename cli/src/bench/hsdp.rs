@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use hprt_platform::{BackendKind, DType, Platform, PlatformHandle, ReduceOp};
+use hprt_platform::{DType, Platform, PlatformHandle, ReduceOp};
 
 use hprt_hsdp::{
     DataParallelMesh, DeviceMesh, GradInput, GroupCache, HsdpError, HsdpStreams, ParamConfig,
@@ -34,10 +34,10 @@ struct Timings {
 ///   reduce-scatter from the same gradient into the same sharded-gradient buffer.
 ///
 /// Times are per operation on rank 0, best of 5 trials; ranks are threads of this process.
-/// The ranks the benchmark runs: 4 threads on the cpu backend; one device each elsewhere (NCCL
-/// refuses two ranks on one GPU: "Duplicate GPU detected"), at most 4.
-fn bench_world(backend: BackendKind, devices: usize) -> usize {
-    if backend == BackendKind::Cpu {
+/// The ranks the benchmark runs: 4 threads where ranks may share a device (the cpu backend); one
+/// device each elsewhere (NCCL refuses two ranks on one GPU: "Duplicate GPU detected"), at most 4.
+fn bench_world(ranks_share_device: bool, devices: usize) -> usize {
+    if ranks_share_device {
         4
     } else {
         devices.clamp(1, 4)
@@ -46,7 +46,10 @@ fn bench_world(backend: BackendKind, devices: usize) -> usize {
 
 pub fn bench(platform: impl Into<PlatformHandle>, max_bytes: usize) -> Result<String, HsdpError> {
     let platform = platform.into();
-    let world = bench_world(platform.backend(), platform.device_count());
+    let world = bench_world(
+        platform.capabilities().ranks_share_device,
+        platform.device_count(),
+    );
     if world < 2 {
         // A 1-rank group makes no collective calls (its communicator is absent): nothing to
         // compare with direct ones.
@@ -275,9 +278,9 @@ mod tests {
     #[test]
     fn one_gpu_benchmarks_world_one() {
         // An H100 machine's first run failed here: four ranks on one device.
-        assert_eq!(bench_world(BackendKind::Cuda, 1), 1);
-        assert_eq!(bench_world(BackendKind::Npu, 8), 4);
-        assert_eq!(bench_world(BackendKind::Cuda, 2), 2);
-        assert_eq!(bench_world(BackendKind::Cpu, 1), 4);
+        assert_eq!(bench_world(false, 1), 1);
+        assert_eq!(bench_world(false, 8), 4);
+        assert_eq!(bench_world(false, 2), 2);
+        assert_eq!(bench_world(true, 1), 4);
     }
 }

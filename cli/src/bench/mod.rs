@@ -150,7 +150,7 @@ pub fn run(p: &'static dyn Platform, max_bytes: usize, only: &[String]) -> Resul
         writeln!(out)?;
     }
     // Its own section: on a GPU machine the CPU codec's minutes are not what is measured.
-    if wanted("device-codec") && p.backend() != BackendKind::Cpu {
+    if wanted("device-codec") && !p.capabilities().device_memory_is_host {
         device_codec(p, max_bytes, &mut out)?;
     }
     if wanted("hsdp") {
@@ -452,7 +452,7 @@ fn rank_loop(
     gather: bool,
     go: &Barrier,
 ) -> Result<Duration> {
-    if p.device_count() >= world && p.backend() != BackendKind::Cpu {
+    if p.device_count() >= world && !p.capabilities().ranks_share_device {
         p.set_device(rank)?;
     }
     let comm = p.comm_init(id, rank, world)?;
@@ -508,7 +508,7 @@ fn rank_loop(
 }
 
 fn collectives(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<()> {
-    let world = if p.backend() == BackendKind::Cpu {
+    let world = if p.capabilities().ranks_share_device {
         4
     } else {
         p.device_count().min(4)

@@ -74,15 +74,8 @@ fn values(seed: u64, n: usize, scale: f32) -> Vec<u8> {
 }
 
 fn codec_dtype(d: DType) -> Result<CodecDType> {
-    Ok(match d {
-        DType::F32 => CodecDType::F32,
-        DType::F16 => CodecDType::F16,
-        DType::BF16 => CodecDType::BF16,
-        other => {
-            return Err(DemoError::InvalidOption(format!(
-                "activations of dtype {other} cannot be compressed"
-            )))
-        }
+    CodecDType::of(d).ok_or_else(|| {
+        DemoError::InvalidOption(format!("activations of dtype {d} cannot be compressed"))
     })
 }
 

@@ -22,6 +22,7 @@ use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, Loc, Place};
+use crate::capabilities::Capabilities;
 use crate::collective::Collective;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
@@ -309,6 +310,9 @@ impl Backend for CpuBackend {
     }
     fn instance(&self) -> u64 {
         self.instance
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::CPU
     }
     fn info(&self) -> PlatformInfo {
         let c = &self.config;

@@ -325,6 +325,7 @@ impl CudaBackend {
                 instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
                 driver_path: found.path,
                 driver_version: version,
+                emulated: crate::capabilities::is_emulator(&found.lib),
                 devices,
                 pinned: MemoryCounter::new(None),
                 streams: Mutex::new(Vec::new()),

@@ -58,6 +58,7 @@ use crate::auxil;
 use crate::auxil::deferred::{self, DeferredFrees};
 use crate::auxil::uses::{Origin, TrackedMem, UseEvents};
 use crate::backend::{Backend, Loc, Place};
+use crate::capabilities::Capabilities;
 use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
@@ -173,6 +174,8 @@ pub struct Shared {
     instance: u64,
     driver_path: String,
     driver_version: i32,
+    /// The driver library is hprt's CUDA emulator ([`crate::Capabilities`]).
+    emulated: bool,
     devices: Vec<Device>,
     pinned: MemoryCounter,
     streams: Mutex<Vec<Weak<StreamObj>>>,
@@ -252,6 +255,10 @@ impl Backend for CudaBackend {
     }
     fn instance(&self) -> u64 {
         self.shared.instance
+    }
+    fn capabilities(&self) -> Capabilities {
+        let s = &self.shared;
+        Capabilities::driver("cuda", s.emulated, s.nvrtc.is_ok())
     }
     fn info(&self) -> PlatformInfo {
         let s = &self.shared;

@@ -110,6 +110,10 @@ impl NpuBackend {
             frees: frees_ref,
             instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
             owns_acl,
+            // SAFETY: the library is loaded already (ACL came from it); reopening only counts a
+            // reference, its initialisers do not run again.
+            emulated: unsafe { libloading::Library::new(&api.acl_path) }
+                .is_ok_and(|lib| crate::capabilities::is_emulator(&lib)),
             devices: (0..count)
                 .map(|_| Arc::new(MemoryCounter::new(None)))
                 .collect(),

@@ -33,6 +33,7 @@ use crate::auxil;
 use crate::auxil::deferred::{self, DeferredFrees};
 use crate::auxil::uses::{Origin, TrackedMem, UseEvents};
 use crate::backend::{Backend, Loc, Place};
+use crate::capabilities::Capabilities;
 use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
@@ -80,6 +81,8 @@ pub struct Shared {
     api: Arc<Ascend>,
     instance: u64,
     owns_acl: bool,
+    /// The ACL library is hprt's Ascend emulator ([`crate::Capabilities`]).
+    emulated: bool,
     devices: Vec<Arc<MemoryCounter>>,
     pinned: Arc<MemoryCounter>,
     streams: Mutex<HashMap<usize, Weak<StreamObj>>>,
@@ -169,6 +172,9 @@ impl Backend for NpuBackend {
     }
     fn instance(&self) -> u64 {
         self.shared.instance
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::driver("npu", self.shared.emulated, false)
     }
     fn info(&self) -> PlatformInfo {
         let api = self.api();
