@@ -2,6 +2,7 @@
 import only torch and hprt."""
 
 import os
+import types
 
 import hprt
 import hprt.torch as ht
@@ -11,6 +12,7 @@ class _StandInPlatform:
     """What init_from_process_group needs of a cuda / npu platform, recording what it got."""
 
     backend = "npu"
+    capabilities = types.SimpleNamespace(ranks_are_threads=False, framework_device="npu")
 
     def __init__(self):
         self.calls = []

@@ -88,7 +88,7 @@ TORCH_ALSO = [
     "_platform_empty",
     "_stream_recorder",
 ]
-FSDP_ALSO = ["_HostDeviceMemory", "_context", "_is_emulator"]
+FSDP_ALSO = ["_HostDeviceMemory", "_context"]
 
 
 def test_torch_integration_names():

@@ -40,8 +40,8 @@ parameter), ``state`` (a module's gathers, hooks and backward), ``module`` (``fu
 """
 
 # The modules' public names, and the private ones the tests read here (``_context``,
-# ``_HostDeviceMemory``, ``_is_emulator``).
-from .memory import _HostDeviceMemory, _is_emulator  # noqa: F401
+# ``_HostDeviceMemory``).
+from .memory import _HostDeviceMemory  # noqa: F401
 from .mesh import RankMesh, StreamTrace, init_device_mesh
 from .module import FSDPModule, fully_shard
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy

@@ -221,20 +221,18 @@ class _HostDeviceMemory(_DeviceMemory):
         pass
 
 
-def _is_emulator(platform):
-    return "emulator" in str(platform.info().get("driver", "")).lower()
-
-
 def _torch_memory(platform):
-    """How torch sees ``platform``'s memory (see ``_CopiedMemory``): shared on the cpu backend;
-    torch's own device tensors where torch has the platform's device (cuda, or npu through
-    torch_npu) and the platform drives real hardware; else the staging path."""
-    backend = platform.backend
-    if backend == "cpu":
+    """How torch sees ``platform``'s memory (see ``_CopiedMemory``), from what the platform can
+    do: shared where its device memory is host memory (the cpu backend); torch's own device
+    tensors where torch has the device type that addresses it (cuda, or npu through torch_npu:
+    real hardware); else the staging path (the emulators, whose memory torch cannot address)."""
+    caps = platform.capabilities
+    if caps.device_memory_is_host:
         return _SharedMemory(platform)
-    mod = getattr(torch, backend, None)  # torch.cuda; torch.npu once torch_npu is imported
-    if mod is not None and mod.is_available() and not _is_emulator(platform):
-        return _DeviceMemory(platform, backend)
+    device = caps.framework_device
+    mod = getattr(torch, device, None) if device else None  # torch.npu once torch_npu is imported
+    if mod is not None and mod.is_available():
+        return _DeviceMemory(platform, device)
     return _StagedMemory(platform)
 
 

@@ -18,9 +18,9 @@ from .memory import _torch_memory
 
 
 _CPU_RANKS = (
-    "the cpu backend's ranks are threads of one process: run them with "
-    "hprt.torch.run_on_ranks(world_size, fn) in one process (HP_PLATFORM=cuda or npu for one "
-    "process per device)"
+    "this platform's ranks are threads of one process (the cpu backend, the emulators): run "
+    "them with hprt.torch.run_on_ranks(world_size, fn) in one process (HP_PLATFORM=cuda or npu "
+    "on hardware for one process per device)"
 )
 
 
@@ -214,7 +214,7 @@ def run_on_ranks(world_size, fn, *args, platform=None, **kwargs):
     emulator)."""
     if platform is None:
         platform = hprt.get_platform()
-        if platform.backend == "cpu":
+        if platform.capabilities.configurable_devices:
             platform = hprt.cpu_platform(devices=world_size, from_env=True)
     uid = platform.unique_id()
     results, errors = [None] * world_size, [None] * world_size
@@ -278,7 +278,7 @@ def init_from_process_group(group=None, platform=None):
         raise RuntimeError("init_from_process_group needs torch.distributed.init_process_group() first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     platform = platform if platform is not None else hprt.get_platform()
-    if platform.backend == "cpu" and world > 1:
+    if platform.capabilities.ranks_are_threads and world > 1:
         raise hprt.UnsupportedError(_CPU_RANKS)
     local = int(os.environ.get("LOCAL_RANK", rank))
     platform.set_device(local % platform.device_count())

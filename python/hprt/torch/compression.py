@@ -78,7 +78,8 @@ class compress_saved_tensors(_Hooks):
 
     def __init__(self, min_bytes=0, platform=None, decode_ahead=4):
         self.min_bytes, self.decode_ahead = min_bytes, decode_ahead
-        self.platform = platform if platform is not None and platform.backend == "cpu" else None
+        self.platform = (platform if platform is not None and platform.capabilities.device_memory_is_host
+                         else None)
         self._stats = {"tensors": 0, "raw_bytes": 0, "compressed_bytes": 0, "decoded_ahead": 0}
         self._stats_lock = threading.Lock()
         self._codec = None
@@ -207,7 +208,7 @@ def _host_compression_refused(what, where):
 
 def _check_host_compression(model, mode, rt):
     devices = sorted({p.device.type for p in model.parameters()})
-    if rt.backend != "cpu" or devices not in ([], ["cpu"]):
+    if not rt.platform.capabilities.device_memory_is_host or devices not in ([], ["cpu"]):
         raise _host_compression_refused(
             f"hprt.torch mode {mode!r}",
             f"this model's parameters are on {', '.join(devices) or 'no device'} and the "

@@ -85,7 +85,7 @@ class ManagedCompression:
     def _eligible(self, t):
         return (
             t.dtype in _CODEC_DTYPES  # and on the CPU: _pack refused the others
-            and self.platform.backend == "cpu"
+            and self.platform.capabilities.device_memory_is_host
             and not _of_parameter(t)
             and not (t.is_leaf and t.requires_grad)
             and t.is_contiguous()

@@ -44,7 +44,7 @@ def _cpu_tensor_stream(platform):
     """The stream CPU tensors' compute stands on: on the cpu backend the host's own stream (raw
     stream 0: torch's CPU ops are done when they return, a wait on it blocks the host); elsewhere
     an idle stream of hprt's (other backends never take CPU tensors)."""
-    return platform.wrap_stream(0) if platform.backend == "cpu" else platform.create_stream()
+    return platform.wrap_stream(0) if platform.capabilities.host_stream else platform.create_stream()
 
 
 class Runtime:
@@ -153,7 +153,7 @@ class Runtime:
         ``_host_reload``), from torch's allocator elsewhere. The only difference between the
         backends' reload paths."""
         shape, stride, offset, dtype, _ = layout
-        if self.backend == "cpu":
+        if self.platform.capabilities.device_memory_is_host:
             return _platform_empty(self.platform, shape, stride, offset, dtype)
         return _ht._empty_like_layout(shape, stride, offset, dtype, device)
 
@@ -163,7 +163,7 @@ class Runtime:
         stream: a block freed by kernels still queued there is handed out again at once. ``t``
         goes with that stream (``(t, stream)``), whose queued work hprt's copy waits for before
         writing the block; torch's CPU memory is free when allocated."""
-        if self.backend == "cpu":
+        if self.platform.capabilities.device_memory_is_host:
             return t
         return t, self.compute_stream(t.device)
 
