@@ -351,6 +351,11 @@ typedef struct HprtCapabilities {
    The devices are hprt's own, any number can be made in-process.
    */
   bool configurable_devices;
+  /*
+   A raw stream handle given to `hprt_stream_wrap` is checked against the backend's own
+   streams (the cpu backend); elsewhere it is taken on the caller's word.
+   */
+  bool checked_stream_handles;
 } HprtCapabilities;
 
 /*

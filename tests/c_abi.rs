@@ -34,6 +34,7 @@ fn capabilities_of_the_cpu_backend() {
         c.assume_init()
     };
     assert!(c.device_memory_is_host && c.host_stream && c.configurable_devices);
+    assert!(c.checked_stream_handles);
     assert!(c.ranks_are_threads && c.ranks_share_device && !c.kernel_compiler);
     // SAFETY: a static NUL-terminated string.
     let device = unsafe { CStr::from_ptr(c.framework_device) };

@@ -18,6 +18,7 @@
 /// | `ranks_are_threads` | true | false | true | false | true |
 /// | `ranks_share_device` | true | false | false | false | false |
 /// | `configurable_devices` | true | false | false | false | false |
+/// | `checked_stream_handles` | true | false | false | false | false |
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub struct Capabilities {
@@ -46,6 +47,10 @@ pub struct Capabilities {
     /// The devices are hprt's own: a platform with any number of them (and a capacity) can be
     /// made in-process (`CpuBackend` / `hprt.cpu_platform(devices=n)`).
     pub configurable_devices: bool,
+    /// A raw stream handle handed to [`crate::Platform::wrap_external_stream`] is checked
+    /// against the backend's own streams (the cpu backend's registry), so a wrong one is an
+    /// error; a driver's handle (`CUstream`, `aclrtStream`) is a pointer nothing can check.
+    pub checked_stream_handles: bool,
 }
 
 impl Capabilities {
@@ -58,6 +63,7 @@ impl Capabilities {
         ranks_are_threads: true,
         ranks_share_device: true,
         configurable_devices: true,
+        checked_stream_handles: true,
     };
 
     /// A driver backend's: `framework_device` is the framework's name for its devices, `None`
@@ -75,12 +81,13 @@ impl Capabilities {
             ranks_are_threads: emulated,
             ranks_share_device: false,
             configurable_devices: false,
+            checked_stream_handles: false,
         }
     }
 
     /// Each field's name and value (`framework_device` as its name or ""), in declaration order:
     /// the one list the Python and C bindings export.
-    pub fn fields(&self) -> [(&'static str, CapabilityValue); 7] {
+    pub fn fields(&self) -> [(&'static str, CapabilityValue); 8] {
         use CapabilityValue::{Flag, Name};
         [
             ("device_memory_is_host", Flag(self.device_memory_is_host)),
@@ -90,6 +97,7 @@ impl Capabilities {
             ("ranks_are_threads", Flag(self.ranks_are_threads)),
             ("ranks_share_device", Flag(self.ranks_share_device)),
             ("configurable_devices", Flag(self.configurable_devices)),
+            ("checked_stream_handles", Flag(self.checked_stream_handles)),
         ]
     }
 }
@@ -145,6 +153,7 @@ mod tests {
                 "ranks_are_threads",
                 "ranks_share_device",
                 "configurable_devices",
+                "checked_stream_handles",
             ]
         );
         assert_eq!(

@@ -150,6 +150,7 @@ fn the_emulators_report_their_capabilities() {
     assert_eq!(c.framework_device, None);
     assert!(c.ranks_are_threads && !c.ranks_share_device && !c.device_memory_is_host);
     assert!(!c.kernel_compiler && !c.host_stream && !c.configurable_devices);
+    assert!(!c.checked_stream_handles);
     drop(npu);
     let cuda = open_cuda();
     let c = Platform::capabilities(&cuda);

@@ -5,7 +5,7 @@
 - Tensors cross by DLPack (``Platform.from_dlpack(obj)``, ``buffer.view(dtype, shape)``
   implements ``__dlpack__``; the memory cannot be freed while an export lives) or by raw
   pointer (``Platform.unsafe_wrap_device_memory(ptr, nbytes, owner)``: unchecked,
-  ``Platform.wrap_stream(raw)``).
+  ``Platform.unsafe_wrap_stream(raw)``; ``wrap_stream(raw)`` takes what it can check).
 - Swap: ``SwapManager`` (hyper_parallel's layer groups: module hooks and ``add_storage`` /
   ``launch_offload`` / ``wait_offload`` / ``launch_load`` / ``wait_load``), ``KeyedSwap`` /
   ``TensorSwapContext`` (``swap_out_cur_and_release_prev`` / ``wait_cur_and_prefetch_next``;

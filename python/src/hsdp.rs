@@ -221,7 +221,7 @@ pub struct PyHsdpStreams {
 #[pymethods]
 impl PyHsdpStreams {
     /// New streams of `platform` (the process-wide one by default); `compute` may be an
-    /// existing stream (a framework's, wrapped with `Platform.wrap_stream`).
+    /// existing stream (a framework's, wrapped with `Platform.unsafe_wrap_stream`).
     #[new]
     #[pyo3(signature = (platform=None, compute=None))]
     fn new(platform: Option<&PyPlatform>, compute: Option<&PyStream>) -> Result<Self> {

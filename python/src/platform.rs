@@ -214,7 +214,9 @@ impl PyPlatform {
     ///   the device);
     /// - `ranks_are_threads` — all ranks of a world are threads of this process;
     /// - `ranks_share_device` — several ranks may use one device;
-    /// - `configurable_devices` — the devices are hprt's own (`cpu_platform(devices=n)`).
+    /// - `configurable_devices` — the devices are hprt's own (`cpu_platform(devices=n)`);
+    /// - `checked_stream_handles` — `wrap_stream(raw)` checks a raw handle against the
+    ///   backend's own streams (the cpu backend); elsewhere only `unsafe_wrap_stream` takes one.
     #[getter]
     fn capabilities<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let kwargs = PyDict::new(py);
@@ -275,15 +277,38 @@ impl PyPlatform {
         Ok(self.stream(self.p.create_stream()?))
     }
 
-    /// Wraps a framework's stream (`torch.cuda.current_stream().cuda_stream`, an `aclrtStream`
-    /// as an int, or a cpu stream's `raw`) without taking ownership. On the cpu backend raw 0 is
-    /// the host's own stream: work queued on it runs in the calling thread, and a wait on it
-    /// blocks the caller (CPU tensors' compute: torch's CPU ops are done when they return).
-    ///
-    /// The caller promises the stream stays alive while the wrapper is used.
+    /// Wraps a stream by its raw handle without taking ownership, where the handle can be
+    /// checked: raw 0 (CUDA's default stream; on the cpu backend the host's own stream: work
+    /// queued on it runs in the calling thread, and a wait on it blocks the caller, as torch's
+    /// CPU ops are done when they return; the npu backend refuses a null `aclrtStream`), or any
+    /// handle on a backend whose handles are
+    /// checked against its own streams (`capabilities.checked_stream_handles`: the cpu
+    /// backend). A cuda / npu handle (`torch.cuda.current_stream().cuda_stream`, an
+    /// `aclrtStream` as an int) is a pointer nothing can check: `unsafe_wrap_stream` takes it.
     fn wrap_stream(&self, raw: usize) -> Result<PyStream> {
-        // SAFETY: the documented contract of this method: `raw` names a live stream of this
-        // backend for as long as the wrapper is used (the backend checks what it can).
+        if raw != 0 && !self.p.capabilities().checked_stream_handles {
+            return Err(invalid(format!(
+                "wrap_stream({raw:#x}): a raw {} stream handle cannot be checked; \
+                 unsafe_wrap_stream(raw) takes it on your word",
+                self.p.backend()
+            )));
+        }
+        // SAFETY: raw 0 is a default stream or refused by the backend (npu), and where it is not
+        // 0 the backend checks the handle against its own live streams
+        // (`checked_stream_handles`).
+        let s = unsafe { self.p.wrap_external_stream(hprt_platform::RawStream(raw))? };
+        Ok(self.stream(s))
+    }
+
+    /// Wraps a framework's stream by its raw handle (`torch.cuda.current_stream().cuda_stream`,
+    /// an `aclrtStream` as an int) without taking ownership.
+    ///
+    /// **Unsafe** (hence the name): a driver's stream handle is a pointer nothing can check, so
+    /// the caller promises that `raw` is a live stream of this backend for as long as the
+    /// wrapper is used; a wrong one is undefined behaviour (a crash) at the first use.
+    /// `wrap_stream` is the checked form.
+    fn unsafe_wrap_stream(&self, raw: usize) -> Result<PyStream> {
+        // SAFETY: the documented contract of this method, whose name says it is unchecked.
         let s = unsafe { self.p.wrap_external_stream(hprt_platform::RawStream(raw))? };
         Ok(self.stream(s))
     }

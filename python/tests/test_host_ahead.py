@@ -42,7 +42,7 @@ class StandInAllocator:
     def freed(self, buf, nbytes, recorded):
         self.live -= nbytes
         if recorded:
-            marks = [self.p.wrap_stream(raw).record_event() for raw in recorded]
+            marks = [self.p.unsafe_wrap_stream(raw).record_event() for raw in recorded]
             self.waiting.append((buf, nbytes, marks))
 
     def waiting_bytes(self):

@@ -50,7 +50,8 @@ def test_accelerator_backend_through_its_emulator(backend):
 
 
 _CAPABILITY_FIELDS = {"device_memory_is_host", "framework_device", "host_stream", "kernel_compiler",
-                      "ranks_are_threads", "ranks_share_device", "configurable_devices"}
+                      "ranks_are_threads", "ranks_share_device", "configurable_devices",
+                      "checked_stream_handles"}
 
 
 def test_capabilities_of_the_cpu_backend(p):
@@ -58,7 +59,7 @@ def test_capabilities_of_the_cpu_backend(p):
     assert set(vars(c)) == _CAPABILITY_FIELDS
     assert c.device_memory_is_host and c.host_stream and c.configurable_devices
     assert c.ranks_are_threads and c.ranks_share_device and not c.kernel_compiler
-    assert c.framework_device == "cpu"
+    assert c.framework_device == "cpu" and c.checked_stream_handles
 
 
 @pytest.mark.parametrize("backend", EMULATED)
@@ -71,6 +72,28 @@ def test_capabilities_on_the_emulators(backend):
     assert c.ranks_are_threads and not c.ranks_share_device
     assert not c.device_memory_is_host and not c.host_stream and not c.configurable_devices
     assert c.kernel_compiler == (backend == "cuda")  # the CUDA emulator's NVRTC
+    assert not c.checked_stream_handles
+
+
+@pytest.mark.parametrize("backend", EMULATED)
+def test_a_raw_driver_stream_handle_is_wrapped_only_by_the_unsafe_call(backend):
+    """ISSUE 32 item 15: a cuda / npu stream handle is a pointer nothing can check
+    (``wrap_stream(0x1000)`` would crash at the first use), so the checked ``wrap_stream``
+    refuses one and ``unsafe_wrap_stream`` says in its name that it takes it on trust; raw 0
+    is the default stream on cuda, and a null ``aclrtStream`` the npu backend refuses."""
+    p = hprt.open_platform(backend)
+    with pytest.raises(hprt.InvalidValueError, match="unsafe_wrap_stream"):
+        p.wrap_stream(0x1000)
+    s = p.create_stream()
+    assert "unsafe" in p.unsafe_wrap_stream.__doc__.lower()
+    w = p.unsafe_wrap_stream(s.raw)
+    assert w.is_external and w.raw == s.raw
+    w.synchronize()
+    if backend == "cuda":
+        p.wrap_stream(0).synchronize()
+    else:
+        with pytest.raises(hprt.InvalidValueError, match="null aclrtStream"):
+            p.wrap_stream(0)
 
 
 def test_copy_round_trip_through_pinned_memory(p):
@@ -290,6 +313,9 @@ def test_wrap_stream_shares_the_stream(p):
     w = p.wrap_stream(s.raw)
     assert w.is_external and w.raw == s.raw
     w.synchronize()
+    # The cpu backend checks a raw handle against its own streams.
+    with pytest.raises(hprt.InvalidHandleError):
+        p.wrap_stream(s.raw + 12345)
 
 
 def test_sizes_are_checked_before_anything_is_sized_from_them(p):

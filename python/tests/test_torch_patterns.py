@@ -498,7 +498,7 @@ class StandInPlatform:
     def __init__(self, backend):
         self.backend, self.wrapped = backend, []
 
-    def wrap_stream(self, raw):
+    def unsafe_wrap_stream(self, raw):
         self.wrapped.append(raw)
         return ("hprt stream of", raw)
 

@@ -263,6 +263,9 @@ pub struct HprtCapabilities {
     pub ranks_share_device: bool,
     /// The devices are hprt's own, any number can be made in-process.
     pub configurable_devices: bool,
+    /// A raw stream handle given to `hprt_stream_wrap` is checked against the backend's own
+    /// streams (the cpu backend); elsewhere it is taken on the caller's word.
+    pub checked_stream_handles: bool,
 }
 
 /// What `platform` can do: what a framework integration branches on instead of the backend's
@@ -287,6 +290,7 @@ pub unsafe extern "C" fn hprt_platform_capabilities(
             ranks_are_threads: c.ranks_are_threads,
             ranks_share_device: c.ranks_share_device,
             configurable_devices: c.configurable_devices,
+            checked_stream_handles: c.checked_stream_handles,
         };
         // SAFETY: the caller's contract.
         unsafe { out(out_capabilities, "out_capabilities", caps) }

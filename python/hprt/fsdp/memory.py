@@ -169,7 +169,8 @@ class _DeviceMemory(_CopiedMemory):
         return s.cuda_stream if self.device_type == "cuda" else s.npu_stream
 
     def compute_stream(self):
-        return self.platform.wrap_stream(self._torch_stream())
+        # torch's own live stream: the unchecked wrap is sound (torch keeps it alive).
+        return self.platform.unsafe_wrap_stream(self._torch_stream())
 
     def host_wait(self, streams):
         self._check_stream(streams)  # torch's stream is hprt's compute stream: ordered

@@ -130,7 +130,8 @@ class Runtime:
             raw = getattr(getattr(torch, kind).current_stream(device), _STREAM_ATTR[kind])
             s = self._wrapped.get(raw)
             if s is None:
-                s = self._wrapped[raw] = self.platform.wrap_stream(raw)
+                # torch's own live stream: the unchecked wrap is sound (torch keeps it alive).
+                s = self._wrapped[raw] = self.platform.unsafe_wrap_stream(raw)
             return s
         # CPU tensors: torch's work is done when its call returns (see the class docs).
         return self._host_stream
