@@ -6,7 +6,8 @@
   forward and backward, minus the plain-torch time, divided by the number of saved tensors.
 
     python python/benchmarks/torch_swap_step.py [--layers 16] [--dim 256] [--seq 128] [--steps 2]
-        [--rounds 3] [--threads N] [--modes swap,keyed] [--no-hook-cost] [--device cuda]
+        [--rounds 3] [--threads N] [--modes swap,keyed] [--skip host-stage] [--no-hook-cost]
+        [--device cuda]
         [--dtype bf16] [--paired N] [--heads H | --head-dim 128] [--model llama]
         [--no-memory] [--trace trace.json]
 
@@ -141,6 +142,7 @@ def build(args):
 MODES = {
     "keep": dict(mode="keep"),
     "swap": dict(mode="swap"),
+    "swap, planned (budget=auto)": dict(mode="swap", budget="auto"),
     "keyed": dict(mode="keyed"),
     "pipeline": dict(mode="pipeline"),
     "swap, host-stage compress-then-swap": dict(mode="swap", compression="host_stage"),
@@ -411,6 +413,8 @@ def interleaved(model, run, args, platform, min_bytes, layers=None):
         for name, kw in MODES.items():
             if args.modes and kw["mode"] not in args.modes:
                 continue
+            if any(word in name for word in args.skip or ()):
+                continue
             if cuda and kw["mode"] in ("compress", "managed_compress"):
                 continue  # host compression of CPU tensors: refused on an accelerator
             with ht.attach(model, platform=platform, min_bytes=min_bytes, **kw) as h:
@@ -629,6 +633,9 @@ def main():
     ap.add_argument("--hook-numel", type=int, default=256)
     ap.add_argument("--modes", type=lambda v: v.split(","), default=None,
                     help="comma-separated hprt modes to measure (default: all)")
+    ap.add_argument("--skip", type=lambda v: v.split(","), default=None,
+                    help="comma-separated words: rows whose name holds one are not measured "
+                         "(e.g. host-stage, planned)")
     ap.add_argument("--no-hook-cost", action="store_true", help="skip the per-tensor loop")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default: torch's). On a 2-core VM, torch's "

@@ -358,6 +358,7 @@ impl CudaBackend {
             memory: MemoryCounter::new(None),
             pool: memory::DevicePool::new(alloc_cache),
             events: memory::EventPool::default(),
+            parked_streams: Mutex::new(Vec::new()),
             modules: Mutex::new(HashMap::new()),
         })
     }

@@ -164,6 +164,13 @@ struct Device {
     pool: memory::DevicePool,
     /// Use events of freed buffers kept for reuse, while the pool is on (`memory.rs`).
     events: memory::EventPool,
+    /// Streams this platform created and let go of, for its next `create_stream` on this
+    /// device. A CUstream hprt made is never destroyed: a framework may still record events on
+    /// it after hprt is done with it (torch's caching allocator records on every stream a block
+    /// was `record_stream`ed to when the block is freed, which can be long after the swap front
+    /// end that handed the block over and its streams are gone; recording on a destroyed stream
+    /// aborts the process). The streams die with their context.
+    parked_streams: Mutex<Vec<result::Stream>>,
     /// NVRTC modules by name, compiled once per device. Only successes are kept: a failed
     /// compile or load (the driver may have been out of memory) is tried again by the next use.
     modules: Mutex<HashMap<&'static str, Arc<Module>>>,
@@ -386,7 +393,11 @@ impl Backend for CudaBackend {
 
     fn create_stream(&self) -> Result<(Arc<StreamObj>, RawStream)> {
         let device = self.shared.bind_current()?;
-        let raw = result::stream::create(CU_STREAM_NON_BLOCKING)?;
+        let parked = lock(&self.shared.devices[device].parked_streams).pop();
+        let raw = match parked {
+            Some(raw) => raw,
+            None => result::stream::create(CU_STREAM_NON_BLOCKING)?,
+        };
         Ok((self.stream_obj(raw, device, true), RawStream(raw.addr())))
     }
     unsafe fn wrap_stream(&self, raw: RawStream) -> Result<Arc<StreamObj>> {

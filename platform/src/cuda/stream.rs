@@ -11,16 +11,10 @@ impl StreamObj {
 
 impl Drop for StreamObj {
     fn drop(&mut self) {
-        if !self.owned {
-            return;
+        if self.owned {
+            // Parked, not destroyed (see `Device::parked_streams`); queued work still completes.
+            lock(&self.shared.devices[self.device].parked_streams).push(self.raw);
         }
-        let (shared, raw, device) = (Arc::clone(&self.shared), self.raw, self.device);
-        self.shared.reaper.run_or_defer(move || {
-            if shared.bind(device).is_ok() {
-                // SAFETY: we created this stream, destroyed once; queued work still completes.
-                let _ = unsafe { result::stream::destroy(raw) };
-            }
-        });
     }
 }
 
