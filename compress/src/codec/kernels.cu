@@ -116,6 +116,18 @@ struct hprt_u128 { u64 x, y; };
 #define __launch_bounds__(n)
 #endif
 
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+#define HPRT_UNROLL _Pragma("unroll")
+#else
+#define HPRT_UNROLL
+#endif
+
+// Groups of 32 elements whose loads a coding warp issues together, ahead of their use: a warp
+// codes its block group after group through one dependent chain of rANS states, so one load in
+// flight at a time left it waiting on device memory for every group (on an H200 at 64 MiB:
+// 1 ms per pass, 4 % of its memory bandwidth, with one or two warps per multiprocessor).
+#define HPRT_AHEAD 8u
+
 // The high 32 bits of a * b.
 __device__ __forceinline__ u32 hprt_mulhi(u32 a, u32 b) {
 #if defined(__CUDACC_RTC__) || defined(__CUDACC__)
@@ -290,7 +302,10 @@ __device__ __forceinline__ void hprt_count_word(u32* local, u64 w, u32 size, u32
 }
 
 extern "C" __global__ void __launch_bounds__(256) hprt_codec_count(u8* ws) {
-    __shared__ u32 local[512];
+    // A histogram per warp (at most 8 warps: the launch has 256 threads): activations put most
+    // of their elements on a few exponents, and one shared histogram serialised the CTA's
+    // atomics on those few counters.
+    __shared__ u32 local[8 * 512];
     __shared__ u64 counts[512];
     __shared__ u32 freq[512];
     __shared__ u32 best[512];
@@ -307,36 +322,51 @@ extern "C" __global__ void __launch_bounds__(256) hprt_codec_count(u8* ws) {
         u64 n = numel - first < block_elems ? numel - first : block_elems;
         const u8* p = (const u8*)(d[HPRT_D_SRC]) + first * size;
         u64 bytes = n * size, words = (bytes + 7) / 8, w0 = first * size / 8;
-        for (u32 s = threadIdx.x; s < 512; s += blockDim.x) local[s] = 0;
+        u32 warps = (blockDim.x + HPRT_LANES - 1) / HPRT_LANES;
+        u32* mine = local + 512 * (threadIdx.x / HPRT_LANES);
+        for (u32 s = threadIdx.x; s < 512 * warps; s += blockDim.x) local[s] = 0;
         if (threadIdx.x == 0) sum_s = 0;
         __syncthreads();
         u64 sum = 0, done = 0;
         u32 per = 8 / size;
         if (((u64)p & 15) == 0) {
-            // Coalesced 16-byte loads: two words, their terms and their symbols.
+            // Coalesced 16-byte loads, four in flight a thread: two words each, their terms and
+            // their symbols.
             const hprt_u128* v = (const hprt_u128*)p;
-            for (u64 i = threadIdx.x; i < bytes / 16; i += blockDim.x) {
-                hprt_u128 q = v[i];
-                HPRT_READ(16);
-                sum += hprt_term(q.x, w0 + 2 * i) + hprt_term(q.y, w0 + 2 * i + 1);
-                hprt_count_word(local, q.x, size, mant_bits, per);
-                hprt_count_word(local, q.y, size, mant_bits, per);
+            u64 n16 = bytes / 16;
+            for (u64 i0 = threadIdx.x; i0 < n16; i0 += 4ull * blockDim.x) {
+                hprt_u128 q[4];
+                HPRT_UNROLL for (u32 k = 0; k < 4; ++k) {
+                    u64 i = i0 + (u64)k * blockDim.x;
+                    if (i < n16) q[k] = v[i];
+                }
+                HPRT_UNROLL for (u32 k = 0; k < 4; ++k) {
+                    u64 i = i0 + (u64)k * blockDim.x;
+                    if (i >= n16) break;
+                    HPRT_READ(16);
+                    sum += hprt_term(q[k].x, w0 + 2 * i) + hprt_term(q[k].y, w0 + 2 * i + 1);
+                    hprt_count_word(mine, q[k].x, size, mant_bits, per);
+                    hprt_count_word(mine, q[k].y, size, mant_bits, per);
+                }
             }
-            done = bytes / 16 * 2;
+            done = n16 * 2;
         }
         for (u64 i = done + threadIdx.x; i < words; i += blockDim.x) {
             u64 w = hprt_word(p, bytes, i);
             HPRT_READ(bytes - 8 * i < 8 ? bytes - 8 * i : 8);
             sum += hprt_term(w, w0 + i);
             u64 e0 = i * per;
-            hprt_count_word(local, w, size, mant_bits, (u32)(n - e0 < per ? n - e0 : per));
+            hprt_count_word(mine, w, size, mant_bits, (u32)(n - e0 < per ? n - e0 : per));
         }
         if (sum) atomicAdd(&sum_s, sum);
         __syncthreads();
         u64* hist = (u64*)(ws + head[HPRT_W_HIST]) + 512ull * t;
         u64* ctr = hprt_ctr(ws, t);
-        for (u32 s = threadIdx.x; s < 512; s += blockDim.x)
-            if (local[s]) atomicAdd(&hist[s], (u64)local[s]);
+        for (u32 s = threadIdx.x; s < 512; s += blockDim.x) {
+            u32 c = 0;
+            for (u32 k = 0; k < warps; ++k) c += local[512 * k + s];
+            if (c) atomicAdd(&hist[s], (u64)c);
+        }
         if (threadIdx.x == 0 && sum_s) atomicAdd(&ctr[HPRT_C_TERMS], sum_s);
         // Every thread's counts are out before the ticket is taken.
         __threadfence();
@@ -469,6 +499,14 @@ __device__ __forceinline__ void hprt_warp_table(const u8* ws, u32 t, u32* tab, u
     __syncwarp();
 }
 
+// Elements of the `HPRT_AHEAD` groups below group `top` (group `top - 1 - k` in `v[k]`; 0
+// past the block's `n` elements), loaded together.
+#define HPRT_LOAD_AHEAD(v, top)                                                              \
+    HPRT_UNROLL for (u32 k = 0; k < HPRT_AHEAD; ++k) {                                        \
+        u32 i = ((top) - 1 - k) * HPRT_LANES + lane;                                          \
+        v[k] = (top) > k && i < n ? hprt_load(in, i, size, aligned) : 0;                      \
+    }
+
 // Codes block `b` of the tensor of descriptor `d` with one warp (lane `lane` owns rANS state
 // `lane`). With `dst` null it only measures: the coded length, or the raw size once the stream
 // reaches it (the stream only grows). Otherwise the block is known to be coded (shorter than
@@ -478,49 +516,59 @@ __device__ u64 hprt_code_block(const u64* d, u64 b, const u32* tab, u8* dst, u32
     u32 size = (u32)d[HPRT_D_SIZE], w = (u32)d[HPRT_D_MANT];
     u64 first = b * block_elems;
     u32 n = (u32)(numel - first < block_elems ? numel - first : block_elems);
-    const u8* in = (const u8*)(d[HPRT_D_SRC]) + first * size;
+    const u8* __restrict__ in = (const u8*)(d[HPRT_D_SRC]) + first * size;
     int aligned = ((u64)in % size) == 0;
     u64 raw = (u64)n * size, mlen = ((u64)n * w + 7) / 8;
     u32 mask = (1u << w) - 1;
     u32 x = HPRT_RANS_L, pos = 0, groups = (n + HPRT_LANES - 1) / HPRT_LANES;
     u32 rounds = dst ? (4 * w + HPRT_LANES - 1) / HPRT_LANES : 0;
-    for (u32 gi = groups; gi-- > 0;) {
-        if (mlen + 2ull * pos + HPRT_STATES_LEN >= raw) return raw;
-        u32 base = gi * HPRT_LANES, cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
-        int active = lane < cnt;
-        u32 v = active ? hprt_load(in, base + lane, size, aligned) : 0;
-        if (active) HPRT_READ(size);
-        u32 s = (v >> w) & 511u, mant = v & mask;
-        const u32* e = tab + 4 * s;
-        int emit = active && x >= e[0];
-        u32 bal = __ballot_sync(HPRT_FULL, emit);
-        if (emit) {
-            if (dst) {
-                // Lanes emit from the highest to the lowest, as the sequential coder does.
-                u32 before = lane == 31 ? 0 : __popc(bal >> (lane + 1));
-                u64 at = mlen + 2ull * (pos + before);
-                HPRT_WRITE(2);
-                dst[at] = (u8)x;
-                dst[at + 1] = (u8)(x >> 8);
+    u32 cur[HPRT_AHEAD], next[HPRT_AHEAD];
+    HPRT_LOAD_AHEAD(cur, groups)
+    for (u32 top = groups; top > 0;) {
+        u32 below = top > HPRT_AHEAD ? top - HPRT_AHEAD : 0;
+        HPRT_LOAD_AHEAD(next, below)
+        HPRT_UNROLL for (u32 k = 0; k < HPRT_AHEAD; ++k) {
+            if (k >= top - below) break;
+            u32 gi = top - 1 - k;
+            if (mlen + 2ull * pos + HPRT_STATES_LEN >= raw) return raw;
+            u32 base = gi * HPRT_LANES, cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
+            int active = lane < cnt;
+            u32 v = cur[k];
+            if (active) HPRT_READ(size);
+            u32 s = (v >> w) & 511u, mant = v & mask;
+            const u32* e = tab + 4 * s;
+            int emit = active && x >= e[0];
+            u32 bal = __ballot_sync(HPRT_FULL, emit);
+            if (emit) {
+                if (dst) {
+                    // Lanes emit from the highest to the lowest, as the sequential coder does.
+                    u32 before = lane == 31 ? 0 : __popc(bal >> (lane + 1));
+                    u64 at = mlen + 2ull * (pos + before);
+                    HPRT_WRITE(2);
+                    dst[at] = (u8)x;
+                    dst[at + 1] = (u8)(x >> 8);
+                }
+                x >>= 16;
             }
-            x >>= 16;
-        }
-        if (active) x = x + e[2] + (hprt_mulhi(x, e[1]) >> (e[3] >> 16)) * (e[3] & 0xffffu);
-        pos += __popc(bal);
-        // This group's mantissa bytes (32 w bits = 4 w bytes from byte 4 w gi), gathered from
-        // the lanes holding them; inactive lanes hold 0, the padding.
-        u32 gbytes = (cnt * w + 7) / 8;
-        for (u32 r = 0; r < rounds; ++r) {
-            u32 j = lane + HPRT_LANES * r, bit = 8 * j, e0 = bit / w, sh = bit - e0 * w;
-            u32 m0 = __shfl_sync(HPRT_FULL, mant, e0 < 32 ? e0 : 0);
-            u32 m1 = __shfl_sync(HPRT_FULL, mant, e0 + 1 < 32 ? e0 + 1 : 0);
-            if (j < gbytes) {
-                u32 byte = m0 >> sh;
-                if (e0 + 1 < cnt) byte |= m1 << (w - sh);
-                HPRT_WRITE(1);
-                dst[4ull * w * gi + j] = (u8)byte;
+            if (active) x = x + e[2] + (hprt_mulhi(x, e[1]) >> (e[3] >> 16)) * (e[3] & 0xffffu);
+            pos += __popc(bal);
+            // This group's mantissa bytes (32 w bits = 4 w bytes from byte 4 w gi), gathered
+            // from the lanes holding them; inactive lanes hold 0, the padding.
+            u32 gbytes = (cnt * w + 7) / 8;
+            for (u32 r = 0; r < rounds; ++r) {
+                u32 j = lane + HPRT_LANES * r, bit = 8 * j, e0 = bit / w, sh = bit - e0 * w;
+                u32 m0 = __shfl_sync(HPRT_FULL, mant, e0 < 32 ? e0 : 0);
+                u32 m1 = __shfl_sync(HPRT_FULL, mant, e0 + 1 < 32 ? e0 + 1 : 0);
+                if (j < gbytes) {
+                    u32 byte = m0 >> sh;
+                    if (e0 + 1 < cnt) byte |= m1 << (w - sh);
+                    HPRT_WRITE(1);
+                    dst[4ull * w * gi + j] = (u8)byte;
+                }
             }
         }
+        HPRT_UNROLL for (u32 k = 0; k < HPRT_AHEAD; ++k) cur[k] = next[k];
+        top = below;
     }
     u64 len = mlen + 2ull * pos + HPRT_STATES_LEN;
     if (len >= raw) return raw;
@@ -598,11 +646,19 @@ extern "C" __global__ void __launch_bounds__(128) hprt_codec_encode(u8* ws) {
     }
 }
 
+// What a decoding warp stages in shared memory, so that the loads of a chunk of groups go out
+// together instead of one dependent load per group: the mantissa bytes of `HPRT_AHEAD` groups
+// (4 w bytes a group, w <= 23, and 4 zero bytes after them), and a window of the rANS words
+// the next groups will read (the decoder reads them from the stream's end downwards).
+#define HPRT_MANT_STAGE (HPRT_AHEAD * 4u * 23u + 4u)
+#define HPRT_WORD_WINDOW 256u
+
 // Decodes one coded block (warp per block) of `n` elements from `p` (`len` bytes) into `dst`;
-// returns its status (0 = fine) and adds the checksum terms of its words to `sum`.
+// returns its status (0 = fine) and adds the checksum terms of its words to `sum`. `mst` and
+// `wst` are this warp's staging buffers (HPRT_MANT_STAGE bytes, HPRT_WORD_WINDOW words).
 __device__ u32 hprt_decode_block(const u8* p, u64 len, u32 n, u8* dst, u32 size, u32 w,
                                  u32 prob_bits, const u16* sym, const u32* tab, u64 w0,
-                                 int aligned, u32 lane, u64* sum) {
+                                 int aligned, u32 lane, u64* sum, u8* mst, u16* wst) {
     u64 mlen = ((u64)n * w + 7) / 8;
     u32 used = (u32)(((u64)n * w) % 8), m = 1u << prob_bits;
     u32 bad = (used != 0 && (p[mlen - 1] >> used) != 0) ? HPRT_BAD_PADDING : 0;
@@ -612,42 +668,62 @@ __device__ u32 hprt_decode_block(const u8* p, u64 len, u32 n, u8* dst, u32 size,
     if (x < HPRT_RANS_L || x >= (HPRT_RANS_L << 16)) bad |= HPRT_BAD_STATE;
     bad = hprt_warp_or(bad);
     u32 groups = (n + HPRT_LANES - 1) / HPRT_LANES, per = 8 / size, wpg = 4 * size;
-    for (u32 g = 0; g < groups && bad == 0; ++g) {
-        u32 base = g * HPRT_LANES, cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
-        int active = lane < cnt;
-        u32 v = 0, need = 0;
-        if (active) {
-            u32 slot = x & (m - 1), s = sym[slot], e = tab[s];
-            x = (e & 0xffffu) * (x >> prob_bits) + slot - (e >> 16);
-            need = x < HPRT_RANS_L;
-            u64 k = base + lane, bit = k * w;
-            u32 mant = 0;
-            for (u32 q = 0; q < 4 && bit / 8 + q < mlen; ++q) mant |= (u32)p[bit / 8 + q] << (8 * q);
-            mant = (mant >> (bit % 8)) & ((1u << w) - 1);
-            v = s << w | mant;
-            hprt_store(dst, k, size, v, aligned);
-            HPRT_WRITE(size);
-        }
-        u32 bal = __ballot_sync(HPRT_FULL, need);
-        u32 total = __popc(bal);
-        if (total > pos) {
-            bad = HPRT_BAD_STREAM;
-        } else {
-            if (need) {
-                // The decoder reads in lane order 0, 1, ...: the reverse of the encoder.
-                u32 at = pos - __popc(bal & ((1u << lane) - 1)) - 1;
-                x = x << 16 | (u32)words[2 * at] | (u32)words[2 * at + 1] << 8;
+    // Words [wlo, pos) are in `wst` (from wst[0]); empty at first.
+    u32 wlo = pos;
+    // A group's mantissa bits start on a byte: lane l's are at bit l w of the group's bytes.
+    u32 mat = (lane * w) / 8, msh = (lane * w) % 8, mmask = (1u << w) - 1;
+    for (u32 g0 = 0; g0 < groups && bad == 0; g0 += HPRT_AHEAD) {
+        u64 mfrom = 4ull * w * g0;
+        u32 mcount = (u32)(mlen - mfrom < 4ull * w * HPRT_AHEAD ? mlen - mfrom : 4ull * w * HPRT_AHEAD);
+        __syncwarp();
+        for (u32 j = lane; j < mcount; j += HPRT_LANES) mst[j] = p[mfrom + j];
+        if (lane < 4) mst[mcount + lane] = 0;
+        __syncwarp();
+        for (u32 g = g0; g < g0 + HPRT_AHEAD && g < groups && bad == 0; ++g) {
+            // A group reads at most 32 words, the ones just below `pos`.
+            if ((pos > HPRT_LANES ? pos - HPRT_LANES : 0) < wlo) {
+                u32 lo = pos > HPRT_WORD_WINDOW ? pos - HPRT_WORD_WINDOW : 0;
+                __syncwarp();
+                for (u32 j = lane; j < pos - lo; j += HPRT_LANES)
+                    wst[j] = (u16)((u32)words[2 * (lo + j)] | (u32)words[2 * (lo + j) + 1] << 8);
+                __syncwarp();
+                wlo = lo;
             }
-            pos -= total;
+            u32 base = g * HPRT_LANES, cnt = n - base < HPRT_LANES ? n - base : HPRT_LANES;
+            int active = lane < cnt;
+            u32 v = 0, need = 0;
+            if (active) {
+                u32 slot = x & (m - 1), s = sym[slot], e = tab[s];
+                x = (e & 0xffffu) * (x >> prob_bits) + slot - (e >> 16);
+                need = x < HPRT_RANS_L;
+                const u8* q = mst + 4 * w * (g - g0) + mat;
+                u32 mant = (u32)q[0] | (u32)q[1] << 8 | (u32)q[2] << 16 | (u32)q[3] << 24;
+                mant = (mant >> msh) & mmask;
+                v = s << w | mant;
+                hprt_store(dst, base + lane, size, v, aligned);
+                HPRT_WRITE(size);
+            }
+            u32 bal = __ballot_sync(HPRT_FULL, need);
+            u32 total = __popc(bal);
+            if (total > pos) {
+                bad = HPRT_BAD_STREAM;
+            } else {
+                if (need) {
+                    // The decoder reads in lane order 0, 1, ...: the reverse of the encoder.
+                    u32 at = pos - __popc(bal & ((1u << lane) - 1)) - 1;
+                    x = x << 16 | (u32)wst[at - wlo];
+                }
+                pos -= total;
+            }
+            // The group's words (8 bytes from `per` elements), their checksum terms.
+            u64 word = 0;
+            for (u32 i = 0; i < per; ++i) {
+                u32 src = (lane * per + i) & 31u;
+                u64 e = __shfl_sync(HPRT_FULL, v, src);
+                word |= e << (8 * size * i);
+            }
+            if (lane < wpg && lane * per < cnt) *sum += hprt_term(word, w0 + (u64)g * wpg + lane);
         }
-        // The group's words (8 bytes from `per` elements), their checksum terms.
-        u64 word = 0;
-        for (u32 i = 0; i < per; ++i) {
-            u32 src = (lane * per + i) & 31u;
-            u64 e = __shfl_sync(HPRT_FULL, v, src);
-            word |= e << (8 * size * i);
-        }
-        if (lane < wpg && lane * per < cnt) *sum += hprt_term(word, w0 + (u64)g * wpg + lane);
     }
     if (bad == 0 && pos != 0) bad = HPRT_BAD_STREAM;
     if (bad == 0 && __ballot_sync(HPRT_FULL, x != HPRT_RANS_L)) bad = HPRT_BAD_STREAM;
@@ -657,6 +733,8 @@ __device__ u32 hprt_decode_block(const u8* p, u64 len, u32 n, u8* dst, u32 size,
 extern "C" __global__ void __launch_bounds__(128) hprt_codec_decode(u8* ws) {
     __shared__ u16 sym[1 << 14];
     __shared__ u32 tab[512];
+    __shared__ u8 mant_s[HPRT_WARPS][HPRT_MANT_STAGE];
+    __shared__ u16 words_s[HPRT_WARPS][HPRT_WORD_WINDOW];
     __shared__ u32 status_s, prob_s, block_s, last_s;
     __shared__ u64 nblocks_s, prefix_s, index_s, sum_s, total_s, base_s;
     const u64* head = hprt_head(ws);
@@ -793,7 +871,7 @@ extern "C" __global__ void __launch_bounds__(128) hprt_codec_decode(u8* ws) {
                 } else {
                     if (lane == 0) HPRT_READ(len);
                     bad |= hprt_decode_block(p, len, n, dst, size, w, prob_s, sym, tab, w0, aligned,
-                                             lane, &sum);
+                                             lane, &sum, mant_s[warp], words_s[warp]);
                 }
             }
             sum = hprt_warp_sum(sum);

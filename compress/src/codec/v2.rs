@@ -31,7 +31,10 @@ pub const BLOCK_ALIGN: usize = LANES;
 pub const MAX_BLOCK_ELEMS: usize = 1 << 24;
 /// Default elements per block: the 132 bytes of final states and index entry per block stay
 /// near 0.5% of the coded symbols of real activations (about 3.5 bits per element), inside the
-/// 1% budget with the table and the quantisation loss.
+/// 1% budget with the table and the quantisation loss. (A GPU codes a block with one warp, so
+/// smaller blocks would give it more parallelism on tensors under a few hundred MiB: on an H200,
+/// 2^14 coded a 64 MiB bf16 tensor 2.4x faster, but f32 Gaussian data came out 1.6% over the
+/// symbol entropy, past this budget; BENCHMARKS.md.)
 pub const DEFAULT_BLOCK_ELEMS: usize = 1 << 16;
 /// The encoder refuses tensors of `2^48` elements or more, so the integer normalisation's
 /// products (`count * 2^14`, `count * (2 freq + 1)`) stay inside `u64`.

@@ -255,7 +255,6 @@ def _attach(model, mode, layers, rt, runtime_, min_bytes, predicate, prefetch, b
         extra = _merged(extra, plan.stats)
     handle = Attached(mode, layers, rt, settle, extra, on_detach)
     undo.append(handle.detach)
-    _hook_plan(handle, layers, plan)
     for i, layer in enumerate(layers):
         opened = []
 
@@ -269,6 +268,7 @@ def _attach(model, mode, layers, rt, runtime_, min_bytes, predicate, prefetch, b
 
         handle._handles.append(layer.register_forward_pre_hook(pre))
         handle._handles.append(layer.register_forward_hook(post, always_call=True))
+    _hook_plan(handle, layers, plan)
     return handle
 
 
@@ -340,11 +340,15 @@ def _merged(first, second):
 
 
 def _hook_plan(handle, layers, plan):
-    """The plan's per-layer hooks (which layer runs, its profile), removed with the handle's."""
+    """The plan's per-layer hooks (which layer runs, its profile), removed with the handle's.
+    Installed after the front end's: the profile times the layer from after the front end's
+    pre-hook to before its post-hook, which is where a front end waits for the previous
+    layer's copies (on a GPU, whenever the link is slower than the compute; timing those waits
+    made slow copies look hidden behind compute)."""
     if plan is None:
         return
     for i, layer in enumerate(layers):
         handle._handles.append(layer.register_forward_pre_hook(
             lambda mod, args, i=i: plan.pre(i)))
         handle._handles.append(layer.register_forward_hook(
-            lambda mod, args, output, i=i: plan.post(i), always_call=True))
+            lambda mod, args, output, i=i: plan.post(i), always_call=True, prepend=True))
