@@ -243,6 +243,13 @@ impl Recorder {
     }
 
     fn register(&self, stream: &Stream, rank: usize, role: Role, label: &str) {
+        self.register_track(stream, rank, role, label, false);
+    }
+
+    /// `fresh`: a stream just created gets a track of its own even when its raw handle had
+    /// one (a backend may hand a released stream's handle out again: the cuda backend parks
+    /// its streams), so one stream's bytes never count for another.
+    fn register_track(&self, stream: &Stream, rank: usize, role: Role, label: &str, fresh: bool) {
         let section = lock(&self.section).clone();
         let mut reg = lock(&self.registry);
         let track = Track {
@@ -253,8 +260,8 @@ impl Recorder {
         };
         match reg.by_stream.get(&stream.raw()).copied() {
             // A stream is renamed (its role given after creation): same track, same counters.
-            Some(i) => reg.tracks[i] = track,
-            None => {
+            Some(i) if !fresh => reg.tracks[i] = track,
+            _ => {
                 let i = reg.tracks.len();
                 reg.tracks.push(track);
                 reg.counters.push(Arc::default());
@@ -463,7 +470,8 @@ impl Platform for TracingPlatform {
     }
     fn create_stream(&self) -> Result<Stream> {
         let s = self.inner.create_stream()?;
-        self.rec.track_of(&s);
+        self.rec
+            .register_track(&s, thread_rank(), Role::Other, "other", true);
         Ok(s)
     }
     unsafe fn wrap_external_stream(&self, raw: RawStream) -> Result<Stream> {
