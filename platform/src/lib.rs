@@ -17,6 +17,8 @@
 //! - [`Error`] — the crate's one error: backend, operation, status code and name, message;
 //!   [`HprtStatus`] — hprt's one table of status numbers (the C ABI returns it).
 //! - [`sync::lock`] — the poison-tolerant mutex lock every hprt crate uses.
+//! - [`StreamClock`] / [`StreamMark`] — when a stream reached a point, on the host's monotonic
+//!   clock ([`host_seconds`], Python's `perf_counter()`): the one mechanism hprt's tracers use.
 
 mod auxil;
 mod backend;
@@ -39,6 +41,7 @@ pub mod npu;
 mod platform;
 mod select;
 pub mod sync;
+mod trace;
 
 pub use backend::{Backend, Loc, Place};
 pub use capabilities::{Capabilities, CapabilityValue};
@@ -57,6 +60,7 @@ pub use memory::{MemInfo, MemoryCounter, MemoryStats};
 pub use names::UnknownName;
 pub use npu::NpuBackend;
 pub use platform::{Platform, PlatformHandle};
+pub use trace::{host_seconds, StreamClock, StreamMark, REANCHOR_AFTER_S};
 pub use select::{
     get_platform, platform_selection_reason, select_platform, PlatformRequest, Selection,
 };
