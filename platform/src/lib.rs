@@ -60,7 +60,7 @@ pub use memory::{MemInfo, MemoryCounter, MemoryStats};
 pub use names::UnknownName;
 pub use npu::NpuBackend;
 pub use platform::{Platform, PlatformHandle};
-pub use trace::{host_seconds, StreamClock, StreamMark, REANCHOR_AFTER_S};
 pub use select::{
     get_platform, platform_selection_reason, select_platform, PlatformRequest, Selection,
 };
+pub use trace::{host_seconds, StreamClock, StreamMark, REANCHOR_AFTER_S};

@@ -258,7 +258,10 @@ mod tests {
         assert!(b - a >= 0.029, "{a} -> {b}");
         // f32 milliseconds since a fresh reference resolve well under these 100 µs.
         let slack = 1e-4;
-        assert!(t0 - slack <= a && b <= t1 + slack, "{t0} <= {a} < {b} <= {t1}");
+        assert!(
+            t0 - slack <= a && b <= t1 + slack,
+            "{t0} <= {a} < {b} <= {t1}"
+        );
     }
 
     /// Before its stream reaches a mark, `try_seconds` is `None`; `seconds` waits for the
