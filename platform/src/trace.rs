@@ -212,6 +212,11 @@ impl StreamMark {
         self.time()
     }
 
+    /// The platform whose stream the mark is on.
+    pub fn platform(&self) -> &PlatformHandle {
+        &self.platform
+    }
+
     /// The event the mark recorded, for waiting on the point it marks.
     pub fn event(&self) -> &Event {
         &self.event
