@@ -243,7 +243,9 @@ impl Recorder {
     /// marks cannot be read (its stream failed before them) is dropped: the failure is the
     /// stream's error, reported where the work was waited for, and it never ran to be timed.
     fn resolve(&self) {
-        let pending = std::mem::take(&mut *lock(&self.pending));
+        // Held throughout, so a concurrent `spans()` never sees a span in neither list.
+        let mut pending_guard = lock(&self.pending);
+        let pending = std::mem::take(&mut *pending_guard);
         let mut waiting = Vec::new();
         let mut done = Vec::new();
         for p in pending {
@@ -265,7 +267,7 @@ impl Recorder {
                 Err(_) => {}
             }
         }
-        lock(&self.pending).extend(waiting);
+        *pending_guard = waiting;
         lock(&self.spans).extend(done);
     }
 
@@ -1055,7 +1057,10 @@ mod tests {
         assert_eq!(spans.len(), 2);
         assert_eq!((spans[1].name.as_str(), spans[1].layer), ("L2.x", Some(2)));
         assert!(spans[0].end_us <= spans[1].start_us);
-        assert!(spans[1].start_us >= released_us - 100.0, "{spans:?} {released_us}");
+        assert!(
+            spans[1].start_us >= released_us - 100.0,
+            "{spans:?} {released_us}"
+        );
         assert!(spans[1].end_us <= rec.now_us());
     }
 

@@ -70,7 +70,9 @@ impl PyStreamMark {
             return Ok(s);
         }
         let mark = self.mark.clone();
-        Ok(interruptible(py, self.mark.platform(), move |_| mark.seconds())??)
+        Ok(interruptible(py, self.mark.platform(), move |_| {
+            mark.seconds()
+        })??)
     }
 
     /// The host seconds at which the stream reached the mark, or `None` while it has not.
