@@ -75,6 +75,12 @@ impl PyStreamMark {
         })??)
     }
 
+    /// How far `seconds()` may be off the host clock, at most (half the round trip the clock
+    /// was calibrated with on this device); differences between marks do not have it.
+    fn uncertainty_s(&self) -> f64 {
+        self.mark.uncertainty_s()
+    }
+
     /// The host seconds at which the stream reached the mark, or `None` while it has not.
     fn try_seconds(&self) -> Result<Option<f64>> {
         Ok(self.mark.try_seconds()?)

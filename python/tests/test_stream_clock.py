@@ -16,15 +16,17 @@ def test_a_mark_after_a_host_side_delay_is_later_on_the_perf_counter_clock():
     t0 = time.perf_counter()
     before = clock.mark(stream)
     time.sleep(0.03)
+    slept = time.perf_counter()
     after = clock.mark(stream)
     stream.synchronize()
     t1 = time.perf_counter()
     assert before.reached() and after.reached()
     a, b = before.seconds(), after.seconds()
-    assert b - a >= 0.029, (a, b)
-    # The same clock as perf_counter: both marks lie between the timestamps taken around them.
-    slack = 1e-4
-    assert t0 - slack <= a < b <= t1 + slack, (t0, a, b, t1)
+    # The same clock as perf_counter: each mark lies between the timestamps taken around it,
+    # give or take the clock's calibration error (wider on a loaded host).
+    slack = 1e-4 + after.uncertainty_s()
+    assert t0 - slack <= a < b, (t0, a, b)
+    assert slept - slack <= b <= t1 + slack, (slept, b, t1)
     assert after.try_seconds() == b
     assert t1 <= hprt.StreamClock.now() <= time.perf_counter()
 
@@ -39,6 +41,7 @@ def test_stream_trace_spans_come_from_the_stream_clock():
     t0 = time.perf_counter()
     start = trace.begin(stream)
     time.sleep(0.01)
+    slept = time.perf_counter()
     trace.end("all-gather", stream, start)
     w0 = time.perf_counter()
     stream.synchronize()
@@ -46,4 +49,6 @@ def test_stream_trace_spans_come_from_the_stream_clock():
     spans = trace.spans()
     assert [k for k, _, _ in spans] == ["all-gather", "wait"]
     (_, a0, a1), (_, s0, s1) = spans
-    assert t0 - 1e-4 <= a0 and a1 - a0 >= 0.009 and a1 <= s1 + 1e-4
+    slack = 1e-4 + trace.begin(stream).uncertainty_s()
+    assert t0 - slack <= a0 < a1 <= s1 + slack, (t0, a0, a1, s1)
+    assert a1 >= slept - slack, (slept, a1)
