@@ -2,9 +2,11 @@
 //! kernel and collective, and writes them as a Chrome / Perfetto trace or a terminal timeline.
 //!
 //! [`TracingPlatform`] wraps any platform and delegates every call. Around each piece of stream
-//! work it enqueues two host functions ([`Platform::launch_host_fn`]) that take host timestamps
-//! when the stream reaches them, so the spans are backend-neutral: the same code traces the cpu
-//! backend's worker threads, CUDA streams and Ascend streams. Streams are named with a
+//! work it records two marks of the platform's [`StreamClock`] (timing events, put on the host's
+//! monotonic clock: hprt's one stream clock, which `hprt.fsdp.StreamTrace` uses too), so the
+//! spans are backend-neutral: the same code traces the cpu backend's worker threads, CUDA streams
+//! and Ascend streams, without a host function stalling the stream between its pieces of work. A
+//! span is known once its stream reached its end mark ([`Recorder::spans`] resolves those). Streams are named with a
 //! [`Role`] (compute, d2h, h2d, codec, comm) and belong to the rank of the thread that made them
 //! ([`set_thread_rank`]); the tensor a piece of work belongs to comes from the calling thread's
 //! [`scope`]. Byte counts per track are kept even when timing markers are off
@@ -46,13 +48,12 @@ use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use hprt_platform::PlatformHandle;
 use hprt_platform::{
-    BackendKind, BufRef, Collective, Communicator, CopyKind, DeviceBuffer, Event, HostFn, Kernel,
-    Mem, MemInfo, MemoryStats, PinnedBuffer, Platform, PlatformInfo, RawStream, ReleaseFn, Result,
-    Stream, UniqueId,
+    host_seconds, BackendKind, BufRef, Collective, Communicator, CopyKind, DeviceBuffer, Event,
+    HostFn, Kernel, Mem, MemInfo, MemoryStats, PinnedBuffer, Platform, PlatformInfo, RawStream,
+    ReleaseFn, Result, Stream, StreamClock, StreamMark, UniqueId,
 };
 use serde_json::{json, Value};
 
@@ -116,6 +117,21 @@ pub struct Span {
     pub end_us: f64,
 }
 
+/// A span whose marks were recorded, kept until its stream reached the end mark.
+struct PendingSpan {
+    track: usize,
+    name: String,
+    op: String,
+    layer: Option<usize>,
+    bytes: u64,
+    start: StreamMark,
+    end: StreamMark,
+}
+
+/// Pending spans resolved as they are added, every this many: bounds the events a long run keeps
+/// alive between reads of [`Recorder::spans`].
+const RESOLVE_EVERY: usize = 256;
+
 /// The device memory in use on one rank, sampled after a platform call.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MemorySample {
@@ -158,24 +174,27 @@ struct Registry {
 
 /// Where spans and byte counts go; shared by every rank's [`TracingPlatform`] calls.
 pub struct Recorder {
-    epoch: Instant,
+    /// [`host_seconds`] when the recorder was made: the zero of spans and memory samples.
+    epoch_s: f64,
     markers: bool,
     section: Mutex<String>,
     registry: Mutex<Registry>,
     spans: Mutex<Vec<Span>>,
+    pending: Mutex<Vec<PendingSpan>>,
     memory: Mutex<MemoryTrack>,
 }
 
 impl Recorder {
-    /// `markers`: time every piece of stream work (two host functions each); without, only
+    /// `markers`: time every piece of stream work (two timing events each); without, only
     /// bytes are counted, which costs nothing on the streams.
     pub fn new(markers: bool) -> Arc<Self> {
         Arc::new(Recorder {
-            epoch: Instant::now(),
+            epoch_s: host_seconds(),
             markers,
             section: Mutex::new(String::new()),
             registry: Mutex::default(),
             spans: Mutex::default(),
+            pending: Mutex::default(),
             memory: Mutex::default(),
         })
     }
@@ -186,7 +205,12 @@ impl Recorder {
 
     /// Microseconds since the recorder was made (the spans' clock).
     pub fn now_us(&self) -> f64 {
-        self.epoch.elapsed().as_secs_f64() * 1e6
+        self.us(host_seconds())
+    }
+
+    /// [`host_seconds`] `s` as microseconds since the recorder was made.
+    fn us(&self, s: f64) -> f64 {
+        (s - self.epoch_s) * 1e6
     }
 
     /// Streams named from now on belong to `section` (e.g. one configuration of a demo).
@@ -198,9 +222,53 @@ impl Recorder {
         lock(&self.registry).tracks.clone()
     }
 
-    /// Every completed span so far, in no particular order.
+    /// Every completed span so far (its stream reached its end), in no particular order.
     pub fn spans(&self) -> Vec<Span> {
+        self.resolve();
         lock(&self.spans).clone()
+    }
+
+    fn add_pending(&self, span: PendingSpan) {
+        let due = {
+            let mut pending = lock(&self.pending);
+            pending.push(span);
+            pending.len() % RESOLVE_EVERY == 0
+        };
+        if due {
+            self.resolve();
+        }
+    }
+
+    /// Moves the pending spans whose stream reached their end mark to the spans. A span whose
+    /// marks cannot be read (its stream failed before them) is dropped: the failure is the
+    /// stream's error, reported where the work was waited for, and it never ran to be timed.
+    fn resolve(&self) {
+        // Held throughout, so a concurrent `spans()` never sees a span in neither list.
+        let mut pending_guard = lock(&self.pending);
+        let pending = std::mem::take(&mut *pending_guard);
+        let mut waiting = Vec::new();
+        let mut done = Vec::new();
+        for p in pending {
+            match p.end.try_seconds() {
+                Ok(None) => waiting.push(p),
+                Ok(Some(end_s)) => {
+                    if let Ok(start_s) = p.start.seconds() {
+                        done.push(Span {
+                            track: p.track,
+                            name: p.name,
+                            op: p.op,
+                            layer: p.layer,
+                            bytes: p.bytes,
+                            start_us: self.us(start_s),
+                            end_us: self.us(end_s),
+                        });
+                    }
+                }
+                Err(_) => {}
+            }
+        }
+        *pending_guard = waiting;
+        lock(&self.spans).extend(done);
     }
 
     /// The device-memory samples so far (only changes, per rank and section), in time order
@@ -328,11 +396,28 @@ fn current_scope() -> Option<(Option<usize>, String)> {
 pub struct TracingPlatform {
     inner: PlatformHandle,
     rec: Arc<Recorder>,
+    /// Made at the first traced work (it calibrates on the device, which only a recorder with
+    /// markers needs).
+    clock: Mutex<Option<StreamClock>>,
 }
 
 impl TracingPlatform {
     pub fn new(inner: PlatformHandle, rec: Arc<Recorder>) -> Self {
-        TracingPlatform { inner, rec }
+        TracingPlatform {
+            inner,
+            rec,
+            clock: Mutex::new(None),
+        }
+    }
+
+    fn clock(&self) -> Result<StreamClock> {
+        let mut clock = lock(&self.clock);
+        if let Some(c) = &*clock {
+            return Ok(c.clone());
+        }
+        let c = StreamClock::new(self.inner.clone())?;
+        *clock = Some(c.clone());
+        Ok(c)
     }
 
     pub fn recorder(&self) -> &Arc<Recorder> {
@@ -369,41 +454,43 @@ impl TracingPlatform {
         Ok(out)
     }
 
-    /// Counts the bytes and, with markers, enqueues the start marker; returns what the end
-    /// marker needs.
-    fn begin(&self, stream: &Stream, op: &str, bytes: u64) -> Result<Option<HostFn>> {
+    /// With markers, marks the start of a span on `stream`; returns what [`Self::end`] needs.
+    fn begin(&self, stream: &Stream, op: &str, bytes: u64) -> Result<Option<SpanStart>> {
         if !self.rec.markers {
             return Ok(None);
         }
         let (track, _) = self.rec.track_of(stream);
         let (layer, name) = current_scope().unwrap_or((None, op.to_string()));
-        let start = Arc::new(AtomicU64::new(0));
-        let (rec, s) = (Arc::clone(&self.rec), Arc::clone(&start));
-        self.inner.launch_host_fn(
-            stream,
-            Box::new(move || s.store(rec.now_us().to_bits(), Ordering::Relaxed)),
-        )?;
-        let rec = Arc::clone(&self.rec);
-        let op = op.to_string();
-        Ok(Some(Box::new(move || {
-            let span = Span {
-                track,
-                name,
-                op,
-                layer,
-                bytes,
-                start_us: f64::from_bits(start.load(Ordering::Relaxed)),
-                end_us: rec.now_us(),
-            };
-            lock(&rec.spans).push(span);
-        })))
+        let clock = self.clock()?;
+        let start = clock.mark(stream)?;
+        Ok(Some(SpanStart {
+            clock,
+            track,
+            name,
+            op: op.to_string(),
+            layer,
+            bytes,
+            start,
+        }))
     }
 
-    fn end(&self, stream: &Stream, end: Option<HostFn>) -> Result<()> {
-        match end {
-            Some(f) => self.inner.launch_host_fn(stream, f),
-            None => Ok(()),
-        }
+    /// Marks the end of the span `begin` started; the recorder times it once the stream gets
+    /// there.
+    fn end(&self, stream: &Stream, started: Option<SpanStart>) -> Result<()> {
+        let Some(s) = started else {
+            return Ok(());
+        };
+        let end = s.clock.mark(stream)?;
+        self.rec.add_pending(PendingSpan {
+            track: s.track,
+            name: s.name,
+            op: s.op,
+            layer: s.layer,
+            bytes: s.bytes,
+            start: s.start,
+            end,
+        });
+        Ok(())
     }
 
     /// Runs `work` (one enqueue on `stream`) between markers; the end marker is only queued
@@ -420,6 +507,18 @@ impl TracingPlatform {
         work()?;
         self.end(stream, end)
     }
+}
+
+/// A span between [`TracingPlatform::begin`] and [`TracingPlatform::end`]: its start mark and
+/// what it will be recorded as.
+struct SpanStart {
+    clock: StreamClock,
+    track: usize,
+    name: String,
+    op: String,
+    layer: Option<usize>,
+    bytes: u64,
+    start: StreamMark,
 }
 
 fn copy_kind(dst: &Mem<'_>, src: &Mem<'_>) -> CopyKind {
@@ -930,6 +1029,47 @@ mod tests {
         let row = t.lines().find(|l| l.starts_with("memory")).expect(&t);
         assert!(row.contains('@'), "{t}");
         set_thread_rank(0);
+    }
+
+    /// Spans take their times from the platform's stream clock: a copy queued behind a host
+    /// function that waits is listed once its stream ran it, and starts after the wait.
+    #[test]
+    fn spans_are_timed_by_the_stream_clock() {
+        let (p, rec) = traced(true);
+        let s = p.create_stream().unwrap();
+        p.name_stream(&s, Role::H2d, "h2d");
+        let (dev, host) = (p.alloc_device(4096).unwrap(), p.alloc_pinned(4096).unwrap());
+        p.copy_async((&dev).into(), 0, (&host).into(), 0, 4096, &s)
+            .unwrap();
+        let (go, gate) = std::sync::mpsc::channel::<()>();
+        p.launch_host_fn(
+            &s,
+            Box::new(move || {
+                let _ = gate.recv();
+            }),
+        )
+        .unwrap();
+        {
+            let _g = scope(Some(2), "L2.x");
+            p.copy_async((&dev).into(), 0, (&host).into(), 0, 4096, &s)
+                .unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let listed: Vec<String> = rec.spans().into_iter().map(|s| s.name).collect();
+        assert_eq!(listed, ["copy h2d"], "the second copy has not run yet");
+        let released_us = rec.now_us();
+        go.send(()).unwrap();
+        p.synchronize_stream(&s).unwrap();
+        let mut spans = rec.spans();
+        spans.sort_by(|a, b| a.start_us.total_cmp(&b.start_us));
+        assert_eq!(spans.len(), 2);
+        assert_eq!((spans[1].name.as_str(), spans[1].layer), ("L2.x", Some(2)));
+        assert!(spans[0].end_us <= spans[1].start_us);
+        assert!(
+            spans[1].start_us >= released_us - 100.0,
+            "{spans:?} {released_us}"
+        );
+        assert!(spans[1].end_us <= rec.now_us());
     }
 
     /// Without markers nothing is sampled (the demo's byte counting stays free).

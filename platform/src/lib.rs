@@ -17,6 +17,8 @@
 //! - [`Error`] — the crate's one error: backend, operation, status code and name, message;
 //!   [`HprtStatus`] — hprt's one table of status numbers (the C ABI returns it).
 //! - [`sync::lock`] — the poison-tolerant mutex lock every hprt crate uses.
+//! - [`StreamClock`] / [`StreamMark`] — when a stream reached a point, on the host's monotonic
+//!   clock ([`host_seconds`], Python's `perf_counter()`): the one mechanism hprt's tracers use.
 
 mod auxil;
 mod backend;
@@ -39,6 +41,7 @@ pub mod npu;
 mod platform;
 mod select;
 pub mod sync;
+mod trace;
 
 pub use backend::{Backend, Loc, Place};
 pub use capabilities::{Capabilities, CapabilityValue};
@@ -60,3 +63,4 @@ pub use platform::{Platform, PlatformHandle};
 pub use select::{
     get_platform, platform_selection_reason, select_platform, PlatformRequest, Selection,
 };
+pub use trace::{host_seconds, StreamClock, StreamMark, REANCHOR_AFTER_S};

@@ -1,7 +1,9 @@
 """hprt: the hyper-parallel runtime from Python.
 
 - Platform layer: ``get_platform()`` (``HP_PLATFORM`` = cpu | cuda | npu), ``cpu_platform()``,
-  ``Platform``, ``Stream``, ``Event``, ``DeviceBuffer``, ``PinnedBuffer``, ``Communicator``.
+  ``Platform``, ``Stream``, ``Event``, ``DeviceBuffer``, ``PinnedBuffer``, ``Communicator``;
+  ``StreamClock`` (``mark(stream)``: when a stream reached a point, in ``time.perf_counter()``
+  seconds; hprt's one stream clock, which ``hprt.fsdp.StreamTrace`` uses).
 - Tensors cross by DLPack (``Platform.from_dlpack(obj)``, ``buffer.view(dtype, shape)``
   implements ``__dlpack__``; the memory cannot be freed while an export lives) or by raw
   pointer (``Platform.unsafe_wrap_device_memory(ptr, nbytes, owner)``: unchecked,

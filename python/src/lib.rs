@@ -19,6 +19,8 @@
 //!   `MixedPrecisionPolicy`, `ShardedParam`: sharded parameters (FSDP / HSDP).
 //! - [`error`] — `BindError` and the `HprtError` exception family; every failure becomes one,
 //!   carrying the backend's status name.
+//! - [`trace`] — `StreamClock` / `StreamMark`: when a stream reached a point, on
+//!   `time.perf_counter()`'s clock (hprt-platform's stream clock; `hprt.fsdp.StreamTrace` uses it).
 //! - [`wait`] — blocking calls Ctrl-C can interrupt (`comm_init`, synchronize).
 
 pub mod borrowed;
@@ -31,6 +33,7 @@ pub mod hsdp;
 pub mod manager;
 pub mod platform;
 pub mod swap;
+pub mod trace;
 pub mod wait;
 
 pub use error::{BindError, Result};
@@ -48,5 +51,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     borrowed::register(m)?;
     hsdp::register(m)?;
     manager::register(m)?;
+    trace::register(m)?;
     Ok(())
 }

@@ -1,8 +1,6 @@
 """The data-parallel mesh of the calling rank (``init_device_mesh``: FSDP in 1-D, HSDP in 2-D)
 and the timeline of its streams that a training step can record (``StreamTrace``)."""
 
-import time
-
 import hprt
 
 from .ranks import _context
@@ -45,42 +43,32 @@ class RankMesh:
 
 class StreamTrace:
     """A timeline of one rank's hprt streams and host waits during fully_shard training: each
-    all-gather and gradient reduction is bracketed by timing events on its stream, each host
-    wait for them by host timestamps; ``spans()`` puts both on the host clock (seconds).
+    all-gather and gradient reduction is bracketed by two marks of an ``hprt.StreamClock`` on
+    its stream (hprt's one stream clock, which ``hprt trace`` uses too), each host wait for them
+    by host timestamps; ``spans()`` puts both on the host clock (seconds of
+    ``time.perf_counter()``).
 
     ``mesh.trace = StreamTrace(mesh.platform)`` turns it on for every module of that mesh."""
 
     def __init__(self, platform):
         self.platform = platform
-        self._events = []  # (kind, start event, end event)
+        self._clock = hprt.StreamClock(platform)
+        self._marks = []  # (kind, start mark, end mark)
         self._waits = []  # (start, end) host seconds
-        self._ref_stream = platform.create_stream()
-        self._ref = platform.create_event(True)
-        self._ref_host = time.perf_counter()
-        self._ref_stream.record_event(self._ref)
 
     def begin(self, stream):
-        e = self.platform.create_event(True)
-        stream.record_event(e)
-        return e
+        return self._clock.mark(stream)
 
     def end(self, kind, stream, start):
-        e = self.platform.create_event(True)
-        stream.record_event(e)
-        self._events.append((kind, start, e))
+        self._marks.append((kind, start, self._clock.mark(stream)))
 
     def wait(self, t0, t1):
         self._waits.append((t0, t1))
 
     def spans(self):
         """``[(kind, start_s, end_s)]``: kinds ``all-gather``, ``reduce`` (stream time) and
-        ``wait`` (the host blocked on them). Synchronizes the events first."""
-        out = []
-        for kind, a, b in self._events:
-            b.synchronize()
-            t0 = self._ref_host + self._ref.elapsed_ms(a) / 1e3
-            t1 = self._ref_host + self._ref.elapsed_ms(b) / 1e3
-            out.append((kind, t0, t1))
+        ``wait`` (the host blocked on them). Waits for the streams to reach the marks first."""
+        out = [(kind, a.seconds(), b.seconds()) for kind, a, b in self._marks]
         out.extend(("wait", t0, t1) for t0, t1 in self._waits)
         return sorted(out, key=lambda s: s[1])
 
