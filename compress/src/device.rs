@@ -1,13 +1,13 @@
 //! The codec on a [`Platform`] stream, for device tensors of any backend.
 //!
 //! [`DeviceCodec`] is what a device implementation provides; it must produce the bytes of
-//! `FORMAT.md`, identical to the CPU codec. [`codec_for`] chooses per backend: on `cuda`
-//! [`CudaCodec`], the v2 kernels of [`crate::codec::cuda`] compiled by the backend's NVRTC and
-//! launched in stream order (three launches an encode, one a decode, on a workspace and pinned
-//! result words the codec keeps per stream: no allocation and no host wait per call; the
-//! encoding's length and the decoder's status are read after an event, when asked for); on
-//! `cpu` (device memory is host memory) and on `npu`
-//! (no Ascend kernel exists yet) [`HostCodec`]: in stream order it copies the tensor to pinned
+//! `FORMAT.md`, identical to the CPU codec. [`crate::codec_for`] chooses per backend: on
+//! `cuda` [`crate::CudaCodec`], the v2 kernels of [`crate::codec::cuda`] compiled by the
+//! backend's NVRTC and launched in stream order (three launches an encode, one a decode, on a
+//! workspace and pinned result words the codec keeps per stream: no allocation and no host wait
+//! per call; the encoding's length and the decoder's status are read after an event, when asked
+//! for); on `cpu` (device memory is host memory) and on `npu` (no Ascend kernel exists yet)
+//! [`HostCodec`]: in stream order it copies the tensor to pinned
 //! memory, runs the CPU codec on host threads inside a host function
 //! ([`Platform::launch_host_fn`]) and copies the result back. Both take batches
 //! ([`DeviceCodec::encode_batch_async`]: a layer's saved tensors in one launch sequence on
@@ -44,7 +44,6 @@ use std::sync::{Arc, Mutex};
 
 use hprt_platform::{BufRef, DeviceBuffer, Event, Mem, PinnedBuffer, Platform, Stream};
 
-pub use crate::codec::cuda::CudaCodec;
 use crate::codec::{self, DecodeOptions, EncodeOptions};
 use crate::error::{CompressError, Result};
 use crate::format::CodecDType;
@@ -185,20 +184,6 @@ pub struct DecodeItem<'a> {
 impl std::fmt::Debug for dyn DeviceCodec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "DeviceCodec({})", self.name())
-    }
-}
-
-/// The device codec for `platform`, chosen by its capabilities: a platform with a run-time
-/// kernel compiler ([`Capabilities::kernel_compiler`], CUDA C) gets the CUDA kernels
-/// ([`CudaCodec`], named `"cuda"`); the others (cpu, whose device memory is host memory; npu,
-/// until an Ascend kernel exists) get the CPU codec through [`HostCodec`] (`"host"`).
-///
-/// [`Capabilities::kernel_compiler`]: hprt_platform::Capabilities::kernel_compiler
-pub fn codec_for(platform: &dyn Platform) -> Arc<dyn DeviceCodec> {
-    if platform.capabilities().kernel_compiler {
-        Arc::new(CudaCodec::default())
-    } else {
-        Arc::new(HostCodec::default())
     }
 }
 
@@ -381,13 +366,20 @@ impl PendingEncode {
 pub struct PendingDecode {
     done: Event,
     result: Outcome<()>,
+    /// What the device codec's status word means (a device outcome only).
+    status: fn(u32) -> Result<()>,
     _held: Held,
 }
 
 impl PendingDecode {
-    /// A decoding whose kernels leave a status word (0 = fine, else
-    /// [`crate::codec::cuda::status_message`]) as word `index` of `words` before `done`.
-    pub(crate) fn from_device(done: Event, words: Arc<DeviceWords>, index: usize) -> Self {
+    /// A decoding whose kernels leave a status word as word `index` of `words` before `done`;
+    /// `status` says what the word means (the device codec's own codes).
+    pub(crate) fn from_device(
+        done: Event,
+        words: Arc<DeviceWords>,
+        index: usize,
+        status: fn(u32) -> Result<()>,
+    ) -> Self {
         PendingDecode {
             done,
             result: Outcome::Device {
@@ -395,6 +387,7 @@ impl PendingDecode {
                 index,
                 known: None,
             },
+            status,
             _held: Held {
                 _pinned: Vec::new(),
                 _device: Vec::new(),
@@ -411,7 +404,7 @@ impl PendingDecode {
             }
             Outcome::Device { words, index, .. } => {
                 let word = words.word(platform, &self.done, *index)?;
-                crate::codec::cuda::status_result(word as u32)
+                (self.status)(word as u32)
             }
         }
     }
@@ -586,6 +579,8 @@ impl DeviceCodec for HostCodec {
         Ok(PendingDecode {
             done,
             result: Outcome::Host(result),
+            // A host step reports in its slot, not in a status word.
+            status: |_| Ok(()),
             _held: Held {
                 _pinned: vec![input, output],
                 _device: Vec::new(),

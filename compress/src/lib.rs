@@ -18,6 +18,7 @@ pub mod format;
 mod key;
 mod manager;
 mod planner;
+mod select;
 
 // The crate's one error, and the element types the codec takes.
 pub use error::{CompressError, Result};
@@ -29,10 +30,11 @@ pub use key::{LayerId, TensorKey};
 // The codec on a `Platform` stream: one per backend (`codec_for`: the CUDA kernels through NVRTC
 // on cuda, the CPU codec in host functions elsewhere), and the tensor it encodes into, which a
 // swap engine offloads in compress-then-swap.
+pub use codec::cuda::CudaCodec;
 pub use device::{
-    codec_for, CompressedTensor, CudaCodec, DecodeItem, DeviceCodec, EncodeItem, HostCodec,
-    PendingDecode, PendingEncode,
+    CompressedTensor, DecodeItem, DeviceCodec, EncodeItem, HostCodec, PendingDecode, PendingEncode,
 };
+pub use select::codec_for;
 
 // The cost model: measured, cached, overridable throughputs; operator durations and how much
 // the codec can do within them.

@@ -47,10 +47,11 @@ use std::time::Duration;
 use hprt_platform::{DType, DeviceBuffer, Event, PlatformHandle, Stream};
 
 use crate::cost::{CostModel, Op};
-use crate::device::{codec_for, CompressedTensor, DeviceCodec, PendingDecode, PendingEncode};
+use crate::device::{CompressedTensor, DeviceCodec, PendingDecode, PendingEncode};
 use crate::error::{CompressError, Result};
 use crate::format::CodecDType;
 use crate::planner::{fit_window, LayerId, LayerOrder};
+use crate::select::codec_for;
 
 /// Window records kept (`ActivationManager::window_records`).
 pub const RECORDS_KEPT: usize = 1024;

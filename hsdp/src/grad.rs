@@ -5,11 +5,13 @@
 
 use std::collections::VecDeque;
 
-use hprt_platform::{BufRef, DType, DeviceBuffer, Event, Kernel, PinnedBuffer, Platform, ReduceOp};
+use hprt_platform::{BufRef, DType, DeviceBuffer, Kernel, PinnedBuffer, ReduceOp};
 
 use crate::error::{HsdpError, Result};
-use crate::param::{ParamState, ShardRef, ShardedParam, Storage};
+use crate::grad_state::{PendingReduce, ReducedInto};
+use crate::param::{ParamState, ShardedParam};
 use crate::policy::OffloadPolicy;
+use crate::storage::{ShardRef, Storage};
 
 /// An unsharded gradient as backward produced it: the full local parameter shape in `dtype`.
 #[derive(Clone, Copy, Debug)]
@@ -33,48 +35,6 @@ impl Default for ReduceOptions {
             op: ReduceOp::Avg,
             scale: None,
         }
-    }
-}
-
-/// Where a reduction leaves the reduced shard.
-enum ReducedInto {
-    /// Directly in the sharded gradient (first gradient, same dtype, on the device).
-    ShardedGrad,
-    /// In a buffer that is accumulated into the sharded gradient when applied.
-    Buffer(DeviceBuffer, usize),
-}
-
-struct PendingReduce {
-    done: Event,
-    out: ReducedInto,
-    op: ReduceOp,
-    scale: Option<f64>,
-    /// Whether [`ShardedParam::all_reduce_grad`] ran (or the parameter has no replicas).
-    all_reduced: bool,
-    _staging: Vec<DeviceBuffer>,
-}
-
-pub(crate) struct GradState {
-    /// Unsharded gradients accumulated across micro-batches, in the reduce dtype; released
-    /// while empty. Holds the padded all-gather layout when that is the parameter's own.
-    unsharded: DeviceBuffer,
-    has_unsharded: bool,
-    sharded: Option<Storage>,
-    has_sharded: bool,
-    pending: Option<PendingReduce>,
-    ready: Event,
-}
-
-impl GradState {
-    pub(crate) fn new(platform: &dyn Platform) -> Result<Self> {
-        Ok(GradState {
-            unsharded: platform.alloc_device(0)?,
-            has_unsharded: false,
-            sharded: None,
-            has_sharded: false,
-            pending: None,
-            ready: platform.create_event(false)?,
-        })
     }
 }
 

@@ -23,19 +23,22 @@
 
 mod error;
 mod grad;
+mod grad_state;
 mod group;
 mod mesh;
 mod param;
 mod placement;
 mod policy;
+mod storage;
 
 pub use error::{HsdpError, Result};
 pub use grad::{GradInput, GradQueue, ReduceOptions};
 pub use group::{GroupCache, ProcessGroup};
 pub use mesh::{DeviceMesh, MAX_MESH_RANKS};
 pub use param::{
-    HsdpStreams, ParamConfig, ParamSpec, ParamState, Run, ShardGeometry, ShardRef, ShardedParam,
+    HsdpStreams, ParamConfig, ParamSpec, ParamState, Run, ShardGeometry, ShardedParam,
     UnshardHandle,
 };
 pub use placement::{DataParallelMesh, DistLayout, GroupInfos, LayoutMode, Placement, SpmdLayout};
 pub use policy::{MixedPrecisionPolicy, OffloadPolicy};
+pub use storage::ShardRef;

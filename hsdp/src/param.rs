@@ -8,9 +8,7 @@
 //! stream's gradient is ready and are applied on the compute stream in
 //! [`ShardedParam::wait_for_reduce`].
 
-use hprt_platform::{
-    BufRef, DType, DeviceBuffer, Event, Kernel, PinnedBuffer, Platform, PlatformHandle, Stream,
-};
+use hprt_platform::{BufRef, DType, DeviceBuffer, Event, Kernel, Platform, PlatformHandle, Stream};
 
 use crate::error::{HsdpError, Result};
 use crate::group::GroupCache;
@@ -18,6 +16,7 @@ use crate::placement::{
     DataParallelMesh, DistLayout, GroupInfos, LayoutMode, Placement, SpmdLayout,
 };
 use crate::policy::{MixedPrecisionPolicy, OffloadPolicy};
+use crate::storage::{ShardRef, Storage};
 
 /// The three streams one rank's parameters use.
 #[derive(Clone, Debug)]
@@ -234,29 +233,6 @@ pub struct ParamConfig {
     pub threshold: usize,
 }
 
-/// Device or pinned host memory holding a shard or a sharded gradient.
-#[derive(Clone, Copy, Debug)]
-pub enum ShardRef<'a> {
-    Device(BufRef<'a>),
-    /// Read or write it on the host only after synchronizing the compute stream.
-    Pinned(&'a PinnedBuffer),
-}
-
-#[derive(Clone, Debug)]
-pub(crate) enum Storage {
-    Device(DeviceBuffer),
-    Pinned(PinnedBuffer),
-}
-
-impl Storage {
-    fn as_ref(&self) -> ShardRef<'_> {
-        match self {
-            Storage::Device(b) => ShardRef::Device(b.into()),
-            Storage::Pinned(p) => ShardRef::Pinned(p),
-        }
-    }
-}
-
 /// A started all-gather: query it, or wait through [`ShardedParam::wait_for_unshard`].
 #[derive(Clone, Debug)]
 pub struct UnshardHandle {
@@ -316,7 +292,7 @@ pub struct ShardedParam {
     pub(crate) state: ParamState,
     pending: Option<PendingUnshard>,
     ready: Event,
-    pub(crate) grad: crate::grad::GradState,
+    pub(crate) grad: crate::grad_state::GradState,
 }
 
 fn elems_fit(buf: &BufRef<'_>, count: usize, dtype: DType) -> bool {
@@ -430,7 +406,7 @@ impl ShardedParam {
             state: ParamState::Sharded,
             pending: None,
             ready: platform.create_event(false)?,
-            grad: crate::grad::GradState::new(&*platform)?,
+            grad: crate::grad_state::GradState::new(&*platform)?,
             platform,
         })
     }

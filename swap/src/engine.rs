@@ -15,11 +15,11 @@ use hprt_platform::{DeviceBuffer, Platform, Stream};
 
 use crate::error::{Result, SwapError, SwapState};
 use crate::payload::{
-    codec_dtype, size_class, take, Compression, CompressionPolicy, HostCopy, Origin, ReloadCheck,
-    Slot,
+    codec_dtype, size_class, take, Charge, Compression, CompressionPolicy, HostCopy, ReloadCheck,
+    Slot, SwapTensor,
 };
-use crate::pool::{PinnedBlock, PinnedPool, PoolConfig, PoolStats};
-use crate::tensor::{Charge, DeviceTensor, Fence, Saved, SwapTensor, VersionCounter};
+use crate::pool::{Fence, PinnedBlock, PinnedPool, PoolConfig, PoolStats};
+use crate::tensor::{DeviceTensor, Origin, Saved, VersionCounter};
 use hprt_platform::sync::lock;
 
 /// Settings of a [`SwapEngine`].

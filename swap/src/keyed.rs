@@ -10,8 +10,9 @@ use hprt_platform::Stream;
 
 use crate::engine::{EngineConfig, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError, SwapState};
+use crate::payload::SwapTensor;
 use crate::pool::PoolConfig;
-use crate::tensor::{DeviceTensor, Saved, SwapTensor};
+use crate::tensor::{DeviceTensor, Saved};
 
 /// Hands out (layer, index) keys in save order and maps backward tensors onto the previous
 /// layer's tensors.

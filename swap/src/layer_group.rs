@@ -8,8 +8,9 @@ use hprt_platform::Stream;
 
 use crate::engine::{EngineConfig, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError, SwapState};
+use crate::payload::SwapTensor;
 use crate::pool::PoolConfig;
-use crate::tensor::{Saved, SwapTensor};
+use crate::tensor::Saved;
 
 /// A value saved into a layer's group: where to find it at backward (a layer of the
 /// [`SwapManager`] — its index in registration order — and the value's place in the group).

@@ -47,10 +47,12 @@ pub use keyed::{
     proportional_slice, KeyedSwap, ModuleTag, Packed, SwapContext, SwapPredicate, TensorKeyManager,
 };
 pub use layer_group::{SavedRef, SwapManager};
-pub use payload::{Allocator, Compression, CompressionPolicy, FrameworkHandle, Origin, Reacquired};
+pub use payload::{Compression, CompressionPolicy, SwapTensor};
 pub use pipeline::{
     link_summary_table, offload_summary_table, ChunkId, OffloadTag, PipelineConfig, PipelineOffload,
 };
 pub use plan::{plan_offload, LayerProfile, OffloadPlan, PlanTarget};
 pub use pool::{PinnedBlock, PinnedPool, PoolConfig, PoolStats};
-pub use tensor::{DeviceTensor, Saved, SwapTensor, VersionCounter};
+pub use tensor::{
+    Allocator, DeviceTensor, FrameworkHandle, Origin, Reacquired, Saved, VersionCounter,
+};

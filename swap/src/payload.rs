@@ -1,13 +1,14 @@
 //! What the engine moves: a payload knows its source bytes ([`DeviceTensor`]: storage, offset,
-//! length), how its device memory is released and re-acquired ([`Origin`]), its version, and in
-//! which form its bytes travel ([`Compression`]).
+//! length), how its device memory is released and re-acquired ([`crate::Origin`]), its version,
+//! and in which form its bytes travel ([`Compression`]); the [`SwapTensor`] that tracks one saved
+//! value through device → d2h → host → h2d → device, and where its host copy is.
 //!
 //! Kinds:
-//! - *owned* ([`Origin::Owned`]): hprt device storage, released by resizing it to zero and
+//! - *owned* ([`crate::Origin::Owned`]): hprt device storage, released by resizing it to zero and
 //!   re-acquired by resizing it back;
-//! - *borrowed* ([`Origin::Borrowed`]): a framework's memory, released by dropping every
+//! - *borrowed* ([`crate::Origin::Borrowed`]): a framework's memory, released by dropping every
 //!   reference the engine holds (the borrowed buffer's release callback then hands the memory
-//!   back to the framework) and re-acquired through the framework's [`Allocator`] (for torch:
+//!   back to the framework) and re-acquired through the framework's [`crate::Allocator`] (for torch:
 //!   `torch.empty_strided` with the saved shape and strides), so a reload lands in a new
 //!   framework tensor;
 //! - *compressed* (any origin with [`Compression::Device`] or [`Compression::HostStage`]): only
@@ -19,88 +20,17 @@
 //! it does with other references to it is the framework's business (torch checks its own
 //! saved-tensor versions).
 
-use std::any::Any;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use hprt_compress::CodecDType;
 use hprt_compress::PendingDecode;
-use hprt_platform::{DType, DeviceBuffer, Stream};
+use hprt_platform::DType;
 
-use crate::error::Result;
-use crate::pool::PinnedBlock;
-use crate::tensor::{DeviceTensor, VersionCounter};
+use crate::error::{Result, SwapError, SwapState};
+use crate::pool::{Fence, PinnedBlock};
+use crate::tensor::{DeviceTensor, Saved};
 use hprt_platform::sync::lock;
-
-/// A framework's object for some memory (a torch tensor), opaque to swap.
-pub type FrameworkHandle = Arc<dyn Any + Send + Sync>;
-
-/// New framework memory for a borrowed tensor whose memory swap released.
-pub struct Reacquired {
-    /// Borrowed memory (`Platform::wrap_device_memory`) holding at least `offset + len` bytes.
-    pub storage: DeviceBuffer,
-    /// Byte offset of the tensor in `storage`.
-    pub offset: usize,
-    /// The framework's object for the new memory, handed back with the reloaded tensor.
-    pub handle: Option<FrameworkHandle>,
-    /// The new memory's version counter.
-    pub version: VersionCounter,
-    /// The stream in whose order the allocator handed the memory out, when it is a caching
-    /// allocator's (torch's: a block freed by work queued on its stream is handed out again at
-    /// once, for use in that stream's order, while that work may still be running). The reload
-    /// writes the memory only after the work queued on this stream so far. `None`: nothing
-    /// queued uses the memory (a platform allocation; memory of the host's own stream).
-    pub ready_on: Option<Stream>,
-}
-
-/// The framework's allocator: how a borrowed tensor gets memory back for its reload.
-pub trait Allocator: Send + Sync {
-    /// Memory for a tensor like `like` (its dtype, shape and byte length; the framework keeps
-    /// strides itself). An error (out of memory) leaves the host copy in place for a retry.
-    fn allocate(&self, like: &DeviceTensor) -> Result<Reacquired>;
-
-    /// Hands `t`'s memory back to the framework now: the framework orders its reuse after the
-    /// work queued so far on `streams` (torch's `Tensor.record_stream`), so the engine may drop
-    /// its references at once instead of when it later sees that work finished (on a GPU the
-    /// host runs far ahead of the device: holding on until then keeps many layers alive).
-    /// `streams` may be empty: every use of the memory is already ordered after hprt's work on
-    /// the framework's own stream (a reload the compute stream waits for).
-    /// Returns whether the framework took it; `false` (the default: a framework that cannot
-    /// order reuse by streams, or an allocator without that knowledge) leaves the memory to
-    /// the platform, which releases it once the work on it finished.
-    fn hand_over(&self, t: &DeviceTensor, streams: &[&Stream]) -> Result<bool> {
-        let _ = (t, streams);
-        Ok(false)
-    }
-}
-
-/// A plain function allocates; it cannot take memory back early.
-impl<F> Allocator for F
-where
-    F: Fn(&DeviceTensor) -> Result<Reacquired> + Send + Sync,
-{
-    fn allocate(&self, like: &DeviceTensor) -> Result<Reacquired> {
-        self(like)
-    }
-}
-
-/// Who owns a tensor's device memory.
-#[derive(Clone, Default)]
-pub enum Origin {
-    /// hprt storage: release = resize to zero, re-acquire = resize back.
-    #[default]
-    Owned,
-    /// A framework's memory: release = drop the engine's references, re-acquire = the allocator.
-    Borrowed(Arc<dyn Allocator>),
-}
-
-impl std::fmt::Debug for Origin {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Origin::Owned => "Owned",
-            Origin::Borrowed(_) => "Borrowed",
-        })
-    }
-}
 
 /// In which form a tensor's bytes go to the host (compress-then-swap).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -210,4 +140,150 @@ pub(crate) fn size_class(bytes: usize) -> usize {
     }
     let step = bytes.next_power_of_two() / 16;
     bytes.div_ceil(step) * step
+}
+
+/// Bytes a tensor counts against one of the engine's in-flight windows, uncounted when it goes
+/// (handed over, or dropped with its tensor whatever the state).
+pub(crate) struct Charge {
+    bytes: usize,
+    counter: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Charge {
+    pub(crate) fn new(counter: &Arc<std::sync::atomic::AtomicUsize>, bytes: usize) -> Self {
+        counter.fetch_add(bytes, Ordering::AcqRel);
+        Charge {
+            bytes,
+            counter: Arc::clone(counter),
+        }
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+/// One saved value and where its bytes are.
+///
+/// States: `device → d2h` (offload queued) `→ host` (copy completed, device bytes released)
+/// `→ h2d` (storage re-acquired, reload queued) `→ device`; a non-tensor value stays in
+/// `non_tensor`. Transitions are made by [`crate::SwapEngine`]; asking for the value in any state
+/// but `device`/`non_tensor` is a [`SwapError::WrongState`].
+///
+/// ```
+/// use std::sync::Arc;
+/// use hprt_swap::{Saved, SwapState, SwapTensor};
+///
+/// let t = SwapTensor::new(Saved::Other(Arc::new(3.5f32))).unwrap();
+/// assert_eq!(t.state(), SwapState::NonTensor);
+/// assert!(t.get().is_ok());
+/// ```
+pub struct SwapTensor {
+    pub(crate) saved: Saved,
+    pub(crate) state: SwapState,
+    /// The storage's size when saved: what a reload re-acquires.
+    pub(crate) storage_len: usize,
+    pub(crate) version_at_offload: u64,
+    /// The version seen when the device bytes were released, if it had moved since the
+    /// offload began (a write raced the copy): the reload reports it.
+    pub(crate) modified: Option<u64>,
+    /// The storage's address when the engine released it (its key among released storages).
+    pub(crate) release_key: usize,
+    pub(crate) host: Option<HostCopy>,
+    pub(crate) d2h: Option<Fence>,
+    pub(crate) h2d: Option<Fence>,
+    pub(crate) check: ReloadCheck,
+    /// The device memory went back to its framework when the offload was queued
+    /// ([`crate::Allocator::hand_over`]): the copy may still be running, so a reload waits for
+    /// `d2h` on its stream, and the offload can no longer be taken back.
+    pub(crate) handed_back: bool,
+    /// The bytes of a reload started and not yet handed to the compute stream.
+    pub(crate) reload_charge: Option<Charge>,
+}
+
+impl SwapTensor {
+    /// Tracks `saved`; a device tensor must fit its storage.
+    pub fn new(saved: Saved) -> Result<Self> {
+        let (state, storage_len) = match &saved {
+            Saved::Tensor(t) => {
+                t.check_fits()?;
+                (SwapState::Device, t.storage.len())
+            }
+            Saved::Other(_) => (SwapState::NonTensor, 0),
+        };
+        Ok(SwapTensor {
+            saved,
+            state,
+            storage_len,
+            version_at_offload: 0,
+            modified: None,
+            release_key: 0,
+            host: None,
+            d2h: None,
+            h2d: None,
+            check: ReloadCheck::None,
+            handed_back: false,
+            reload_charge: None,
+        })
+    }
+
+    pub fn state(&self) -> SwapState {
+        self.state
+    }
+
+    /// The saved value; only while it is usable (`device` or `non_tensor`).
+    pub fn get(&self) -> Result<&Saved> {
+        match self.state {
+            SwapState::Device | SwapState::NonTensor => Ok(&self.saved),
+            actual => Err(SwapError::WrongState {
+                operation: "get",
+                expected: "device or non_tensor",
+                actual,
+            }),
+        }
+    }
+
+    /// The saved value, consuming the tracker; only while it is usable.
+    pub fn into_saved(self) -> Result<Saved> {
+        self.get()?;
+        Ok(self.saved)
+    }
+
+    /// The tensor description whatever the state (for bookkeeping, not for reading bytes).
+    pub fn describe(&self) -> Option<&DeviceTensor> {
+        self.saved.tensor()
+    }
+
+    /// Bytes this tensor moves per direction (0 for a non-tensor value).
+    pub fn swap_bytes(&self) -> usize {
+        self.saved.tensor().map_or(0, |t| t.len)
+    }
+
+    /// Bytes the last offload moved over the host link (compressed bytes for a compressed
+    /// payload; 0 before an offload).
+    pub fn link_bytes(&self) -> usize {
+        self.host.as_ref().map_or(0, HostCopy::link_bytes)
+    }
+
+    /// Bytes the host copy keeps: the encoding's for a compressed payload whose offload
+    /// finished (0 before an offload).
+    pub fn host_bytes(&self) -> usize {
+        self.host.as_ref().map_or(0, HostCopy::host_bytes)
+    }
+
+    pub(crate) fn wrong(&self, operation: &'static str, expected: &'static str) -> SwapError {
+        SwapError::WrongState {
+            operation,
+            expected,
+            actual: self.state,
+        }
+    }
+}
+
+impl std::fmt::Debug for SwapTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SwapTensor(state: {}, {:?})", self.state, self.saved)
+    }
 }

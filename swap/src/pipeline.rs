@@ -9,8 +9,9 @@ use hprt_platform::{DeviceBuffer, Stream};
 use crate::engine::{EngineConfig, EngineStats, InflightWindow, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError, SwapState};
 use crate::payload::Compression;
+use crate::payload::SwapTensor;
 use crate::pool::{PoolConfig, PoolStats};
-use crate::tensor::{DeviceTensor, Saved, SwapTensor};
+use crate::tensor::{DeviceTensor, Saved};
 
 /// Settings of a [`PipelineOffload`].
 #[derive(Clone, Debug)]

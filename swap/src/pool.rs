@@ -4,11 +4,12 @@ use hprt_platform::sync::lock;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
-use hprt_platform::PinnedBuffer;
+use hprt_platform::{Event, PinnedBuffer, PlatformHandle};
 
-use crate::engine::PlatformHandle;
 use crate::error::{Result, SwapError};
-use crate::tensor::Fence;
+
+/// The completion mark of one batch of copies, shared by every tensor of the batch.
+pub(crate) type Fence = Arc<Event>;
 
 /// Settings of a [`PinnedPool`].
 #[derive(Clone, Debug, Default)]

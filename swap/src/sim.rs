@@ -12,10 +12,10 @@ use crate::engine::{EngineStats, Faults, PlatformHandle, SwapEngine};
 use crate::error::{Result, SwapError};
 use crate::keyed::{KeyedSwap, Packed, SwapContext};
 use crate::layer_group::{SavedRef, SwapManager};
-use crate::payload::{Allocator, Compression, Reacquired};
+use crate::payload::Compression;
 use crate::pipeline::{OffloadTag, PipelineConfig, PipelineOffload};
 use crate::pool::PoolStats;
-use crate::tensor::{DeviceTensor, Saved, VersionCounter};
+use crate::tensor::{Allocator, DeviceTensor, Reacquired, Saved, VersionCounter};
 use crate::LayerId;
 
 /// Which front end drives the step.

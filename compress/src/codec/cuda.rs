@@ -566,7 +566,7 @@ impl CudaCodec {
             held,
         )?;
         Ok((0..items.len())
-            .map(|i| PendingDecode::from_device(done.clone(), Arc::clone(&words), i))
+            .map(|i| PendingDecode::from_device(done.clone(), Arc::clone(&words), i, status_result))
             .collect())
     }
 
