@@ -119,12 +119,7 @@ pub struct Span {
 
 /// A span whose marks were recorded, kept until its stream reached the end mark.
 struct PendingSpan {
-    track: usize,
-    name: String,
-    op: String,
-    layer: Option<usize>,
-    bytes: u64,
-    start: StreamMark,
+    started: SpanStart,
     end: StreamMark,
 }
 
@@ -252,13 +247,14 @@ impl Recorder {
             match p.end.try_seconds() {
                 Ok(None) => waiting.push(p),
                 Ok(Some(end_s)) => {
-                    if let Ok(start_s) = p.start.seconds() {
+                    let s = p.started;
+                    if let Ok(start_s) = s.start.seconds() {
                         done.push(Span {
-                            track: p.track,
-                            name: p.name,
-                            op: p.op,
-                            layer: p.layer,
-                            bytes: p.bytes,
+                            track: s.track,
+                            name: s.name,
+                            op: s.op,
+                            layer: s.layer,
+                            bytes: s.bytes,
                             start_us: self.us(start_s),
                             end_us: self.us(end_s),
                         });
@@ -481,15 +477,7 @@ impl TracingPlatform {
             return Ok(());
         };
         let end = s.clock.mark(stream)?;
-        self.rec.add_pending(PendingSpan {
-            track: s.track,
-            name: s.name,
-            op: s.op,
-            layer: s.layer,
-            bytes: s.bytes,
-            start: s.start,
-            end,
-        });
+        self.rec.add_pending(PendingSpan { started: s, end });
         Ok(())
     }
 
