@@ -574,6 +574,9 @@ impl Platform for TracingPlatform {
     fn query_stream(&self, stream: &Stream) -> Result<bool> {
         self.inner.query_stream(stream)
     }
+    fn lend_stream_to_framework(&self, stream: &Stream) -> Result<()> {
+        self.inner.lend_stream_to_framework(stream)
+    }
     fn synchronize_device(&self) -> Result<()> {
         self.inner.synchronize_device()
     }

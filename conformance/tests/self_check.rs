@@ -100,6 +100,9 @@ impl Platform for Faulty {
     fn query_stream(&self, stream: &Stream) -> Result<bool> {
         Platform::query_stream(&self.inner, stream)
     }
+    fn lend_stream_to_framework(&self, stream: &Stream) -> Result<()> {
+        Platform::lend_stream_to_framework(&self.inner, stream)
+    }
     fn synchronize_device(&self) -> Result<()> {
         Platform::synchronize_device(&self.inner)
     }

@@ -55,6 +55,11 @@ pub trait Backend: Send + Sync + 'static {
     fn destroy_stream(&self, stream: Self::Stream) -> Result<()>;
     fn synchronize_stream(&self, stream: &Self::Stream) -> Result<()>;
     fn query_stream(&self, stream: &Self::Stream) -> Result<bool>;
+    /// See [`crate::Platform::lend_stream_to_framework`]; nothing to do where streams are not
+    /// recorded on by a framework (cpu, npu).
+    fn lend_stream_to_framework(&self, _stream: &Self::Stream) -> Result<()> {
+        Ok(())
+    }
     fn synchronize_device(&self) -> Result<()>;
 
     fn create_event(&self, timing: bool) -> Result<Self::Event>;

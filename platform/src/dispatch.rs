@@ -238,6 +238,12 @@ impl<B: Backend> Platform for B {
     fn query_stream(&self, stream: &Stream) -> Result<bool> {
         Backend::query_stream(self, &stream_obj(self, stream, "query_stream")?)
     }
+    fn lend_stream_to_framework(&self, stream: &Stream) -> Result<()> {
+        Backend::lend_stream_to_framework(
+            self,
+            &stream_obj(self, stream, "lend_stream_to_framework")?,
+        )
+    }
     fn synchronize_device(&self) -> Result<()> {
         let r = Backend::synchronize_device(self);
         Backend::reclaim_frees(self);

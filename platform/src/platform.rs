@@ -58,6 +58,11 @@ pub trait Platform: Send + Sync {
     fn synchronize_stream(&self, stream: &Stream) -> Result<()>;
     /// Whether all work queued on `stream` completed.
     fn query_stream(&self, stream: &Stream) -> Result<bool>;
+    /// A framework may record events on `stream`'s raw handle after hprt lets go of the stream
+    /// (torch's `Tensor.record_stream`: its caching allocator records on every such stream
+    /// when it frees the block, however late): the backend keeps the driver's stream alive
+    /// until the platform goes, and hands it out again to a later `create_stream`.
+    fn lend_stream_to_framework(&self, stream: &Stream) -> Result<()>;
     /// Blocks until all work on every stream of this platform completed; reports the first error
     /// not yet reported, including one left on a stream destroyed since.
     fn synchronize_device(&self) -> Result<()>;

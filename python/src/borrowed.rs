@@ -137,6 +137,8 @@ impl Shared {
         };
         Python::attach(|py| -> Result<()> {
             for s in streams {
+                // The framework may record on the stream after hprt let go of it.
+                self.p.lend_stream_to_framework(s)?;
                 record.call1(py, (b.obj.clone_ref(py), s.raw().0))?;
             }
             Ok(())

@@ -13,6 +13,7 @@ back. Before reloads were handed over when the compute stream waits for them, hp
 reloaded tensor until the host saw its copy finished: every layer's reload of the backward at
 once while the device trails (what an H200 showed: 6.6 of 8 layers alive at the peak)."""
 
+import gc
 import types
 
 import pytest
@@ -234,3 +235,33 @@ def test_without_record_stream_hprt_holds_reloads_until_it_sees_the_copies(backe
     w.finish()
     assert w.most["backward"] >= 4 * LAYER_BYTES, w.most["backward"] / LAYER_BYTES
     assert w.rt.stats()["handed_back_tensors"] == 0
+
+
+@pytest.mark.parametrize("front", [layer_groups, keyed, pipeline])
+@pytest.mark.parametrize("backend", CUDA)
+def test_a_tensor_handed_over_outlives_the_runtime_whose_streams_it_recorded(backend, front,
+                                                                             monkeypatch):
+    """torch records an event on every stream a block was ``record_stream``ed to when it frees
+    the block, which may be after the runtime that handed it over, and its streams, are gone
+    (a model input offloaded by one ``attach`` and freed after it). On an H200 that record on a
+    destroyed stream aborted the process; the platform now keeps the streams it lent to torch
+    until it goes itself."""
+    w = World(backend, monkeypatch, None)
+    kept, saved = [], w.saved
+
+    def keep(layer, i):
+        t = saved(layer, i)
+        kept.append(t)
+        return t
+
+    w.saved = keep
+    front(w)
+    w.finish()
+    recorded = {raw for t in kept for raw in t.recorded}
+    assert recorded
+    w.rt = None
+    gc.collect()
+    for raw in recorded:  # what torch's free of the kept tensors does
+        w.p.unsafe_wrap_stream(raw).record_event().synchronize()
+    kept.clear()
+    gc.collect()

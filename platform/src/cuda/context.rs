@@ -121,6 +121,7 @@ impl Drop for Shared {
             Vec<result::Module>,
             Vec<u64>,
             Vec<result::Event>,
+            Vec<result::Stream>,
         );
         let mut work: Vec<Work> = Vec::new();
         for (i, d) in self.devices.iter_mut().enumerate() {
@@ -134,23 +135,31 @@ impl Drop for Shared {
             // The allocation cache: every buffer is gone, so this is all the memory left.
             let cached = d.pool.drain();
             let events = d.events.drain();
+            let streams = std::mem::take(
+                d.parked_streams
+                    .get_mut()
+                    .unwrap_or_else(|p| p.into_inner()),
+            );
             if let Some(&ctx) = d.ctx.get() {
-                work.push((i, ctx, modules, cached, events));
+                work.push((i, ctx, modules, cached, events, streams));
             }
         }
         let handles: Vec<cu::CUdevice> = self.devices.iter().map(|d| d.handle).collect();
         let release = move || {
-            for (i, ctx, modules, cached, events) in work {
+            for (i, ctx, modules, cached, events, streams) in work {
                 let _ = result::ctx::set_current(Some(ctx));
                 // SAFETY: the context is ours (retained once); the modules were loaded in it,
-                // the cached blocks allocated and the pooled events created in it, and nothing
-                // of this platform uses them.
+                // the cached blocks allocated, the pooled events and parked streams created in
+                // it, and nothing of this platform uses them.
                 unsafe {
                     for p in cached {
                         let _ = result::mem::free(p);
                     }
                     for e in events {
                         result::event::destroy(e);
+                    }
+                    for st in streams {
+                        let _ = result::stream::destroy(st);
                     }
                     for m in modules {
                         result::module::unload(m);

@@ -164,12 +164,14 @@ struct Device {
     pool: memory::DevicePool,
     /// Use events of freed buffers kept for reuse, while the pool is on (`memory.rs`).
     events: memory::EventPool,
-    /// Streams this platform created and let go of, for its next `create_stream` on this
-    /// device. A CUstream hprt made is never destroyed: a framework may still record events on
-    /// it after hprt is done with it (torch's caching allocator records on every stream a block
-    /// was `record_stream`ed to when the block is freed, which can be long after the swap front
-    /// end that handed the block over and its streams are gone; recording on a destroyed stream
-    /// aborts the process). The streams die with their context.
+    /// Streams this platform lent to a framework (`lend_stream_to_framework`) and let go of,
+    /// for its next `create_stream` on this device. Such a CUstream lives as long as the
+    /// platform (its last handle), not just as long as its `Stream`: the framework may still
+    /// record events on it (torch's caching allocator records on every stream a block was
+    /// `record_stream`ed to when the block is freed, which can be long after the swap front end
+    /// that handed the block over and its streams are gone; recording on a destroyed stream
+    /// aborts the process, as it did on an H200). Dropping the platform destroys them with
+    /// everything else it made.
     parked_streams: Mutex<Vec<result::Stream>>,
     /// NVRTC modules by name, compiled once per device. Only successes are kept: a failed
     /// compile or load (the driver may have been out of memory) is tried again by the next use.
@@ -204,6 +206,8 @@ pub struct StreamObj {
     raw: result::Stream,
     device: usize,
     owned: bool,
+    /// Lent to a framework (`lend_stream_to_framework`): parked when let go, not destroyed.
+    lent: AtomicBool,
     errors: StreamErrors,
 }
 
@@ -398,7 +402,10 @@ impl Backend for CudaBackend {
             Some(raw) => raw,
             None => result::stream::create(CU_STREAM_NON_BLOCKING)?,
         };
-        Ok((self.stream_obj(raw, device, true), RawStream(raw.addr())))
+        let obj = self.stream_obj(raw, device, true);
+        // A parked stream was lent before: the framework may still record on it.
+        obj.lent.store(parked.is_some(), Ordering::Release);
+        Ok((obj, RawStream(raw.addr())))
     }
     unsafe fn wrap_stream(&self, raw: RawStream) -> Result<Arc<StreamObj>> {
         // 0 (the legacy default stream, PyTorch's default) and the per-thread handles are valid
@@ -426,6 +433,10 @@ impl Backend for CudaBackend {
     fn query_stream(&self, stream: &Arc<StreamObj>) -> Result<bool> {
         self.shared.bind(stream.device)?;
         result::stream::query(stream.raw)
+    }
+    fn lend_stream_to_framework(&self, stream: &Arc<StreamObj>) -> Result<()> {
+        stream.lent.store(true, Ordering::Release);
+        Ok(())
     }
     fn synchronize_device(&self) -> Result<()> {
         let live: Vec<Arc<StreamObj>> = lock(&self.shared.streams)

@@ -170,6 +170,14 @@ pub(crate) mod stream {
         Ok(Stream(s))
     }
 
+    /// # Safety
+    /// A stream created by [`create`], destroyed once, its context current.
+    pub(crate) unsafe fn destroy(s: Stream) -> Result<()> {
+        // SAFETY: the caller's contract: `s` is a stream of ours, destroyed this once, with its
+        // context current.
+        cu(unsafe { cu::cuStreamDestroy_v2(s.0) }, "cuStreamDestroy_v2")
+    }
+
     pub(crate) fn synchronize(s: Stream) -> Result<()> {
         // SAFETY: a live stream.
         cu(

@@ -11,10 +11,22 @@ impl StreamObj {
 
 impl Drop for StreamObj {
     fn drop(&mut self) {
-        if self.owned {
-            // Parked, not destroyed (see `Device::parked_streams`); queued work still completes.
-            lock(&self.shared.devices[self.device].parked_streams).push(self.raw);
+        if !self.owned {
+            return;
         }
+        if self.lent.load(Ordering::Acquire) {
+            // Parked until the platform goes (see `Device::parked_streams`); queued work still
+            // completes.
+            lock(&self.shared.devices[self.device].parked_streams).push(self.raw);
+            return;
+        }
+        let (shared, raw, device) = (Arc::clone(&self.shared), self.raw, self.device);
+        self.shared.reaper.run_or_defer(move || {
+            if shared.bind(device).is_ok() {
+                // SAFETY: we created this stream, destroyed once; queued work still completes.
+                let _ = unsafe { result::stream::destroy(raw) };
+            }
+        });
     }
 }
 
@@ -42,6 +54,7 @@ impl CudaBackend {
             raw,
             device,
             owned,
+            lent: AtomicBool::new(false),
             errors: StreamErrors::default(),
         });
         self.shared.register(&s);
