@@ -5,8 +5,6 @@
 //! ([`Platform::launch_module_kernel`]: compiled once per device, as a cubin for the device's
 //! own architecture where NVRTC knows it, and cached, like the platform's elementwise kernels).
 //! Launch shapes and the workspace layout are in the source's header comment and `Layout`.
-//! (Over 800 lines because the launcher and its host-compiled byte-equality tests belong with
-//! the source they check.)
 //!
 //! The hot path allocates nothing, waits for nothing and reads nothing back: per stream the
 //! codec keeps a device workspace (tables and counters per tensor, a length and an offset per
@@ -16,12 +14,12 @@
 //! its event; a decode the same with one launch. The host reads a length or a status only when
 //! asked ([`crate::device::PendingEncode::wait_len`]), after that event.
 //!
-//! The same source is compiled as host C++ by this module's test against the CUDA emulator's
-//! device shim (`platform/src/cuda/host_shim.h`: blocks of fiber threads that meet at barriers
-//! and warp operations) and must write exactly the bytes of the CPU codec (the corpus of `data`
-//! and random bit patterns) and decode them back; `compress/tests/device.rs` runs [`CudaCodec`]
-//! on the cuda backend over the CUDA emulator, with the work model (launches, allocations, host
-//! waits) counted by the emulator.
+//! The same source is compiled as host C++ by this module's test (`cuda/host_compiled.rs`)
+//! against the CUDA emulator's device shim (`platform/src/cuda/host_shim.h`: blocks of fiber
+//! threads that meet at barriers and warp operations) and must write exactly the bytes of the
+//! CPU codec (the corpus of `data` and random bit patterns) and decode them back;
+//! `compress/tests/device.rs` runs [`CudaCodec`] on the cuda backend over the CUDA emulator,
+//! with the work model (launches, allocations, host waits) counted by the emulator.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
