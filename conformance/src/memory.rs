@@ -244,9 +244,9 @@ pub(crate) fn out_of_memory(p: &dyn Platform) -> Result<()> {
 /// Pinned requests larger than any host can hold fail with OutOfMemory (as device requests do,
 /// and as `cudaHostAlloc` / `aclrtMallocHost` report it) and leave accounting unchanged.
 ///
-/// Sizes within 256 bytes of `usize::MAX` are left to `conformance/tests/cpu_backend.rs`: on the cpu
-/// backend they currently panic after reserving the bytes, which would poison the pinned
-/// accounting of the shared platform for every later case.
+/// Sizes within 256 bytes of `usize::MAX` are left to `conformance/tests/cpu_backend/limits.rs`:
+/// on the cpu backend they currently panic after reserving the bytes, which would poison the
+/// pinned accounting of the shared platform for every later case.
 pub(crate) fn pinned_out_of_memory(p: &dyn Platform) -> Result<()> {
     let base = p.memory_stats();
     let mut problems = Vec::new();
