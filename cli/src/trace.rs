@@ -311,8 +311,9 @@ impl Recorder {
     }
 
     /// `fresh`: a stream just created gets a track of its own even when its raw handle had
-    /// one (a backend may hand a released stream's handle out again: the cuda backend parks
-    /// its streams), so one stream's bytes never count for another.
+    /// one (a driver may hand a destroyed stream's address out again, and the cuda backend
+    /// hands out the streams it parked for a framework), so one stream's bytes never count for
+    /// another.
     fn register_track(&self, stream: &Stream, rank: usize, role: Role, label: &str, fresh: bool) {
         let section = lock(&self.section).clone();
         let mut reg = lock(&self.registry);
