@@ -25,7 +25,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::error::{invalid, BindError, Result};
-use crate::platform::{PyPlatform, PyStream};
+use crate::handles::{resolve, PyPlatform, PyStream};
 
 #[derive(Default)]
 struct Counters {
@@ -275,7 +275,7 @@ impl PyFrameworkMemory {
     #[new]
     #[pyo3(signature = (platform=None, record_stream=None))]
     fn new(platform: Option<&PyPlatform>, record_stream: Option<Py<PyAny>>) -> Result<Self> {
-        let p = crate::platform::resolve(platform)?;
+        let p = resolve(platform)?;
         Ok(PyFrameworkMemory {
             shared: Arc::new(Shared {
                 p,

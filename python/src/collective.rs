@@ -2,25 +2,11 @@
 //! each call `Platform.comm_init`; every collective releases the GIL while it is issued so the
 //! other rank threads of the process can reach it too.
 
-use hprt_platform::{Communicator, DType, ReduceOp};
-use hprt_swap::PlatformHandle;
+use hprt_platform::{DType, ReduceOp};
 use pyo3::prelude::*;
 
 use crate::error::Result;
-use crate::platform::{PyDeviceBuffer, PyStream};
-
-/// One rank's membership in a group; collectives are queued on a stream like copies.
-///
-/// ```python
-/// def rank(r, uid):
-///     comm = p.comm_init(uid, r, 2)
-///     comm.all_reduce(buf, buf, n, "f32", "sum", stream)
-/// ```
-#[pyclass(name = "Communicator", module = "hprt._native", frozen)]
-pub struct PyCommunicator {
-    pub(crate) p: PlatformHandle,
-    pub(crate) c: Communicator,
-}
+use crate::handles::{PyCommunicator, PyDeviceBuffer, PyStream};
 
 fn op(name: &str) -> Result<ReduceOp> {
     Ok(name.parse()?)

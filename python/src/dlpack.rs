@@ -16,8 +16,7 @@ use pyo3::prelude::*;
 
 use crate::dtype;
 use crate::error::{invalid, BindError, Result};
-use crate::platform::{device_is_host, unsupported, PyPlatform};
-use crate::swap::PyDeviceTensor;
+use crate::handles::{device_is_host, unsupported, PyDeviceTensor, PyPlatform};
 
 /// The buffer a view names; a handle clone travels inside every DLPack capsule.
 #[derive(Clone)]

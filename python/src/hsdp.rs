@@ -23,12 +23,10 @@ use hprt_swap::{DeviceTensor, PlatformHandle};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::collective::PyCommunicator;
 use crate::dlpack::{unexported, Backing, TensorView};
 use crate::dtype;
 use crate::error::{invalid, py_bytes, Result};
-use crate::platform::{PyEvent, PyPlatform, PyStream};
-use crate::swap::PyDeviceTensor;
+use crate::handles::{resolve, PyCommunicator, PyDeviceTensor, PyEvent, PyPlatform, PyStream};
 
 mod param;
 pub use param::{PyShardedParam, PyUnshardHandle};
@@ -228,7 +226,7 @@ impl PyHsdpStreams {
     #[new]
     #[pyo3(signature = (platform=None, compute=None))]
     fn new(platform: Option<&PyPlatform>, compute: Option<&PyStream>) -> Result<Self> {
-        let p = crate::platform::resolve(platform)?;
+        let p = resolve(platform)?;
         let s = match compute {
             Some(c) => HsdpStreams::with_compute(&*p, c.s.clone())?,
             None => HsdpStreams::new(&*p)?,

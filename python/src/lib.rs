@@ -1,5 +1,7 @@
 //! hprt-python: the `hprt._native` extension module behind the `hprt` Python package.
 //!
+//! - [`handles`] — the data of the classes the modules hand one another (their methods live
+//!   with their concern), at the bottom of the module graph.
 //! - [`platform`] — `get_platform()`, `cpu_platform()`, `Platform`, `Stream`, `Event`,
 //!   `DeviceBuffer`, `PinnedBuffer`: the platform layer as Python objects.
 //! - [`dlpack`] — `TensorView` (`__dlpack__` out of hprt memory) and `Platform.from_dlpack`
@@ -29,6 +31,7 @@ pub mod compress;
 pub mod dlpack;
 pub mod dtype;
 pub mod error;
+pub mod handles;
 pub mod hsdp;
 pub mod manager;
 pub mod platform;

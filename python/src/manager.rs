@@ -20,8 +20,7 @@ use pyo3::types::PyDict;
 
 use crate::dtype;
 use crate::error::{invalid, Result};
-use crate::platform::{PyPlatform, PyStream};
-use crate::swap::PyDeviceTensor;
+use crate::handles::{PyDeviceTensor, PyPlatform, PyStream};
 
 struct Inner {
     m: ActivationManager,

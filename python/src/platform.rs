@@ -1,4 +1,5 @@
-//! `hprt.Platform` and its handles: streams, events, device and pinned buffers.
+//! `hprt.Platform` and its handles: streams, events, device and pinned buffers (their methods;
+//! their data is in [`crate::handles`]).
 //!
 //! Every call that can block on queued device work (synchronizations, destroys, collectives,
 //! rendezvous) releases the GIL, so other Python threads — other ranks, framework threads, and
@@ -8,30 +9,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hprt_platform::{
-    BackendKind, CapabilityValue, CpuBackend, CpuConfig, DType, DeviceBuffer, ErrorKind, Event,
-    Mem, PinnedBuffer, Platform, PlatformRequest, Stream,
+    BackendKind, CapabilityValue, CpuBackend, CpuConfig, DType, DeviceBuffer, ErrorKind, Mem,
+    PinnedBuffer, PlatformRequest,
 };
 use hprt_swap::PlatformHandle;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::dlpack::{unexported, Backing, TensorView};
-use crate::error::{invalid, py_bytes, BindError, Result};
+use crate::error::{invalid, py_bytes, Result};
+use crate::handles::{
+    PyCommunicator, PyDeviceBuffer, PyDeviceTensor, PyEvent, PyPinnedBuffer, PyPlatform, PyStream,
+};
 use crate::wait::interruptible;
-
-/// A platform: the process-wide one ([`get_platform`]) or a private cpu one ([`cpu_platform`]).
-///
-/// ```python
-/// p = hprt.cpu_platform(device_memory=1 << 20)
-/// s = p.create_stream()
-/// buf = p.alloc_device(1024)
-/// p.write(buf, b"\x01" * 1024, s)
-/// assert p.read(buf, 1024, s) == b"\x01" * 1024
-/// ```
-#[pyclass(name = "Platform", module = "hprt._native", frozen)]
-pub struct PyPlatform {
-    pub(crate) p: PlatformHandle,
-}
 
 /// The process-wide platform chosen by `HP_PLATFORM` (`cpu`, `cuda`, `npu`; unset = detect).
 #[pyfunction]
@@ -39,14 +29,6 @@ pub fn get_platform() -> Result<PyPlatform> {
     Ok(PyPlatform {
         p: PlatformHandle::Static(hprt_platform::get_platform()?),
     })
-}
-
-/// The given platform's handle, or the process-wide platform's.
-pub(crate) fn resolve(platform: Option<&PyPlatform>) -> Result<PlatformHandle> {
-    match platform {
-        Some(p) => Ok(p.p.clone()),
-        None => Ok(PlatformHandle::Static(hprt_platform::get_platform()?)),
-    }
 }
 
 /// Why `get_platform()` chose the backend it chose.
@@ -119,34 +101,6 @@ pub fn cpu_platform(
     })
 }
 
-/// A stream of this platform.
-#[pyclass(name = "Stream", module = "hprt._native", frozen)]
-pub struct PyStream {
-    pub(crate) p: PlatformHandle,
-    pub(crate) s: Stream,
-}
-
-/// A completion mark recorded on a stream.
-#[pyclass(name = "Event", module = "hprt._native", frozen)]
-pub struct PyEvent {
-    pub(crate) p: PlatformHandle,
-    pub(crate) e: Event,
-}
-
-/// Device memory: allocated by hprt, or borrowed from a framework.
-#[pyclass(name = "DeviceBuffer", module = "hprt._native", frozen)]
-pub struct PyDeviceBuffer {
-    pub(crate) p: PlatformHandle,
-    pub(crate) b: DeviceBuffer,
-}
-
-/// Page-locked host memory, the host end of asynchronous copies.
-#[pyclass(name = "PinnedBuffer", module = "hprt._native", frozen)]
-pub struct PyPinnedBuffer {
-    pub(crate) p: PlatformHandle,
-    pub(crate) b: PinnedBuffer,
-}
-
 /// One end of a copy, from either buffer class.
 pub(crate) enum AnyBuf {
     Device(DeviceBuffer),
@@ -173,21 +127,6 @@ impl AnyBuf {
         match self {
             AnyBuf::Device(b) => b.len(),
             AnyBuf::Pinned(b) => b.len(),
-        }
-    }
-}
-
-impl PyPlatform {
-    pub(crate) fn stream(&self, s: Stream) -> PyStream {
-        PyStream {
-            p: self.p.clone(),
-            s,
-        }
-    }
-    pub(crate) fn device_buffer(&self, b: DeviceBuffer) -> PyDeviceBuffer {
-        PyDeviceBuffer {
-            p: self.p.clone(),
-            b,
         }
     }
 }
@@ -380,11 +319,7 @@ impl PyPlatform {
     /// (host memory on the cpu backend).
     #[pyo3(signature = (obj, is_parameter=false))]
     #[allow(clippy::wrong_self_convention)] // the Python Array API's name for this operation
-    fn from_dlpack(
-        &self,
-        obj: &Bound<'_, PyAny>,
-        is_parameter: bool,
-    ) -> Result<crate::swap::PyDeviceTensor> {
+    fn from_dlpack(&self, obj: &Bound<'_, PyAny>, is_parameter: bool) -> Result<PyDeviceTensor> {
         crate::dlpack::import(self, obj, is_parameter)
     }
 
@@ -476,10 +411,10 @@ impl PyPlatform {
         unique_id: &Bound<'_, PyBytes>,
         rank: usize,
         world: usize,
-    ) -> Result<crate::collective::PyCommunicator> {
+    ) -> Result<PyCommunicator> {
         let id = hprt_platform::UniqueId(unique_id.as_bytes().to_vec());
         let c = interruptible(py, &self.p, move |p| p.comm_init(&id, rank, world))??;
-        Ok(crate::collective::PyCommunicator {
+        Ok(PyCommunicator {
             p: self.p.clone(),
             c,
         })
@@ -668,14 +603,6 @@ impl PyPinnedBuffer {
 }
 
 /// Whether this platform's device memory is plain host memory (so DLPack can name it `kDLCPU`).
-pub(crate) fn device_is_host(p: &dyn Platform) -> bool {
-    p.capabilities().device_memory_is_host
-}
-
-pub(crate) fn unsupported(msg: impl Into<String>) -> BindError {
-    BindError::Unsupported(msg.into())
-}
-
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlatform>()?;
     m.add_class::<PyStream>()?;

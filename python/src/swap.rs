@@ -2,7 +2,7 @@
 //! `KeyedSwap` (keyed pack/unpack), `PipelineOffload` (Megatron-LM chunked groups), and
 //! `DeviceTensor`, the tensor description they take.
 //!
-//! This file holds `DeviceTensor`, the conversions and helpers the front ends share, and the
+//! This file holds `DeviceTensor`'s methods (its data is in [`crate::handles`]), the conversions and helpers the front ends share, and the
 //! planning and summary functions; each front end is one file: `swap/layer_group.rs`
 //! (`SwapManager`), `swap/keyed.rs` (`KeyedSwap`), `swap/pipeline.rs` (`PipelineOffload`).
 
@@ -22,7 +22,7 @@ use pyo3::types::PyDict;
 use crate::borrowed::{handle_object, PyBorrowedTensor};
 use crate::dlpack::{unexported, Backing, TensorView};
 use crate::error::{invalid, BindError, Result};
-use crate::platform::{PyDeviceBuffer, PyPlatform, PyStream};
+use crate::handles::{PyDeviceBuffer, PyDeviceTensor, PyPlatform, PyStream};
 
 mod keyed;
 mod layer_group;
@@ -30,34 +30,6 @@ mod pipeline;
 pub use keyed::{proportional_slice, PyKeyedSwap, PyPacked, PySwapContext, PyTensorKeyManager};
 pub use layer_group::PySwapManager;
 pub use pipeline::{PyOffloadTag, PyPipelineOffload};
-
-/// A device tensor as swap sees it: `nbytes` at `offset` in a `DeviceBuffer`, with a dtype, a
-/// shape and a version counter (bump it on in-place writes; a reload refuses a changed tensor).
-///
-/// ```python
-/// buf = p.alloc_device(4096)
-/// t = hprt.DeviceTensor(buf, "f32", [1024])
-/// ```
-#[pyclass(name = "DeviceTensor", module = "hprt._native", frozen)]
-pub struct PyDeviceTensor {
-    pub(crate) p: PlatformHandle,
-    pub(crate) t: DeviceTensor,
-}
-
-impl PyDeviceTensor {
-    pub(crate) fn from_parts(
-        p: &PlatformHandle,
-        storage: DeviceBuffer,
-        offset: usize,
-        dtype: DType,
-        shape: Vec<usize>,
-        is_parameter: bool,
-    ) -> Result<Self> {
-        let mut t = DeviceTensor::view(storage, offset, dtype, shape)?;
-        t.is_parameter = is_parameter;
-        Ok(PyDeviceTensor { p: p.clone(), t })
-    }
-}
 
 #[pymethods]
 impl PyDeviceTensor {

@@ -7,7 +7,7 @@ use hprt_platform::{host_seconds, StreamClock, StreamMark};
 use pyo3::prelude::*;
 
 use crate::error::Result;
-use crate::platform::{PyPlatform, PyStream};
+use crate::handles::{PyPlatform, PyStream};
 use crate::wait::interruptible;
 
 /// A clock for the streams of one platform.

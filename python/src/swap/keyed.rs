@@ -60,7 +60,7 @@ impl PyKeyedSwap {
         max_inflight_offload_bytes: Option<usize>,
         max_inflight_reload_bytes: Option<usize>,
     ) -> Result<Self> {
-        let p = crate::platform::resolve(platform)?;
+        let p = crate::handles::resolve(platform)?;
         let mut k = KeyedSwap::with_pool(p.clone(), pool(host_budget))?;
         k.set_min_bytes(min_bytes);
         k.engine_mut()

@@ -39,7 +39,7 @@ impl PySwapManager {
         max_inflight_offload_bytes: Option<usize>,
         max_inflight_reload_bytes: Option<usize>,
     ) -> Result<Self> {
-        let p = crate::platform::resolve(platform)?;
+        let p = crate::handles::resolve(platform)?;
         let mut m = SwapManager::with_pool(p.clone(), pool(host_budget))?;
         m.engine_mut()
             .set_compression(compression.parse::<Compression>()?);

@@ -40,7 +40,7 @@ impl PyPipelineOffload {
         max_inflight_offload_bytes: Option<usize>,
         max_inflight_reload_bytes: Option<usize>,
     ) -> Result<Self> {
-        let p = crate::platform::resolve(platform)?;
+        let p = crate::handles::resolve(platform)?;
         let cfg = PipelineConfig {
             min_tensor_elems,
             max_inflight_offloads,
