@@ -464,7 +464,10 @@ pub(crate) fn matmul_f32(p: &dyn Platform) -> Result<()> {
     }
     let a = p.alloc_device(64)?;
     let c = p.alloc_device(64)?;
-    let mm = |a: hprt_platform::BufRef<'_>, c: hprt_platform::BufRef<'_>, dtype, k| {
+    let mm = |a: hprt_platform::Place<&hprt_platform::DeviceBuffer>,
+              c: hprt_platform::Place<&hprt_platform::DeviceBuffer>,
+              dtype,
+              k| {
         p.launch_kernel(
             Kernel::Matmul {
                 a,

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use hprt_platform::{
     BackendKind, CapabilityValue, CpuBackend, CpuConfig, DType, DeviceBuffer, ErrorKind, Event,
-    Mem, PinnedBuffer, Platform, PlatformRequest, Stream,
+    Memory, PinnedBuffer, Platform, PlatformRequest, Stream,
 };
 use hprt_swap::PlatformHandle;
 use pyo3::prelude::*;
@@ -163,10 +163,10 @@ impl AnyBuf {
         }
         Err(invalid("expected a DeviceBuffer or a PinnedBuffer"))
     }
-    fn mem(&self) -> Mem<'_> {
+    fn mem(&self) -> Memory<&DeviceBuffer, &PinnedBuffer> {
         match self {
-            AnyBuf::Device(b) => Mem::Device(b),
-            AnyBuf::Pinned(b) => Mem::Pinned(b),
+            AnyBuf::Device(b) => Memory::Device(b),
+            AnyBuf::Pinned(b) => Memory::Pinned(b),
         }
     }
     fn len(&self) -> usize {
