@@ -510,18 +510,6 @@ struct SpanStart {
     start: StreamMark,
 }
 
-fn copy_kind(
-    dst: &Memory<&DeviceBuffer, &PinnedBuffer>,
-    src: &Memory<&DeviceBuffer, &PinnedBuffer>,
-) -> CopyKind {
-    match (src, dst) {
-        (Memory::Pinned(_), Memory::Device(_)) => CopyKind::HostToDevice,
-        (Memory::Device(_), Memory::Pinned(_)) => CopyKind::DeviceToHost,
-        (Memory::Device(_), Memory::Device(_)) => CopyKind::DeviceToDevice,
-        (Memory::Pinned(_), Memory::Pinned(_)) => CopyKind::HostToHost,
-    }
-}
-
 fn copy_op(kind: CopyKind) -> &'static str {
     match kind {
         CopyKind::HostToDevice => "copy h2d",
@@ -645,7 +633,7 @@ impl Platform for TracingPlatform {
         bytes: usize,
         stream: &Stream,
     ) -> Result<()> {
-        let kind = copy_kind(&dst, &src);
+        let kind = CopyKind::between(&dst, &src);
         self.traced(stream, copy_op(kind), bytes as u64, || {
             self.inner
                 .copy_async(dst, dst_offset, src, src_offset, bytes, stream)

@@ -6,13 +6,13 @@ use crate::capabilities::Capabilities;
 use crate::collective::Collective;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{
-    run_host_fn, BufferHandle, BufferState, Communicator, DeviceBuffer, Event, ObjectHandle, Owner,
-    PinnedBuffer, QueuedUse, RawStream, ReleaseFn, Stream, UniqueId,
+    run_host_fn, BufferHandle, BufferState, Communicator, CopyKind, DeviceBuffer, Event,
+    ObjectHandle, Owner, PinnedBuffer, QueuedUse, RawStream, ReleaseFn, Stream, UniqueId,
 };
 use crate::info::PlatformInfo;
 use crate::kernel::{Access, DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
 use crate::memory::{MemInfo, MemoryStats};
-use crate::place::{copy_kind, Memory, Place};
+use crate::place::{Memory, Place};
 use crate::platform::Platform;
 
 fn owner<B: Backend>(b: &B) -> Owner {
@@ -108,22 +108,24 @@ fn device_place<B: Backend>(
     Ok(m.map(|m| Place::new(m, place.offset)))
 }
 
-/// As [`device_place`], for one end of a copy.
-fn copy_place<B: Backend>(
+/// The backend's memory behind `bytes` at `offset` of one end of a copy, after the same checks
+/// as [`device_place`].
+fn copy_memory<B: Backend>(
     b: &B,
     mem: Memory<&DeviceBuffer, &PinnedBuffer>,
     op: &'static str,
     offset: usize,
     bytes: usize,
-) -> Result<Option<Place<Memory<B::DeviceMemory, B::PinnedMemory>>>> {
+) -> Result<Option<Memory<B::DeviceMemory, B::PinnedMemory>>> {
     Ok(match mem {
-        Memory::Device(d) => {
-            device_place(b, d.at(offset), op, bytes)?.map(|p| p.map(Memory::Device))
-        }
+        Memory::Device(d) => d
+            .handle
+            .mem_for(owner(b), op, offset, bytes)?
+            .map(Memory::Device),
         Memory::Pinned(p) => p
             .handle
             .mem_for(owner(b), op, offset, bytes)?
-            .map(|m| Place::new(Memory::Pinned(m), offset)),
+            .map(Memory::Pinned),
     })
 }
 
@@ -414,13 +416,14 @@ impl<B: Backend> Platform for B {
     ) -> Result<()> {
         const OP: &str = "copy_async";
         let s = stream_obj(self, stream, OP)?;
-        let d = copy_place(self, dst, OP, dst_offset, bytes)?;
-        let r = copy_place(self, src, OP, src_offset, bytes)?;
+        let d = copy_memory(self, dst, OP, dst_offset, bytes)?;
+        let r = copy_memory(self, src, OP, src_offset, bytes)?;
         let (Some(d), Some(r)) = (d, r) else {
             // Bounds checks passed with no storage: the copy is empty.
             return Ok(());
         };
-        Backend::copy(self, copy_kind(&dst, &src), d, r, bytes, &s)?;
+        let (d, r) = (Place::new(d, dst_offset), Place::new(r, src_offset));
+        Backend::copy(self, CopyKind::between(&dst, &src), d, r, bytes, &s)?;
         match (dst, src) {
             (Memory::Pinned(a), Memory::Pinned(b)) if a.same_as(b) => {
                 note_pinned_use(self, a, stream, &s)

@@ -28,14 +28,6 @@ impl<M> Place<M> {
             offset: self.offset,
         }
     }
-
-    /// This place, borrowing its memory.
-    pub fn as_ref(&self) -> Place<&M> {
-        Place {
-            mem: &self.mem,
-            offset: self.offset,
-        }
-    }
 }
 
 /// The start of the memory.
@@ -55,14 +47,6 @@ pub enum Memory<D, P> {
 }
 
 impl<D, P> Memory<D, P> {
-    /// This memory, borrowed.
-    pub fn as_ref(&self) -> Memory<&D, &P> {
-        match self {
-            Memory::Device(d) => Memory::Device(d),
-            Memory::Pinned(p) => Memory::Pinned(p),
-        }
-    }
-
     pub fn is_pinned(&self) -> bool {
         matches!(self, Memory::Pinned(_))
     }
@@ -90,12 +74,14 @@ impl<'a> From<&'a PinnedBuffer> for Memory<&'a DeviceBuffer, &'a PinnedBuffer> {
     }
 }
 
-/// The direction of a copy from `src` to `dst`.
-pub(crate) fn copy_kind<D, P, E, Q>(dst: &Memory<D, P>, src: &Memory<E, Q>) -> CopyKind {
-    match (src, dst) {
-        (Memory::Pinned(_), Memory::Device(_)) => CopyKind::HostToDevice,
-        (Memory::Device(_), Memory::Pinned(_)) => CopyKind::DeviceToHost,
-        (Memory::Device(_), Memory::Device(_)) => CopyKind::DeviceToDevice,
-        (Memory::Pinned(_), Memory::Pinned(_)) => CopyKind::HostToHost,
+impl CopyKind {
+    /// The direction of a copy from `src` to `dst`.
+    pub fn between<D, P, E, Q>(dst: &Memory<D, P>, src: &Memory<E, Q>) -> CopyKind {
+        match (src, dst) {
+            (Memory::Pinned(_), Memory::Device(_)) => CopyKind::HostToDevice,
+            (Memory::Device(_), Memory::Pinned(_)) => CopyKind::DeviceToHost,
+            (Memory::Device(_), Memory::Device(_)) => CopyKind::DeviceToDevice,
+            (Memory::Pinned(_), Memory::Pinned(_)) => CopyKind::HostToHost,
+        }
     }
 }

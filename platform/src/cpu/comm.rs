@@ -581,8 +581,8 @@ fn receive(
         ))
     } else {
         if let (Some(src), Some(dst)) = (&deposit.data, &recv) {
-            // SAFETY: both ranges were bounds-checked at issue; the sender waits for the ack.
             let (s, d) = (src.mem.at(src.offset), dst.mem.at(dst.offset));
+            // SAFETY: both ranges were bounds-checked at issue; the sender waits for the ack.
             unsafe { std::ptr::copy(s, d, count * dtype.size()) };
         }
         Ok(())
