@@ -51,8 +51,8 @@ use std::sync::{Arc, Mutex};
 
 use hprt_platform::PlatformHandle;
 use hprt_platform::{
-    host_seconds, BackendKind, BufRef, Collective, Communicator, CopyKind, DeviceBuffer, Event,
-    HostFn, Kernel, Mem, MemInfo, MemoryStats, PinnedBuffer, Platform, PlatformInfo, RawStream,
+    host_seconds, BackendKind, Collective, Communicator, CopyKind, DeviceBuffer, Event, HostFn,
+    Kernel, MemInfo, Memory, MemoryStats, PinnedBuffer, Place, Platform, PlatformInfo, RawStream,
     ReleaseFn, Result, Stream, StreamClock, StreamMark, UniqueId,
 };
 use serde_json::{json, Value};
@@ -510,15 +510,6 @@ struct SpanStart {
     start: StreamMark,
 }
 
-fn copy_kind(dst: &Mem<'_>, src: &Mem<'_>) -> CopyKind {
-    match (src, dst) {
-        (Mem::Pinned(_), Mem::Device(_)) => CopyKind::HostToDevice,
-        (Mem::Device(_), Mem::Pinned(_)) => CopyKind::DeviceToHost,
-        (Mem::Device(_), Mem::Device(_)) => CopyKind::DeviceToDevice,
-        (Mem::Pinned(_), Mem::Pinned(_)) => CopyKind::HostToHost,
-    }
-}
-
 fn copy_op(kind: CopyKind) -> &'static str {
     match kind {
         CopyKind::HostToDevice => "copy h2d",
@@ -635,14 +626,14 @@ impl Platform for TracingPlatform {
 
     fn copy_async(
         &self,
-        dst: Mem<'_>,
+        dst: Memory<&DeviceBuffer, &PinnedBuffer>,
         dst_offset: usize,
-        src: Mem<'_>,
+        src: Memory<&DeviceBuffer, &PinnedBuffer>,
         src_offset: usize,
         bytes: usize,
         stream: &Stream,
     ) -> Result<()> {
-        let kind = copy_kind(&dst, &src);
+        let kind = CopyKind::between(&dst, &src);
         self.traced(stream, copy_op(kind), bytes as u64, || {
             self.inner
                 .copy_async(dst, dst_offset, src, src_offset, bytes, stream)
@@ -664,7 +655,7 @@ impl Platform for TracingPlatform {
             self.inner.memset_async(dst, offset, value, bytes, stream)
         })
     }
-    fn launch_kernel(&self, kernel: Kernel<BufRef<'_>>, stream: &Stream) -> Result<()> {
+    fn launch_kernel(&self, kernel: Kernel<Place<&DeviceBuffer>>, stream: &Stream) -> Result<()> {
         let written: usize = kernel
             .places()
             .iter()
@@ -681,7 +672,7 @@ impl Platform for TracingPlatform {
         module: &hprt_platform::DeviceModule,
         kernel: &str,
         shape: hprt_platform::LaunchShape,
-        args: &[hprt_platform::KernelArg<BufRef<'_>>],
+        args: &[hprt_platform::KernelArg<Place<&DeviceBuffer>>],
         stream: &Stream,
     ) -> Result<()> {
         let written: usize = args
@@ -726,7 +717,7 @@ impl Platform for TracingPlatform {
     fn collective(
         &self,
         comm: &Communicator,
-        op: Collective<BufRef<'_>>,
+        op: Collective<Place<&DeviceBuffer>>,
         stream: &Stream,
     ) -> Result<()> {
         // What this rank receives: the size that says how much crossed the interconnect.

@@ -42,7 +42,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use hprt_platform::{BufRef, DeviceBuffer, Event, Mem, PinnedBuffer, Platform, Stream};
+use hprt_platform::{DeviceBuffer, Event, Memory, PinnedBuffer, Place, Platform, Stream};
 
 use crate::codec::{self, DecodeOptions, EncodeOptions};
 use crate::error::{CompressError, Result};
@@ -121,7 +121,7 @@ pub trait DeviceCodec: Send + Sync {
     fn encode_async(
         &self,
         platform: &dyn Platform,
-        src: BufRef<'_>,
+        src: Place<&DeviceBuffer>,
         dtype: CodecDType,
         numel: usize,
         scratch: &DeviceBuffer,
@@ -132,7 +132,7 @@ pub trait DeviceCodec: Send + Sync {
         &self,
         platform: &dyn Platform,
         src: &CompressedTensor,
-        dst: BufRef<'_>,
+        dst: Place<&DeviceBuffer>,
         stream: &Stream,
     ) -> Result<PendingDecode>;
     /// Enqueues the encoding of every tensor of `items` (a layer's saved tensors, say), in
@@ -168,7 +168,7 @@ pub trait DeviceCodec: Send + Sync {
 /// encoded into `scratch` (at least [`DeviceCodec::max_encoded_len`] bytes).
 #[derive(Clone, Copy, Debug)]
 pub struct EncodeItem<'a> {
-    pub src: BufRef<'a>,
+    pub src: Place<&'a DeviceBuffer>,
     pub dtype: CodecDType,
     pub numel: usize,
     pub scratch: &'a DeviceBuffer,
@@ -178,7 +178,7 @@ pub struct EncodeItem<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeItem<'a> {
     pub src: &'a CompressedTensor,
-    pub dst: BufRef<'a>,
+    pub dst: Place<&'a DeviceBuffer>,
 }
 
 impl std::fmt::Debug for dyn DeviceCodec {
@@ -334,9 +334,9 @@ impl PendingEncode {
         let len = self.wait_len(platform)?;
         let buf = platform.alloc_device(len)?;
         platform.copy_async(
-            Mem::Device(&buf),
+            Memory::Device(&buf),
             0,
-            Mem::Device(&self.scratch),
+            Memory::Device(&self.scratch),
             0,
             len,
             stream,
@@ -437,7 +437,7 @@ impl DeviceCodec for HostCodec {
     fn encode_async(
         &self,
         p: &dyn Platform,
-        src: BufRef<'_>,
+        src: Place<&DeviceBuffer>,
         dtype: CodecDType,
         numel: usize,
         scratch: &DeviceBuffer,
@@ -454,9 +454,9 @@ impl DeviceCodec for HostCodec {
         let input = p.alloc_pinned(bytes)?;
         let output = p.alloc_pinned(max)?;
         p.copy_async(
-            Mem::Pinned(&input),
+            Memory::Pinned(&input),
             0,
-            Mem::Device(src.buf),
+            Memory::Device(src.mem),
             src.offset,
             bytes,
             stream,
@@ -489,9 +489,9 @@ impl DeviceCodec for HostCodec {
         )?;
         // The length is not known when this is queued: the worst case is copied.
         p.copy_async(
-            Mem::Device(scratch),
+            Memory::Device(scratch),
             0,
-            Mem::Pinned(&output),
+            Memory::Pinned(&output),
             0,
             max,
             stream,
@@ -515,16 +515,16 @@ impl DeviceCodec for HostCodec {
         &self,
         p: &dyn Platform,
         src: &CompressedTensor,
-        dst: BufRef<'_>,
+        dst: Place<&DeviceBuffer>,
         stream: &Stream,
     ) -> Result<PendingDecode> {
         let bytes = src.original_len();
         let input = p.alloc_pinned(src.len)?;
         let output = p.alloc_pinned(bytes)?;
         p.copy_async(
-            Mem::Pinned(&input),
+            Memory::Pinned(&input),
             0,
-            Mem::Device(&src.buf),
+            Memory::Device(&src.buf),
             0,
             src.len,
             stream,
@@ -567,9 +567,9 @@ impl DeviceCodec for HostCodec {
             }),
         )?;
         p.copy_async(
-            Mem::Device(dst.buf),
+            Memory::Device(dst.mem),
             dst.offset,
-            Mem::Pinned(&output),
+            Memory::Pinned(&output),
             0,
             bytes,
             stream,

@@ -12,7 +12,7 @@ use hprt_compress::{
 };
 use hprt_compress::{codec, CodecDType, CompressError};
 use hprt_compress::{codec_for, CompressedTensor, CudaCodec, DeviceCodec, HostCodec};
-use hprt_platform::{CpuBackend, CpuConfig, Mem, Platform};
+use hprt_platform::{CpuBackend, CpuConfig, Memory, Platform};
 
 fn platform(jitter: Option<u64>) -> Arc<dyn Platform> {
     Arc::new(CpuBackend::new(CpuConfig {
@@ -521,9 +521,9 @@ fn encodes_the_cpu_codec_bytes_and_decodes_bit_exact(
         let staging = p.alloc_pinned(data.len().max(1)).unwrap();
         staging.write(0, &data).unwrap();
         p.copy_async(
-            Mem::Device(&src),
+            Memory::Device(&src),
             64,
-            Mem::Pinned(&staging),
+            Memory::Pinned(&staging),
             0,
             data.len(),
             &s,
@@ -637,9 +637,9 @@ fn compressed_payload_offloads_and_reloads_as_the_swap_engine_moves_it() {
         ) -> hprt_platform::PinnedBuffer {
             let host = p.alloc_pinned(payload.byte_len()).unwrap();
             p.copy_async(
-                Mem::Pinned(&host),
+                Memory::Pinned(&host),
                 0,
-                Mem::Device(payload.device_buffer()),
+                Memory::Device(payload.device_buffer()),
                 0,
                 payload.byte_len(),
                 s,
@@ -661,9 +661,9 @@ fn compressed_payload_offloads_and_reloads_as_the_swap_engine_moves_it() {
         assert_eq!(ct.device_buffer().len(), 0);
         p.resize_device(ct.device_buffer(), moved).unwrap();
         p.copy_async(
-            Mem::Device(ct.device_buffer()),
+            Memory::Device(ct.device_buffer()),
             0,
-            Mem::Pinned(&host),
+            Memory::Pinned(&host),
             0,
             moved,
             &s,
@@ -770,7 +770,7 @@ impl DeviceCodec for Counting {
     fn encode_async(
         &self,
         p: &dyn Platform,
-        src: hprt_platform::BufRef<'_>,
+        src: hprt_platform::Place<&hprt_platform::DeviceBuffer>,
         dtype: CodecDType,
         numel: usize,
         scratch: &hprt_platform::DeviceBuffer,
@@ -783,7 +783,7 @@ impl DeviceCodec for Counting {
         &self,
         p: &dyn Platform,
         src: &CompressedTensor,
-        dst: hprt_platform::BufRef<'_>,
+        dst: hprt_platform::Place<&hprt_platform::DeviceBuffer>,
         s: &hprt_platform::Stream,
     ) -> hprt_compress::Result<hprt_compress::PendingDecode> {
         self.0.decode_async(p, src, dst, s)

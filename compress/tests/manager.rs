@@ -11,7 +11,7 @@ use hprt_compress::LayerId;
 use hprt_compress::{ActivationManager, ManagerConfig, SavedTensor, TensorFilter, TensorKey};
 use hprt_compress::{CodecDType, CompressError};
 use hprt_compress::{CostModel, CostTable, Op};
-use hprt_platform::{CpuBackend, CpuConfig, DType, DeviceBuffer, Kernel, Mem, Platform, Stream};
+use hprt_platform::{CpuBackend, CpuConfig, DType, DeviceBuffer, Kernel, Memory, Platform, Stream};
 
 const LAYERS: usize = 4;
 
@@ -48,9 +48,9 @@ fn produce(p: &dyn Platform, s: &Stream, data: &[u8]) -> DeviceBuffer {
     let staging = p.alloc_pinned(data.len()).unwrap();
     staging.write(0, data).unwrap();
     p.copy_async(
-        Mem::Device(&buf),
+        Memory::Device(&buf),
         0,
-        Mem::Pinned(&staging),
+        Memory::Pinned(&staging),
         0,
         data.len(),
         s,

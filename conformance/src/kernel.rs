@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
-use hprt_platform::{DType, ErrorKind, Kernel, Platform};
+use hprt_platform::{DType, DeviceBuffer, ErrorKind, Kernel, Place, Platform};
 
 use crate::util::{check_bytes, download, expect_err, expect_kind, pinned_with, upload};
 
@@ -464,7 +464,7 @@ pub(crate) fn matmul_f32(p: &dyn Platform) -> Result<()> {
     }
     let a = p.alloc_device(64)?;
     let c = p.alloc_device(64)?;
-    let mm = |a: hprt_platform::BufRef<'_>, c: hprt_platform::BufRef<'_>, dtype, k| {
+    let mm = |a: Place<&DeviceBuffer>, c: Place<&DeviceBuffer>, dtype, k| {
         p.launch_kernel(
             Kernel::Matmul {
                 a,

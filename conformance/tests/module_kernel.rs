@@ -3,7 +3,8 @@
 //! use), and refused with a typed error where no CUDA C compiler exists.
 
 use hprt_platform::{
-    Access, CpuBackend, CpuConfig, DeviceModule, ErrorKind, KernelArg, LaunchShape, Mem, Platform,
+    Access, CpuBackend, CpuConfig, DeviceModule, ErrorKind, KernelArg, LaunchShape, Memory,
+    Platform,
 };
 
 const MODULE: DeviceModule = DeviceModule {
@@ -38,8 +39,15 @@ fn module_kernels_run_in_stream_order_with_checked_arguments_on_the_cuda_emulato
     // The input arrives asynchronously just before the launch: the kernel must run after it.
     let staging = p.alloc_pinned(4 * n).unwrap();
     staging.write(0, &words(&input)).unwrap();
-    p.copy_async(Mem::Device(&a), 0, Mem::Pinned(&staging), 0, 4 * n, &s)
-        .unwrap();
+    p.copy_async(
+        Memory::Device(&a),
+        0,
+        Memory::Pinned(&staging),
+        0,
+        4 * n,
+        &s,
+    )
+    .unwrap();
     let args = |bytes: usize| {
         [
             KernelArg::Ptr {

@@ -3,8 +3,8 @@
 
 use hprt_conformance::run_cases;
 use hprt_platform::{
-    BackendKind, BufRef, Collective, Communicator, CpuBackend, CpuConfig, DeviceBuffer, Event,
-    HostFn, Kernel, Mem, MemInfo, MemoryStats, PinnedBuffer, Platform, PlatformInfo, RawStream,
+    BackendKind, Collective, Communicator, CpuBackend, CpuConfig, DeviceBuffer, Event, HostFn,
+    Kernel, MemInfo, Memory, MemoryStats, PinnedBuffer, Place, Platform, PlatformInfo, RawStream,
     ReduceOp, ReleaseFn, Result, Stream, UniqueId,
 };
 
@@ -160,9 +160,9 @@ impl Platform for Faulty {
     }
     fn copy_async(
         &self,
-        dst: Mem<'_>,
+        dst: Memory<&DeviceBuffer, &PinnedBuffer>,
         dst_offset: usize,
-        src: Mem<'_>,
+        src: Memory<&DeviceBuffer, &PinnedBuffer>,
         src_offset: usize,
         bytes: usize,
         stream: &Stream,
@@ -189,7 +189,7 @@ impl Platform for Faulty {
         };
         Platform::memset_async(&self.inner, dst, offset, value, bytes, stream)
     }
-    fn launch_kernel(&self, kernel: Kernel<BufRef<'_>>, stream: &Stream) -> Result<()> {
+    fn launch_kernel(&self, kernel: Kernel<Place<&DeviceBuffer>>, stream: &Stream) -> Result<()> {
         if self.fault == Fault::ScaleSkipped && matches!(kernel, Kernel::Scale { .. }) {
             return Ok(());
         }
@@ -200,7 +200,7 @@ impl Platform for Faulty {
         module: &hprt_platform::DeviceModule,
         kernel: &str,
         shape: hprt_platform::LaunchShape,
-        args: &[hprt_platform::KernelArg<BufRef<'_>>],
+        args: &[hprt_platform::KernelArg<Place<&DeviceBuffer>>],
         stream: &Stream,
     ) -> Result<()> {
         Platform::launch_module_kernel(&self.inner, module, kernel, shape, args, stream)
@@ -234,7 +234,7 @@ impl Platform for Faulty {
     fn collective(
         &self,
         comm: &Communicator,
-        op: Collective<BufRef<'_>>,
+        op: Collective<Place<&DeviceBuffer>>,
         stream: &Stream,
     ) -> Result<()> {
         let op = match (self.fault, op) {

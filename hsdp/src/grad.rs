@@ -5,7 +5,7 @@
 
 use std::collections::VecDeque;
 
-use hprt_platform::{BufRef, DType, DeviceBuffer, Kernel, PinnedBuffer, ReduceOp};
+use hprt_platform::{DType, DeviceBuffer, Kernel, PinnedBuffer, Place, ReduceOp};
 
 use crate::error::{HsdpError, Result};
 use crate::grad_state::{PendingReduce, ReducedInto};
@@ -16,7 +16,7 @@ use crate::storage::{ShardRef, Storage};
 /// An unsharded gradient as backward produced it: the full local parameter shape in `dtype`.
 #[derive(Clone, Copy, Debug)]
 pub struct GradInput<'a> {
-    pub buf: BufRef<'a>,
+    pub buf: Place<&'a DeviceBuffer>,
     pub dtype: DType,
 }
 
@@ -58,12 +58,12 @@ impl ShardedParam {
         }
         let n = self.geom.numel();
         let end = grad.buf.offset + n * grad.dtype.size();
-        if end > grad.buf.buf.len() {
+        if end > grad.buf.mem.len() {
             return Err(HsdpError::InvalidParam {
                 param: self.name.clone(),
                 message: format!(
                     "the gradient buffer holds {} bytes, {end} are needed",
-                    grad.buf.buf.len()
+                    grad.buf.mem.len()
                 ),
             });
         }
@@ -181,7 +181,7 @@ impl ShardedParam {
         let (send_buf, send_off) = if self.grad.has_unsharded && geom.gathers_in_place() {
             (self.grad.unsharded.clone(), 0)
         } else if let Some(g) = direct {
-            (g.buf.buf.clone(), g.buf.offset)
+            (g.buf.mem.clone(), g.buf.offset)
         } else {
             let (src, src_dtype) = if self.grad.has_unsharded {
                 ((&self.grad.unsharded).into(), rdt)
@@ -200,8 +200,8 @@ impl ShardedParam {
                 for run in geom.runs(k) {
                     self.kernel(
                         Kernel::Cast {
-                            src: BufRef {
-                                buf: src.buf,
+                            src: Place {
+                                mem: src.mem,
                                 offset: src.offset + run.full * src_dtype.size(),
                             },
                             src_dtype,

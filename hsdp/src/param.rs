@@ -8,7 +8,7 @@
 //! stream's gradient is ready and are applied on the compute stream in
 //! [`ShardedParam::wait_for_reduce`].
 
-use hprt_platform::{BufRef, DType, DeviceBuffer, Event, Kernel, Platform, PlatformHandle, Stream};
+use hprt_platform::{DType, DeviceBuffer, Event, Kernel, Place, Platform, PlatformHandle, Stream};
 
 use crate::error::{HsdpError, Result};
 use crate::group::GroupCache;
@@ -295,11 +295,11 @@ pub struct ShardedParam {
     pub(crate) grad: crate::grad_state::GradState,
 }
 
-fn elems_fit(buf: &BufRef<'_>, count: usize, dtype: DType) -> bool {
+fn elems_fit(buf: &Place<&DeviceBuffer>, count: usize, dtype: DType) -> bool {
     count
         .checked_mul(dtype.size())
         .and_then(|b| b.checked_add(buf.offset))
-        .is_some_and(|end| end <= buf.buf.len())
+        .is_some_and(|end| end <= buf.mem.len())
 }
 
 impl ShardedParam {
@@ -312,7 +312,7 @@ impl ShardedParam {
         dp: &DataParallelMesh,
         spec: ParamSpec,
         config: &ParamConfig,
-        full: BufRef<'_>,
+        full: Place<&DeviceBuffer>,
     ) -> Result<Self> {
         let platform = cache.platform().clone();
         let invalid = |m: String| HsdpError::InvalidParam {
@@ -343,7 +343,7 @@ impl ShardedParam {
         if !elems_fit(&full, numel, spec.dtype) {
             return Err(invalid(format!(
                 "the source buffer holds {} bytes past offset {}, the parameter needs {}",
-                full.buf.len().saturating_sub(full.offset),
+                full.mem.len().saturating_sub(full.offset),
                 full.offset,
                 numel * spec.dtype.size()
             )));
@@ -373,7 +373,7 @@ impl ShardedParam {
             platform.copy_async(
                 (&dev).into(),
                 run.shard * sz,
-                full.buf.into(),
+                full.mem.into(),
                 full.offset + run.full * sz,
                 run.len * sz,
                 cs,
@@ -459,7 +459,7 @@ impl ShardedParam {
         }
     }
 
-    pub(crate) fn kernel(&self, k: Kernel<BufRef<'_>>, stream: &Stream) -> Result<()> {
+    pub(crate) fn kernel(&self, k: Kernel<Place<&DeviceBuffer>>, stream: &Stream) -> Result<()> {
         Ok(self.platform.launch_kernel(k, stream)?)
     }
 
@@ -587,7 +587,7 @@ impl ShardedParam {
 
     /// The full parameter (shape [`ShardGeometry::shape`], [`Self::param_dtype`]), valid in
     /// compute-stream order while unsharded.
-    pub fn unsharded(&self) -> Result<BufRef<'_>> {
+    pub fn unsharded(&self) -> Result<Place<&DeviceBuffer>> {
         if self.state != ParamState::Unsharded {
             return Err(self.state_error("read the unsharded parameter"));
         }

@@ -1,6 +1,6 @@
 //! Mixed precision and offload policies of a sharded parameter.
 
-use hprt_platform::{BufRef, DType, Kernel, Platform, Stream};
+use hprt_platform::{DType, DeviceBuffer, Kernel, Place, Platform, Stream};
 
 use crate::error::{HsdpError, Result};
 
@@ -43,9 +43,9 @@ impl MixedPrecisionPolicy {
     pub fn cast_output(
         &self,
         platform: &dyn Platform,
-        src: BufRef<'_>,
+        src: Place<&DeviceBuffer>,
         src_dtype: DType,
-        dst: BufRef<'_>,
+        dst: Place<&DeviceBuffer>,
         count: usize,
         stream: &Stream,
     ) -> Result<DType> {

@@ -12,15 +12,7 @@ use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
 use crate::info::PlatformInfo;
 use crate::kernel::{DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
 use crate::memory::{MemInfo, MemoryStats};
-
-/// A place in a backend's memory: an object and a byte offset into it.
-pub type Place<M> = (M, usize);
-
-/// One end of a copy, in a backend's own types.
-pub enum Loc<B: Backend + ?Sized> {
-    Device(B::DeviceMemory, usize),
-    Pinned(B::PinnedMemory, usize),
-}
+use crate::place::{Memory, Place};
 
 pub trait Backend: Send + Sync + 'static {
     type Stream: Clone + Send + Sync + 'static;
@@ -87,12 +79,13 @@ pub trait Backend: Send + Sync + 'static {
     /// Allocates `bytes > 0` of page-locked host memory; returns it and its host address.
     fn alloc_pinned(&self, bytes: usize) -> Result<(Self::PinnedMemory, usize)>;
 
-    /// Enqueues a copy of `bytes > 0`; bounds were checked by the caller.
+    /// Enqueues a copy of `bytes > 0` between two places in device or pinned memory; bounds
+    /// were checked by the caller.
     fn copy(
         &self,
         kind: CopyKind,
-        dst: Loc<Self>,
-        src: Loc<Self>,
+        dst: Place<Memory<Self::DeviceMemory, Self::PinnedMemory>>,
+        src: Place<Memory<Self::DeviceMemory, Self::PinnedMemory>>,
         bytes: usize,
         stream: &Self::Stream,
     ) -> Result<()>;

@@ -4,7 +4,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 
 /// One collective operation over a communicator of `world` ranks. `R` names a place in device
-/// memory: a [`crate::BufRef`] above the backend layer, the backend's own memory object below it.
+/// memory: a `Place<&DeviceBuffer>` ([`crate::Place`]) above the backend layer, the backend's own memory object below it.
 ///
 /// Counts are in elements of `dtype`; the byte sizes each rank's buffers must hold are given by
 /// [`Collective::send_bytes`] and [`Collective::recv_bytes`].

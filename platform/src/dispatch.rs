@@ -1,17 +1,18 @@
 //! The dyn layer: every [`Backend`] is a [`Platform`]. Neutral handles are resolved to backend
 //! objects here, after the checks that need no driver.
 
-use crate::backend::{Backend, Loc, Place};
+use crate::backend::Backend;
 use crate::capabilities::Capabilities;
 use crate::collective::Collective;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{
-    copy_kind, run_host_fn, BufRef, BufferHandle, BufferState, Communicator, DeviceBuffer, Event,
-    Mem, ObjectHandle, Owner, PinnedBuffer, QueuedUse, RawStream, ReleaseFn, Stream, UniqueId,
+    run_host_fn, BufferHandle, BufferState, Communicator, CopyKind, DeviceBuffer, Event,
+    ObjectHandle, Owner, PinnedBuffer, QueuedUse, RawStream, ReleaseFn, Stream, UniqueId,
 };
 use crate::info::PlatformInfo;
 use crate::kernel::{Access, DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
 use crate::memory::{MemInfo, MemoryStats};
+use crate::place::{Memory, Place};
 use crate::platform::Platform;
 
 fn owner<B: Backend>(b: &B) -> Owner {
@@ -92,29 +93,46 @@ fn note_pinned_use<B: Backend>(
     recorded
 }
 
-fn loc<B: Backend>(
+/// The backend's memory behind `bytes` at a place in a device buffer, after the ownership,
+/// liveness and bounds checks; `None` while the buffer holds no storage.
+fn device_place<B: Backend>(
     b: &B,
-    m: &Mem<'_>,
+    place: Place<&DeviceBuffer>,
+    op: &'static str,
+    bytes: usize,
+) -> Result<Option<Place<B::DeviceMemory>>> {
+    let m = place
+        .mem
+        .handle
+        .mem_for(owner(b), op, place.offset, bytes)?;
+    Ok(m.map(|m| Place::new(m, place.offset)))
+}
+
+/// The backend's memory behind `bytes` at `offset` of one end of a copy, after the same checks
+/// as [`device_place`].
+fn copy_memory<B: Backend>(
+    b: &B,
+    mem: Memory<&DeviceBuffer, &PinnedBuffer>,
     op: &'static str,
     offset: usize,
     bytes: usize,
-) -> Result<Option<Loc<B>>> {
-    Ok(match m {
-        Mem::Device(d) => d
+) -> Result<Option<Memory<B::DeviceMemory, B::PinnedMemory>>> {
+    Ok(match mem {
+        Memory::Device(d) => d
             .handle
-            .mem_for::<B::DeviceMemory>(owner(b), op, offset, bytes)?
-            .map(|x| Loc::Device(x, offset)),
-        Mem::Pinned(p) => p
+            .mem_for(owner(b), op, offset, bytes)?
+            .map(Memory::Device),
+        Memory::Pinned(p) => p
             .handle
-            .mem_for::<B::PinnedMemory>(owner(b), op, offset, bytes)?
-            .map(|x| Loc::Pinned(x, offset)),
+            .mem_for(owner(b), op, offset, bytes)?
+            .map(Memory::Pinned),
     })
 }
 
 /// A written range may share bytes with another place only when both are the same range start
 /// (in place) and the kernel allows that; anything else would make the result depend on the
 /// order elements are visited.
-fn check_kernel_overlap<B: Backend>(b: &B, k: &Kernel<BufRef<'_>>) -> Result<()> {
+fn check_kernel_overlap<B: Backend>(b: &B, k: &Kernel<Place<&DeviceBuffer>>) -> Result<()> {
     let places = k.places();
     for (i, (w, wbytes, wa)) in places.iter().enumerate() {
         if *wa == Access::Read {
@@ -122,7 +140,7 @@ fn check_kernel_overlap<B: Backend>(b: &B, k: &Kernel<BufRef<'_>>) -> Result<()>
         }
         for (j, (o, obytes, _)) in places.iter().enumerate() {
             let in_place = w.offset == o.offset && k.allows_in_place();
-            if i == j || !w.buf.same_as(o.buf) || in_place {
+            if i == j || !w.mem.same_as(o.mem) || in_place {
                 continue;
             }
             if w.offset < o.offset + obytes && o.offset < w.offset + wbytes {
@@ -144,7 +162,7 @@ fn check_kernel_overlap<B: Backend>(b: &B, k: &Kernel<BufRef<'_>>) -> Result<()>
 /// Rejects overlapping send/recv ranges except the in-place layouts each collective defines.
 fn check_overlap<B: Backend>(
     b: &B,
-    op: &Collective<BufRef<'_>>,
+    op: &Collective<Place<&DeviceBuffer>>,
     rank: usize,
     world: usize,
 ) -> Result<()> {
@@ -153,7 +171,7 @@ fn check_overlap<B: Backend>(
         return Ok(());
     }
     let ((s, sb), (r, rb)) = (places[0], places[1]);
-    if !s.buf.same_as(r.buf) || sb == 0 || rb == 0 {
+    if !s.mem.same_as(r.mem) || sb == 0 || rb == 0 {
         return Ok(());
     }
     // Saturating: sizes past any buffer are refused by the bounds check that follows.
@@ -389,31 +407,32 @@ impl<B: Backend> Platform for B {
 
     fn copy_async(
         &self,
-        dst: Mem<'_>,
+        dst: Memory<&DeviceBuffer, &PinnedBuffer>,
         dst_offset: usize,
-        src: Mem<'_>,
+        src: Memory<&DeviceBuffer, &PinnedBuffer>,
         src_offset: usize,
         bytes: usize,
         stream: &Stream,
     ) -> Result<()> {
         const OP: &str = "copy_async";
         let s = stream_obj(self, stream, OP)?;
-        let d = loc(self, &dst, OP, dst_offset, bytes)?;
-        let r = loc(self, &src, OP, src_offset, bytes)?;
+        let d = copy_memory(self, dst, OP, dst_offset, bytes)?;
+        let r = copy_memory(self, src, OP, src_offset, bytes)?;
         let (Some(d), Some(r)) = (d, r) else {
             // Bounds checks passed with no storage: the copy is empty.
             return Ok(());
         };
-        Backend::copy(self, copy_kind(&dst, &src), d, r, bytes, &s)?;
+        let (d, r) = (Place::new(d, dst_offset), Place::new(r, src_offset));
+        Backend::copy(self, CopyKind::between(&dst, &src), d, r, bytes, &s)?;
         match (dst, src) {
-            (Mem::Pinned(a), Mem::Pinned(b)) if a.same_as(b) => {
+            (Memory::Pinned(a), Memory::Pinned(b)) if a.same_as(b) => {
                 note_pinned_use(self, a, stream, &s)
             }
-            (Mem::Pinned(a), Mem::Pinned(b)) => {
+            (Memory::Pinned(a), Memory::Pinned(b)) => {
                 note_pinned_use(self, a, stream, &s)?;
                 note_pinned_use(self, b, stream, &s)
             }
-            (Mem::Pinned(p), _) | (_, Mem::Pinned(p)) => note_pinned_use(self, p, stream, &s),
+            (Memory::Pinned(p), _) | (_, Memory::Pinned(p)) => note_pinned_use(self, p, stream, &s),
             _ => Ok(()),
         }
     }
@@ -431,28 +450,23 @@ impl<B: Backend> Platform for B {
             .handle
             .mem_for::<B::DeviceMemory>(owner(self), OP, offset, bytes)?
         {
-            Some(m) if bytes > 0 => Backend::memset(self, (m, offset), value, bytes, &s),
+            Some(m) if bytes > 0 => Backend::memset(self, Place::new(m, offset), value, bytes, &s),
             _ => Ok(()),
         }
     }
 
-    fn launch_kernel(&self, kernel: Kernel<BufRef<'_>>, stream: &Stream) -> Result<()> {
+    fn launch_kernel(&self, kernel: Kernel<Place<&DeviceBuffer>>, stream: &Stream) -> Result<()> {
         let name = kernel.name();
         let s = stream_obj(self, stream, name)?;
         kernel.validate(self.kind())?;
         check_kernel_overlap(self, &kernel)?;
         let sizes: Vec<usize> = kernel.places().iter().map(|p| p.1).collect();
         let mut i = 0;
-        let resolved =
-            kernel.try_map(|r: BufRef<'_>| -> Result<Option<Place<B::DeviceMemory>>> {
-                let bytes = sizes[i];
-                i += 1;
-                let m =
-                    r.buf
-                        .handle
-                        .mem_for::<B::DeviceMemory>(owner(self), name, r.offset, bytes)?;
-                Ok(m.map(|m| (m, r.offset)))
-            })?;
+        let resolved = kernel.try_map(|r| {
+            let bytes = sizes[i];
+            i += 1;
+            device_place(self, r, name, bytes)
+        })?;
         if kernel.count() == 0 {
             return Ok(());
         }
@@ -474,7 +488,7 @@ impl<B: Backend> Platform for B {
         module: &DeviceModule,
         kernel: &str,
         shape: LaunchShape,
-        args: &[KernelArg<BufRef<'_>>],
+        args: &[KernelArg<Place<&DeviceBuffer>>],
         stream: &Stream,
     ) -> Result<()> {
         const OP: &str = "launch_module_kernel";
@@ -495,11 +509,7 @@ impl<B: Backend> Platform for B {
             .map(|a| {
                 Ok(match *a {
                     KernelArg::Ptr { at, bytes, access } => KernelArg::Ptr {
-                        at: at
-                            .buf
-                            .handle
-                            .mem_for::<B::DeviceMemory>(owner(self), OP, at.offset, bytes)?
-                            .map(|m| (m, at.offset)),
+                        at: device_place(self, at, OP, bytes)?,
                         bytes,
                         access,
                     },
@@ -585,7 +595,7 @@ impl<B: Backend> Platform for B {
     fn collective(
         &self,
         comm: &Communicator,
-        op: Collective<BufRef<'_>>,
+        op: Collective<Place<&DeviceBuffer>>,
         stream: &Stream,
     ) -> Result<()> {
         let name = op.name();
@@ -596,14 +606,10 @@ impl<B: Backend> Platform for B {
         check_overlap(self, &op, rank, world)?;
         let sizes: Vec<usize> = op.places(world).iter().map(|p| p.1).collect();
         let mut i = 0;
-        let resolved = op.try_map(|r: BufRef<'_>| -> Result<Option<Place<B::DeviceMemory>>> {
+        let resolved = op.try_map(|r| {
             let bytes = sizes[i];
             i += 1;
-            let m = r
-                .buf
-                .handle
-                .mem_for::<B::DeviceMemory>(owner(self), name, r.offset, bytes)?;
-            Ok(m.filter(|_| bytes > 0).map(|m| (m, r.offset)))
+            Ok(device_place(self, r, name, bytes)?.filter(|_| bytes > 0))
         })?;
         Backend::collective(self, &c, resolved, &s)
     }

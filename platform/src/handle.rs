@@ -10,6 +10,7 @@ use std::cell::Cell;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{BackendKind, Error, ErrorKind, Result};
+use crate::place::Place;
 
 type Erased = Box<dyn Any + Send + Sync>;
 
@@ -352,9 +353,9 @@ impl DeviceBuffer {
     pub fn same_as(&self, other: &DeviceBuffer) -> bool {
         self.handle.same(&other.handle)
     }
-    /// This buffer starting `offset` bytes in, for collectives and copies.
-    pub fn at(&self, offset: usize) -> BufRef<'_> {
-        BufRef { buf: self, offset }
+    /// This buffer starting `offset` bytes in, for kernels and collectives.
+    pub fn at(&self, offset: usize) -> Place<&DeviceBuffer> {
+        Place::new(self, offset)
     }
 }
 
@@ -362,19 +363,6 @@ impl std::fmt::Debug for DeviceBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let st = self.handle.unlocked();
         write!(f, "DeviceBuffer({} bytes at {:#x})", st.len, st.ptr)
-    }
-}
-
-/// A device buffer and a byte offset into it.
-#[derive(Clone, Copy, Debug)]
-pub struct BufRef<'a> {
-    pub buf: &'a DeviceBuffer,
-    pub offset: usize,
-}
-
-impl<'a> From<&'a DeviceBuffer> for BufRef<'a> {
-    fn from(buf: &'a DeviceBuffer) -> Self {
-        BufRef { buf, offset: 0 }
     }
 }
 
@@ -578,25 +566,6 @@ impl std::fmt::Debug for PinnedBuffer {
     }
 }
 
-/// One end of a copy.
-#[derive(Clone, Copy, Debug)]
-pub enum Mem<'a> {
-    Device(&'a DeviceBuffer),
-    Pinned(&'a PinnedBuffer),
-}
-
-impl<'a> From<&'a DeviceBuffer> for Mem<'a> {
-    fn from(b: &'a DeviceBuffer) -> Self {
-        Mem::Device(b)
-    }
-}
-
-impl<'a> From<&'a PinnedBuffer> for Mem<'a> {
-    fn from(b: &'a PinnedBuffer) -> Self {
-        Mem::Pinned(b)
-    }
-}
-
 /// The direction of a copy, named as drivers name them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CopyKind {
@@ -604,13 +573,4 @@ pub enum CopyKind {
     DeviceToHost,
     DeviceToDevice,
     HostToHost,
-}
-
-pub(crate) fn copy_kind(dst: &Mem<'_>, src: &Mem<'_>) -> CopyKind {
-    match (src, dst) {
-        (Mem::Pinned(_), Mem::Device(_)) => CopyKind::HostToDevice,
-        (Mem::Device(_), Mem::Pinned(_)) => CopyKind::DeviceToHost,
-        (Mem::Device(_), Mem::Device(_)) => CopyKind::DeviceToDevice,
-        (Mem::Pinned(_), Mem::Pinned(_)) => CopyKind::HostToHost,
-    }
 }

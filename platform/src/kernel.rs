@@ -36,7 +36,7 @@ pub struct DeviceModule {
 }
 
 /// One parameter of a [`DeviceModule`] kernel, in the kernel's order; `B` is a place in device
-/// memory (a [`crate::BufRef`] for callers).
+/// memory (a `Place<&DeviceBuffer>` ([`crate::Place`]) for callers).
 #[derive(Clone, Copy, Debug)]
 pub enum KernelArg<B> {
     /// A pointer to `bytes` bytes at `at` (bounds-checked; the memory is not freed before the
@@ -58,7 +58,7 @@ pub struct LaunchShape {
 }
 
 /// One elementwise kernel over `count` elements; `B` is a place in device memory (a
-/// [`crate::BufRef`] for callers).
+/// `Place<&DeviceBuffer>` ([`crate::Place`]) for callers).
 #[derive(Clone, Copy, Debug)]
 pub enum Kernel<B> {
     /// `dst[i] = value` converted to `dtype`.

@@ -4,6 +4,9 @@
 //!   one at run time from `HP_PLATFORM` (`cpu` | `cuda` | `npu`; unset = auto-detect).
 //! - Handles: [`Stream`], [`Event`], [`DeviceBuffer`], [`PinnedBuffer`], [`Communicator`] —
 //!   backend-neutral, cheap to clone, typed errors after destroy.
+//! - [`Place`] — memory plus a byte offset; [`Memory`] — device or page-locked host memory (one
+//!   end of a copy). Callers name memory with them over handles (`Place<&DeviceBuffer>`,
+//!   `Memory<&DeviceBuffer, &PinnedBuffer>`), a [`Backend`] over its own memory types.
 //! - [`Collective`], [`DType`], [`ReduceOp`] — what collectives do, for every backend.
 //! - [`Capabilities`] — what a platform can do ([`Platform::capabilities`]): what the layers
 //!   above branch on, never a backend's name.
@@ -38,12 +41,13 @@ mod kernel;
 mod memory;
 mod names;
 pub mod npu;
+mod place;
 mod platform;
 mod select;
 pub mod sync;
 mod trace;
 
-pub use backend::{Backend, Loc, Place};
+pub use backend::Backend;
 pub use capabilities::{Capabilities, CapabilityValue};
 pub use collective::{Collective, DEFAULT_COLLECTIVE_TIMEOUT};
 pub use cpu::{CpuBackend, CpuConfig, HOST_STREAM as CPU_HOST_STREAM};
@@ -51,14 +55,15 @@ pub use cuda::CudaBackend;
 pub use dtype::{DType, ReduceOp};
 pub use error::{BackendKind, Error, ErrorKind, HprtStatus, Result};
 pub use handle::{
-    BufRef, Communicator, CopyKind, DeviceBuffer, Event, Mem, PinnedBuffer, RawStream, ReleaseFn,
-    Stream, UniqueId,
+    Communicator, CopyKind, DeviceBuffer, Event, PinnedBuffer, RawStream, ReleaseFn, Stream,
+    UniqueId,
 };
 pub use info::{DeviceInfo, LibraryProbe, PlatformInfo};
 pub use kernel::{Access, DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
 pub use memory::{MemInfo, MemoryCounter, MemoryStats};
 pub use names::UnknownName;
 pub use npu::NpuBackend;
+pub use place::{Memory, Place};
 pub use platform::{Platform, PlatformHandle};
 pub use select::{
     get_platform, platform_selection_reason, select_platform, PlatformRequest, Selection,

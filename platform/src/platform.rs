@@ -8,12 +8,12 @@ use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Result};
 use crate::handle::{
-    BufRef, Communicator, DeviceBuffer, Event, Mem, PinnedBuffer, RawStream, ReleaseFn, Stream,
-    UniqueId,
+    Communicator, DeviceBuffer, Event, PinnedBuffer, RawStream, ReleaseFn, Stream, UniqueId,
 };
 use crate::info::PlatformInfo;
 use crate::kernel::{DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
 use crate::memory::{MemInfo, MemoryStats};
+use crate::place::{Memory, Place};
 
 /// One backend, chosen at run time (see [`crate::get_platform`]).
 ///
@@ -112,9 +112,9 @@ pub trait Platform: Send + Sync {
     /// (H2D, D2H, D2D, H2H) follows from the two ends.
     fn copy_async(
         &self,
-        dst: Mem<'_>,
+        dst: Memory<&DeviceBuffer, &PinnedBuffer>,
         dst_offset: usize,
-        src: Mem<'_>,
+        src: Memory<&DeviceBuffer, &PinnedBuffer>,
         src_offset: usize,
         bytes: usize,
         stream: &Stream,
@@ -132,7 +132,7 @@ pub trait Platform: Send + Sync {
     /// Enqueues an elementwise kernel (casts, fills, scaling, accumulation; see [`Kernel`] for
     /// the exact semantics, identical on every backend). A written range may overlap a read
     /// range only in place (same buffer and offset).
-    fn launch_kernel(&self, kernel: Kernel<BufRef<'_>>, stream: &Stream) -> Result<()>;
+    fn launch_kernel(&self, kernel: Kernel<Place<&DeviceBuffer>>, stream: &Stream) -> Result<()>;
     /// Enqueues kernel `kernel` of a CUDA C module (compiled once per device and cached) on
     /// `grid` blocks of `block` threads. Pointer arguments are bounds-checked and their memory
     /// outlives the launch; what the kernel computes is the module's own contract. Backends
@@ -142,7 +142,7 @@ pub trait Platform: Send + Sync {
         module: &DeviceModule,
         kernel: &str,
         shape: LaunchShape,
-        args: &[KernelArg<BufRef<'_>>],
+        args: &[KernelArg<Place<&DeviceBuffer>>],
         stream: &Stream,
     ) -> Result<()>;
     /// Runs `f` on a host thread in stream order, like `cuLaunchHostFunc`: after the work queued
@@ -179,7 +179,7 @@ pub trait Platform: Send + Sync {
     fn collective(
         &self,
         comm: &Communicator,
-        op: Collective<BufRef<'_>>,
+        op: Collective<Place<&DeviceBuffer>>,
         stream: &Stream,
     ) -> Result<()>;
     /// Collectives issued by this thread until `group_end` are launched together (needed for
@@ -191,8 +191,8 @@ pub trait Platform: Send + Sync {
     #[allow(clippy::too_many_arguments)]
     fn all_reduce(
         &self,
-        send: BufRef<'_>,
-        recv: BufRef<'_>,
+        send: Place<&DeviceBuffer>,
+        recv: Place<&DeviceBuffer>,
         count: usize,
         dtype: DType,
         op: ReduceOp,
@@ -215,8 +215,8 @@ pub trait Platform: Send + Sync {
     /// `count` elements per rank into one buffer of `world * count` elements.
     fn all_gather(
         &self,
-        send: BufRef<'_>,
-        recv: BufRef<'_>,
+        send: Place<&DeviceBuffer>,
+        recv: Place<&DeviceBuffer>,
         count: usize,
         dtype: DType,
         comm: &Communicator,
@@ -238,8 +238,8 @@ pub trait Platform: Send + Sync {
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &self,
-        send: BufRef<'_>,
-        recv: BufRef<'_>,
+        send: Place<&DeviceBuffer>,
+        recv: Place<&DeviceBuffer>,
         count: usize,
         dtype: DType,
         op: ReduceOp,
@@ -261,7 +261,7 @@ pub trait Platform: Send + Sync {
 
     fn broadcast(
         &self,
-        buf: BufRef<'_>,
+        buf: Place<&DeviceBuffer>,
         count: usize,
         dtype: DType,
         root: usize,

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hprt_platform::{
-    BackendKind, CapabilityValue, CpuBackend, CpuConfig, DType, DeviceBuffer, ErrorKind, Mem,
+    BackendKind, CapabilityValue, CpuBackend, CpuConfig, DType, DeviceBuffer, ErrorKind, Memory,
     PinnedBuffer, PlatformRequest,
 };
 use hprt_swap::PlatformHandle;
@@ -117,10 +117,10 @@ impl AnyBuf {
         }
         Err(invalid("expected a DeviceBuffer or a PinnedBuffer"))
     }
-    fn mem(&self) -> Mem<'_> {
+    fn mem(&self) -> Memory<&DeviceBuffer, &PinnedBuffer> {
         match self {
-            AnyBuf::Device(b) => Mem::Device(b),
-            AnyBuf::Pinned(b) => Mem::Pinned(b),
+            AnyBuf::Device(b) => Memory::Device(b),
+            AnyBuf::Pinned(b) => Memory::Pinned(b),
         }
     }
     fn len(&self) -> usize {

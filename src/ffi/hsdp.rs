@@ -182,7 +182,7 @@ fn param_mut<'a>(p: *const HprtHsdpParam) -> FfiResult<&'a mut HprtHsdpParam> {
 fn view(r: ShardRef<'_>, bytes: usize) -> HprtShardView {
     match r {
         ShardRef::Device(b) => HprtShardView {
-            address: b.buf.device_ptr() + b.offset,
+            address: b.mem.device_ptr() + b.offset,
             bytes,
             host: false,
         },
@@ -454,7 +454,7 @@ pub unsafe extern "C" fn hprt_hsdp_param_unsharded(
         let b = w.unsharded()?;
         if !out_ptr.is_null() {
             // SAFETY: non-null, valid by contract.
-            unsafe { out_ptr.write(b.buf.device_ptr() + b.offset) };
+            unsafe { out_ptr.write(b.mem.device_ptr() + b.offset) };
         }
         if !out_bytes.is_null() {
             // SAFETY: as above.

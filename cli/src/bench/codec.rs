@@ -445,7 +445,7 @@ pub fn device_bench(
     sizes: &[usize],
     trials: usize,
 ) -> Result<Vec<DeviceBenchRow>> {
-    use hprt_platform::Mem;
+    use hprt_platform::Memory;
     let dtype = CodecDType::BF16;
     let s = p.create_stream()?;
     let (start, end) = (p.create_event(true)?, p.create_event(true)?);
@@ -470,7 +470,7 @@ pub fn device_bench(
         let scratch = p.alloc_device(codec.max_encoded_len(dtype, numel))?;
         let memcpy = timed(&mut || {
             let n = data.len();
-            Ok(p.copy_async(Mem::Device(&copy), 0, Mem::Device(&src), 0, n, &s)?)
+            Ok(p.copy_async(Memory::Device(&copy), 0, Memory::Device(&src), 0, n, &s)?)
         })?;
         let mut packed = None;
         let encode = timed(&mut || {

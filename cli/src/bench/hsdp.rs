@@ -174,13 +174,13 @@ fn rank_timings(
             "benchmark parameter is offloaded".into(),
         ));
     };
-    let shard = shard.buf.clone();
+    let shard = shard.mem.clone();
     let Some(ShardRef::Device(sharded_grad)) = param.sharded_grad() else {
         return Err(HsdpError::Unsupported(
             "benchmark gradient is offloaded".into(),
         ));
     };
-    let sharded_grad = sharded_grad.buf.clone();
+    let sharded_grad = sharded_grad.mem.clone();
     let comm = param
         .groups()
         .sharded

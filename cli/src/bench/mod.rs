@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
 use hprt_platform::{
-    cuda::CudaBackend, BackendKind, CopyKind, DType, DeviceBuffer, Mem, PinnedBuffer, Platform,
+    cuda::CudaBackend, BackendKind, CopyKind, DType, DeviceBuffer, Memory, PinnedBuffer, Platform,
     ReduceOp, Stream,
 };
 
@@ -66,8 +66,8 @@ fn memcpy_time(bytes: usize, reps: usize) -> Duration {
 
 fn stream_copy_time(
     p: &dyn Platform,
-    dst: Mem<'_>,
-    src: Mem<'_>,
+    dst: Memory<&DeviceBuffer, &PinnedBuffer>,
+    src: Memory<&DeviceBuffer, &PinnedBuffer>,
     bytes: usize,
     reps: usize,
     s: &Stream,

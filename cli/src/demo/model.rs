@@ -11,7 +11,7 @@ use hprt_hsdp::{
     DataParallelMesh, DeviceMesh, GradInput, GradQueue, GroupCache, HsdpStreams, ParamConfig,
     ParamSpec, ReduceOptions, ShardRef, ShardedParam,
 };
-use hprt_platform::{BufRef, Communicator, DType, DeviceBuffer, Event, Kernel, Platform, Stream};
+use hprt_platform::{Communicator, DType, DeviceBuffer, Event, Kernel, Place, Platform, Stream};
 use hprt_swap::{Compression, DeviceTensor, EngineConfig, Saved, SwapEngine, SwapTensor};
 
 use super::{DemoConfig, DemoError, Result, Strategy};
@@ -278,10 +278,10 @@ impl<'p> Rank<'p> {
         self.download_ref(buf.at(0), bytes)
     }
 
-    fn download_ref(&self, r: BufRef<'_>, bytes: usize) -> Result<Vec<u8>> {
+    fn download_ref(&self, r: Place<&DeviceBuffer>, bytes: usize) -> Result<Vec<u8>> {
         let mut out = vec![0u8; bytes];
         self.p
-            .read_device_sync(r.buf, r.offset, &mut out, self.compute())?;
+            .read_device_sync(r.mem, r.offset, &mut out, self.compute())?;
         Ok(out)
     }
 
@@ -294,8 +294,8 @@ impl<'p> Rank<'p> {
 
     fn matmul(
         &self,
-        a: BufRef<'_>,
-        b: BufRef<'_>,
+        a: Place<&DeviceBuffer>,
+        b: Place<&DeviceBuffer>,
         c: &DeviceBuffer,
         mkn: [usize; 3],
     ) -> Result<()> {

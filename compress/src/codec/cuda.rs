@@ -25,7 +25,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use hprt_platform::{
-    Access, BufRef, DeviceBuffer, DeviceModule, Event, KernelArg, LaunchShape, Mem, PinnedBuffer,
+    Access, DeviceBuffer, DeviceModule, Event, KernelArg, LaunchShape, Memory, PinnedBuffer, Place,
     Platform, Stream,
 };
 
@@ -425,10 +425,10 @@ impl CudaCodec {
             }
             let bytes = it.numel * it.dtype.size();
             it.src
-                .buf
+                .mem
                 .check_range("codec_encode", it.src.offset, bytes)?;
             descs.push(EncodeDesc {
-                src: (it.src.buf.device_ptr() + it.src.offset) as u64,
+                src: (it.src.mem.device_ptr() + it.src.offset) as u64,
                 dst: it.scratch.device_ptr() as u64,
                 dtype: it.dtype,
                 numel: it.numel,
@@ -447,7 +447,7 @@ impl CudaCodec {
         let coded: Vec<EncodeDesc> = descs.iter().copied().filter(|d| d.numel > 0).collect();
         let held: Vec<DeviceBuffer> = items
             .iter()
-            .flat_map(|it| [it.src.buf.clone(), it.scratch.clone()])
+            .flat_map(|it| [it.src.mem.clone(), it.scratch.clone()])
             .collect();
         let opts = self.encode.clone();
         let extra: usize = empties.iter().flatten().map(Vec::len).sum();
@@ -457,9 +457,9 @@ impl CudaCodec {
             for (it, bytes) in items.iter().zip(&empties) {
                 if let Some(b) = bytes {
                     p.copy_async(
-                        Mem::Device(it.scratch),
+                        Memory::Device(it.scratch),
                         0,
-                        Mem::Pinned(slot),
+                        Memory::Pinned(slot),
                         at,
                         b.len(),
                         s,
@@ -531,21 +531,21 @@ impl CudaCodec {
         for it in items {
             let src = it.src;
             it.dst
-                .buf
+                .mem
                 .check_range("codec_decode", it.dst.offset, src.original_len())?;
             src.device_buffer()
                 .check_range("codec_decode", 0, src.byte_len())?;
             descs.push(DecodeDesc {
                 enc: src.device_buffer().device_ptr() as u64,
                 enc_len: src.byte_len(),
-                dst: (it.dst.buf.device_ptr() + it.dst.offset) as u64,
+                dst: (it.dst.mem.device_ptr() + it.dst.offset) as u64,
                 dtype: src.dtype(),
                 numel: src.numel(),
             });
         }
         let held: Vec<DeviceBuffer> = items
             .iter()
-            .flat_map(|it| [it.src.device_buffer().clone(), it.dst.buf.clone()])
+            .flat_map(|it| [it.src.device_buffer().clone(), it.dst.mem.clone()])
             .collect();
         let shape = decode_shape(&descs, self.encode.chunk_elems);
         let (words, done) = self.sequence(
@@ -660,9 +660,9 @@ impl CudaCodec {
         slot.busy = true;
         let queued = (|| -> Result<()> {
             p.copy_async(
-                Mem::Device(&ws),
+                Memory::Device(&ws),
                 0,
-                Mem::Pinned(&pinned),
+                Memory::Pinned(&pinned),
                 0,
                 l.upload.len(),
                 s,
@@ -670,9 +670,9 @@ impl CudaCodec {
             run(&ws, &l, &pinned)?;
             if n > 0 {
                 p.copy_async(
-                    Mem::Pinned(&pinned),
+                    Memory::Pinned(&pinned),
                     results_in_slot,
-                    Mem::Device(&ws),
+                    Memory::Device(&ws),
                     l.results_at,
                     8 * n,
                     s,
@@ -732,7 +732,7 @@ impl DeviceCodec for CudaCodec {
     fn encode_async(
         &self,
         p: &dyn Platform,
-        src: BufRef<'_>,
+        src: Place<&DeviceBuffer>,
         dtype: CodecDType,
         numel: usize,
         scratch: &DeviceBuffer,
@@ -752,7 +752,7 @@ impl DeviceCodec for CudaCodec {
         &self,
         p: &dyn Platform,
         src: &CompressedTensor,
-        dst: BufRef<'_>,
+        dst: Place<&DeviceBuffer>,
         s: &Stream,
     ) -> Result<PendingDecode> {
         let mut v = self.decode_batch_async(p, &[DecodeItem { src, dst }], s)?;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use half::{bf16, f16};
 use hprt_hsdp::{GroupCache, HsdpStreams, ShardRef};
-use hprt_platform::{BufRef, CpuBackend, CpuConfig, DType, DeviceBuffer, Platform, PlatformHandle};
+use hprt_platform::{CpuBackend, CpuConfig, DType, DeviceBuffer, Place, Platform, PlatformHandle};
 
 /// A cpu platform with one device per rank (so memory accounting is per rank), honouring
 /// `HP_CPU_JITTER` and the other `HP_CPU_*` variables. Opened here, not process-wide: hsdp's
@@ -63,7 +63,12 @@ impl Rank<'_> {
         upload(&*self.p, &self.streams.compute, dtype, values)
     }
     /// Reads `count` elements after the compute stream's queued work.
-    pub fn download(&self, buf: BufRef<'_>, dtype: DType, count: usize) -> Result<Vec<f64>> {
+    pub fn download(
+        &self,
+        buf: Place<&DeviceBuffer>,
+        dtype: DType,
+        count: usize,
+    ) -> Result<Vec<f64>> {
         download(&*self.p, &self.streams.compute, buf, dtype, count)
     }
     pub fn read_shard(&self, r: ShardRef<'_>, dtype: DType, count: usize) -> Result<Vec<f64>> {
@@ -168,12 +173,12 @@ pub fn upload(
 pub fn download(
     p: &dyn Platform,
     s: &hprt_platform::Stream,
-    buf: BufRef<'_>,
+    buf: Place<&DeviceBuffer>,
     dtype: DType,
     count: usize,
 ) -> Result<Vec<f64>> {
     let mut bytes = vec![0u8; count * dtype.size()];
-    p.read_device_sync(buf.buf, buf.offset, &mut bytes, s)?;
+    p.read_device_sync(buf.mem, buf.offset, &mut bytes, s)?;
     Ok(decode(dtype, &bytes))
 }
 

@@ -3,11 +3,12 @@
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
-use crate::backend::{Backend, Loc, Place};
+use crate::backend::Backend;
 use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, ErrorKind, Result};
 use crate::handle::{CopyKind, UniqueId};
+use crate::place::{Memory, Place};
 
 /// All-gathers `mine` (the same length on every rank of `comm`, of `world` ranks) through
 /// device memory; returns every rank's bytes in rank order. Blocks.
@@ -26,22 +27,22 @@ pub(crate) fn host_all_gather<B: Backend>(
     unsafe { std::ptr::copy_nonoverlapping(mine.as_ptr(), host as *mut u8, n) };
     b.copy(
         CopyKind::HostToDevice,
-        Loc::Device(send.clone(), 0),
-        Loc::Pinned(staging.clone(), 0),
+        Place::new(Memory::Device(send.clone()), 0),
+        Place::new(Memory::Pinned(staging.clone()), 0),
         n,
         stream,
     )?;
     let op = Collective::AllGather {
-        send: Some((send, 0)),
-        recv: Some((recv.clone(), 0)),
+        send: Some(Place::new(send, 0)),
+        recv: Some(Place::new(recv.clone(), 0)),
         count: n,
         dtype: DType::U8,
     };
     b.collective(comm, op, stream)?;
     b.copy(
         CopyKind::DeviceToHost,
-        Loc::Pinned(staging.clone(), 0),
-        Loc::Device(recv, 0),
+        Place::new(Memory::Pinned(staging.clone()), 0),
+        Place::new(Memory::Device(recv), 0),
         n * world,
         stream,
     )?;
@@ -119,8 +120,8 @@ where
     M: Clone,
 {
     Collective::AllReduce {
-        send: Some((scratch.clone(), 0)),
-        recv: Some((scratch, 0)),
+        send: Some(Place::new(scratch.clone(), 0)),
+        recv: Some(Place::new(scratch, 0)),
         count: 1,
         dtype: DType::I32,
         op: ReduceOp::Sum,

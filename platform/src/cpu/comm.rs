@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use super::memory::MemRef;
 use super::reduce::reduce;
-use crate::backend::Place;
 use crate::collective::Collective;
 use crate::dtype::DType;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
+use crate::place::Place;
 
 pub(crate) type Op = Collective<Option<Place<MemRef>>>;
 
@@ -580,9 +580,10 @@ fn receive(
             ),
         ))
     } else {
-        if let (Some((src, so)), Some((dst, doff))) = (&deposit.data, &recv) {
+        if let (Some(src), Some(dst)) = (&deposit.data, &recv) {
+            let (s, d) = (src.mem.at(src.offset), dst.mem.at(dst.offset));
             // SAFETY: both ranges were bounds-checked at issue; the sender waits for the ack.
-            unsafe { std::ptr::copy(src.at(*so), dst.at(*doff), count * dtype.size()) };
+            unsafe { std::ptr::copy(s, d, count * dtype.size()) };
         }
         Ok(())
     };
@@ -646,7 +647,7 @@ fn check_arrivals(op: &'static str, all: &[Arrival]) -> Result<()> {
 
 fn ptr(place: &Option<Place<MemRef>>, elem_offset: usize, size: usize) -> *mut u8 {
     match place {
-        Some((m, off)) => m.at(off + elem_offset * size),
+        Some(p) => p.mem.at(p.offset + elem_offset * size),
         None => std::ptr::null_mut(),
     }
 }

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, Loc, Place};
+use crate::backend::Backend;
 use crate::capabilities::Capabilities;
 use crate::collective::Collective;
 use crate::error::{BackendKind, Error, ErrorKind, Result};
@@ -29,6 +29,7 @@ use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
 use crate::info::{DeviceInfo, PlatformInfo};
 use crate::kernel::{run_on_host, HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
+use crate::place::{Memory, Place};
 
 use comm::{CommMember, CommShared, CpuComm, Issued};
 use memory::{BlockCache, CpuMem, MemRef};
@@ -501,23 +502,20 @@ impl Backend for CpuBackend {
     fn copy(
         &self,
         _kind: CopyKind, // every kind is a host memmove here
-        dst: Loc<Self>,
-        src: Loc<Self>,
+        dst: Place<Memory<MemRef, MemRef>>,
+        src: Place<Memory<MemRef, MemRef>>,
         bytes: usize,
         stream: &CpuStream,
     ) -> Result<()> {
         // Bytes bound for host (pinned) memory wait there; device memory is read by the compute
         // that follows (see `copy`).
-        let to_host = matches!(dst, Loc::Pinned(..));
-        let (
-            Loc::Device(d, doff) | Loc::Pinned(d, doff),
-            Loc::Device(s, soff) | Loc::Pinned(s, soff),
-        ) = (dst, src);
+        let to_host = dst.mem.is_pinned();
+        let (d, s) = (dst.map(Memory::into_inner), src.map(Memory::into_inner));
         stream.core.enqueue(
             "copy_async",
             Box::new(move |_: &StreamCore| {
                 // SAFETY: ranges were bounds-checked at issue and the job holds both allocations.
-                unsafe { copy::copy_bytes(s.at(soff), d.at(doff), bytes, to_host) };
+                unsafe { copy::copy_bytes(s.mem.at(s.offset), d.mem.at(d.offset), bytes, to_host) };
                 Ok(())
             }),
         )?;
@@ -525,7 +523,10 @@ impl Backend for CpuBackend {
     }
     fn memset(
         &self,
-        (d, off): Place<MemRef>,
+        Place {
+            mem: d,
+            offset: off,
+        }: Place<MemRef>,
         value: u8,
         bytes: usize,
         stream: &CpuStream,
@@ -546,7 +547,7 @@ impl Backend for CpuBackend {
         stream.core.enqueue(
             name,
             Box::new(move |_: &StreamCore| {
-                let ptrs = kernel.clone().try_map(|(m, off)| Ok(m.at(off)))?;
+                let ptrs = kernel.clone().try_map(|p| Ok(p.mem.at(p.offset)))?;
                 // SAFETY: places were bounds- and overlap-checked by the dispatch layer, and
                 // the `MemRef`s in `kernel` keep the memory alive until the kernel ran.
                 unsafe { run_on_host(&ptrs) };

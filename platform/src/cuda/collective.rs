@@ -307,16 +307,16 @@ impl CudaBackend {
         };
         drop(watch);
         for (place, _) in op.places(comm.world) {
-            if let Some((m, _)) = place {
-                m.used_on(stream.key())?;
+            if let Some(p) = place {
+                p.mem.used_on(stream.key())?;
             }
         }
         issued?;
         watched?;
         match auxil::comm::avg_to_scale(op, comm.world) {
-            Some(((m, off), count, dtype)) if emulate_avg => self.run_kernel(
+            Some((buf, count, dtype)) if emulate_avg => self.run_kernel(
                 &Kernel::Scale {
-                    buf: (m, off),
+                    buf,
                     dtype,
                     count,
                     factor: 1.0 / comm.world as f64,

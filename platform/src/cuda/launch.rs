@@ -39,19 +39,19 @@ impl CudaBackend {
         self.shared.bind(stream.device)?;
         let places = kernel.places();
         if let Kernel::Cast {
-            src: (s, so),
-            dst: (d, doff),
+            src: s,
+            dst: d,
             src_dtype,
             ..
         } = kernel
         {
             if kernel_name_is_copy(kernel) {
-                if s.at(*so) != d.at(*doff) {
+                if addr(s) != addr(d) {
                     let bytes = kernel.count() * src_dtype.size();
                     // SAFETY: both ranges were bounds-checked and do not overlap.
-                    unsafe { result::mem::copy_async(d.at(*doff), s.at(*so), bytes, stream.raw) }?;
-                    s.used_on(stream.key())?;
-                    d.used_on(stream.key())?;
+                    unsafe { result::mem::copy_async(addr(d), addr(s), bytes, stream.raw) }?;
+                    s.mem.used_on(stream.key())?;
+                    d.mem.used_on(stream.key())?;
                 }
                 return Ok(());
             }
@@ -69,50 +69,46 @@ impl CudaBackend {
         let aligned: c_int = places
             .iter()
             .zip(kernel.place_dtypes())
-            .all(|(((m, off), _, _), dt)| m.at(*off) % dt.size() as u64 == 0)
+            .all(|((p, _, _), dt)| addr(p) % dt.size() as u64 == 0)
             .into();
         let n = (kernel.count() as u64).to_ne_bytes();
         let aligned = word32(aligned.to_ne_bytes());
         let mut words = match *kernel {
             Kernel::Fill {
-                dst: (ref d, off),
-                value,
-                ..
-            } => vec![d.at(off).to_ne_bytes(), n, value.to_ne_bytes(), aligned],
+                dst: ref d, value, ..
+            } => vec![addr(d).to_ne_bytes(), n, value.to_ne_bytes(), aligned],
             Kernel::Cast {
-                src: (ref s, so),
-                dst: (ref d, doff),
+                src: ref s,
+                dst: ref d,
                 ..
-            } => vec![s.at(so).to_ne_bytes(), d.at(doff).to_ne_bytes(), n, aligned],
+            } => vec![addr(s).to_ne_bytes(), addr(d).to_ne_bytes(), n, aligned],
             Kernel::Scale {
-                buf: (ref b, off),
-                factor,
-                ..
-            } => vec![b.at(off).to_ne_bytes(), n, factor.to_ne_bytes(), aligned],
+                buf: ref b, factor, ..
+            } => vec![addr(b).to_ne_bytes(), n, factor.to_ne_bytes(), aligned],
             Kernel::Axpy {
-                src: (ref s, so),
-                dst: (ref d, doff),
+                src: ref s,
+                dst: ref d,
                 alpha,
                 ..
             } => vec![
-                s.at(so).to_ne_bytes(),
-                d.at(doff).to_ne_bytes(),
+                addr(s).to_ne_bytes(),
+                addr(d).to_ne_bytes(),
                 n,
                 alpha.to_ne_bytes(),
                 aligned,
             ],
             Kernel::Matmul {
-                a: (ref a, ao),
-                b: (ref b, bo),
-                c: (ref c, co),
+                ref a,
+                ref b,
+                ref c,
                 m,
                 n: cols,
                 k,
                 ..
             } => vec![
-                a.at(ao).to_ne_bytes(),
-                b.at(bo).to_ne_bytes(),
-                c.at(co).to_ne_bytes(),
+                addr(a).to_ne_bytes(),
+                addr(b).to_ne_bytes(),
+                addr(c).to_ne_bytes(),
                 (m as u64).to_ne_bytes(),
                 (cols as u64).to_ne_bytes(),
                 (k as u64).to_ne_bytes(),
@@ -121,8 +117,8 @@ impl CudaBackend {
         };
         let shape = (kernels::grid_for(kernel.count()), kernels::BLOCK);
         self.launch_words(stream, function, shape, &mut words)?;
-        for ((m, _), _, _) in places {
-            m.used_on(stream.key())?;
+        for (p, _, _) in places {
+            p.mem.used_on(stream.key())?;
         }
         Ok(())
     }
@@ -142,5 +138,5 @@ pub(super) fn kernel_name_is_copy<B>(k: &Kernel<B>) -> bool {
 pub(super) fn ptr(place: &Option<Place<Arc<MemObj>>>) -> *mut c_void {
     place
         .as_ref()
-        .map_or(std::ptr::null_mut(), |(m, o)| (m.ptr + o) as *mut c_void)
+        .map_or(std::ptr::null_mut(), |p| addr(p) as *mut c_void)
 }

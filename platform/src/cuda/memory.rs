@@ -185,6 +185,11 @@ impl MemObj {
     }
 }
 
+/// The device address of a place.
+pub(super) fn addr(place: &Place<Arc<MemObj>>) -> u64 {
+    place.mem.at(place.offset)
+}
+
 /// Streams are told apart by (handle, device): a stream handle value can come back for another
 /// device's stream. Frees go through the reaper: the last handle may die in a host function.
 impl UseEvents for Shared {

@@ -57,7 +57,7 @@ use cudarc::nccl::sys::{ncclComm_t, ncclUniqueId};
 use crate::auxil;
 use crate::auxil::deferred::{self, DeferredFrees};
 use crate::auxil::uses::{Origin, TrackedMem, UseEvents};
-use crate::backend::{Backend, Loc, Place};
+use crate::backend::Backend;
 use crate::capabilities::Capabilities;
 use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
@@ -67,9 +67,11 @@ use crate::host_errors::{first_error, Retired, Span, StreamErrors};
 use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
 use crate::kernel::{HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
+use crate::place::{Memory, Place};
 use check::cuda_err;
 use host_fn::Reaper;
 use launch::ptr;
+use memory::addr;
 use nccl::{check_supported, nccl_dtype, nccl_op, Nccl, NcclApi, UNIQUE_ID_BYTES};
 use nvrtc::{Nvrtc, NvrtcApi};
 pub use probe::CudaSearch;
@@ -581,33 +583,30 @@ impl Backend for CudaBackend {
     fn copy(
         &self,
         _kind: CopyKind,
-        dst: Loc<Self>,
-        src: Loc<Self>,
+        dst: Place<Memory<Arc<MemObj>, Arc<MemObj>>>,
+        src: Place<Memory<Arc<MemObj>, Arc<MemObj>>>,
         bytes: usize,
         stream: &Arc<StreamObj>,
     ) -> Result<()> {
         // With unified addressing one call covers every direction.
-        let (
-            Loc::Device(d, doff) | Loc::Pinned(d, doff),
-            Loc::Device(s, soff) | Loc::Pinned(s, soff),
-        ) = (dst, src);
+        let (d, s) = (dst.map(Memory::into_inner), src.map(Memory::into_inner));
         self.shared.bind(stream.device)?;
         // SAFETY: ranges bounds-checked by the caller, kept live by their use events.
-        unsafe { result::mem::copy_async(d.at(doff), s.at(soff), bytes, stream.raw) }?;
-        d.used_on(stream.key())?;
-        s.used_on(stream.key())
+        unsafe { result::mem::copy_async(addr(&d), addr(&s), bytes, stream.raw) }?;
+        d.mem.used_on(stream.key())?;
+        s.mem.used_on(stream.key())
     }
     fn memset(
         &self,
-        (d, off): Place<Arc<MemObj>>,
+        dst: Place<Arc<MemObj>>,
         value: u8,
         bytes: usize,
         stream: &Arc<StreamObj>,
     ) -> Result<()> {
         self.shared.bind(stream.device)?;
         // SAFETY: as in `copy`.
-        unsafe { result::mem::set_d8_async(d.at(off), value, bytes, stream.raw) }?;
-        d.used_on(stream.key())
+        unsafe { result::mem::set_d8_async(addr(&dst), value, bytes, stream.raw) }?;
+        dst.mem.used_on(stream.key())
     }
 
     fn kernel(&self, kernel: Kernel<Place<Arc<MemObj>>>, stream: &Arc<StreamObj>) -> Result<()> {

@@ -6,10 +6,11 @@
 use std::sync::Arc;
 
 use super::launch::word32;
+use super::memory::addr;
 use super::{CudaBackend, MemObj, StreamObj};
-use crate::backend::Place;
 use crate::error::Result;
 use crate::kernel::{DeviceModule, KernelArg, LaunchShape};
+use crate::place::Place;
 
 impl CudaBackend {
     pub(super) fn run_module_kernel(
@@ -30,9 +31,7 @@ impl CudaBackend {
         let mut words: Vec<[u8; 8]> = args
             .iter()
             .map(|a| match a {
-                KernelArg::Ptr {
-                    at: Some((m, off)), ..
-                } => m.at(*off).to_ne_bytes(),
+                KernelArg::Ptr { at: Some(p), .. } => addr(p).to_ne_bytes(),
                 KernelArg::Ptr { at: None, .. } => 0u64.to_ne_bytes(),
                 KernelArg::U64(v) => v.to_ne_bytes(),
                 KernelArg::U32(v) => word32(v.to_ne_bytes()),
@@ -40,11 +39,8 @@ impl CudaBackend {
             .collect();
         self.launch_words(stream, function, (shape.grid, shape.block), &mut words)?;
         for a in args {
-            if let KernelArg::Ptr {
-                at: Some((m, _)), ..
-            } = a
-            {
-                m.used_on(stream.key())?;
+            if let KernelArg::Ptr { at: Some(p), .. } = a {
+                p.mem.used_on(stream.key())?;
             }
         }
         Ok(())

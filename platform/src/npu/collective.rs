@@ -384,8 +384,8 @@ impl NpuBackend {
             });
         }
         for (place, _) in op.places(comm.world) {
-            if let Some((m, _)) = place {
-                m.used_on(stream.raw)?;
+            if let Some(p) = place {
+                p.mem.used_on(stream.raw)?;
             }
         }
         match auxil::comm::avg_to_scale(op, comm.world) {

@@ -71,7 +71,7 @@ impl NpuBackend {
                 pool.entry(b).or_default().push(p);
             }
         };
-        for ((_, _), bytes, _) in &places {
+        for (_, bytes, _) in &places {
             match self.take_staging(*bytes) {
                 Ok(p) => staged.push((p, *bytes)),
                 Err(e) => {
@@ -80,7 +80,7 @@ impl NpuBackend {
                 }
             }
         }
-        for (((mem, off), bytes, access), &(st, _)) in places.iter().zip(&staged) {
+        for ((Place { mem, offset: off }, bytes, access), &(st, _)) in places.iter().zip(&staged) {
             if *access != Access::Write {
                 let kind = memcpy_kind(CopyKind::DeviceToHost);
                 // SAFETY: the device range is live and bounds-checked; staging is ours.
@@ -104,7 +104,7 @@ impl NpuBackend {
             true,
             Box::new(move || compute(&ptrs)),
         )?;
-        for (((mem, off), bytes, access), &(st, _)) in places.iter().zip(&staged) {
+        for ((Place { mem, offset: off }, bytes, access), &(st, _)) in places.iter().zip(&staged) {
             if *access != Access::Read {
                 let (dst, dst_max) = (mem.ptr + off, mem.len - off);
                 let kind = memcpy_kind(CopyKind::HostToDevice);

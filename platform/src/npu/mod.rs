@@ -32,7 +32,7 @@ use hprt_sys::{Ascend, SearchEnv, OPTIONAL_SYMBOLS};
 use crate::auxil;
 use crate::auxil::deferred::{self, DeferredFrees};
 use crate::auxil::uses::{Origin, TrackedMem, UseEvents};
-use crate::backend::{Backend, Loc, Place};
+use crate::backend::Backend;
 use crate::capabilities::Capabilities;
 use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
@@ -42,6 +42,7 @@ use crate::host_errors::{first_error, Point, Retired, Span, StreamErrors};
 use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
 use crate::kernel::{run_on_host, Access, HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
+use crate::place::{Memory, Place};
 use check::{acl, hccl, npu_err};
 use host_fn::Reporter;
 use launch::host_fn_unsupported;
@@ -155,9 +156,9 @@ fn memcpy_kind(k: CopyKind) -> aclrtMemcpyKind {
 }
 
 fn ptr(place: &Option<Place<Arc<MemObj>>>) -> *mut c_void {
-    place
-        .as_ref()
-        .map_or(std::ptr::null_mut(), |(m, o)| (m.ptr + o) as *mut c_void)
+    place.as_ref().map_or(std::ptr::null_mut(), |p| {
+        (p.mem.ptr + p.offset) as *mut c_void
+    })
 }
 
 impl Backend for NpuBackend {
@@ -466,15 +467,13 @@ impl Backend for NpuBackend {
     fn copy(
         &self,
         kind: CopyKind,
-        dst: Loc<Self>,
-        src: Loc<Self>,
+        dst: Place<Memory<Arc<MemObj>, Arc<MemObj>>>,
+        src: Place<Memory<Arc<MemObj>, Arc<MemObj>>>,
         bytes: usize,
         stream: &Arc<StreamObj>,
     ) -> Result<()> {
-        let (
-            Loc::Device(d, doff) | Loc::Pinned(d, doff),
-            Loc::Device(s, soff) | Loc::Pinned(s, soff),
-        ) = (dst, src);
+        let (d, doff) = (dst.mem.into_inner(), dst.offset);
+        let (s, soff) = (src.mem.into_inner(), src.offset);
         self.shared.bind()?;
         let (dst, dst_max, src) = (d.ptr + doff, d.len - doff, s.ptr + soff);
         // SAFETY: ranges bounds-checked by the caller, kept live by their use events.
@@ -494,7 +493,10 @@ impl Backend for NpuBackend {
     }
     fn memset(
         &self,
-        (d, off): Place<Arc<MemObj>>,
+        Place {
+            mem: d,
+            offset: off,
+        }: Place<Arc<MemObj>>,
         value: u8,
         bytes: usize,
         stream: &Arc<StreamObj>,

@@ -68,7 +68,7 @@ impl PyShardedParam {
         py.detach(|| {
             let mut g = lock(&self.inner);
             let bufs: Vec<Backing> = match g.param.unsharded() {
-                Ok(full) => vec![Backing::Device(full.buf.clone())],
+                Ok(full) => vec![Backing::Device(full.mem.clone())],
                 Err(_) => Vec::new(),
             };
             unexported(&bufs, op, || Ok(g.param.shard()?))
@@ -80,7 +80,7 @@ impl PyShardedParam {
         let shape = param.geometry().shard_shape();
         match r {
             ShardRef::Device(b) => {
-                TensorView::of_device(&self.p, b.buf, param.dtype(), shape, b.offset)
+                TensorView::of_device(&self.p, b.mem, param.dtype(), shape, b.offset)
             }
             ShardRef::Pinned(h) => TensorView::of_pinned(&self.p, h, param.dtype(), shape, 0),
         }
@@ -95,7 +95,7 @@ impl PyShardedParam {
         match r {
             ShardRef::Device(b) => PyDeviceTensor::from_parts(
                 &self.p,
-                b.buf.clone(),
+                b.mem.clone(),
                 b.offset,
                 param.dtype(),
                 param.geometry().shard_shape(),
@@ -143,7 +143,7 @@ impl PyShardedParam {
         let mut out = vec![0u8; n];
         let cs = &param.streams().compute;
         match r {
-            ShardRef::Device(b) => p.read_device_sync(b.buf, b.offset, &mut out, cs)?,
+            ShardRef::Device(b) => p.read_device_sync(b.mem, b.offset, &mut out, cs)?,
             ShardRef::Pinned(h) => {
                 p.synchronize_stream(cs)?;
                 h.read(0, &mut out)?;
@@ -341,7 +341,7 @@ impl PyShardedParam {
         let full = w.unsharded()?;
         PyDeviceTensor::from_parts(
             &self.p,
-            full.buf.clone(),
+            full.mem.clone(),
             full.offset,
             w.param_dtype(),
             w.geometry().shape().to_vec(),
@@ -356,7 +356,7 @@ impl PyShardedParam {
             let full = w.unsharded()?;
             let mut out = vec![0u8; w.geometry().numel() * w.param_dtype().size()];
             self.p
-                .read_device_sync(full.buf, full.offset, &mut out, &w.streams().compute)?;
+                .read_device_sync(full.mem, full.offset, &mut out, &w.streams().compute)?;
             Ok(out)
         })?;
         py_bytes(py, &bytes, "the parameter's bytes")
@@ -402,7 +402,7 @@ impl PyShardedParam {
             }
             let cs = &w.streams().compute;
             match w.sharded_data() {
-                ShardRef::Device(b) => self.p.write_device_sync(b.buf, b.offset, &data, cs)?,
+                ShardRef::Device(b) => self.p.write_device_sync(b.mem, b.offset, &data, cs)?,
                 ShardRef::Pinned(h) => {
                     self.p.synchronize_stream(cs)?;
                     h.write(0, &data)?;
@@ -483,7 +483,7 @@ impl PyShardedParam {
     fn sharded_grad(&self) -> Result<Option<TensorView>> {
         let mut g = lock(&self.inner);
         let out = match g.param.sharded_grad() {
-            Some(ShardRef::Device(b)) => Some(b.buf.clone()),
+            Some(ShardRef::Device(b)) => Some(b.mem.clone()),
             _ => None,
         };
         if out.is_some() {
@@ -497,7 +497,7 @@ impl PyShardedParam {
     fn sharded_grad_device_tensor(&self) -> Result<Option<PyDeviceTensor>> {
         let mut g = lock(&self.inner);
         if let Some(ShardRef::Device(b)) = g.param.sharded_grad() {
-            let b = b.buf.clone();
+            let b = b.mem.clone();
             g.grad_out = Some(b);
         }
         let w = &g.param;
@@ -531,7 +531,7 @@ impl PyShardedParam {
             let mut g = lock(&self.inner);
             let mut bufs: Vec<Backing> = g.grad_out.iter().cloned().map(Backing::Device).collect();
             if let Some(ShardRef::Device(b)) = g.param.sharded_grad() {
-                bufs.push(Backing::Device(b.buf.clone()));
+                bufs.push(Backing::Device(b.mem.clone()));
             }
             unexported(&bufs, "free_grad", || Ok(g.param.free_grad()?))?;
             g.grad_out = None;

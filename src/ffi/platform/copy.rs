@@ -12,10 +12,15 @@ pub struct HprtMemRef {
     pub offset: usize,
 }
 
-fn mem<'a>(r: &HprtMemRef, what: &str) -> FfiResult<hprt_platform::Mem<'a>> {
+fn mem<'a>(
+    r: &HprtMemRef,
+    what: &str,
+) -> FfiResult<
+    hprt_platform::Memory<&'a hprt_platform::DeviceBuffer, &'a hprt_platform::PinnedBuffer>,
+> {
     match (r.device.is_null(), r.pinned.is_null()) {
-        (false, true) => Ok(hprt_platform::Mem::Device(&arg(r.device, what)?.0)),
-        (true, false) => Ok(hprt_platform::Mem::Pinned(&arg(r.pinned, what)?.0)),
+        (false, true) => Ok(hprt_platform::Memory::Device(&arg(r.device, what)?.0)),
+        (true, false) => Ok(hprt_platform::Memory::Pinned(&arg(r.pinned, what)?.0)),
         _ => Err(FfiError::invalid(format!(
             "{what}: exactly one of device and pinned must be set"
         ))),
