@@ -44,6 +44,9 @@ use std::sync::{Arc, Mutex};
 
 use hprt_platform::{DeviceBuffer, Event, Memory, PinnedBuffer, Place, Platform, Stream};
 
+mod cuda;
+pub use cuda::CudaCodec;
+
 use crate::codec::{self, DecodeOptions, EncodeOptions};
 use crate::error::{CompressError, Result};
 use crate::format::CodecDType;

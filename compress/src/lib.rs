@@ -30,9 +30,9 @@ pub use key::{LayerId, TensorKey};
 // The codec on a `Platform` stream: one per backend (`codec_for`: the CUDA kernels through NVRTC
 // on cuda, the CPU codec in host functions elsewhere), and the tensor it encodes into, which a
 // swap engine offloads in compress-then-swap.
-pub use codec::cuda::CudaCodec;
 pub use device::{
-    CompressedTensor, DecodeItem, DeviceCodec, EncodeItem, HostCodec, PendingDecode, PendingEncode,
+    CompressedTensor, CudaCodec, DecodeItem, DeviceCodec, EncodeItem, HostCodec, PendingDecode,
+    PendingEncode,
 };
 pub use select::codec_for;
 

@@ -1,13 +1,11 @@
-//! Which device codec a platform gets ([`codec_for`]): the one place that knows both codecs, so
-//! the codec interface (`device.rs`) and the CUDA kernels' launcher (`codec/cuda.rs`) do not
-//! depend on each other's choice.
+//! Which device codec a platform gets ([`codec_for`]): the one place that chooses between the
+//! device codecs of `device.rs` (the CPU codec in host functions, the CUDA kernels' launcher).
 
 use std::sync::Arc;
 
 use hprt_platform::Platform;
 
-use crate::codec::cuda::CudaCodec;
-use crate::device::{DeviceCodec, HostCodec};
+use crate::device::{CudaCodec, DeviceCodec, HostCodec};
 
 /// The device codec for `platform`, chosen by its capabilities: a platform with a run-time
 /// kernel compiler ([`Capabilities::kernel_compiler`], CUDA C) gets the CUDA kernels

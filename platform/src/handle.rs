@@ -10,7 +10,8 @@ use std::cell::Cell;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{BackendKind, Error, ErrorKind, Result};
-use crate::place::Place;
+pub use crate::place::CopyKind;
+use crate::place::{Memory, Place};
 
 type Erased = Box<dyn Any + Send + Sync>;
 
@@ -566,11 +567,14 @@ impl std::fmt::Debug for PinnedBuffer {
     }
 }
 
-/// The direction of a copy, named as drivers name them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CopyKind {
-    HostToDevice,
-    DeviceToHost,
-    DeviceToDevice,
-    HostToHost,
+impl<'a> From<&'a DeviceBuffer> for Memory<&'a DeviceBuffer, &'a PinnedBuffer> {
+    fn from(b: &'a DeviceBuffer) -> Self {
+        Memory::Device(b)
+    }
+}
+
+impl<'a> From<&'a PinnedBuffer> for Memory<&'a DeviceBuffer, &'a PinnedBuffer> {
+    fn from(b: &'a PinnedBuffer) -> Self {
+        Memory::Pinned(b)
+    }
 }

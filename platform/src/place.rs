@@ -1,15 +1,15 @@
 //! Memory plus a byte offset, and "device or page-locked host memory": the two shapes every
-//! layer names memory with, from the handles callers hold down to a backend's own objects.
+//! layer names memory with, from the handles callers hold down to a backend's own objects
+//! (generic over them: this module sits below `handle.rs`, which gives its buffers the
+//! conversions), and the direction of a copy between two kinds of memory.
 //!
 //! | | callers (handles) | a backend ([`crate::Backend`]) |
 //! |---|---|---|
 //! | a place in device memory (kernels, collectives) | `Place<&DeviceBuffer>` | `Place<B::DeviceMemory>` |
 //! | one end of a copy | `Memory<&DeviceBuffer, &PinnedBuffer>` and an offset | `Place<Memory<B::DeviceMemory, B::PinnedMemory>>` |
 
-use crate::handle::{CopyKind, DeviceBuffer, PinnedBuffer};
-
 /// A memory object and a byte offset into it. Callers hold `Place<&DeviceBuffer>`
-/// ([`DeviceBuffer::at`]); a backend receives the same place in its own memory type.
+/// ([`crate::DeviceBuffer::at`]); a backend receives the same place in its own memory type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Place<M> {
     pub mem: M,
@@ -62,16 +62,13 @@ impl<T> Memory<T, T> {
     }
 }
 
-impl<'a> From<&'a DeviceBuffer> for Memory<&'a DeviceBuffer, &'a PinnedBuffer> {
-    fn from(b: &'a DeviceBuffer) -> Self {
-        Memory::Device(b)
-    }
-}
-
-impl<'a> From<&'a PinnedBuffer> for Memory<&'a DeviceBuffer, &'a PinnedBuffer> {
-    fn from(b: &'a PinnedBuffer) -> Self {
-        Memory::Pinned(b)
-    }
+/// The direction of a copy, named as drivers name them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyKind {
+    HostToDevice,
+    DeviceToHost,
+    DeviceToDevice,
+    HostToHost,
 }
 
 impl CopyKind {
