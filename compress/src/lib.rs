@@ -4,7 +4,7 @@
 //! The crate root is the API; the modules behind it are private except three namespaces whose
 //! items are named by their module: [`codec`] (the CPU codec: `codec::encode`, `codec::decode`,
 //! their options; `codec::v2`, version 2's layout; `codec::cuda`, the same codec as CUDA C,
-//! checked byte for byte as host C++), [`format`] (the version-1 container of `FORMAT.md`:
+//! checked byte for byte as host C++), [`format`](mod@format) (the version-1 container of `FORMAT.md`:
 //! header, chunk table, checksum and bounds) and [`data`] (synthetic tensors: the cost model
 //! calibrates the codec on them, tests and benchmarks use them). Decoding untrusted bytes
 //! returns [`CompressError`], never panics.
