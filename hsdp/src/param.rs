@@ -16,7 +16,7 @@ use crate::placement::{
     DataParallelMesh, DistLayout, GroupInfos, LayoutMode, Placement, SpmdLayout,
 };
 use crate::policy::{MixedPrecisionPolicy, OffloadPolicy};
-use crate::storage::{ShardRef, Storage};
+use crate::storage::{shard_ref, ShardRef, Storage};
 
 /// The three streams one rank's parameters use.
 #[derive(Clone, Debug)]
@@ -448,7 +448,7 @@ impl ShardedParam {
     /// This rank's shard ([`ShardGeometry::shard_shape`], padding included) in [`Self::dtype`]:
     /// what an optimizer updates (on the compute stream).
     pub fn sharded_data(&self) -> ShardRef<'_> {
-        self.shard.as_ref()
+        shard_ref(&self.shard)
     }
 
     pub(crate) fn state_error(&self, operation: &'static str) -> HsdpError {

@@ -578,3 +578,16 @@ impl<'a> From<&'a PinnedBuffer> for Memory<&'a DeviceBuffer, &'a PinnedBuffer> {
         Memory::Pinned(b)
     }
 }
+
+impl Memory<&DeviceBuffer, &PinnedBuffer> {
+    /// The buffer's size in bytes, whichever kind of memory it is.
+    pub fn len(&self) -> usize {
+        match self {
+            Memory::Device(d) => d.len(),
+            Memory::Pinned(p) => p.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

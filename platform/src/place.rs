@@ -50,6 +50,26 @@ impl<D, P> Memory<D, P> {
     pub fn is_pinned(&self) -> bool {
         matches!(self, Memory::Pinned(_))
     }
+
+    /// The same kind of memory, by reference.
+    pub fn as_ref(&self) -> Memory<&D, &P> {
+        match self {
+            Memory::Device(d) => Memory::Device(d),
+            Memory::Pinned(p) => Memory::Pinned(p),
+        }
+    }
+
+    /// The same kind of memory, each kind's object made by its function.
+    pub fn map<E, Q>(
+        self,
+        device: impl FnOnce(D) -> E,
+        pinned: impl FnOnce(P) -> Q,
+    ) -> Memory<E, Q> {
+        match self {
+            Memory::Device(d) => Memory::Device(device(d)),
+            Memory::Pinned(p) => Memory::Pinned(pinned(p)),
+        }
+    }
 }
 
 impl<T> Memory<T, T> {

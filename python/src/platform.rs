@@ -102,33 +102,14 @@ pub fn cpu_platform(
 }
 
 /// One end of a copy, from either buffer class.
-pub(crate) enum AnyBuf {
-    Device(DeviceBuffer),
-    Pinned(PinnedBuffer),
-}
-
-impl AnyBuf {
-    pub(crate) fn extract(obj: &Bound<'_, PyAny>) -> Result<Self> {
-        if let Ok(d) = obj.cast::<PyDeviceBuffer>() {
-            return Ok(AnyBuf::Device(d.get().b.clone()));
-        }
-        if let Ok(p) = obj.cast::<PyPinnedBuffer>() {
-            return Ok(AnyBuf::Pinned(p.get().b.clone()));
-        }
-        Err(invalid("expected a DeviceBuffer or a PinnedBuffer"))
+fn copy_end(obj: &Bound<'_, PyAny>) -> Result<Memory<DeviceBuffer, PinnedBuffer>> {
+    if let Ok(d) = obj.cast::<PyDeviceBuffer>() {
+        return Ok(Memory::Device(d.get().b.clone()));
     }
-    fn mem(&self) -> Memory<&DeviceBuffer, &PinnedBuffer> {
-        match self {
-            AnyBuf::Device(b) => Memory::Device(b),
-            AnyBuf::Pinned(b) => Memory::Pinned(b),
-        }
+    if let Ok(p) = obj.cast::<PyPinnedBuffer>() {
+        return Ok(Memory::Pinned(p.get().b.clone()));
     }
-    fn len(&self) -> usize {
-        match self {
-            AnyBuf::Device(b) => b.len(),
-            AnyBuf::Pinned(b) => b.len(),
-        }
-    }
+    Err(invalid("expected a DeviceBuffer or a PinnedBuffer"))
 }
 
 #[pymethods]
@@ -342,11 +323,12 @@ impl PyPlatform {
         dst_offset: usize,
         src_offset: usize,
     ) -> Result<()> {
-        let (d, s) = (AnyBuf::extract(dst)?, AnyBuf::extract(src)?);
+        let (d, s) = (copy_end(dst)?, copy_end(src)?);
+        let (d, s) = (d.as_ref(), s.as_ref());
         let n = nbytes.unwrap_or_else(|| s.len().saturating_sub(src_offset));
         Ok(self
             .p
-            .copy_async(d.mem(), dst_offset, s.mem(), src_offset, n, &stream.s)?)
+            .copy_async(d, dst_offset, s, src_offset, n, &stream.s)?)
     }
 
     #[pyo3(signature = (dst, value, nbytes, stream, offset=0))]
