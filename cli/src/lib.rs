@@ -3,7 +3,7 @@
 //! built from this crate; `libhprt` (the C ABI) and the Python extension do not depend on it, so
 //! neither carries clap, anyhow, zstd, lz4_flex, indicatif nor the conformance suite.
 //!
-//! - [`bench`] — `hprt bench`: every module against baselines measured in the same run.
+//! - [`bench`](mod@bench) — `hprt bench`: every module against baselines measured in the same run.
 //! - [`codec_cli`] — `hprt compress`, `hprt decompress`, `hprt codec-stats` on raw tensor files.
 //! - [`demo`] — `hprt demo`: a simulated training step under each memory strategy, compared.
 //! - [`trace`] — a tracing `Platform` decorator, Chrome/Perfetto traces and ASCII timelines.

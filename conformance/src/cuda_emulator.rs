@@ -1,6 +1,6 @@
 //! Finding and opening the CUDA emulator (`tests/cuda-emulator`) from test binaries of any crate.
 //! `cargo test` does not link the cdylib: [`library_path`] builds it on first use
-//! (`hprt_emulator_common::library`), next to the test binaries in target/<profile>/.
+//! (`hprt_emulator_common::library`), next to the test binaries in `target/<profile>/`.
 
 use hprt_platform::cuda::{CudaBackend, CudaSearch};
 use hprt_platform::Platform;

@@ -1,6 +1,6 @@
 //! Finding and opening the Ascend emulator (`tests/ascend-emulator`) from test binaries of any
 //! crate. `cargo test` does not link the cdylib: [`library_path`] builds it on first use
-//! (`hprt_emulator_common::library`), next to the test binaries in target/<profile>/.
+//! (`hprt_emulator_common::library`), next to the test binaries in `target/<profile>/`.
 
 use std::sync::{Mutex, MutexGuard};
 

@@ -141,7 +141,7 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Option<(Self::Comm, usize, usize)>>;
     fn destroy_comm(&self, comm: Self::Comm) -> Result<()>;
     /// Ends this rank's membership now, without waiting for its queued collectives
-    /// ([`Platform::abort_comm`]).
+    /// ([`crate::Platform::abort_comm`]).
     fn abort_comm(&self, comm: Self::Comm) -> Result<()>;
     /// Enqueues a collective whose places were bounds-checked by the caller; places of zero bytes
     /// may have no memory (`None`).

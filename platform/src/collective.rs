@@ -6,8 +6,8 @@ use crate::error::{BackendKind, Error, ErrorKind, Result};
 /// One collective operation over a communicator of `world` ranks. `R` names a place in device
 /// memory: a `Place<&DeviceBuffer>` ([`crate::Place`]) above the backend layer, the backend's own memory object below it.
 ///
-/// Counts are in elements of `dtype`; the byte sizes each rank's buffers must hold are given by
-/// [`Collective::send_bytes`] and [`Collective::recv_bytes`].
+/// Counts are in elements of `dtype`; the places each rank's buffers must hold, with their byte
+/// sizes, are given by [`Collective::places`].
 #[derive(Clone, Debug)]
 pub enum Collective<R> {
     /// `recv = op(send of every rank)`, `count` elements; `send` and `recv` may be the same place.

@@ -125,7 +125,7 @@ impl<B> Kernel<B> {
     }
 
     /// Elements the kernel writes (for a matmul, `m * n`; saturating, so an overflowing shape
-    /// still has a count for [`Kernel::validate`] to reject).
+    /// still has a count for `Kernel::validate` to reject).
     pub fn count(&self) -> usize {
         match *self {
             Kernel::Fill { count, .. }

@@ -141,7 +141,7 @@ impl Drop for Lease {
 
 /// A typed window on hprt memory that numpy and torch can import without a copy
 /// (`numpy.from_dlpack(view)`, `torch.from_dlpack(view)`): dense row-major, or with the element
-/// strides of a framework tensor a reload recreates (see [`host_reload_capsule`]).
+/// strides of a framework tensor a reload recreates (see `HostLayout::alloc_capsule`).
 ///
 /// The consumer reads the memory directly. A view of pinned memory is exported once the copies
 /// queued on the buffer finished; device memory (host memory on the cpu backend) is the

@@ -24,7 +24,7 @@ pub struct StrategyReport {
     /// tensors to pinned memory to encode them; a device codec only reads back each
     /// encoding's length and each decoding's status word.
     pub codec_link_bytes: u64,
-    /// Original and encoded bytes per saved kind ([`SAVED`] order), all ranks and steps.
+    /// Original and encoded bytes per saved kind (`model::SAVED` order), all ranks and steps.
     pub encoded: [(u64, u64); 2],
     pub bit_exact: bool,
     pub mismatch: Option<String>,

@@ -5,7 +5,7 @@
 //!   [`mark`] — event records on it.
 //! - [`faults`] — `HP_EMU_FAULTS` fault tables over a list of entry points.
 //! - [`reduce`] — element types and reductions of collectives.
-//! - [`block`] — host memory standing in for device memory; [`env`] — reading `HP_EMU_*`.
+//! - [`block`] — host memory standing in for device memory; [`env`](mod@env) — reading `HP_EMU_*`.
 //! - [`library`] — for the tests of every crate: the emulator libraries' paths, built with
 //!   `cargo build -p <emulator>` on first use.
 
@@ -29,7 +29,7 @@ pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Handles are tagged integers, never reused, so a destroyed or foreign handle is always
 /// recognised (a freed heap address could come back for a new object). Each kind of object has
-/// its own tag; ids come from [`next_id`].
+/// its own tag; ids come from [`handle::next_id`].
 pub mod handle {
     use std::sync::atomic::{AtomicU64, Ordering};
 
