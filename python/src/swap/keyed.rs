@@ -63,14 +63,11 @@ impl PyKeyedSwap {
         let p = crate::handles::resolve(platform)?;
         let mut k = KeyedSwap::with_pool(p.clone(), pool(host_budget))?;
         k.set_min_bytes(min_bytes);
-        k.engine_mut()
-            .set_compression(compression.parse::<Compression>()?);
-        k.engine_mut().set_window(window(
-            max_inflight_offload_bytes,
-            max_inflight_reload_bytes,
-        ));
-        k.engine_mut()
-            .set_release_guard(Some(Arc::new(NoLiveExports)));
+        configure(
+            k.engine_mut(),
+            compression.parse::<Compression>()?,
+            window(max_inflight_offload_bytes, max_inflight_reload_bytes),
+        );
         Ok(PyKeyedSwap {
             p: p.clone(),
             inner: Mutex::new(k),

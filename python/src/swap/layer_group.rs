@@ -41,14 +41,11 @@ impl PySwapManager {
     ) -> Result<Self> {
         let p = crate::handles::resolve(platform)?;
         let mut m = SwapManager::with_pool(p.clone(), pool(host_budget))?;
-        m.engine_mut()
-            .set_compression(compression.parse::<Compression>()?);
-        m.engine_mut().set_window(window(
-            max_inflight_offload_bytes,
-            max_inflight_reload_bytes,
-        ));
-        m.engine_mut()
-            .set_release_guard(Some(Arc::new(NoLiveExports)));
+        configure(
+            m.engine_mut(),
+            compression.parse::<Compression>()?,
+            window(max_inflight_offload_bytes, max_inflight_reload_bytes),
+        );
         Ok(PySwapManager {
             p: p.clone(),
             inner: Mutex::new(m),
