@@ -48,6 +48,5 @@ pub use planner::{fit_window, LayerOrder};
 
 // MindSpeed's per-layer activation manager.
 pub use manager::{
-    ActivationManager, LayerStats, ManagerConfig, SavedTensor, TensorFilter, WindowRecord,
-    RECORDS_KEPT,
+    ActivationManager, LayerStats, ManagerConfig, TensorFilter, WindowRecord, RECORDS_KEPT,
 };

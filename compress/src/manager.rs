@@ -9,10 +9,10 @@
 //! use std::time::Duration;
 //! use hprt_compress::{CostModel, CostTable, Op};
 //! use hprt_compress::data::{generate, DataKind};
-//! use hprt_compress::{ActivationManager, ManagerConfig, SavedTensor};
+//! use hprt_compress::{ActivationManager, ManagerConfig};
 //! use hprt_compress::LayerId;
 //! use hprt_compress::CodecDType;
-//! use hprt_platform::{CpuBackend, CpuConfig, DType, Platform};
+//! use hprt_platform::{CpuBackend, CpuConfig, DType, Platform, TensorRef};
 //!
 //! let p: Arc<dyn Platform> = Arc::new(CpuBackend::new(CpuConfig::default()));
 //! let compute = p.create_stream()?;
@@ -25,7 +25,8 @@
 //! let buf = p.alloc_device(data.len())?;
 //! p.write_device_sync(&buf, 0, &data, &compute)?;
 //! m.forward_start(LayerId(0))?;
-//! let key = m.save(LayerId(0), SavedTensor { buf, dtype: DType::BF16, numel: 1 << 16 })?.unwrap();
+//! let saved = TensorRef::view(buf, 0, DType::BF16, vec![1 << 16])?;
+//! let key = m.save(LayerId(0), saved)?.unwrap();
 //! m.forward_start(LayerId(1))?;
 //! m.begin_window(&Op::Fixed(Duration::from_millis(10)))?; // encodes layer 0's tensor
 //! m.end_window()?;                                        // ... and frees the original
@@ -44,7 +45,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use hprt_platform::{DType, DeviceBuffer, Event, PlatformHandle, Stream};
+use hprt_platform::{DeviceBuffer, Event, PlatformHandle, Stream, TensorRef};
 
 use crate::cost::{CostModel, Op};
 use crate::device::{CompressedTensor, DeviceCodec, PendingDecode, PendingEncode};
@@ -56,21 +57,7 @@ use crate::select::codec_for;
 /// Window records kept (`ActivationManager::window_records`).
 pub const RECORDS_KEPT: usize = 1024;
 
-/// A tensor saved for backward: the first `numel` elements of `buf`.
-#[derive(Clone, Debug)]
-pub struct SavedTensor {
-    pub buf: DeviceBuffer,
-    pub dtype: DType,
-    pub numel: usize,
-}
-
-impl SavedTensor {
-    pub fn bytes(&self) -> usize {
-        self.numel * self.dtype.size()
-    }
-}
-
-type Predicate = Arc<dyn Fn(&SavedTensor) -> bool + Send + Sync>;
+type Predicate = Arc<dyn Fn(&TensorRef) -> bool + Send + Sync>;
 
 /// Which saved tensors are managed: codec dtypes, a minimum size, and custom predicates (all
 /// must accept).
@@ -96,14 +83,14 @@ impl Default for TensorFilter {
 impl TensorFilter {
     pub fn with_predicate(
         mut self,
-        f: impl Fn(&SavedTensor) -> bool + Send + Sync + 'static,
+        f: impl Fn(&TensorRef) -> bool + Send + Sync + 'static,
     ) -> Self {
         self.predicates.push(Arc::new(f));
         self
     }
-    pub fn accepts(&self, t: &SavedTensor) -> bool {
+    pub fn accepts(&self, t: &TensorRef) -> bool {
         CodecDType::try_from(t.dtype).is_ok_and(|d| self.dtypes.contains(&d))
-            && t.numel >= self.min_numel
+            && t.numel() >= self.min_numel
             && self.predicates.iter().all(|p| p(t))
     }
 }
@@ -192,7 +179,7 @@ enum State {
 
 struct Entry {
     index: usize,
-    tensor: SavedTensor,
+    tensor: TensorRef,
     /// The buffer's size when registered: what to re-acquire before decoding.
     alloc_len: usize,
     state: State,
@@ -302,12 +289,24 @@ impl ActivationManager {
     }
 
     /// Registers a tensor saved by `layer`; `None` when the filter leaves it to the caller.
-    pub fn save(&mut self, layer: LayerId, tensor: SavedTensor) -> Result<Option<TensorKey>> {
-        if tensor.buf.len() < tensor.bytes() {
+    ///
+    /// The manager releases the tensor's whole buffer once the tensor is encoded and re-acquires
+    /// it to decode into at byte 0 (bytes past the tensor are unspecified afterwards): a tensor
+    /// not at byte 0 of its buffer is refused, and the buffer must be hprt's own (borrowed
+    /// memory cannot be resized, so its release would fail).
+    pub fn save(&mut self, layer: LayerId, tensor: TensorRef) -> Result<Option<TensorKey>> {
+        if tensor.offset != 0 {
+            return Err(CompressError::InvalidArgument(format!(
+                "a tensor at byte {} of its buffer: the manager releases and re-acquires whole \
+                 buffers, so a saved tensor must start at byte 0",
+                tensor.offset
+            )));
+        }
+        if tensor.storage.len() < tensor.len {
             return Err(CompressError::InvalidArgument(format!(
                 "a {}-byte buffer cannot hold {} {} elements",
-                tensor.buf.len(),
-                tensor.numel,
+                tensor.storage.len(),
+                tensor.numel(),
                 tensor.dtype
             )));
         }
@@ -316,7 +315,7 @@ impl ActivationManager {
         }
         let index = self.next_index;
         self.next_index += 1;
-        let alloc_len = tensor.buf.len();
+        let alloc_len = tensor.storage.len();
         self.layers.entry(layer).or_default().push(Entry {
             index,
             tensor,
@@ -369,13 +368,13 @@ impl ActivationManager {
         let State::Compressed(ct) = &e.state else {
             return Ok(());
         };
-        p.resize_device(&e.tensor.buf, e.alloc_len)?;
+        p.resize_device(&e.tensor.storage, e.alloc_len)?;
         // Nothing on the side stream may run before the compute stream reached this point.
         let ready = p.create_event(false)?;
         p.record_event(&ready, &compute)?;
         p.stream_wait_event(&side, &ready)?;
         codec
-            .decode_async(p.as_ref(), ct, e.tensor.buf.at(0), &side)?
+            .decode_async(p.as_ref(), ct, e.tensor.place(), &side)?
             .finish(p.as_ref())?;
         e.state = State::Normal;
         let done = p.create_event(false)?;
@@ -409,7 +408,7 @@ impl ActivationManager {
         let pos = v.iter().position(|e| e.index == key.index).ok_or_else(|| {
             CompressError::InvalidState(format!("tensor {key:?} is not registered"))
         })?;
-        Ok(v.remove(pos).tensor.buf)
+        Ok(v.remove(pos).tensor.storage)
     }
 
     /// Forgets a registered tensor its framework will never read (the graph that saved it was
@@ -497,7 +496,7 @@ impl ActivationManager {
         let candidates: Vec<(usize, usize)> = entries
             .iter()
             .filter(|e| matches!(e.state, State::Normal))
-            .map(|e| (e.index, e.tensor.bytes()))
+            .map(|e| (e.index, e.tensor.len))
             .collect();
         let budget = self
             .cost
@@ -508,12 +507,12 @@ impl ActivationManager {
         for index in plan {
             let t = self.entry_mut(layer, index)?.tensor.clone();
             let dtype = CodecDType::try_from(t.dtype)?;
-            let scratch = self.scratch(t.numel, dtype)?;
+            let scratch = self.scratch(t.numel(), dtype)?;
             let pending = self.codec.encode_async(
                 self.p.as_ref(),
-                t.buf.at(0),
+                t.place(),
                 dtype,
-                t.numel,
+                t.numel(),
                 &scratch,
                 &self.side,
             )?;
@@ -532,7 +531,7 @@ impl ActivationManager {
         let candidates: Vec<(usize, usize)> = entries
             .iter()
             .filter(|e| matches!(e.state, State::Compressed(_)))
-            .map(|e| (e.index, e.tensor.bytes()))
+            .map(|e| (e.index, e.tensor.len))
             .collect();
         let budget = self
             .cost
@@ -546,11 +545,11 @@ impl ActivationManager {
                 continue;
             };
             // Out of memory: leave it compressed; backward_start recovers it later.
-            if let Err(err) = p.resize_device(&e.tensor.buf, e.alloc_len) {
+            if let Err(err) = p.resize_device(&e.tensor.storage, e.alloc_len) {
                 tracing::debug!("cannot re-acquire a tensor of layer {}: {err}", layer.0);
                 break;
             }
-            let pending = codec.decode_async(p.as_ref(), ct, e.tensor.buf.at(0), &side)?;
+            let pending = codec.decode_async(p.as_ref(), ct, e.tensor.place(), &side)?;
             items.push((index, pending));
         }
         Ok(Some(Work::Decode(layer, items)))
@@ -591,7 +590,7 @@ impl ActivationManager {
                     let (orig, packed) = (ct.original_len(), ct.byte_len());
                     let p = self.p.clone();
                     let e = self.entry_mut(layer, index)?;
-                    p.resize_device(&e.tensor.buf, 0)?;
+                    p.resize_device(&e.tensor.storage, 0)?;
                     e.state = State::Compressed(ct);
                     let s = self.stats.entry(layer).or_default();
                     s.compressed += 1;
@@ -609,7 +608,7 @@ impl ActivationManager {
                     let e = self.entry_mut(layer, index)?;
                     match r {
                         Ok(()) => {
-                            let bytes = e.tensor.bytes();
+                            let bytes = e.tensor.len;
                             e.state = State::Normal;
                             self.stats.entry(layer).or_default().decoded_in_window += 1;
                             let rec = &mut self.records[w.record - self.records_dropped];

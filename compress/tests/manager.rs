@@ -8,10 +8,12 @@ use std::time::Duration;
 
 use hprt_compress::data::{generate, DataKind};
 use hprt_compress::LayerId;
-use hprt_compress::{ActivationManager, ManagerConfig, SavedTensor, TensorFilter, TensorKey};
+use hprt_compress::{ActivationManager, ManagerConfig, TensorFilter, TensorKey};
 use hprt_compress::{CodecDType, CompressError};
 use hprt_compress::{CostModel, CostTable, Op};
-use hprt_platform::{CpuBackend, CpuConfig, DType, DeviceBuffer, Kernel, Memory, Platform, Stream};
+use hprt_platform::{
+    CpuBackend, CpuConfig, DType, DeviceBuffer, Kernel, Memory, Platform, Stream, TensorRef,
+};
 
 const LAYERS: usize = 4;
 
@@ -40,6 +42,18 @@ fn layer_tensors(layer: usize) -> Vec<(DataKind, CodecDType, usize)> {
         (DataKind::LayerNorm, CodecDType::F32, 40_000),
         (DataKind::Weights, CodecDType::F16, 1000), // below the size filter
     ]
+}
+
+/// The first `numel` elements of `buf`, built field by field (unchecked: one test hands the
+/// manager a tensor larger than its buffer).
+fn saved(buf: DeviceBuffer, dtype: DType, numel: usize) -> TensorRef {
+    TensorRef {
+        len: numel * dtype.size(),
+        storage: buf,
+        offset: 0,
+        dtype,
+        shape: vec![numel],
+    }
 }
 
 /// An activation written asynchronously on the compute stream (so a missing wait reads garbage).
@@ -99,11 +113,7 @@ fn run_step(
         for (i, (kind, dtype, n)) in layer_tensors(l).into_iter().enumerate() {
             let data = generate(kind, dtype, n, step * 100 + (l * 10 + i) as u64);
             let buf = produce(p, s, &data);
-            let t = SavedTensor {
-                buf: buf.clone(),
-                dtype: dtype.dtype(),
-                numel: n,
-            };
+            let t = saved(buf.clone(), dtype.dtype(), n);
             match m.save(layer, t).unwrap() {
                 Some(key) => st.saved.push((layer, key, data)),
                 None => st.kept.push((layer, buf, data)),
@@ -237,14 +247,7 @@ fn originals_are_freed_while_compressed() {
     m.forward_start(LayerId(0)).unwrap();
     let buf = produce(p.as_ref(), &s, &data);
     let key = m
-        .save(
-            LayerId(0),
-            SavedTensor {
-                buf: buf.clone(),
-                dtype: DType::BF16,
-                numel: n,
-            },
-        )
+        .save(LayerId(0), saved(buf.clone(), DType::BF16, n))
         .unwrap()
         .unwrap();
     p.synchronize_device().unwrap();
@@ -276,54 +279,26 @@ fn filters_and_misuse_are_typed() {
     let p = platform(None);
     let s = p.create_stream().unwrap();
     let mut cfg = ManagerConfig::new(model());
-    let mut filter = TensorFilter::default().with_predicate(|t| t.numel % 2 == 0);
+    let mut filter = TensorFilter::default().with_predicate(|t| t.numel() % 2 == 0);
     filter.min_numel = 8;
     cfg.filter = filter;
     let mut m = ActivationManager::new(p.clone(), s.clone(), cfg).unwrap();
     let b = p.alloc_device(64).unwrap();
     m.forward_start(LayerId(0)).unwrap();
     assert!(m
-        .save(
-            LayerId(0),
-            SavedTensor {
-                buf: b.clone(),
-                dtype: DType::F32,
-                numel: 15
-            }
-        )
+        .save(LayerId(0), saved(b.clone(), DType::F32, 15))
         .unwrap()
         .is_none());
     assert!(m
-        .save(
-            LayerId(0),
-            SavedTensor {
-                buf: b.clone(),
-                dtype: DType::I32,
-                numel: 16
-            }
-        )
+        .save(LayerId(0), saved(b.clone(), DType::I32, 16))
         .unwrap()
         .is_none());
     assert!(matches!(
-        m.save(
-            LayerId(0),
-            SavedTensor {
-                buf: b.clone(),
-                dtype: DType::F32,
-                numel: 32
-            }
-        ),
+        m.save(LayerId(0), saved(b.clone(), DType::F32, 32)),
         Err(CompressError::InvalidArgument(_))
     ));
     let key = m
-        .save(
-            LayerId(0),
-            SavedTensor {
-                buf: b.clone(),
-                dtype: DType::F32,
-                numel: 16,
-            },
-        )
+        .save(LayerId(0), saved(b.clone(), DType::F32, 16))
         .unwrap()
         .unwrap();
     assert!(matches!(
@@ -371,11 +346,7 @@ fn a_layers_tensors_are_taken_in_a_window_that_decodes_the_next_layer() {
                 m.window(&Op::Fixed(Duration::from_millis(5)), || ())
                     .unwrap();
                 let buf = produce(p.as_ref(), &s, &data[l]);
-                let t = SavedTensor {
-                    buf,
-                    dtype: DType::BF16,
-                    numel: n,
-                };
+                let t = saved(buf, DType::BF16, n);
                 m.save(LayerId(l), t).unwrap().unwrap()
             })
             .collect()
@@ -421,11 +392,7 @@ fn a_layers_tensors_are_taken_in_a_window_that_decodes_the_next_layer() {
 
     // A take of a tensor the open window is encoding is refused.
     m.forward_start(LayerId(0)).unwrap();
-    let t = SavedTensor {
-        buf: produce(p.as_ref(), &s, &data[0]),
-        dtype: DType::BF16,
-        numel: n,
-    };
+    let t = saved(produce(p.as_ref(), &s, &data[0]), DType::BF16, n);
     let k0 = m.save(LayerId(0), t).unwrap().unwrap();
     m.forward_start(LayerId(1)).unwrap();
     m.begin_window(&Op::Fixed(Duration::from_millis(5)))
@@ -447,11 +414,7 @@ fn discarded_tensors_free_their_layer_for_the_next_step() {
     let data = generate(DataKind::Gelu, CodecDType::BF16, n, 3);
     let saved = |m: &mut ActivationManager, layer| {
         let buf = produce(p.as_ref(), &s, &data);
-        let t = SavedTensor {
-            buf,
-            dtype: DType::BF16,
-            numel: n,
-        };
+        let t = saved(buf, DType::BF16, n);
         m.save(LayerId(layer), t).unwrap().unwrap()
     };
     m.forward_start(LayerId(0)).unwrap();
@@ -498,15 +461,8 @@ fn an_unbounded_window_encodes_every_candidate_whatever_the_throughput() {
         .filter_map(|(kind, dtype, numel)| {
             let data = generate(kind, dtype, numel, 1);
             let buf = produce(p.as_ref(), &s, &data);
-            m.save(
-                LayerId(0),
-                SavedTensor {
-                    buf,
-                    dtype: dtype.dtype(),
-                    numel,
-                },
-            )
-            .unwrap()
+            m.save(LayerId(0), saved(buf, dtype.dtype(), numel))
+                .unwrap()
         })
         .collect();
     m.forward_start(LayerId(1)).unwrap();

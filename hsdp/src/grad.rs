@@ -5,7 +5,7 @@
 
 use std::collections::VecDeque;
 
-use hprt_platform::{DType, DeviceBuffer, Kernel, PinnedBuffer, Place, ReduceOp};
+use hprt_platform::{DType, DeviceBuffer, Kernel, PinnedBuffer, Place, ReduceOp, TensorRef};
 
 use crate::error::{HsdpError, Result};
 use crate::grad_state::{PendingReduce, ReducedInto};
@@ -14,10 +14,24 @@ use crate::policy::OffloadPolicy;
 use crate::storage::{ShardRef, Storage};
 
 /// An unsharded gradient as backward produced it: the full local parameter shape in `dtype`.
+///
+/// Not a [`TensorRef`] itself: a gradient is lent for one call (`Copy`, borrowing the buffer),
+/// and its shape is the parameter's, so callers that have no shape to give (the C ABI passes a
+/// buffer, an offset and a dtype) need not invent one. A `TensorRef` lends itself as one
+/// (`GradInput::from(&t)`: its place and dtype).
 #[derive(Clone, Copy, Debug)]
 pub struct GradInput<'a> {
     pub buf: Place<&'a DeviceBuffer>,
     pub dtype: DType,
+}
+
+impl<'a> From<&'a TensorRef> for GradInput<'a> {
+    fn from(t: &'a TensorRef) -> Self {
+        GradInput {
+            buf: t.place(),
+            dtype: t.dtype,
+        }
+    }
 }
 
 /// How gradients are reduced across ranks.

@@ -358,6 +358,10 @@ impl DeviceBuffer {
     pub fn at(&self, offset: usize) -> Place<&DeviceBuffer> {
         Place::new(self, offset)
     }
+    /// The backend whose memory this is (for the errors of checks made outside an access).
+    pub(crate) fn backend(&self) -> BackendKind {
+        self.handle.0.owner.backend
+    }
 }
 
 impl std::fmt::Debug for DeviceBuffer {

@@ -7,6 +7,8 @@
 //! - [`Place`] — memory plus a byte offset; [`Memory`] — device or page-locked host memory (one
 //!   end of a copy). Callers name memory with them over handles (`Place<&DeviceBuffer>`,
 //!   `Memory<&DeviceBuffer, &PinnedBuffer>`), a [`Backend`] over its own memory types.
+//! - [`TensorRef`] — a tensor in device memory (storage, byte offset and length, dtype, shape):
+//!   what swap's `DeviceTensor`, the activation manager and the bindings describe tensors with.
 //! - [`Collective`], [`DType`], [`ReduceOp`] — what collectives do, for every backend.
 //! - [`Capabilities`] — what a platform can do ([`Platform::capabilities`]): what the layers
 //!   above branch on, never a backend's name.
@@ -45,6 +47,7 @@ mod place;
 mod platform;
 mod select;
 pub mod sync;
+mod tensor;
 mod trace;
 
 pub use backend::Backend;
@@ -68,4 +71,5 @@ pub use platform::{Platform, PlatformHandle};
 pub use select::{
     get_platform, platform_selection_reason, select_platform, PlatformRequest, Selection,
 };
+pub use tensor::TensorRef;
 pub use trace::{host_seconds, StreamClock, StreamMark, REANCHOR_AFTER_S};

@@ -18,8 +18,8 @@ use hprt_hsdp::{
     OffloadPolicy, ParamConfig, ParamSpec, Placement, ProcessGroup, ReduceOptions, ShardRef,
     ShardedParam, UnshardHandle,
 };
-use hprt_platform::{DType, DeviceBuffer, Platform};
-use hprt_swap::{DeviceTensor, PlatformHandle};
+use hprt_platform::{DType, DeviceBuffer, Platform, TensorRef};
+use hprt_swap::PlatformHandle;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -35,14 +35,15 @@ fn opt_dtype(name: Option<&str>) -> Result<Option<DType>> {
     Ok(name.map(str::parse).transpose()?)
 }
 
-/// A tensor argument: an hprt `DeviceTensor`, or a DLPack producer (numpy array, torch tensor)
-/// whose memory this platform can address, borrowed without a copy.
-fn tensor_arg(p: &PlatformHandle, obj: &Bound<'_, PyAny>) -> Result<DeviceTensor> {
+/// A tensor argument (where it lies: hsdp keeps no swap state): an hprt `DeviceTensor`, or a
+/// DLPack producer (numpy array, torch tensor) whose memory this platform can address, borrowed
+/// without a copy.
+fn tensor_arg(p: &PlatformHandle, obj: &Bound<'_, PyAny>) -> Result<TensorRef> {
     if let Ok(t) = obj.cast::<PyDeviceTensor>() {
-        return Ok(t.get().t.clone());
+        return Ok(t.get().t.tensor.clone());
     }
     let platform = PyPlatform { p: p.clone() };
-    Ok(crate::dlpack::import(&platform, obj, false)?.t)
+    Ok(crate::dlpack::import(&platform, obj, false)?.t.tensor)
 }
 
 /// The data-parallel mesh and the role of its dims: `DataParallelMesh.fsdp(mesh)` (1-D, shard),

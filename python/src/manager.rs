@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use hprt_compress::CodecDType;
 use hprt_compress::LayerId;
-use hprt_compress::{ActivationManager, ManagerConfig, SavedTensor, TensorKey};
+use hprt_compress::{ActivationManager, ManagerConfig, TensorKey};
 use hprt_compress::{CollectiveKind, CostModel, CostOverrides, CostTable, Op};
 use hprt_platform::DType;
 use hprt_platform::PlatformHandle;
+use hprt_platform::TensorRef;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -195,7 +196,6 @@ impl PyActivationManager {
                 (crate::dlpack::import(&platform, tensor, false)?.t, true)
             }
         };
-        let numel: usize = t.shape.iter().product();
         let nbytes = dtype::nbytes(t.dtype, &t.shape)?;
         let buf = if !t.storage.is_borrowed() && t.offset == 0 {
             t.storage.clone()
@@ -217,10 +217,14 @@ impl PyActivationManager {
                 Ok(b)
             })?
         };
-        let saved = SavedTensor {
-            buf,
+        // Field by field: the manager itself refuses a buffer too small for the tensor (one
+        // released since it was described) with its own typed error.
+        let saved = TensorRef {
+            storage: buf,
+            offset: 0,
+            len: nbytes,
             dtype: t.dtype,
-            numel,
+            shape: t.shape.clone(),
         };
         let mut g = lock(&self.inner);
         let Some(key) = g.m.save(LayerId(layer), saved)? else {

@@ -2,10 +2,11 @@
 //! owns its memory ([`Origin`]: hprt, or the framework and its [`Allocator`]).
 
 use std::any::Any;
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use hprt_platform::{DType, DeviceBuffer, Stream};
+use hprt_platform::{DType, DeviceBuffer, Stream, TensorRef};
 
 use crate::error::{Result, SwapError};
 
@@ -61,12 +62,18 @@ impl std::fmt::Debug for VersionCounter {
     }
 }
 
-/// A device tensor as a framework describes it: `len` bytes at `offset` in `storage`.
+/// A device tensor as a framework describes it: where it lies ([`TensorRef`]: `len` bytes at
+/// `offset` in `storage`, its dtype and shape) and what swap needs besides.
 ///
 /// A tensor covering its whole storage swaps the storage; a view (a smaller range) copies only
 /// its own bytes. As in hyper_parallel and Megatron-LM, offloading a view still releases the whole storage, and
 /// reloading re-acquires the whole storage and restores the view's bytes only: bytes of the
 /// storage outside every saved view are unspecified after reload.
+///
+/// `DeviceTensor` dereferences to its [`TensorRef`] (`t.storage`, `t.offset`, `t.len`,
+/// `t.dtype`, `t.shape`, `t.numel()`, `t.is_view()`): the tensor *is* that description plus
+/// swap's bookkeeping, and the engine reads and moves those fields in many places (a reload
+/// points the tensor at new storage through `DerefMut`).
 ///
 /// ```
 /// use std::sync::Arc;
@@ -82,13 +89,8 @@ impl std::fmt::Debug for VersionCounter {
 /// ```
 #[derive(Clone, Debug)]
 pub struct DeviceTensor {
-    pub storage: DeviceBuffer,
-    /// Byte offset of the first element in `storage`.
-    pub offset: usize,
-    /// Bytes of the tensor (`numel * dtype.size()`).
-    pub len: usize,
-    pub dtype: DType,
-    pub shape: Vec<usize>,
+    /// Where the tensor lies: storage, byte offset and length, dtype, shape.
+    pub tensor: TensorRef,
     pub version: VersionCounter,
     /// A trainable parameter (or a view of one): never swapped by the keyed front end.
     pub is_parameter: bool,
@@ -98,21 +100,36 @@ pub struct DeviceTensor {
     pub handle: Option<FrameworkHandle>,
 }
 
-impl DeviceTensor {
-    /// A tensor spanning all of `storage`.
-    pub fn whole(storage: DeviceBuffer, dtype: DType, shape: Vec<usize>) -> Self {
-        let len = storage.len();
+impl Deref for DeviceTensor {
+    type Target = TensorRef;
+    fn deref(&self) -> &TensorRef {
+        &self.tensor
+    }
+}
+
+impl DerefMut for DeviceTensor {
+    fn deref_mut(&mut self) -> &mut TensorRef {
+        &mut self.tensor
+    }
+}
+
+impl From<TensorRef> for DeviceTensor {
+    /// hprt's own memory, no framework object, not a parameter, a fresh version counter.
+    fn from(tensor: TensorRef) -> Self {
         DeviceTensor {
-            storage,
-            offset: 0,
-            len,
-            dtype,
-            shape,
+            tensor,
             version: VersionCounter::new(),
             is_parameter: false,
             origin: Origin::Owned,
             handle: None,
         }
+    }
+}
+
+impl DeviceTensor {
+    /// A tensor spanning all of `storage` ([`TensorRef::whole`]).
+    pub fn whole(storage: DeviceBuffer, dtype: DType, shape: Vec<usize>) -> Self {
+        TensorRef::whole(storage, dtype, shape).into()
     }
 
     /// A framework's tensor: `storage` is borrowed memory (see
@@ -132,39 +149,17 @@ impl DeviceTensor {
         Ok(t)
     }
 
-    /// A view of `shape` starting `offset` bytes into `storage`.
+    /// A view of `shape` starting `offset` bytes into `storage` ([`TensorRef::view`]; its
+    /// refusals are [`SwapError::InvalidTensor`]).
     pub fn view(
         storage: DeviceBuffer,
         offset: usize,
         dtype: DType,
         shape: Vec<usize>,
     ) -> Result<Self> {
-        let len = shape
-            .iter()
-            .try_fold(dtype.size(), |acc, d| acc.checked_mul(*d))
-            .ok_or_else(|| SwapError::InvalidTensor(format!("shape {shape:?} overflows")))?;
-        let t = DeviceTensor {
-            storage,
-            offset,
-            len,
-            dtype,
-            shape,
-            version: VersionCounter::new(),
-            is_parameter: false,
-            origin: Origin::Owned,
-            handle: None,
-        };
-        t.check_fits()?;
-        Ok(t)
-    }
-
-    pub fn numel(&self) -> usize {
-        self.len / self.dtype.size()
-    }
-
-    /// Whether the tensor covers less than its whole storage.
-    pub fn is_view(&self) -> bool {
-        self.offset != 0 || self.len != self.storage.len()
+        TensorRef::view(storage, offset, dtype, shape)
+            .map(Self::from)
+            .map_err(invalid_tensor)
     }
 
     /// Whether swap re-acquires the memory through a framework's allocator.
@@ -172,16 +167,15 @@ impl DeviceTensor {
         matches!(self.origin, Origin::Borrowed(_))
     }
 
+    /// [`TensorRef::check_fits`], refused as [`SwapError::InvalidTensor`].
     pub(crate) fn check_fits(&self) -> Result<()> {
-        let storage = self.storage.len();
-        match self.offset.checked_add(self.len) {
-            Some(end) if end <= storage => Ok(()),
-            _ => Err(SwapError::InvalidTensor(format!(
-                "bytes {}..+{} lie outside the {storage}-byte storage",
-                self.offset, self.len
-            ))),
-        }
+        self.tensor.check_fits().map_err(invalid_tensor)
     }
+}
+
+/// A tensor description swap cannot use is the caller's error, whatever the platform calls it.
+fn invalid_tensor(e: hprt_platform::Error) -> SwapError {
+    SwapError::InvalidTensor(e.message)
 }
 
 /// A value autograd saved: a device tensor (swappable) or anything else (passed through).

@@ -123,10 +123,7 @@ impl PyShardedParam {
         };
         py.detach(|| {
             let mut inner = lock(&self.inner);
-            let input = g.as_ref().map(|g| GradInput {
-                buf: g.storage.at(g.offset),
-                dtype: g.dtype,
-            });
+            let input = g.as_ref().map(GradInput::from);
             let w = &mut inner.param;
             w.reduce_scatter_grad(input, opts)?;
             if all_reduce {
@@ -418,10 +415,7 @@ impl PyShardedParam {
         let g = tensor_arg(&self.p, grad)?;
         py.detach(|| {
             let mut inner = lock(&self.inner);
-            inner.param.accumulate_grad(GradInput {
-                buf: g.storage.at(g.offset),
-                dtype: g.dtype,
-            })?;
+            inner.param.accumulate_grad(GradInput::from(&g))?;
             Ok(())
         })
     }
