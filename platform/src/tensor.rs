@@ -99,3 +99,32 @@ impl TensorRef {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CpuBackend, CpuConfig, Platform};
+
+    #[test]
+    fn a_view_is_checked_against_its_storage() {
+        let p = CpuBackend::new(CpuConfig::default());
+        let storage = p.alloc_device(4096).unwrap();
+        let whole = TensorRef::whole(storage.clone(), DType::F32, vec![1024]);
+        assert!(!whole.is_view());
+        assert_eq!((whole.len, whole.numel()), (4096, 1024));
+
+        let view = TensorRef::view(storage.clone(), 1024, DType::F16, vec![8, 64]).unwrap();
+        assert!(view.is_view());
+        assert_eq!(
+            (view.len, view.numel(), view.place().offset),
+            (1024, 512, 1024)
+        );
+
+        let past_end = TensorRef::view(storage.clone(), 4000, DType::F32, vec![32]).unwrap_err();
+        assert_eq!(past_end.kind, ErrorKind::OutOfRange);
+        let wrapping = TensorRef::view(storage.clone(), usize::MAX, DType::F32, vec![1]);
+        assert_eq!(wrapping.unwrap_err().kind, ErrorKind::OutOfRange);
+        let overflow = TensorRef::view(storage, 0, DType::F32, vec![usize::MAX, 2]).unwrap_err();
+        assert_eq!(overflow.kind, ErrorKind::InvalidValue);
+    }
+}
