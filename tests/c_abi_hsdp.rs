@@ -9,6 +9,8 @@ use hprt::ffi::*;
 
 mod common;
 use common::*;
+mod c_abi_common;
+use c_abi_common::*;
 
 #[path = "c_abi_hsdp/errors.rs"]
 mod errors;
@@ -29,28 +31,8 @@ struct Rank {
 impl Rank {
     /// A device buffer holding `bytes`, written in compute-stream order.
     fn upload(&self, bytes: &[u8]) -> *mut HprtDeviceBuffer {
-        // SAFETY: handles made here are live; the staging buffer outlives the synchronize.
-        unsafe {
-            let (mut dev, mut host, mut hp) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
-            ok(hprt_device_alloc(self.p, bytes.len(), &mut dev));
-            ok(hprt_pinned_alloc(self.p, bytes.len(), &mut host));
-            ok(hprt_pinned_info(host, &mut hp, ptr::null_mut()));
-            std::slice::from_raw_parts_mut(hp.cast::<u8>(), bytes.len()).copy_from_slice(bytes);
-            let d = HprtMemRef {
-                device: dev,
-                pinned: ptr::null(),
-                offset: 0,
-            };
-            let h = HprtMemRef {
-                device: ptr::null(),
-                pinned: host,
-                offset: 0,
-            };
-            ok(hprt_copy_async(self.p, d, h, bytes.len(), self.s));
-            ok(hprt_stream_synchronize(self.p, self.s));
-            ok(hprt_pinned_free(self.p, host));
-            dev
-        }
+        // SAFETY: this rank's handles are live.
+        unsafe { upload(self.p, self.s, bytes) }
     }
 
     /// Reads `bytes` at a device address (what the hsdp calls return) after the compute
@@ -58,7 +40,7 @@ impl Rank {
     fn download(&self, address: usize, bytes: usize) -> Vec<u8> {
         // SAFETY: `address..+bytes` is live device memory of this platform during the call.
         unsafe {
-            let (mut dev, mut host, mut hp) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+            let (mut dev, mut host) = (ptr::null_mut(), ptr::null_mut());
             ok(hprt_device_wrap(
                 self.p,
                 address,
@@ -68,20 +50,15 @@ impl Rank {
                 &mut dev,
             ));
             ok(hprt_pinned_alloc(self.p, bytes, &mut host));
-            let d = HprtMemRef {
-                device: dev,
-                pinned: ptr::null(),
-                offset: 0,
-            };
-            let h = HprtMemRef {
-                device: ptr::null(),
-                pinned: host,
-                offset: 0,
-            };
-            ok(hprt_copy_async(self.p, h, d, bytes, self.s));
+            ok(hprt_copy_async(
+                self.p,
+                pinned_ref(host),
+                device_ref(dev, 0),
+                bytes,
+                self.s,
+            ));
             ok(hprt_stream_synchronize(self.p, self.s));
-            ok(hprt_pinned_info(host, &mut hp, ptr::null_mut()));
-            let out = std::slice::from_raw_parts(hp.cast::<u8>(), bytes).to_vec();
+            let out = pinned_slice::<u8>(host, bytes).to_vec();
             ok(hprt_pinned_free(self.p, host));
             ok(hprt_device_free(self.p, dev));
             out
@@ -146,28 +123,18 @@ fn run_ranks(world: usize, f: impl Fn(&Rank) + Sync) {
     let mut p = ptr::null_mut();
     // SAFETY: a NUL-terminated request and a valid out-pointer.
     ok(unsafe { hprt_platform_open(c"cpu".as_ptr(), &mut p) });
-    let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
-    let mut len = 0;
-    // SAFETY: `id` has the capacity passed.
-    ok(unsafe { hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len) });
+    // SAFETY: `p` is live.
+    let (id, len) = unsafe { unique_id(p) };
     let pa = p as usize;
     std::thread::scope(|sc| {
         for rank in 0..world {
             let (f, id) = (&f, &id[..len]);
             sc.spawn(move || {
                 let p = pa as *const HprtPlatform;
-                let (mut s, mut comm) = (ptr::null_mut(), ptr::null_mut());
                 // SAFETY: handles made here, released once after `f`.
                 unsafe {
-                    ok(hprt_stream_create(p, &mut s));
-                    ok(hprt_comm_init(
-                        p,
-                        id.as_ptr(),
-                        id.len(),
-                        rank,
-                        world,
-                        &mut comm,
-                    ));
+                    let s = stream(p);
+                    let comm = join_comm(p, id, rank, world);
                     f(&Rank {
                         p,
                         s,

@@ -13,28 +13,8 @@ unsafe fn filled_buffer(
     n: usize,
     v: u8,
 ) -> *mut HprtDeviceBuffer {
-    // SAFETY: live handles and valid out-pointers.
-    unsafe {
-        let (mut b, mut h, mut hp) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
-        ok(hprt_device_alloc(p, n, &mut b));
-        ok(hprt_pinned_alloc(p, n, &mut h));
-        ok(hprt_pinned_info(h, &mut hp, ptr::null_mut()));
-        std::slice::from_raw_parts_mut(hp.cast::<u8>(), n).fill(v);
-        let d = HprtMemRef {
-            device: b,
-            pinned: ptr::null(),
-            offset: 0,
-        };
-        let hm = HprtMemRef {
-            device: ptr::null(),
-            pinned: h,
-            offset: 0,
-        };
-        ok(hprt_copy_async(p, d, hm, n, s));
-        ok(hprt_stream_synchronize(p, s));
-        ok(hprt_pinned_free(p, h));
-        b
-    }
+    // SAFETY: live handles (the caller's contract).
+    unsafe { upload(p, s, &vec![v; n]) }
 }
 
 /// The bytes at device address `addr` (on the cpu backend device memory is host memory).

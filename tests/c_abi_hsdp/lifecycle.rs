@@ -165,15 +165,11 @@ fn upstream_per_parameter_names_on_hsdp_2x2() {
 #[test]
 fn a_parameter_outlives_its_platform_handle() {
     let p = open_cpu();
-    let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
-    let mut len = 0;
     // SAFETY: live handles and valid out-pointers; after the close only the hsdp handles (and
     // the stream and communicator they keep, left to the process) are used.
     unsafe {
-        ok(hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len));
-        let (mut s, mut comm) = (ptr::null_mut(), ptr::null_mut());
-        ok(hprt_stream_create(p, &mut s));
-        ok(hprt_comm_init(p, id.as_ptr(), len, 0, 1, &mut comm));
+        let s = stream(p);
+        let comm = solo_comm(p);
         let rk = Rank {
             p,
             s,
