@@ -113,8 +113,7 @@ fn bad_arguments_are_typed_errors() {
         );
         ok(hprt_comm_destroy(p, comm));
         ok(hprt_device_free(p, b));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 

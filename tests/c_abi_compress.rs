@@ -369,8 +369,7 @@ fn device_codec_round_trips_and_reports_corruption() {
             }
             ok(hprt_pinned_free(p, staging));
         }
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 
@@ -411,7 +410,6 @@ fn decoded_size_bombs_are_refused_on_host_and_device() {
         ok(hprt_device_free(p, packed));
         ok(hprt_device_free(p, dst));
         ok(hprt_pinned_free(p, staging));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }

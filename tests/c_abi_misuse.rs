@@ -252,8 +252,7 @@ fn oversized_meshes_are_invalid_values_not_aborts() {
             HprtStatus::ErrorInvalidValue,
         );
         ok(hprt_comm_destroy(p, comm));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 
@@ -347,8 +346,7 @@ fn a_forward_post_after_a_nested_forward_pre_says_groups_do_not_nest() {
         ok(hprt_swap_forward_pre(m, a));
         ok(hprt_swap_forward_post(m, a, s));
         ok(hprt_swap_manager_destroy(m));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 

@@ -84,8 +84,7 @@ fn layer_group_swap_through_the_c_abi() {
             ok(hprt_device_free(p, b));
         }
         ok(hprt_pinned_free(p, host));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 
@@ -279,7 +278,6 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
         }
         ok(hprt_device_free(p, busy));
         ok(hprt_pinned_free(p, host));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }

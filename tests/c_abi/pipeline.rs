@@ -168,8 +168,7 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
         for (_, b) in tags {
             ok(hprt_device_free(p, b));
         }
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 
@@ -273,8 +272,7 @@ fn tensor_key_manager_and_pipeline_summary_through_the_c_abi() {
         );
         assert_eq!(len, table.len(), "the length sizes the buffer");
         ok(hprt_pipeline_destroy(o));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 
@@ -342,7 +340,6 @@ fn pipeline_last_layer_prefetch_and_stream_marks_through_the_c_abi() {
             ok(hprt_device_free(p, b));
         }
         ok(hprt_pipeline_destroy(o));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }

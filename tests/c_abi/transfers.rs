@@ -21,8 +21,7 @@ fn pinned_wait_orders_host_access_after_queued_copies() {
         }
         ok(hprt_device_free(p, dev));
         ok(hprt_pinned_free(p, host));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 

@@ -67,6 +67,18 @@ pub unsafe fn join_comm(
     comm
 }
 
+/// Destroys `s`, then closes `p`: how most tests end.
+///
+/// # Safety
+/// `s` is a live stream of the live platform `p`; neither is used again.
+pub unsafe fn close_with_stream(p: *mut HprtPlatform, s: *mut HprtStream) {
+    // SAFETY: the caller's contract; each is released once.
+    unsafe {
+        ok(hprt_stream_destroy(p, s));
+        ok(hprt_platform_close(p));
+    }
+}
+
 /// A new unique id of `p`'s and its length.
 ///
 /// # Safety
