@@ -12,6 +12,8 @@ use hprt_conformance::cuda_emulator::{library_path, open};
 use hprt_conformance::emulator::{check_fault_cases, Control, FaultCase};
 use hprt_platform::{BackendKind, Collective, DType, ErrorKind, Kernel, Platform, ReduceOp};
 
+#[path = "cuda_emulator/calls.rs"]
+mod calls;
 #[path = "cuda_emulator/contracts.rs"]
 mod contracts;
 #[path = "cuda_emulator/faults.rs"]
