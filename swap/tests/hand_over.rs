@@ -11,11 +11,11 @@ use std::time::Duration;
 use hprt_platform::{CpuBackend, CpuConfig, DType, DeviceBuffer, Event, Platform, Stream};
 use hprt_swap::{
     Allocator, DeviceTensor, EngineConfig, InflightWindow, Reacquired, Saved, SwapEngine,
-    SwapState, SwapTensor, VersionCounter,
+    SwapState, SwapTensor,
 };
 
 mod common;
-use common::jitter_seeds;
+use common::{borrow_then, jitter_seeds, reacquired, read};
 
 const LEN: usize = 64 << 10;
 
@@ -58,20 +58,7 @@ impl Framework {
     fn borrow(&self, mem: DeviceBuffer) -> DeviceBuffer {
         let live = Arc::new(AtomicBool::new(true));
         lock(&self.held).push((mem.device_ptr(), Arc::clone(&live)));
-        let (ptr, len) = (mem.device_ptr(), mem.len());
-        // SAFETY: `mem` is live device memory of `p`, kept by the release callback.
-        unsafe {
-            self.p
-                .wrap_device_memory(
-                    ptr,
-                    len,
-                    Some(Box::new(move || {
-                        drop(mem);
-                        live.store(false, Ordering::SeqCst);
-                    })),
-                )
-                .unwrap()
-        }
+        borrow_then(&*self.p, mem, move || live.store(false, Ordering::SeqCst))
     }
 
     /// Bytes of memory hprt still holds the framework's reference to.
@@ -91,11 +78,8 @@ impl Allocator for Framework {
         lock(&self.reloads).push(storage.device_ptr());
         let handle: Arc<dyn std::any::Any + Send + Sync> = Arc::new(storage.device_ptr());
         Ok(Reacquired {
-            storage,
-            offset: 0,
             handle: Some(handle),
-            version: VersionCounter::new(),
-            ready_on: None,
+            ..reacquired(storage)
         })
     }
 
@@ -153,14 +137,6 @@ fn saved(p: &Arc<dyn Platform>, s: &Stream, fw: &Arc<Framework>, i: usize) -> Sw
     let mem = p.alloc_device(LEN).unwrap();
     p.write_device_sync(&mem, 0, &pattern(i), s).unwrap();
     SwapTensor::new(Saved::Tensor(fw.tensor(mem))).unwrap()
-}
-
-fn read(p: &Arc<dyn Platform>, s: &Stream, t: &SwapTensor) -> Vec<u8> {
-    let t = t.get().unwrap().tensor().unwrap();
-    let mut out = vec![0; t.len];
-    p.read_device_sync(&t.storage, t.offset, &mut out, s)
-        .unwrap();
-    out
 }
 
 #[test]

@@ -12,7 +12,7 @@ use hprt_swap::{
 };
 
 mod common;
-use common::jitter_seeds;
+use common::{assert_modified_once_since_offload, borrow_then, jitter_seeds, reacquired};
 
 struct Fixture {
     p: Arc<dyn Platform>,
@@ -51,19 +51,7 @@ fn download(f: &Fixture, t: &DeviceTensor) -> Vec<u8> {
 /// Borrowed memory standing for a framework tensor: `owner` stays alive until hprt lets go,
 /// which sets `released`.
 fn borrow(p: &dyn Platform, owner: DeviceBuffer, released: Arc<AtomicBool>) -> DeviceBuffer {
-    let (ptr, len) = (owner.device_ptr(), owner.len());
-    // SAFETY: `owner` is live device memory of `p`, kept alive by the release callback.
-    unsafe {
-        p.wrap_device_memory(
-            ptr,
-            len,
-            Some(Box::new(move || {
-                drop(owner);
-                released.store(true, Ordering::SeqCst);
-            })),
-        )
-        .unwrap()
-    }
+    borrow_then(p, owner, move || released.store(true, Ordering::SeqCst))
 }
 
 /// The test framework's allocator: new device memory, failing while `fail` is set.
@@ -82,11 +70,8 @@ impl Allocator for TestAllocator {
         }
         let mem = self.p.alloc_device(like.len)?;
         Ok(Reacquired {
-            storage: borrow(&*self.p, mem, Arc::default()),
-            offset: 0,
             handle: Some(Arc::new("reloaded")),
-            version: VersionCounter::new(),
-            ready_on: None,
+            ..reacquired(borrow(&*self.p, mem, Arc::default()))
         })
     }
 }
@@ -283,11 +268,8 @@ impl Allocator for CachingAllocator {
             .memset_async(&self.block, 0, 0xEE, self.block.len(), s)
             .unwrap();
         Ok(Reacquired {
-            storage: borrow(&*self.p, self.block.clone(), Arc::default()),
-            offset: 0,
-            handle: None,
-            version: VersionCounter::new(),
             ready_on: Some(s.clone()),
+            ..reacquired(borrow(&*self.p, self.block.clone(), Arc::default()))
         })
     }
 }
@@ -442,16 +424,7 @@ fn a_write_during_an_in_flight_offload_is_reported_at_reload() {
         version.bump(); // the framework wrote the tensor while its copy was queued
         f.engine.finish_offload([&mut t]).unwrap();
         let e = f.engine.start_reload([&mut t]).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                SwapError::ModifiedSinceOffload {
-                    saved: 0,
-                    current: 1
-                }
-            ),
-            "borrowed={borrowed}: {e}"
-        );
+        assert_modified_once_since_offload(&e, &format!("borrowed={borrowed}: "));
     }
 }
 
@@ -531,13 +504,7 @@ fn reuse_round(seed: u64, faults: Faults, compression: Compression, borrowed: bo
         Arc::new(move |like: &DeviceTensor| {
             let storage = borrow(&*p, p.alloc_device(like.len)?, Arc::default());
             made.lock().unwrap().push(storage.clone());
-            Ok(Reacquired {
-                storage,
-                offset: 0,
-                handle: None,
-                version: VersionCounter::new(),
-                ready_on: None,
-            })
+            Ok(reacquired(storage))
         })
     };
     let tensor = |data: &[u8]| {

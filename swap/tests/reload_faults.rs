@@ -8,11 +8,14 @@
 use std::sync::Arc;
 
 use hprt_conformance::{cuda_emulator, emulator::Control};
-use hprt_platform::{DType, DeviceBuffer, Platform, Stream};
+use hprt_platform::{DType, DeviceBuffer, Platform};
 use hprt_swap::{
     Compression, DeviceTensor, EngineConfig, Reacquired, Saved, SwapEngine, SwapManager, SwapState,
-    SwapTensor, VersionCounter,
+    SwapTensor,
 };
+
+mod common;
+use common::{reacquired, read};
 
 const NUMEL: usize = 16 << 10;
 
@@ -56,23 +59,9 @@ fn borrowed(p: &Arc<dyn Platform>, mem: DeviceBuffer) -> DeviceTensor {
         let (ptr, len) = (mem.device_ptr(), mem.len());
         // SAFETY: as above.
         let storage = unsafe { q.wrap_device_memory(ptr, len, Some(Box::new(move || drop(mem)))) }?;
-        Ok(Reacquired {
-            storage,
-            offset: 0,
-            handle: None,
-            version: VersionCounter::new(),
-            ready_on: None,
-        })
+        Ok(reacquired(storage))
     };
     DeviceTensor::borrowed(storage, DType::BF16, vec![NUMEL], None, Arc::new(alloc)).unwrap()
-}
-
-fn read(p: &Arc<dyn Platform>, s: &Stream, t: &SwapTensor) -> Vec<u8> {
-    let t = t.get().unwrap().tensor().unwrap();
-    let mut out = vec![0; t.len];
-    p.read_device_sync(&t.storage, t.offset, &mut out, s)
-        .unwrap();
-    out
 }
 
 #[test]
