@@ -29,6 +29,28 @@ struct Rank {
 }
 
 impl Rank {
+    /// How a parameter test ends: the compute stream's work finished, `bufs` freed, then the
+    /// parameter and its context destroyed.
+    ///
+    /// # Safety
+    /// Every handle is live and not used again.
+    unsafe fn finish(
+        &self,
+        bufs: &[*mut HprtDeviceBuffer],
+        w: *mut HprtHsdpParam,
+        h: *mut HprtHsdp,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            ok(hprt_stream_synchronize(self.p, self.s));
+            for &b in bufs {
+                ok(hprt_device_free(self.p, b));
+            }
+            ok(hprt_hsdp_param_destroy(w));
+            ok(hprt_hsdp_destroy(h));
+        }
+    }
+
     /// A device buffer holding `bytes`, written in compute-stream order.
     fn upload(&self, bytes: &[u8]) -> *mut HprtDeviceBuffer {
         // SAFETY: this rank's handles are live.
@@ -100,13 +122,12 @@ unsafe fn f32_param(
     src: *const HprtDeviceBuffer,
 ) -> *mut HprtHsdpParam {
     let mut w = ptr::null_mut();
-    // SAFETY: the caller's contract; `name` and `shape` are live for the call.
+    // SAFETY: the caller's contract.
     ok(unsafe {
-        hprt_hsdp_param_create(
+        param_create(
             h,
-            name.as_ptr(),
-            shape.as_ptr(),
-            shape.len(),
+            name,
+            shape,
             HprtDtype::F32 as i32,
             config,
             src,
@@ -115,6 +136,38 @@ unsafe fn f32_param(
         )
     });
     w
+}
+
+/// `hprt_hsdp_param_create` of `src` at `offset` with `shape`'s length as its rank: the status,
+/// and `*out` written on success.
+///
+/// # Safety
+/// `h` live; `src` null or live; `config` null or readable.
+#[allow(clippy::too_many_arguments)] // the C call's own arguments, less the derived rank
+unsafe fn param_create(
+    h: *const HprtHsdp,
+    name: &std::ffi::CStr,
+    shape: &[usize],
+    dtype: i32,
+    config: *const HprtHsdpParamConfig,
+    src: *const HprtDeviceBuffer,
+    offset: usize,
+    out: &mut *mut HprtHsdpParam,
+) -> HprtStatus {
+    // SAFETY: the caller's contract; `name` and `shape` are live for the call.
+    unsafe {
+        hprt_hsdp_param_create(
+            h,
+            name.as_ptr(),
+            shape.as_ptr(),
+            shape.len(),
+            dtype,
+            config,
+            src,
+            offset,
+            out,
+        )
+    }
 }
 
 /// Runs `f` on `world` rank threads of one opened cpu platform, each with its own compute

@@ -24,17 +24,7 @@ fn offloaded_shards_and_accumulated_micro_batches() {
             let mut w = ptr::null_mut();
             let shape = [rows, cols];
             let f32_ = HprtDtype::F32 as i32;
-            ok(hprt_hsdp_param_create(
-                h,
-                c"w".as_ptr(),
-                shape.as_ptr(),
-                2,
-                f32_,
-                &config,
-                src,
-                0,
-                &mut w,
-            ));
+            ok(param_create(h, c"w", &shape, f32_, &config, src, 0, &mut w));
             let host_view = |v: HprtShardView| {
                 assert!(v.host, "offloaded storage is pinned host memory");
                 ok(hprt_stream_synchronize(rk.p, rk.s));
@@ -73,12 +63,7 @@ fn offloaded_shards_and_accumulated_micro_batches() {
             let want = rows_shard(&total, rows, cols, world, rk.rank);
             assert_close("offloaded grad", &host_view(v), &want);
 
-            ok(hprt_stream_synchronize(rk.p, rk.s));
-            for b in [src, g] {
-                ok(hprt_device_free(rk.p, b));
-            }
-            ok(hprt_hsdp_param_destroy(w));
-            ok(hprt_hsdp_destroy(h));
+            rk.finish(&[src, g], w, h);
         }
     });
 }
@@ -98,11 +83,10 @@ fn upstream_per_parameter_names_on_hsdp_2x2() {
             let mut w = ptr::null_mut();
             let shape = [rows, cols];
             let f32_ = HprtDtype::F32 as i32;
-            ok(hprt_hsdp_param_create(
+            ok(param_create(
                 h,
-                c"w".as_ptr(),
-                shape.as_ptr(),
-                2,
+                c"w",
+                &shape,
                 f32_,
                 ptr::null(),
                 src,
@@ -151,11 +135,7 @@ fn upstream_per_parameter_names_on_hsdp_2x2() {
             let one = total(&group);
             assert_close("one", &rk.view(v), &rows_shard(&one, rows, cols, 2, k));
 
-            ok(hprt_stream_synchronize(rk.p, rk.s));
-            ok(hprt_device_free(rk.p, src));
-            ok(hprt_device_free(rk.p, g));
-            ok(hprt_hsdp_param_destroy(w));
-            ok(hprt_hsdp_destroy(h));
+            rk.finish(&[src, g], w, h);
         }
     });
 }

@@ -109,10 +109,7 @@ fn check_rows(mode: HprtDpMode, mesh: &[usize], rows: usize, cols: usize, async_
                 HprtStatus::ErrorWrongState,
             );
 
-            ok(hprt_stream_synchronize(rk.p, rk.s));
-            ok(hprt_device_free(rk.p, g));
-            ok(hprt_hsdp_param_destroy(w));
-            ok(hprt_hsdp_destroy(h));
+            rk.finish(&[g], w, h);
         }
     });
 }
@@ -155,12 +152,7 @@ fn ddp_keeps_the_whole_parameter_and_all_reduces() {
             let mut v = HprtShardView::default();
             ok(hprt_hsdp_param_sharded_grad(w, &mut v));
             assert_close("ddp grad", &rk.view(v), &want);
-            ok(hprt_stream_synchronize(rk.p, rk.s));
-            for b in [src, g] {
-                ok(hprt_device_free(rk.p, b));
-            }
-            ok(hprt_hsdp_param_destroy(w));
-            ok(hprt_hsdp_destroy(h));
+            rk.finish(&[src, g], w, h);
         }
     });
 }
@@ -205,10 +197,7 @@ fn shard_dim_1_with_bf16_gather() {
             assert_eq!(len, 2 * n, "bf16 elements");
             assert_close("bf16 unsharded", &bf16s(&rk.download(addr, len)), &full);
             ok(hprt_hsdp_param_shard(w));
-            ok(hprt_stream_synchronize(rk.p, rk.s));
-            ok(hprt_device_free(rk.p, src));
-            ok(hprt_hsdp_param_destroy(w));
-            ok(hprt_hsdp_destroy(h));
+            rk.finish(&[src], w, h);
         }
     });
 }
