@@ -94,16 +94,7 @@ fn bad_arguments_and_wrong_states_are_typed_errors() {
             );
             assert!(w.is_null());
 
-            ok(param_create(
-                h,
-                c"w",
-                &shape,
-                f32_,
-                ptr::null(),
-                src,
-                0,
-                &mut w,
-            ));
+            w = f32_param(h, c"w", &shape, ptr::null(), src);
             expect(
                 hprt_hsdp_param_wait_for_unshard(w),
                 HprtStatus::ErrorWrongState,

@@ -21,10 +21,9 @@ fn offloaded_shards_and_accumulated_micro_batches() {
                 offload_to_host: true,
                 ..Default::default()
             };
-            let mut w = ptr::null_mut();
             let shape = [rows, cols];
             let f32_ = HprtDtype::F32 as i32;
-            ok(param_create(h, c"w", &shape, f32_, &config, src, 0, &mut w));
+            let w = f32_param(h, c"w", &shape, &config, src);
             let host_view = |v: HprtShardView| {
                 assert!(v.host, "offloaded storage is pinned host memory");
                 ok(hprt_stream_synchronize(rk.p, rk.s));
@@ -80,19 +79,9 @@ fn upstream_per_parameter_names_on_hsdp_2x2() {
         // SAFETY: every handle below is made here, used while live and released once.
         unsafe {
             let src = rk.upload(&bytes(&full));
-            let mut w = ptr::null_mut();
             let shape = [rows, cols];
             let f32_ = HprtDtype::F32 as i32;
-            ok(param_create(
-                h,
-                c"w",
-                &shape,
-                f32_,
-                ptr::null(),
-                src,
-                0,
-                &mut w,
-            ));
+            let w = f32_param(h, c"w", &shape, ptr::null(), src);
             ok(hprt_hsdp_param_alloc_all_gather_outputs(w));
             ok(hprt_hsdp_param_free_unsharded_param(w));
             ok(hprt_hsdp_param_to_unsharded(w));

@@ -59,19 +59,22 @@ fn check_rows(mode: HprtDpMode, mesh: &[usize], rows: usize, cols: usize, async_
                 HprtStatus::ErrorWrongState,
             );
             let g = rk.upload(&bytes(&grad_of(rk.rank, n)));
-            let avg = HprtReduceOp::Avg as i32;
-            ok(hprt_hsdp_param_reduce_grad(
-                w,
-                g,
-                0,
-                HprtDtype::F32 as i32,
-                avg,
-                1.0,
-                async_reduce,
-            ));
-            if async_reduce {
-                ok(hprt_hsdp_param_wait_for_reduce(w));
-            }
+            // Reduces `g` into the gradient, waiting for it when it runs asynchronously.
+            let reduce = |op: HprtReduceOp, scale: f64| {
+                ok(hprt_hsdp_param_reduce_grad(
+                    w,
+                    g,
+                    0,
+                    HprtDtype::F32 as i32,
+                    op as i32,
+                    scale,
+                    async_reduce,
+                ));
+                if async_reduce {
+                    ok(hprt_hsdp_param_wait_for_reduce(w));
+                }
+            };
+            reduce(HprtReduceOp::Avg, 1.0);
             let mean: Vec<f32> = (0..n)
                 .map(|i| (0..world).map(|r| grad_of(r, n)[i]).sum::<f32>() / world as f32)
                 .collect();
@@ -83,19 +86,7 @@ fn check_rows(mode: HprtDpMode, mesh: &[usize], rows: usize, cols: usize, async_
             );
 
             // A second, summed and scaled reduction accumulates into the same gradient.
-            let sum = HprtReduceOp::Sum as i32;
-            ok(hprt_hsdp_param_reduce_grad(
-                w,
-                g,
-                0,
-                HprtDtype::F32 as i32,
-                sum,
-                0.5,
-                async_reduce,
-            ));
-            if async_reduce {
-                ok(hprt_hsdp_param_wait_for_reduce(w));
-            }
+            reduce(HprtReduceOp::Sum, 0.5);
             let both: Vec<f32> = mean.iter().map(|m| m + m * world as f32 * 0.5).collect();
             ok(hprt_hsdp_param_sharded_grad(w, &mut v));
             assert_close(
