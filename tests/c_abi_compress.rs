@@ -292,8 +292,7 @@ fn device_codec_round_trips_and_reports_corruption() {
     // SAFETY: every handle below is made here, used while live and released once.
     unsafe {
         ok(hprt_platform_open(c"cpu".as_ptr(), &mut p));
-        let mut s = ptr::null_mut();
-        ok(hprt_stream_create(p, &mut s));
+        let s = stream(p);
         for dtype in DTYPES {
             let n = 5000;
             let data = tensor(dtype, n, 21);

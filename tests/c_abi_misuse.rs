@@ -48,8 +48,7 @@ fn a_null_out_pointer_makes_nothing_and_leaks_nothing() {
         expect(hprt_stream_create(p, ptr::null_mut()), NULL);
         expect(hprt_event_create(p, false, ptr::null_mut()), NULL);
         expect(hprt_swap_manager_create(p, 0, ptr::null_mut()), NULL);
-        let mut s = ptr::null_mut();
-        ok(hprt_stream_create(p, &mut s));
+        let s = stream(p);
         let mut raw = 0;
         ok(hprt_stream_raw(s, &mut raw));
         expect(hprt_stream_wrap(p, raw, ptr::null_mut()), NULL);
