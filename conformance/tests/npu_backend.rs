@@ -7,13 +7,15 @@
 use std::path::PathBuf;
 
 use hprt_conformance::emulator::{
-    check_fault_cases, library_path as emulator, search_env as explicit, serial, Control, FaultCase,
+    check_fault_cases, library_path as emulator, search_env as explicit, serial, FaultCase,
 };
 use hprt_platform::{DType, ErrorKind, NpuBackend, Platform, ReduceOp};
 use hprt_sys::SearchEnv;
 
 #[path = "cuda_emulator/calls.rs"]
 mod calls;
+#[path = "cuda_emulator/emu.rs"]
+mod emu;
 
 #[repr(C)]
 #[derive(Default, Debug, Clone, Copy, PartialEq)]
@@ -28,18 +30,11 @@ struct Stats {
     live_comms: u64,
 }
 
-/// The emulator's test-only exports, with its statistics.
-struct Emu(Control);
+type Emu = emu::Emu<Stats>;
 
 impl Emu {
     fn open() -> Emu {
-        Emu(Control::open(&emulator()))
-    }
-    fn stats(&self) -> Stats {
-        self.0.stats()
-    }
-    fn faults(&self, spec: &str) {
-        self.0.faults(spec)
+        Emu::open_at(&emulator())
     }
 }
 
