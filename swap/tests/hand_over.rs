@@ -112,12 +112,32 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap()
 }
 
-fn platform(jitter: Option<u64>) -> Arc<dyn Platform> {
-    Arc::new(CpuBackend::new(CpuConfig {
+/// A cpu platform (its copies lagging by `jitter`'s seed), a compute stream and the framework.
+fn setup(jitter: Option<u64>) -> (Arc<dyn Platform>, Stream, Arc<Framework>) {
+    let p: Arc<dyn Platform> = Arc::new(CpuBackend::new(CpuConfig {
         device_memory: 64 << 20,
         jitter,
         ..CpuConfig::default()
-    }))
+    }));
+    let s = p.create_stream().unwrap();
+    let fw = Framework::new(&p, &s);
+    (p, s, fw)
+}
+
+/// An engine on `p` whose copies in flight are bounded by these windows.
+fn windowed(
+    p: &Arc<dyn Platform>,
+    offload_bytes: Option<usize>,
+    reload_bytes: Option<usize>,
+) -> SwapEngine {
+    let config = EngineConfig {
+        window: InflightWindow {
+            offload_bytes,
+            reload_bytes,
+        },
+        ..EngineConfig::default()
+    };
+    SwapEngine::new(Arc::clone(p), config).unwrap()
 }
 
 /// The device trails the host: `ms` of work queued on `s` before what follows.
@@ -145,9 +165,7 @@ fn an_offloaded_tensor_goes_back_to_its_framework_when_its_copy_is_queued() {
         .into_iter()
         .chain(jitter_seeds().into_iter().map(Some))
     {
-        let p = platform(seed);
-        let s = p.create_stream().unwrap();
-        let fw = Framework::new(&p, &s);
+        let (p, s, fw) = setup(seed);
         let mut engine = SwapEngine::new(Arc::clone(&p), EngineConfig::default()).unwrap();
         let mut ts: Vec<_> = (0..4).map(|i| saved(&p, &s, &fw, i)).collect();
         lag(&p, &s, 30); // the copies below trail the host
@@ -181,9 +199,7 @@ fn an_offloaded_tensor_goes_back_to_its_framework_when_its_copy_is_queued() {
 
 #[test]
 fn an_offload_handed_back_cannot_be_cancelled_and_reloads_instead() {
-    let p = platform(Some(3));
-    let s = p.create_stream().unwrap();
-    let fw = Framework::new(&p, &s);
+    let (p, s, fw) = setup(Some(3));
     let mut engine = SwapEngine::new(Arc::clone(&p), EngineConfig::default()).unwrap();
     let mut t = saved(&p, &s, &fw, 9);
     lag(&p, &s, 20);
@@ -202,17 +218,8 @@ fn an_offload_handed_back_cannot_be_cancelled_and_reloads_instead() {
 #[test]
 fn the_offload_window_bounds_the_bytes_in_flight_with_backpressure() {
     for window in [None, Some(2 * LEN)] {
-        let p = platform(None);
-        let s = p.create_stream().unwrap();
-        let fw = Framework::new(&p, &s);
-        let config = EngineConfig {
-            window: InflightWindow {
-                offload_bytes: window,
-                reload_bytes: None,
-            },
-            ..EngineConfig::default()
-        };
-        let mut engine = SwapEngine::new(Arc::clone(&p), config).unwrap();
+        let (p, s, fw) = setup(None);
+        let mut engine = windowed(&p, window, None);
         let mut ts: Vec<_> = (0..8).map(|i| saved(&p, &s, &fw, i)).collect();
         let mut most = 0;
         for t in &mut ts {
@@ -246,17 +253,8 @@ fn the_offload_window_bounds_the_bytes_in_flight_with_backpressure() {
 
 #[test]
 fn one_batch_larger_than_the_window_waits_for_its_own_first_part() {
-    let p = platform(Some(5));
-    let s = p.create_stream().unwrap();
-    let fw = Framework::new(&p, &s);
-    let config = EngineConfig {
-        window: InflightWindow {
-            offload_bytes: Some(3 * LEN),
-            reload_bytes: None,
-        },
-        ..EngineConfig::default()
-    };
-    let mut engine = SwapEngine::new(Arc::clone(&p), config).unwrap();
+    let (p, s, fw) = setup(Some(5));
+    let mut engine = windowed(&p, Some(3 * LEN), None);
     let mut ts: Vec<_> = (0..8).map(|i| saved(&p, &s, &fw, i)).collect();
     lag(&p, &s, 20);
     engine.offload(ts.iter_mut(), &s).unwrap();
@@ -272,17 +270,8 @@ fn one_batch_larger_than_the_window_waits_for_its_own_first_part() {
 
 #[test]
 fn prefetches_stay_within_the_reload_window_and_loads_always_start() {
-    let p = platform(None);
-    let s = p.create_stream().unwrap();
-    let fw = Framework::new(&p, &s);
-    let config = EngineConfig {
-        window: InflightWindow {
-            offload_bytes: None,
-            reload_bytes: Some(2 * LEN),
-        },
-        ..EngineConfig::default()
-    };
-    let mut engine = SwapEngine::new(Arc::clone(&p), config).unwrap();
+    let (p, s, fw) = setup(None);
+    let mut engine = windowed(&p, None, Some(2 * LEN));
     let mut ts: Vec<_> = (0..5).map(|i| saved(&p, &s, &fw, i)).collect();
     engine.offload(ts.iter_mut(), &s).unwrap();
     engine.finish_offload(ts.iter_mut()).unwrap();

@@ -12,7 +12,10 @@ use hprt_swap::{
 };
 
 mod common;
-use common::{assert_modified_once_since_offload, borrow_then, jitter_seeds, reacquired};
+use common::{
+    assert_modified_once_since_offload, assert_some_seed_catches, borrow_then, jitter_seeds,
+    reacquired,
+};
 
 struct Fixture {
     p: Arc<dyn Platform>,
@@ -88,6 +91,15 @@ fn elems(dtype: DType, data: &[u8]) -> Vec<usize> {
     vec![data.len() / dtype.size()]
 }
 
+/// Element `i`'s bits: every fifth element the next of the 12 `specials`, the others `bits`.
+fn every_fifth_special<T: Copy>(i: usize, specials: &[T; 12], bits: T) -> T {
+    if i % 5 == 0 {
+        specials[i / 5 % 12]
+    } else {
+        bits
+    }
+}
+
 /// Values of every class: NaNs with payloads (quiet and signalling, both signs), ±inf, ±0,
 /// subnormals, extremes, and ordinary activations, interleaved.
 fn float_patterns(dtype: DType, n: usize) -> Vec<u8> {
@@ -118,27 +130,15 @@ fn float_patterns(dtype: DType, n: usize) -> Vec<u8> {
         let act = ((i % 97) as f32 - 48.0) * 0.03125;
         match dtype {
             DType::F32 => {
-                let v = if i % 5 == 0 {
-                    special32[i / 5 % 12]
-                } else {
-                    act.to_bits()
-                };
+                let v = every_fifth_special(i, &special32, act.to_bits());
                 out.extend_from_slice(&v.to_le_bytes());
             }
             DType::F16 => {
-                let v = if i % 5 == 0 {
-                    special16[i / 5 % 12]
-                } else {
-                    half::f16::from_f32(act).to_bits()
-                };
+                let v = every_fifth_special(i, &special16, half::f16::from_f32(act).to_bits());
                 out.extend_from_slice(&v.to_le_bytes());
             }
             DType::BF16 => {
-                let v = if i % 5 == 0 {
-                    special_bf[i / 5 % 12]
-                } else {
-                    half::bf16::from_f32(act).to_bits()
-                };
+                let v = every_fifth_special(i, &special_bf, half::bf16::from_f32(act).to_bits());
                 out.extend_from_slice(&v.to_le_bytes());
             }
             other => panic!("{other} is not a float dtype"),
@@ -584,14 +584,9 @@ fn a_recycled_pinned_block_waits_for_its_last_reload_for_every_payload_kind() {
                     "{what}: jitter seed {seed}"
                 );
             }
-            assert!(
-                jitter_seeds().into_iter().any(|seed| !reuse_round(
-                    seed,
-                    faulty,
-                    compression,
-                    borrowed
-                )),
-                "{what}: removing the pinned-reuse wait went unnoticed"
+            assert_some_seed_catches(
+                |seed| !reuse_round(seed, faulty, compression, borrowed),
+                &format!("{what}: removing the pinned-reuse wait"),
             );
         }
     }

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use hprt_conformance::{cuda_emulator, emulator::Control};
-use hprt_platform::{DType, DeviceBuffer, Platform};
+use hprt_platform::{DType, DeviceBuffer, Platform, Stream};
 use hprt_swap::{
     Compression, DeviceTensor, EngineConfig, Reacquired, Saved, SwapEngine, SwapManager, SwapState,
     SwapTensor,
@@ -24,6 +24,21 @@ static FAULT_TABLE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn exclusive() -> std::sync::MutexGuard<'static, ()> {
     FAULT_TABLE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// How each test starts: the fault table to itself, the cuda backend on the emulator, the
+/// emulator's fault controls and a stream.
+fn on_the_emulator() -> (
+    std::sync::MutexGuard<'static, ()>,
+    Arc<dyn Platform>,
+    Control,
+    Stream,
+) {
+    let only = exclusive();
+    let p: Arc<dyn Platform> = Arc::new(cuda_emulator::open().expect("cuda on the emulator"));
+    let control = Control::open(&cuda_emulator::library_path());
+    let s = p.create_stream().unwrap();
+    (only, p, control, s)
 }
 
 /// What a reload calls, by driver entry point (the emulator's fault table names them).
@@ -66,10 +81,7 @@ fn borrowed(p: &Arc<dyn Platform>, mem: DeviceBuffer) -> DeviceTensor {
 
 #[test]
 fn every_failed_reload_step_keeps_the_host_copy_and_the_retry_succeeds() {
-    let _only = exclusive();
-    let p: Arc<dyn Platform> = Arc::new(cuda_emulator::open().expect("cuda on the emulator"));
-    let control = Control::open(&cuda_emulator::library_path());
-    let s = p.create_stream().unwrap();
+    let (_only, p, control, s) = on_the_emulator();
     let want = data();
     let mut failed = Vec::new();
     for compression in [
@@ -140,10 +152,7 @@ fn every_failed_reload_step_keeps_the_host_copy_and_the_retry_succeeds() {
 
 #[test]
 fn a_failed_prefetch_does_not_stop_the_layer_whose_backward_begins() {
-    let _only = exclusive();
-    let p: Arc<dyn Platform> = Arc::new(cuda_emulator::open().expect("cuda on the emulator"));
-    let control = Control::open(&cuda_emulator::library_path());
-    let s = p.create_stream().unwrap();
+    let (_only, p, control, s) = on_the_emulator();
     let mut m = SwapManager::new(Arc::clone(&p)).unwrap();
     let layers = [m.new_layer(), m.new_layer(), m.new_layer()];
     m.set_forward_prefetch_layer(layers[0], layers[1]).unwrap();

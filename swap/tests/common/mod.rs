@@ -24,6 +24,15 @@ pub fn jitter_seeds() -> Vec<u64> {
     seeds
 }
 
+/// Some jitter seed makes `caught` see the fault that removes a wait: a race test's proof that
+/// the wait is needed. `what` names the removed wait.
+pub fn assert_some_seed_catches(caught: impl FnMut(u64) -> bool, what: &str) {
+    assert!(
+        jitter_seeds().into_iter().any(caught),
+        "{what} went unnoticed"
+    );
+}
+
 /// `owner`'s memory borrowed (`wrap_device_memory`), as a framework's tensor is: `owner` is
 /// dropped, then `on_release` runs, when the borrow is released.
 pub fn borrow_then(
