@@ -10,6 +10,8 @@ use hprt::ffi::*;
 
 mod common;
 use common::*;
+mod c_abi_common;
+use c_abi_common::*;
 
 #[path = "c_abi/group_swap.rs"]
 mod group_swap;
@@ -83,13 +85,8 @@ fn bad_arguments_are_typed_errors() {
         );
         let mut b = ptr::null_mut();
         ok(hprt_device_alloc(p, 64, &mut b));
-        let mut s = ptr::null_mut();
-        ok(hprt_stream_create(p, &mut s));
-        let mut comm = ptr::null_mut();
-        let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
-        let mut len = 0;
-        ok(hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len));
-        ok(hprt_comm_init(p, id.as_ptr(), len, 0, 1, &mut comm));
+        let s = stream(p);
+        let comm = solo_comm(p);
         // 42 is no HprtDtype: rejected before anything is queued.
         let st = hprt_all_reduce(p, comm, b, 0, b, 0, 4, 42, HprtReduceOp::Sum as i32, s);
         assert_eq!(st, HprtStatus::ErrorInvalidValue);
@@ -116,8 +113,7 @@ fn bad_arguments_are_typed_errors() {
         );
         ok(hprt_comm_destroy(p, comm));
         ok(hprt_device_free(p, b));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 

@@ -10,6 +10,8 @@ use hprt::ffi::*;
 
 mod common;
 use common::*;
+mod c_abi_common;
+use c_abi_common::*;
 
 /// Deterministic values with the shape of an activation (a few exponents dominate).
 fn smooth(n: usize, seed: u64) -> Vec<f32> {
@@ -290,35 +292,23 @@ fn device_codec_round_trips_and_reports_corruption() {
     // SAFETY: every handle below is made here, used while live and released once.
     unsafe {
         ok(hprt_platform_open(c"cpu".as_ptr(), &mut p));
-        let mut s = ptr::null_mut();
-        ok(hprt_stream_create(p, &mut s));
+        let s = stream(p);
         for dtype in DTYPES {
             let n = 5000;
             let data = tensor(dtype, n, 21);
             let cap = max_size(dtype, n);
             let mut staging = ptr::null_mut();
             ok(hprt_pinned_alloc(p, cap.max(data.len()), &mut staging));
-            let mut hp = ptr::null_mut();
-            ok(hprt_pinned_info(staging, &mut hp, ptr::null_mut()));
-            let host = std::slice::from_raw_parts_mut(hp.cast::<u8>(), cap.max(data.len()));
+            let host = pinned_slice::<u8>(staging, cap.max(data.len()));
             let (mut src, mut packed, mut dst) =
                 (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
             ok(hprt_device_alloc(p, data.len() + 8, &mut src));
             ok(hprt_device_alloc(p, cap, &mut packed));
             ok(hprt_device_alloc(p, data.len() + 8, &mut dst));
-            let dev = |b: *const HprtDeviceBuffer, offset| HprtMemRef {
-                device: b,
-                pinned: ptr::null(),
-                offset,
-            };
-            let pin = HprtMemRef {
-                device: ptr::null(),
-                pinned: staging,
-                offset: 0,
-            };
+            let pin = pinned_ref(staging);
             host[..data.len()].copy_from_slice(&data);
             // The tensor sits 8 bytes into its buffer, as a view would.
-            ok(hprt_copy_async(p, dev(src, 8), pin, data.len(), s));
+            ok(hprt_copy_async(p, device_ref(src, 8), pin, data.len(), s));
             let mut len = 0;
             ok(hprt_compress_device(
                 p,
@@ -331,7 +321,7 @@ fn device_codec_round_trips_and_reports_corruption() {
                 &mut len,
             ));
             assert!(len < data.len() && len <= cap);
-            ok(hprt_copy_async(p, pin, dev(packed, 0), len, s));
+            ok(hprt_copy_async(p, pin, device_ref(packed, 0), len, s));
             ok(hprt_stream_synchronize(p, s));
             let bytes = host[..len].to_vec();
             assert!(
@@ -350,7 +340,7 @@ fn device_codec_round_trips_and_reports_corruption() {
                 8,
                 s,
             ));
-            ok(hprt_copy_async(p, pin, dev(dst, 8), data.len(), s));
+            ok(hprt_copy_async(p, pin, device_ref(dst, 8), data.len(), s));
             ok(hprt_stream_synchronize(p, s));
             assert!(
                 host[..data.len()] == data[..],
@@ -362,7 +352,7 @@ fn device_codec_round_trips_and_reports_corruption() {
             let st = hprt_decompress_device(p, packed, len, dtype as i32, n - 1, dst, 0, s);
             assert_eq!(st, HprtStatus::ErrorCorruptData, "{}", last_error());
             host[len / 2] ^= 0x40;
-            ok(hprt_copy_async(p, dev(packed, 0), pin, len, s));
+            ok(hprt_copy_async(p, device_ref(packed, 0), pin, len, s));
             let st = hprt_decompress_device(p, packed, len, dtype as i32, n, dst, 0, s);
             assert_eq!(st, HprtStatus::ErrorCorruptData, "{}", last_error());
             let st = hprt_decompress_device(p, packed, len, dtype as i32, n, dst, 9, s);
@@ -378,8 +368,7 @@ fn device_codec_round_trips_and_reports_corruption() {
             }
             ok(hprt_pinned_free(p, staging));
         }
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 
@@ -405,29 +394,13 @@ fn decoded_size_bombs_are_refused_on_host_and_device() {
     // SAFETY: every handle below is made here, used while live and released once.
     unsafe {
         ok(hprt_platform_open(c"cpu".as_ptr(), &mut p));
-        let (mut s, mut staging, mut packed, mut dst) = (
-            ptr::null_mut(),
-            ptr::null_mut(),
-            ptr::null_mut(),
-            ptr::null_mut(),
-        );
-        ok(hprt_stream_create(p, &mut s));
-        ok(hprt_pinned_alloc(p, bomb.len(), &mut staging));
-        ok(hprt_device_alloc(p, bomb.len(), &mut packed));
-        ok(hprt_device_alloc(p, 64, &mut dst));
-        let mut hp = ptr::null_mut();
-        ok(hprt_pinned_info(staging, &mut hp, ptr::null_mut()));
-        std::slice::from_raw_parts_mut(hp.cast::<u8>(), bomb.len()).copy_from_slice(&bomb);
-        let to = HprtMemRef {
-            device: packed,
-            pinned: ptr::null(),
-            offset: 0,
-        };
-        let from = HprtMemRef {
-            device: ptr::null(),
-            pinned: staging,
-            offset: 0,
-        };
+        let s = stream(p);
+        let staging = pinned_alloc(p, bomb.len());
+        let packed = device_alloc(p, bomb.len());
+        let dst = device_alloc(p, 64);
+        pinned_slice::<u8>(staging, bomb.len()).copy_from_slice(&bomb);
+        let to = device_ref(packed, 0);
+        let from = pinned_ref(staging);
         ok(hprt_copy_async(p, to, from, bomb.len(), s));
         let st =
             hprt_decompress_device(p, packed, bomb.len(), HprtDtype::F32 as i32, 16, dst, 0, s);
@@ -436,7 +409,6 @@ fn decoded_size_bombs_are_refused_on_host_and_device() {
         ok(hprt_device_free(p, packed));
         ok(hprt_device_free(p, dst));
         ok(hprt_pinned_free(p, staging));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }

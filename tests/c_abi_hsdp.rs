@@ -9,6 +9,8 @@ use hprt::ffi::*;
 
 mod common;
 use common::*;
+mod c_abi_common;
+use c_abi_common::*;
 
 #[path = "c_abi_hsdp/errors.rs"]
 mod errors;
@@ -27,30 +29,32 @@ struct Rank {
 }
 
 impl Rank {
+    /// How a parameter test ends: the compute stream's work finished, `bufs` freed, then the
+    /// parameter and its context destroyed.
+    ///
+    /// # Safety
+    /// Every handle is live and not used again.
+    unsafe fn finish(
+        &self,
+        bufs: &[*mut HprtDeviceBuffer],
+        w: *mut HprtHsdpParam,
+        h: *mut HprtHsdp,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            ok(hprt_stream_synchronize(self.p, self.s));
+            for &b in bufs {
+                ok(hprt_device_free(self.p, b));
+            }
+            ok(hprt_hsdp_param_destroy(w));
+            ok(hprt_hsdp_destroy(h));
+        }
+    }
+
     /// A device buffer holding `bytes`, written in compute-stream order.
     fn upload(&self, bytes: &[u8]) -> *mut HprtDeviceBuffer {
-        // SAFETY: handles made here are live; the staging buffer outlives the synchronize.
-        unsafe {
-            let (mut dev, mut host, mut hp) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
-            ok(hprt_device_alloc(self.p, bytes.len(), &mut dev));
-            ok(hprt_pinned_alloc(self.p, bytes.len(), &mut host));
-            ok(hprt_pinned_info(host, &mut hp, ptr::null_mut()));
-            std::slice::from_raw_parts_mut(hp.cast::<u8>(), bytes.len()).copy_from_slice(bytes);
-            let d = HprtMemRef {
-                device: dev,
-                pinned: ptr::null(),
-                offset: 0,
-            };
-            let h = HprtMemRef {
-                device: ptr::null(),
-                pinned: host,
-                offset: 0,
-            };
-            ok(hprt_copy_async(self.p, d, h, bytes.len(), self.s));
-            ok(hprt_stream_synchronize(self.p, self.s));
-            ok(hprt_pinned_free(self.p, host));
-            dev
-        }
+        // SAFETY: this rank's handles are live.
+        unsafe { upload(self.p, self.s, bytes) }
     }
 
     /// Reads `bytes` at a device address (what the hsdp calls return) after the compute
@@ -58,7 +62,7 @@ impl Rank {
     fn download(&self, address: usize, bytes: usize) -> Vec<u8> {
         // SAFETY: `address..+bytes` is live device memory of this platform during the call.
         unsafe {
-            let (mut dev, mut host, mut hp) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+            let (mut dev, mut host) = (ptr::null_mut(), ptr::null_mut());
             ok(hprt_device_wrap(
                 self.p,
                 address,
@@ -68,20 +72,15 @@ impl Rank {
                 &mut dev,
             ));
             ok(hprt_pinned_alloc(self.p, bytes, &mut host));
-            let d = HprtMemRef {
-                device: dev,
-                pinned: ptr::null(),
-                offset: 0,
-            };
-            let h = HprtMemRef {
-                device: ptr::null(),
-                pinned: host,
-                offset: 0,
-            };
-            ok(hprt_copy_async(self.p, h, d, bytes, self.s));
+            ok(hprt_copy_async(
+                self.p,
+                pinned_ref(host),
+                device_ref(dev, 0),
+                bytes,
+                self.s,
+            ));
             ok(hprt_stream_synchronize(self.p, self.s));
-            ok(hprt_pinned_info(host, &mut hp, ptr::null_mut()));
-            let out = std::slice::from_raw_parts(hp.cast::<u8>(), bytes).to_vec();
+            let out = pinned_slice::<u8>(host, bytes).to_vec();
             ok(hprt_pinned_free(self.p, host));
             ok(hprt_device_free(self.p, dev));
             out
@@ -123,13 +122,12 @@ unsafe fn f32_param(
     src: *const HprtDeviceBuffer,
 ) -> *mut HprtHsdpParam {
     let mut w = ptr::null_mut();
-    // SAFETY: the caller's contract; `name` and `shape` are live for the call.
+    // SAFETY: the caller's contract.
     ok(unsafe {
-        hprt_hsdp_param_create(
+        param_create(
             h,
-            name.as_ptr(),
-            shape.as_ptr(),
-            shape.len(),
+            name,
+            shape,
             HprtDtype::F32 as i32,
             config,
             src,
@@ -140,34 +138,56 @@ unsafe fn f32_param(
     w
 }
 
+/// `hprt_hsdp_param_create` of `src` at `offset` with `shape`'s length as its rank: the status,
+/// and `*out` written on success.
+///
+/// # Safety
+/// `h` live; `src` null or live; `config` null or readable.
+#[allow(clippy::too_many_arguments)] // the C call's own arguments, less the derived rank
+unsafe fn param_create(
+    h: *const HprtHsdp,
+    name: &std::ffi::CStr,
+    shape: &[usize],
+    dtype: i32,
+    config: *const HprtHsdpParamConfig,
+    src: *const HprtDeviceBuffer,
+    offset: usize,
+    out: &mut *mut HprtHsdpParam,
+) -> HprtStatus {
+    // SAFETY: the caller's contract; `name` and `shape` are live for the call.
+    unsafe {
+        hprt_hsdp_param_create(
+            h,
+            name.as_ptr(),
+            shape.as_ptr(),
+            shape.len(),
+            dtype,
+            config,
+            src,
+            offset,
+            out,
+        )
+    }
+}
+
 /// Runs `f` on `world` rank threads of one opened cpu platform, each with its own compute
 /// stream and world communicator, and checks every device byte was released at the end.
 fn run_ranks(world: usize, f: impl Fn(&Rank) + Sync) {
     let mut p = ptr::null_mut();
     // SAFETY: a NUL-terminated request and a valid out-pointer.
     ok(unsafe { hprt_platform_open(c"cpu".as_ptr(), &mut p) });
-    let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
-    let mut len = 0;
-    // SAFETY: `id` has the capacity passed.
-    ok(unsafe { hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len) });
+    // SAFETY: `p` is live.
+    let (id, len) = unsafe { unique_id(p) };
     let pa = p as usize;
     std::thread::scope(|sc| {
         for rank in 0..world {
             let (f, id) = (&f, &id[..len]);
             sc.spawn(move || {
                 let p = pa as *const HprtPlatform;
-                let (mut s, mut comm) = (ptr::null_mut(), ptr::null_mut());
                 // SAFETY: handles made here, released once after `f`.
                 unsafe {
-                    ok(hprt_stream_create(p, &mut s));
-                    ok(hprt_comm_init(
-                        p,
-                        id.as_ptr(),
-                        id.len(),
-                        rank,
-                        world,
-                        &mut comm,
-                    ));
+                    let s = stream(p);
+                    let comm = join_comm(p, id, rank, world);
                     f(&Rank {
                         p,
                         s,

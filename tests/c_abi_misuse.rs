@@ -10,6 +10,8 @@ use hprt::ffi::*;
 
 mod common;
 use common::*;
+mod c_abi_common;
+use c_abi_common::*;
 
 const INVALID: HprtStatus = HprtStatus::ErrorInvalidHandle;
 const NULL: HprtStatus = HprtStatus::ErrorNullArgument;
@@ -46,8 +48,7 @@ fn a_null_out_pointer_makes_nothing_and_leaks_nothing() {
         expect(hprt_stream_create(p, ptr::null_mut()), NULL);
         expect(hprt_event_create(p, false, ptr::null_mut()), NULL);
         expect(hprt_swap_manager_create(p, 0, ptr::null_mut()), NULL);
-        let mut s = ptr::null_mut();
-        ok(hprt_stream_create(p, &mut s));
+        let s = stream(p);
         let mut raw = 0;
         ok(hprt_stream_raw(s, &mut raw));
         expect(hprt_stream_wrap(p, raw, ptr::null_mut()), NULL);
@@ -70,9 +71,7 @@ fn a_null_out_pointer_makes_nothing_and_leaks_nothing() {
         );
         ok(hprt_platform_synchronize(p));
         assert_eq!(RELEASED.load(Ordering::SeqCst), before);
-        let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
-        let mut len = 0;
-        ok(hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len));
+        let (id, len) = unique_id(p);
         expect(
             hprt_comm_init(p, id.as_ptr(), len, 0, 1, ptr::null_mut()),
             NULL,
@@ -131,18 +130,10 @@ fn released_handles_are_invalid_not_undefined() {
         assert!(last_error().contains("buffer"), "{}", last_error());
         ok(hprt_pinned_free(p, h));
         expect(hprt_pinned_free(p, h), INVALID);
-        let to_pinned = HprtMemRef {
-            device: ptr::null(),
-            pinned: h,
-            offset: 0,
-        };
+        let to_pinned = pinned_ref(h);
         let mut d2 = ptr::null_mut();
         ok(hprt_device_alloc(p, 64, &mut d2));
-        let from_device = HprtMemRef {
-            device: d2,
-            pinned: ptr::null(),
-            offset: 0,
-        };
+        let from_device = device_ref(d2, 0);
         expect(hprt_copy_async(p, to_pinned, from_device, 8, s), INVALID);
 
         ok(hprt_event_destroy(p, e));
@@ -234,12 +225,8 @@ fn oversized_meshes_are_invalid_values_not_aborts() {
     // SAFETY: valid handles and arrays; mesh_ndim values above the array length are refused
     // before the array is read (the documented bound).
     unsafe {
-        let (mut s, mut comm) = (ptr::null_mut(), ptr::null_mut());
-        ok(hprt_stream_create(p, &mut s));
-        let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
-        let mut len = 0;
-        ok(hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len));
-        ok(hprt_comm_init(p, id.as_ptr(), len, 0, 1, &mut comm));
+        let s = stream(p);
+        let comm = solo_comm(p);
         let create = |mesh: &[usize], ndim: usize| {
             let mut h = ptr::null_mut();
             let st = hprt_hsdp_create(
@@ -264,8 +251,7 @@ fn oversized_meshes_are_invalid_values_not_aborts() {
             HprtStatus::ErrorInvalidValue,
         );
         ok(hprt_comm_destroy(p, comm));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 
@@ -359,8 +345,7 @@ fn a_forward_post_after_a_nested_forward_pre_says_groups_do_not_nest() {
         ok(hprt_swap_forward_pre(m, a));
         ok(hprt_swap_forward_post(m, a, s));
         ok(hprt_swap_manager_destroy(m));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 

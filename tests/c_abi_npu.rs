@@ -11,6 +11,8 @@ use hprt::ffi::*;
 
 mod common;
 use common::*;
+mod c_abi_common;
+use c_abi_common::*;
 
 fn emulator() -> std::path::PathBuf {
     hprt_emulator_common::library::ascend_emulator()
@@ -84,60 +86,10 @@ fn a_c_program_makes_a_communicator_and_all_reduces_on_npu() {
         .map(|rank| {
             std::thread::spawn(move || {
                 let p = pa as *const HprtPlatform;
-                let n = 1000usize;
-                // SAFETY: every handle below is made here, used while live and released once;
-                // the pinned address is used for its `4 * n` bytes while the buffer lives.
+                // SAFETY: the platform outlives the threads; `id` is its unique id.
                 unsafe {
                     ok(hprt_set_device(p, rank));
-                    let (mut s, mut comm, mut dev, mut host) = (
-                        ptr::null_mut(),
-                        ptr::null_mut(),
-                        ptr::null_mut(),
-                        ptr::null_mut(),
-                    );
-                    ok(hprt_stream_create(p, &mut s));
-                    ok(hprt_comm_init(p, id.as_ptr(), len, rank, world, &mut comm));
-                    ok(hprt_device_alloc(p, 4 * n, &mut dev));
-                    ok(hprt_pinned_alloc(p, 4 * n, &mut host));
-                    let mut hp = ptr::null_mut();
-                    ok(hprt_pinned_info(host, &mut hp, ptr::null_mut()));
-                    let vals = std::slice::from_raw_parts_mut(hp.cast::<f32>(), n);
-                    for (i, v) in vals.iter_mut().enumerate() {
-                        *v = (rank * n + i) as f32;
-                    }
-                    let d = HprtMemRef {
-                        device: dev,
-                        pinned: ptr::null(),
-                        offset: 0,
-                    };
-                    let h = HprtMemRef {
-                        device: ptr::null(),
-                        pinned: host,
-                        offset: 0,
-                    };
-                    ok(hprt_copy_async(p, d, h, 4 * n, s));
-                    ok(hprt_all_reduce(
-                        p,
-                        comm,
-                        dev,
-                        0,
-                        dev,
-                        0,
-                        n,
-                        HprtDtype::F32 as i32,
-                        HprtReduceOp::Sum as i32,
-                        s,
-                    ));
-                    ok(hprt_copy_async(p, h, d, 4 * n, s));
-                    ok(hprt_stream_synchronize(p, s));
-                    for (i, v) in vals.iter().enumerate() {
-                        let want: usize = (0..world).map(|r| r * n + i).sum();
-                        assert_eq!(*v, want as f32, "rank {rank} element {i}");
-                    }
-                    ok(hprt_comm_destroy(p, comm));
-                    ok(hprt_device_free(p, dev));
-                    ok(hprt_pinned_free(p, host));
-                    ok(hprt_stream_destroy(p, s));
+                    all_reduce_rank(p, &id[..len], rank, world);
                 }
             })
         })

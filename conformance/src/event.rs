@@ -204,49 +204,12 @@ pub(crate) fn pending_while_gated(p: &dyn Platform) -> Result<()> {
         let mine = (|| -> Result<()> {
             p.set_device(0)?;
             let comm = p.comm_init(id, 0, 2).context("rank 0 comm_init")?;
-            let s = p.create_stream()?;
-            let t = p.create_stream()?;
-            let start = p.create_event(true)?;
-            let end = p.create_event(true)?;
-            let d = p.alloc_device(256)?;
-            p.record_event(&start, &s)?;
-            p.barrier(&comm, &s)?;
-            p.record_event(&end, &s)?;
-            p.stream_wait_event(&t, &end)?;
-            p.memset_async(&d, 0, 9, 256, &t)?;
-            let gated = (|| -> Result<()> {
-                ensure!(
-                    !p.query_event(&end)?,
-                    "query_event is true for an event behind a barrier a peer has not reached"
-                );
-                expect_kind(
-                    p.event_elapsed_ms(&start, &end),
-                    ErrorKind::NotReady,
-                    "elapsed_ms to an event behind an open barrier",
-                )?;
-                ensure!(
-                    !p.query_stream(&s)?,
-                    "query_stream is true while the stream waits in a barrier"
-                );
-                ensure!(
-                    !p.query_stream(&t)?,
-                    "query_stream is true for a stream waiting on a pending event"
-                );
-                Ok(())
-            })();
+            let g = behind_gate(p, |s| p.barrier(&comm, s))?;
+            let gated = g.pending(p, &BARRIER);
             if let Some(tx) = open_tx.take() {
                 let _ = tx.send(());
             }
-            p.synchronize_stream(&s).context("rank 0 barrier")?;
-            p.synchronize_stream(&t)?;
-            ensure!(
-                p.query_event(&end)?,
-                "query_event false after the barrier completed"
-            );
-            let ms = p.event_elapsed_ms(&start, &end)?;
-            ensure!(ms >= 0.0, "elapsed time across the barrier is {ms} ms");
-            p.destroy_stream(&s)?;
-            p.destroy_stream(&t)?;
+            g.released(p, &BARRIER)?;
             p.destroy_comm(&comm)?;
             gated
         })();
@@ -263,55 +226,129 @@ pub(crate) fn pending_while_gated(p: &dyn Platform) -> Result<()> {
 /// function that blocks its stream until released.
 fn pending_behind_host_fn(p: &dyn Platform) -> Result<()> {
     let (open_tx, open_rx) = mpsc::channel::<()>();
+    let g = behind_gate(p, |s| {
+        p.launch_host_fn(
+            s,
+            Box::new(move || {
+                // Bounded, so a failing case cannot hang the suite.
+                let _ = open_rx.recv_timeout(std::time::Duration::from_secs(30));
+            }),
+        )
+    })?;
+    let gated = g.pending(p, &HOST_FN);
+    drop(open_tx);
+    g.released(p, &HOST_FN)?;
+    gated
+}
+
+/// How a gate reads in the failure messages of [`Gated`]'s checks.
+struct Gate {
+    /// What the event after the gate is behind while it is closed.
+    behind: &'static str,
+    /// The closed gate, as elapsed time's end is behind it.
+    closed: &'static str,
+    /// What the gated stream waits in.
+    waits_in: &'static str,
+    /// The gate once open.
+    opened: &'static str,
+    /// What the elapsed time spans.
+    across: &'static str,
+    /// The context of the gated stream's synchronize.
+    sync: &'static str,
+}
+
+const BARRIER: Gate = Gate {
+    behind: "a barrier a peer has not reached",
+    closed: "an open barrier",
+    waits_in: "a barrier",
+    opened: "the barrier completed",
+    across: "the barrier",
+    sync: "rank 0 barrier",
+};
+
+const HOST_FN: Gate = Gate {
+    behind: "a host function that has not returned",
+    closed: "a blocked host function",
+    waits_in: "a host function",
+    opened: "the host function returned",
+    across: "the host function",
+    sync: "the gated stream",
+};
+
+/// Stream `s` held in a gate between events `start` and `end`, and stream `t` waiting on `end`
+/// before a memset of `_d`.
+struct Gated {
+    s: hprt_platform::Stream,
+    t: hprt_platform::Stream,
+    start: hprt_platform::Event,
+    end: hprt_platform::Event,
+    _d: hprt_platform::DeviceBuffer,
+}
+
+/// Queues [`Gated`]'s work, with `gate` (work that does not finish until its gate opens) queued
+/// on `s`.
+fn behind_gate(
+    p: &dyn Platform,
+    gate: impl FnOnce(&hprt_platform::Stream) -> Result<(), hprt_platform::Error>,
+) -> Result<Gated> {
     let s = p.create_stream()?;
     let t = p.create_stream()?;
     let start = p.create_event(true)?;
     let end = p.create_event(true)?;
     let d = p.alloc_device(256)?;
     p.record_event(&start, &s)?;
-    p.launch_host_fn(
-        &s,
-        Box::new(move || {
-            // Bounded, so a failing case cannot hang the suite.
-            let _ = open_rx.recv_timeout(std::time::Duration::from_secs(30));
-        }),
-    )?;
+    gate(&s)?;
     p.record_event(&end, &s)?;
     p.stream_wait_event(&t, &end)?;
     p.memset_async(&d, 0, 9, 256, &t)?;
-    let gated = (|| -> Result<()> {
+    Ok(Gated {
+        s,
+        t,
+        start,
+        end,
+        _d: d,
+    })
+}
+
+impl Gated {
+    /// While the gate is closed: everything behind it is pending.
+    fn pending(&self, p: &dyn Platform, gate: &Gate) -> Result<()> {
         ensure!(
-            !p.query_event(&end)?,
-            "query_event is true for an event behind a host function that has not returned"
+            !p.query_event(&self.end)?,
+            "query_event is true for an event behind {}",
+            gate.behind
         );
         expect_kind(
-            p.event_elapsed_ms(&start, &end),
+            p.event_elapsed_ms(&self.start, &self.end),
             ErrorKind::NotReady,
-            "elapsed_ms to an event behind a blocked host function",
+            &format!("elapsed_ms to an event behind {}", gate.closed),
         )?;
         ensure!(
-            !p.query_stream(&s)?,
-            "query_stream is true while the stream waits in a host function"
+            !p.query_stream(&self.s)?,
+            "query_stream is true while the stream waits in {}",
+            gate.waits_in
         );
         ensure!(
-            !p.query_stream(&t)?,
+            !p.query_stream(&self.t)?,
             "query_stream is true for a stream waiting on a pending event"
         );
         Ok(())
-    })();
-    drop(open_tx);
-    p.synchronize_stream(&s).context("the gated stream")?;
-    p.synchronize_stream(&t)?;
-    ensure!(
-        p.query_event(&end)?,
-        "query_event false after the host function returned"
-    );
-    let ms = p.event_elapsed_ms(&start, &end)?;
-    ensure!(
-        ms >= 0.0,
-        "elapsed time across the host function is {ms} ms"
-    );
-    p.destroy_stream(&s)?;
-    p.destroy_stream(&t)?;
-    gated
+    }
+
+    /// Once the gate opened: both streams finish, `end` is reached after `start`; the streams
+    /// are destroyed.
+    fn released(self, p: &dyn Platform, gate: &Gate) -> Result<()> {
+        p.synchronize_stream(&self.s).context(gate.sync)?;
+        p.synchronize_stream(&self.t)?;
+        ensure!(
+            p.query_event(&self.end)?,
+            "query_event false after {}",
+            gate.opened
+        );
+        let ms = p.event_elapsed_ms(&self.start, &self.end)?;
+        ensure!(ms >= 0.0, "elapsed time across {} is {ms} ms", gate.across);
+        p.destroy_stream(&self.s)?;
+        p.destroy_stream(&self.t)?;
+        Ok(())
+    }
 }

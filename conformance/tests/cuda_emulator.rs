@@ -9,11 +9,15 @@
 use std::sync::{Mutex, MutexGuard};
 
 use hprt_conformance::cuda_emulator::{library_path, open};
-use hprt_conformance::emulator::{check_fault_cases, Control, FaultCase};
+use hprt_conformance::emulator::{check_fault_cases, FaultCase};
 use hprt_platform::{BackendKind, Collective, DType, ErrorKind, Kernel, Platform, ReduceOp};
 
+#[path = "cuda_emulator/calls.rs"]
+mod calls;
 #[path = "cuda_emulator/contracts.rs"]
 mod contracts;
+#[path = "cuda_emulator/emu.rs"]
+mod emu;
 #[path = "cuda_emulator/faults.rs"]
 mod faults;
 #[path = "cuda_emulator/kernels.rs"]
@@ -34,18 +38,11 @@ struct Stats {
     reclaimed_at_context_destroy: u64,
 }
 
-/// The emulator's test-only exports, with its statistics.
-struct Emu(Control);
+type Emu = emu::Emu<Stats>;
 
 impl Emu {
     fn open() -> Emu {
-        Emu(Control::open(&library_path()))
-    }
-    fn stats(&self) -> Stats {
-        self.0.stats()
-    }
-    fn faults(&self, spec: &str) {
-        self.0.faults(spec)
+        Emu::open_at(&library_path())
     }
 }
 

@@ -7,10 +7,15 @@
 use std::path::PathBuf;
 
 use hprt_conformance::emulator::{
-    check_fault_cases, library_path as emulator, search_env as explicit, serial, Control, FaultCase,
+    check_fault_cases, library_path as emulator, search_env as explicit, serial, FaultCase,
 };
 use hprt_platform::{DType, ErrorKind, NpuBackend, Platform, ReduceOp};
 use hprt_sys::SearchEnv;
+
+#[path = "cuda_emulator/calls.rs"]
+mod calls;
+#[path = "cuda_emulator/emu.rs"]
+mod emu;
 
 #[repr(C)]
 #[derive(Default, Debug, Clone, Copy, PartialEq)]
@@ -25,18 +30,11 @@ struct Stats {
     live_comms: u64,
 }
 
-/// The emulator's test-only exports, with its statistics.
-struct Emu(Control);
+type Emu = emu::Emu<Stats>;
 
 impl Emu {
     fn open() -> Emu {
-        Emu(Control::open(&emulator()))
-    }
-    fn stats(&self) -> Stats {
-        self.0.stats()
-    }
-    fn faults(&self, spec: &str) {
-        self.0.faults(spec)
+        Emu::open_at(&emulator())
     }
 }
 
@@ -199,104 +197,73 @@ fn injected_faults_become_typed_named_errors_without_leaks() {
             "aclrtMalloc:1:207001",
             ErrorKind::OutOfMemory,
             "ACL_ERROR_RT_MEMORY_ALLOCATION",
-            |p, _| p.alloc_device(64).map(drop),
+            calls::alloc_device,
         ),
         (
             "aclrtMallocHost:1:207001",
             ErrorKind::OutOfMemory,
             "ACL_ERROR_RT_MEMORY_ALLOCATION",
-            |p, _| p.alloc_pinned(64).map(drop),
+            calls::alloc_pinned,
         ),
         (
             "aclrtCreateStream:1:507000",
             ErrorKind::Internal,
             "ACL_ERROR_RT_INTERNAL_ERROR",
-            |p, _| p.create_stream().map(drop),
+            calls::create_stream,
         ),
         (
             "aclrtCreateEventWithFlag:1:100000",
             ErrorKind::InvalidValue,
             "ACL_ERROR_INVALID_PARAM",
-            |p, _| p.create_event(true).map(drop),
+            calls::create_timing_event,
         ),
         (
             "aclrtRecordEvent:1:507000",
             ErrorKind::Internal,
             "ACL_ERROR_RT_INTERNAL_ERROR",
-            |p, s| {
-                let e = p.create_event(false)?;
-                p.record_event(&e, s)
-            },
+            calls::record_event,
         ),
         (
             "aclrtMemcpyAsync:1:107000",
             ErrorKind::InvalidValue,
             "ACL_ERROR_RT_PARAM_INVALID",
-            |p, s| {
-                let d = p.alloc_device(64)?;
-                let h = p.alloc_pinned(64)?;
-                p.copy_async((&d).into(), 0, (&h).into(), 0, 64, s)
-            },
+            calls::copy_pinned_to_device,
         ),
         (
             "aclrtMemsetAsync:1:507000",
             ErrorKind::Internal,
             "ACL_ERROR_RT_INTERNAL_ERROR",
-            |p, s| {
-                let d = p.alloc_device(64)?;
-                p.memset_async(&d, 0, 1, 64, s)
-            },
+            calls::memset,
         ),
         (
             "aclrtSynchronizeStream:1:507000",
             ErrorKind::Internal,
             "ACL_ERROR_RT_INTERNAL_ERROR",
-            |p, s| p.synchronize_stream(s),
+            calls::synchronize_stream,
         ),
         (
             "HcclGetRootInfo:1:7",
             ErrorKind::Internal,
             "HCCL_E_UNAVAIL",
-            |p, _| p.unique_id().map(drop),
+            calls::unique_id,
         ),
         (
             "HcclCommInitRootInfo:1:9",
             ErrorKind::Timeout,
             "HCCL_E_TIMEOUT",
-            |p, _| {
-                let id = p.unique_id()?;
-                p.comm_init(&id, 0, 1).map(drop)
-            },
+            calls::comm_init,
         ),
         (
             "HcclAllReduce:1:9",
             ErrorKind::Timeout,
             "HCCL_E_TIMEOUT",
-            |p, s| {
-                let id = p.unique_id()?;
-                let c = p.comm_init(&id, 0, 1)?;
-                let d = p.alloc_device(64)?;
-                p.all_reduce(
-                    (&d).into(),
-                    (&d).into(),
-                    16,
-                    DType::F32,
-                    ReduceOp::Sum,
-                    &c,
-                    s,
-                )
-            },
+            calls::all_reduce_sum,
         ),
         (
             "HcclAllGather:1:3",
             ErrorKind::OutOfMemory,
             "HCCL_E_MEMORY",
-            |p, s| {
-                let id = p.unique_id()?;
-                let c = p.comm_init(&id, 0, 1)?;
-                let d = p.alloc_device(64)?;
-                p.all_gather((&d).into(), (&d).into(), 16, DType::F32, &c, s)
-            },
+            calls::all_gather,
         ),
     ];
     check_fault_cases(&emu.0, |c| live(&c.stats()), &p, &s, cases);

@@ -1,31 +1,17 @@
 """Collectives across rank threads, the codec, and the device mesh."""
 
-import threading
 
 import numpy as np
 import pytest
 
 import hprt
+from rank_threads import on_rank_threads
 
 
 def run_ranks(world, fn):
     p = hprt.cpu_platform(device_memory=1 << 20, collective_timeout_s=20)
     uid = p.unique_id()
-    results, errors = [None] * world, []
-
-    def body(r):
-        try:
-            results[r] = fn(p, p.comm_init(uid, r, world), r)
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return results
+    return on_rank_threads(world, lambda r: fn(p, p.comm_init(uid, r, world), r))
 
 
 def test_all_reduce_all_gather_reduce_scatter_broadcast():

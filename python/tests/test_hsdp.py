@@ -2,34 +2,24 @@
 checked against numpy, and a small training loop that must match single-rank numpy training."""
 
 import os
-import threading
 
 import numpy as np
 import pytest
 
 import hprt
 from emulated import EMULATED
+from rank_threads import on_rank_threads
 
 
 def run_ranks(world, fn, **platform_args):
     p = hprt.cpu_platform(device_memory=1 << 22, pinned_memory=1 << 22, collective_timeout_s=20, **platform_args)
     uid = p.unique_id()
-    results, errors = [None] * world, []
 
-    def body(r):
-        try:
-            comm = p.comm_init(uid, r, world)
-            results[r] = fn(p, hprt.GroupCache(comm), hprt.HsdpStreams(p), r)
-        except BaseException as e:  # reported below
-            errors.append((r, e))
+    def rank(r):
+        comm = p.comm_init(uid, r, world)
+        return fn(p, hprt.GroupCache(comm), hprt.HsdpStreams(p), r)
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return results
+    return on_rank_threads(world, rank)
 
 
 def dp_mesh(kind, world):
@@ -309,46 +299,37 @@ def test_fsdp_on_an_emulated_accelerator(backend):
     (NCCL wants a device per rank: HP_EMU_DEVICES=2 for the CUDA emulator)."""
     p = hprt.open_platform(backend)
     world, uid = 2, p.unique_id()
-    results, errors = [None] * world, []
 
     def device_tensor(a, stream):
         buf = p.alloc_device(a.nbytes)
         p.write(buf, a.tobytes(), stream)
         return hprt.DeviceTensor(buf, "f32", list(a.shape))
 
-    def body(r):
-        try:
-            p.set_device(r % p.device_count())
-            cache = hprt.GroupCache(p.comm_init(uid, r, world))
-            streams = hprt.HsdpStreams(p)
-            dp = dp_mesh("fsdp", world)
-            w = hprt.ShardedParam(cache, streams, dp, "w", device_tensor(FULL, streams.compute))
-            w.unshard()
-            full = f32(w.read_unsharded(), [5, 3])
-            w.shard()
-            w.reduce_grad(device_tensor(grad_of(r), streams.compute), op="avg")
-            first = f32(w.read_sharded_grad(), w.shard_shape)
-            # The same through hyper_parallel's per-parameter names.
-            w.to_unsharded()
-            again = f32(w.read_unsharded(), [5, 3])
-            w.to_sharded()
-            w.clear_grad()
-            grad = device_tensor(grad_of(r), streams.compute)
-            w.reduce_scatter_grad(grad, op="avg")
-            w.all_reduce_grad()
-            w.wait_for_reduce()
-            assert np.array_equal(f32(w.read_sharded_grad(), w.shard_shape), first)
-            assert np.array_equal(again, FULL)
-            results[r] = full, w.shard_index, first
-        except BaseException as e:  # reported below
-            errors.append((r, e))
+    def rank(r):
+        p.set_device(r % p.device_count())
+        cache = hprt.GroupCache(p.comm_init(uid, r, world))
+        streams = hprt.HsdpStreams(p)
+        dp = dp_mesh("fsdp", world)
+        w = hprt.ShardedParam(cache, streams, dp, "w", device_tensor(FULL, streams.compute))
+        w.unshard()
+        full = f32(w.read_unsharded(), [5, 3])
+        w.shard()
+        w.reduce_grad(device_tensor(grad_of(r), streams.compute), op="avg")
+        first = f32(w.read_sharded_grad(), w.shard_shape)
+        # The same through hyper_parallel's per-parameter names.
+        w.to_unsharded()
+        again = f32(w.read_unsharded(), [5, 3])
+        w.to_sharded()
+        w.clear_grad()
+        grad = device_tensor(grad_of(r), streams.compute)
+        w.reduce_scatter_grad(grad, op="avg")
+        w.all_reduce_grad()
+        w.wait_for_reduce()
+        assert np.array_equal(f32(w.read_sharded_grad(), w.shard_shape), first)
+        assert np.array_equal(again, FULL)
+        return full, w.shard_index, first
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    results = on_rank_threads(world, rank)
     mean = np.stack([grad_of(r) for r in range(world)]).astype(np.float64).mean(0)
     for full, k, g in results:
         assert np.array_equal(full, FULL)

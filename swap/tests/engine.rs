@@ -10,7 +10,7 @@ use hprt_swap::{
 };
 
 mod common;
-use common::jitter_seeds;
+use common::{assert_modified_once_since_offload, assert_some_seed_catches, jitter_seeds};
 
 struct Fixture {
     p: Arc<dyn Platform>,
@@ -161,16 +161,7 @@ fn a_tensor_modified_after_offload_is_refused_at_reload() {
     f.engine.finish_offload([&mut t]).unwrap();
     version.bump();
     let e = f.engine.start_reload([&mut t]).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            SwapError::ModifiedSinceOffload {
-                saved: 0,
-                current: 1
-            }
-        ),
-        "{e}"
-    );
+    assert_modified_once_since_offload(&e, "");
     assert_eq!(t.state(), SwapState::Host);
 }
 
@@ -347,10 +338,8 @@ fn a_recycled_pinned_block_waits_for_its_last_reload() {
         skip_pinned_reuse_wait: true,
         ..Faults::default()
     };
-    assert!(
-        jitter_seeds()
-            .into_iter()
-            .any(|seed| !reuse_round(seed, faulty)),
-        "removing the pinned-reuse wait went unnoticed"
+    assert_some_seed_catches(
+        |seed| !reuse_round(seed, faulty),
+        "removing the pinned-reuse wait",
     );
 }

@@ -12,6 +12,9 @@ use hprt_swap::{
 };
 use proptest::prelude::*;
 
+mod common;
+use common::bytes_of;
+
 fn cpu(device_memory: usize) -> (Arc<dyn Platform>, Stream) {
     let p: Arc<dyn Platform> = Arc::new(CpuBackend::new(CpuConfig {
         device_memory,
@@ -26,14 +29,6 @@ fn tensor(p: &Arc<dyn Platform>, s: &Stream, bytes: usize, fill: u8) -> (DeviceB
     p.write_device_sync(&buf, 0, &vec![fill; bytes], s).unwrap();
     let t = DeviceTensor::whole(buf.clone(), DType::U8, vec![bytes]);
     (buf, Saved::Tensor(t))
-}
-
-fn bytes_of(p: &Arc<dyn Platform>, s: &Stream, v: &Saved) -> Vec<u8> {
-    let t = v.tensor().unwrap();
-    let mut out = vec![0; t.len];
-    p.read_device_sync(&t.storage, t.offset, &mut out, s)
-        .unwrap();
-    out
 }
 
 // --- layer groups (hyper_parallel) --------------------------------------------------------

@@ -11,11 +11,11 @@ use std::time::Duration;
 use hprt_platform::{CpuBackend, CpuConfig, DType, DeviceBuffer, Event, Platform, Stream};
 use hprt_swap::{
     Allocator, DeviceTensor, EngineConfig, InflightWindow, Reacquired, Saved, SwapEngine,
-    SwapState, SwapTensor, VersionCounter,
+    SwapState, SwapTensor,
 };
 
 mod common;
-use common::jitter_seeds;
+use common::{borrow_then, jitter_seeds, reacquired, read};
 
 const LEN: usize = 64 << 10;
 
@@ -58,20 +58,7 @@ impl Framework {
     fn borrow(&self, mem: DeviceBuffer) -> DeviceBuffer {
         let live = Arc::new(AtomicBool::new(true));
         lock(&self.held).push((mem.device_ptr(), Arc::clone(&live)));
-        let (ptr, len) = (mem.device_ptr(), mem.len());
-        // SAFETY: `mem` is live device memory of `p`, kept by the release callback.
-        unsafe {
-            self.p
-                .wrap_device_memory(
-                    ptr,
-                    len,
-                    Some(Box::new(move || {
-                        drop(mem);
-                        live.store(false, Ordering::SeqCst);
-                    })),
-                )
-                .unwrap()
-        }
+        borrow_then(&*self.p, mem, move || live.store(false, Ordering::SeqCst))
     }
 
     /// Bytes of memory hprt still holds the framework's reference to.
@@ -91,11 +78,8 @@ impl Allocator for Framework {
         lock(&self.reloads).push(storage.device_ptr());
         let handle: Arc<dyn std::any::Any + Send + Sync> = Arc::new(storage.device_ptr());
         Ok(Reacquired {
-            storage,
-            offset: 0,
             handle: Some(handle),
-            version: VersionCounter::new(),
-            ready_on: None,
+            ..reacquired(storage)
         })
     }
 
@@ -128,12 +112,32 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap()
 }
 
-fn platform(jitter: Option<u64>) -> Arc<dyn Platform> {
-    Arc::new(CpuBackend::new(CpuConfig {
+/// A cpu platform (its copies lagging by `jitter`'s seed), a compute stream and the framework.
+fn setup(jitter: Option<u64>) -> (Arc<dyn Platform>, Stream, Arc<Framework>) {
+    let p: Arc<dyn Platform> = Arc::new(CpuBackend::new(CpuConfig {
         device_memory: 64 << 20,
         jitter,
         ..CpuConfig::default()
-    }))
+    }));
+    let s = p.create_stream().unwrap();
+    let fw = Framework::new(&p, &s);
+    (p, s, fw)
+}
+
+/// An engine on `p` whose copies in flight are bounded by these windows.
+fn windowed(
+    p: &Arc<dyn Platform>,
+    offload_bytes: Option<usize>,
+    reload_bytes: Option<usize>,
+) -> SwapEngine {
+    let config = EngineConfig {
+        window: InflightWindow {
+            offload_bytes,
+            reload_bytes,
+        },
+        ..EngineConfig::default()
+    };
+    SwapEngine::new(Arc::clone(p), config).unwrap()
 }
 
 /// The device trails the host: `ms` of work queued on `s` before what follows.
@@ -155,23 +159,13 @@ fn saved(p: &Arc<dyn Platform>, s: &Stream, fw: &Arc<Framework>, i: usize) -> Sw
     SwapTensor::new(Saved::Tensor(fw.tensor(mem))).unwrap()
 }
 
-fn read(p: &Arc<dyn Platform>, s: &Stream, t: &SwapTensor) -> Vec<u8> {
-    let t = t.get().unwrap().tensor().unwrap();
-    let mut out = vec![0; t.len];
-    p.read_device_sync(&t.storage, t.offset, &mut out, s)
-        .unwrap();
-    out
-}
-
 #[test]
 fn an_offloaded_tensor_goes_back_to_its_framework_when_its_copy_is_queued() {
     for seed in [None]
         .into_iter()
         .chain(jitter_seeds().into_iter().map(Some))
     {
-        let p = platform(seed);
-        let s = p.create_stream().unwrap();
-        let fw = Framework::new(&p, &s);
+        let (p, s, fw) = setup(seed);
         let mut engine = SwapEngine::new(Arc::clone(&p), EngineConfig::default()).unwrap();
         let mut ts: Vec<_> = (0..4).map(|i| saved(&p, &s, &fw, i)).collect();
         lag(&p, &s, 30); // the copies below trail the host
@@ -205,9 +199,7 @@ fn an_offloaded_tensor_goes_back_to_its_framework_when_its_copy_is_queued() {
 
 #[test]
 fn an_offload_handed_back_cannot_be_cancelled_and_reloads_instead() {
-    let p = platform(Some(3));
-    let s = p.create_stream().unwrap();
-    let fw = Framework::new(&p, &s);
+    let (p, s, fw) = setup(Some(3));
     let mut engine = SwapEngine::new(Arc::clone(&p), EngineConfig::default()).unwrap();
     let mut t = saved(&p, &s, &fw, 9);
     lag(&p, &s, 20);
@@ -226,17 +218,8 @@ fn an_offload_handed_back_cannot_be_cancelled_and_reloads_instead() {
 #[test]
 fn the_offload_window_bounds_the_bytes_in_flight_with_backpressure() {
     for window in [None, Some(2 * LEN)] {
-        let p = platform(None);
-        let s = p.create_stream().unwrap();
-        let fw = Framework::new(&p, &s);
-        let config = EngineConfig {
-            window: InflightWindow {
-                offload_bytes: window,
-                reload_bytes: None,
-            },
-            ..EngineConfig::default()
-        };
-        let mut engine = SwapEngine::new(Arc::clone(&p), config).unwrap();
+        let (p, s, fw) = setup(None);
+        let mut engine = windowed(&p, window, None);
         let mut ts: Vec<_> = (0..8).map(|i| saved(&p, &s, &fw, i)).collect();
         let mut most = 0;
         for t in &mut ts {
@@ -270,17 +253,8 @@ fn the_offload_window_bounds_the_bytes_in_flight_with_backpressure() {
 
 #[test]
 fn one_batch_larger_than_the_window_waits_for_its_own_first_part() {
-    let p = platform(Some(5));
-    let s = p.create_stream().unwrap();
-    let fw = Framework::new(&p, &s);
-    let config = EngineConfig {
-        window: InflightWindow {
-            offload_bytes: Some(3 * LEN),
-            reload_bytes: None,
-        },
-        ..EngineConfig::default()
-    };
-    let mut engine = SwapEngine::new(Arc::clone(&p), config).unwrap();
+    let (p, s, fw) = setup(Some(5));
+    let mut engine = windowed(&p, Some(3 * LEN), None);
     let mut ts: Vec<_> = (0..8).map(|i| saved(&p, &s, &fw, i)).collect();
     lag(&p, &s, 20);
     engine.offload(ts.iter_mut(), &s).unwrap();
@@ -296,17 +270,8 @@ fn one_batch_larger_than_the_window_waits_for_its_own_first_part() {
 
 #[test]
 fn prefetches_stay_within_the_reload_window_and_loads_always_start() {
-    let p = platform(None);
-    let s = p.create_stream().unwrap();
-    let fw = Framework::new(&p, &s);
-    let config = EngineConfig {
-        window: InflightWindow {
-            offload_bytes: None,
-            reload_bytes: Some(2 * LEN),
-        },
-        ..EngineConfig::default()
-    };
-    let mut engine = SwapEngine::new(Arc::clone(&p), config).unwrap();
+    let (p, s, fw) = setup(None);
+    let mut engine = windowed(&p, None, Some(2 * LEN));
     let mut ts: Vec<_> = (0..5).map(|i| saved(&p, &s, &fw, i)).collect();
     engine.offload(ts.iter_mut(), &s).unwrap();
     engine.finish_offload(ts.iter_mut()).unwrap();

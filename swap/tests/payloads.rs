@@ -12,7 +12,10 @@ use hprt_swap::{
 };
 
 mod common;
-use common::jitter_seeds;
+use common::{
+    assert_modified_once_since_offload, assert_some_seed_catches, borrow_then, jitter_seeds,
+    reacquired,
+};
 
 struct Fixture {
     p: Arc<dyn Platform>,
@@ -51,19 +54,7 @@ fn download(f: &Fixture, t: &DeviceTensor) -> Vec<u8> {
 /// Borrowed memory standing for a framework tensor: `owner` stays alive until hprt lets go,
 /// which sets `released`.
 fn borrow(p: &dyn Platform, owner: DeviceBuffer, released: Arc<AtomicBool>) -> DeviceBuffer {
-    let (ptr, len) = (owner.device_ptr(), owner.len());
-    // SAFETY: `owner` is live device memory of `p`, kept alive by the release callback.
-    unsafe {
-        p.wrap_device_memory(
-            ptr,
-            len,
-            Some(Box::new(move || {
-                drop(owner);
-                released.store(true, Ordering::SeqCst);
-            })),
-        )
-        .unwrap()
-    }
+    borrow_then(p, owner, move || released.store(true, Ordering::SeqCst))
 }
 
 /// The test framework's allocator: new device memory, failing while `fail` is set.
@@ -82,11 +73,8 @@ impl Allocator for TestAllocator {
         }
         let mem = self.p.alloc_device(like.len)?;
         Ok(Reacquired {
-            storage: borrow(&*self.p, mem, Arc::default()),
-            offset: 0,
             handle: Some(Arc::new("reloaded")),
-            version: VersionCounter::new(),
-            ready_on: None,
+            ..reacquired(borrow(&*self.p, mem, Arc::default()))
         })
     }
 }
@@ -101,6 +89,15 @@ fn allocator(p: &Arc<dyn Platform>) -> Arc<TestAllocator> {
 
 fn elems(dtype: DType, data: &[u8]) -> Vec<usize> {
     vec![data.len() / dtype.size()]
+}
+
+/// Element `i`'s bits: every fifth element the next of the 12 `specials`, the others `bits`.
+fn every_fifth_special<T: Copy>(i: usize, specials: &[T; 12], bits: T) -> T {
+    if i % 5 == 0 {
+        specials[i / 5 % 12]
+    } else {
+        bits
+    }
 }
 
 /// Values of every class: NaNs with payloads (quiet and signalling, both signs), ±inf, ±0,
@@ -133,27 +130,15 @@ fn float_patterns(dtype: DType, n: usize) -> Vec<u8> {
         let act = ((i % 97) as f32 - 48.0) * 0.03125;
         match dtype {
             DType::F32 => {
-                let v = if i % 5 == 0 {
-                    special32[i / 5 % 12]
-                } else {
-                    act.to_bits()
-                };
+                let v = every_fifth_special(i, &special32, act.to_bits());
                 out.extend_from_slice(&v.to_le_bytes());
             }
             DType::F16 => {
-                let v = if i % 5 == 0 {
-                    special16[i / 5 % 12]
-                } else {
-                    half::f16::from_f32(act).to_bits()
-                };
+                let v = every_fifth_special(i, &special16, half::f16::from_f32(act).to_bits());
                 out.extend_from_slice(&v.to_le_bytes());
             }
             DType::BF16 => {
-                let v = if i % 5 == 0 {
-                    special_bf[i / 5 % 12]
-                } else {
-                    half::bf16::from_f32(act).to_bits()
-                };
+                let v = every_fifth_special(i, &special_bf, half::bf16::from_f32(act).to_bits());
                 out.extend_from_slice(&v.to_le_bytes());
             }
             other => panic!("{other} is not a float dtype"),
@@ -283,11 +268,8 @@ impl Allocator for CachingAllocator {
             .memset_async(&self.block, 0, 0xEE, self.block.len(), s)
             .unwrap();
         Ok(Reacquired {
-            storage: borrow(&*self.p, self.block.clone(), Arc::default()),
-            offset: 0,
-            handle: None,
-            version: VersionCounter::new(),
             ready_on: Some(s.clone()),
+            ..reacquired(borrow(&*self.p, self.block.clone(), Arc::default()))
         })
     }
 }
@@ -442,16 +424,7 @@ fn a_write_during_an_in_flight_offload_is_reported_at_reload() {
         version.bump(); // the framework wrote the tensor while its copy was queued
         f.engine.finish_offload([&mut t]).unwrap();
         let e = f.engine.start_reload([&mut t]).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                SwapError::ModifiedSinceOffload {
-                    saved: 0,
-                    current: 1
-                }
-            ),
-            "borrowed={borrowed}: {e}"
-        );
+        assert_modified_once_since_offload(&e, &format!("borrowed={borrowed}: "));
     }
 }
 
@@ -531,13 +504,7 @@ fn reuse_round(seed: u64, faults: Faults, compression: Compression, borrowed: bo
         Arc::new(move |like: &DeviceTensor| {
             let storage = borrow(&*p, p.alloc_device(like.len)?, Arc::default());
             made.lock().unwrap().push(storage.clone());
-            Ok(Reacquired {
-                storage,
-                offset: 0,
-                handle: None,
-                version: VersionCounter::new(),
-                ready_on: None,
-            })
+            Ok(reacquired(storage))
         })
     };
     let tensor = |data: &[u8]| {
@@ -617,14 +584,9 @@ fn a_recycled_pinned_block_waits_for_its_last_reload_for_every_payload_kind() {
                     "{what}: jitter seed {seed}"
                 );
             }
-            assert!(
-                jitter_seeds().into_iter().any(|seed| !reuse_round(
-                    seed,
-                    faulty,
-                    compression,
-                    borrowed
-                )),
-                "{what}: removing the pinned-reuse wait went unnoticed"
+            assert_some_seed_catches(
+                |seed| !reuse_round(seed, faulty, compression, borrowed),
+                &format!("{what}: removing the pinned-reuse wait"),
             );
         }
     }

@@ -11,8 +11,11 @@ use hprt_conformance::{cuda_emulator, emulator::Control};
 use hprt_platform::{DType, DeviceBuffer, Platform, Stream};
 use hprt_swap::{
     Compression, DeviceTensor, EngineConfig, Reacquired, Saved, SwapEngine, SwapManager, SwapState,
-    SwapTensor, VersionCounter,
+    SwapTensor,
 };
+
+mod common;
+use common::{reacquired, read};
 
 const NUMEL: usize = 16 << 10;
 
@@ -21,6 +24,21 @@ static FAULT_TABLE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn exclusive() -> std::sync::MutexGuard<'static, ()> {
     FAULT_TABLE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// How each test starts: the fault table to itself, the cuda backend on the emulator, the
+/// emulator's fault controls and a stream.
+fn on_the_emulator() -> (
+    std::sync::MutexGuard<'static, ()>,
+    Arc<dyn Platform>,
+    Control,
+    Stream,
+) {
+    let only = exclusive();
+    let p: Arc<dyn Platform> = Arc::new(cuda_emulator::open().expect("cuda on the emulator"));
+    let control = Control::open(&cuda_emulator::library_path());
+    let s = p.create_stream().unwrap();
+    (only, p, control, s)
 }
 
 /// What a reload calls, by driver entry point (the emulator's fault table names them).
@@ -56,31 +74,14 @@ fn borrowed(p: &Arc<dyn Platform>, mem: DeviceBuffer) -> DeviceTensor {
         let (ptr, len) = (mem.device_ptr(), mem.len());
         // SAFETY: as above.
         let storage = unsafe { q.wrap_device_memory(ptr, len, Some(Box::new(move || drop(mem)))) }?;
-        Ok(Reacquired {
-            storage,
-            offset: 0,
-            handle: None,
-            version: VersionCounter::new(),
-            ready_on: None,
-        })
+        Ok(reacquired(storage))
     };
     DeviceTensor::borrowed(storage, DType::BF16, vec![NUMEL], None, Arc::new(alloc)).unwrap()
 }
 
-fn read(p: &Arc<dyn Platform>, s: &Stream, t: &SwapTensor) -> Vec<u8> {
-    let t = t.get().unwrap().tensor().unwrap();
-    let mut out = vec![0; t.len];
-    p.read_device_sync(&t.storage, t.offset, &mut out, s)
-        .unwrap();
-    out
-}
-
 #[test]
 fn every_failed_reload_step_keeps_the_host_copy_and_the_retry_succeeds() {
-    let _only = exclusive();
-    let p: Arc<dyn Platform> = Arc::new(cuda_emulator::open().expect("cuda on the emulator"));
-    let control = Control::open(&cuda_emulator::library_path());
-    let s = p.create_stream().unwrap();
+    let (_only, p, control, s) = on_the_emulator();
     let want = data();
     let mut failed = Vec::new();
     for compression in [
@@ -151,10 +152,7 @@ fn every_failed_reload_step_keeps_the_host_copy_and_the_retry_succeeds() {
 
 #[test]
 fn a_failed_prefetch_does_not_stop_the_layer_whose_backward_begins() {
-    let _only = exclusive();
-    let p: Arc<dyn Platform> = Arc::new(cuda_emulator::open().expect("cuda on the emulator"));
-    let control = Control::open(&cuda_emulator::library_path());
-    let s = p.create_stream().unwrap();
+    let (_only, p, control, s) = on_the_emulator();
     let mut m = SwapManager::new(Arc::clone(&p)).unwrap();
     let layers = [m.new_layer(), m.new_layer(), m.new_layer()];
     m.set_forward_prefetch_layer(layers[0], layers[1]).unwrap();

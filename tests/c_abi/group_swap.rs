@@ -24,9 +24,7 @@ fn layer_group_swap_through_the_c_abi() {
         }
         let mut host = ptr::null_mut();
         ok(hprt_pinned_alloc(p, bytes, &mut host));
-        let mut hp = ptr::null_mut();
-        ok(hprt_pinned_info(host, &mut hp, ptr::null_mut()));
-        let hslice = std::slice::from_raw_parts_mut(hp.cast::<u8>(), bytes);
+        let hslice = pinned_slice::<u8>(host, bytes);
         let mut bufs = Vec::new();
         let mut refs = Vec::new();
         for (i, &l) in ids.iter().enumerate() {
@@ -34,18 +32,7 @@ fn layer_group_swap_through_the_c_abi() {
             let mut b = ptr::null_mut();
             ok(hprt_device_alloc(p, bytes, &mut b));
             hslice.fill(i as u8 + 1);
-            let (d, h) = (
-                HprtMemRef {
-                    device: b,
-                    pinned: ptr::null(),
-                    offset: 0,
-                },
-                HprtMemRef {
-                    device: ptr::null(),
-                    pinned: host,
-                    offset: 0,
-                },
-            );
+            let (d, h) = (device_ref(b, 0), pinned_ref(host));
             ok(hprt_copy_async(p, d, h, bytes, s));
             ok(hprt_stream_synchronize(p, s));
             let mut r = HprtSavedRef::default();
@@ -82,18 +69,7 @@ fn layer_group_swap_through_the_c_abi() {
             let mut info = 0;
             ok(hprt_device_info(bufs[i], &mut info, ptr::null_mut()));
             assert_eq!(addr, info + bytes / 2);
-            let (d, h) = (
-                HprtMemRef {
-                    device: bufs[i],
-                    pinned: ptr::null(),
-                    offset: bytes / 2,
-                },
-                HprtMemRef {
-                    device: ptr::null(),
-                    pinned: host,
-                    offset: 0,
-                },
-            );
+            let (d, h) = (device_ref(bufs[i], bytes / 2), pinned_ref(host));
             ok(hprt_copy_async(p, h, d, bytes / 2, s));
             ok(hprt_stream_synchronize(p, s));
             assert!(
@@ -108,8 +84,7 @@ fn layer_group_swap_through_the_c_abi() {
             ok(hprt_device_free(p, b));
         }
         ok(hprt_pinned_free(p, host));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 
@@ -204,29 +179,12 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
         ok(hprt_device_alloc(p, bytes, &mut orig));
         let mut host = ptr::null_mut();
         ok(hprt_pinned_alloc(p, bytes, &mut host));
-        let mut hp = ptr::null_mut();
-        ok(hprt_pinned_info(host, &mut hp, ptr::null_mut()));
-        let hslice = std::slice::from_raw_parts_mut(hp.cast::<u8>(), bytes);
+        let hslice = pinned_slice::<u8>(host, bytes);
         hslice.copy_from_slice(&data);
-        let mem = |b, pinned| {
-            if pinned {
-                HprtMemRef {
-                    device: ptr::null(),
-                    pinned: host,
-                    offset: 0,
-                }
-            } else {
-                HprtMemRef {
-                    device: b,
-                    pinned: ptr::null(),
-                    offset: 0,
-                }
-            }
-        };
         ok(hprt_copy_async(
             p,
-            mem(orig, false),
-            mem(orig, true),
+            device_ref(orig, 0),
+            pinned_ref(host),
             bytes,
             s,
         ));
@@ -294,8 +252,8 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
         hslice.fill(0);
         ok(hprt_copy_async(
             p,
-            mem(reloaded, true),
-            mem(reloaded, false),
+            pinned_ref(host),
+            device_ref(reloaded, 0),
             bytes,
             s,
         ));
@@ -320,7 +278,6 @@ fn borrowed_and_compressed_group_swap_through_the_c_abi() {
         }
         ok(hprt_device_free(p, busy));
         ok(hprt_pinned_free(p, host));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }

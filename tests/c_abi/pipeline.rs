@@ -13,28 +13,8 @@ unsafe fn filled_buffer(
     n: usize,
     v: u8,
 ) -> *mut HprtDeviceBuffer {
-    // SAFETY: live handles and valid out-pointers.
-    unsafe {
-        let (mut b, mut h, mut hp) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
-        ok(hprt_device_alloc(p, n, &mut b));
-        ok(hprt_pinned_alloc(p, n, &mut h));
-        ok(hprt_pinned_info(h, &mut hp, ptr::null_mut()));
-        std::slice::from_raw_parts_mut(hp.cast::<u8>(), n).fill(v);
-        let d = HprtMemRef {
-            device: b,
-            pinned: ptr::null(),
-            offset: 0,
-        };
-        let hm = HprtMemRef {
-            device: ptr::null(),
-            pinned: h,
-            offset: 0,
-        };
-        ok(hprt_copy_async(p, d, hm, n, s));
-        ok(hprt_stream_synchronize(p, s));
-        ok(hprt_pinned_free(p, h));
-        b
-    }
+    // SAFETY: live handles (the caller's contract).
+    unsafe { upload(p, s, &vec![v; n]) }
 }
 
 /// The bytes at device address `addr` (on the cpu backend device memory is host memory).
@@ -66,6 +46,17 @@ unsafe fn pipeline_save_group(
     }
 }
 
+/// A pipeline offload of one stage, one virtual stage, no compression.
+///
+/// # Safety
+/// `p` live.
+unsafe fn single_stage_pipeline(p: *mut HprtPlatform) -> *mut HprtPipelineOffload {
+    let mut o = ptr::null_mut();
+    // SAFETY: `p` live (the caller's contract); a valid out-pointer.
+    ok(unsafe { hprt_pipeline_create(p, 1, 1, 1, 0, HprtCompression::Off as i32, &mut o) });
+    o
+}
+
 fn bytes_at(addr: usize, n: usize) -> Vec<u8> {
     // SAFETY: a live cpu-backend device allocation of at least `n` bytes, synchronized.
     unsafe { std::slice::from_raw_parts(addr as *const u8, n) }.to_vec()
@@ -77,8 +68,7 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
     let n = 8192usize;
     // SAFETY: every handle is made here, used while live and released once.
     unsafe {
-        let mut s = ptr::null_mut();
-        ok(hprt_stream_create(p, &mut s));
+        let s = stream(p);
         // Keyed: three layers of two tensors; the last layer stays, the others come back.
         let mut k = ptr::null_mut();
         ok(hprt_keyed_create(p, 0, 0, &mut k));
@@ -127,16 +117,7 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
         ok(hprt_keyed_end_iteration(k));
         ok(hprt_keyed_destroy(k));
         // Pipeline: one chunk of three groups.
-        let mut o = ptr::null_mut();
-        ok(hprt_pipeline_create(
-            p,
-            1,
-            1,
-            1,
-            0,
-            HprtCompression::Off as i32,
-            &mut o,
-        ));
+        let o = single_stage_pipeline(p);
         ok(hprt_pipeline_init_chunk(o, 1, 0));
         let names = [c"attn", c"mlp", c"out"];
         let (mut tags, mut extras) = (Vec::new(), Vec::new());
@@ -188,8 +169,7 @@ fn keyed_and_pipeline_front_ends_through_the_c_abi() {
         for (_, b) in tags {
             ok(hprt_device_free(p, b));
         }
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 
@@ -238,18 +218,8 @@ fn tensor_key_manager_and_pipeline_summary_through_the_c_abi() {
 
         // Megatron's summary: a warm-up iteration, then one summarized (the last group is kept
         // on the device by the keep-last margin).
-        let mut s = ptr::null_mut();
-        ok(hprt_stream_create(p, &mut s));
-        let mut o = ptr::null_mut();
-        ok(hprt_pipeline_create(
-            p,
-            1,
-            1,
-            1,
-            0,
-            HprtCompression::Off as i32,
-            &mut o,
-        ));
+        let s = stream(p);
+        let o = single_stage_pipeline(p);
         let names = [c"attn", c"mlp", c"out"];
         for iteration in 0..2 {
             ok(hprt_pipeline_init_chunk(o, 1, 0));
@@ -293,8 +263,7 @@ fn tensor_key_manager_and_pipeline_summary_through_the_c_abi() {
         );
         assert_eq!(len, table.len(), "the length sizes the buffer");
         ok(hprt_pipeline_destroy(o));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }
 
@@ -304,18 +273,8 @@ fn pipeline_last_layer_prefetch_and_stream_marks_through_the_c_abi() {
     let n = 4096usize;
     // SAFETY: every handle is made here, used while live and released once.
     unsafe {
-        let mut s = ptr::null_mut();
-        ok(hprt_stream_create(p, &mut s));
-        let mut o = ptr::null_mut();
-        ok(hprt_pipeline_create(
-            p,
-            1,
-            1,
-            1,
-            0,
-            HprtCompression::Off as i32,
-            &mut o,
-        ));
+        let s = stream(p);
+        let o = single_stage_pipeline(p);
         ok(hprt_pipeline_init_chunk(o, 1, 0));
         let names = [c"a", c"b", c"last"];
         let mut saved = Vec::new();
@@ -362,7 +321,6 @@ fn pipeline_last_layer_prefetch_and_stream_marks_through_the_c_abi() {
             ok(hprt_device_free(p, b));
         }
         ok(hprt_pipeline_destroy(o));
-        ok(hprt_stream_destroy(p, s));
-        ok(hprt_platform_close(p));
+        close_with_stream(p, s);
     }
 }

@@ -63,40 +63,19 @@ fn bad_arguments_and_wrong_states_are_typed_errors() {
                 null,
             );
             expect(
-                hprt_hsdp_param_create(
-                    h,
-                    c"w".as_ptr(),
-                    shape.as_ptr(),
-                    1,
-                    f32_,
-                    ptr::null(),
-                    ptr::null(),
-                    0,
-                    &mut w,
-                ),
+                param_create(h, c"w", &shape, f32_, ptr::null(), ptr::null(), 0, &mut w),
                 null,
             );
             // The buffer is too short for 8 elements past offset 4; integers are not sharded.
             expect(
-                hprt_hsdp_param_create(
-                    h,
-                    c"w".as_ptr(),
-                    shape.as_ptr(),
-                    1,
-                    f32_,
-                    ptr::null(),
-                    src,
-                    4,
-                    &mut w,
-                ),
+                param_create(h, c"w", &shape, f32_, ptr::null(), src, 4, &mut w),
                 invalid,
             );
             expect(
-                hprt_hsdp_param_create(
+                param_create(
                     h,
-                    c"w".as_ptr(),
-                    shape.as_ptr(),
-                    1,
+                    c"w",
+                    &shape,
                     HprtDtype::I32 as i32,
                     ptr::null(),
                     src,
@@ -110,32 +89,12 @@ fn bad_arguments_and_wrong_states_are_typed_errors() {
                 ..Default::default()
             };
             expect(
-                hprt_hsdp_param_create(
-                    h,
-                    c"w".as_ptr(),
-                    shape.as_ptr(),
-                    1,
-                    f32_,
-                    &bad_dim,
-                    src,
-                    0,
-                    &mut w,
-                ),
+                param_create(h, c"w", &shape, f32_, &bad_dim, src, 0, &mut w),
                 invalid,
             );
             assert!(w.is_null());
 
-            ok(hprt_hsdp_param_create(
-                h,
-                c"w".as_ptr(),
-                shape.as_ptr(),
-                1,
-                f32_,
-                ptr::null(),
-                src,
-                0,
-                &mut w,
-            ));
+            w = f32_param(h, c"w", &shape, ptr::null(), src);
             expect(
                 hprt_hsdp_param_wait_for_unshard(w),
                 HprtStatus::ErrorWrongState,

@@ -21,20 +21,9 @@ fn offloaded_shards_and_accumulated_micro_batches() {
                 offload_to_host: true,
                 ..Default::default()
             };
-            let mut w = ptr::null_mut();
             let shape = [rows, cols];
             let f32_ = HprtDtype::F32 as i32;
-            ok(hprt_hsdp_param_create(
-                h,
-                c"w".as_ptr(),
-                shape.as_ptr(),
-                2,
-                f32_,
-                &config,
-                src,
-                0,
-                &mut w,
-            ));
+            let w = f32_param(h, c"w", &shape, &config, src);
             let host_view = |v: HprtShardView| {
                 assert!(v.host, "offloaded storage is pinned host memory");
                 ok(hprt_stream_synchronize(rk.p, rk.s));
@@ -73,12 +62,7 @@ fn offloaded_shards_and_accumulated_micro_batches() {
             let want = rows_shard(&total, rows, cols, world, rk.rank);
             assert_close("offloaded grad", &host_view(v), &want);
 
-            ok(hprt_stream_synchronize(rk.p, rk.s));
-            for b in [src, g] {
-                ok(hprt_device_free(rk.p, b));
-            }
-            ok(hprt_hsdp_param_destroy(w));
-            ok(hprt_hsdp_destroy(h));
+            rk.finish(&[src, g], w, h);
         }
     });
 }
@@ -95,20 +79,9 @@ fn upstream_per_parameter_names_on_hsdp_2x2() {
         // SAFETY: every handle below is made here, used while live and released once.
         unsafe {
             let src = rk.upload(&bytes(&full));
-            let mut w = ptr::null_mut();
             let shape = [rows, cols];
             let f32_ = HprtDtype::F32 as i32;
-            ok(hprt_hsdp_param_create(
-                h,
-                c"w".as_ptr(),
-                shape.as_ptr(),
-                2,
-                f32_,
-                ptr::null(),
-                src,
-                0,
-                &mut w,
-            ));
+            let w = f32_param(h, c"w", &shape, ptr::null(), src);
             ok(hprt_hsdp_param_alloc_all_gather_outputs(w));
             ok(hprt_hsdp_param_free_unsharded_param(w));
             ok(hprt_hsdp_param_to_unsharded(w));
@@ -151,11 +124,7 @@ fn upstream_per_parameter_names_on_hsdp_2x2() {
             let one = total(&group);
             assert_close("one", &rk.view(v), &rows_shard(&one, rows, cols, 2, k));
 
-            ok(hprt_stream_synchronize(rk.p, rk.s));
-            ok(hprt_device_free(rk.p, src));
-            ok(hprt_device_free(rk.p, g));
-            ok(hprt_hsdp_param_destroy(w));
-            ok(hprt_hsdp_destroy(h));
+            rk.finish(&[src, g], w, h);
         }
     });
 }
@@ -165,15 +134,11 @@ fn upstream_per_parameter_names_on_hsdp_2x2() {
 #[test]
 fn a_parameter_outlives_its_platform_handle() {
     let p = open_cpu();
-    let mut id = [0u8; HPRT_UNIQUE_ID_MAX_BYTES];
-    let mut len = 0;
     // SAFETY: live handles and valid out-pointers; after the close only the hsdp handles (and
     // the stream and communicator they keep, left to the process) are used.
     unsafe {
-        ok(hprt_unique_id(p, id.as_mut_ptr(), id.len(), &mut len));
-        let (mut s, mut comm) = (ptr::null_mut(), ptr::null_mut());
-        ok(hprt_stream_create(p, &mut s));
-        ok(hprt_comm_init(p, id.as_ptr(), len, 0, 1, &mut comm));
+        let s = stream(p);
+        let comm = solo_comm(p);
         let rk = Rank {
             p,
             s,

@@ -59,19 +59,22 @@ fn check_rows(mode: HprtDpMode, mesh: &[usize], rows: usize, cols: usize, async_
                 HprtStatus::ErrorWrongState,
             );
             let g = rk.upload(&bytes(&grad_of(rk.rank, n)));
-            let avg = HprtReduceOp::Avg as i32;
-            ok(hprt_hsdp_param_reduce_grad(
-                w,
-                g,
-                0,
-                HprtDtype::F32 as i32,
-                avg,
-                1.0,
-                async_reduce,
-            ));
-            if async_reduce {
-                ok(hprt_hsdp_param_wait_for_reduce(w));
-            }
+            // Reduces `g` into the gradient, waiting for it when it runs asynchronously.
+            let reduce = |op: HprtReduceOp, scale: f64| {
+                ok(hprt_hsdp_param_reduce_grad(
+                    w,
+                    g,
+                    0,
+                    HprtDtype::F32 as i32,
+                    op as i32,
+                    scale,
+                    async_reduce,
+                ));
+                if async_reduce {
+                    ok(hprt_hsdp_param_wait_for_reduce(w));
+                }
+            };
+            reduce(HprtReduceOp::Avg, 1.0);
             let mean: Vec<f32> = (0..n)
                 .map(|i| (0..world).map(|r| grad_of(r, n)[i]).sum::<f32>() / world as f32)
                 .collect();
@@ -83,19 +86,7 @@ fn check_rows(mode: HprtDpMode, mesh: &[usize], rows: usize, cols: usize, async_
             );
 
             // A second, summed and scaled reduction accumulates into the same gradient.
-            let sum = HprtReduceOp::Sum as i32;
-            ok(hprt_hsdp_param_reduce_grad(
-                w,
-                g,
-                0,
-                HprtDtype::F32 as i32,
-                sum,
-                0.5,
-                async_reduce,
-            ));
-            if async_reduce {
-                ok(hprt_hsdp_param_wait_for_reduce(w));
-            }
+            reduce(HprtReduceOp::Sum, 0.5);
             let both: Vec<f32> = mean.iter().map(|m| m + m * world as f32 * 0.5).collect();
             ok(hprt_hsdp_param_sharded_grad(w, &mut v));
             assert_close(
@@ -109,10 +100,7 @@ fn check_rows(mode: HprtDpMode, mesh: &[usize], rows: usize, cols: usize, async_
                 HprtStatus::ErrorWrongState,
             );
 
-            ok(hprt_stream_synchronize(rk.p, rk.s));
-            ok(hprt_device_free(rk.p, g));
-            ok(hprt_hsdp_param_destroy(w));
-            ok(hprt_hsdp_destroy(h));
+            rk.finish(&[g], w, h);
         }
     });
 }
@@ -155,12 +143,7 @@ fn ddp_keeps_the_whole_parameter_and_all_reduces() {
             let mut v = HprtShardView::default();
             ok(hprt_hsdp_param_sharded_grad(w, &mut v));
             assert_close("ddp grad", &rk.view(v), &want);
-            ok(hprt_stream_synchronize(rk.p, rk.s));
-            for b in [src, g] {
-                ok(hprt_device_free(rk.p, b));
-            }
-            ok(hprt_hsdp_param_destroy(w));
-            ok(hprt_hsdp_destroy(h));
+            rk.finish(&[src, g], w, h);
         }
     });
 }
@@ -205,10 +188,7 @@ fn shard_dim_1_with_bf16_gather() {
             assert_eq!(len, 2 * n, "bf16 elements");
             assert_close("bf16 unsharded", &bf16s(&rk.download(addr, len)), &full);
             ok(hprt_hsdp_param_shard(w));
-            ok(hprt_stream_synchronize(rk.p, rk.s));
-            ok(hprt_device_free(rk.p, src));
-            ok(hprt_hsdp_param_destroy(w));
-            ok(hprt_hsdp_destroy(h));
+            rk.finish(&[src], w, h);
         }
     });
 }

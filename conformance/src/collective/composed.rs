@@ -1,5 +1,6 @@
 //! Calls that share or reuse buffers: in place, with zero counts, and chained on one stream.
 
+use super::reductions::Parts;
 use super::*;
 
 /// In place: all_reduce (send = recv), all_gather (send = recv + rank block) and reduce_scatter
@@ -23,7 +24,7 @@ pub(crate) fn in_place(p: &dyn Platform) -> Result<()> {
     for_worlds(&WORLDS, |world| {
         let mut ra = Arena::default();
         let mut plans = vec![RankPlan::default(); world];
-        let mut parts: Vec<Vec<(usize, Vec<u8>)>> = vec![Vec::new(); world];
+        let mut parts = Parts::new(world);
         for (j, (dtype, op)) in AR.into_iter().enumerate() {
             let count = 100 * world + 1;
             let bytes = count * dtype.size();
@@ -47,7 +48,7 @@ pub(crate) fn in_place(p: &dyn Platform) -> Result<()> {
                     dtype,
                     op,
                 }));
-                parts[r].push((off, inputs[r].clone()));
+                parts.push(r, off, inputs[r].clone());
             }
         }
         for (j, dtype) in AG.into_iter().enumerate() {
@@ -75,7 +76,7 @@ pub(crate) fn in_place(p: &dyn Platform) -> Result<()> {
                 // Other ranks' blocks start as this rank's noise.
                 let mut init = pattern(seed(11, world, j, r), world * blk);
                 init[r * blk..(r + 1) * blk].copy_from_slice(&inputs[r]);
-                parts[r].push((off, init));
+                parts.push(r, off, init);
             }
         }
         for (j, (dtype, op)) in RS.into_iter().enumerate() {
@@ -110,14 +111,10 @@ pub(crate) fn in_place(p: &dyn Platform) -> Result<()> {
                     dtype,
                     op,
                 }));
-                parts[r].push((off, inputs[r].clone()));
+                parts.push(r, off, inputs[r].clone());
             }
         }
-        for (plan, parts) in plans.iter_mut().zip(&parts) {
-            let parts: Vec<(usize, &[u8])> =
-                parts.iter().map(|(o, v)| (*o, v.as_slice())).collect();
-            plan.recv = image(ra.total(), &parts);
-        }
+        parts.fill_recvs(&mut plans, ra.total());
         run_plans(p, plans)
     })
 }

@@ -1,6 +1,7 @@
 //! Plan builders for the exchanges: all-to-all (even and with counts and displacements),
 //! send/recv on a ring and in pairs, and barrier.
 
+use super::reductions::Parts;
 use super::*;
 
 /// all_to_all: block q of rank r's send lands in block r of rank q's recv.
@@ -16,7 +17,7 @@ pub(crate) fn all_to_all(p: &dyn Platform) -> Result<()> {
     for_worlds(&WORLDS, |world| {
         let (mut sa, mut ra) = (Arena::default(), Arena::default());
         let mut plans = vec![RankPlan::default(); world];
-        let mut send_parts: Vec<Vec<(usize, Vec<u8>)>> = vec![Vec::new(); world];
+        let mut send_parts = Parts::new(world);
         for (j, dtype) in DTYPES.into_iter().enumerate() {
             let count = 3 + 2 * j + world;
             let sz = dtype.size();
@@ -44,16 +45,9 @@ pub(crate) fn all_to_all(p: &dyn Platform) -> Result<()> {
                     dtype,
                 }));
             }
-            for (r, input) in inputs.into_iter().enumerate() {
-                send_parts[r].push((so, input));
-            }
+            send_parts.push_each(so, inputs);
         }
-        for (plan, parts) in plans.iter_mut().zip(&send_parts) {
-            let parts: Vec<(usize, &[u8])> =
-                parts.iter().map(|(o, v)| (*o, v.as_slice())).collect();
-            plan.send = image(sa.total(), &parts);
-            plan.recv = vec![FILL; ra.total()];
-        }
+        send_parts.fill_sends(&mut plans, sa.total(), ra.total());
         run_plans(p, plans)
     })
 }
@@ -76,7 +70,7 @@ pub(crate) fn all_to_all_v(p: &dyn Platform) -> Result<()> {
     for_worlds(&WORLDS, |world| {
         let (mut sa, mut ra) = (Arena::default(), Arena::default());
         let mut plans = vec![RankPlan::default(); world];
-        let mut send_parts: Vec<Vec<(usize, Vec<u8>)>> = vec![Vec::new(); world];
+        let mut send_parts = Parts::new(world);
         for (j, dtype) in DTYPES.into_iter().enumerate() {
             let sz = dtype.size();
             // cnt[r][q]: elements rank r sends to rank q.
@@ -142,16 +136,9 @@ pub(crate) fn all_to_all_v(p: &dyn Platform) -> Result<()> {
                     dtype,
                 }));
             }
-            for (r, input) in inputs.into_iter().enumerate() {
-                send_parts[r].push((so, input));
-            }
+            send_parts.push_each(so, inputs);
         }
-        for (plan, parts) in plans.iter_mut().zip(&send_parts) {
-            let parts: Vec<(usize, &[u8])> =
-                parts.iter().map(|(o, v)| (*o, v.as_slice())).collect();
-            plan.send = image(sa.total(), &parts);
-            plan.recv = vec![FILL; ra.total()];
-        }
+        send_parts.fill_sends(&mut plans, sa.total(), ra.total());
         run_plans(p, plans)
     })
 }
@@ -163,7 +150,7 @@ pub(crate) fn send_recv_ring(p: &dyn Platform) -> Result<()> {
     for_worlds(&WORLDS, |world| {
         let (mut sa, mut ra) = (Arena::default(), Arena::default());
         let mut plans = vec![RankPlan::default(); world];
-        let mut send_parts: Vec<Vec<(usize, Vec<u8>)>> = vec![Vec::new(); world];
+        let mut send_parts = Parts::new(world);
         for (dir, shift) in [(0usize, 1usize), (1, world - 1)] {
             // Each message: (dtype, count, send offset, recv offset).
             let mut msgs = Vec::new();
@@ -192,10 +179,11 @@ pub(crate) fn send_recv_ring(p: &dyn Platform) -> Result<()> {
                         peer: to,
                     }));
                     let combo = dir * 100 + k;
-                    send_parts[r].push((
+                    send_parts.push(
+                        r,
                         so,
                         reference::input(dtype, None, seed(7, world, combo, r), count),
-                    ));
+                    );
                     plan.regions.push(Region {
                         off: ro,
                         len: count * dtype.size(),
@@ -216,12 +204,7 @@ pub(crate) fn send_recv_ring(p: &dyn Platform) -> Result<()> {
                 plan.steps.push(Step::GroupEnd);
             }
         }
-        for (plan, parts) in plans.iter_mut().zip(&send_parts) {
-            let parts: Vec<(usize, &[u8])> =
-                parts.iter().map(|(o, v)| (*o, v.as_slice())).collect();
-            plan.send = image(sa.total(), &parts);
-            plan.recv = vec![FILL; ra.total()];
-        }
+        send_parts.fill_sends(&mut plans, sa.total(), ra.total());
         run_plans(p, plans)
     })
 }

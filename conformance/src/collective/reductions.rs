@@ -3,9 +3,56 @@
 
 use super::*;
 
+/// Per rank, the byte runs a buffer image holds at their offsets: what every plan builder
+/// collects while it lays out its regions, then turns into each rank's send or recv image.
+pub(super) struct Parts(Vec<Vec<(usize, Vec<u8>)>>);
+
+impl Parts {
+    pub(super) fn new(world: usize) -> Parts {
+        Parts(vec![Vec::new(); world])
+    }
+
+    /// `bytes` at `off` in `rank`'s image.
+    pub(super) fn push(&mut self, rank: usize, off: usize, bytes: Vec<u8>) {
+        self.0[rank].push((off, bytes));
+    }
+
+    /// `per_rank[r]` at `off` in rank r's image, for every rank.
+    pub(super) fn push_each(&mut self, off: usize, per_rank: Vec<Vec<u8>>) {
+        for (r, bytes) in per_rank.into_iter().enumerate() {
+            self.push(r, off, bytes);
+        }
+    }
+
+    /// `rank`'s image, `len` bytes.
+    pub(super) fn image(&self, rank: usize, len: usize) -> Vec<u8> {
+        let parts: Vec<(usize, &[u8])> = self.0[rank]
+            .iter()
+            .map(|(o, v)| (*o, v.as_slice()))
+            .collect();
+        image(len, &parts)
+    }
+
+    /// Each plan's recv buffer: its rank's image of `len` bytes.
+    pub(super) fn fill_recvs(&self, plans: &mut [RankPlan], len: usize) {
+        for (r, plan) in plans.iter_mut().enumerate() {
+            plan.recv = self.image(r, len);
+        }
+    }
+
+    /// Each plan's send buffer: its rank's image of `send_len` bytes; its recv buffer:
+    /// `recv_len` bytes of [`FILL`].
+    pub(super) fn fill_sends(&self, plans: &mut [RankPlan], send_len: usize, recv_len: usize) {
+        for (r, plan) in plans.iter_mut().enumerate() {
+            plan.send = self.image(r, send_len);
+            plan.recv = vec![FILL; recv_len];
+        }
+    }
+}
+
 fn all_reduce_plans(world: usize) -> Vec<RankPlan> {
     let (mut sa, mut ra) = (Arena::default(), Arena::default());
-    let mut send_parts: Vec<Vec<(usize, Vec<u8>)>> = vec![Vec::new(); world];
+    let mut send_parts = Parts::new(world);
     let mut regions = Vec::new();
     let mut steps = Vec::new();
     // Counts are not multiples of the world size (for world > 1).
@@ -23,9 +70,7 @@ fn all_reduce_plans(world: usize) -> Vec<RankPlan> {
             expected: Some(reference::reduce(dtype, op, &refs(&inputs))),
             label: format!("all_reduce {dtype} {op} count {count}"),
         });
-        for (r, input) in inputs.into_iter().enumerate() {
-            send_parts[r].push((so, input));
-        }
+        send_parts.push_each(so, inputs);
         steps.push(Step::Call(Collective::AllReduce {
             send: At::Send(so),
             recv: At::Recv(ro),
@@ -34,17 +79,12 @@ fn all_reduce_plans(world: usize) -> Vec<RankPlan> {
             op,
         }));
     }
-    send_parts
-        .iter()
-        .map(|parts| {
-            let parts: Vec<(usize, &[u8])> =
-                parts.iter().map(|(o, v)| (*o, v.as_slice())).collect();
-            RankPlan {
-                send: image(sa.total(), &parts),
-                recv: vec![FILL; ra.total()],
-                regions: regions.clone(),
-                steps: steps.clone(),
-            }
+    (0..world)
+        .map(|r| RankPlan {
+            send: send_parts.image(r, sa.total()),
+            recv: vec![FILL; ra.total()],
+            regions: regions.clone(),
+            steps: steps.clone(),
         })
         .collect()
 }
@@ -57,7 +97,7 @@ pub(crate) fn all_reduce(p: &dyn Platform) -> Result<()> {
 fn reduce_scatter_plans(world: usize) -> Vec<RankPlan> {
     let (mut sa, mut ra) = (Arena::default(), Arena::default());
     let mut plans = vec![RankPlan::default(); world];
-    let mut send_parts: Vec<Vec<(usize, Vec<u8>)>> = vec![Vec::new(); world];
+    let mut send_parts = Parts::new(world);
     let sized = sized_combos(|j| 37 + world + j % 3, 9001);
     for (j, (op, dtype, count)) in sized.into_iter().enumerate() {
         let sz = dtype.size();
@@ -85,15 +125,9 @@ fn reduce_scatter_plans(world: usize) -> Vec<RankPlan> {
                 op,
             }));
         }
-        for (r, input) in inputs.into_iter().enumerate() {
-            send_parts[r].push((so, input));
-        }
+        send_parts.push_each(so, inputs);
     }
-    for (plan, parts) in plans.iter_mut().zip(&send_parts) {
-        let parts: Vec<(usize, &[u8])> = parts.iter().map(|(o, v)| (*o, v.as_slice())).collect();
-        plan.send = image(sa.total(), &parts);
-        plan.recv = vec![FILL; ra.total()];
-    }
+    send_parts.fill_sends(&mut plans, sa.total(), ra.total());
     plans
 }
 
@@ -107,7 +141,7 @@ pub(crate) fn all_gather(p: &dyn Platform) -> Result<()> {
     for_worlds(&WORLDS, |world| {
         let (mut sa, mut ra) = (Arena::default(), Arena::default());
         let mut plans = vec![RankPlan::default(); world];
-        let mut send_parts: Vec<Vec<(usize, Vec<u8>)>> = vec![Vec::new(); world];
+        let mut send_parts = Parts::new(world);
         for (j, dtype) in DType::ALL.into_iter().enumerate() {
             let count = 53 + world + j;
             let sz = dtype.size();
@@ -131,16 +165,9 @@ pub(crate) fn all_gather(p: &dyn Platform) -> Result<()> {
                     dtype,
                 }));
             }
-            for (r, input) in inputs.into_iter().enumerate() {
-                send_parts[r].push((so, input));
-            }
+            send_parts.push_each(so, inputs);
         }
-        for (plan, parts) in plans.iter_mut().zip(&send_parts) {
-            let parts: Vec<(usize, &[u8])> =
-                parts.iter().map(|(o, v)| (*o, v.as_slice())).collect();
-            plan.send = image(sa.total(), &parts);
-            plan.recv = vec![FILL; ra.total()];
-        }
+        send_parts.fill_sends(&mut plans, sa.total(), ra.total());
         run_plans(p, plans)
     })
 }
@@ -151,7 +178,7 @@ pub(crate) fn broadcast(p: &dyn Platform) -> Result<()> {
     for_worlds(&WORLDS, |world| {
         let mut ra = Arena::default();
         let mut plans = vec![RankPlan::default(); world];
-        let mut parts: Vec<Vec<(usize, Vec<u8>)>> = vec![Vec::new(); world];
+        let mut parts = Parts::new(world);
         for root in 0..world {
             for (j, dtype) in DTYPES.into_iter().enumerate() {
                 let count = 77 + 3 * root + j;
@@ -174,15 +201,11 @@ pub(crate) fn broadcast(p: &dyn Platform) -> Result<()> {
                         dtype,
                         root,
                     }));
-                    parts[r].push((off, inputs[r].clone()));
+                    parts.push(r, off, inputs[r].clone());
                 }
             }
         }
-        for (plan, parts) in plans.iter_mut().zip(&parts) {
-            let parts: Vec<(usize, &[u8])> =
-                parts.iter().map(|(o, v)| (*o, v.as_slice())).collect();
-            plan.recv = image(ra.total(), &parts);
-        }
+        parts.fill_recvs(&mut plans, ra.total());
         run_plans(p, plans)
     })
 }

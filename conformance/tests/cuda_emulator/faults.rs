@@ -20,34 +20,31 @@ fn injected_driver_faults_become_typed_named_errors_without_leaks() {
             "cuMemAlloc_v2:1:2",
             ErrorKind::OutOfMemory,
             "CUDA_ERROR_OUT_OF_MEMORY",
-            |p, _| p.alloc_device(64).map(drop),
+            calls::alloc_device,
         ),
         (
             "cuMemHostAlloc:1:2",
             ErrorKind::OutOfMemory,
             "CUDA_ERROR_OUT_OF_MEMORY",
-            |p, _| p.alloc_pinned(64).map(drop),
+            calls::alloc_pinned,
         ),
         (
             "cuStreamCreate:1:999",
             ErrorKind::Internal,
             "CUDA_ERROR_UNKNOWN",
-            |p, _| p.create_stream().map(drop),
+            calls::create_stream,
         ),
         (
             "cuEventCreate:1:1",
             ErrorKind::InvalidValue,
             "CUDA_ERROR_INVALID_VALUE",
-            |p, _| p.create_event(true).map(drop),
+            calls::create_timing_event,
         ),
         (
             "cuEventRecord:1:400",
             ErrorKind::InvalidHandle,
             "CUDA_ERROR_INVALID_HANDLE",
-            |p, s| {
-                let e = p.create_event(false)?;
-                p.record_event(&e, s)
-            },
+            calls::record_event,
         ),
         (
             "cuStreamWaitEvent:1:400",
@@ -95,26 +92,19 @@ fn injected_driver_faults_become_typed_named_errors_without_leaks() {
             "cuMemcpyAsync:1:700",
             ErrorKind::Internal,
             "CUDA_ERROR_ILLEGAL_ADDRESS",
-            |p, s| {
-                let d = p.alloc_device(64)?;
-                let h = p.alloc_pinned(64)?;
-                p.copy_async((&d).into(), 0, (&h).into(), 0, 64, s)
-            },
+            calls::copy_pinned_to_device,
         ),
         (
             "cuMemsetD8Async:1:1",
             ErrorKind::InvalidValue,
             "CUDA_ERROR_INVALID_VALUE",
-            |p, s| {
-                let d = p.alloc_device(64)?;
-                p.memset_async(&d, 0, 1, 64, s)
-            },
+            calls::memset,
         ),
         (
             "cuStreamSynchronize:1:719",
             ErrorKind::Internal,
             "CUDA_ERROR_LAUNCH_FAILED",
-            |p, s| p.synchronize_stream(s),
+            calls::synchronize_stream,
         ),
         (
             "cuStreamQuery:1:999",
@@ -141,7 +131,7 @@ fn injected_driver_faults_become_typed_named_errors_without_leaks() {
             "cuCtxGetCurrent:1:201",
             ErrorKind::InvalidValue,
             "CUDA_ERROR_INVALID_CONTEXT",
-            |p, _| p.create_stream().map(drop),
+            calls::create_stream,
         ),
         (
             "cuLaunchHostFunc:1:1",
@@ -165,94 +155,49 @@ fn injected_nccl_faults_become_typed_named_errors_without_leaks() {
             "ncclGetUniqueId:1:2",
             ErrorKind::Internal,
             "ncclSystemError",
-            |p, _| p.unique_id().map(drop),
+            calls::unique_id,
         ),
         (
             "ncclCommInitRank:1:5",
             ErrorKind::InvalidValue,
             "ncclInvalidUsage",
-            |p, _| {
-                let id = p.unique_id()?;
-                p.comm_init(&id, 0, 1).map(drop)
-            },
+            calls::comm_init,
         ),
         (
             "ncclAllReduce:1:1",
             ErrorKind::Internal,
             "ncclUnhandledCudaError",
-            |p, s| {
-                let id = p.unique_id()?;
-                let c = p.comm_init(&id, 0, 1)?;
-                let d = p.alloc_device(64)?;
-                p.all_reduce(
-                    (&d).into(),
-                    (&d).into(),
-                    16,
-                    DType::F32,
-                    ReduceOp::Avg,
-                    &c,
-                    s,
-                )
-            },
+            calls::all_reduce_avg,
         ),
         (
             "ncclAllGather:1:4",
             ErrorKind::InvalidValue,
             "ncclInvalidArgument",
-            |p, s| {
-                let id = p.unique_id()?;
-                let c = p.comm_init(&id, 0, 1)?;
-                let d = p.alloc_device(64)?;
-                p.all_gather((&d).into(), (&d).into(), 16, DType::F32, &c, s)
-            },
+            calls::all_gather,
         ),
         (
             "ncclReduceScatter:1:3",
             ErrorKind::Internal,
             "ncclInternalError",
-            |p, s| {
-                let id = p.unique_id()?;
-                let c = p.comm_init(&id, 0, 1)?;
-                let d = p.alloc_device(64)?;
-                p.reduce_scatter(
-                    (&d).into(),
-                    (&d).into(),
-                    16,
-                    DType::F32,
-                    ReduceOp::Sum,
-                    &c,
-                    s,
-                )
-            },
+            calls::reduce_scatter_sum,
         ),
         (
             "ncclBroadcast:1:6",
             ErrorKind::Internal,
             "ncclRemoteError",
-            |p, s| {
-                let id = p.unique_id()?;
-                let c = p.comm_init(&id, 0, 1)?;
-                let d = p.alloc_device(64)?;
-                p.broadcast((&d).into(), 16, DType::F32, 0, &c, s)
-            },
+            calls::broadcast,
         ),
         (
             "ncclGroupStart:1:5",
             ErrorKind::InvalidValue,
             "ncclInvalidUsage",
-            |p, _| {
-                p.group_start()?;
-                p.group_end()
-            },
+            calls::group,
         ),
         (
             "ncclGroupEnd:1:8",
             ErrorKind::Timeout,
             "ncclTimeout",
-            |p, _| {
-                p.group_start()?;
-                p.group_end()
-            },
+            calls::group,
         ),
     ];
     check_fault_cases(&emu.0, |c| live(&c.stats()), &p, &s, cases);

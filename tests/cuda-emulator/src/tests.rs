@@ -51,6 +51,19 @@ fn unbind(dev: i32) {
     assert_eq!(cuDevicePrimaryCtxRelease_v2(dev), CUDA_SUCCESS);
 }
 
+/// How most tests start: the lock, device 0's context current, and a stream on it.
+fn on_device0() -> (MutexGuard<'static, ()>, *mut c_void) {
+    let g = setup();
+    bind(0);
+    (g, stream())
+}
+
+/// How those tests end: their stream destroyed, device 0's context released.
+fn done_on_device0(s: *mut c_void) {
+    assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
+    unbind(0);
+}
+
 fn stream() -> *mut c_void {
     let mut s = null_mut();
     assert_eq!(

@@ -154,9 +154,7 @@ fn injected_faults_fire_once_on_the_named_call() {
 /// a wait queued in between sat ahead of the completion it waits for: the stream hung.
 #[test]
 fn a_record_racing_a_wait_on_its_own_stream_never_hangs() {
-    let _g = setup();
-    bind(0);
-    let s = stream();
+    let (_g, s) = on_device0();
     let mut e = null_mut();
     assert_eq!(
         // SAFETY: out-pointer to a local.
@@ -194,6 +192,5 @@ fn a_record_racing_a_wait_on_its_own_stream_never_hangs() {
         .expect("the stream hung: a wait queued ahead of the record it waits for");
     assert_eq!(r, CUDA_SUCCESS);
     assert_eq!(cuEventDestroy_v2(e), CUDA_SUCCESS);
-    assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
-    unbind(0);
+    done_on_device0(s);
 }

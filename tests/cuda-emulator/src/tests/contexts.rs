@@ -77,9 +77,7 @@ fn contexts_are_per_thread_and_die_with_their_last_release() {
 
 #[test]
 fn destroyed_and_foreign_handles_are_refused() {
-    let _g = setup();
-    bind(0);
-    let s = stream();
+    let (_g, s) = on_device0();
     let mut e = null_mut();
     // SAFETY: out-pointers to locals.
     unsafe {

@@ -5,15 +5,39 @@ use super::*;
 
 /// Compiles `src` with the emulator's NVRTC for sm_80, loads it, returns the module.
 fn load(src: &str) -> *mut c_void {
-    let (src, name) = (CString::new(src).unwrap(), CString::new("test.cu").unwrap());
     let opts = [
         CString::new("--gpu-architecture=sm_80").unwrap(),
         CString::new("--fmad=false").unwrap(),
     ];
     let opt_ptrs: Vec<_> = opts.iter().map(|o| o.as_ptr()).collect();
-    let mut prog = null_mut();
     let mut module = null_mut();
     // SAFETY: NUL-terminated strings and out-pointers to locals; buffers sized as NVRTC says.
+    unsafe {
+        let mut prog = program(src, "test.cu");
+        let r = nvrtcCompileProgram(prog, 2, opt_ptrs.as_ptr());
+        let log = program_log(prog);
+        assert_eq!(r, 0, "{log}");
+        let mut n = 0;
+        assert_eq!(nvrtcGetCUBINSize(prog, &mut n), 0);
+        let mut cubin = vec![0u8; n];
+        assert_eq!(nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()), 0);
+        assert_eq!(
+            cuModuleLoadData(&mut module, cubin.as_ptr().cast()),
+            CUDA_SUCCESS
+        );
+        assert_eq!(nvrtcDestroyProgram(&mut prog), 0);
+    }
+    module
+}
+
+/// A new NVRTC program of `src`, named `name`.
+///
+/// # Safety
+/// The emulator is set up.
+unsafe fn program(src: &str, name: &str) -> *mut c_void {
+    let (src, name) = (CString::new(src).unwrap(), CString::new(name).unwrap());
+    let mut prog = null_mut();
+    // SAFETY: NUL-terminated strings and an out-pointer to a local.
     unsafe {
         assert_eq!(
             nvrtcCreateProgram(
@@ -26,22 +50,23 @@ fn load(src: &str) -> *mut c_void {
             ),
             0
         );
-        let r = nvrtcCompileProgram(prog, 2, opt_ptrs.as_ptr());
-        let mut n = 0;
+    }
+    prog
+}
+
+/// `prog`'s compile log.
+///
+/// # Safety
+/// `prog` is a live program.
+unsafe fn program_log(prog: *mut c_void) -> String {
+    let mut n = 0;
+    // SAFETY: the caller's contract; the log buffer has the size NVRTC reports.
+    unsafe {
         assert_eq!(nvrtcGetProgramLogSize(prog, &mut n), 0);
         let mut log = vec![0u8; n];
         assert_eq!(nvrtcGetProgramLog(prog, log.as_mut_ptr().cast()), 0);
-        assert_eq!(r, 0, "{}", String::from_utf8_lossy(&log));
-        assert_eq!(nvrtcGetCUBINSize(prog, &mut n), 0);
-        let mut cubin = vec![0u8; n];
-        assert_eq!(nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()), 0);
-        assert_eq!(
-            cuModuleLoadData(&mut module, cubin.as_ptr().cast()),
-            CUDA_SUCCESS
-        );
-        assert_eq!(nvrtcDestroyProgram(&mut prog), 0);
+        String::from_utf8_lossy(&log).into_owned()
     }
-    module
 }
 
 fn function(module: *mut c_void, name: &str) -> *mut c_void {
@@ -122,9 +147,7 @@ extern "C" __global__ void divergent(int* out) {
 
 #[test]
 fn kernels_meet_at_barriers_and_use_warp_intrinsics_and_shared_memory() {
-    let _g = setup();
-    bind(0);
-    let s = stream();
+    let (_g, s) = on_device0();
     let module = load(COOPERATIVE);
     let n: u64 = 1000;
     let input: Vec<f32> = (0..n).map(|i| (i % 17) as f32).collect();
@@ -237,40 +260,24 @@ fn kernels_meet_at_barriers_and_use_warp_intrinsics_and_shared_memory() {
     for p in [d_in, d_out, d_ints, d_ballots, d_rot] {
         assert_eq!(cuMemFree_v2(p), CUDA_SUCCESS);
     }
-    assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
-    unbind(0);
+    done_on_device0(s);
 }
 
 #[test]
 fn nvrtc_reports_compile_errors_with_the_log() {
     let _g = setup();
-    let (src, name) = (
-        CString::new("extern \"C\" __global__ void k() { undeclared(); }").unwrap(),
-        CString::new("bad.cu").unwrap(),
-    );
-    let mut prog = null_mut();
     // SAFETY: as in `load`.
     unsafe {
-        assert_eq!(
-            nvrtcCreateProgram(
-                &mut prog,
-                src.as_ptr(),
-                name.as_ptr(),
-                0,
-                std::ptr::null(),
-                std::ptr::null()
-            ),
-            0
+        let mut prog = program(
+            "extern \"C\" __global__ void k() { undeclared(); }",
+            "bad.cu",
         );
         assert_eq!(
             nvrtcCompileProgram(prog, 0, std::ptr::null()),
             NVRTC_ERROR_COMPILATION
         );
+        assert!(program_log(prog).contains("undeclared"));
         let mut n = 0;
-        assert_eq!(nvrtcGetProgramLogSize(prog, &mut n), 0);
-        let mut log = vec![0u8; n];
-        assert_eq!(nvrtcGetProgramLog(prog, log.as_mut_ptr().cast()), 0);
-        assert!(String::from_utf8_lossy(&log).contains("undeclared"));
         assert_eq!(
             nvrtcGetPTXSize(prog, &mut n),
             NVRTC_ERROR_INVALID_PROGRAM,

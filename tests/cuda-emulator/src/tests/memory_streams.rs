@@ -5,9 +5,7 @@ use super::*;
 
 #[test]
 fn memory_contracts() {
-    let _g = setup();
-    bind(0);
-    let s = stream();
+    let (_g, s) = on_device0();
     let d = alloc(64);
     let mut host = vec![0u8; 128];
     assert_eq!(
@@ -78,8 +76,7 @@ fn memory_contracts() {
     assert_eq!(cuMemFree_v2(d), CUDA_SUCCESS);
     assert_eq!(cuMemFree_v2(d), CUDA_ERROR_INVALID_VALUE, "double free");
     host[0] = 1;
-    assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
-    unbind(0);
+    done_on_device0(s);
     unbind(0);
 }
 
@@ -101,9 +98,7 @@ extern "C" fn calls_the_driver(out: *mut c_void) {
 
 #[test]
 fn a_free_under_queued_work_is_reported_and_waits_for_it() {
-    let _g = setup();
-    bind(0);
-    let s = stream();
+    let (_g, s) = on_device0();
     let d = alloc(64);
     let flag = std::sync::atomic::AtomicBool::new(false);
     let before = state::FREES_UNDER_QUEUED_WORK.load(Ordering::Relaxed);
@@ -143,15 +138,12 @@ fn a_free_under_queued_work_is_reported_and_waits_for_it() {
     }
     assert_eq!(cuStreamSynchronize(s), CUDA_SUCCESS);
     assert_eq!(r, CUDA_ERROR_NOT_PERMITTED);
-    assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
-    unbind(0);
+    done_on_device0(s);
 }
 
 #[test]
 fn events_time_and_refuse_what_cuda_refuses() {
-    let _g = setup();
-    bind(0);
-    let s = stream();
+    let (_g, s) = on_device0();
     let (mut a, mut b, mut plain) = (null_mut(), null_mut(), null_mut());
     let flag = std::sync::atomic::AtomicBool::new(false);
     let mut ms = 0f32;
@@ -206,6 +198,5 @@ fn events_time_and_refuse_what_cuda_refuses() {
             assert_eq!(cuEventDestroy_v2(e), CUDA_SUCCESS);
         }
     }
-    assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
-    unbind(0);
+    done_on_device0(s);
 }
