@@ -1,7 +1,5 @@
 //! The one error type of `hprt-compress`.
 
-use std::borrow::Cow;
-
 use hprt_platform::HprtStatus;
 
 /// Why a codec, cost-model, planner or manager operation failed.
@@ -42,36 +40,29 @@ pub enum CompressError {
     },
 }
 
-impl CompressError {
+hprt_platform::status_report! {
     /// How this error reports, the one table both bindings use: the C ABI's status and the
     /// status name Python's `HprtError.status` carries (`HP_COMPRESS_CORRUPT`, …; a platform
     /// error reports its own).
-    pub fn status(&self) -> HprtStatus {
-        self.report().0
+    CompressError {
+        Self::Corrupt { .. } => (HprtStatus::ErrorCorruptData, "HP_COMPRESS_CORRUPT"),
+        Self::UnsupportedFormat(_) => (
+            HprtStatus::ErrorCorruptData,
+            "HP_COMPRESS_UNSUPPORTED_FORMAT",
+        ),
+        Self::OutputTooLarge { .. } => (
+            HprtStatus::ErrorBufferTooSmall,
+            "HP_COMPRESS_OUTPUT_TOO_LARGE",
+        ),
+        Self::OutOfMemory { .. } => (HprtStatus::ErrorOutOfMemory, "HP_COMPRESS_OUT_OF_MEMORY"),
+        Self::InvalidArgument(_) => (HprtStatus::ErrorInvalidValue, "HP_COMPRESS_INVALID_ARGUMENT"),
+        Self::InvalidState(_) => (HprtStatus::ErrorWrongState, "HP_COMPRESS_INVALID_STATE"),
+        Self::CostUnknown(_) => (HprtStatus::ErrorUnavailable, "HP_COMPRESS_COST_UNKNOWN"),
+        Self::Io { .. } => (HprtStatus::ErrorInternal, "HP_COMPRESS_IO"),
     }
+}
 
-    /// The status name (see [`CompressError::status`]).
-    pub fn status_name(&self) -> Cow<'static, str> {
-        self.report().1
-    }
-
-    fn report(&self) -> (HprtStatus, Cow<'static, str>) {
-        use CompressError as C;
-        use HprtStatus as H;
-        let (status, name) = match self {
-            C::Platform(e) => return (e.kind.status(), e.code_name.clone()),
-            C::Corrupt { .. } => (H::ErrorCorruptData, "HP_COMPRESS_CORRUPT"),
-            C::UnsupportedFormat(_) => (H::ErrorCorruptData, "HP_COMPRESS_UNSUPPORTED_FORMAT"),
-            C::OutputTooLarge { .. } => (H::ErrorBufferTooSmall, "HP_COMPRESS_OUTPUT_TOO_LARGE"),
-            C::OutOfMemory { .. } => (H::ErrorOutOfMemory, "HP_COMPRESS_OUT_OF_MEMORY"),
-            C::InvalidArgument(_) => (H::ErrorInvalidValue, "HP_COMPRESS_INVALID_ARGUMENT"),
-            C::InvalidState(_) => (H::ErrorWrongState, "HP_COMPRESS_INVALID_STATE"),
-            C::CostUnknown(_) => (H::ErrorUnavailable, "HP_COMPRESS_COST_UNKNOWN"),
-            C::Io { .. } => (H::ErrorInternal, "HP_COMPRESS_IO"),
-        };
-        (status, Cow::Borrowed(name))
-    }
-
+impl CompressError {
     pub(crate) fn corrupt(at: usize, what: impl Into<String>) -> Self {
         CompressError::Corrupt {
             at,

@@ -1,7 +1,5 @@
 //! The one error type of `hprt-hsdp`.
 
-use std::borrow::Cow;
-
 use hprt_platform::{DType, HprtStatus};
 
 /// What can go wrong while building meshes and groups or sharding, gathering and reducing.
@@ -41,33 +39,21 @@ pub enum HsdpError {
     Unsupported(String),
 }
 
-impl HsdpError {
+hprt_platform::status_report! {
     /// How this error reports, the one table both bindings use: the C ABI's status and the
     /// status name Python's `HprtError.status` carries (`HP_HSDP_INVALID_MESH`, …; a platform
     /// error reports its own).
-    pub fn status(&self) -> HprtStatus {
-        self.report().0
-    }
-
-    /// The status name (see [`HsdpError::status`]).
-    pub fn status_name(&self) -> Cow<'static, str> {
-        self.report().1
-    }
-
-    fn report(&self) -> (HprtStatus, Cow<'static, str>) {
-        use HprtStatus as S;
-        use HsdpError as H;
-        let (status, name) = match self {
-            H::Platform(e) => return (e.kind.status(), e.code_name.clone()),
-            H::InvalidMesh(_) => (S::ErrorInvalidValue, "HP_HSDP_INVALID_MESH"),
-            H::InvalidPlacement(_) => (S::ErrorInvalidValue, "HP_HSDP_INVALID_PLACEMENT"),
-            H::InvalidParam { .. } => (S::ErrorInvalidValue, "HP_HSDP_INVALID_PARAM"),
-            H::InvalidState { .. } => (S::ErrorWrongState, "HP_HSDP_INVALID_STATE"),
-            H::UnsupportedDType { .. } => (S::ErrorUnsupported, "HP_HSDP_UNSUPPORTED_DTYPE"),
-            H::RankNotInMesh { .. } => (S::ErrorInvalidValue, "HP_HSDP_RANK_NOT_IN_MESH"),
-            H::Unsupported(_) => (S::ErrorUnsupported, "HP_HSDP_UNSUPPORTED"),
-        };
-        (status, Cow::Borrowed(name))
+    HsdpError {
+        Self::InvalidMesh(_) => (HprtStatus::ErrorInvalidValue, "HP_HSDP_INVALID_MESH"),
+        Self::InvalidPlacement(_) => (HprtStatus::ErrorInvalidValue, "HP_HSDP_INVALID_PLACEMENT"),
+        Self::InvalidParam { .. } => (HprtStatus::ErrorInvalidValue, "HP_HSDP_INVALID_PARAM"),
+        Self::InvalidState { .. } => (HprtStatus::ErrorWrongState, "HP_HSDP_INVALID_STATE"),
+        Self::UnsupportedDType { .. } => (
+            HprtStatus::ErrorUnsupported,
+            "HP_HSDP_UNSUPPORTED_DTYPE",
+        ),
+        Self::RankNotInMesh { .. } => (HprtStatus::ErrorInvalidValue, "HP_HSDP_RANK_NOT_IN_MESH"),
+        Self::Unsupported(_) => (HprtStatus::ErrorUnsupported, "HP_HSDP_UNSUPPORTED"),
     }
 }
 

@@ -117,6 +117,36 @@ pub enum HprtStatus {
     ErrorBufferTooSmall = 16,
 }
 
+/// Gives a crate's error type (an enum with a `Platform(hprt_platform::Error)` variant)
+/// `status()` and `status_name()` from one table of its other variants, so that every crate's
+/// errors report to the C ABI and Python alike: a platform error reports its own status and
+/// name, every other arm the status and name the table gives it. The attributes given become
+/// `status()`'s doc.
+#[macro_export]
+macro_rules! status_report {
+    ($(#[$doc:meta])* $ty:ident { $($pat:pat => ($status:expr, $name:expr $(,)?),)* }) => {
+        impl $ty {
+            $(#[$doc])*
+            pub fn status(&self) -> $crate::HprtStatus {
+                self.report().0
+            }
+
+            #[doc = concat!("The status name (see [`", stringify!($ty), "::status`]).")]
+            pub fn status_name(&self) -> ::std::borrow::Cow<'static, str> {
+                self.report().1
+            }
+
+            fn report(&self) -> ($crate::HprtStatus, ::std::borrow::Cow<'static, str>) {
+                let (status, name): ($crate::HprtStatus, &'static str) = match self {
+                    $ty::Platform(e) => return (e.kind.status(), e.code_name.clone()),
+                    $($pat => ($status, $name),)*
+                };
+                (status, ::std::borrow::Cow::Borrowed(name))
+            }
+        }
+    };
+}
+
 /// Each status with the tail of its names: `HPRT_STATUS_<tail>` in C, `HP_<tail>` in Rust and
 /// Python errors.
 macro_rules! status_names {
@@ -202,14 +232,14 @@ impl Error {
         operation: impl Into<Cow<'static, str>>,
         message: impl Into<String>,
     ) -> Self {
-        Error {
+        Error::driver(
             kind,
             backend,
-            operation: operation.into(),
-            code: kind.code().into(),
-            code_name: Cow::Borrowed(kind.code_name()),
-            message: message.into(),
-        }
+            operation,
+            kind.code().into(),
+            kind.code_name(),
+            message,
+        )
     }
 
     /// An error carrying a driver's own status code and name.

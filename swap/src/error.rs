@@ -1,6 +1,5 @@
 //! The one error type of `hprt-swap`.
 
-use std::borrow::Cow;
 use std::fmt;
 
 use hprt_platform::HprtStatus;
@@ -81,54 +80,44 @@ pub enum SwapError {
     Order(String),
 }
 
+hprt_platform::status_report! {
+    /// How this error reports, the one table both bindings use: the C ABI's status
+    /// (`hprt_platform::HprtStatus`) and the status name Python's `HprtError.status` carries
+    /// (`HP_SWAP_WRONG_STATE`, …; a platform error reports its own, a codec error its status
+    /// under the name `HP_SWAP_CODEC`).
+    SwapError {
+        Self::Codec(e) => (e.status(), "HP_SWAP_CODEC"),
+        Self::WrongState { .. } => (HprtStatus::ErrorWrongState, "HP_SWAP_WRONG_STATE"),
+        Self::Order(_) => (HprtStatus::ErrorWrongState, "HP_SWAP_ORDER"),
+        Self::ModifiedSinceOffload { .. } => (
+            HprtStatus::ErrorModifiedSinceOffload,
+            "HP_SWAP_MODIFIED_SINCE_OFFLOAD",
+        ),
+        Self::StorageResized { .. } => (
+            HprtStatus::ErrorModifiedSinceOffload,
+            "HP_SWAP_STORAGE_RESIZED",
+        ),
+        Self::ReacquiredOutsideSwap => (
+            HprtStatus::ErrorModifiedSinceOffload,
+            "HP_SWAP_REACQUIRED_OUTSIDE_SWAP",
+        ),
+        Self::HostBudgetExceeded { .. } => (
+            HprtStatus::ErrorOutOfMemory,
+            "HP_SWAP_HOST_BUDGET_EXCEEDED",
+        ),
+        Self::InvalidTensor(_) => (HprtStatus::ErrorInvalidValue, "HP_SWAP_INVALID_TENSOR"),
+        // As the bindings' own refusal of a free under a live export.
+        Self::StorageInUse(_) => (HprtStatus::ErrorWrongState, "HP_ERROR_BUFFER_EXPORTED"),
+        Self::Unknown { .. } => (HprtStatus::ErrorInvalidValue, "HP_SWAP_UNKNOWN"),
+    }
+}
+
 impl SwapError {
     pub(crate) fn unknown(what: &'static str, id: impl fmt::Display) -> Self {
         SwapError::Unknown {
             what,
             id: id.to_string(),
         }
-    }
-
-    /// How this error reports, the one table both bindings use: the C ABI's status
-    /// (`hprt_platform::HprtStatus`) and the status name Python's `HprtError.status` carries
-    /// (`HP_SWAP_WRONG_STATE`, …; a platform error reports its own, a codec error its status
-    /// under the name `HP_SWAP_CODEC`).
-    pub fn status(&self) -> HprtStatus {
-        self.report().0
-    }
-
-    /// The status name (see [`SwapError::status`]).
-    pub fn status_name(&self) -> Cow<'static, str> {
-        self.report().1
-    }
-
-    fn report(&self) -> (HprtStatus, Cow<'static, str>) {
-        use HprtStatus as H;
-        let (status, name) = match self {
-            SwapError::Platform(e) => return (e.kind.status(), e.code_name.clone()),
-            SwapError::Codec(e) => return (e.status(), Cow::Borrowed("HP_SWAP_CODEC")),
-            SwapError::WrongState { .. } => (H::ErrorWrongState, "HP_SWAP_WRONG_STATE"),
-            SwapError::Order(_) => (H::ErrorWrongState, "HP_SWAP_ORDER"),
-            SwapError::ModifiedSinceOffload { .. } => (
-                H::ErrorModifiedSinceOffload,
-                "HP_SWAP_MODIFIED_SINCE_OFFLOAD",
-            ),
-            SwapError::StorageResized { .. } => {
-                (H::ErrorModifiedSinceOffload, "HP_SWAP_STORAGE_RESIZED")
-            }
-            SwapError::ReacquiredOutsideSwap => (
-                H::ErrorModifiedSinceOffload,
-                "HP_SWAP_REACQUIRED_OUTSIDE_SWAP",
-            ),
-            SwapError::HostBudgetExceeded { .. } => {
-                (H::ErrorOutOfMemory, "HP_SWAP_HOST_BUDGET_EXCEEDED")
-            }
-            SwapError::InvalidTensor(_) => (H::ErrorInvalidValue, "HP_SWAP_INVALID_TENSOR"),
-            // As the bindings' own refusal of a free under a live export.
-            SwapError::StorageInUse(_) => (H::ErrorWrongState, "HP_ERROR_BUFFER_EXPORTED"),
-            SwapError::Unknown { .. } => (H::ErrorInvalidValue, "HP_SWAP_UNKNOWN"),
-        };
-        (status, Cow::Borrowed(name))
     }
 
     /// The platform error kind, when this is a platform error.
