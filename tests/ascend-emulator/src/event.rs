@@ -11,7 +11,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::Instant;
 
-use hprt_emulator_common::mark::{elapsed_ms, Mark};
+use hprt_emulator_common::mark::{elapsed_ms, Latest};
 
 use crate::codes::*;
 use crate::state::{self, acl_entry, lock, put, EVENT_TAG};
@@ -19,13 +19,7 @@ use crate::stream;
 
 struct Event {
     flags: u32,
-    latest: Mutex<Option<Arc<Mark>>>,
-}
-
-impl Event {
-    fn latest(&self) -> Option<Arc<Mark>> {
-        lock(&self.latest).clone()
-    }
+    latest: Latest,
 }
 
 fn events() -> MutexGuard<'static, HashMap<u64, Arc<Event>>> {
@@ -52,7 +46,7 @@ fn create(out: *mut *mut c_void, flags: u32) -> Result<(), AclError> {
         id,
         Arc::new(Event {
             flags,
-            latest: Mutex::new(None),
+            latest: Latest::default(),
         }),
     );
     // SAFETY: header contract; checked non-null above.
@@ -88,18 +82,7 @@ pub unsafe extern "C" fn aclrtRecordEvent(event: *mut c_void, stream: *mut c_voi
         state::require_device()?;
         let ev = resolve(event)?;
         let s = stream::resolve(stream)?;
-        let mark = Arc::new(Mark::default());
-        // The completion is queued before the mark is published (under the event's lock, so
-        // records of one event publish in their queue order): a wait that sees the mark queues
-        // behind its completion. Published first, a wait on the same stream from another
-        // thread could queue ahead of it and wait for ever.
-        let mut latest = lock(&ev.latest);
-        let (on, done) = (s.clone(), mark.clone());
-        s.enqueue(Box::new(move || {
-            done.complete(on.pending_error());
-            Ok(())
-        }));
-        *latest = Some(mark);
+        ev.latest.record(&s);
         Ok(())
     })
 }
@@ -110,7 +93,7 @@ pub unsafe extern "C" fn aclrtStreamWaitEvent(stream: *mut c_void, event: *mut c
     acl_entry("aclrtStreamWaitEvent", || {
         state::require_device()?;
         let s = stream::resolve(stream)?;
-        if let Some(mark) = resolve(event)?.latest() {
+        if let Some(mark) = resolve(event)?.latest.get() {
             s.enqueue(Box::new(move || mark.wait()));
         }
         Ok(())
@@ -121,7 +104,7 @@ pub unsafe extern "C" fn aclrtStreamWaitEvent(stream: *mut c_void, event: *mut c
 pub unsafe extern "C" fn aclrtSynchronizeEvent(event: *mut c_void) -> AclError {
     acl_entry("aclrtSynchronizeEvent", || {
         state::require_device()?;
-        match resolve(event)?.latest() {
+        match resolve(event)?.latest.get() {
             Some(mark) => mark.wait(),
             None => Ok(()),
         }
@@ -133,7 +116,7 @@ pub unsafe extern "C" fn aclrtQueryEventStatus(event: *mut c_void, status: *mut 
     acl_entry("aclrtQueryEventStatus", || {
         state::require_device()?;
         let ev = resolve(event)?;
-        let done = ev.latest().is_none_or(|m| m.time().is_some());
+        let done = ev.latest.get().is_none_or(|m| m.time().is_some());
         let v = if done {
             ACL_EVENT_RECORDED_STATUS_COMPLETE
         } else {
@@ -157,7 +140,8 @@ pub unsafe extern "C" fn aclrtEventElapsedTime(
             if ev.flags & ACL_EVENT_TIME_LINE == 0 {
                 return Err(ACL_ERROR_INVALID_PARAM);
             }
-            ev.latest()
+            ev.latest
+                .get()
                 .and_then(|m| m.time())
                 .ok_or(ACL_ERROR_INVALID_PARAM)
         };

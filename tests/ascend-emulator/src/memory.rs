@@ -6,11 +6,10 @@
 //! it runs: work whose buffer was freed in the meantime fails with `ACL_ERROR_RT_INTERNAL_ERROR`
 //! on its stream instead of touching freed memory.
 
-use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
-use hprt_emulator_common::block::Block;
+use hprt_emulator_common::block::{containing, Allocations, Block, Span};
 
 use crate::codes::*;
 use crate::state::{self, acl_entry, lock, put};
@@ -23,6 +22,12 @@ pub(crate) struct Alloc {
     device: Option<i32>,
     /// The memory itself, freed when the last holder lets go.
     _mem: Block,
+}
+
+impl Span for Alloc {
+    fn span(&self) -> (usize, usize) {
+        (self.base, self.size)
+    }
 }
 
 impl Alloc {
@@ -38,23 +43,9 @@ impl Alloc {
     }
 }
 
-#[derive(Default)]
-struct Mem {
-    device: BTreeMap<usize, Arc<Alloc>>,
-    pinned: BTreeMap<usize, Arc<Alloc>>,
-    used: HashMap<i32, u64>,
-}
-
-fn mem() -> MutexGuard<'static, Mem> {
-    static MEM: LazyLock<Mutex<Mem>> = LazyLock::new(Default::default);
+fn mem() -> MutexGuard<'static, Allocations<Alloc>> {
+    static MEM: LazyLock<Mutex<Allocations<Alloc>>> = LazyLock::new(Default::default);
     lock(&MEM)
-}
-
-fn containing(map: &BTreeMap<usize, Arc<Alloc>>, ptr: usize) -> Option<&Arc<Alloc>> {
-    map.range(..=ptr)
-        .next_back()
-        .map(|(_, a)| a)
-        .filter(|a| ptr < a.base + a.size)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

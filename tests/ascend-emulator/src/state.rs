@@ -9,6 +9,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use hprt_emulator_common::env::EnvReader;
+use hprt_emulator_common::guarded;
 
 use crate::codes::*;
 use crate::faults;
@@ -173,13 +174,10 @@ pub(crate) fn hccl_entry(
     name: &'static str,
     body: impl FnOnce() -> Result<(), HcclResult>,
 ) -> HcclResult {
-    catch_unwind(AssertUnwindSafe(|| {
-        if let Some(code) = faults::hit(name) {
-            return code as HcclResult;
-        }
-        body().err().unwrap_or(HCCL_SUCCESS)
-    }))
-    .unwrap_or(HCCL_E_INTERNAL)
+    guarded(HCCL_SUCCESS, HCCL_E_INTERNAL, || match faults::hit(name) {
+        Some(code) => Err(code as HcclResult),
+        None => body(),
+    })
 }
 
 /// [`hccl_entry`] for calls that, in CANN, start by asking the runtime for the calling thread's

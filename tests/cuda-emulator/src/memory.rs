@@ -8,12 +8,11 @@
 //! `hprtEmuGetStats`) before it waits for that work, as `cuMemFree`'s implicit synchronisation
 //! would. Pointers that are in no allocation are pageable host memory, which copies accept.
 
-use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
 
-use hprt_emulator_common::block::Block;
+use hprt_emulator_common::block::{containing, Allocations, Block, Span};
 
 use crate::codes::*;
 use crate::context;
@@ -30,6 +29,12 @@ pub(crate) struct Alloc {
     idle: Condvar,
     /// The memory itself, freed when the last holder lets go.
     _mem: Block,
+}
+
+impl Span for Alloc {
+    fn span(&self) -> (usize, usize) {
+        (self.base, self.size)
+    }
 }
 
 impl Alloc {
@@ -77,23 +82,9 @@ impl Drop for Held {
     }
 }
 
-#[derive(Default)]
-struct Mem {
-    device: BTreeMap<usize, Arc<Alloc>>,
-    pinned: BTreeMap<usize, Arc<Alloc>>,
-    used: HashMap<i32, u64>,
-}
-
-fn mem() -> MutexGuard<'static, Mem> {
-    static MEM: LazyLock<Mutex<Mem>> = LazyLock::new(Default::default);
+fn mem() -> MutexGuard<'static, Allocations<Alloc>> {
+    static MEM: LazyLock<Mutex<Allocations<Alloc>>> = LazyLock::new(Default::default);
     lock(&MEM)
-}
-
-fn containing(map: &BTreeMap<usize, Arc<Alloc>>, ptr: usize) -> Option<&Arc<Alloc>> {
-    map.range(..=ptr)
-        .next_back()
-        .map(|(_, a)| a)
-        .filter(|a| ptr < a.base + a.size)
 }
 
 /// The allocation `[ptr, ptr + len)` lies in, `None` for pageable host memory; a range that

@@ -3,13 +3,13 @@
 //! no-driver-calls-in-host-functions rule, panic barrier), and the leak/contract counters.
 
 use std::cell::Cell;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
 use hprt_emulator_common::env::EnvReader;
 use hprt_emulator_common::faults::FaultTable;
+use hprt_emulator_common::guarded;
 
 use crate::codes::*;
 
@@ -164,19 +164,18 @@ pub(crate) fn cu_entry(
     name: &'static str,
     body: impl FnOnce() -> Result<(), CuResult>,
 ) -> CuResult {
-    catch_unwind(AssertUnwindSafe(|| {
+    guarded(CUDA_SUCCESS, CUDA_ERROR_UNKNOWN, || {
         if in_host_fn() {
-            return CUDA_ERROR_NOT_PERMITTED;
+            return Err(CUDA_ERROR_NOT_PERMITTED);
         }
         if let Some(code) = FAULTS.hit(name) {
-            return code as CuResult;
+            return Err(code as CuResult);
         }
         if !initialized() {
-            return CUDA_ERROR_NOT_INITIALIZED;
+            return Err(CUDA_ERROR_NOT_INITIALIZED);
         }
-        body().err().unwrap_or(CUDA_SUCCESS)
-    }))
-    .unwrap_or(CUDA_ERROR_UNKNOWN)
+        body()
+    })
 }
 
 /// Runs an exported NCCL function: fault injection and the panic barrier (`ncclInternalError`).
@@ -192,8 +191,7 @@ pub(crate) fn nccl_entry(
 
 /// The panic barrier of [`nccl_entry`] alone, for a function that handles its fault itself.
 pub(crate) fn nccl_guard(body: impl FnOnce() -> Result<(), NcclResult>) -> NcclResult {
-    catch_unwind(AssertUnwindSafe(|| body().err().unwrap_or(NCCL_SUCCESS)))
-        .unwrap_or(NCCL_INTERNAL_ERROR)
+    guarded(NCCL_SUCCESS, NCCL_INTERNAL_ERROR, body)
 }
 
 /// Runs an exported NVRTC function: fault injection (where named) and the panic barrier.
@@ -201,13 +199,12 @@ pub(crate) fn nvrtc_entry(
     name: Option<&'static str>,
     body: impl FnOnce() -> Result<(), NvrtcResult>,
 ) -> NvrtcResult {
-    catch_unwind(AssertUnwindSafe(|| {
-        if let Some(code) = name.and_then(|n| FAULTS.hit(n)) {
-            return code;
+    guarded(NVRTC_SUCCESS, NVRTC_ERROR_INTERNAL_ERROR, || {
+        match name.and_then(|n| FAULTS.hit(n)) {
+            Some(code) => Err(code),
+            None => body(),
         }
-        body().err().unwrap_or(NVRTC_SUCCESS)
-    }))
-    .unwrap_or(NVRTC_ERROR_INTERNAL_ERROR)
+    })
 }
 
 /// Writes through a caller's out-pointer, refusing null with `err`.

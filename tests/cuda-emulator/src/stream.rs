@@ -17,7 +17,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::Instant;
 
-use hprt_emulator_common::mark::{elapsed_ms, Mark};
+use hprt_emulator_common::mark::{elapsed_ms, Latest};
 use hprt_emulator_common::worker::Worker;
 
 use crate::codes::*;
@@ -50,10 +50,6 @@ impl Stream {
 
     pub(crate) fn synchronize(&self) -> Result<(), CuResult> {
         self.worker.synchronize().map_err(|c| c as CuResult)
-    }
-
-    fn pending_error(&self) -> Option<i32> {
-        self.worker.pending_error()
     }
 }
 
@@ -243,14 +239,7 @@ pub unsafe extern "C" fn cuLaunchHostFunc(
 struct Event {
     ctx: u64,
     flags: u32,
-    /// The latest record: waits and queries look at the record as of their call, as on a GPU.
-    latest: Mutex<Option<Arc<Mark>>>,
-}
-
-impl Event {
-    fn latest(&self) -> Option<Arc<Mark>> {
-        lock(&self.latest).clone()
-    }
+    latest: Latest,
 }
 
 fn events() -> MutexGuard<'static, HashMap<u64, Arc<Event>>> {
@@ -291,7 +280,7 @@ pub unsafe extern "C" fn cuEventCreate(out: *mut *mut c_void, flags: u32) -> CuR
             Arc::new(Event {
                 ctx: ctx.id,
                 flags,
-                latest: Mutex::new(None),
+                latest: Latest::default(),
             }),
         );
         // SAFETY: checked non-null.
@@ -325,18 +314,7 @@ pub extern "C" fn cuEventRecord(h: *mut c_void, hstream: *mut c_void) -> CuResul
         if ev.ctx != s.ctx {
             return Err(CUDA_ERROR_INVALID_HANDLE);
         }
-        let mark = Arc::new(Mark::default());
-        // The completion is queued before the mark is published (under the event's lock, so
-        // records of one event publish in their queue order): a wait that sees the mark queues
-        // behind its completion. Published first, a wait on the same stream from another
-        // thread could queue ahead of it and wait for ever.
-        let mut latest = lock(&ev.latest);
-        let (on, done) = (s.clone(), mark.clone());
-        s.enqueue(Box::new(move || {
-            done.complete(on.pending_error());
-            Ok(())
-        }));
-        *latest = Some(mark);
+        ev.latest.record(&s.worker);
         Ok(())
     })
 }
@@ -350,7 +328,7 @@ pub extern "C" fn cuStreamWaitEvent(hstream: *mut c_void, h: *mut c_void, flags:
         if flags != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        if let Some(mark) = ev.latest() {
+        if let Some(mark) = ev.latest.get() {
             s.enqueue(Box::new(move || mark.wait().map_err(|c| c as CuResult)));
         }
         Ok(())
@@ -359,7 +337,7 @@ pub extern "C" fn cuStreamWaitEvent(hstream: *mut c_void, h: *mut c_void, flags:
 
 #[no_mangle]
 pub extern "C" fn cuEventQuery(h: *mut c_void) -> CuResult {
-    cu_entry("cuEventQuery", || match event(h)?.latest() {
+    cu_entry("cuEventQuery", || match event(h)?.latest.get() {
         Some(m) if m.time().is_none() => Err(CUDA_ERROR_NOT_READY),
         _ => Ok(()),
     })
@@ -367,7 +345,7 @@ pub extern "C" fn cuEventQuery(h: *mut c_void) -> CuResult {
 
 #[no_mangle]
 pub extern "C" fn cuEventSynchronize(h: *mut c_void) -> CuResult {
-    cu_entry("cuEventSynchronize", || match event(h)?.latest() {
+    cu_entry("cuEventSynchronize", || match event(h)?.latest.get() {
         Some(m) => m.wait().map_err(|c| c as CuResult),
         None => Ok(()),
     })
@@ -387,7 +365,8 @@ pub unsafe extern "C" fn cuEventElapsedTime(
             if ev.flags & CU_EVENT_DISABLE_TIMING != 0 {
                 return Err(CUDA_ERROR_INVALID_HANDLE);
             }
-            ev.latest()
+            ev.latest
+                .get()
                 .ok_or(CUDA_ERROR_INVALID_HANDLE)?
                 .time()
                 .ok_or(CUDA_ERROR_NOT_READY)

@@ -27,6 +27,13 @@ pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The panic barrier of an exported function: `body`'s error code, `ok` when it succeeds and
+/// `panicked` when it panics, since unwinding into C is undefined behaviour.
+pub fn guarded<C>(ok: C, panicked: C, body: impl FnOnce() -> Result<(), C>) -> C {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body().err().unwrap_or(ok)))
+        .unwrap_or(panicked)
+}
+
 /// Handles are tagged integers, never reused, so a destroyed or foreign handle is always
 /// recognised (a freed heap address could come back for a new object). Each kind of object has
 /// its own tag; ids come from [`handle::next_id`].

@@ -6,10 +6,11 @@
 //! not yet reported): waiting on the mark returns it, so a failure reaches all work ordered after
 //! it — the waiting streams and the event's synchronizers.
 
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use crate::lock;
+use crate::worker::Worker;
 
 #[derive(Default)]
 pub struct Mark {
@@ -38,6 +39,34 @@ impl Mark {
     /// When the stream reached it; `None` while pending.
     pub fn time(&self) -> Option<Instant> {
         lock(&self.done).map(|(t, _)| t)
+    }
+}
+
+/// An event's latest record: waits and queries look at the record as of their call, and a
+/// re-record replaces what later callers see.
+#[derive(Default)]
+pub struct Latest(Mutex<Option<Arc<Mark>>>);
+
+impl Latest {
+    /// The latest record; `None` before the first.
+    pub fn get(&self) -> Option<Arc<Mark>> {
+        lock(&self.0).clone()
+    }
+
+    /// Queues a fresh mark at the end of `on`'s queue and makes it the latest record.
+    pub fn record(&self, on: &Arc<Worker>) {
+        let mark = Arc::new(Mark::default());
+        // The completion is queued before the mark is published (under the event's lock, so
+        // records of one event publish in their queue order): a wait that sees the mark queues
+        // behind its completion. Published first, a wait on the same stream from another
+        // thread could queue ahead of it and wait for ever.
+        let mut latest = lock(&self.0);
+        let (worker, done) = (on.clone(), mark.clone());
+        on.enqueue(Box::new(move || {
+            done.complete(worker.pending_error());
+            Ok(())
+        }));
+        *latest = Some(mark);
     }
 }
 
