@@ -178,20 +178,7 @@ impl KeyedSwap {
         })
     }
 
-    pub fn engine(&self) -> &SwapEngine {
-        &self.engine
-    }
-
-    /// The engine, to choose compression (`set_compression`, `set_compression_policy`).
-    pub fn engine_mut(&mut self) -> &mut SwapEngine {
-        &mut self.engine
-    }
-
-    #[cfg(feature = "test-faults")]
-    #[doc(hidden)]
-    pub fn set_faults(&mut self, faults: crate::engine::Faults) {
-        self.engine.set_faults(faults);
-    }
+    engine_accessors!();
 
     /// Tensors smaller than this are kept on the device.
     pub fn set_min_bytes(&mut self, bytes: usize) {

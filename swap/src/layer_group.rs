@@ -105,20 +105,7 @@ impl SwapManager {
         })
     }
 
-    pub fn engine(&self) -> &SwapEngine {
-        &self.engine
-    }
-
-    /// The engine, to choose compression (`set_compression`, `set_compression_policy`).
-    pub fn engine_mut(&mut self) -> &mut SwapEngine {
-        &mut self.engine
-    }
-
-    #[cfg(feature = "test-faults")]
-    #[doc(hidden)]
-    pub fn set_faults(&mut self, faults: crate::engine::Faults) {
-        self.engine.set_faults(faults);
-    }
+    engine_accessors!();
 
     /// A new layer with an empty group, named `swap_group_<n>`.
     pub fn new_layer(&mut self) -> LayerId {

@@ -23,6 +23,27 @@
 //! - `Faults` and `set_faults` — test-only switches that each remove one wait, with the
 //!   non-default feature `test-faults` (the tests enable it; the product never does).
 
+/// The engine accessors of a front end (a struct with an `engine: SwapEngine` field), so every
+/// front end hands its engine out alike.
+macro_rules! engine_accessors {
+    () => {
+        pub fn engine(&self) -> &SwapEngine {
+            &self.engine
+        }
+
+        /// The engine, to choose compression (`set_compression`, `set_compression_policy`).
+        pub fn engine_mut(&mut self) -> &mut SwapEngine {
+            &mut self.engine
+        }
+
+        #[cfg(feature = "test-faults")]
+        #[doc(hidden)]
+        pub fn set_faults(&mut self, faults: crate::engine::Faults) {
+            self.engine.set_faults(faults);
+        }
+    };
+}
+
 mod engine;
 mod error;
 mod keyed;

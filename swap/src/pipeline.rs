@@ -185,20 +185,7 @@ impl PipelineOffload {
         })
     }
 
-    pub fn engine(&self) -> &SwapEngine {
-        &self.engine
-    }
-
-    /// The engine, to choose compression (`set_compression`, `set_compression_policy`).
-    pub fn engine_mut(&mut self) -> &mut SwapEngine {
-        &mut self.engine
-    }
-
-    #[cfg(feature = "test-faults")]
-    #[doc(hidden)]
-    pub fn set_faults(&mut self, faults: crate::engine::Faults) {
-        self.engine.set_faults(faults);
-    }
+    engine_accessors!();
 
     fn chunk(&mut self, id: ChunkId) -> Result<&mut Chunk> {
         chunk_in(&mut self.chunks, id)
