@@ -11,6 +11,7 @@
 
 use crate::sync::lock;
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::error::{BackendKind, Error, ErrorKind, Result};
@@ -202,6 +203,50 @@ impl StreamErrors {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// Synchronizes every stream of `live` (a device synchronize of a driver backend), then reports
+/// the first error: a stream's, else one a destroyed stream left in `retired`.
+pub(crate) fn synchronize_all<S>(
+    live: impl IntoIterator<Item = S>,
+    mut synchronize: impl FnMut(&S) -> Result<()>,
+    retired: &Retired<S>,
+) -> Result<()> {
+    let mut first = Ok(());
+    for s in live {
+        if let Err(e) = synchronize(&s) {
+            first = first.and(Err(e));
+        }
+    }
+    first.and(retired.take())
+}
+
+/// What a driver backend's event keeps of its latest record: whether there was one (an event
+/// never recorded counts as complete, and ACL cannot tell) and the backend's errors that record
+/// carries, which a stream waiting on the event inherits and a synchronize on it reports.
+#[derive(Default)]
+pub(crate) struct EventRecord {
+    recorded: AtomicBool,
+    carries: Mutex<Vec<Span>>,
+}
+
+impl EventRecord {
+    pub(crate) fn is_recorded(&self) -> bool {
+        self.recorded.load(Ordering::Acquire)
+    }
+    /// After the driver recorded the event on a stream whose errors are `errors`.
+    pub(crate) fn recorded_on(&self, errors: &StreamErrors) {
+        *lock(&self.carries) = errors.record();
+        self.recorded.store(true, Ordering::Release);
+    }
+    /// After the driver made a stream whose errors are `errors` wait for the event.
+    pub(crate) fn waited_by(&self, errors: &StreamErrors) {
+        errors.wait(&lock(&self.carries));
+    }
+    /// The first error the latest record carries (for a synchronize, after the driver's).
+    pub(crate) fn first_error(&self) -> Option<Error> {
+        first_error(&lock(&self.carries))
     }
 }
 

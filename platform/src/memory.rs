@@ -23,6 +23,18 @@ pub struct MemoryStats {
 }
 
 impl MemoryStats {
+    /// The counters of one device's pool and of pinned memory, as the stats report them.
+    pub(crate) fn of(device: &MemoryCounter, pinned: &MemoryCounter) -> Self {
+        MemoryStats {
+            device_current: device.current(),
+            device_peak: device.peak(),
+            device_allocations: device.allocations(),
+            pinned_current: pinned.current(),
+            pinned_peak: pinned.peak(),
+            pinned_allocations: pinned.allocations(),
+        }
+    }
+
     /// Every counter with its name, in declaration order: the one list the Python
     /// `memory_stats()` dict and the C `HprtMemoryStats` are filled from.
     pub fn fields(&self) -> [(&'static str, usize); 6] {

@@ -377,15 +377,7 @@ impl Backend for CpuBackend {
         })
     }
     fn memory_stats(&self) -> MemoryStats {
-        let d = self.device();
-        MemoryStats {
-            device_current: d.current(),
-            device_peak: d.peak(),
-            device_allocations: d.allocations(),
-            pinned_current: self.pinned.current(),
-            pinned_peak: self.pinned.peak(),
-            pinned_allocations: self.pinned.allocations(),
-        }
+        MemoryStats::of(self.device(), &self.pinned)
     }
     fn reset_peak_memory(&self) {
         self.device().reset_peak();

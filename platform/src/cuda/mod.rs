@@ -63,7 +63,7 @@ use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
-use crate::host_errors::{first_error, Retired, Span, StreamErrors};
+use crate::host_errors::{synchronize_all, EventRecord, Retired, StreamErrors};
 use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
 use crate::kernel::{HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
@@ -218,9 +218,8 @@ pub struct EventObj {
     shared: Arc<Shared>,
     raw: result::Event,
     device: usize,
-    recorded: AtomicBool,
-    /// The backend's errors the latest record carries (`host_errors`).
-    carries: Mutex<Vec<Span>>,
+    /// Whether it was recorded, and the backend's errors its latest record carries.
+    record: EventRecord,
 }
 
 /// Device, pinned or borrowed memory, with the events of its uses (`auxil::uses`).
@@ -372,15 +371,7 @@ impl Backend for CudaBackend {
     }
     fn memory_stats(&self) -> MemoryStats {
         let d = &self.shared.devices[self.shared.current_device()].memory;
-        let p = &self.shared.pinned;
-        MemoryStats {
-            device_current: d.current(),
-            device_peak: d.peak(),
-            device_allocations: d.allocations(),
-            pinned_current: p.current(),
-            pinned_peak: p.peak(),
-            pinned_allocations: p.allocations(),
-        }
+        MemoryStats::of(d, &self.shared.pinned)
     }
     fn reclaim_frees(&self) {
         // Reclaiming binds the devices of the memory it frees: the caller's context is put back.
@@ -445,13 +436,11 @@ impl Backend for CudaBackend {
             .iter()
             .filter_map(Weak::upgrade)
             .collect();
-        let mut first = Ok(());
-        for s in live {
-            if let Err(e) = Backend::synchronize_stream(self, &s) {
-                first = first.and(Err(e));
-            }
-        }
-        first.and(self.retired.take())
+        synchronize_all(
+            live,
+            |s| Backend::synchronize_stream(self, s),
+            &self.retired,
+        )
     }
 
     fn create_event(&self, timing: bool) -> Result<Arc<EventObj>> {
@@ -466,8 +455,7 @@ impl Backend for CudaBackend {
             shared: Arc::clone(&self.shared),
             raw,
             device,
-            recorded: AtomicBool::new(false),
-            carries: Mutex::default(),
+            record: EventRecord::default(),
         }))
     }
     fn destroy_event(&self, event: Arc<EventObj>) -> Result<()> {
@@ -477,21 +465,20 @@ impl Backend for CudaBackend {
     fn record_event(&self, event: &Arc<EventObj>, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind(stream.device)?;
         result::event::record(event.raw, stream.raw)?;
-        *lock(&event.carries) = stream.errors.record();
-        event.recorded.store(true, Ordering::Release);
+        event.record.recorded_on(&stream.errors);
         Ok(())
     }
     fn stream_wait_event(&self, stream: &Arc<StreamObj>, event: &Arc<EventObj>) -> Result<()> {
-        if !event.recorded.load(Ordering::Acquire) {
+        if !event.record.is_recorded() {
             return Ok(());
         }
         self.shared.bind(stream.device)?;
         result::stream::wait_event(stream.raw, event.raw)?;
-        stream.errors.wait(&lock(&event.carries));
+        event.record.waited_by(&stream.errors);
         Ok(())
     }
     fn query_event(&self, event: &Arc<EventObj>) -> Result<bool> {
-        if !event.recorded.load(Ordering::Acquire) {
+        if !event.record.is_recorded() {
             return Ok(true);
         }
         self.shared.bind(event.device)?;
@@ -501,16 +488,16 @@ impl Backend for CudaBackend {
         Self::wait_event(event)
     }
     fn wait_event(event: &Arc<EventObj>) -> Result<()> {
-        if !event.recorded.load(Ordering::Acquire) {
+        if !event.record.is_recorded() {
             return Ok(());
         }
         event.shared.bind(event.device)?;
         result::event::synchronize(event.raw)?;
-        first_error(&lock(&event.carries)).map_or(Ok(()), Err)
+        event.record.first_error().map_or(Ok(()), Err)
     }
     fn event_elapsed_ms(&self, start: &Arc<EventObj>, end: &Arc<EventObj>) -> Result<f32> {
         for (e, what) in [(start, "start"), (end, "end")] {
-            if !e.recorded.load(Ordering::Acquire) || !Backend::query_event(self, e)? {
+            if !e.record.is_recorded() || !Backend::query_event(self, e)? {
                 return Err(cuda_err(
                     ErrorKind::NotReady,
                     "event_elapsed_ms",

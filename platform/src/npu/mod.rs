@@ -38,7 +38,7 @@ use crate::collective::Collective;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{BackendKind, Error, ErrorKind, Result};
 use crate::handle::{CopyKind, RawStream, ReleaseFn, UniqueId};
-use crate::host_errors::{first_error, Point, Retired, Span, StreamErrors};
+use crate::host_errors::{synchronize_all, EventRecord, Point, Retired, StreamErrors};
 use crate::info::{DeviceInfo, LibraryProbe, PlatformInfo};
 use crate::kernel::{run_on_host, Access, HostFn, Kernel};
 use crate::memory::{MemInfo, MemoryCounter, MemoryStats};
@@ -118,9 +118,8 @@ pub struct EventObj {
     shared: Arc<Shared>,
     raw: result::Event,
     timing: bool,
-    recorded: AtomicBool,
-    /// The backend's errors the latest record carries (`host_errors`).
-    carries: Mutex<Vec<Span>>,
+    /// Whether it was recorded, and the backend's errors its latest record carries.
+    record: EventRecord,
 }
 
 /// Device, pinned or borrowed memory, with the events of its uses (`auxil::uses`).
@@ -273,16 +272,10 @@ impl Backend for NpuBackend {
         Ok(MemInfo { free, total })
     }
     fn memory_stats(&self) -> MemoryStats {
-        let d = &self.shared.devices[Backend::current_device(self)];
-        let p = &self.shared.pinned;
-        MemoryStats {
-            device_current: d.current(),
-            device_peak: d.peak(),
-            device_allocations: d.allocations(),
-            pinned_current: p.current(),
-            pinned_peak: p.peak(),
-            pinned_allocations: p.allocations(),
-        }
+        MemoryStats::of(
+            &self.shared.devices[Backend::current_device(self)],
+            &self.shared.pinned,
+        )
     }
     fn reclaim_frees(&self) {
         self.frees.reclaim(false);
@@ -346,13 +339,11 @@ impl Backend for NpuBackend {
             .values()
             .filter_map(Weak::upgrade)
             .collect();
-        let mut first = Ok(());
-        for s in live {
-            if let Err(e) = Backend::synchronize_stream(self, &s) {
-                first = first.and(Err(e));
-            }
-        }
-        first.and(self.retired.take())
+        synchronize_all(
+            live,
+            |s| Backend::synchronize_stream(self, s),
+            &self.retired,
+        )
     }
 
     fn create_event(&self, timing: bool) -> Result<Arc<EventObj>> {
@@ -367,8 +358,7 @@ impl Backend for NpuBackend {
             shared: Arc::clone(&self.shared),
             raw,
             timing,
-            recorded: AtomicBool::new(false),
-            carries: Mutex::default(),
+            record: EventRecord::default(),
         }))
     }
     fn destroy_event(&self, event: Arc<EventObj>) -> Result<()> {
@@ -378,21 +368,20 @@ impl Backend for NpuBackend {
     fn record_event(&self, event: &Arc<EventObj>, stream: &Arc<StreamObj>) -> Result<()> {
         self.shared.bind()?;
         result::event::record(self.api(), event.raw, stream.raw)?;
-        *lock(&event.carries) = stream.errors.record();
-        event.recorded.store(true, Ordering::Release);
+        event.record.recorded_on(&stream.errors);
         Ok(())
     }
     fn stream_wait_event(&self, stream: &Arc<StreamObj>, event: &Arc<EventObj>) -> Result<()> {
-        if !event.recorded.load(Ordering::Acquire) {
+        if !event.record.is_recorded() {
             return Ok(());
         }
         self.shared.bind()?;
         result::stream::wait_event(self.api(), stream.raw, event.raw)?;
-        stream.errors.wait(&lock(&event.carries));
+        event.record.waited_by(&stream.errors);
         Ok(())
     }
     fn query_event(&self, event: &Arc<EventObj>) -> Result<bool> {
-        if !event.recorded.load(Ordering::Acquire) {
+        if !event.record.is_recorded() {
             return Ok(true);
         }
         self.shared.bind()?;
@@ -402,7 +391,7 @@ impl Backend for NpuBackend {
         Self::wait_event(event)
     }
     fn wait_event(event: &Arc<EventObj>) -> Result<()> {
-        if !event.recorded.load(Ordering::Acquire) {
+        if !event.record.is_recorded() {
             return Ok(());
         }
         event.shared.bind()?;
@@ -411,7 +400,7 @@ impl Backend for NpuBackend {
             event.shared.settle_collectives();
         }
         // As in `synchronize_stream`: the backend's error where both failed.
-        match first_error(&lock(&event.carries)) {
+        match event.record.first_error() {
             Some(e) => Err(e),
             None => driver,
         }
@@ -419,7 +408,7 @@ impl Backend for NpuBackend {
     fn event_elapsed_ms(&self, start: &Arc<EventObj>, end: &Arc<EventObj>) -> Result<f32> {
         for (e, what) in [(start, "start"), (end, "end")] {
             debug_assert!(e.timing);
-            if !e.recorded.load(Ordering::Acquire) || !Backend::query_event(self, e)? {
+            if !e.record.is_recorded() || !Backend::query_event(self, e)? {
                 return Err(npu_err(
                     ErrorKind::NotReady,
                     "event_elapsed_ms",
