@@ -169,24 +169,25 @@ pub(crate) fn alloc_storm(p: &dyn Platform) -> Result<()> {
         bail!("{}", errors.join(" | "));
     }
     let end = p.memory_stats();
-    ensure!(
-        end.device_current == base.device_current
-            && end.device_allocations == base.device_allocations,
-        "device accounting did not return to its start: current {} -> {}, allocations {} -> {}",
-        base.device_current,
-        end.device_current,
-        base.device_allocations,
-        end.device_allocations
-    );
-    ensure!(
-        end.pinned_current == base.pinned_current
-            && end.pinned_allocations == base.pinned_allocations,
-        "pinned accounting did not return to its start: current {} -> {}, allocations {} -> {}",
-        base.pinned_current,
-        end.pinned_current,
-        base.pinned_allocations,
-        end.pinned_allocations
-    );
+    let kinds = [
+        (
+            "device",
+            (base.device_current, base.device_allocations),
+            (end.device_current, end.device_allocations),
+        ),
+        (
+            "pinned",
+            (base.pinned_current, base.pinned_allocations),
+            (end.pinned_current, end.pinned_allocations),
+        ),
+    ];
+    for (kind, (current0, allocations0), (current, allocations)) in kinds {
+        ensure!(
+            current == current0 && allocations == allocations0,
+            "{kind} accounting did not return to its start: current {current0} -> {current}, \
+             allocations {allocations0} -> {allocations}",
+        );
+    }
     ensure!(
         end.device_peak >= base.device_current,
         "device peak {} below the start",
