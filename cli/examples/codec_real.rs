@@ -103,32 +103,23 @@ fn main() -> anyhow::Result<()> {
                 best[slot] = best[slot].min(t.as_secs_f64());
                 r
             };
-            if reused_only {
-                time(2, &mut || {
-                    Ok(codec::encode_into(dtype, black_box(data), &eo, &mut coded)?)
-                })?;
-                time(3, &mut || {
-                    codec::decode_into(black_box(&coded), &mut back, &dopts)?;
+            if !reused_only {
+                let mut enc = Vec::new();
+                time(0, &mut || {
+                    enc = codec::encode(dtype, black_box(data), &eo)?;
                     Ok(())
                 })?;
-                continue;
+                ratio = data.len() as f64 / enc.len() as f64;
+                let mut dec = None;
+                time(1, &mut || {
+                    dec = Some(codec::decode_with(black_box(&enc), &dopts)?);
+                    Ok(())
+                })?;
+                anyhow::ensure!(
+                    &dec.expect("decoded").data == data,
+                    "{name}: round trip failed"
+                );
             }
-            let mut enc = Vec::new();
-            time(0, &mut || {
-                enc = codec::encode(dtype, black_box(data), &eo)?;
-                Ok(())
-            })?;
-            ratio = data.len() as f64 / enc.len() as f64;
-            let mut dec = None;
-            time(1, &mut || {
-                dec = Some(codec::decode_with(black_box(&enc), &dopts)?);
-                Ok(())
-            })?;
-            anyhow::ensure!(
-                &dec.expect("decoded").data == data,
-                "{name}: round trip failed"
-            );
-            drop(enc);
             time(2, &mut || {
                 Ok(codec::encode_into(dtype, black_box(data), &eo, &mut coded)?)
             })?;
@@ -136,6 +127,9 @@ fn main() -> anyhow::Result<()> {
                 codec::decode_into(black_box(&coded), &mut back, &dopts)?;
                 Ok(())
             })?;
+            if reused_only {
+                continue;
+            }
             anyhow::ensure!(
                 &back == data,
                 "{name}: round trip into a reused buffer failed"

@@ -213,14 +213,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
 }
 
 fn human(bytes: usize) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.1} {}", UNITS[u])
+    let (v, unit) = hprt_cli::demo::binary_units(bytes as u64);
+    format!("{v:.1} {unit}")
 }
 
 fn info() -> Result<ExitCode> {

@@ -19,7 +19,7 @@ use hprt_platform::{
 };
 
 use crate::reference::{self, Expected};
-use crate::util::{check_bytes, download, hash, panic_message, pattern, upload, Arena, Skipped};
+use crate::util::{check_bytes, download, hash, pattern, upload, Arena, Skipped};
 
 mod composed;
 mod exchanges;
@@ -100,15 +100,7 @@ where
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .filter_map(|(rank, h)| match h.join() {
-                Ok(Ok(())) => None,
-                Ok(Err(e)) => Some(format!("rank {rank}: {e:#}")),
-                Err(panic) => Some(format!("rank {rank} panicked: {}", panic_message(&*panic))),
-            })
-            .collect()
+        crate::util::join_failures(handles, "rank")
     });
     if errors.is_empty() {
         Ok(())

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use hprt_platform::{ErrorKind, Platform, Stream};
 
-use crate::util::{check_bytes, download, expect_kind, pattern, pinned_with, upload};
+use crate::util::{check_bytes, check_pinned, download, expect_kind, pattern, pinned_with, upload};
 
 pub(crate) fn all_kinds_with_offsets(p: &dyn Platform) -> Result<()> {
     let stream = p.create_stream()?;
@@ -50,17 +50,17 @@ pub(crate) fn all_kinds_with_offsets(p: &dyn Platform) -> Result<()> {
         &want2,
         &download(p, &dev2, 0, 6_000, &stream)?,
     )?;
-    check_bytes(
+    check_pinned(
         "D2H destination (device+103 -> pinned+5, 3001 bytes)",
         &want3,
-        &p1.to_vec()?,
+        &p1,
     )?;
-    check_bytes(
+    check_pinned(
         "H2H destination (pinned+6 -> pinned+11, 2999 bytes)",
         &want4,
-        &p2.to_vec()?,
+        &p2,
     )?;
-    check_bytes("H2D source after the copies", &src, &p0.to_vec()?)?;
+    check_pinned("H2D source after the copies", &src, &p0)?;
     p.destroy_stream(&stream)?;
     Ok(())
 }
@@ -123,7 +123,7 @@ pub(crate) fn pinned_access_waits_for_queued_copies(p: &dyn Platform) -> Result<
     let h = pinned_with(p, &[0x77; 8_191])?;
     hold(p, &stream, 50)?;
     p.copy_async((&h).into(), 0, (&d).into(), 0, 8_191, &stream)?;
-    check_bytes("pinned read right after a queued D2H", &data, &h.to_vec()?)?;
+    check_pinned("pinned read right after a queued D2H", &data, &h)?;
 
     // H2D from the pinned buffer, then the host overwrites it at once.
     let d2 = p.alloc_device(8_191)?;

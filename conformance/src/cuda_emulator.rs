@@ -3,7 +3,7 @@
 //! (`hprt_emulator_common::library`), next to the test binaries in `target/<profile>/`.
 
 use hprt_platform::cuda::{CudaBackend, CudaSearch};
-use hprt_platform::Platform;
+use hprt_platform::{DeviceBuffer, Platform, Stream};
 
 /// The device name the emulator reports, so cases can tell it from a GPU.
 const DEVICE_NAME: &str = "hprt CUDA emulator";
@@ -65,5 +65,35 @@ pub fn driver_calls(name: &str) -> u64 {
                 "hprtEmuGetCallCount (rebuild the emulator: cargo build -p hprt-cuda-emulator)",
             );
         f(name.as_ptr())
+    }
+}
+
+/// The allocation-cache tests' tensors: device buffers of sizes that are and are not multiples
+/// of the cache's rounding, each written with its own bytes (returned too, for
+/// [`assert_reloaded`]).
+pub fn cache_test_buffers(p: &dyn Platform, s: &Stream) -> (Vec<Vec<u8>>, Vec<DeviceBuffer>) {
+    let sizes = [64 << 10, 64 << 10, 1000, 4096 + 3, 1 << 20, 256, 256, 77];
+    let data: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (0..n).map(|j| (i * 31 + j * 7) as u8).collect())
+        .collect();
+    let bufs = data
+        .iter()
+        .map(|d| {
+            let b = p.alloc_device(d.len()).unwrap();
+            p.write_device_sync(&b, 0, d, s).unwrap();
+            b
+        })
+        .collect();
+    (data, bufs)
+}
+
+/// Panics unless every buffer of [`cache_test_buffers`] holds its own bytes again.
+pub fn assert_reloaded(p: &dyn Platform, s: &Stream, bufs: &[DeviceBuffer], data: &[Vec<u8>]) {
+    for (b, d) in bufs.iter().zip(data) {
+        let mut back = vec![0u8; d.len()];
+        p.read_device_sync(b, 0, &mut back, s).unwrap();
+        assert_eq!(&back, d);
     }
 }

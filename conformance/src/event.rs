@@ -6,7 +6,7 @@ use std::sync::mpsc;
 use anyhow::{anyhow, ensure, Context, Result};
 use hprt_platform::{ErrorKind, Platform};
 
-use crate::util::{check_bytes, expect_kind, panic_message, pattern, pinned_with};
+use crate::util::{check_pinned, expect_kind, panic_message, pattern, pinned_with, RoundTrip};
 
 pub(crate) fn never_recorded(p: &dyn Platform) -> Result<()> {
     let s = p.create_stream()?;
@@ -39,13 +39,9 @@ pub(crate) fn never_recorded(p: &dyn Platform) -> Result<()> {
 pub(crate) fn record_synchronize_query(p: &dyn Platform) -> Result<()> {
     const N: usize = 1 << 20;
     let s = p.create_stream()?;
-    let data = pattern(80, N);
-    let src = pinned_with(p, &data)?;
-    let dev = p.alloc_device(N)?;
-    let out = p.alloc_pinned(N)?;
+    let rt = RoundTrip::new(p, 80, N)?;
     let e = p.create_event(false)?;
-    p.copy_async((&dev).into(), 0, (&src).into(), 0, N, &s)?;
-    p.copy_async((&out).into(), 0, (&dev).into(), 0, N, &s)?;
+    rt.queue(p, &s, &s)?;
     p.record_event(&e, &s)?;
     p.query_event(&e)
         .context("query_event right after record")?;
@@ -54,11 +50,7 @@ pub(crate) fn record_synchronize_query(p: &dyn Platform) -> Result<()> {
         p.query_event(&e)?,
         "query_event is false after synchronize_event"
     );
-    check_bytes(
-        "download before the event, read after synchronize_event",
-        &data,
-        &out.to_vec()?,
-    )?;
+    rt.check("download before the event, read after synchronize_event")?;
     p.destroy_event(&e)?;
     p.destroy_stream(&s)?;
     Ok(())
@@ -83,8 +75,8 @@ pub(crate) fn rerecord_waits_for_latest(p: &dyn Platform) -> Result<()> {
     p.copy_async((&ox).into(), 0, (&dx).into(), 0, N, &b)?;
     p.copy_async((&oy).into(), 0, (&dy).into(), 0, N, &b)?;
     p.synchronize_stream(&b)?;
-    check_bytes("upload before the first record", &x, &ox.to_vec()?)?;
-    check_bytes("upload before the second record", &y, &oy.to_vec()?)?;
+    check_pinned("upload before the first record", &x, &ox)?;
+    check_pinned("upload before the second record", &y, &oy)?;
     p.synchronize_event(&e)?;
     ensure!(
         p.query_event(&e)?,

@@ -62,231 +62,63 @@ pub const GROUPS: [&str; 9] = [
     "stress",
 ];
 
-macro_rules! case {
-    ($group:literal, $name:literal, $f:path) => {
-        Case {
-            name: $name,
+/// The suite by group: a case is named after its function, or `name = function` where the
+/// function's own name would not say which group's it is.
+macro_rules! cases {
+    ($($group:literal in $module:ident: [$($name:ident $(= $f:ident)?),* $(,)?])*) => {
+        &[$($(Case {
+            name: stringify!($name),
             group: $group,
-            run: $f,
-        }
+            run: cases!(@run $module $name $($f)?),
+        },)*)*]
     };
+    (@run $module:ident $name:ident) => { $module::$name };
+    (@run $module:ident $name:ident $f:ident) => { $module::$f };
 }
 
-static CASES: &[Case] = &[
-    // memory
-    case!(
-        "memory",
-        "alloc_free_accounting",
-        memory::alloc_free_accounting
-    ),
-    case!("memory", "pinned_accounting", memory::pinned_accounting),
-    case!(
-        "memory",
-        "free_does_not_wait_for_queued_work",
-        memory::free_does_not_wait_for_queued_work
-    ),
-    case!("memory", "drop_releases", memory::drop_releases),
-    case!("memory", "out_of_memory", memory::out_of_memory),
-    case!(
-        "memory",
-        "pinned_out_of_memory",
-        memory::pinned_out_of_memory
-    ),
-    case!("memory", "zero_size", memory::zero_size),
-    case!("memory", "unaligned_sizes", memory::unaligned_sizes),
-    case!(
-        "memory",
-        "resize_to_zero_and_back",
-        memory::resize_to_zero_and_back
-    ),
-    case!(
-        "memory",
-        "resize_failure_keeps_buffer",
-        memory::resize_failure_keeps_buffer
-    ),
-    case!("memory", "mem_info_sane", memory::mem_info_sane),
-    // copy
-    case!(
-        "copy",
-        "all_kinds_with_offsets",
-        copy::all_kinds_with_offsets
-    ),
-    case!("copy", "d2d_within_one_buffer", copy::d2d_within_one_buffer),
-    case!("copy", "memset_with_offset", copy::memset_with_offset),
-    case!("copy", "sync_helpers", copy::sync_helpers),
-    case!(
-        "copy",
-        "pinned_access_waits_for_queued_copies",
-        copy::pinned_access_waits_for_queued_copies
-    ),
-    case!("copy", "empty_copies", copy::empty_copies),
-    // stream
-    case!("stream", "ordering_chain", stream::ordering_chain),
-    case!("stream", "cross_stream_wait", stream::cross_stream_wait),
-    case!(
-        "stream",
-        "query_after_synchronize",
-        stream::query_after_synchronize
-    ),
-    case!(
-        "stream",
-        "synchronize_device_all",
-        stream::synchronize_device_all
-    ),
-    case!(
-        "stream",
-        "destroy_with_pending_work",
-        stream::destroy_with_pending_work
-    ),
-    // event
-    case!("event", "never_recorded", event::never_recorded),
-    case!(
-        "event",
-        "record_synchronize_query",
-        event::record_synchronize_query
-    ),
-    case!(
-        "event",
-        "rerecord_waits_for_latest",
-        event::rerecord_waits_for_latest
-    ),
-    case!("event", "elapsed_time", event::elapsed_time),
-    case!(
-        "event",
-        "elapsed_without_timing",
-        event::elapsed_without_timing
-    ),
-    case!("event", "elapsed_not_ready", event::elapsed_not_ready),
-    case!("event", "pending_while_gated", event::pending_while_gated),
-    // interop
-    case!(
-        "interop",
-        "wrapped_stream_shares_queue",
-        interop::wrapped_stream_shares_queue
-    ),
-    case!(
-        "interop",
-        "wrapped_stream_destroy",
-        interop::wrapped_stream_destroy
-    ),
-    case!(
-        "interop",
-        "wrapped_memory_visible",
-        interop::wrapped_memory_visible
-    ),
-    case!(
-        "interop",
-        "release_after_last_clone",
-        interop::release_after_last_clone
-    ),
-    case!("interop", "release_after_free", interop::release_after_free),
-    case!(
-        "interop",
-        "release_after_pending_work",
-        interop::release_after_pending_work
-    ),
-    case!(
-        "interop",
-        "resize_borrowed_unsupported",
-        interop::resize_borrowed_unsupported
-    ),
-    // collective
-    case!("collective", "all_reduce", collective::all_reduce),
-    case!("collective", "reduce_scatter", collective::reduce_scatter),
-    case!("collective", "all_gather", collective::all_gather),
-    case!("collective", "broadcast", collective::broadcast),
-    case!("collective", "all_to_all", collective::all_to_all),
-    case!("collective", "all_to_all_v", collective::all_to_all_v),
-    case!("collective", "send_recv_ring", collective::send_recv_ring),
-    case!("collective", "send_recv_pairs", collective::send_recv_pairs),
-    case!("collective", "barrier", collective::barrier),
-    case!("collective", "in_place", collective::in_place),
-    case!("collective", "zero_count", collective::zero_count),
-    case!("collective", "chained", collective::chained),
-    case!("collective", "comm_split", collective::comm_split),
-    // kernel
-    case!(
-        "kernel",
-        "cast_to_half_formats",
-        kernel::cast_to_half_formats
-    ),
-    case!(
-        "kernel",
-        "cast_widen_and_to_integers",
-        kernel::cast_widen_and_to_integers
-    ),
-    case!("kernel", "fill_scale_axpy", kernel::fill_scale_axpy),
-    case!("kernel", "stream_ordered", kernel::stream_ordered),
-    case!(
-        "kernel",
-        "host_fn_in_stream_order",
-        kernel::host_fn_in_stream_order
-    ),
-    case!(
-        "kernel",
-        "host_fn_panic_is_reported",
-        kernel::host_fn_panic_is_reported
-    ),
-    case!(
-        "kernel",
-        "host_fn_panic_reaches_waiters",
-        kernel::host_fn_panic_reaches_waiters
-    ),
-    case!("kernel", "kernel_bad_arguments", kernel::bad_arguments),
-    case!("kernel", "matmul_f32", kernel::matmul_f32),
-    // error
-    case!("error", "use_after_free", errors::use_after_free),
-    case!("error", "out_of_range", errors::out_of_range),
-    case!("error", "destroyed_stream", errors::destroyed_stream),
-    case!("error", "destroyed_event", errors::destroyed_event),
-    case!("error", "double_destroy", errors::double_destroy),
-    case!("error", "pinned_host_access", errors::pinned_host_access),
-    case!(
-        "error",
-        "mismatched_collective",
-        errors::mismatched_collective
-    ),
-    case!(
-        "error",
-        "overlapping_all_to_all",
-        errors::overlapping_all_to_all
-    ),
-    case!(
-        "error",
-        "collective_bad_arguments",
-        errors::collective_bad_arguments
-    ),
-    case!(
-        "error",
-        "queued_error_reaches_waiters",
-        errors::queued_error_reaches_waiters
-    ),
-    case!(
-        "error",
-        "waiter_reports_error_its_source_reported",
-        errors::waiter_reports_error_its_source_reported
-    ),
-    case!(
-        "error",
-        "destroyed_stream_error_reaches_device_synchronize",
-        errors::destroyed_stream_error_reaches_device_synchronize
-    ),
-    case!(
-        "error",
-        "failed_collective_aborts_communicator",
-        errors::failed_collective_aborts_communicator
-    ),
-    case!("error", "comm_init_bad_rank", errors::comm_init_bad_rank),
-    case!("error", "group_end_unopened", errors::group_end_unopened),
-    case!(
-        "error",
-        "split_bad_rank_lists",
-        errors::split_bad_rank_lists
-    ),
-    // stress
-    case!("stress", "ring_of_32_queues", stress::ring_of_32_queues),
-    case!("stress", "alloc_storm", stress::alloc_storm),
-];
+static CASES: &[Case] = cases! {
+    "memory" in memory: [
+        alloc_free_accounting, pinned_accounting, free_does_not_wait_for_queued_work, drop_releases,
+        out_of_memory, pinned_out_of_memory, zero_size, unaligned_sizes, resize_to_zero_and_back,
+        resize_failure_keeps_buffer, mem_info_sane,
+    ]
+    "copy" in copy: [
+        all_kinds_with_offsets, d2d_within_one_buffer, memset_with_offset, sync_helpers,
+        pinned_access_waits_for_queued_copies, empty_copies,
+    ]
+    "stream" in stream: [
+        ordering_chain, cross_stream_wait, query_after_synchronize, synchronize_device_all,
+        destroy_with_pending_work,
+    ]
+    "event" in event: [
+        never_recorded, record_synchronize_query, rerecord_waits_for_latest, elapsed_time,
+        elapsed_without_timing, elapsed_not_ready, pending_while_gated,
+    ]
+    "interop" in interop: [
+        wrapped_stream_shares_queue, wrapped_stream_destroy, wrapped_memory_visible,
+        release_after_last_clone, release_after_free, release_after_pending_work,
+        resize_borrowed_unsupported,
+    ]
+    "collective" in collective: [
+        all_reduce, reduce_scatter, all_gather, broadcast, all_to_all, all_to_all_v, send_recv_ring,
+        send_recv_pairs, barrier, in_place, zero_count, chained, comm_split,
+    ]
+    "kernel" in kernel: [
+        cast_to_half_formats, cast_widen_and_to_integers, fill_scale_axpy, stream_ordered,
+        host_fn_in_stream_order, host_fn_panic_is_reported, host_fn_panic_reaches_waiters,
+        kernel_bad_arguments = bad_arguments, matmul_f32,
+    ]
+    "error" in errors: [
+        use_after_free, out_of_range, destroyed_stream, destroyed_event, double_destroy,
+        pinned_host_access, mismatched_collective, overlapping_all_to_all, collective_bad_arguments,
+        queued_error_reaches_waiters, waiter_reports_error_its_source_reported,
+        destroyed_stream_error_reaches_device_synchronize, failed_collective_aborts_communicator,
+        comm_init_bad_rank, group_end_unopened, split_bad_rank_lists,
+    ]
+    "stress" in stress: [
+        ring_of_32_queues, alloc_storm,
+    ]
+};
 
 /// Every case of the suite, grouped in the order of [`GROUPS`].
 pub fn cases() -> &'static [Case] {

@@ -6,7 +6,7 @@
 use anyhow::{ensure, Context, Result};
 use hprt_platform::{ErrorKind, MemoryStats, Platform};
 
-use crate::util::{check_bytes, download, expect_kind, pattern, pinned_with, upload};
+use crate::util::{check_bytes, check_pinned, download, expect_kind, pattern, upload, RoundTrip};
 
 fn device_delta(now: &MemoryStats, base: &MemoryStats) -> (isize, isize) {
     (
@@ -360,10 +360,7 @@ pub(crate) fn unaligned_sizes(p: &dyn Platform) -> Result<()> {
     let mut live = Vec::new();
     let mut total = 0;
     for (i, &n) in SIZES.iter().enumerate() {
-        let data = pattern(100 + i as u64, n);
-        let src = pinned_with(p, &data)?;
-        let dev = p.alloc_device(n)?;
-        let out = p.alloc_pinned(n)?;
+        let rt = RoundTrip::new(p, 100 + i as u64, n)?;
         total += n;
         let s = p.memory_stats();
         ensure!(
@@ -371,13 +368,12 @@ pub(crate) fn unaligned_sizes(p: &dyn Platform) -> Result<()> {
             "after alloc_device({n}) device usage grew by {}, expected {total}",
             s.device_current - base.device_current
         );
-        p.copy_async((&dev).into(), 0, (&src).into(), 0, n, &stream)?;
-        p.copy_async((&out).into(), 0, (&dev).into(), 0, n, &stream)?;
-        live.push((n, data, src, dev, out));
+        rt.queue(p, &stream, &stream)?;
+        live.push((n, rt));
     }
     p.synchronize_stream(&stream)?;
-    for (n, data, _, _, out) in &live {
-        check_bytes(&format!("{n}-byte round trip"), data, &out.to_vec()?)?;
+    for (n, rt) in &live {
+        rt.check(&format!("{n}-byte round trip"))?;
     }
     drop(live);
     let s = p.memory_stats();
@@ -613,10 +609,10 @@ pub(crate) fn free_does_not_wait_for_queued_work(p: &dyn Platform) -> Result<()>
         !reused,
         "memory freed under queued work was allocated again before the work finished"
     );
-    check_bytes(
+    check_pinned(
         "bytes the queued copies read from the freed buffers",
         &data,
-        &out.to_vec()?,
+        &out,
     )?;
     p.destroy_stream(&other)?;
     p.destroy_stream(&stream)?;

@@ -4,7 +4,7 @@
 use anyhow::{ensure, Context, Result};
 use hprt_platform::Platform;
 
-use crate::util::{check_bytes, download, pattern, pinned_with};
+use crate::util::{check_bytes, check_pinned, download, pattern, pinned_with, RoundTrip};
 
 /// A chain of 50 copies and memsets on one stream whose result depends on running in order:
 /// block i is a copy of block i-1 with byte i set to i, so block i ends up as block 0 with bytes
@@ -68,10 +68,10 @@ pub(crate) fn cross_stream_wait(p: &dyn Platform) -> Result<()> {
     }
     p.synchronize_stream(&b)?;
     for k in 0..ROUNDS {
-        check_bytes(
+        check_pinned(
             &format!("round {k}: data stream B downloaded after waiting on A's event"),
             &srcs[k],
-            &outs[k].to_vec()?,
+            &outs[k],
         )?;
     }
     p.synchronize_stream(&a)?;
@@ -120,15 +120,11 @@ pub(crate) fn synchronize_device_all(p: &dyn Platform) -> Result<()> {
         .collect::<hprt_platform::Result<Vec<_>>>()?;
     let mut keep = Vec::new();
     for (i, s) in streams.iter().enumerate() {
-        let data = pattern(60 + i as u64, N);
-        let src = pinned_with(p, &data)?;
-        let dev = p.alloc_device(N)?;
-        let out = p.alloc_pinned(N)?;
+        let rt = RoundTrip::new(p, 60 + i as u64, N)?;
         for _ in 0..4 {
-            p.copy_async((&dev).into(), 0, (&src).into(), 0, N, s)?;
-            p.copy_async((&out).into(), 0, (&dev).into(), 0, N, s)?;
+            rt.queue(p, s, s)?;
         }
-        keep.push((data, src, dev, out));
+        keep.push(rt);
     }
     p.synchronize_device()?;
     for (i, s) in streams.iter().enumerate() {
@@ -136,11 +132,7 @@ pub(crate) fn synchronize_device_all(p: &dyn Platform) -> Result<()> {
             p.query_stream(s)?,
             "stream {i} is busy after synchronize_device"
         );
-        check_bytes(
-            &format!("stream {i}'s download after synchronize_device"),
-            &keep[i].0,
-            &keep[i].3.to_vec()?,
-        )?;
+        keep[i].check(&format!("stream {i}'s download after synchronize_device"))?;
     }
     for s in &streams {
         p.destroy_stream(s)?;
@@ -152,22 +144,14 @@ pub(crate) fn synchronize_device_all(p: &dyn Platform) -> Result<()> {
 pub(crate) fn destroy_with_pending_work(p: &dyn Platform) -> Result<()> {
     const N: usize = 1 << 20;
     let s = p.create_stream()?;
-    let data = pattern(70, N);
-    let src = pinned_with(p, &data)?;
-    let dev = p.alloc_device(N)?;
-    let out = p.alloc_pinned(N)?;
+    let rt = RoundTrip::new(p, 70, N)?;
     let done = p.create_event(false)?;
-    p.copy_async((&dev).into(), 0, (&src).into(), 0, N, &s)?;
-    p.copy_async((&out).into(), 0, (&dev).into(), 0, N, &s)?;
+    rt.queue(p, &s, &s)?;
     p.record_event(&done, &s)?;
     p.destroy_stream(&s)?;
     ensure!(!s.is_live(), "a destroyed stream reports is_live");
     p.synchronize_event(&done)
         .context("synchronize_event on an event recorded before destroy_stream")?;
-    check_bytes(
-        "download queued before destroy_stream",
-        &data,
-        &out.to_vec()?,
-    )?;
+    rt.check("download queued before destroy_stream")?;
     Ok(())
 }

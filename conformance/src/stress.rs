@@ -3,7 +3,7 @@
 use anyhow::{bail, ensure, Result};
 use hprt_platform::{DeviceBuffer, PinnedBuffer, Platform};
 
-use crate::util::{check_bytes, mix, panic_message, pattern, pinned_with};
+use crate::util::{check_pinned, mix, pattern, pinned_with, RoundTrip};
 
 /// 32 streams in a ring, 8 rounds. In round k stream i copies the buffer stream i+1 wrote in
 /// round k-1 into its own (double-buffered) and stamps byte k with k. It waits for stream i+1's
@@ -81,10 +81,10 @@ pub(crate) fn ring_of_32_queues(p: &dyn Platform) -> Result<()> {
         for (k, b) in want.iter_mut().enumerate().take(ROUNDS + 1).skip(1) {
             *b = k as u8;
         }
-        check_bytes(
+        check_pinned(
             &format!("stream {i} after {ROUNDS} ring rounds"),
             &want,
-            &outs[i].to_vec()?,
+            &outs[i],
         )?;
     }
     for s in &streams {
@@ -142,18 +142,10 @@ pub(crate) fn alloc_storm(p: &dyn Platform) -> Result<()> {
                             }
                             _ => {
                                 // A round trip through a fresh pair of buffers.
-                                let data = pattern(next(), size.min(4096));
-                                let src = pinned_with(p, &data)?;
-                                let d = p.alloc_device(data.len())?;
-                                let out = p.alloc_pinned(data.len())?;
-                                p.copy_async((&d).into(), 0, (&src).into(), 0, data.len(), &s)?;
-                                p.copy_async((&out).into(), 0, (&d).into(), 0, data.len(), &s)?;
+                                let rt = RoundTrip::new(p, next(), size.min(4096))?;
+                                rt.queue(p, &s, &s)?;
                                 p.synchronize_stream(&s)?;
-                                check_bytes(
-                                    &format!("thread {t} iteration {it} round trip"),
-                                    &data,
-                                    &out.to_vec()?,
-                                )?;
+                                rt.check(&format!("thread {t} iteration {it} round trip"))?;
                             }
                         }
                         if dev.len() > 12 {
@@ -171,38 +163,31 @@ pub(crate) fn alloc_storm(p: &dyn Platform) -> Result<()> {
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .filter_map(|(t, h)| match h.join() {
-                Ok(Ok(())) => None,
-                Ok(Err(e)) => Some(format!("thread {t}: {e:#}")),
-                Err(e) => Some(format!("thread {t} panicked: {}", panic_message(&*e))),
-            })
-            .collect()
+        crate::util::join_failures(handles, "thread")
     });
     if !errors.is_empty() {
         bail!("{}", errors.join(" | "));
     }
     let end = p.memory_stats();
-    ensure!(
-        end.device_current == base.device_current
-            && end.device_allocations == base.device_allocations,
-        "device accounting did not return to its start: current {} -> {}, allocations {} -> {}",
-        base.device_current,
-        end.device_current,
-        base.device_allocations,
-        end.device_allocations
-    );
-    ensure!(
-        end.pinned_current == base.pinned_current
-            && end.pinned_allocations == base.pinned_allocations,
-        "pinned accounting did not return to its start: current {} -> {}, allocations {} -> {}",
-        base.pinned_current,
-        end.pinned_current,
-        base.pinned_allocations,
-        end.pinned_allocations
-    );
+    let kinds = [
+        (
+            "device",
+            (base.device_current, base.device_allocations),
+            (end.device_current, end.device_allocations),
+        ),
+        (
+            "pinned",
+            (base.pinned_current, base.pinned_allocations),
+            (end.pinned_current, end.pinned_allocations),
+        ),
+    ];
+    for (kind, (current0, allocations0), (current, allocations)) in kinds {
+        ensure!(
+            current == current0 && allocations == allocations0,
+            "{kind} accounting did not return to its start: current {current0} -> {current}, \
+             allocations {allocations0} -> {allocations}",
+        );
+    }
     ensure!(
         end.device_peak >= base.device_current,
         "device peak {} below the start",

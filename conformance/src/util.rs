@@ -127,6 +127,67 @@ pub(crate) fn check_bytes(what: &str, expected: &[u8], actual: &[u8]) -> Result<
     Ok(())
 }
 
+/// [`check_bytes`] against what `actual` holds now: most cases end by reading a download's
+/// pinned destination on the host.
+pub(crate) fn check_pinned(what: &str, expected: &[u8], actual: &PinnedBuffer) -> Result<()> {
+    check_bytes(what, expected, &actual.to_vec()?)
+}
+
+/// The pieces of a host -> device -> host round trip of `len` bytes: `data` (pattern `seed`),
+/// pinned `src` holding it, the device buffer `dev` and the pinned `out` to download into.
+pub(crate) struct RoundTrip {
+    pub(crate) data: Vec<u8>,
+    pub(crate) src: PinnedBuffer,
+    pub(crate) dev: DeviceBuffer,
+    pub(crate) out: PinnedBuffer,
+}
+
+impl RoundTrip {
+    pub(crate) fn new(p: &dyn Platform, seed: u64, len: usize) -> Result<Self> {
+        let data = pattern(seed, len);
+        let src = pinned_with(p, &data)?;
+        let dev = p.alloc_device(len)?;
+        let out = p.alloc_pinned(len)?;
+        Ok(RoundTrip {
+            data,
+            src,
+            dev,
+            out,
+        })
+    }
+
+    /// Queues the upload on `up` and the download on `down` (the same stream or not: the case
+    /// decides what orders them).
+    pub(crate) fn queue(&self, p: &dyn Platform, up: &Stream, down: &Stream) -> Result<()> {
+        let n = self.data.len();
+        p.copy_async((&self.dev).into(), 0, (&self.src).into(), 0, n, up)?;
+        p.copy_async((&self.out).into(), 0, (&self.dev).into(), 0, n, down)?;
+        Ok(())
+    }
+
+    /// Checks that the download brought `data` back; the caller has waited for it.
+    pub(crate) fn check(&self, what: &str) -> Result<()> {
+        check_pinned(what, &self.data, &self.out)
+    }
+}
+
+/// Joins `handles`, one message per thread that failed or panicked, each naming it as
+/// `{who} {index}`; empty when all succeeded.
+pub(crate) fn join_failures(
+    handles: Vec<std::thread::ScopedJoinHandle<'_, Result<()>>>,
+    who: &str,
+) -> Vec<String> {
+    handles
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, h)| match h.join() {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(format!("{who} {i}: {e:#}")),
+            Err(panic) => Some(format!("{who} {i} panicked: {}", panic_message(&*panic))),
+        })
+        .collect()
+}
+
 /// Checks that every byte of `actual` is `value`.
 pub(crate) fn check_fill(what: &str, actual: &[u8], value: u8) -> Result<()> {
     if let Some(i) = actual.iter().position(|&b| b != value) {

@@ -24,21 +24,8 @@ fn offload_reload_cycles_reuse_device_memory_without_the_driver_allocator() {
         let p: &dyn Platform = &p;
         assert_eq!(p.backend(), BackendKind::Cuda);
         let s = p.create_stream().unwrap();
-        // Sizes that are and are not multiples of the cache's rounding.
-        let sizes = [64 << 10, 64 << 10, 1000, 4096 + 3, 1 << 20, 256, 256, 77];
-        let data: Vec<Vec<u8>> = sizes
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| (0..n).map(|j| (i * 31 + j * 7) as u8).collect())
-            .collect();
-        let bufs: Vec<_> = data
-            .iter()
-            .map(|d| {
-                let b = p.alloc_device(d.len()).unwrap();
-                p.write_device_sync(&b, 0, d, &s).unwrap();
-                b
-            })
-            .collect();
+        let (data, bufs) = cuda_emulator::cache_test_buffers(p, &s);
+        let sizes: Vec<usize> = data.iter().map(Vec::len).collect();
         let host: Vec<_> = sizes.iter().map(|&n| p.alloc_pinned(n).unwrap()).collect();
         let cycle = || {
             for (b, h) in bufs.iter().zip(&host) {
@@ -84,11 +71,7 @@ fn offload_reload_cycles_reuse_device_memory_without_the_driver_allocator() {
             sizes.len()
         );
         // The reloaded bytes are the saved ones.
-        for (b, d) in bufs.iter().zip(&data) {
-            let mut back = vec![0u8; d.len()];
-            p.read_device_sync(b, 0, &mut back, &s).unwrap();
-            assert_eq!(&back, d);
-        }
+        cuda_emulator::assert_reloaded(p, &s, &bufs, &data);
         // Cached bytes are not counted as allocated.
         assert_eq!(p.memory_stats().device_current, sizes.iter().sum::<usize>());
         drop(bufs);

@@ -180,15 +180,7 @@ impl TensorView {
         shape: Vec<usize>,
         offset: usize,
     ) -> Result<Self> {
-        let v = TensorView {
-            backing: host_device_backing(p, b)?,
-            offset,
-            dtype,
-            shape,
-            strides: None,
-        };
-        v.address()?;
-        Ok(v)
+        Self::dense(host_device_backing(p, b)?, dtype, shape, offset)
     }
 
     pub(crate) fn of_pinned(
@@ -198,8 +190,14 @@ impl TensorView {
         shape: Vec<usize>,
         offset: usize,
     ) -> Result<Self> {
+        Self::dense(Backing::Pinned(b.clone()), dtype, shape, offset)
+    }
+
+    /// A row-major view of `backing` from `offset`; fails if it does not fit (`address`
+    /// checks the bounds).
+    fn dense(backing: Backing, dtype: DType, shape: Vec<usize>, offset: usize) -> Result<Self> {
         let v = TensorView {
-            backing: Backing::Pinned(b.clone()),
+            backing,
             offset,
             dtype,
             shape,

@@ -14,7 +14,7 @@ use hprt_platform::{DType, DeviceBuffer};
 use hprt_swap::{
     Compression, DeviceTensor, InflightWindow, KeyedSwap, LayerProfile, OffloadTag, Packed,
     PipelineConfig, PipelineOffload, PlanTarget, PlatformHandle, PoolConfig, Saved, SavedRef,
-    SwapContext, SwapManager, TensorKey, TensorKeyManager,
+    SwapContext, SwapEngine, SwapManager, TensorKey, TensorKeyManager,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -96,29 +96,17 @@ impl PyDeviceTensor {
             self.t.offset,
         )
     }
-    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    /// The export of its view: the keywords (`stream`, `max_version`, `dl_device`, `copy`) go
+    /// to `TensorView.__dlpack__`, which checks them.
+    #[pyo3(signature = (**kwargs))]
     fn __dlpack__(
         &self,
         py: Python<'_>,
-        stream: Option<&Bound<'_, PyAny>>,
-        max_version: Option<(u32, u32)>,
-        dl_device: Option<(u32, i32)>,
-        copy: Option<bool>,
+        kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Py<PyAny>> {
         let view = Bound::new(py, self.view()?)?;
-        view.call_method(
-            "__dlpack__",
-            (),
-            Some(&{
-                let kw = PyDict::new(py);
-                kw.set_item("stream", stream)?;
-                kw.set_item("max_version", max_version)?;
-                kw.set_item("dl_device", dl_device)?;
-                kw.set_item("copy", copy)?;
-                kw
-            }),
-        )
-        .map(Bound::unbind)
+        view.call_method("__dlpack__", (), kwargs)
+            .map(Bound::unbind)
     }
     fn __dlpack_device__(&self) -> (u32, i32) {
         (dlpark::ffi::DLDeviceType::CPU.0, 0)
@@ -208,6 +196,22 @@ fn window(offload_bytes: Option<usize>, reload_bytes: Option<usize>) -> Inflight
         offload_bytes,
         reload_bytes,
     }
+}
+
+// The settings every front end's Python class exposes alike; each method locks its front end
+// and hands these its engine.
+
+fn set_window(engine: &mut SwapEngine, offload_bytes: Option<usize>, reload_bytes: Option<usize>) {
+    engine.set_window(window(offload_bytes, reload_bytes));
+}
+
+fn set_compression(engine: &mut SwapEngine, compression: &str) -> Result<()> {
+    engine.set_compression(compression.parse::<Compression>()?);
+    Ok(())
+}
+
+fn set_compression_policy(engine: &mut SwapEngine, p: &PlatformHandle, policy: Option<Py<PyAny>>) {
+    engine.set_compression_policy(py_policy(p, policy));
 }
 
 /// What a Python callback sees of a tensor: the framework's own object for a borrowed payload,

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use hprt_platform::{DType, Platform, PlatformHandle, ReduceOp};
+use hprt_platform::{DType, DeviceBuffer, Platform, PlatformHandle, ReduceOp};
 
 use hprt_hsdp::{
     DataParallelMesh, DeviceMesh, GradInput, GroupCache, HsdpError, HsdpStreams, ParamConfig,
@@ -209,6 +209,17 @@ fn rank_timings(
         go.wait();
         Ok(d)
     };
+    // The two direct all-gathers differ only in whether the destination is kept or released.
+    let gather_into = |dst: &DeviceBuffer| {
+        p.all_gather(
+            (&shard).into(),
+            dst.into(),
+            shard_count,
+            DType::F32,
+            &comm,
+            &ag,
+        )
+    };
     let mut best = Timings {
         ag_direct: Duration::MAX,
         ag_direct_release: Duration::MAX,
@@ -217,28 +228,11 @@ fn rank_timings(
         rs_hsdp: Duration::MAX,
     };
     for _ in 0..TRIALS {
-        let d = timed(&mut || {
-            p.all_gather(
-                (&shard).into(),
-                (&kept).into(),
-                shard_count,
-                DType::F32,
-                &comm,
-                &ag,
-            )?;
-            Ok(())
-        })?;
+        let d = timed(&mut || Ok(gather_into(&kept)?))?;
         best.ag_direct = best.ag_direct.min(d);
         let d = timed(&mut || {
             p.resize_device(&released, bytes)?;
-            p.all_gather(
-                (&shard).into(),
-                (&released).into(),
-                shard_count,
-                DType::F32,
-                &comm,
-                &ag,
-            )?;
+            gather_into(&released)?;
             p.resize_device(&released, 0)?;
             Ok(())
         })?;

@@ -26,12 +26,19 @@ use hprt_platform::{
 const TRIALS: usize = 3;
 
 /// Best (shortest) of `TRIALS` runs of `f`, each returning the time it measured itself.
-fn best(mut f: impl FnMut() -> Result<Duration>) -> Result<Duration> {
+fn best_of<E>(
+    mut f: impl FnMut() -> std::result::Result<Duration, E>,
+) -> std::result::Result<Duration, E> {
     let mut best = Duration::MAX;
     for _ in 0..TRIALS {
         best = best.min(f()?);
     }
     Ok(best)
+}
+
+/// [`best_of`] with this module's error, so closures ending in `Ok(..)` need no annotation.
+fn best(f: impl FnMut() -> Result<Duration>) -> Result<Duration> {
+    best_of(f)
 }
 
 fn reps_for(bytes: usize) -> usize {
@@ -332,29 +339,21 @@ fn cuda_vs_raw(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<(
     writeln!(out)?;
     writeln!(out, "| size | H2D hprt GB/s | H2D raw GB/s | ratio | of peak | D2H hprt GB/s | D2H raw GB/s | ratio | of peak |")?;
     writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
-    for CopyRow {
-        size,
-        reps,
-        h2d,
-        raw_h2d,
-        d2h,
-        raw_d2h,
-    } in rows
-    {
-        let total = size * reps;
+    for r in rows {
+        let total = r.size * r.reps;
         let ratio = |raw: Duration, ours: Duration| raw.as_secs_f64() / ours.as_secs_f64();
         writeln!(
             out,
             "| {} | {:.2} | {:.2} | {:.3} | {:.2} | {:.2} | {:.2} | {:.3} | {:.2} |",
-            size_name(size),
-            gbps(total, h2d),
-            gbps(total, raw_h2d),
-            ratio(raw_h2d, h2d),
-            gbps(total, h2d) / peak_h2d,
-            gbps(total, d2h),
-            gbps(total, raw_d2h),
-            ratio(raw_d2h, d2h),
-            gbps(total, d2h) / peak_d2h,
+            size_name(r.size),
+            gbps(total, r.h2d),
+            gbps(total, r.raw_h2d),
+            ratio(r.raw_h2d, r.h2d),
+            gbps(total, r.h2d) / peak_h2d,
+            gbps(total, r.d2h),
+            gbps(total, r.raw_d2h),
+            ratio(r.raw_d2h, r.d2h),
+            gbps(total, r.d2h) / peak_d2h,
         )?;
     }
     writeln!(out)?;
@@ -597,23 +596,31 @@ fn collectives(p: &dyn Platform, max_bytes: usize, out: &mut String) -> Result<(
     Ok(())
 }
 
+/// The backends whose codec notes the bench tests check: CUDA on the emulator (the device
+/// kernels) and cpu (the host fallback).
+#[cfg(test)]
+fn cuda_and_cpu() -> (CudaBackend, Arc<dyn Platform>) {
+    let cuda = hprt_conformance::cuda_emulator::open().expect("cuda on the CUDA emulator");
+    let cpu = hprt_platform::CpuBackend::new(hprt_platform::CpuConfig::default());
+    (cuda, Arc::new(cpu))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{splice, swap_settings};
+    use super::{cuda_and_cpu, splice, swap_settings};
 
     /// The swap section says which device codec and allocation cache it ran with: on cuda the
     /// CUDA kernels (its compress rows said "the host fallback ... (no device kernels)" there).
     #[test]
     fn the_swap_section_names_the_codec_and_the_allocation_cache() {
-        let cuda = hprt_conformance::cuda_emulator::open().expect("cuda on the CUDA emulator");
+        let (cuda, cpu) = cuda_and_cpu();
         let s = swap_settings(&cuda);
         assert!(
             s.contains("- device codec: `cuda` (the CUDA kernels"),
             "{s}"
         );
         assert!(s.contains("- device allocation cache: "), "{s}");
-        let cpu = hprt_platform::CpuBackend::new(hprt_platform::CpuConfig::default());
-        let s = swap_settings(&cpu);
+        let s = swap_settings(&*cpu);
         assert!(s.contains("- device codec: `host` (the CPU codec"), "{s}");
     }
 

@@ -16,14 +16,11 @@ use hprt_swap::{
     PlatformHandle, Result, Saved, SwapEngine, SwapManager, SwapTensor,
 };
 
-const TRIALS: usize = 3;
+use super::{best_of, TRIALS};
 
-fn best(mut f: impl FnMut() -> Result<Duration>) -> Result<Duration> {
-    let mut best = Duration::MAX;
-    for _ in 0..TRIALS {
-        best = best.min(f()?);
-    }
-    Ok(best)
+/// [`best_of`] with the swap error, so closures ending in `Ok(..)` need no annotation.
+fn best(f: impl FnMut() -> Result<Duration>) -> Result<Duration> {
+    best_of(f)
 }
 
 fn us(d: Duration, n: usize) -> f64 {
@@ -505,13 +502,10 @@ mod tests {
     /// cpu the host fallback.
     #[test]
     fn the_compress_rows_name_the_device_codec_that_ran() {
-        let cuda = hprt_conformance::cuda_emulator::open().expect("cuda on the CUDA emulator");
+        let (cuda, cpu) = crate::bench::cuda_and_cpu();
         let note = device_codec_note(&cuda);
         assert!(note.contains("the CUDA kernels"), "{note}");
         assert!(!note.contains("host fallback"), "{note}");
-        let cpu: Arc<dyn Platform> = Arc::new(hprt_platform::CpuBackend::new(
-            hprt_platform::CpuConfig::default(),
-        ));
         let mut out = String::new();
         compressed_link_bytes(&PlatformHandle::from(cpu), 4096, &mut out).unwrap();
         assert!(

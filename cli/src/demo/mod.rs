@@ -35,7 +35,7 @@ use hprt_platform::PlatformHandle;
 use hprt_platform::{CopyKind, DType, Platform};
 
 use crate::trace::{Recorder, Role, TracingPlatform};
-pub use report::{DemoReport, LinkCosts, StrategyReport};
+pub use report::{binary_units, DemoReport, LinkCosts, StrategyReport};
 
 /// Where saved activations wait for the backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

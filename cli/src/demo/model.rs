@@ -372,14 +372,20 @@ impl<'p> Rank<'p> {
         Ok(())
     }
 
-    /// Runs the forward on `x` (updated in place to the output); returns the loss gradient.
-    fn forward(&mut self, x: &DeviceBuffer, tick: &dyn Fn(u64)) -> Result<DeviceBuffer> {
-        let (s, h, f, act) = (
+    /// Tokens, hidden width, feed-forward width and saved-activation dtype: forward and
+    /// backward size every buffer by them.
+    fn dims(&self) -> (usize, usize, usize, DType) {
+        (
             self.config.seq,
             self.config.hidden,
             self.config.ffn(),
             self.config.act_dtype,
-        );
+        )
+    }
+
+    /// Runs the forward on `x` (updated in place to the output); returns the loss gradient.
+    fn forward(&mut self, x: &DeviceBuffer, tick: &dyn Fn(u64)) -> Result<DeviceBuffer> {
+        let (s, h, f, act) = self.dims();
         let layers = self.config.layers;
         self.saves = (0..layers).map(|_| LayerSaves::default()).collect();
         self.unshard_async(0)?;
@@ -597,12 +603,7 @@ impl<'p> Rank<'p> {
     /// The backward from the loss gradient `g`: layer by layer in reverse, each layer's
     /// activations restored one layer ahead, gradients reduced behind it.
     fn backward(&mut self, g: DeviceBuffer, tick: &dyn Fn(u64)) -> Result<()> {
-        let (s, h, f, act) = (
-            self.config.seq,
-            self.config.hidden,
-            self.config.ffn(),
-            self.config.act_dtype,
-        );
+        let (s, h, f, act) = self.dims();
         let layers = self.config.layers;
         let last = layers - 1;
         let mut queue = GradQueue::default();

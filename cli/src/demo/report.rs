@@ -196,6 +196,15 @@ impl DemoReport {
 }
 
 pub(crate) fn human(bytes: u64) -> String {
+    match binary_units(bytes) {
+        (_, "B") => format!("{bytes} B"),
+        (v, unit) => format!("{v:.1} {unit}"),
+    }
+}
+
+/// `bytes` in the largest binary unit (up to TiB) that leaves at least 1 of it; the report and
+/// the `info` command print sizes alike.
+pub fn binary_units(bytes: u64) -> (f64, &'static str) {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = bytes as f64;
     let mut u = 0;
@@ -203,11 +212,7 @@ pub(crate) fn human(bytes: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
+    (v, UNITS[u])
 }
 
 fn duration(d: Duration) -> String {

@@ -116,7 +116,7 @@ pub fn timeline(
         .collect();
     rows.sort_by_key(|(i, t)| (t.role, *i));
     let width = width.max(10);
-    let bucket = (to_us - from_us).max(1.0) / width as f64;
+    let columns = column_bounds(from_us, to_us, width);
     let label_w = rows.iter().map(|(_, t)| t.label.len()).max().unwrap_or(5);
     let mut out = String::new();
     let _ = writeln!(
@@ -135,11 +135,7 @@ pub fn timeline(
             continue;
         }
         let mut line = String::with_capacity(width);
-        for c in 0..width {
-            let (lo, hi) = (
-                from_us + c as f64 * bucket,
-                from_us + (c + 1) as f64 * bucket,
-            );
+        for &(lo, hi) in &columns {
             let best = mine
                 .iter()
                 .map(|s| (s.end_us.min(hi) - s.start_us.max(lo), s))
@@ -154,10 +150,24 @@ pub fn timeline(
         }
         let _ = writeln!(out, "{:label_w$} |{line}|", t.label);
     }
-    if let Some(row) = memory_row(rec, rank, section, from_us, to_us, width) {
+    if let Some(row) = memory_row(rec, rank, section, to_us, &columns) {
         let _ = writeln!(out, "{:label_w$} |{row}|", "memory");
     }
     out
+}
+
+/// The `width` equal columns of the timeline from `from_us` to `to_us`, each as its start and
+/// end; the track rows and the memory row share them so their columns line up.
+fn column_bounds(from_us: f64, to_us: f64, width: usize) -> Vec<(f64, f64)> {
+    let bucket = (to_us - from_us).max(1.0) / width as f64;
+    (0..width)
+        .map(|c| {
+            (
+                from_us + c as f64 * bucket,
+                from_us + (c + 1) as f64 * bucket,
+            )
+        })
+        .collect()
 }
 
 /// Levels of the timeline's memory row, lowest to highest.
@@ -170,9 +180,8 @@ fn memory_row(
     rec: &Recorder,
     rank: usize,
     section: &str,
-    from_us: f64,
     to_us: f64,
-    width: usize,
+    columns: &[(f64, f64)],
 ) -> Option<String> {
     let mut mine: Vec<(f64, u64)> = rec
         .memory_samples()
@@ -181,13 +190,9 @@ fn memory_row(
         .map(|m| (m.at_us, m.device_bytes))
         .collect();
     mine.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let bucket = (to_us - from_us).max(1.0) / width as f64;
-    let columns: Vec<u64> = (0..width)
-        .map(|c| {
-            let (lo, hi) = (
-                from_us + c as f64 * bucket,
-                from_us + (c + 1) as f64 * bucket,
-            );
+    let columns: Vec<u64> = columns
+        .iter()
+        .map(|&(lo, hi)| {
             let before = mine.iter().rev().find(|m| m.0 <= lo).map(|m| m.1);
             let during = mine.iter().filter(|m| m.0 > lo && m.0 < hi).map(|m| m.1);
             before.into_iter().chain(during).max().unwrap_or(0)

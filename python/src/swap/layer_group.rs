@@ -56,9 +56,7 @@ impl PySwapManager {
     /// handed to the compute stream (a prefetch past it is left to its layer's own load).
     #[pyo3(signature = (offload_bytes=None, reload_bytes=None))]
     fn set_window(&self, offload_bytes: Option<usize>, reload_bytes: Option<usize>) {
-        lock(&self.inner)
-            .engine_mut()
-            .set_window(window(offload_bytes, reload_bytes));
+        super::set_window(lock(&self.inner).engine_mut(), offload_bytes, reload_bytes)
     }
     /// A new layer (group); returns its number.
     fn new_layer(&self) -> usize {
@@ -178,18 +176,12 @@ impl PySwapManager {
     /// `off`, `device`, `host_stage` or `auto`: compress-then-swap for tensors offloaded from
     /// now on.
     fn set_compression(&self, compression: &str) -> Result<()> {
-        lock(&self.inner)
-            .engine_mut()
-            .set_compression(compression.parse::<Compression>()?);
-        Ok(())
+        super::set_compression(lock(&self.inner).engine_mut(), compression)
     }
     /// Per-tensor compression: `policy(tensor) -> "off" | "device" | "host_stage" | "auto"`
     /// (`None` removes it).
     fn set_compression_policy(&self, policy: Option<Py<PyAny>>) {
-        let policy = py_policy(&self.p, policy);
-        lock(&self.inner)
-            .engine_mut()
-            .set_compression_policy(policy)
+        super::set_compression_policy(lock(&self.inner).engine_mut(), &self.p, policy)
     }
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         stats_dict(py, lock(&self.inner).engine())

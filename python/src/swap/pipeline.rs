@@ -141,16 +141,11 @@ impl PyPipelineOffload {
     /// Bounds the bytes in flight (see `SwapManager.set_window`).
     #[pyo3(signature = (offload_bytes=None, reload_bytes=None))]
     fn set_window(&self, offload_bytes: Option<usize>, reload_bytes: Option<usize>) {
-        lock(&self.inner)
-            .engine_mut()
-            .set_window(window(offload_bytes, reload_bytes));
+        super::set_window(lock(&self.inner).engine_mut(), offload_bytes, reload_bytes)
     }
     /// Per-tensor compression: `policy(tensor) -> "off" | "device" | "host_stage" | "auto"`.
     fn set_compression_policy(&self, policy: Option<Py<PyAny>>) {
-        let policy = py_policy(&self.p, policy);
-        lock(&self.inner)
-            .engine_mut()
-            .set_compression_policy(policy)
+        super::set_compression_policy(lock(&self.inner).engine_mut(), &self.p, policy)
     }
     fn reset(&self, py: Python<'_>) -> Result<()> {
         py.detach(|| Ok(lock(&self.inner).reset()?))
