@@ -7,7 +7,7 @@
 //! - results come back through out-pointers, written only on success;
 //! - objects are opaque handles made by `*_create`/`*_alloc`/`*_wrap`/`*_open`/`comm_init` and
 //!   released by the matching `*_destroy`/`*_free`/`*_close`; a handle is a validated,
-//!   generation-checked id ([`handle`]), so a released, doubly released, never issued or
+//!   generation-checked id (`handle.rs`), so a released, doubly released, never issued or
 //!   wrong-kind handle is `HPRT_STATUS_ERROR_INVALID_HANDLE`, and a null out-pointer is checked
 //!   before anything is made;
 //! - no panic crosses the boundary: a panic becomes `HPRT_STATUS_ERROR_PANIC`.

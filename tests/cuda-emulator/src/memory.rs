@@ -3,7 +3,7 @@
 //! the way the driver refuses them. Device memory is counted against the device's capacity
 //! (`HP_EMU_DEVICE_MEMORY`); pinned memory is separate from it.
 //!
-//! Queued work holds its allocations ([`Held`]): the memory outlives the work, and `cuMemFree`
+//! Queued work holds its allocations (`Held`): the memory outlives the work, and `cuMemFree`
 //! of an allocation that queued work still uses is counted and reported (stderr,
 //! `hprtEmuGetStats`) before it waits for that work, as `cuMemFree`'s implicit synchronisation
 //! would. Pointers that are in no allocation are pageable host memory, which copies accept.
