@@ -34,6 +34,15 @@ fn model() -> CostModel {
     })
 }
 
+/// A manager with the default config on a fresh [`platform`], with that platform and the
+/// stream it was made with.
+fn manager(jitter: Option<u64>) -> (Arc<dyn Platform>, Stream, ActivationManager) {
+    let p = platform(jitter);
+    let s = p.create_stream().unwrap();
+    let m = ActivationManager::new(p.clone(), s.clone(), ManagerConfig::new(model())).unwrap();
+    (p, s, m)
+}
+
 /// The tensors one layer saves: (kind, dtype, numel).
 fn layer_tensors(layer: usize) -> Vec<(DataKind, CodecDType, usize)> {
     vec![
@@ -239,9 +248,7 @@ fn small_windows_compress_less_and_leftovers_are_recovered_synchronously() {
 
 #[test]
 fn originals_are_freed_while_compressed() {
-    let p = platform(None);
-    let s = p.create_stream().unwrap();
-    let mut m = ActivationManager::new(p.clone(), s.clone(), ManagerConfig::new(model())).unwrap();
+    let (p, s, mut m) = manager(None);
     let n = 1 << 18;
     let data = generate(DataKind::Gelu, CodecDType::BF16, n, 2);
     m.forward_start(LayerId(0)).unwrap();
@@ -331,9 +338,7 @@ fn filters_and_misuse_are_typed() {
 /// taken; a tensor of the layer the window is decoding is refused until the window ends.
 #[test]
 fn a_layers_tensors_are_taken_in_a_window_that_decodes_the_next_layer() {
-    let p = platform(Some(7));
-    let s = p.create_stream().unwrap();
-    let mut m = ActivationManager::new(p.clone(), s.clone(), ManagerConfig::new(model())).unwrap();
+    let (p, s, mut m) = manager(Some(7));
     let n = 1 << 16;
     let data: Vec<Vec<u8>> = (0..2)
         .map(|l| generate(DataKind::Gelu, CodecDType::BF16, n, 10 + l))
@@ -407,9 +412,7 @@ fn a_layers_tensors_are_taken_in_a_window_that_decodes_the_next_layer() {
 /// is refused.
 #[test]
 fn discarded_tensors_free_their_layer_for_the_next_step() {
-    let p = platform(None);
-    let s = p.create_stream().unwrap();
-    let mut m = ActivationManager::new(p.clone(), s.clone(), ManagerConfig::new(model())).unwrap();
+    let (p, s, mut m) = manager(None);
     let n = 1 << 16;
     let data = generate(DataKind::Gelu, CodecDType::BF16, n, 3);
     let saved = |m: &mut ActivationManager, layer| {

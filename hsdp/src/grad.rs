@@ -489,14 +489,7 @@ impl GradQueue {
         grad: Option<GradInput<'_>>,
         opts: ReduceOptions,
     ) -> Result<()> {
-        let n = params.len();
-        let param = params
-            .get_mut(index)
-            .ok_or_else(|| HsdpError::InvalidParam {
-                param: format!("#{index}"),
-                message: format!("index outside the {n} parameters given"),
-            })?;
-        param.reduce_grad_async(grad, opts)?;
+        param_at(params, index, "index")?.reduce_grad_async(grad, opts)?;
         self.order.push_back(index);
         Ok(())
     }
@@ -506,14 +499,7 @@ impl GradQueue {
         let Some(index) = self.order.pop_front() else {
             return Ok(None);
         };
-        let n = params.len();
-        let param = params
-            .get_mut(index)
-            .ok_or_else(|| HsdpError::InvalidParam {
-                param: format!("#{index}"),
-                message: format!("queued index outside the {n} parameters given"),
-            })?;
-        param.wait_for_reduce()?;
+        param_at(params, index, "queued index")?.wait_for_reduce()?;
         self.applied.push(index);
         Ok(Some(index))
     }
@@ -537,4 +523,19 @@ impl GradQueue {
     pub fn applied(&self) -> &[usize] {
         &self.applied
     }
+}
+
+/// `params[index]`, or the error naming the index (`what` says which one it was).
+fn param_at<'p>(
+    params: &'p mut [ShardedParam],
+    index: usize,
+    what: &str,
+) -> Result<&'p mut ShardedParam> {
+    let n = params.len();
+    params
+        .get_mut(index)
+        .ok_or_else(|| HsdpError::InvalidParam {
+            param: format!("#{index}"),
+            message: format!("{what} outside the {n} parameters given"),
+        })
 }

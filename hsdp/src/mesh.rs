@@ -220,17 +220,22 @@ impl DeviceMesh {
                 rank,
                 what: format!("mesh {:?}", self.ranks),
             })?;
-        Ok(self
-            .coords_over(axes)
+        Ok(self.ranks_through(&base, axes))
+    }
+
+    /// The ranks at `base`'s coordinates on every dim outside `axes`, every coordinate on
+    /// `axes`, ordered by those (`axes[0]` slowest).
+    fn ranks_through(&self, base: &[usize], axes: &[usize]) -> Vec<usize> {
+        self.coords_over(axes)
             .into_iter()
             .map(|sub| {
-                let mut c = base.clone();
+                let mut c = base.to_vec();
                 for (&a, &i) in axes.iter().zip(&sub) {
                     c[a] = i;
                 }
                 self.ranks[self.flatten(&c)]
             })
-            .collect())
+            .collect()
     }
 
     /// All groups along `axes`: one rank list per combination of coordinates on the other dims
@@ -380,17 +385,7 @@ impl DeviceMesh {
         for &a in &others {
             base[a] = cut[a].ok_or_else(|| bad(format!("root dim {a} has no cut coordinate")))?;
         }
-        let ranks = root
-            .coords_over(&axes)
-            .into_iter()
-            .map(|sub| {
-                let mut c = base.clone();
-                for (&a, &i) in axes.iter().zip(&sub) {
-                    c[a] = i;
-                }
-                root.ranks[root.flatten(&c)]
-            })
-            .collect();
+        let ranks = root.ranks_through(&base, &axes);
         let shape: Vec<usize> = axes.iter().map(|&a| root.shape[a]).collect();
         let mut out = DeviceMesh::new(&shape, ranks)?;
         if let Some(n) = names {

@@ -63,13 +63,7 @@ fn check_roundtrip(
         let mut w = ShardedParam::new(&rk.cache, &rk.streams, dp, spec, &config, (&src).into())?;
         let g = w.geometry().clone();
         let shard = rk.read_shard(w.sharded_data(), dtype, g.shard_numel())?;
-        assert_close(
-            "shard",
-            &shard,
-            &expected_shard(&g, g.index(), &full),
-            0.0,
-            0.0,
-        )?;
+        assert_shard_close("shard", &shard, &g, &full, 0.0, 0.0)?;
 
         w.unshard(false)?;
         ensure!(w.state() == ParamState::Unsharded);

@@ -82,13 +82,7 @@ fn case(
         )?;
         let geom = w.geometry().clone();
         let shard = rk.read_shard(w.sharded_data(), DType::F32, geom.shard_numel())?;
-        assert_close(
-            "shard",
-            &shard,
-            &expected_shard(&geom, geom.index(), &full),
-            0.0,
-            0.0,
-        )?;
+        assert_shard_close("shard", &shard, &geom, &full, 0.0, 0.0)?;
         let handle = w.unshard(true)?.expect("an all-gather starts");
         w.wait_for_unshard()?;
         let got = rk.download(w.unsharded()?, pdt, numel)?;
@@ -104,13 +98,7 @@ fn case(
             ReduceOptions { op, scale: None },
         )?;
         let got = rk.read_shard(w.sharded_grad().unwrap(), DType::F32, geom.shard_numel())?;
-        assert_close(
-            "sharded grad",
-            &got,
-            &expected_shard(&geom, geom.index(), &total),
-            1e-6,
-            1e-7,
-        )
+        assert_shard_close("sharded grad", &got, &geom, &total, 1e-6, 1e-7)
     })
 }
 

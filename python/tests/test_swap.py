@@ -23,6 +23,20 @@ def read(p, s, t):
     return np.frombuffer(p.read(t.buffer, t.nbytes, s, t.offset), dtype=np.float32)
 
 
+def group_round_trip(p, s, m, name, t, arr):
+    """``t`` (holding ``arr``) through one offload and reload of group ``name`` with
+    hyper_parallel's group calls: its device memory released between them, its values back
+    after; the saved reference."""
+    ref = m.add_storage(name, t)
+    m.launch_offload(name, s)
+    m.wait_offload(name)
+    assert t.buffer.nbytes == 0
+    m.launch_load(name)
+    m.wait_load(name, s)
+    assert np.array_equal(read(p, s, m.get(ref)), arr)
+    return ref
+
+
 def test_layer_group_swap_offloads_releases_and_restores(p):
     s = p.create_stream()
     m = hprt.SwapManager(p)
@@ -61,13 +75,7 @@ def test_layer_group_upstream_names_and_out_of_order_calls(p):
     t, arr = tensor(p, s, np.linspace(-3, 3, 64))
     m.set_current_group_name("attn")
     assert m.get_current_group_name() == "attn"
-    ref = m.add_storage("attn", t)
-    m.launch_offload("attn", s)
-    m.wait_offload("attn")
-    assert t.buffer.nbytes == 0
-    m.launch_load("attn")
-    m.wait_load("attn", s)
-    assert np.array_equal(read(p, s, m.get(ref)), arr)
+    group_round_trip(p, s, m, "attn", t, arr)
     assert m.stats()["compressed_tensors"] == 1
     a, b = m.new_layer(), m.new_layer()
     m.set_forward_prefetch_layer(a, b)
@@ -249,13 +257,7 @@ def test_every_front_end_on_an_emulated_accelerator(backend, compression):
     # Layer groups (hyper_parallel's group calls).
     m = hprt.SwapManager(p, compression=compression)
     t, arr = tensor(p, s, rng.standard_normal(4096))
-    ref = m.add_storage("g", t)
-    m.launch_offload("g", s)
-    m.wait_offload("g")
-    assert t.buffer.nbytes == 0
-    m.launch_load("g")
-    m.wait_load("g", s)
-    assert np.array_equal(read(p, s, m.get(ref)), arr)
+    group_round_trip(p, s, m, "g", t, arr)
     # Keyed swap: two layers, the first offloaded.
     keyed = hprt.KeyedSwap(p, compression=compression)
     ctxs = [keyed.register_layer("layer.*") for _ in range(2)]

@@ -219,18 +219,6 @@ class Sigmoid(nn.Module):
         return torch.sigmoid(x)
 
 
-class Stack(torch.nn.Module):
-    def __init__(self, n=4, dim=64):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU()) for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def _threads(at_most=None):
     """The process's threads; with ``at_most``, once they are that few or after 5 s: threads of
     a stream hprt closed exit in the background, so a count taken at once can be one or two
@@ -251,7 +239,7 @@ def test_attaching_again_and_again_to_one_runtime_grows_nothing(mode):
     detached handle (each had its copy streams' threads) and no layer-group slot per attach,
     and the runtime's counters stay cumulative. Gradients stay exact."""
     torch.manual_seed(0)
-    model, x = Stack(), torch.randn(32, 64)
+    model, x = tp.GeluStack(n=4, dim=64), torch.randn(32, 64)
     plain = [p.grad for p in _grads(model, x)]
     rt = ht.Runtime(hprt.cpu_platform(device_memory=64 << 20))
     threads, fronts, offloaded = [], [], []

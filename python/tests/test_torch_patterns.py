@@ -85,6 +85,21 @@ def attach_mode(model, platform, mode):
     return handle
 
 
+class GeluStack(torch.nn.Module):
+    """``n`` blocks of a Linear and a GELU, ``dim`` wide: the smallest model whose blocks are
+    each a layer the modes find."""
+
+    def __init__(self, n, dim):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU()) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 # ---- the patterns: each trains `model` on `data` and returns what it observed -------------------
 
 

@@ -216,6 +216,25 @@ pub fn assert_close(what: &str, got: &[f64], expected: &[f64], rtol: f64, atol: 
     Ok(())
 }
 
+/// [`assert_close`] of a shard read back on its own rank, whose index `geom` carries, against
+/// its part of `full`.
+pub fn assert_shard_close(
+    what: &str,
+    got: &[f64],
+    geom: &hprt_hsdp::ShardGeometry,
+    full: &[f64],
+    rtol: f64,
+    atol: f64,
+) -> Result<()> {
+    assert_close(
+        what,
+        got,
+        &expected_shard(geom, geom.index(), full),
+        rtol,
+        atol,
+    )
+}
+
 /// The elements of a full tensor that shard `k` of `geom` holds, in shard order, zeros for
 /// padding: the host reference of sharding.
 pub fn expected_shard(geom: &hprt_hsdp::ShardGeometry, k: usize, full: &[f64]) -> Vec<f64> {

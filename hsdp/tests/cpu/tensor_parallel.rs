@@ -64,13 +64,7 @@ fn tensor_parallel_layouts_choose_their_groups_from_placements() -> Result<()> {
             .collect();
         let geom = w.geometry().clone();
         let got = rk.read_shard(w.sharded_grad().unwrap(), DType::F32, geom.shard_numel())?;
-        assert_close(
-            "dp-reduced",
-            &got,
-            &expected_shard(&geom, geom.index(), &total),
-            1e-6,
-            1e-7,
-        )?;
+        assert_shard_close("dp-reduced", &got, &geom, &total, 1e-6, 1e-7)?;
 
         // A compat layout that is Partial(sum) over tp: the gradient is summed across tp first,
         // then reduce-scattered across dp — the sum over all four ranks.
@@ -111,12 +105,6 @@ fn tensor_parallel_layouts_choose_their_groups_from_placements() -> Result<()> {
             .collect();
         let geom = q.geometry().clone();
         let got = rk.read_shard(q.sharded_grad().unwrap(), DType::F32, geom.shard_numel())?;
-        assert_close(
-            "partial then dp",
-            &got,
-            &expected_shard(&geom, geom.index(), &all),
-            1e-6,
-            1e-7,
-        )
+        assert_shard_close("partial then dp", &got, &geom, &all, 1e-6, 1e-7)
     })
 }

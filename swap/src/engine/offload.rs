@@ -121,18 +121,7 @@ impl SwapEngine {
             let mut host = match (encoded.remove(&i), mode) {
                 (Some(e), _) => self.copy_encoding(e, &mut reuse_waited)?,
                 (None, Compression::HostStage) => self.encode_on_host(tensor, &mut reuse_waited)?,
-                (None, _) => {
-                    let block = self.block(tensor.len, &self.d2h, &mut reuse_waited)?;
-                    self.platform.copy_async(
-                        block.buffer().into(),
-                        0,
-                        (&tensor.storage).into(),
-                        tensor.offset,
-                        tensor.len,
-                        &self.d2h,
-                    )?;
-                    HostCopy::Plain(block)
-                }
+                (None, _) => HostCopy::Plain(self.copy_raw(tensor, &mut reuse_waited)?),
             };
             if let Some(b) = host.block_mut() {
                 b.set_last_use(&f);
@@ -250,19 +239,25 @@ impl SwapEngine {
         Ok(HostCopy::Device { block, len })
     }
 
-    /// Copies the raw bytes into a pinned staging block and encodes them on a host thread in
-    /// stream order; the staging block goes back to the pool once the encoding is taken.
-    fn encode_on_host(&mut self, t: &DeviceTensor, waited: &mut Waited) -> Result<HostCopy> {
-        let dtype = codec_dtype(t.dtype).expect("compression_for checked the dtype");
-        let staging = self.block(t.len, &self.d2h, waited)?;
+    /// A pinned block with `t`'s raw bytes copied in, in order on the D2H stream.
+    fn copy_raw(&self, t: &DeviceTensor, waited: &mut Waited) -> Result<PinnedBlock> {
+        let block = self.block(t.len, &self.d2h, waited)?;
         self.platform.copy_async(
-            staging.buffer().into(),
+            block.buffer().into(),
             0,
             (&t.storage).into(),
             t.offset,
             t.len,
             &self.d2h,
         )?;
+        Ok(block)
+    }
+
+    /// Copies the raw bytes into a pinned staging block and encodes them on a host thread in
+    /// stream order; the staging block goes back to the pool once the encoding is taken.
+    fn encode_on_host(&mut self, t: &DeviceTensor, waited: &mut Waited) -> Result<HostCopy> {
+        let dtype = codec_dtype(t.dtype).expect("compression_for checked the dtype");
+        let staging = self.copy_raw(t, waited)?;
         let slot: Slot<Vec<u8>> = Arc::default();
         let (buf, out, ns) = (
             staging.buffer().clone(),

@@ -180,13 +180,22 @@ fn kernel_encode(
         .unwrap()
 }
 
+/// The grid of a test's decode launch.
+#[derive(Clone, Copy)]
+enum Grid {
+    /// The runtime's grid, at most this many CTAs where given.
+    Runtime(Option<u32>),
+    /// One CTA of one warp: the cheapest launch to repeat.
+    OneWarp,
+}
+
 /// The decode launch; the decoded bytes and the status word.
 fn kernel_decode_with(
     lib: &libloading::Library,
     dtype: CodecDType,
     numel: usize,
     enc: &[u8],
-    cap: Option<u32>,
+    grid: Grid,
 ) -> (Vec<u8>, u32) {
     let mut out = vec![0u8; numel * dtype.size()];
     let descs = [DecodeDesc {
@@ -198,10 +207,13 @@ fn kernel_decode_with(
     }];
     let l = Layout::decode(1, &descs);
     let mut ws = workspace(&l);
-    run(lib, 3, decode_shape(&descs, 256), &mut ws, cap);
+    let (shape, cap) = match grid {
+        Grid::Runtime(cap) => (decode_shape(&descs, 256), cap),
+        Grid::OneWarp => (LaunchShape { grid: 1, block: 32 }, None),
+    };
+    run(lib, 3, shape, &mut ws, cap);
     assert_counters_zero(&ws, &l);
-    let status = result(&ws, &l, 0) as u32;
-    (out, status)
+    (out, result(&ws, &l, 0) as u32)
 }
 
 fn kernel_decode(
@@ -210,29 +222,7 @@ fn kernel_decode(
     numel: usize,
     enc: &[u8],
 ) -> (Vec<u8>, u32) {
-    kernel_decode_with(lib, dtype, numel, enc, None)
-}
-
-/// As `kernel_decode` on one CTA of one warp (the cheapest launch to repeat).
-fn kernel_decode_small(
-    lib: &libloading::Library,
-    dtype: CodecDType,
-    numel: usize,
-    enc: &[u8],
-) -> (Vec<u8>, u32) {
-    let mut out = vec![0u8; numel * dtype.size()];
-    let descs = [DecodeDesc {
-        enc: enc.as_ptr() as u64,
-        enc_len: enc.len(),
-        dst: out.as_mut_ptr() as u64,
-        dtype,
-        numel,
-    }];
-    let l = Layout::decode(1, &descs);
-    let mut ws = workspace(&l);
-    run(lib, 3, LaunchShape { grid: 1, block: 32 }, &mut ws, None);
-    assert_counters_zero(&ws, &l);
-    (out, result(&ws, &l, 0) as u32)
+    kernel_decode_with(lib, dtype, numel, enc, Grid::Runtime(None))
 }
 
 fn corpus() -> Vec<(CodecDType, Vec<u8>)> {
@@ -352,17 +342,16 @@ fn bytes_moved(lib: &libloading::Library) -> (u64, u64) {
 fn kernels_move_the_modelled_bytes_per_input_byte() {
     let lib = library();
     let data = generate(DataKind::Gelu, CodecDType::BF16, 200_000, 9);
-    let opts = EncodeOptions {
-        chunk_elems: 16_384,
-        prob_bits: 12,
-        threads: 1,
-    };
     bytes_moved(&lib);
-    let enc = kernel_encode_batch(&lib, &[(CodecDType::BF16, &data)], &opts, None)
-        .pop()
-        .unwrap();
+    let enc = kernel_encode(&lib, CodecDType::BF16, &data, 12, 16_384);
     let (er, ew) = bytes_moved(&lib);
-    let (back, status) = kernel_decode_with(&lib, CodecDType::BF16, 200_000, &enc, Some(4));
+    let (back, status) = kernel_decode_with(
+        &lib,
+        CodecDType::BF16,
+        200_000,
+        &enc,
+        Grid::Runtime(Some(4)),
+    );
     let (dr, dw) = bytes_moved(&lib);
     assert_eq!(status, 0);
     assert!(back == data);
@@ -445,8 +434,13 @@ fn one_launch_sequence_encodes_a_batch_as_the_cpu_codec() {
                 "{dtype} x {}, blocks of {block}: not the CPU codec's bytes",
                 data.len()
             );
-            let (back, status) =
-                kernel_decode_with(&lib, *dtype, data.len() / dtype.size(), enc, Some(2));
+            let (back, status) = kernel_decode_with(
+                &lib,
+                *dtype,
+                data.len() / dtype.size(),
+                enc,
+                Grid::Runtime(Some(2)),
+            );
             assert_eq!(status, 0, "{}", status_message(status));
             assert!(back == *data);
         }
@@ -501,7 +495,7 @@ fn kernel_decoder_agrees_with_the_cpu_decoder_on_mutated_encodings() {
                 .ok()
                 .filter(|d| d.dtype == dtype && d.numel == numel)
                 .map(|d| d.data);
-            let (back, status) = kernel_decode_small(&lib, dtype, numel, &m);
+            let (back, status) = kernel_decode_with(&lib, dtype, numel, &m, Grid::OneWarp);
             match cpu {
                 Some(d) => {
                     assert_eq!(
@@ -545,7 +539,7 @@ fn kernel_decoder_rejects_or_survives_every_bit_flip() {
     for bit in 0..enc.len() * 8 {
         let mut m = enc.clone();
         m[bit / 8] ^= 1 << (bit % 8);
-        let (back, status) = kernel_decode_small(&lib, CodecDType::BF16, 700, &m);
+        let (back, status) = kernel_decode_with(&lib, CodecDType::BF16, 700, &m, Grid::OneWarp);
         assert!(
             status != 0 || back == data,
             "flip of bit {bit} silently changed the data"
@@ -553,10 +547,13 @@ fn kernel_decoder_rejects_or_survives_every_bit_flip() {
     }
     for len in 0..enc.len() {
         assert_ne!(
-            kernel_decode_small(&lib, CodecDType::BF16, 700, &enc[..len]).1,
+            kernel_decode_with(&lib, CodecDType::BF16, 700, &enc[..len], Grid::OneWarp).1,
             0,
             "truncated to {len}"
         );
     }
-    assert_eq!(kernel_decode_small(&lib, CodecDType::BF16, 701, &enc).1, 9);
+    assert_eq!(
+        kernel_decode_with(&lib, CodecDType::BF16, 701, &enc, Grid::OneWarp).1,
+        9
+    );
 }

@@ -180,27 +180,21 @@ pub extern "C" fn ncclSend(
     h: *mut c_void,
     hstream: *mut c_void,
 ) -> NcclResult {
-    nccl_entry("ncclSend", || {
-        let comm = comm(h)?;
-        let size = dtype_of(dtype)?.size();
-        let peer = peer_of(&comm, peer)?;
-        let s = stream_for(&comm, hstream)?;
-        if count == 0 {
-            return Ok(());
-        }
-        let held = device_range(send, count * size, "send")?;
-        submit(
-            s,
-            Op::Send {
-                comm,
-                peer,
-                src: send as usize,
-                count,
-                dtype,
-                held,
-            },
-        );
-        Ok(())
+    let p2p = PeerCall {
+        name: "ncclSend",
+        what: "send",
+        buf: send,
+        count,
+        dtype,
+        peer,
+    };
+    p2p.queue(h, hstream, |comm, peer, held| Op::Send {
+        comm,
+        peer,
+        src: send as usize,
+        count,
+        dtype,
+        held,
     })
 }
 
@@ -213,28 +207,54 @@ pub extern "C" fn ncclRecv(
     h: *mut c_void,
     hstream: *mut c_void,
 ) -> NcclResult {
-    nccl_entry("ncclRecv", || {
-        let comm = comm(h)?;
-        let size = dtype_of(dtype)?.size();
-        let peer = peer_of(&comm, peer)?;
-        let s = stream_for(&comm, hstream)?;
-        if count == 0 {
-            return Ok(());
-        }
-        let held = device_range(recv, count * size, "recv")?;
-        submit(
-            s,
-            Op::Recv {
-                comm,
-                peer,
-                dst: recv as usize,
-                count,
-                dtype,
-                held,
-            },
-        );
-        Ok(())
+    let p2p = PeerCall {
+        name: "ncclRecv",
+        what: "recv",
+        buf: recv,
+        count,
+        dtype,
+        peer,
+    };
+    p2p.queue(h, hstream, |comm, peer, held| Op::Recv {
+        comm,
+        peer,
+        dst: recv as usize,
+        count,
+        dtype,
+        held,
     })
+}
+
+/// What ncclSend and ncclRecv check alike; they differ only in the op they queue.
+struct PeerCall {
+    name: &'static str,
+    what: &'static str,
+    buf: *const c_void,
+    count: usize,
+    dtype: c_int,
+    peer: c_int,
+}
+
+impl PeerCall {
+    fn queue(
+        self,
+        h: *mut c_void,
+        hstream: *mut c_void,
+        op: impl FnOnce(Arc<Comm>, usize, Held) -> Op,
+    ) -> NcclResult {
+        nccl_entry(self.name, || {
+            let comm = comm(h)?;
+            let size = dtype_of(self.dtype)?.size();
+            let peer = peer_of(&comm, self.peer)?;
+            let s = stream_for(&comm, hstream)?;
+            if self.count == 0 {
+                return Ok(());
+            }
+            let held = device_range(self.buf, self.count * size, self.what)?;
+            submit(s, op(comm, peer, held));
+            Ok(())
+        })
+    }
 }
 
 #[no_mangle]
