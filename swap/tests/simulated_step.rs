@@ -8,7 +8,7 @@ use hprt_swap::sim::{simulate, FrontEnd, PayloadKind, SimConfig, SimReport, PAYL
 use hprt_swap::{Compression, Faults};
 
 mod common;
-use common::{assert_some_seed_catches, jitter_seeds};
+use common::{assert_some_seed_catches, fault_seeds, jitter_seeds};
 
 fn cpu(jitter: Option<u64>) -> Arc<dyn Platform> {
     Arc::new(CpuBackend::new(CpuConfig {
@@ -244,7 +244,7 @@ fn fault_shows_up_for_every_payload(
         ..SimConfig::default()
     };
     for &(payload, compression) in payloads {
-        let seen = jitter_seeds().into_iter().find_map(|seed| {
+        let seen = fault_seeds().into_iter().find_map(|seed| {
             run(
                 front,
                 &SimConfig {

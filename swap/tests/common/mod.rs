@@ -24,11 +24,25 @@ pub fn jitter_seeds() -> Vec<u64> {
     seeds
 }
 
+/// The seeds a fault test searches until one shows the removed wait: the race tests' seeds,
+/// then 80 more. On a quiet machine an early seed shows it, so the search stops there; a host
+/// slowed by other work (CI beside a build) can finish its part after the stream in every one
+/// of the first twenty, hiding the race (one CI run lost a reload wait's proof that way).
+pub fn fault_seeds() -> Vec<u64> {
+    let mut seeds = jitter_seeds();
+    seeds.extend(
+        (1000..1080)
+            .filter(|s| !seeds.contains(s))
+            .collect::<Vec<_>>(),
+    );
+    seeds
+}
+
 /// Some jitter seed makes `caught` see the fault that removes a wait: a race test's proof that
 /// the wait is needed. `what` names the removed wait.
 pub fn assert_some_seed_catches(caught: impl FnMut(u64) -> bool, what: &str) {
     assert!(
-        jitter_seeds().into_iter().any(caught),
+        fault_seeds().into_iter().any(caught),
         "{what} went unnoticed"
     );
 }
