@@ -6,10 +6,10 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::Arc;
 
-use hprt_platform::{DType, DeviceBuffer, Stream};
+use hprt_platform::{DType, DeviceBuffer};
 use hprt_swap::{
-    Allocator, Compression, DeviceTensor, LayerId, PoolConfig, Reacquired, Saved, SavedRef,
-    SwapError, SwapManager, TensorKey, VersionCounter,
+    Allocator, Compression, DeviceTensor, PoolConfig, Reacquired, Saved, SavedRef, SwapError,
+    SwapManager, TensorKey, VersionCounter,
 };
 
 use super::handle::{handle_kind, Exclusive};
@@ -255,39 +255,6 @@ fn manager_mut<'a>(m: *mut HprtSwapManager) -> FfiResult<&'a mut HprtSwapManager
     arg_mut(m, "manager")
 }
 
-/// A module hook on one layer. The hooks check the manager before the layer index, so a call
-/// with both wrong reports the manager as every other entry point does.
-fn layer_hook(
-    op: &str,
-    manager: *mut HprtSwapManager,
-    layer: usize,
-    hook: impl FnOnce(&mut SwapManager, LayerId) -> hprt_swap::Result<()>,
-) -> HprtStatus {
-    guard(op, || {
-        let m = manager_mut(manager)?;
-        let l = m.layer(layer)?;
-        hook(&mut m.manager, l)?;
-        Ok(())
-    })
-}
-
-/// [`layer_hook`] for a hook that orders the copy stream after `compute`; that handle is
-/// checked between the manager and the layer index.
-fn stream_hook(
-    op: &str,
-    manager: *mut HprtSwapManager,
-    layer: usize,
-    compute: *const HprtStream,
-    hook: impl FnOnce(&mut SwapManager, LayerId, &Stream) -> hprt_swap::Result<()>,
-) -> HprtStatus {
-    guard(op, || {
-        let (m, s) = (manager_mut(manager)?, arg(compute, "compute")?);
-        let l = m.layer(layer)?;
-        hook(&mut m.manager, l, &s.0)?;
-        Ok(())
-    })
-}
-
 /// A manager on `platform`; `host_budget` bounds its pinned pool in bytes (0 = unbounded).
 /// One manager belongs to one thread at a time.
 ///
@@ -375,8 +342,11 @@ pub unsafe extern "C" fn hprt_swap_forward_pre(
     manager: *mut HprtSwapManager,
     layer: usize,
 ) -> HprtStatus {
-    layer_hook("hprt_swap_forward_pre", manager, layer, |m, l| {
-        m.forward_pre(l)
+    guard("hprt_swap_forward_pre", || {
+        let m = manager_mut(manager)?;
+        let l = m.layer(layer)?;
+        m.manager.forward_pre(l)?;
+        Ok(())
     })
 }
 
@@ -421,13 +391,12 @@ pub unsafe extern "C" fn hprt_swap_forward_post(
     layer: usize,
     compute: *const HprtStream,
 ) -> HprtStatus {
-    stream_hook(
-        "hprt_swap_forward_post",
-        manager,
-        layer,
-        compute,
-        |m, l, s| m.forward_post(l, s),
-    )
+    guard("hprt_swap_forward_post", || {
+        let (m, s) = (manager_mut(manager)?, arg(compute, "compute")?);
+        let l = m.layer(layer)?;
+        m.manager.forward_post(l, &s.0)?;
+        Ok(())
+    })
 }
 
 /// Backward pre-hook: prefetches the previous layer and makes `compute` wait for this layer's
@@ -441,13 +410,12 @@ pub unsafe extern "C" fn hprt_swap_backward_pre(
     layer: usize,
     compute: *const HprtStream,
 ) -> HprtStatus {
-    stream_hook(
-        "hprt_swap_backward_pre",
-        manager,
-        layer,
-        compute,
-        |m, l, s| m.backward_pre(l, s),
-    )
+    guard("hprt_swap_backward_pre", || {
+        let (m, s) = (manager_mut(manager)?, arg(compute, "compute")?);
+        let l = m.layer(layer)?;
+        m.manager.backward_pre(l, &s.0)?;
+        Ok(())
+    })
 }
 
 /// Backward post-hook.
@@ -459,8 +427,11 @@ pub unsafe extern "C" fn hprt_swap_backward_post(
     manager: *mut HprtSwapManager,
     layer: usize,
 ) -> HprtStatus {
-    layer_hook("hprt_swap_backward_post", manager, layer, |m, l| {
-        m.backward_post(l)
+    guard("hprt_swap_backward_post", || {
+        let m = manager_mut(manager)?;
+        let l = m.layer(layer)?;
+        m.manager.backward_post(l)?;
+        Ok(())
     })
 }
 
