@@ -100,13 +100,12 @@ class _StreamRecorder:
         t.record_stream(s)
 
 
-def _stream_recorder(framework_device):
-    """The ``record_stream`` for a platform whose memory torch addresses as ``framework_device``
-    tensors (``Capabilities.framework_device``) in a stream-ordered caching allocator (cuda);
-    None elsewhere (CPU tensors; torch_npu's NPU tensors, whose ``record_stream`` hprt has not
-    been tried with on hardware; an emulator, whose memory torch does not address): the platform
-    then keeps its reference until it sees the copy finished."""
-    return _StreamRecorder(framework_device) if framework_device == "cuda" else None
+def _stream_recorder(backend):
+    """The ``record_stream`` of a backend whose tensors torch puts in a stream-ordered caching
+    allocator (cuda); None elsewhere (CPU tensors; torch_npu's NPU tensors, whose
+    ``record_stream`` hprt has not been tried with on hardware): the platform then keeps its
+    reference until it sees the copy finished."""
+    return _StreamRecorder(backend) if backend == "cuda" else None
 
 
 # torch dtypes under hprt's names (what compress-then-swap can encode; others travel as bytes).

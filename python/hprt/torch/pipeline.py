@@ -264,21 +264,16 @@ def fine_grained_offloading_enable_offload():
     PipelineOffloadManager.get_instance().enable_offload()
 
 
-def _on_cuda_tensors():
-    return runtime().platform.capabilities.framework_device == "cuda"
-
-
 def _record_event(event, what):
-    """Records ``event`` (a ``torch.cuda.Event``) on torch's current CUDA stream; where torch's
-    tensors are not CUDA tensors in the platform's memory there is no CUDA stream to record
-    it on."""
+    """Records ``event`` (a ``torch.cuda.Event``) on torch's current CUDA stream; other
+    backends have no CUDA event to record."""
     if event is None:
         return
-    if not _on_cuda_tensors():
+    if runtime().platform.backend != "cuda":
         raise NotImplementedError(
-            f"hprt.torch: {what}(event) records a CUDA event for CUDA graph capture; torch's "
-            f"tensors on this platform ({runtime().platform.backend}) are not CUDA tensors, so "
-            "there are no CUDA graphs (call it without an event for the stream ordering alone)")
+            f"hprt.torch: {what}(event) records a CUDA event for CUDA graph capture; the "
+            f"{runtime().platform.backend} backend has no CUDA graphs (call it without an event "
+            "for the stream ordering alone)")
     torch.cuda.current_stream().record_event(event)
 
 
@@ -310,7 +305,7 @@ def fine_grained_offloading_backward_record(tensor, event=None):
     """Megatron-LM's CUDA-graph backward mark (identity on ``tensor``): in backward, ``event``
     is recorded on the current stream and the current stream waits for every reload queued so
     far."""
-    if event is not None and not _on_cuda_tensors():
+    if event is not None and runtime().platform.backend != "cuda":
         _record_event(event, "fine_grained_offloading_backward_record")
     return _BackwardRecord.apply(tensor, event)
 

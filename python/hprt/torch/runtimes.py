@@ -58,8 +58,7 @@ class Runtime:
                  max_inflight_offload_bytes=None, max_inflight_reload_bytes=None):
         self.platform = platform if platform is not None else hprt.get_platform()
         self.memory = hprt.FrameworkMemory(self.platform,
-                                           record_stream=_ht._stream_recorder(
-                                               self.platform.capabilities.framework_device))
+                                           record_stream=_ht._stream_recorder(self.backend))
         self.host_budget, self.compression = host_budget, compression
         self.window = dict(max_inflight_offload_bytes=max_inflight_offload_bytes,
                            max_inflight_reload_bytes=max_inflight_reload_bytes)
