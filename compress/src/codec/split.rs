@@ -13,17 +13,8 @@ pub(crate) trait Elem: Send + Sync + 'static {
     const ALPHABET: usize = 1 << Self::SYM_BITS;
     const MANT_MASK: u32 = (1 << Self::MANT_BITS) - 1;
 
-    #[inline(always)]
-    fn load(b: &[u8]) -> u32 {
-        let mut v = [0u8; 4];
-        v[..Self::BYTES].copy_from_slice(&b[..Self::BYTES]);
-        u32::from_le_bytes(v)
-    }
-
-    #[inline(always)]
-    fn store(v: u32, out: &mut [u8]) {
-        out[..Self::BYTES].copy_from_slice(&v.to_le_bytes()[..Self::BYTES]);
-    }
+    fn load(b: &[u8]) -> u32;
+    fn store(v: u32, out: &mut [u8]);
 
     #[inline(always)]
     fn symbol(v: u32) -> usize {
@@ -31,25 +22,50 @@ pub(crate) trait Elem: Send + Sync + 'static {
     }
 }
 
-/// Each layout by its name: its bytes and mantissa bits.
-macro_rules! elems {
-    ($($ty:ident: $bytes:literal, $mant_bits:literal;)*) => {
-        $(
-            pub(crate) struct $ty;
+pub(crate) struct F32;
+pub(crate) struct F16;
+pub(crate) struct BF16;
 
-            impl Elem for $ty {
-                const DTYPE: CodecDType = CodecDType::$ty;
-                const BYTES: usize = $bytes;
-                const MANT_BITS: u32 = $mant_bits;
-            }
-        )*
-    };
+impl Elem for F32 {
+    const DTYPE: CodecDType = CodecDType::F32;
+    const BYTES: usize = 4;
+    const MANT_BITS: u32 = 23;
+    #[inline(always)]
+    fn load(b: &[u8]) -> u32 {
+        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+    #[inline(always)]
+    fn store(v: u32, out: &mut [u8]) {
+        out[..4].copy_from_slice(&v.to_le_bytes());
+    }
 }
 
-elems! {
-    F32: 4, 23;
-    F16: 2, 10;
-    BF16: 2, 7;
+impl Elem for F16 {
+    const DTYPE: CodecDType = CodecDType::F16;
+    const BYTES: usize = 2;
+    const MANT_BITS: u32 = 10;
+    #[inline(always)]
+    fn load(b: &[u8]) -> u32 {
+        u16::from_le_bytes([b[0], b[1]]) as u32
+    }
+    #[inline(always)]
+    fn store(v: u32, out: &mut [u8]) {
+        out[..2].copy_from_slice(&(v as u16).to_le_bytes());
+    }
+}
+
+impl Elem for BF16 {
+    const DTYPE: CodecDType = CodecDType::BF16;
+    const BYTES: usize = 2;
+    const MANT_BITS: u32 = 7;
+    #[inline(always)]
+    fn load(b: &[u8]) -> u32 {
+        u16::from_le_bytes([b[0], b[1]]) as u32
+    }
+    #[inline(always)]
+    fn store(v: u32, out: &mut [u8]) {
+        out[..2].copy_from_slice(&(v as u16).to_le_bytes());
+    }
 }
 
 pub(crate) use crate::format::mantissa_len;
