@@ -182,15 +182,15 @@ impl hprt_swap::ReleaseGuard for NoLiveExports {
     }
 }
 
-/// The engine's in-flight bounds from the constructors' and `set_window`'s keywords.
 /// The engine settings the keyed and layer-group front ends take from their constructors'
 /// keywords, and the DLPack export guard on every release.
-fn configure(engine: &mut hprt_swap::SwapEngine, compression: Compression, window: InflightWindow) {
+fn configure(engine: &mut SwapEngine, compression: Compression, window: InflightWindow) {
     engine.set_compression(compression);
     engine.set_window(window);
     engine.set_release_guard(Some(Arc::new(NoLiveExports)));
 }
 
+/// The engine's in-flight bounds from the constructors' and `set_window`'s keywords.
 fn window(offload_bytes: Option<usize>, reload_bytes: Option<usize>) -> InflightWindow {
     InflightWindow {
         offload_bytes,
