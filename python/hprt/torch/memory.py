@@ -83,7 +83,7 @@ def _platform_empty(platform, shape, stride, offset, dtype):
 
 
 class _StreamRecorder:
-    """``FrameworkMemory``'s ``record_stream`` on the cuda backend: torch's caching allocator
+    """``FrameworkMemory``'s ``record_stream`` for CUDA tensors: torch's caching allocator
     reuses a tensor's block only after the work queued so far on an hprt copy stream
     (``Tensor.record_stream``), so hprt lets go of an offloaded tensor when its copy is queued
     and of a reloaded one when torch's stream waits for it (on a GPU the host runs far ahead of
@@ -100,12 +100,12 @@ class _StreamRecorder:
         t.record_stream(s)
 
 
-def _stream_recorder(backend):
-    """The ``record_stream`` of a backend whose tensors torch puts in a stream-ordered caching
-    allocator (cuda); None elsewhere (CPU tensors; torch_npu's NPU tensors, whose
-    ``record_stream`` hprt has not been tried with on hardware): the platform then keeps its
-    reference until it sees the copy finished."""
-    return _StreamRecorder(backend) if backend == "cuda" else None
+def _stream_recorder(device_type):
+    """The ``record_stream`` for torch tensors of ``device_type`` where torch puts them in a
+    stream-ordered caching allocator (CUDA tensors); None elsewhere (CPU tensors; torch_npu's
+    NPU tensors, whose ``record_stream`` hprt has not been tried with on hardware): the platform
+    then keeps its reference until it sees the copy finished."""
+    return _StreamRecorder(device_type) if device_type == "cuda" else None
 
 
 # torch dtypes under hprt's names (what compress-then-swap can encode; others travel as bytes).

@@ -118,7 +118,7 @@ class Attached:
         for settle in self._settle:
             settle()
         s = self.runtime.stats()
-        kind = self.runtime.platform.backend
+        kind = self.runtime.device_type
         if kind in _STREAM_ATTR and hasattr(torch, kind) and getattr(torch, kind).is_available():
             s["device_allocated"] = getattr(torch, kind).memory_allocated()
         if self._stats_extra is not None:

@@ -264,16 +264,21 @@ def fine_grained_offloading_enable_offload():
     PipelineOffloadManager.get_instance().enable_offload()
 
 
+def _refuse_event_off_cuda(what):
+    device_type = runtime().device_type
+    if device_type != "cuda":
+        raise NotImplementedError(
+            f"hprt.torch: {what}(event) records a CUDA event for CUDA graph capture; this "
+            f"runtime's tensors are {device_type} tensors, which have no CUDA graphs (call it "
+            "without an event for the stream ordering alone)")
+
+
 def _record_event(event, what):
-    """Records ``event`` (a ``torch.cuda.Event``) on torch's current CUDA stream; other
-    backends have no CUDA event to record."""
+    """Records ``event`` (a ``torch.cuda.Event``) on torch's current CUDA stream; where the
+    runtime's tensors are not CUDA tensors there is no CUDA stream to record it on."""
     if event is None:
         return
-    if runtime().platform.backend != "cuda":
-        raise NotImplementedError(
-            f"hprt.torch: {what}(event) records a CUDA event for CUDA graph capture; the "
-            f"{runtime().platform.backend} backend has no CUDA graphs (call it without an event "
-            "for the stream ordering alone)")
+    _refuse_event_off_cuda(what)
     torch.cuda.current_stream().record_event(event)
 
 
@@ -305,8 +310,8 @@ def fine_grained_offloading_backward_record(tensor, event=None):
     """Megatron-LM's CUDA-graph backward mark (identity on ``tensor``): in backward, ``event``
     is recorded on the current stream and the current stream waits for every reload queued so
     far."""
-    if event is not None and runtime().platform.backend != "cuda":
-        _record_event(event, "fine_grained_offloading_backward_record")
+    if event is not None:  # refused now, not in backward
+        _refuse_event_off_cuda("fine_grained_offloading_backward_record")
     return _BackwardRecord.apply(tensor, event)
 
 

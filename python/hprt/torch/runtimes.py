@@ -40,6 +40,18 @@ _DEVICE_FLAG = {"cpu": "is_cpu", "cuda": "is_cuda"}
 _STREAM_ATTR = {"cuda": "cuda_stream", "npu": "npu_stream"}
 
 
+def _torch_device_type(platform):
+    """torch's device type for a platform's device memory: the tensors a runtime on it takes and
+    hands back, and whose torch machinery (streams, events, ``record_stream``) it uses. hprt's
+    backends carry torch's names for the devices they drive (cpu, cuda, npu; on hardware the
+    same as ``capabilities.framework_device``). The emulators keep the name of the device they
+    stand for although torch addresses none of their memory: a runtime there takes only tests'
+    stand-in tensors (``test_host_ahead``: torch on a GPU, over the CUDA emulator). The one place
+    hprt.torch relates a platform to torch's names; behaviour follows the device type, a
+    torch-side fact, never the backend."""
+    return platform.backend
+
+
 def _cpu_tensor_stream(platform):
     """The stream CPU tensors' compute stands on: on the cpu backend the host's own stream (raw
     stream 0: torch's CPU ops are done when they return, a wait on it blocks the host); elsewhere
@@ -58,7 +70,7 @@ class Runtime:
                  max_inflight_offload_bytes=None, max_inflight_reload_bytes=None):
         self.platform = platform if platform is not None else hprt.get_platform()
         self.memory = hprt.FrameworkMemory(self.platform,
-                                           record_stream=_ht._stream_recorder(self.backend))
+                                           record_stream=_ht._stream_recorder(self.device_type))
         self.host_budget, self.compression = host_budget, compression
         self.window = dict(max_inflight_offload_bytes=max_inflight_offload_bytes,
                            max_inflight_reload_bytes=max_inflight_reload_bytes)
@@ -83,9 +95,10 @@ class Runtime:
 
     @platform.setter
     def platform(self, platform):
-        # The backend's name is read for every saved tensor: kept here, not asked of hprt.
+        # Read for every saved tensor: kept here, not asked of hprt.
         self._platform, self.backend = platform, platform.backend
-        self._device_flag = _DEVICE_FLAG.get(self.backend)
+        self.device_type = _torch_device_type(platform)
+        self._device_flag = _DEVICE_FLAG.get(self.device_type)
 
     def retire(self, front, flow):
         """Forgets ``front`` (a front end this runtime made for an ``attach`` handle now
@@ -125,7 +138,7 @@ class Runtime:
         """torch's current stream (of ``device``, or of the current device) as an hprt stream:
         ``torch.cuda.current_stream().cuda_stream`` on the cuda backend,
         ``torch.npu.current_stream().npu_stream`` (torch_npu's ``aclrtStream``) on the npu one."""
-        kind = self.backend
+        kind = self.device_type
         if kind in _STREAM_ATTR and (device is None or _device_type(device) == kind):
             raw = getattr(getattr(torch, kind).current_stream(device), _STREAM_ATTR[kind])
             s = self._wrapped.get(raw)
@@ -140,7 +153,7 @@ class Runtime:
         """Whether this platform's device memory holds ``t`` (cpu backend: CPU tensors; cuda:
         CUDA tensors; npu: torch_npu's NPU tensors)."""
         on = getattr(t, self._device_flag, None) if self._device_flag else None
-        return on if on is not None else _device_type(t.device) == self.backend
+        return on if on is not None else _device_type(t.device) == self.device_type
 
     def borrow(self, t):
         """``t`` as a borrowed swap payload whose reload makes a tensor of its shape, strides and
