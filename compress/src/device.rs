@@ -414,8 +414,10 @@ impl PendingDecode {
 }
 
 /// The CPU codec on a platform stream, which every backend can run: D2H into pinned memory,
-/// encode or decode in a host function in stream order, H2D back. The caller's thread never
-/// blocks. Its name is `"host"`, and it [encodes on the host](DeviceCodec::encodes_on_host)
+/// encode or decode in a host function in stream order, H2D back; where device memory is host
+/// memory (the cpu backend), the host function reads and writes it in place instead
+/// ([`Platform::launch_host_fn_on_memory`]: no pinned staging, no copy of the raw bytes). The
+/// caller's thread never blocks. Its name is `"host"`, and it [encodes on the host](DeviceCodec::encodes_on_host)
 /// (what `hprt-swap` resolves `Compression::Auto` against: where the codec is the host's,
 /// compressing in a host stage moves fewer bytes).
 #[derive(Clone, Debug, Default)]
@@ -454,6 +456,23 @@ impl DeviceCodec for HostCodec {
                 scratch.len()
             )));
         }
+        let len: Slot<usize> = Arc::new(Mutex::new(None));
+        if p.capabilities().device_memory_is_host {
+            let (slot, opts) = (len.clone(), self.encode.clone());
+            p.launch_host_fn_on_memory(
+                stream,
+                (scratch.at(0), max),
+                (src, bytes),
+                Box::new(move |out, raw| {
+                    let r = codec::encode(dtype, raw, &opts).map(|enc| {
+                        out[..enc.len()].copy_from_slice(&enc);
+                        enc.len()
+                    });
+                    *lock(&slot) = Some(r);
+                }),
+            )?;
+            return host_step_encoded(p, scratch, len, dtype, numel, stream, Vec::new());
+        }
         let input = p.alloc_pinned(bytes)?;
         let output = p.alloc_pinned(max)?;
         p.copy_async(
@@ -464,7 +483,6 @@ impl DeviceCodec for HostCodec {
             bytes,
             stream,
         )?;
-        let len: Slot<usize> = Arc::new(Mutex::new(None));
         let (inp, out, slot, opts) = (
             input.clone(),
             output.clone(),
@@ -499,19 +517,7 @@ impl DeviceCodec for HostCodec {
             max,
             stream,
         )?;
-        let done = p.create_event(false)?;
-        p.record_event(&done, stream)?;
-        Ok(PendingEncode {
-            scratch: scratch.clone(),
-            done,
-            len: Outcome::Host(len),
-            dtype,
-            numel,
-            _held: Held {
-                _pinned: vec![input, output],
-                _device: Vec::new(),
-            },
-        })
+        host_step_encoded(p, scratch, len, dtype, numel, stream, vec![input, output])
     }
 
     fn decode_async(
@@ -522,6 +528,22 @@ impl DeviceCodec for HostCodec {
         stream: &Stream,
     ) -> Result<PendingDecode> {
         let bytes = src.original_len();
+        let result: Slot<()> = Arc::new(Mutex::new(None));
+        let (dtype, numel) = (src.dtype, src.numel);
+        if p.capabilities().device_memory_is_host {
+            let (slot, opts) = (result.clone(), self.decode.clone());
+            p.launch_host_fn_on_memory(
+                stream,
+                (dst, bytes),
+                (src.buf.at(0), src.len),
+                Box::new(move |out, enc| {
+                    let r = check_holds(enc, dtype, numel)
+                        .and_then(|()| codec::decode_into(enc, out, &opts).map(drop));
+                    *lock(&slot) = Some(r);
+                }),
+            )?;
+            return host_step_decoded(p, result, stream, Vec::new());
+        }
         let input = p.alloc_pinned(src.len)?;
         let output = p.alloc_pinned(bytes)?;
         p.copy_async(
@@ -532,14 +554,12 @@ impl DeviceCodec for HostCodec {
             src.len,
             stream,
         )?;
-        let result: Slot<()> = Arc::new(Mutex::new(None));
         let (inp, out, slot, opts) = (
             input.clone(),
             output.clone(),
             result.clone(),
             self.decode.clone(),
         );
-        let (dtype, numel) = (src.dtype, src.numel);
         p.launch_host_fn(
             stream,
             Box::new(move || {
@@ -550,16 +570,7 @@ impl DeviceCodec for HostCodec {
                     // order), and no other queued copy touches `inp`.
                     unsafe { inp.read_unsynchronized(0, &mut enc) }?;
                     // The expected size, not the declared one, bounds what decoding allocates.
-                    let h = codec::inspect(&enc)?.header;
-                    if h.dtype != dtype || h.numel != numel {
-                        return Err(CompressError::corrupt(
-                            0,
-                            format!(
-                                "holds {} {} elements, expected {numel} {dtype}",
-                                h.numel, h.dtype
-                            ),
-                        ));
-                    }
+                    check_holds(&enc, dtype, numel)?;
                     let d = codec::decode_with(&enc, &opts)?;
                     // SAFETY: the copy out of `out` is queued after this host function on
                     // the same stream, so it cannot run while this writes.
@@ -577,17 +588,68 @@ impl DeviceCodec for HostCodec {
             bytes,
             stream,
         )?;
-        let done = p.create_event(false)?;
-        p.record_event(&done, stream)?;
-        Ok(PendingDecode {
-            done,
-            result: Outcome::Host(result),
-            // A host step reports in its slot, not in a status word.
-            status: |_| Ok(()),
-            _held: Held {
-                _pinned: vec![input, output],
-                _device: Vec::new(),
-            },
-        })
+        host_step_decoded(p, result, stream, vec![input, output])
     }
+}
+
+/// That encoding `enc` holds `numel` elements of `dtype`, read from its header.
+fn check_holds(enc: &[u8], dtype: CodecDType, numel: usize) -> Result<()> {
+    let h = codec::inspect(enc)?.header;
+    if h.dtype != dtype || h.numel != numel {
+        return Err(CompressError::corrupt(
+            0,
+            format!(
+                "holds {} {} elements, expected {numel} {dtype}",
+                h.numel, h.dtype
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The pending encode of a host step queued on `stream`: its length comes in `len`, the
+/// `pinned` buffers it stages through are held until the stream passed them.
+fn host_step_encoded(
+    p: &dyn Platform,
+    scratch: &DeviceBuffer,
+    len: Slot<usize>,
+    dtype: CodecDType,
+    numel: usize,
+    stream: &Stream,
+    pinned: Vec<PinnedBuffer>,
+) -> Result<PendingEncode> {
+    let done = p.create_event(false)?;
+    p.record_event(&done, stream)?;
+    Ok(PendingEncode {
+        scratch: scratch.clone(),
+        done,
+        len: Outcome::Host(len),
+        dtype,
+        numel,
+        _held: Held {
+            _pinned: pinned,
+            _device: Vec::new(),
+        },
+    })
+}
+
+/// The pending decode of a host step queued on `stream`, as [`host_step_encoded`].
+fn host_step_decoded(
+    p: &dyn Platform,
+    result: Slot<()>,
+    stream: &Stream,
+    pinned: Vec<PinnedBuffer>,
+) -> Result<PendingDecode> {
+    let done = p.create_event(false)?;
+    p.record_event(&done, stream)?;
+    Ok(PendingDecode {
+        done,
+        result: Outcome::Host(result),
+        // A host step reports in its slot, not in a status word.
+        status: |_| Ok(()),
+        _held: Held {
+            _pinned: pinned,
+            _device: Vec::new(),
+        },
+    })
 }

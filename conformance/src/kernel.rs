@@ -336,6 +336,88 @@ pub(crate) fn host_fn_in_stream_order(p: &dyn Platform) -> Result<()> {
     Ok(())
 }
 
+/// `launch_host_fn_on_memory`: where device memory is host memory, the host function reads and
+/// writes it in stream order, the source stays readable though freed right after the launch,
+/// and overlapping or out-of-range places are refused; elsewhere the call is `Unsupported`.
+pub(crate) fn host_fn_on_memory(p: &dyn Platform) -> Result<()> {
+    let stream = p.create_stream()?;
+    let n = 64 * 1024;
+    let data: Vec<u8> = (0..n).map(|i| (i * 13 % 251) as u8).collect();
+    let src = upload(p, &data, &stream)?;
+    let dst = p.alloc_device(n)?;
+    let unary = |f: fn(u8) -> u8| -> hprt_platform::HostMemoryFn {
+        Box::new(move |out: &mut [u8], inp: &[u8]| {
+            for (o, i) in out.iter_mut().zip(inp) {
+                *o = f(*i);
+            }
+        })
+    };
+    if !p.capabilities().device_memory_is_host {
+        let r = p.launch_host_fn_on_memory(&stream, (dst.at(0), n), (src.at(0), n), unary(|b| b));
+        expect_kind(r, ErrorKind::Unsupported, "host access to device memory")?;
+        return Ok(());
+    }
+    // After a memset of the source's first half: the function must see it.
+    p.memset_async(&src, 0, 0x5A, n / 2, &stream)?;
+    p.synchronize_stream(&stream)?; // nothing queued holds the source but the function
+                                    // Held behind a gate while the source is freed and a buffer of its size is allocated and
+                                    // filled: the queued function must still read the source's bytes, not the new buffer's.
+    let (open, gate) = std::sync::mpsc::channel::<()>();
+    p.launch_host_fn(
+        &stream,
+        Box::new(move || {
+            let _ = gate.recv();
+        }),
+    )?;
+    p.launch_host_fn_on_memory(
+        &stream,
+        (dst.at(0), n),
+        (src.at(0), n),
+        unary(|b| b.wrapping_add(1)),
+    )?;
+    p.free_device(&src)?; // in stream order: the queued function still reads the bytes
+    drop(src);
+    let other = p.create_stream()?;
+    let reuse = p.alloc_device(n)?;
+    p.memset_async(&reuse, 0, 0xEE, n, &other)?;
+    p.synchronize_stream(&other)?;
+    let _ = open.send(());
+    let mut want: Vec<u8> = data.iter().map(|b| b.wrapping_add(1)).collect();
+    want[..n / 2].fill(0x5B);
+    check_bytes(
+        "bytes the host function wrote from device memory freed after its launch",
+        &want,
+        &download(p, &dst, 0, n, &stream)?,
+    )?;
+    // Within one buffer: disjoint halves are fine, a shared byte is refused.
+    p.launch_host_fn_on_memory(
+        &stream,
+        (dst.at(n / 2), n / 2),
+        (dst.at(0), n / 2),
+        unary(|b| b),
+    )?;
+    let mut halves = want[..n / 2].to_vec();
+    halves.extend_from_slice(&want[..n / 2]);
+    check_bytes(
+        "the second half written from the first",
+        &halves,
+        &download(p, &dst, 0, n, &stream)?,
+    )?;
+    let overlapping =
+        p.launch_host_fn_on_memory(&stream, (dst.at(1), 16), (dst.at(0), 16), unary(|b| b));
+    expect_kind(overlapping, ErrorKind::InvalidValue, "overlapping places")?;
+    let beyond =
+        p.launch_host_fn_on_memory(&stream, (dst.at(n - 8), 16), (dst.at(0), 16), unary(|b| b));
+    expect_kind(
+        beyond,
+        ErrorKind::OutOfRange,
+        "a place past the buffer's end",
+    )?;
+    p.destroy_stream(&other)?;
+    p.destroy_stream(&stream)?;
+    Ok(())
+}
+
 pub(crate) fn bad_arguments(p: &dyn Platform) -> Result<()> {
     let stream = p.create_stream()?;
     let a = p.alloc_device(64)?;

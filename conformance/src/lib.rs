@@ -106,7 +106,7 @@ static CASES: &[Case] = cases! {
     "kernel" in kernel: [
         cast_to_half_formats, cast_widen_and_to_integers, fill_scale_axpy, stream_ordered,
         host_fn_in_stream_order, host_fn_panic_is_reported, host_fn_panic_reaches_waiters,
-        kernel_bad_arguments = bad_arguments, matmul_f32,
+        host_fn_on_memory, kernel_bad_arguments = bad_arguments, matmul_f32,
     ]
     "error" in errors: [
         use_after_free, out_of_range, destroyed_stream, destroyed_event, double_destroy,

@@ -4,8 +4,8 @@
 use hprt_conformance::run_cases;
 use hprt_platform::{
     BackendKind, Collective, Communicator, CpuBackend, CpuConfig, DeviceBuffer, Event, HostFn,
-    Kernel, MemInfo, Memory, MemoryStats, PinnedBuffer, Place, Platform, PlatformInfo, RawStream,
-    ReduceOp, ReleaseFn, Result, Stream, UniqueId,
+    HostMemoryFn, Kernel, MemInfo, Memory, MemoryStats, PinnedBuffer, Place, Platform,
+    PlatformInfo, RawStream, ReduceOp, ReleaseFn, Result, Stream, UniqueId,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -211,6 +211,15 @@ impl Platform for Faulty {
             return Ok(());
         }
         Platform::launch_host_fn(&self.inner, stream, f)
+    }
+    fn launch_host_fn_on_memory(
+        &self,
+        stream: &Stream,
+        dst: (Place<&DeviceBuffer>, usize),
+        src: (Place<&DeviceBuffer>, usize),
+        f: HostMemoryFn,
+    ) -> Result<()> {
+        Platform::launch_host_fn_on_memory(&self.inner, stream, dst, src, f)
     }
     fn unique_id(&self) -> Result<UniqueId> {
         Platform::unique_id(&self.inner)

@@ -10,7 +10,7 @@ use crate::handle::{
     ObjectHandle, Owner, PinnedBuffer, QueuedUse, RawStream, ReleaseFn, Stream, UniqueId,
 };
 use crate::info::PlatformInfo;
-use crate::kernel::{Access, DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
+use crate::kernel::{Access, DeviceModule, HostFn, HostMemoryFn, Kernel, KernelArg, LaunchShape};
 use crate::memory::{MemInfo, MemoryStats};
 use crate::place::{Memory, Place};
 use crate::platform::Platform;
@@ -523,6 +523,68 @@ impl<B: Backend> Platform for B {
     fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()> {
         let s = stream_obj(self, stream, "launch_host_fn")?;
         Backend::host_fn(self, &s, Box::new(move || run_host_fn(f)))
+    }
+    fn launch_host_fn_on_memory(
+        &self,
+        stream: &Stream,
+        dst: (Place<&DeviceBuffer>, usize),
+        src: (Place<&DeviceBuffer>, usize),
+        f: HostMemoryFn,
+    ) -> Result<()> {
+        const OP: &str = "launch_host_fn_on_memory";
+        if !Backend::capabilities(self).device_memory_is_host {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                self.kind(),
+                OP,
+                "this backend's device memory is not host memory: copy it to pinned memory",
+            ));
+        }
+        let s = stream_obj(self, stream, OP)?;
+        let ((d, dst_len), (r, src_len)) = (dst, src);
+        let (d_mem, d_ptr) =
+            d.mem
+                .handle
+                .mem_and_ptr_for::<B::DeviceMemory>(owner(self), OP, d.offset, dst_len)?;
+        let (r_mem, r_ptr) =
+            r.mem
+                .handle
+                .mem_and_ptr_for::<B::DeviceMemory>(owner(self), OP, r.offset, src_len)?;
+        let apart = d.offset + dst_len <= r.offset || r.offset + src_len <= d.offset;
+        if d.mem.same_as(r.mem) && dst_len > 0 && src_len > 0 && !apart {
+            return Err(Error::new(
+                ErrorKind::InvalidValue,
+                self.kind(),
+                OP,
+                format!(
+                    "the range written ({} bytes at {}) shares bytes with the range read ({} \
+                     bytes at {})",
+                    dst_len, d.offset, src_len, r.offset
+                ),
+            ));
+        }
+        let (d_addr, r_addr) = (d_ptr + d.offset, r_ptr + r.offset);
+        let run: HostFn = Box::new(move || {
+            // Held until `f` returned: a free meanwhile leaves the bytes allocated.
+            let _alive = (d_mem, r_mem);
+            let out: &mut [u8] = if dst_len == 0 {
+                &mut []
+            } else {
+                // SAFETY: device memory is host memory on this backend, so the address is the
+                // host's; the range was bounds-checked against the allocation `_alive` holds;
+                // stream order puts this after the work queued before it, and the range read
+                // does not overlap it (checked above).
+                unsafe { std::slice::from_raw_parts_mut(d_addr as *mut u8, dst_len) }
+            };
+            let inp: &[u8] = if src_len == 0 {
+                &[]
+            } else {
+                // SAFETY: as for `out`, for the range read.
+                unsafe { std::slice::from_raw_parts(r_addr as *const u8, src_len) }
+            };
+            f(out, inp)
+        });
+        Backend::host_fn(self, &s, Box::new(move || run_host_fn(run)))
     }
 
     fn unique_id(&self) -> Result<UniqueId> {

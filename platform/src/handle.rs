@@ -289,6 +289,20 @@ impl BufferHandle {
         Ok(st.mem.as_ref().map(downcast))
     }
 
+    /// `mem_for`, with the buffer's address read under the same lock (a resize between the two
+    /// would pair one allocation with another's address).
+    pub(crate) fn mem_and_ptr_for<T: Clone + 'static>(
+        &self,
+        owner: Owner,
+        op: &'static str,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<(Option<T>, usize)> {
+        let st = self.state(owner, op)?;
+        check_range(owner.backend, op, self.0.what, offset, bytes, st.len)?;
+        Ok((st.mem.as_ref().map(downcast), st.ptr))
+    }
+
     pub(crate) fn unlocked(&self) -> MutexGuard<'_, BufferState> {
         self.0.lock()
     }

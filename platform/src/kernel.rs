@@ -25,6 +25,11 @@ use crate::error::{BackendKind, Error, ErrorKind, Result};
 /// functions for the same stream.
 pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
 
+/// A host closure run in stream order with device memory to write (its first argument) and to
+/// read (its second), where device memory is host memory
+/// ([`crate::Platform::launch_host_fn_on_memory`]).
+pub type HostMemoryFn = Box<dyn FnOnce(&mut [u8], &[u8]) + Send + 'static>;
+
 /// CUDA C that a crate above the platform brings (the codec's kernels, `hprt-compress`): the
 /// cuda backend compiles it with NVRTC once per device, like its own elementwise kernels, and
 /// caches it under `name`, which must therefore identify the source. Other backends have no

@@ -62,7 +62,7 @@ pub use handle::{
     UniqueId,
 };
 pub use info::{DeviceInfo, LibraryProbe, PlatformInfo};
-pub use kernel::{Access, DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
+pub use kernel::{Access, DeviceModule, HostFn, HostMemoryFn, Kernel, KernelArg, LaunchShape};
 pub use memory::{MemInfo, MemoryCounter, MemoryStats};
 pub use names::UnknownName;
 pub use npu::NpuBackend;

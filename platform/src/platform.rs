@@ -11,7 +11,7 @@ use crate::handle::{
     Communicator, DeviceBuffer, Event, PinnedBuffer, RawStream, ReleaseFn, Stream, UniqueId,
 };
 use crate::info::PlatformInfo;
-use crate::kernel::{DeviceModule, HostFn, Kernel, KernelArg, LaunchShape};
+use crate::kernel::{DeviceModule, HostFn, HostMemoryFn, Kernel, KernelArg, LaunchShape};
 use crate::memory::{MemInfo, MemoryStats};
 use crate::place::{Memory, Place};
 
@@ -148,6 +148,18 @@ pub trait Platform: Send + Sync {
     /// Runs `f` on a host thread in stream order, like `cuLaunchHostFunc`: after the work queued
     /// on `stream` before it and before the work queued after it. `f` must not wait on `stream`.
     fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()>;
+    /// Where device memory is host memory ([`Capabilities::device_memory_is_host`]): runs `f`
+    /// as [`Platform::launch_host_fn`] does, handing it the `dst.1` bytes at `dst.0` to write
+    /// and the `src.1` bytes at `src.0` to read, with no copy through pinned memory. Both stay
+    /// allocated until `f` ran, even if freed meanwhile (as for a queued copy); the two ranges
+    /// may not share a byte. Elsewhere `Unsupported`: the host cannot address device memory.
+    fn launch_host_fn_on_memory(
+        &self,
+        stream: &Stream,
+        dst: (Place<&DeviceBuffer>, usize),
+        src: (Place<&DeviceBuffer>, usize),
+        f: HostMemoryFn,
+    ) -> Result<()>;
 
     // --- collectives ---------------------------------------------------------------------
     /// A new rendezvous key; rank 0 makes it and hands it to the others.

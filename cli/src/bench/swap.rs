@@ -243,8 +243,12 @@ fn drive(
 /// name (`codec_for`: the CUDA kernels on cuda, the CPU codec through host functions elsewhere).
 fn device_codec_note(p: &dyn Platform) -> String {
     match hprt_compress::codec_for(p).name() {
+        "host" if p.capabilities().device_memory_is_host => format!(
+            "The device codec is the host fallback on this backend ({}; no device kernels): the CPU codec in host functions on the stream, reading and writing the device memory itself (host memory here: no staging copies); `auto` picks the host stage for it, which moves the raw bytes but holds no pinned memory while offloaded.",
+            p.backend()
+        ),
         "host" => format!(
-            "The device codec is the host fallback on this backend ({}; no device kernels): its own staging copies are not counted, as a device codec would not make them; `auto` picks the host stage for it, which moves the raw bytes but holds no pinned memory while offloaded.",
+            "The device codec is the host fallback on this backend ({}; no device kernels): its own staging copies through pinned memory are not counted, as a device codec would not make them; `auto` picks the host stage for it, which moves the raw bytes but holds no pinned memory while offloaded.",
             p.backend()
         ),
         "cuda" => format!(

@@ -64,8 +64,8 @@ use std::sync::{Arc, Mutex};
 use hprt_platform::PlatformHandle;
 use hprt_platform::{
     host_seconds, BackendKind, Collective, Communicator, CopyKind, DeviceBuffer, Event, HostFn,
-    Kernel, MemInfo, Memory, MemoryStats, PinnedBuffer, Place, Platform, PlatformInfo, RawStream,
-    ReleaseFn, Result, Stream, StreamClock, StreamMark, UniqueId,
+    HostMemoryFn, Kernel, MemInfo, Memory, MemoryStats, PinnedBuffer, Place, Platform,
+    PlatformInfo, RawStream, ReleaseFn, Result, Stream, StreamClock, StreamMark, UniqueId,
 };
 use serde_json::{json, Value};
 

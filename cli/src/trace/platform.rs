@@ -296,6 +296,15 @@ impl Platform for TracingPlatform {
     fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()> {
         self.inner.launch_host_fn(stream, f)
     }
+    fn launch_host_fn_on_memory(
+        &self,
+        stream: &Stream,
+        dst: (Place<&DeviceBuffer>, usize),
+        src: (Place<&DeviceBuffer>, usize),
+        f: HostMemoryFn,
+    ) -> Result<()> {
+        self.inner.launch_host_fn_on_memory(stream, dst, src, f)
+    }
 
     fn unique_id(&self) -> Result<UniqueId> {
         self.inner.unique_id()
