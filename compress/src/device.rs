@@ -298,6 +298,14 @@ impl PendingEncode {
         }
     }
 
+    /// The element type and count being encoded.
+    pub fn dtype(&self) -> CodecDType {
+        self.dtype
+    }
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
     /// Waits for the encoding (only it, not the rest of the stream) and returns its length.
     pub fn wait_len(&self, platform: &dyn Platform) -> Result<usize> {
         let slot = match &self.len {

@@ -139,6 +139,9 @@ pub struct LayerStats {
     /// Tensors decoded in a backward window, and synchronously at the layer's backward start.
     pub decoded_in_window: usize,
     pub recovered_sync: usize,
+    /// Tensors whose encode failed (at launch or when it finished): kept uncompressed, nothing
+    /// lost ([`ActivationManager::take_encode_failures`] says why).
+    pub encode_failures: usize,
 }
 
 impl LayerStats {
@@ -148,7 +151,7 @@ impl LayerStats {
 
     /// Every counter with its name, in declaration order (what the Python `layer_stats()`
     /// dicts hold, beside `ratio`).
-    pub fn fields(&self) -> [(&'static str, usize); 6] {
+    pub fn fields(&self) -> [(&'static str, usize); 7] {
         [
             ("saved", self.saved),
             ("compressed", self.compressed),
@@ -156,6 +159,7 @@ impl LayerStats {
             ("compressed_bytes", self.compressed_bytes),
             ("decoded_in_window", self.decoded_in_window),
             ("recovered_sync", self.recovered_sync),
+            ("encode_failures", self.encode_failures),
         ]
     }
 }
@@ -183,6 +187,8 @@ struct Entry {
     /// The buffer's size when registered: what to re-acquire before decoding.
     alloc_len: usize,
     state: State,
+    /// Its encode failed: it stays uncompressed, not tried again in a later window.
+    encode_failed: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -224,6 +230,8 @@ pub struct ActivationManager {
     records: VecDeque<WindowRecord>,
     records_dropped: usize,
     stats: BTreeMap<LayerId, LayerStats>,
+    /// Encodes that failed since the last `take_encode_failures`, with why.
+    encode_failures: Vec<(LayerId, CompressError)>,
 }
 
 impl ActivationManager {
@@ -255,6 +263,7 @@ impl ActivationManager {
             records: VecDeque::new(),
             records_dropped: 0,
             stats: BTreeMap::new(),
+            encode_failures: Vec::new(),
         })
     }
 
@@ -321,6 +330,7 @@ impl ActivationManager {
             tensor,
             alloc_len,
             state: State::Normal,
+            encode_failed: false,
         });
         self.stats.entry(layer).or_default().saved += 1;
         Ok(Some(TensorKey { layer, index }))
@@ -495,7 +505,7 @@ impl ActivationManager {
         };
         let candidates: Vec<(usize, usize)> = entries
             .iter()
-            .filter(|e| matches!(e.state, State::Normal))
+            .filter(|e| matches!(e.state, State::Normal) && !e.encode_failed)
             .map(|e| (e.index, e.tensor.len))
             .collect();
         let budget = self
@@ -507,16 +517,22 @@ impl ActivationManager {
         for index in plan {
             let t = self.entry_mut(layer, index)?.tensor.clone();
             let dtype = CodecDType::try_from(t.dtype)?;
-            let scratch = self.scratch(t.numel(), dtype)?;
-            let pending = self.codec.encode_async(
-                self.p.as_ref(),
-                t.place(),
-                dtype,
-                t.numel(),
-                &scratch,
-                &self.side,
-            )?;
-            items.push((index, pending, scratch));
+            let launched = self.scratch(t.numel(), dtype).and_then(|scratch| {
+                let pending = self.codec.encode_async(
+                    self.p.as_ref(),
+                    t.place(),
+                    dtype,
+                    t.numel(),
+                    &scratch,
+                    &self.side,
+                )?;
+                Ok((pending, scratch))
+            });
+            match launched {
+                Ok((pending, scratch)) => items.push((index, pending, scratch)),
+                // Out of memory for the encoding, say: this tensor stays as it is.
+                Err(err) => self.encode_failed(layer, index, err)?,
+            }
         }
         Ok(Some(Work::Encode(layer, items)))
     }
@@ -584,9 +600,17 @@ impl ActivationManager {
             None => {}
             Some(Work::Encode(layer, items)) => {
                 for (index, pending, scratch) in items {
-                    let ct = pending.finish(self.p.as_ref(), &self.side)?;
-                    let key = (ct.numel(), ct.dtype());
-                    self.pool.entry(key).or_default().push(scratch);
+                    let (dtype, numel) = (pending.dtype(), pending.numel());
+                    let finished = pending.finish(self.p.as_ref(), &self.side);
+                    // The scratch is reusable either way: `finish` queued its copy out.
+                    self.pool.entry((numel, dtype)).or_default().push(scratch);
+                    let ct = match finished {
+                        Ok(ct) => ct,
+                        Err(err) => {
+                            self.encode_failed(layer, index, err)?;
+                            continue;
+                        }
+                    };
                     let (orig, packed) = (ct.original_len(), ct.byte_len());
                     let p = self.p.clone();
                     let e = self.entry_mut(layer, index)?;
@@ -626,6 +650,25 @@ impl ActivationManager {
             }
         }
         Ok(())
+    }
+
+    /// An encode of `layer` that failed: its tensor stays uncompressed (its memory untouched),
+    /// counted and kept for [`Self::take_encode_failures`]; the window's other tensors go on.
+    fn encode_failed(&mut self, layer: LayerId, index: usize, err: CompressError) -> Result<()> {
+        tracing::warn!(
+            "an encode of layer {} failed; the tensor stays uncompressed: {err}",
+            layer.0
+        );
+        self.entry_mut(layer, index)?.encode_failed = true;
+        self.stats.entry(layer).or_default().encode_failures += 1;
+        self.encode_failures.push((layer, err));
+        Ok(())
+    }
+
+    /// The encodes that failed since the last call, with why (each tensor was kept
+    /// uncompressed): what a front end reports to its user.
+    pub fn take_encode_failures(&mut self) -> Vec<(LayerId, CompressError)> {
+        std::mem::take(&mut self.encode_failures)
     }
 
     /// Runs `op` (whatever the closure enqueues on the compute stream) inside a window.

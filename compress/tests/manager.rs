@@ -10,9 +10,10 @@ use hprt_compress::data::{generate, DataKind};
 use hprt_compress::LayerId;
 use hprt_compress::{ActivationManager, ManagerConfig, TensorFilter, TensorKey};
 use hprt_compress::{CodecDType, CompressError};
+use hprt_compress::{CompressedTensor, DeviceCodec, HostCodec, PendingDecode, PendingEncode};
 use hprt_compress::{CostModel, CostTable, Op};
 use hprt_platform::{
-    CpuBackend, CpuConfig, DType, DeviceBuffer, Kernel, Memory, Platform, Stream, TensorRef,
+    CpuBackend, CpuConfig, DType, DeviceBuffer, Kernel, Memory, Place, Platform, Stream, TensorRef,
 };
 
 const LAYERS: usize = 4;
@@ -168,11 +169,20 @@ fn backward(
 }
 
 fn simulate(jitter: Option<u64>, window: Duration, steps: u64) -> ActivationManager {
+    simulate_with(jitter, window, steps, ManagerConfig::new(model()))
+}
+
+fn simulate_with(
+    jitter: Option<u64>,
+    window: Duration,
+    steps: u64,
+    config: ManagerConfig,
+) -> ActivationManager {
     let p = platform(jitter);
     let s = p.create_stream().unwrap();
     let work = p.alloc_device(1 << 16).unwrap();
     p.memset_async(&work, 0, 0, 1 << 16, &s).unwrap();
-    let mut m = ActivationManager::new(p.clone(), s.clone(), ManagerConfig::new(model())).unwrap();
+    let mut m = ActivationManager::new(p.clone(), s.clone(), config).unwrap();
     for step in 0..steps {
         let st = run_step(&mut m, p.as_ref(), &s, &work, window, step);
         backward(&mut m, p.as_ref(), &s, &work, window, &st);
@@ -500,4 +510,91 @@ fn window_records_stay_bounded() {
         Some(Duration::from_micros(kept as u64 + 9))
     );
     assert!(records.iter().all(|r| r.measured.is_some()));
+}
+
+/// The host codec, except that f32 encodes fail when they finish (the CPU codec refuses its
+/// options there) and the encodes of 65,536 bf16 elements fail at launch.
+struct FailingSome {
+    good: HostCodec,
+    bad: HostCodec,
+}
+
+impl DeviceCodec for FailingSome {
+    fn name(&self) -> &'static str {
+        "failing-some"
+    }
+    fn max_encoded_len(&self, dtype: CodecDType, numel: usize) -> usize {
+        self.good.max_encoded_len(dtype, numel)
+    }
+    fn encode_async(
+        &self,
+        p: &dyn Platform,
+        src: Place<&DeviceBuffer>,
+        dtype: CodecDType,
+        numel: usize,
+        scratch: &DeviceBuffer,
+        stream: &Stream,
+    ) -> hprt_compress::Result<PendingEncode> {
+        match (dtype, numel) {
+            (CodecDType::BF16, 65_536) => Err(CompressError::InvalidState(
+                "test: no encode for this one".into(),
+            )),
+            (CodecDType::F32, _) => self.bad.encode_async(p, src, dtype, numel, scratch, stream),
+            _ => self
+                .good
+                .encode_async(p, src, dtype, numel, scratch, stream),
+        }
+    }
+    fn decode_async(
+        &self,
+        p: &dyn Platform,
+        src: &CompressedTensor,
+        dst: Place<&DeviceBuffer>,
+        stream: &Stream,
+    ) -> hprt_compress::Result<PendingDecode> {
+        self.good.decode_async(p, src, dst, stream)
+    }
+}
+
+/// An encode that fails, at launch or when it finishes, costs its tensor nothing: it stays
+/// uncompressed and reads back bit-exact, the window's other tensors are compressed as before,
+/// and the failures are counted per layer and handed to the front end with their reasons.
+#[test]
+fn a_failed_encode_keeps_its_tensor_and_the_window_goes_on() {
+    for jitter in [None, Some(3)] {
+        let mut bad = HostCodec::default();
+        bad.encode.prob_bits = 3; // outside 9..=14: the CPU codec refuses it
+        let mut config = ManagerConfig::new(model());
+        config.codec = Some(Arc::new(FailingSome {
+            good: HostCodec::default(),
+            bad,
+        }));
+        // `backward` checks every saved tensor bit-exact.
+        let mut m = simulate_with(jitter, Duration::from_millis(2), 2, config);
+        for (layer, s) in m.layer_stats() {
+            if layer.0 < LAYERS - 1 {
+                // Per step: the gelu tensor compressed, the f32 and the 65,536-element one not.
+                assert_eq!(
+                    (s.compressed, s.encode_failures),
+                    (2, 4),
+                    "{layer:?}: {s:?}"
+                );
+            } else {
+                assert_eq!(
+                    (s.compressed, s.encode_failures),
+                    (0, 0),
+                    "{layer:?}: {s:?}"
+                );
+            }
+        }
+        let failures = m.take_encode_failures();
+        assert_eq!(failures.len(), 4 * (LAYERS - 1), "{failures:?}");
+        assert!(
+            failures
+                .iter()
+                .any(|(_, e)| e.to_string().contains("no encode for this one")),
+            "{failures:?}"
+        );
+        assert!(m.take_encode_failures().is_empty(), "taken once");
+    }
 }

@@ -101,8 +101,25 @@ impl PyActivationManager {
     fn begin(&self, py: Python<'_>, op: Op) -> Result<()> {
         Ok(py.detach(|| lock(&self.inner).m.begin_window(&op))?)
     }
+    /// Ends the window, then warns (`RuntimeWarning`) of each encode that failed in it: the
+    /// tensor was kept uncompressed, nothing lost (an "error" warnings filter makes it raise).
     fn end(&self, py: Python<'_>) -> Result<()> {
-        Ok(py.detach(|| lock(&self.inner).m.end_window())?)
+        let failures = py.detach(|| {
+            let mut inner = lock(&self.inner);
+            inner.m.end_window()?;
+            Ok::<_, hprt_compress::CompressError>(inner.m.take_encode_failures())
+        })?;
+        let category = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
+        for (layer, err) in failures {
+            let message = format!(
+                "hprt: a saved tensor's encode failed ({err}); it is kept uncompressed (layer {})",
+                layer.0
+            );
+            let message =
+                std::ffi::CString::new(message.replace('\0', " ")).expect("NULs were replaced");
+            PyErr::warn(py, category.as_any(), &message, 1)?;
+        }
+        Ok(())
     }
 }
 
@@ -317,7 +334,8 @@ impl PyActivationManager {
     }
 
     /// Per-layer figures, summed over steps: `{layer: {"saved", "compressed", "original_bytes",
-    /// "compressed_bytes", "ratio", "decoded_in_window", "recovered_sync"}}`.
+    /// "compressed_bytes", "ratio", "decoded_in_window", "recovered_sync", "encode_failures"}}`
+    /// (a failed encode keeps its tensor uncompressed and warns when its window ends).
     fn layer_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
         for (layer, s) in lock(&self.inner).m.layer_stats() {

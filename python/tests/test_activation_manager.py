@@ -159,3 +159,30 @@ def test_process_wide_platform_with_measured_costs():
     out = m.take(key)
     s.synchronize()
     assert np.from_dlpack(out).tobytes() == x.tobytes()
+
+
+def test_an_encode_without_memory_keeps_its_tensor_and_warns():
+    """No device memory for the large tensor's encoding: it stays uncompressed and reads back
+    bit-exact, the small one is compressed, and the window's end warns of the failure (a
+    training step goes on; nothing is lost)."""
+    p = hprt.cpu_platform(device_memory=384 << 10)  # both tensors and one small encoding fit
+    s = p.create_stream()
+    m = manager(p, s)
+    rng = np.random.default_rng(0)
+    small = rng.standard_normal(2048).astype(np.float32)  # 8 KiB
+    large = rng.standard_normal(65536).astype(np.float32)  # 256 KiB: its encoding does not fit
+    m.forward_start(0)
+    keys = {m.save(0, small): small, m.save(0, large): large}
+    m.forward_start(1)
+    with pytest.warns(RuntimeWarning, match="encode failed"):
+        with m.window(unbounded=True):  # encodes layer 0
+            pass
+    assert [m.is_compressed(k) for k in keys] == [True, False]
+    st = m.layer_stats()[0]
+    assert (st["compressed"], st["encode_failures"]) == (1, 1), st
+    m.backward_start(1)
+    m.backward_start(0)
+    for k, want in keys.items():
+        t = m.take(k)
+        s.synchronize()
+        assert np.from_dlpack(t).tobytes() == want.tobytes()
