@@ -47,6 +47,10 @@ class ManagedCompression:
     layer's backward in which the next layer's tensors decode on the side stream. Layer 0
     begins a forward pass (see ``_Flow``: a pass overlapping a live one is left to autograd). ``stats()`` is ``ActivationManager.layer_stats()``.
 
+    An encode that fails (no device memory for the encoding, say) keeps its tensor uncompressed:
+    nothing is lost, the window goes on, ``stats()`` counts it per layer (``encode_failures``)
+    and a ``RuntimeWarning`` says why when the window ends.
+
     Works where the platform addresses torch's memory as device memory (the cpu backend with
     CPU tensors); other tensors are left to autograd.
     """
