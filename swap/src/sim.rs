@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hprt_compress::CompressError;
 use hprt_platform::{DType, DeviceBuffer, Platform, Stream};
 
 use crate::engine::{EngineStats, Faults, PlatformHandle, SwapEngine};
@@ -326,7 +327,7 @@ pub fn simulate(
     let (mut mismatched, mut first_mismatch, mut digest) = (0, None, 0xcbf2_9ce4_8422_2325u64);
     let mut pool = PoolStats::default();
     let mut engine = EngineStats::default();
-    for iteration in 0..cfg.iterations {
+    'run: for iteration in 0..cfg.iterations {
         let mut src_bytes = vec![0u8; per_layer_src * cfg.layers];
         fill_random(
             cfg.seed.wrapping_mul(1000).wrapping_add(iteration as u64),
@@ -360,7 +361,20 @@ pub fn simulate(
         }
         for layer in (0..cfg.layers).rev() {
             let (handles, owned) = saved.pop().expect("one entry per layer");
-            let values = driver.backward(layer, handles, &compute)?;
+            let values = match driver.backward(layer, handles, &compute) {
+                Ok(values) => values,
+                // A reload whose decode fails its checksum did not bring the bytes back: a
+                // mismatch (what an encode reading a tensor still being written gives, where
+                // the host codec codes device memory in place), which ends the run.
+                Err(e @ SwapError::Codec(CompressError::Corrupt { .. })) => {
+                    mismatched += 1;
+                    first_mismatch.get_or_insert(format!(
+                        "iteration {iteration}, layer {layer}: the reload failed its check: {e}"
+                    ));
+                    break 'run;
+                }
+                Err(e) => return Err(e),
+            };
             let mut at = layer * readback_per_layer;
             for v in &values {
                 match v {
