@@ -45,7 +45,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use hprt_platform::{DeviceBuffer, Event, PlatformHandle, Stream, TensorRef};
+use hprt_platform::{DeviceBuffer, Event, Platform, PlatformHandle, Stream, TensorRef};
 
 use crate::cost::{CostModel, Op};
 use crate::device::{CompressedTensor, DeviceCodec, PendingDecode, PendingEncode};
@@ -191,6 +191,31 @@ struct Entry {
     encode_failed: bool,
 }
 
+impl Entry {
+    /// Lets go of the original once it is encoded: hprt's own buffer is released (resized to
+    /// 0, kept for its decode); a borrowed one is freed, which hands it back to its owner once
+    /// the work queued on it ran.
+    fn release(&self, p: &dyn Platform) -> Result<()> {
+        if self.tensor.storage.is_borrowed() {
+            p.free_device(&self.tensor.storage)?;
+        } else {
+            p.resize_device(&self.tensor.storage, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Memory to decode into: the released buffer re-acquired, or (for borrowed memory, given
+    /// back) a new buffer of hprt's of the same size, which `take` then hands out.
+    fn reacquire(&mut self, p: &dyn Platform) -> Result<()> {
+        if self.tensor.storage.is_freed() {
+            self.tensor.storage = p.alloc_device(self.alloc_len)?;
+        } else {
+            p.resize_device(&self.tensor.storage, self.alloc_len)?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Phase {
     Forward,
@@ -300,9 +325,9 @@ impl ActivationManager {
     /// Registers a tensor saved by `layer`; `None` when the filter leaves it to the caller.
     ///
     /// The manager releases the tensor's whole buffer once the tensor is encoded and re-acquires
-    /// it to decode into at byte 0 (bytes past the tensor are unspecified afterwards): a tensor
-    /// not at byte 0 of its buffer is refused, and the buffer must be hprt's own (borrowed
-    /// memory cannot be resized, so its release would fail).
+    /// it to decode into at byte 0 (bytes past the tensor are unspecified afterwards), so a
+    /// tensor not at byte 0 of its buffer is refused. Borrowed memory (a framework's) is freed
+    /// instead, which hands it back to its owner, and decoded into a new buffer of hprt's.
     pub fn save(&mut self, layer: LayerId, tensor: TensorRef) -> Result<Option<TensorKey>> {
         if tensor.offset != 0 {
             return Err(CompressError::InvalidArgument(format!(
@@ -375,10 +400,13 @@ impl ActivationManager {
         let (p, codec, side) = (self.p.clone(), self.codec.clone(), self.side.clone());
         let compute = self.compute.clone();
         let e = self.entry_mut(layer, index)?;
-        let State::Compressed(ct) = &e.state else {
+        if !matches!(e.state, State::Compressed(_)) {
             return Ok(());
+        }
+        e.reacquire(p.as_ref())?;
+        let State::Compressed(ct) = &e.state else {
+            unreachable!("checked above");
         };
-        p.resize_device(&e.tensor.storage, e.alloc_len)?;
         // Nothing on the side stream may run before the compute stream reached this point.
         let ready = p.create_event(false)?;
         p.record_event(&ready, &compute)?;
@@ -557,14 +585,17 @@ impl ActivationManager {
         for index in fit_window(&candidates, budget) {
             let (p, codec, side) = (self.p.clone(), self.codec.clone(), self.side.clone());
             let e = self.entry_mut(layer, index)?;
-            let State::Compressed(ct) = &e.state else {
+            if !matches!(e.state, State::Compressed(_)) {
                 continue;
-            };
+            }
             // Out of memory: leave it compressed; backward_start recovers it later.
-            if let Err(err) = p.resize_device(&e.tensor.storage, e.alloc_len) {
+            if let Err(err) = e.reacquire(p.as_ref()) {
                 tracing::debug!("cannot re-acquire a tensor of layer {}: {err}", layer.0);
                 break;
             }
+            let State::Compressed(ct) = &e.state else {
+                unreachable!("checked above");
+            };
             let pending = codec.decode_async(p.as_ref(), ct, e.tensor.place(), &side)?;
             items.push((index, pending));
         }
@@ -614,7 +645,7 @@ impl ActivationManager {
                     let (orig, packed) = (ct.original_len(), ct.byte_len());
                     let p = self.p.clone();
                     let e = self.entry_mut(layer, index)?;
-                    p.resize_device(&e.tensor.storage, 0)?;
+                    e.release(p.as_ref())?;
                     e.state = State::Compressed(ct);
                     let s = self.stats.entry(layer).or_default();
                     s.compressed += 1;

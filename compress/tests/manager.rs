@@ -598,3 +598,51 @@ fn a_failed_encode_keeps_its_tensor_and_the_window_goes_on() {
         assert!(m.take_encode_failures().is_empty(), "taken once");
     }
 }
+
+/// A borrowed tensor (a framework's memory) goes back to its owner once it is encoded, not
+/// when backward takes it; its decode lands in a new buffer of hprt's, bit-exact.
+#[test]
+fn a_borrowed_tensor_goes_back_to_its_owner_while_compressed() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    for jitter in [None, Some(9)] {
+        let (p, s, mut m) = manager(jitter);
+        let n = 65_536;
+        let data = generate(DataKind::Gelu, CodecDType::BF16, n, 1);
+        let owner = produce(p.as_ref(), &s, &data);
+        let released = Arc::new(AtomicBool::new(false));
+        let (flag, keep) = (released.clone(), owner.clone());
+        // SAFETY: the release callback holds `owner`, so its memory outlives the borrow.
+        let borrowed = unsafe {
+            p.wrap_device_memory(
+                owner.device_ptr(),
+                data.len(),
+                Some(Box::new(move || {
+                    drop(keep);
+                    flag.store(true, Ordering::SeqCst);
+                })),
+            )
+        }
+        .unwrap();
+        drop(owner);
+        m.forward_start(LayerId(0)).unwrap();
+        let key = m
+            .save(LayerId(0), saved(borrowed, DType::BF16, n))
+            .unwrap()
+            .unwrap();
+        m.forward_start(LayerId(1)).unwrap();
+        m.window(&Op::Unbounded, || ()).unwrap(); // encodes layer 0
+        assert!(m.is_compressed(key));
+        p.synchronize_device().unwrap();
+        assert!(
+            released.load(Ordering::SeqCst),
+            "jitter {jitter:?}: the owner's memory is held while compressed"
+        );
+        m.backward_start(LayerId(1)).unwrap();
+        m.backward_start(LayerId(0)).unwrap(); // recovered here
+        let back = m.take(key).unwrap();
+        assert!(!back.is_borrowed());
+        let mut bytes = vec![0u8; data.len()];
+        p.read_device_sync(&back, 0, &mut bytes, &s).unwrap();
+        assert!(bytes == data, "jitter {jitter:?}: not bit-exact");
+    }
+}

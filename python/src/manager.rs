@@ -199,12 +199,17 @@ impl PyActivationManager {
     /// An hprt-allocated `DeviceTensor` at offset 0 is registered as it is (the manager
     /// releases and re-acquires its memory). Anything else (a borrowed buffer, a numpy array or
     /// torch tensor by DLPack) is first copied into new device memory on the stream; a DLPack
-    /// source is read before `save` returns.
+    /// source is read before `save` returns. With `borrow=True` a DLPack source or borrowed
+    /// buffer at its start is registered as it is instead: no copy, the manager holds it until
+    /// it is encoded and then gives it back (its owner must not write it until `take`, which
+    /// returns the decoded bytes in new memory) — what an autograd hook wants.
+    #[pyo3(signature = (layer, tensor, *, borrow=false))]
     fn save(
         &self,
         py: Python<'_>,
         layer: usize,
         tensor: &Bound<'_, PyAny>,
+        borrow: bool,
     ) -> Result<Option<(usize, usize)>> {
         let (t, imported) = match tensor.cast::<PyDeviceTensor>() {
             Ok(t) => (t.get().t.clone(), false),
@@ -214,7 +219,7 @@ impl PyActivationManager {
             }
         };
         let nbytes = dtype::nbytes(t.dtype, &t.shape)?;
-        let buf = if !t.storage.is_borrowed() && t.offset == 0 {
+        let buf = if (borrow || !t.storage.is_borrowed()) && t.offset == 0 {
             t.storage.clone()
         } else {
             py.detach(|| -> Result<_> {

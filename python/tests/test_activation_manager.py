@@ -186,3 +186,35 @@ def test_an_encode_without_memory_keeps_its_tensor_and_warns():
         t = m.take(k)
         s.synchronize()
         assert np.from_dlpack(t).tobytes() == want.tobytes()
+
+
+def test_a_borrowed_array_is_given_back_once_encoded():
+    """``save(..., borrow=True)`` registers a DLPack array without copying it (no device memory
+    for it), holds it until it is encoded, then lets go of it; ``take`` returns its bytes in new
+    memory, bit-exact."""
+    import gc
+    import weakref
+
+    p = hprt.cpu_platform(device_memory=8 << 20)
+    s = p.create_stream()
+    m = manager(p, s)
+    x = activations(3, np.float32)
+    want, ref = x.tobytes(), weakref.ref(x)
+    m.forward_start(0)
+    before = p.memory_stats()["device_current"]
+    key = m.save(0, x, borrow=True)
+    assert p.memory_stats()["device_current"] == before  # no copy
+    del x
+    gc.collect()
+    assert ref() is not None  # held while not yet encoded
+    m.forward_start(1)
+    with m.window(unbounded=True):  # encodes layer 0
+        pass
+    s.synchronize()
+    gc.collect()
+    assert m.is_compressed(key) and ref() is None  # given back once encoded
+    m.backward_start(1)
+    m.backward_start(0)
+    t = m.take(key)
+    s.synchronize()
+    assert np.from_dlpack(t).tobytes() == want

@@ -101,7 +101,7 @@ class ManagedCompression:
         _refuse_off_cpu("ManagedCompression", t)
         if not self._eligible(t):
             return _declined(t)
-        key = self.manager.save(layer, t.detach())
+        key = self.manager.save(layer, t.detach(), borrow=True)
         return _declined(t) if key is None else _ManagedKey(key, t, self, self.flow.current)
 
     def _unpack(self, packed):
