@@ -255,7 +255,8 @@ pub struct ActivationManager {
     records: VecDeque<WindowRecord>,
     records_dropped: usize,
     stats: BTreeMap<LayerId, LayerStats>,
-    /// Encodes that failed since the last `take_encode_failures`, with why.
+    /// Encodes that failed since the last `take_encode_failures`, with why (the last
+    /// `RECORDS_KEPT`).
     encode_failures: Vec<(LayerId, CompressError)>,
 }
 
@@ -692,12 +693,16 @@ impl ActivationManager {
         );
         self.entry_mut(layer, index)?.encode_failed = true;
         self.stats.entry(layer).or_default().encode_failures += 1;
+        if self.encode_failures.len() == RECORDS_KEPT {
+            // Nobody takes them (a loop failing every step): keep the recent ones, as records.
+            self.encode_failures.remove(0);
+        }
         self.encode_failures.push((layer, err));
         Ok(())
     }
 
-    /// The encodes that failed since the last call, with why (each tensor was kept
-    /// uncompressed): what a front end reports to its user.
+    /// The encodes that failed since the last call (the last [`RECORDS_KEPT`]), with why (each
+    /// tensor was kept uncompressed): what a front end reports to its user.
     pub fn take_encode_failures(&mut self) -> Vec<(LayerId, CompressError)> {
         std::mem::take(&mut self.encode_failures)
     }

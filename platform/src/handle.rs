@@ -284,9 +284,7 @@ impl BufferHandle {
         offset: usize,
         bytes: usize,
     ) -> Result<Option<T>> {
-        let st = self.state(owner, op)?;
-        check_range(owner.backend, op, self.0.what, offset, bytes, st.len)?;
-        Ok(st.mem.as_ref().map(downcast))
+        Ok(self.mem_and_ptr_for(owner, op, offset, bytes)?.0)
     }
 
     /// `mem_for`, with the buffer's address read under the same lock (a resize between the two
