@@ -306,6 +306,11 @@ impl PendingEncode {
         self.numel
     }
 
+    /// Whether the encoding is complete: [`Self::wait_len`] would not wait.
+    pub fn is_done(&self, platform: &dyn Platform) -> Result<bool> {
+        Ok(platform.query_event(&self.done)?)
+    }
+
     /// Waits for the encoding (only it, not the rest of the stream) and returns its length.
     pub fn wait_len(&self, platform: &dyn Platform) -> Result<usize> {
         let slot = match &self.len {

@@ -48,5 +48,6 @@ pub use planner::{fit_window, LayerOrder};
 
 // MindSpeed's per-layer activation manager.
 pub use manager::{
-    ActivationManager, LayerStats, ManagerConfig, TensorFilter, WindowRecord, RECORDS_KEPT,
+    ActivationManager, LayerStats, ManagerConfig, Schedule, TensorFilter, WindowRecord,
+    RECORDS_KEPT,
 };

@@ -54,6 +54,8 @@ use crate::format::CodecDType;
 use crate::planner::{fit_window, LayerId, LayerOrder};
 use crate::select::codec_for;
 
+mod eager;
+
 /// Window records kept (`ActivationManager::window_records`).
 pub const RECORDS_KEPT: usize = 1024;
 
@@ -105,6 +107,22 @@ impl std::fmt::Debug for TensorFilter {
     }
 }
 
+/// When the manager encodes and decodes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Schedule {
+    /// MindSpeed's: the framework wraps operators in windows (`begin_window` / `end_window`);
+    /// a forward window encodes the previous layer's tensors and a backward window decodes the
+    /// next layer's, as many as the cost model fits in the operator's time.
+    #[default]
+    Windows,
+    /// No windows and no layer phases: each tensor's encode is queued by `save` on the side
+    /// stream, after the work the compute stream holds then, and its original is let go once
+    /// the encode finished (seen at a later `save` or `take`); each `take` queues the decodes
+    /// of up to `decode_ahead` more compressed tensors, the latest saved first (the order
+    /// backward reads them). What a saved-tensor hook without layer boundaries wants.
+    Eager { decode_ahead: usize },
+}
+
 /// Settings of a manager.
 #[derive(Clone, Debug)]
 pub struct ManagerConfig {
@@ -112,6 +130,7 @@ pub struct ManagerConfig {
     pub cost: CostModel,
     /// The device codec; `None` = [`codec_for`] the platform.
     pub codec: Option<Arc<dyn DeviceCodec>>,
+    pub schedule: Schedule,
 }
 
 impl ManagerConfig {
@@ -120,6 +139,7 @@ impl ManagerConfig {
             filter: TensorFilter::default(),
             cost,
             codec: None,
+            schedule: Schedule::Windows,
         }
     }
 }
@@ -136,9 +156,12 @@ pub struct LayerStats {
     /// Original and compressed bytes of the encoded tensors.
     pub original_bytes: usize,
     pub compressed_bytes: usize,
-    /// Tensors decoded in a backward window, and synchronously at the layer's backward start.
+    /// Tensors decoded in a backward window, and synchronously (at the layer's backward start,
+    /// or by the `take` that needed it).
     pub decoded_in_window: usize,
     pub recovered_sync: usize,
+    /// Tensors whose decode an earlier `take` began ahead of theirs ([`Schedule::Eager`]).
+    pub decoded_ahead: usize,
     /// Tensors whose encode failed (at launch or when it finished): kept uncompressed, nothing
     /// lost ([`ActivationManager::take_encode_failures`] says why).
     pub encode_failures: usize,
@@ -151,7 +174,7 @@ impl LayerStats {
 
     /// Every counter with its name, in declaration order (what the Python `layer_stats()`
     /// dicts hold, beside `ratio`).
-    pub fn fields(&self) -> [(&'static str, usize); 7] {
+    pub fn fields(&self) -> [(&'static str, usize); 8] {
         [
             ("saved", self.saved),
             ("compressed", self.compressed),
@@ -159,6 +182,7 @@ impl LayerStats {
             ("compressed_bytes", self.compressed_bytes),
             ("decoded_in_window", self.decoded_in_window),
             ("recovered_sync", self.recovered_sync),
+            ("decoded_ahead", self.decoded_ahead),
             ("encode_failures", self.encode_failures),
         ]
     }
@@ -178,7 +202,18 @@ pub struct WindowRecord {
 
 enum State {
     Normal,
+    /// Its encode is queued ([`Schedule::Eager`]); the original is untouched until it finished.
+    Encoding,
     Compressed(CompressedTensor),
+    /// Its decode into its re-acquired memory is queued ([`Schedule::Eager`]).
+    Decoding(CompressedTensor, PendingDecode),
+}
+
+impl State {
+    /// Held compressed: encoded, and not yet decoded.
+    fn compressed(&self) -> bool {
+        matches!(self, State::Compressed(_) | State::Decoding(..))
+    }
 }
 
 struct Entry {
@@ -223,7 +258,7 @@ enum Phase {
 }
 
 enum Work {
-    Encode(LayerId, Vec<(usize, PendingEncode, DeviceBuffer)>),
+    Encode(LayerId, Vec<QueuedEncode>),
     Decode(LayerId, Vec<(usize, PendingDecode)>),
 }
 
@@ -258,6 +293,17 @@ pub struct ActivationManager {
     /// Encodes that failed since the last `take_encode_failures`, with why (the last
     /// `RECORDS_KEPT`).
     encode_failures: Vec<(LayerId, CompressError)>,
+    schedule: Schedule,
+    /// [`Schedule::Eager`]'s queued encodes, in the order they run on the side stream.
+    encoding: VecDeque<QueuedEncode>,
+}
+
+/// An encode queued on the side stream: the tensor's layer and index, and its scratch buffer.
+struct QueuedEncode {
+    layer: LayerId,
+    index: usize,
+    pending: PendingEncode,
+    scratch: DeviceBuffer,
 }
 
 impl ActivationManager {
@@ -290,12 +336,26 @@ impl ActivationManager {
             records_dropped: 0,
             stats: BTreeMap::new(),
             encode_failures: Vec::new(),
+            schedule: config.schedule,
+            encoding: VecDeque::new(),
         })
     }
 
     /// Whether an operator window is open (between `begin_window` and `end_window`).
     pub fn window_open(&self) -> bool {
         self.window.is_some()
+    }
+
+    /// Refuses the calls of [`Schedule::Windows`] under another schedule.
+    fn windows_only(&self, what: &str) -> Result<()> {
+        if self.schedule != Schedule::Windows {
+            return Err(CompressError::InvalidState(format!(
+                "{what}: this manager schedules {:?}, which has no operator windows or layer \
+                 phases (save, take and discard drive it)",
+                self.schedule
+            )));
+        }
+        Ok(())
     }
 
     fn no_window(&self, what: &str) -> Result<()> {
@@ -310,6 +370,7 @@ impl ActivationManager {
     /// The layer's forward begins (the seed's `pack_start`). Its tensors of the previous step
     /// must all have been taken.
     pub fn forward_start(&mut self, layer: LayerId) -> Result<()> {
+        self.windows_only("forward_start")?;
         self.no_window("forward_start")?;
         if self.layers.get(&layer).is_some_and(|v| !v.is_empty()) {
             return Err(CompressError::InvalidState(format!(
@@ -359,12 +420,16 @@ impl ActivationManager {
             encode_failed: false,
         });
         self.stats.entry(layer).or_default().saved += 1;
+        if let Schedule::Eager { .. } = self.schedule {
+            self.encode_on_save(layer, index)?;
+        }
         Ok(Some(TensorKey { layer, index }))
     }
 
     /// The layer's backward begins (the seed's `unpack_start`): its tensors still compressed
     /// are decoded now, synchronously.
     pub fn backward_start(&mut self, layer: LayerId) -> Result<()> {
+        self.windows_only("backward_start")?;
         self.no_window("backward_start")?;
         self.bwd.enter(layer);
         self.phase = Some(Phase::Backward);
@@ -424,12 +489,16 @@ impl ActivationManager {
     }
 
     /// Hands a tensor back for backward (the seed's `pop`), decoding it first if needed; the
-    /// manager forgets it. Allowed in a window: a framework that cannot wrap each backward
+    /// manager forgets it. Under [`Schedule::Eager`] it also begins the decodes ahead (and a
+    /// tensor whose encode has not finished comes back as it is, its encoding dropped). Allowed in a window: a framework that cannot wrap each backward
     /// operator keeps one window open over a layer's whole backward (decoding the next layer)
     /// and takes the layer's tensors inside it. A take of a tensor of the layer the window is
     /// decoding (autograd went back to that layer early) ends the window first; one the window
     /// is encoding is refused.
     pub fn take(&mut self, key: TensorKey) -> Result<DeviceBuffer> {
+        if let Schedule::Eager { decode_ahead } = self.schedule {
+            return self.take_eager(key, decode_ahead);
+        }
         match self.window.as_ref().and_then(|w| w.work.as_ref()) {
             Some(Work::Encode(l, _)) if *l == key.layer => {
                 return Err(CompressError::InvalidState(format!(
@@ -455,6 +524,8 @@ impl ActivationManager {
     /// copy go. Unknown keys are ignored (already taken or discarded).
     pub fn discard(&mut self, key: TensorKey) -> Result<()> {
         self.no_window("discard")?;
+        // Nothing queued may still read or write its memory once it is gone.
+        self.settle(key)?;
         if let Some(v) = self.layers.get_mut(&key.layer) {
             v.retain(|e| e.index != key.index);
         }
@@ -466,12 +537,13 @@ impl ActivationManager {
         self.layers
             .get(&key.layer)
             .and_then(|v| v.iter().find(|e| e.index == key.index))
-            .is_some_and(|e| matches!(e.state, State::Compressed(_)))
+            .is_some_and(|e| e.state.compressed())
     }
 
     /// Before an asynchronous operator is enqueued on the compute stream: predicts its
     /// duration and starts encoding (forward) or decoding (backward) what fits.
     pub fn begin_window(&mut self, op: &Op) -> Result<()> {
+        self.windows_only("begin_window")?;
         self.no_window("begin_window")?;
         let predicted = match self.cost.predict(op) {
             Ok(d) => Some(d),
@@ -544,21 +616,8 @@ impl ActivationManager {
         let plan = fit_window(&candidates, budget);
         let mut items = Vec::new();
         for index in plan {
-            let t = self.entry_mut(layer, index)?.tensor.clone();
-            let dtype = CodecDType::try_from(t.dtype)?;
-            let launched = self.scratch(t.numel(), dtype).and_then(|scratch| {
-                let pending = self.codec.encode_async(
-                    self.p.as_ref(),
-                    t.place(),
-                    dtype,
-                    t.numel(),
-                    &scratch,
-                    &self.side,
-                )?;
-                Ok((pending, scratch))
-            });
-            match launched {
-                Ok((pending, scratch)) => items.push((index, pending, scratch)),
+            match self.launch_encode(layer, index) {
+                Ok(q) => items.push(q),
                 // Out of memory for the encoding, say: this tensor stays as it is.
                 Err(err) => self.encode_failed(layer, index, err)?,
             }
@@ -603,6 +662,27 @@ impl ActivationManager {
         Ok(Some(Work::Decode(layer, items)))
     }
 
+    /// Queues the encode of a registered tensor on the side stream, into a scratch buffer.
+    fn launch_encode(&mut self, layer: LayerId, index: usize) -> Result<QueuedEncode> {
+        let t = self.entry_mut(layer, index)?.tensor.clone();
+        let dtype = CodecDType::try_from(t.dtype)?;
+        let scratch = self.scratch(t.numel(), dtype)?;
+        let pending = self.codec.encode_async(
+            self.p.as_ref(),
+            t.place(),
+            dtype,
+            t.numel(),
+            &scratch,
+            &self.side,
+        )?;
+        Ok(QueuedEncode {
+            layer,
+            index,
+            pending,
+            scratch,
+        })
+    }
+
     /// A scratch buffer for encodings of (numel, dtype), reused across windows and steps.
     fn scratch(&mut self, numel: usize, dtype: CodecDType) -> Result<DeviceBuffer> {
         if let Some(b) = self.pool.get_mut(&(numel, dtype)).and_then(|v| v.pop()) {
@@ -630,31 +710,13 @@ impl ActivationManager {
         self.p.stream_wait_event(&self.compute, &side_done)?;
         match w.work {
             None => {}
-            Some(Work::Encode(layer, items)) => {
-                for (index, pending, scratch) in items {
-                    let (dtype, numel) = (pending.dtype(), pending.numel());
-                    let finished = pending.finish(self.p.as_ref(), &self.side);
-                    // The scratch is reusable either way: `finish` queued its copy out.
-                    self.pool.entry((numel, dtype)).or_default().push(scratch);
-                    let ct = match finished {
-                        Ok(ct) => ct,
-                        Err(err) => {
-                            self.encode_failed(layer, index, err)?;
-                            continue;
-                        }
-                    };
-                    let (orig, packed) = (ct.original_len(), ct.byte_len());
-                    let p = self.p.clone();
-                    let e = self.entry_mut(layer, index)?;
-                    e.release(p.as_ref())?;
-                    e.state = State::Compressed(ct);
-                    let s = self.stats.entry(layer).or_default();
-                    s.compressed += 1;
-                    s.original_bytes += orig;
-                    s.compressed_bytes += packed;
-                    let r = &mut self.records[w.record - self.records_dropped];
-                    r.encoded += 1;
-                    r.bytes += orig;
+            Some(Work::Encode(_, items)) => {
+                for q in items {
+                    if let Some(orig) = self.finish_encode(q)? {
+                        let r = &mut self.records[w.record - self.records_dropped];
+                        r.encoded += 1;
+                        r.bytes += orig;
+                    }
                 }
             }
             Some(Work::Decode(layer, items)) => {
@@ -682,6 +744,39 @@ impl ActivationManager {
             }
         }
         Ok(())
+    }
+
+    /// Waits for a queued encode; once it is complete the original is let go and the entry
+    /// holds the encoding. Returns the original's bytes, or `None` when the encode failed (the
+    /// tensor stays as it was) or its tensor was discarded meanwhile.
+    fn finish_encode(&mut self, q: QueuedEncode) -> Result<Option<usize>> {
+        let QueuedEncode {
+            layer,
+            index,
+            pending,
+            scratch,
+        } = q;
+        let (dtype, numel) = (pending.dtype(), pending.numel());
+        let finished = pending.finish(self.p.as_ref(), &self.side);
+        // The scratch is reusable either way: `finish` queued its copy out.
+        self.pool.entry((numel, dtype)).or_default().push(scratch);
+        let ct = match finished {
+            Ok(ct) => ct,
+            Err(err) => {
+                self.encode_failed(layer, index, err)?;
+                return Ok(None);
+            }
+        };
+        let (orig, packed) = (ct.original_len(), ct.byte_len());
+        let p = self.p.clone();
+        let e = self.entry_mut(layer, index)?;
+        e.release(p.as_ref())?;
+        e.state = State::Compressed(ct);
+        let s = self.stats.entry(layer).or_default();
+        s.compressed += 1;
+        s.original_bytes += orig;
+        s.compressed_bytes += packed;
+        Ok(Some(orig))
     }
 
     /// An encode of `layer` that failed: its tensor stays uncompressed (its memory untouched),

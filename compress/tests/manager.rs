@@ -12,28 +12,12 @@ use hprt_compress::{ActivationManager, ManagerConfig, TensorFilter, TensorKey};
 use hprt_compress::{CodecDType, CompressError};
 use hprt_compress::{CompressedTensor, DeviceCodec, HostCodec, PendingDecode, PendingEncode};
 use hprt_compress::{CostModel, CostTable, Op};
-use hprt_platform::{
-    CpuBackend, CpuConfig, DType, DeviceBuffer, Kernel, Memory, Place, Platform, Stream, TensorRef,
-};
+use hprt_platform::{DType, DeviceBuffer, Kernel, Place, Platform, Stream};
+
+mod common;
+use common::{model, platform, produce, saved};
 
 const LAYERS: usize = 4;
-
-fn platform(jitter: Option<u64>) -> Arc<dyn Platform> {
-    Arc::new(CpuBackend::new(CpuConfig {
-        device_memory: 512 << 20,
-        jitter,
-        ..Default::default()
-    }))
-}
-
-/// Encode/decode at 1 GB/s (bytes of original tensor), so a 1 ms window fits ~1 MB.
-fn model() -> CostModel {
-    CostModel::from_table(CostTable {
-        encode_gbps: 1.0,
-        decode_gbps: 1.0,
-        ..Default::default()
-    })
-}
 
 /// A manager with the default config on a fresh [`platform`], with that platform and the
 /// stream it was made with.
@@ -52,35 +36,6 @@ fn layer_tensors(layer: usize) -> Vec<(DataKind, CodecDType, usize)> {
         (DataKind::LayerNorm, CodecDType::F32, 40_000),
         (DataKind::Weights, CodecDType::F16, 1000), // below the size filter
     ]
-}
-
-/// The first `numel` elements of `buf`, built field by field (unchecked: one test hands the
-/// manager a tensor larger than its buffer).
-fn saved(buf: DeviceBuffer, dtype: DType, numel: usize) -> TensorRef {
-    TensorRef {
-        len: numel * dtype.size(),
-        storage: buf,
-        offset: 0,
-        dtype,
-        shape: vec![numel],
-    }
-}
-
-/// An activation written asynchronously on the compute stream (so a missing wait reads garbage).
-fn produce(p: &dyn Platform, s: &Stream, data: &[u8]) -> DeviceBuffer {
-    let buf = p.alloc_device(data.len()).unwrap();
-    let staging = p.alloc_pinned(data.len()).unwrap();
-    staging.write(0, data).unwrap();
-    p.copy_async(
-        Memory::Device(&buf),
-        0,
-        Memory::Pinned(&staging),
-        0,
-        data.len(),
-        s,
-    )
-    .unwrap();
-    buf
 }
 
 /// Some operator work on the compute stream (the "matmul" of the window).

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use hprt_compress::CodecDType;
 use hprt_compress::LayerId;
-use hprt_compress::{ActivationManager, ManagerConfig, TensorKey};
+use hprt_compress::{ActivationManager, ManagerConfig, Schedule, TensorKey};
 use hprt_compress::{CollectiveKind, CostModel, CostOverrides, CostTable, Op};
 use hprt_platform::DType;
 use hprt_platform::PlatformHandle;
@@ -41,6 +41,10 @@ struct Inner {
 /// m.backward_start(1); m.backward_start(0)
 /// back = m.take(key)                     # a DeviceTensor with the original bytes
 /// m.layer_stats()[0]["ratio"]
+///
+/// e = hprt.ActivationManager(stream, platform=p, schedule="eager", decode_ahead=2)
+/// keys = [e.save(0, a, borrow=True) for a in activations]   # each encode queued at once
+/// backs = [e.take(k) for k in reversed(keys)]                # decodes begun two ahead
 /// ```
 #[pyclass(name = "ActivationManager", module = "hprt._native", frozen)]
 pub struct PyActivationManager {
@@ -101,26 +105,41 @@ impl PyActivationManager {
     fn begin(&self, py: Python<'_>, op: Op) -> Result<()> {
         Ok(py.detach(|| lock(&self.inner).m.begin_window(&op))?)
     }
-    /// Ends the window, then warns (`RuntimeWarning`) of each encode that failed in it: the
-    /// tensor was kept uncompressed, nothing lost (an "error" warnings filter makes it raise).
+    /// Ends the window, then warns of each encode that failed in it.
     fn end(&self, py: Python<'_>) -> Result<()> {
         let failures = py.detach(|| {
             let mut inner = lock(&self.inner);
             inner.m.end_window()?;
             Ok::<_, hprt_compress::CompressError>(inner.m.take_encode_failures())
         })?;
-        let category = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
-        for (layer, err) in failures {
-            let message = format!(
-                "hprt: a saved tensor's encode failed ({err}); it is kept uncompressed (layer {})",
-                layer.0
-            );
-            let message =
-                std::ffi::CString::new(message.replace('\0', " ")).expect("NULs were replaced");
-            PyErr::warn(py, category.as_any(), &message, 1)?;
-        }
-        Ok(())
+        warn_failures(py, failures)
     }
+
+    /// Warns of the encodes that failed in the last call (an eager manager's `save`, `take`
+    /// and `discard` finish encodes).
+    fn warn_new_failures(&self, py: Python<'_>) -> Result<()> {
+        let failures = lock(&self.inner).m.take_encode_failures();
+        warn_failures(py, failures)
+    }
+}
+
+/// A `RuntimeWarning` for each encode that failed: the tensor was kept uncompressed, nothing
+/// lost (an "error" warnings filter makes it raise).
+fn warn_failures(
+    py: Python<'_>,
+    failures: Vec<(LayerId, hprt_compress::CompressError)>,
+) -> Result<()> {
+    let category = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
+    for (layer, err) in failures {
+        let message = format!(
+            "hprt: a saved tensor's encode failed ({err}); it is kept uncompressed (layer {})",
+            layer.0
+        );
+        let message =
+            std::ffi::CString::new(message.replace('\0', " ")).expect("NULs were replaced");
+        PyErr::warn(py, category.as_any(), &message, 1)?;
+    }
+    Ok(())
 }
 
 #[pymethods]
@@ -130,9 +149,14 @@ impl PyActivationManager {
     /// `decode_gbps` are given; `matmul_tflops` and `collective_gbps` let windows of those
     /// operators be predicted. Tensors of `dtypes` (default f32, f16, bf16) with at least
     /// `min_numel` elements are managed.
+    ///
+    /// `schedule="windows"` (the default) is MindSpeed's: operator windows encode and decode.
+    /// `schedule="eager"` has no windows or layer phases: `save` queues each encode after the
+    /// work the stream holds, and `take` begins the decodes of the next `decode_ahead` tensors
+    /// backward reads (the latest saved first) — what a saved-tensor hook wants.
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (stream, platform=None, *, encode_gbps=None, decode_gbps=None, matmul_tflops=None, collective_gbps=None, min_numel=32768, dtypes=None))]
+    #[pyo3(signature = (stream, platform=None, *, encode_gbps=None, decode_gbps=None, matmul_tflops=None, collective_gbps=None, min_numel=32768, dtypes=None, schedule="windows", decode_ahead=4))]
     fn new(
         py: Python<'_>,
         stream: &PyStream,
@@ -143,7 +167,18 @@ impl PyActivationManager {
         collective_gbps: Option<f64>,
         min_numel: usize,
         dtypes: Option<Vec<String>>,
+        schedule: &str,
+        decode_ahead: usize,
     ) -> Result<Self> {
+        let schedule = match schedule {
+            "windows" => Schedule::Windows,
+            "eager" => Schedule::Eager { decode_ahead },
+            other => {
+                return Err(invalid(format!(
+                    "unknown schedule {other:?}; expected \"windows\" or \"eager\""
+                )))
+            }
+        };
         let p = match platform {
             Some(p) => p.p.clone(),
             None => stream.p.clone(),
@@ -170,6 +205,7 @@ impl PyActivationManager {
         };
         cost.set_overrides(overrides);
         let mut config = ManagerConfig::new(cost);
+        config.schedule = schedule;
         config.filter.min_numel = min_numel;
         if let Some(names) = dtypes {
             config.filter.dtypes = names
@@ -248,13 +284,17 @@ impl PyActivationManager {
             dtype: t.dtype,
             shape: t.shape.clone(),
         };
-        let mut g = lock(&self.inner);
-        let Some(key) = g.m.save(LayerId(layer), saved)? else {
-            return Ok(None);
-        };
-        let k = (key.layer.0, key.index);
-        g.shapes.insert(k, (t.dtype, t.shape.clone()));
-        Ok(Some(k))
+        let key = py.detach(|| -> Result<_> {
+            let mut g = lock(&self.inner);
+            let Some(key) = g.m.save(LayerId(layer), saved)? else {
+                return Ok(None);
+            };
+            let k = (key.layer.0, key.index);
+            g.shapes.insert(k, (t.dtype, t.shape.clone()));
+            Ok(Some(k))
+        })?;
+        self.warn_new_failures(py)?;
+        Ok(key)
     }
 
     /// The layer's backward begins: its tensors still compressed are decoded now.
@@ -263,7 +303,9 @@ impl PyActivationManager {
     }
 
     /// Hands a registered tensor back (decoding it first if needed) as a `DeviceTensor` of its
-    /// original dtype and shape, valid in stream order; the manager forgets it.
+    /// original dtype and shape, valid in stream order; the manager forgets it. An eager
+    /// manager also begins the decodes ahead; a tensor whose encode it has not yet seen finish
+    /// comes back as it is (the last one saved, typically: backward's first read).
     fn take(&self, py: Python<'_>, key: (usize, usize)) -> Result<PyDeviceTensor> {
         let (buf, (dtype, shape)) = py.detach(|| -> Result<_> {
             let mut g = lock(&self.inner);
@@ -275,6 +317,7 @@ impl PyActivationManager {
             })?;
             Ok((buf, meta))
         })?;
+        self.warn_new_failures(py)?;
         PyDeviceTensor::from_parts(&self.p, buf, 0, dtype, shape, false)
     }
 
@@ -283,8 +326,9 @@ impl PyActivationManager {
         py.detach(|| {
             let mut g = lock(&self.inner);
             g.shapes.remove(&key);
-            Ok(g.m.discard(key_of(key))?)
-        })
+            g.m.discard(key_of(key))
+        })?;
+        self.warn_new_failures(py)
     }
 
     /// Whether an operator window is open (between `begin_window` and `end_window`; a `take`
@@ -339,8 +383,9 @@ impl PyActivationManager {
     }
 
     /// Per-layer figures, summed over steps: `{layer: {"saved", "compressed", "original_bytes",
-    /// "compressed_bytes", "ratio", "decoded_in_window", "recovered_sync", "encode_failures"}}`
-    /// (a failed encode keeps its tensor uncompressed and warns when its window ends).
+    /// "compressed_bytes", "ratio", "decoded_in_window", "recovered_sync", "decoded_ahead",
+    /// "encode_failures"}}` (a failed encode keeps its tensor uncompressed and warns when its
+    /// window ends, or, eager, in the call that saw it fail).
     fn layer_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
         for (layer, s) in lock(&self.inner).m.layer_stats() {

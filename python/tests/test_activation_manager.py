@@ -218,3 +218,51 @@ def test_a_borrowed_array_is_given_back_once_encoded():
     t = m.take(key)
     s.synchronize()
     assert np.from_dlpack(t).tobytes() == want
+
+
+@pytest.mark.parametrize("jitter", [None, 4])
+def test_eager_saves_encode_and_takes_decode_ahead(jitter):
+    """``schedule="eager"``: no windows; each save queues its encode, a later save lets the
+    encoded originals go (borrowed arrays given back), and backward-order takes find their
+    decodes begun ahead, bit-exact. The last array saved comes back as it was."""
+    import gc
+    import weakref
+
+    p = hprt.cpu_platform(device_memory=8 << 20, jitter=jitter)
+    s = p.create_stream()
+    m = manager(p, s, schedule="eager", decode_ahead=2)
+    want, refs, keys = {}, [], []
+    for i in range(6):
+        x = activations(20 + i, [np.float32, np.float16][i % 2])
+        key = m.save(i // 3, x, borrow=True)
+        want[key], keys = x.tobytes(), keys + [key]
+        refs.append(weakref.ref(x))
+        del x
+        p.synchronize()  # the encode ran: the next save lets its original go
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 5 + [False]  # encoded ones given back
+    assert [m.is_compressed(k) for k in keys] == [True] * 5 + [False]
+    for k in reversed(keys):
+        t = m.take(k)
+        assert np.from_dlpack(t).tobytes() == want[k]
+    stats = m.layer_stats()
+    assert sum(st["compressed"] for st in stats.values()) == 5
+    assert sum(st["decoded_ahead"] for st in stats.values()) == 5, stats
+    assert sum(st["recovered_sync"] for st in stats.values()) == 0, stats
+
+
+def test_eager_refuses_windows_and_warns_in_the_call_that_failed():
+    p = hprt.cpu_platform(device_memory=384 << 10)
+    s = p.create_stream()
+    with pytest.raises(hprt.InvalidValueError, match='unknown schedule "lazy"'):
+        manager(p, s, schedule="lazy")
+    m = manager(p, s, schedule="eager")
+    for call in (lambda: m.forward_start(0), lambda: m.backward_start(0),
+                 lambda: m.begin_window(unbounded=True)):
+        with pytest.raises(hprt.HprtError, match="no operator windows"):
+            call()
+    large = np.random.default_rng(1).standard_normal(65536).astype(np.float32)
+    with pytest.warns(RuntimeWarning, match="encode failed"):
+        key = m.save(0, large)  # no memory for its encoding: kept as it is
+    assert m.layer_stats()[0]["encode_failures"] == 1
+    assert np.from_dlpack(m.take(key)).tobytes() == large.tobytes()
