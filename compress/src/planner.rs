@@ -49,7 +49,7 @@ impl LayerOrder {
 }
 
 /// Picks candidates in order while their element total stays below `max_numel`; one that
-/// would overflow is skipped and later, smaller ones are still tried (as the seed does).
+/// would overflow is skipped and later, smaller ones are still tried (as MindSpeed does).
 ///
 /// ```
 /// use hprt_compress::fit_window;

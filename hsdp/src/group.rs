@@ -35,7 +35,7 @@ impl ProcessGroup {
         }
     }
 
-    /// `{name}` for a real group, `{name}_invalid` for the no-op group (the seed's naming).
+    /// `{name}` for a real group, `{name}_invalid` for the no-op group (hyper_parallel's naming).
     pub fn name(&self) -> &str {
         &self.name
     }

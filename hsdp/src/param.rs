@@ -256,7 +256,7 @@ struct PendingUnshard {
     _staging: Vec<DeviceBuffer>,
 }
 
-/// One rank's view of a sharded parameter (the seed's `HSDPParam`).
+/// One rank's view of a sharded parameter (hyper_parallel's `HSDPParam`).
 ///
 /// ```no_run
 /// # use hprt_hsdp::*;

@@ -151,7 +151,7 @@ pub struct DistLayout {
     pub placements: Vec<Placement>,
 }
 
-/// How a pre-existing layout combines with the data-parallel mesh (the seed's param modes).
+/// How a pre-existing layout combines with the data-parallel mesh (hyper_parallel's param modes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LayoutMode {
     /// The data-parallel dims come first, then the layout's own dims: the final mesh is the
@@ -175,7 +175,7 @@ pub struct SpmdLayout {
 }
 
 impl SpmdLayout {
-    /// Resolves the final layout (the seed's `_get_base_spmd_placements` then
+    /// Resolves the final layout (hyper_parallel's `_get_base_spmd_placements` then
     /// `_apply_data_parallel_placements`).
     ///
     /// `shard` is the placement data parallelism applies on its shard dim; `uses_param_shard`
@@ -254,7 +254,7 @@ impl SpmdLayout {
     }
 
     /// Mesh dims whose placement is `Replicate`, minus the data-parallel shard dim of a sharded
-    /// parameter: the dims the unsharded gradient is all-reduced over (the seed's
+    /// parameter: the dims the unsharded gradient is all-reduced over (hyper_parallel's
     /// `_build_layout_driven_group_info`).
     pub fn unsharded_axes(&self) -> Vec<usize> {
         self.placements
@@ -298,7 +298,7 @@ impl GroupInfos {
     }
 
     /// Makes (or reuses) the groups `layout` needs, in a fixed order: sharded, unsharded, partial.
-    /// Collective over the cache's world (the seed's `_init_group_infos`).
+    /// Collective over the cache's world (hyper_parallel's `_init_group_infos`).
     pub fn build(cache: &GroupCache, dp: &DataParallelMesh, layout: &SpmdLayout) -> Result<Self> {
         let sharded = match (layout.uses_param_shard, dp.shard_dim()) {
             (true, Some(d)) => cache.group_along("fully_shard_sharded_group", dp.mesh(), &[d])?,

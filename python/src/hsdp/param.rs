@@ -36,7 +36,7 @@ struct ParamInner {
     grad_out: Option<DeviceBuffer>,
 }
 
-/// One rank's view of a sharded parameter (the seed's `HSDPParam`): FSDP on a 1-D mesh, HSDP on
+/// One rank's view of a sharded parameter (hyper_parallel's `HSDPParam`): FSDP on a 1-D mesh, HSDP on
 /// a 2-D one; uneven dims padded; parameters below `threshold` elements stay replicated.
 ///
 /// ```python
