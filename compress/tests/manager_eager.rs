@@ -303,3 +303,44 @@ fn window_calls_are_refused_without_windows() {
     }
     assert!(m.end_window().is_err());
 }
+
+/// The same on the cuda backend over the CUDA emulator, with the CUDA kernels (the emulator's
+/// NVRTC compiles them as host C++): completion seen through events and device words, not host
+/// slots; producers that trail the host; under `HP_EMU_DELAY_SEED` in CI.
+#[test]
+fn saves_encode_and_takes_decode_ahead_on_the_cuda_emulator() {
+    let _serial = hprt_conformance::emulator::serial();
+    let p: Arc<dyn Platform> =
+        Arc::new(hprt_conformance::cuda_emulator::open().expect("cuda on the emulator"));
+    let (s, mut m) = eager(&p, 2);
+    // Two steps of the same shapes: the second finds its scratch buffers pooled and its
+    // allocations in the backend's cache, so no allocation synchronizes the device and hides
+    // a missing wait.
+    for step in 0..2 {
+        let saved = forward(p.as_ref(), &s, &mut m, 6, 70 + step);
+        p.synchronize_device().unwrap();
+        for (key, data) in saved.iter().rev() {
+            let back = m.take(*key).unwrap();
+            assert!(
+                read(p.as_ref(), &s, &back, data.len()) == *data,
+                "step {step}, tensor {}: not bit-exact",
+                key.index
+            );
+        }
+    }
+    let stats = m.layer_stats();
+    let total = |f: fn(&hprt_compress::LayerStats) -> usize| -> usize {
+        stats.iter().map(|(_, s)| f(s)).sum()
+    };
+    assert_eq!(
+        (total(|s| s.compressed), total(|s| s.decoded_ahead)),
+        (10, 10),
+        "{stats:?}"
+    );
+    assert_eq!(
+        total(|s| s.encode_failures),
+        0,
+        "{:?}",
+        m.take_encode_failures()
+    );
+}
