@@ -22,7 +22,7 @@ use crate::format::CodecDType;
 pub const SOURCE: &str = include_str!("kernels.cu");
 /// The module for NVRTC; its name keys the backend's per-device cache.
 pub const MODULE: DeviceModule = DeviceModule {
-    name: "hprt_codec_v2b.cu",
+    name: "hprt_codec_v2c.cu",
     source: SOURCE,
 };
 /// The kernels, in stream order for an encode (three) and then a decode (one).
@@ -47,7 +47,7 @@ const WARPS: usize = 4;
 const HEAD: usize = 128;
 const DESC: usize = 128;
 pub(crate) const HIST: usize = 512 * 8;
-pub(crate) const COUNTERS: usize = 8 * 8;
+pub(crate) const COUNTERS: usize = 10 * 8;
 const TABLE: usize = 512 * 16;
 
 /// What a non-zero decoder status word of the kernels means.

@@ -93,7 +93,16 @@ typedef unsigned char u8;
 #define HPRT_C_PREFIX 4
 #define HPRT_C_STATUS 5
 #define HPRT_C_DECODE_DONE 6
-#define HPRT_CTR_WORDS 8
+#define HPRT_C_RANGES 7     // three words: the sign ranges of a sampled tensor (hprt_tally_word)
+#define HPRT_CTR_WORDS 10
+
+// Symbol counts (FORMAT.md, "Symbol counts"; v2/counts.rs): a tensor of HPRT_SAMPLE_FROM
+// elements or more is counted on the elements i with i % HPRT_SAMPLE_PERIOD < HPRT_SAMPLE_RUN,
+// plus one for every symbol the sample missed that may be in the tensor: inside its sign's range
+// over all elements (zero and all-ones exponents left out), or an edge exponent that occurs.
+#define HPRT_SAMPLE_FROM (1ull << 20)
+#define HPRT_SAMPLE_RUN 64ull
+#define HPRT_SAMPLE_PERIOD 512ull
 
 // The work model: bytes each kernel moves through global memory for the data (input, slots,
 // output; not its few words of tables and counters), counted where the host-compiled test
@@ -291,13 +300,35 @@ __device__ void hprt_normalise(const u64* counts, u32 alphabet, u32 prob_bits, u
     }
 }
 
-// Counts the symbols of one 8-byte word (elements wholly before `n_in_word` only).
-__device__ __forceinline__ void hprt_count_word(u32* local, u64 w, u32 size, u32 mant_bits,
-                                                u32 n_in_word) {
+// Tallies the symbols of one 8-byte word (elements wholly before `n_in_word` only) whose
+// first element is element `e0` of its tensor: counted when the tensor is not sampled or the
+// word is in the sample; a sampled tensor's sign ranges, in `r`, as maxima that are 0 for none,
+// over the symbols whose exponent is neither zero nor all ones: r[0] = half - least
+// non-negative symbol, r[1] = 1 + greatest, r[2] = alphabet - least negative symbol,
+// r[3] = 1 + greatest - half; and r[4] the edge exponents seen, bits 1 << (2 sign) for zero and
+// 2 << (2 sign) for all ones (a word never straddles a run of the sample).
+__device__ __forceinline__ void hprt_tally_word(u32* local, u32* r, u64 w, u32 size,
+                                                u32 mant_bits, u32 n_in_word, u64 e0,
+                                                int sampled) {
     u32 per = 8 / size, bits = 8 * size;
+    u32 alphabet = 1u << (8 * size - mant_bits), half = alphabet / 2;
+    int count = !sampled || e0 % HPRT_SAMPLE_PERIOD < HPRT_SAMPLE_RUN;
     for (u32 e = 0; e < per && e < n_in_word; ++e) {
         u32 v = (u32)(w >> (bits * e)) & (size == 4 ? 0xffffffffu : 0xffffu);
-        atomicAdd(&local[(v >> mant_bits) & 511u], 1u);
+        u32 sym = (v >> mant_bits) & 511u;
+        if (count) atomicAdd(&local[sym], 1u);
+        u32 exp = sym & (half - 1), neg = sym >= half;
+        if (sampled && (exp == 0 || exp == half - 1)) {
+            r[4] |= (exp == 0 ? 1u : 2u) << (2 * neg);
+        } else if (sampled) {
+            if (!neg) {
+                r[0] = r[0] > half - sym ? r[0] : half - sym;
+                r[1] = r[1] > sym + 1 ? r[1] : sym + 1;
+            } else {
+                r[2] = r[2] > alphabet - sym ? r[2] : alphabet - sym;
+                r[3] = r[3] > sym + 1 - half ? r[3] : sym + 1 - half;
+            }
+        }
     }
 }
 
@@ -310,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(256) hprt_codec_count(u8* ws) {
     __shared__ u32 freq[512];
     __shared__ u32 best[512];
     __shared__ u64 sum_s, n_s, fsum_s;
-    __shared__ u32 present_s, last_sym_s, last_s;
+    __shared__ u32 present_s, last_sym_s, last_s, ranges_s[5];
     const u64* head = hprt_head(ws);
     u64 blocks = head[HPRT_W_BLOCKS];
     for (u64 gb = blockIdx.x; gb < blocks; gb += gridDim.x) {
@@ -326,9 +357,12 @@ extern "C" __global__ void __launch_bounds__(256) hprt_codec_count(u8* ws) {
         u32* mine = local + 512 * (threadIdx.x / HPRT_LANES);
         for (u32 s = threadIdx.x; s < 512 * warps; s += blockDim.x) local[s] = 0;
         if (threadIdx.x == 0) sum_s = 0;
+        if (threadIdx.x < 5) ranges_s[threadIdx.x] = 0;
         __syncthreads();
         u64 sum = 0, done = 0;
         u32 per = 8 / size;
+        int sampled = numel >= HPRT_SAMPLE_FROM;
+        u32 r[5] = {0, 0, 0, 0, 0};
         if (((u64)p & 15) == 0) {
             // Coalesced 16-byte loads, four in flight a thread: two words each, their terms and
             // their symbols.
@@ -345,8 +379,9 @@ extern "C" __global__ void __launch_bounds__(256) hprt_codec_count(u8* ws) {
                     if (i >= n16) break;
                     HPRT_READ(16);
                     sum += hprt_term(q[k].x, w0 + 2 * i) + hprt_term(q[k].y, w0 + 2 * i + 1);
-                    hprt_count_word(mine, q[k].x, size, mant_bits, per);
-                    hprt_count_word(mine, q[k].y, size, mant_bits, per);
+                    u64 e0 = first + 2 * i * per;
+                    hprt_tally_word(mine, r, q[k].x, size, mant_bits, per, e0, sampled);
+                    hprt_tally_word(mine, r, q[k].y, size, mant_bits, per, e0 + per, sampled);
                 }
             }
             done = n16 * 2;
@@ -356,9 +391,15 @@ extern "C" __global__ void __launch_bounds__(256) hprt_codec_count(u8* ws) {
             HPRT_READ(bytes - 8 * i < 8 ? bytes - 8 * i : 8);
             sum += hprt_term(w, w0 + i);
             u64 e0 = i * per;
-            hprt_count_word(mine, w, size, mant_bits, (u32)(n - e0 < per ? n - e0 : per));
+            hprt_tally_word(mine, r, w, size, mant_bits, (u32)(n - e0 < per ? n - e0 : per),
+                            first + e0, sampled);
         }
         if (sum) atomicAdd(&sum_s, sum);
+        if (sampled) {
+            for (u32 k = 0; k < 4; ++k)
+                if (r[k]) atomicMax(&ranges_s[k], r[k]);
+            if (r[4]) atomicOr(&ranges_s[4], r[4]);
+        }
         __syncthreads();
         u64* hist = (u64*)(ws + head[HPRT_W_HIST]) + 512ull * t;
         u64* ctr = hprt_ctr(ws, t);
@@ -368,6 +409,9 @@ extern "C" __global__ void __launch_bounds__(256) hprt_codec_count(u8* ws) {
             if (c) atomicAdd(&hist[s], (u64)c);
         }
         if (threadIdx.x == 0 && sum_s) atomicAdd(&ctr[HPRT_C_TERMS], sum_s);
+        u32* ranges = (u32*)(ctr + HPRT_C_RANGES);
+        if (threadIdx.x < 4 && ranges_s[threadIdx.x]) atomicMax(&ranges[threadIdx.x], ranges_s[threadIdx.x]);
+        if (threadIdx.x == 4 && ranges_s[4]) atomicOr(&ranges[4], ranges_s[4]);
         // Every thread's counts are out before the ticket is taken.
         __threadfence();
         __syncthreads();
@@ -380,6 +424,21 @@ extern "C" __global__ void __launch_bounds__(256) hprt_codec_count(u8* ws) {
             u32 alphabet = 1u << (8 * size - mant_bits), prob_bits = (u32)d[HPRT_D_PROB];
             for (u32 s = threadIdx.x; s < 512; s += blockDim.x) counts[s] = hprt_volatile_u64(&hist[s]);
             __syncthreads();
+            if (sampled) {
+                // Every symbol of a sign's range counts at least one (it may be present).
+                u32 half = alphabet / 2, g[5];
+                for (u32 k = 0; k < 5; ++k) g[k] = hprt_volatile_u32(&ranges[k]);
+                for (u32 s = threadIdx.x; s < alphabet; s += blockDim.x) {
+                    u32 neg = s >= half, exp = s & (half - 1);
+                    int in_pos = g[1] && s < half && half - s <= g[0] && s + 1 <= g[1];
+                    int in_neg = g[3] && s >= half && alphabet - s <= g[2] && s + 1 - half <= g[3];
+                    int edge = (exp == 0 && (g[4] >> (2 * neg) & 1)) ||
+                               (exp == half - 1 && (g[4] >> (2 * neg) & 2));
+                    if ((in_pos || in_neg || edge) && counts[s] == 0) counts[s] = 1;
+                }
+                __syncthreads();
+                if (threadIdx.x < 5) ranges[threadIdx.x] = 0;
+            }
             hprt_normalise(counts, alphabet, prob_bits, freq, best, &n_s, &fsum_s, &present_s,
                            &last_sym_s);
             // The encoder's constants per symbol (16 bytes, rans.rs `EncSym`): x_max, an exact

@@ -407,6 +407,105 @@ pub(crate) mod avx2 {
         (sum, 32 * runs)
     }
 
+    /// The [`SignRanges`](super::super::v2::SignRanges) of the whole 32-byte runs of `src`
+    /// (two- or four-byte elements, symbol = element >> `mant_bits`, of an alphabet of `half`
+    /// symbols a sign); returns them and how many bytes it covered.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and POPCNT ([`available`]).
+    #[target_feature(enable = "avx2,popcnt")]
+    pub(crate) unsafe fn sign_ranges32(
+        src: &[u8],
+        elem_bytes: usize,
+        mant_bits: u32,
+        half: u32,
+    ) -> (super::super::v2::SignRanges, usize) {
+        let ones = _mm256_set1_epi32(-1);
+        let zero = _mm256_setzero_si256();
+        let sh = _mm_cvtsi32_si128(mant_bits as i32);
+        let (mut pos_lo, mut neg_lo, mut pos_hi, mut neg_hi) = (ones, ones, zero, zero);
+        // Per lane: zero exponent seen (positive, negative), all-ones exponent seen.
+        let (mut zp, mut zn, mut tp, mut tn) = (zero, zero, zero, zero);
+        let runs = src.len() / 32;
+        // Lanes that do not count (the other sign, an edge exponent) are all ones for a
+        // minimum and zero for a maximum, so they never win.
+        macro_rules! scan {
+            ($srai:ident, $srl:ident, $set1:ident, $cmpeq:ident, $min:ident, $max:ident,
+             $bits:expr, $t:ty) => {
+                let exp_mask = $set1((half - 1) as $t);
+                for r in 0..runs {
+                    // SAFETY: run `r` is 32 bytes inside `src`.
+                    let x = _mm256_loadu_si256(src.as_ptr().add(32 * r).cast());
+                    let neg = $srai::<$bits>(x);
+                    let sym = $srl(x, sh);
+                    let e = _mm256_and_si256(sym, exp_mask);
+                    let is_z = $cmpeq(e, zero);
+                    let is_t = $cmpeq(e, exp_mask);
+                    zp = _mm256_or_si256(zp, _mm256_andnot_si256(neg, is_z));
+                    zn = _mm256_or_si256(zn, _mm256_and_si256(neg, is_z));
+                    tp = _mm256_or_si256(tp, _mm256_andnot_si256(neg, is_t));
+                    tn = _mm256_or_si256(tn, _mm256_and_si256(neg, is_t));
+                    let edge = _mm256_or_si256(is_z, is_t);
+                    let out_p = _mm256_or_si256(neg, edge);
+                    let out_n = _mm256_or_si256(_mm256_xor_si256(neg, ones), edge);
+                    pos_lo = $min(pos_lo, _mm256_or_si256(sym, out_p));
+                    pos_hi = $max(pos_hi, _mm256_andnot_si256(out_p, sym));
+                    neg_lo = $min(neg_lo, _mm256_or_si256(sym, out_n));
+                    neg_hi = $max(neg_hi, _mm256_andnot_si256(out_n, sym));
+                }
+            };
+        }
+        let wide = elem_bytes == 4;
+        if wide {
+            scan!(
+                _mm256_srai_epi32,
+                _mm256_srl_epi32,
+                _mm256_set1_epi32,
+                _mm256_cmpeq_epi32,
+                _mm256_min_epu32,
+                _mm256_max_epu32,
+                31,
+                i32
+            );
+        } else {
+            scan!(
+                _mm256_srai_epi16,
+                _mm256_srl_epi16,
+                _mm256_set1_epi16,
+                _mm256_cmpeq_epi16,
+                _mm256_min_epu16,
+                _mm256_max_epu16,
+                15,
+                i16
+            );
+        }
+        let lanes = |x: __m256i| -> Vec<u32> {
+            let mut v = [0u32; 8];
+            _mm256_storeu_si256(v.as_mut_ptr().cast(), x);
+            if wide {
+                v.to_vec()
+            } else {
+                v.iter().flat_map(|w| [w & 0xffff, w >> 16]).collect()
+            }
+        };
+        let none = if wide { u32::MAX } else { 0xffff };
+        let lo = |x: __m256i| match lanes(x).into_iter().min() {
+            Some(m) if m != none => m,
+            _ => u32::MAX,
+        };
+        let hi = |x: __m256i| lanes(x).into_iter().max().unwrap_or(0);
+        let any = |x: __m256i| _mm256_testz_si256(x, x) == 0;
+        (
+            super::super::v2::SignRanges {
+                lo: [lo(pos_lo), lo(neg_lo)],
+                hi: [hi(pos_hi), hi(neg_hi)],
+                zero: [any(zp), any(zn)],
+                top: [any(tp), any(tn)],
+            },
+            32 * runs,
+        )
+    }
+
     /// How eight `w`-bit mantissas of a packed group are cut out with one byte shuffle: lanes
     /// 0-3 read from the group's first byte, lanes 4-7 from byte `second`, each lane takes the
     /// four bytes its field starts in, then shifts and masks.
@@ -633,6 +732,22 @@ pub(crate) fn checksum_terms(data: &[u8], first_word: u64) -> u64 {
         &data[done..],
         first_word.wrapping_add(done as u64 / 8),
     ))
+}
+
+/// The least and greatest symbol of each sign in `src` (whole elements), merged into `r`:
+/// the 32-byte runs with AVX2 where the CPU has it, the rest by the scalar loop.
+pub(crate) fn sign_ranges<E: super::split::Elem>(src: &[u8], r: &mut super::v2::SignRanges) {
+    #[allow(unused_mut)]
+    let mut done = 0usize;
+    #[cfg(target_arch = "x86_64")]
+    if (E::BYTES == 2 || E::BYTES == 4) && avx2::available() {
+        // SAFETY: the CPU has AVX2 and POPCNT.
+        let (v, n) =
+            unsafe { avx2::sign_ranges32(src, E::BYTES, E::MANT_BITS, E::ALPHABET as u32 / 2) };
+        r.merge(&v);
+        done = n;
+    }
+    super::v2::sign_ranges_scalar::<E>(&src[done..], r);
 }
 
 /// Whole groups of a version-2 block with AVX2 (see [`avx2::encode_groups32`]); `false`

@@ -6,6 +6,13 @@
 //! block coder and the raw fallback — is written once here and once in the CUDA source
 //! (`kernels.cu`), and the two are compared byte for byte by the host-compiled check.
 
+mod counts;
+
+#[cfg(test)]
+use counts::histogram;
+pub(crate) use counts::{sign_ranges_scalar, SignRanges, Tally};
+pub use counts::{SAMPLE_FROM, SAMPLE_PERIOD, SAMPLE_RUN};
+
 use super::rans::{self, DecTable, EncTable, RANS_L};
 use super::simd;
 use super::split::{mantissa_len, pack_mantissas, symbols_of, Elem};
@@ -232,59 +239,6 @@ pub fn normalize(counts: &[u64], prob_bits: u32) -> Vec<u32> {
     f
 }
 
-/// Symbol counts of whole elements of `src`. Eight partial tables, so runs of one symbol
-/// (common in activations) do not wait on one counter's previous increment.
-fn histogram<E: Elem>(src: &[u8], counts: &mut [u64; 512]) {
-    if E::BYTES == 2 {
-        return histogram16::<E>(src, counts);
-    }
-    // Parts of 2^31 elements keep every `u32` counter below 2^28.
-    for part in src.chunks(E::BYTES << 31) {
-        let mut h = [[0u32; 512]; 8];
-        let mut groups = part.chunks_exact(8 * E::BYTES);
-        for g in &mut groups {
-            for (k, t) in h.iter_mut().enumerate() {
-                t[E::symbol(E::load(&g[k * E::BYTES..])) & 511] += 1;
-            }
-        }
-        for e in groups.remainder().chunks_exact(E::BYTES) {
-            h[0][E::symbol(E::load(e)) & 511] += 1;
-        }
-        for (s, c) in counts.iter_mut().enumerate() {
-            *c += h.iter().map(|t| t[s] as u64).sum::<u64>();
-        }
-    }
-}
-
-/// [`histogram`] of two-byte elements (bf16, f16): four elements per 64-bit load, each of the
-/// eight tables taking one element in eight, in 16-bit counters (8 KiB of tables, a quarter of
-/// the L1 cache): 15-25% faster than one load per element into 32-bit counters on real
-/// activations.
-fn histogram16<E: Elem>(src: &[u8], counts: &mut [u64; 512]) {
-    // A table counts at most one element in eight of a part: 8 * 65535 elements keep every
-    // 16-bit counter from overflowing.
-    const PART: usize = 2 * 8 * 0xffff;
-    let (w, mask) = (E::MANT_BITS, E::ALPHABET - 1);
-    for part in src.chunks(PART) {
-        let mut h = [[0u16; 512]; 8];
-        let mut groups = part.chunks_exact(16);
-        for g in &mut groups {
-            let a = u64::from_le_bytes(g[..8].try_into().expect("8 bytes"));
-            let b = u64::from_le_bytes(g[8..].try_into().expect("8 bytes"));
-            for k in 0..4 {
-                h[k][(a >> (16 * k as u32 + w)) as usize & mask] += 1;
-                h[4 + k][(b >> (16 * k as u32 + w)) as usize & mask] += 1;
-            }
-        }
-        for e in groups.remainder().chunks_exact(2) {
-            counts[E::symbol(E::load(e)) & 511] += 1;
-        }
-        for (s, c) in counts.iter_mut().enumerate() {
-            *c += h.iter().map(|t| t[s] as u64).sum::<u64>();
-        }
-    }
-}
-
 /// Per-thread buffers of the block coder.
 #[derive(Default)]
 struct EncScratch {
@@ -376,26 +330,27 @@ fn encode_elems<E: Elem>(
     let n_blocks = numel.div_ceil(block_elems);
     let threads = threads.clamp(1, n_blocks.max(1));
     let per = n_blocks.div_ceil(threads).max(1) * block_bytes;
-    // Pass 1: the tensor's histogram and checksum terms, one partial per thread.
-    let partials: Vec<([u64; 512], u64)> = par_map(data.chunks(per), threads, |t, range| {
+    // Pass 1: the tensor's symbol counts (of a sample, with the sign ranges, from
+    // SAMPLE_FROM elements on) and checksum terms, one partial per thread.
+    let sampled = numel >= SAMPLE_FROM;
+    let partials: Vec<(Tally, u64)> = par_map(data.chunks(per), threads, |t, range| {
         // Pieces of 256 KiB, so the checksum reads what the histogram left in the cache.
         const PIECE: usize = 1 << 18;
-        let (mut h, mut terms) = ([0u64; 512], 0u64);
+        let (mut tally, mut terms) = (Tally::new(), 0u64);
         for (k, piece) in range.chunks(PIECE).enumerate() {
-            histogram::<E>(piece, &mut h);
-            let first = (t * per + k * PIECE) / 8;
-            terms = terms.wrapping_add(simd::checksum_terms(piece, first as u64));
+            let at = t * per + k * PIECE;
+            tally.add::<E>(piece, at / E::BYTES, sampled);
+            terms = terms.wrapping_add(simd::checksum_terms(piece, (at / 8) as u64));
         }
-        (h, terms)
+        (tally, terms)
     });
-    let mut counts = [0u64; 512];
+    let mut tally = Tally::new();
     let mut terms = 0u64;
-    for (h, c) in &partials {
-        for (a, b) in counts.iter_mut().zip(h) {
-            *a += b;
-        }
+    for (p, c) in &partials {
+        tally.merge(p);
         terms = terms.wrapping_add(*c);
     }
+    let counts = tally.table_counts::<E>(sampled);
     let freq = normalize(&counts[..E::ALPHABET], prob_bits);
     let enc = rans::enc_table(&freq, prob_bits);
     let present = freq.iter().filter(|&&f| f > 0).count();

@@ -120,7 +120,7 @@ fn assert_counters_zero(ws: &[u128], l: &Layout) {
     };
     let counters = COUNTERS * l.tensors;
     for (i, w) in z.chunks(8).enumerate() {
-        if i * 8 < counters && matches!(i % 8, 3 | 4) {
+        if i * 8 < counters && matches!(i % (COUNTERS / 8), 3 | 4) {
             continue;
         }
         assert!(w.iter().all(|&b| b == 0), "counter word {i} left non-zero");
@@ -445,6 +445,56 @@ fn one_launch_sequence_encodes_a_batch_as_the_cpu_codec() {
             assert!(back == *data);
         }
     }
+}
+
+/// Tensors from `v2::SAMPLE_FROM` elements on are counted on a sample plus their sign ranges:
+/// the kernels build the CPU codec's table, in a batch with a small tensor (counted whole),
+/// for every dtype, a misaligned source, sizes off the sample's period, gaps in the exponents,
+/// zeros, and an infinity far from the rest.
+#[test]
+fn sampled_counts_build_the_cpu_codecs_table() {
+    let lib = library();
+    let n = v2::SAMPLE_FROM + 77;
+    let mut rng = SplitMix64::new(21);
+    let soft = generate(DataKind::Softmax, CodecDType::F16, n + 300, 5);
+    let mut w32 = generate(DataKind::Weights, CodecDType::F32, n, 6);
+    // An infinity in an unsampled element: only the edge flags know its symbol.
+    w32[4 * 1000..4 * 1001].copy_from_slice(&f32::INFINITY.to_le_bytes());
+    // bf16 on every other exponent of a band, either sign, and zeros: gaps inside the ranges;
+    // one byte past an aligned start (the kernels' word path).
+    let mut gaps = vec![0u8; 1];
+    for i in 0..n {
+        let r = rng.next_u64();
+        let exp = 100 + 2 * (r % 8) as u16;
+        let v = if i % 97 == 0 {
+            0
+        } else {
+            (exp << 7) | (r >> 20) as u16 & 0x7f
+        };
+        gaps.extend_from_slice(&(v | (r as u16 & 0x8000)).to_le_bytes());
+    }
+    let small = generate(DataKind::Gelu, CodecDType::BF16, 5_000, 7);
+    let tensors: Vec<(CodecDType, &[u8])> = vec![
+        (CodecDType::F16, &soft),
+        (CodecDType::F32, &w32),
+        (CodecDType::BF16, &gaps[1..]),
+        (CodecDType::BF16, &small),
+    ];
+    let opts = EncodeOptions {
+        threads: 1,
+        ..Default::default()
+    };
+    let encs = kernel_encode_batch(&lib, &tensors, &opts, Some(64));
+    for ((dtype, data), enc) in tensors.iter().zip(&encs) {
+        assert!(
+            *enc == encode(*dtype, data, &opts).unwrap(),
+            "{dtype} x {}: not the CPU codec's bytes",
+            data.len()
+        );
+    }
+    let (back, status) = kernel_decode(&lib, CodecDType::F32, n, &encs[1]);
+    assert_eq!(status, 0, "{}", status_message(status));
+    assert!(back == w32);
 }
 
 /// Differential check: on mutated encodings (random bytes anywhere; table, index and

@@ -241,3 +241,134 @@ fn normalisation_sums_exactly_keeps_every_symbol_and_is_near_the_entropy() {
     assert_eq!(normalize(&[0, 5, 0], 9), vec![0, 512, 0]);
     assert_eq!(normalize(&[0, 0], 9), vec![0, 0]);
 }
+
+#[test]
+fn vector_sign_ranges_equal_the_scalar_ones() {
+    use super::super::split::{BF16, F16, F32};
+    fn check<E: Elem>(src: &[u8]) {
+        let mut want = SignRanges::EMPTY;
+        sign_ranges_scalar::<E>(src, &mut want);
+        let mut got = SignRanges::EMPTY;
+        simd::sign_ranges::<E>(src, &mut got);
+        assert_eq!(got, want, "{} bytes of {:?}", src.len(), E::DTYPE);
+    }
+    let mut r = crate::data::SplitMix64::new(13);
+    for n in [0, 1, 15, 16, 17, 33, 64, 100, 1000] {
+        let src = mixed16(n, n as u64);
+        check::<BF16>(&src);
+        check::<F16>(&src);
+        let edges: Vec<u8> = (0..n)
+            .flat_map(|i| EDGES16[i % EDGES16.len()].to_le_bytes())
+            .collect();
+        check::<BF16>(&edges);
+        check::<F16>(&edges);
+        // One sign only, either one.
+        for sign in [0u16, 0x8000] {
+            let one: Vec<u8> = (0..n)
+                .flat_map(|_| (r.next_u64() as u16 & 0x7fff | sign).to_le_bytes())
+                .collect();
+            check::<BF16>(&one);
+            check::<F16>(&one);
+        }
+        let wide: Vec<u8> = (0..n)
+            .flat_map(|i| {
+                let v = r.next_u64() as u32;
+                [
+                    v,
+                    f32::INFINITY.to_bits(),
+                    0x8000_0000,
+                    1,
+                    f32::NAN.to_bits() | 1 << 31,
+                ][i % 5]
+                    .to_le_bytes()
+            })
+            .collect();
+        check::<F32>(&wide);
+    }
+}
+
+#[test]
+fn the_sample_is_the_first_run_of_every_period() {
+    for (first, n) in [
+        (0, 0),
+        (0, 5000),
+        (100, 1),
+        (63, 2),
+        (64, 448),
+        (511, 2),
+        (1000, 3000),
+    ] {
+        let want: Vec<usize> = (0..n)
+            .filter(|i| (first + i) % SAMPLE_PERIOD < SAMPLE_RUN)
+            .collect();
+        let got: Vec<usize> = counts::sample_runs(first, n).flatten().collect();
+        assert_eq!(got, want, "first {first}, {n} elements");
+    }
+}
+
+/// From `SAMPLE_FROM` elements on, the table comes from the sample and the sign ranges: the
+/// same bytes whatever the threads (the sample is fixed by element index), a symbol only
+/// outside the sample still coded, and the ratio within a fraction of a percent of exact
+/// counts' on activations.
+#[test]
+fn sampled_tables_code_every_symbol_the_same_on_any_threads() {
+    use super::super::split::BF16;
+    let n = SAMPLE_FROM + 1000;
+    let mut data = crate::data::generate(crate::data::DataKind::Gelu, CodecDType::BF16, n, 3);
+    // Both infinities at unsampled elements: only the edge flags know them.
+    data[2 * 100..2 * 101].copy_from_slice(&0x7f80u16.to_le_bytes());
+    data[2 * 777..2 * 778].copy_from_slice(&0xff80u16.to_le_bytes());
+    let mut encodings = Vec::new();
+    for threads in [1, 2, 3] {
+        let mut out = Vec::new();
+        encode_into(
+            CodecDType::BF16,
+            &data,
+            12,
+            DEFAULT_BLOCK_ELEMS,
+            threads,
+            &mut out,
+        )
+        .unwrap();
+        encodings.push(out);
+    }
+    assert!(
+        encodings.iter().all(|e| *e == encodings[0]),
+        "threads change the bytes"
+    );
+    let mut back = vec![0u8; data.len()];
+    let p = parse(&encodings[0]).unwrap();
+    decode_into(&encodings[0], &p, &mut back, 1, true).unwrap();
+    assert!(back == data);
+    // Against the table of exact counts.
+    let mut exact = [0u64; 512];
+    histogram::<BF16>(&data, &mut exact);
+    let bits = |freq: &[u32]| -> f64 {
+        exact
+            .iter()
+            .zip(freq)
+            .filter(|(c, _)| **c > 0)
+            .map(|(&c, &f)| c as f64 * (4096.0 / f as f64).log2())
+            .sum()
+    };
+    let sampled_freq: Vec<u32> = {
+        let present = present_in(&encodings[0][HEADER_LEN..HEADER_LEN + 64]);
+        let mut f = vec![0u32; 512];
+        let bitmap = &encodings[0][HEADER_LEN..HEADER_LEN + 64];
+        let mut at = HEADER_LEN + 64;
+        for (s, slot) in f.iter_mut().enumerate() {
+            if bitmap[s / 8] >> (s % 8) & 1 == 1 {
+                *slot = u16::from_le_bytes([encodings[0][at], encodings[0][at + 1]]) as u32;
+                at += 2;
+            }
+        }
+        assert_eq!(at, HEADER_LEN + 64 + 2 * present);
+        f
+    };
+    let loss = bits(&sampled_freq) / bits(&normalize(&exact, 12)) - 1.0;
+    assert!(
+        loss < 0.005,
+        "sampled table codes {:.3}% more bits",
+        loss * 100.0
+    );
+}
