@@ -424,15 +424,18 @@ pub(crate) mod avx2 {
         let zero = _mm256_setzero_si256();
         let sh = _mm_cvtsi32_si128(mant_bits as i32);
         let (mut pos_lo, mut neg_lo, mut pos_hi, mut neg_hi) = (ones, ones, zero, zero);
-        // Per lane: zero exponent seen (positive, negative), all-ones exponent seen.
-        let (mut zp, mut zn, mut tp, mut tn) = (zero, zero, zero, zero);
+        // Per lane, the edge exponents seen: bit 1 a non-negative element's, bit 2 a negative
+        // one's (two accumulators, not four: with four, one spilled to the stack and the loop
+        // waited on it every iteration).
+        let (mut zf, mut tf) = (zero, zero);
         let runs = src.len() / 32;
         // Lanes that do not count (the other sign, an edge exponent) are all ones for a
         // minimum and zero for a maximum, so they never win.
         macro_rules! scan {
             ($srai:ident, $srl:ident, $set1:ident, $cmpeq:ident, $min:ident, $max:ident,
-             $bits:expr, $t:ty) => {
+             $add:ident, $bits:expr, $t:ty) => {
                 let exp_mask = $set1((half - 1) as $t);
+                let one = $set1(1);
                 for r in 0..runs {
                     // SAFETY: run `r` is 32 bytes inside `src`.
                     let x = _mm256_loadu_si256(src.as_ptr().add(32 * r).cast());
@@ -441,10 +444,9 @@ pub(crate) mod avx2 {
                     let e = _mm256_and_si256(sym, exp_mask);
                     let is_z = $cmpeq(e, zero);
                     let is_t = $cmpeq(e, exp_mask);
-                    zp = _mm256_or_si256(zp, _mm256_andnot_si256(neg, is_z));
-                    zn = _mm256_or_si256(zn, _mm256_and_si256(neg, is_z));
-                    tp = _mm256_or_si256(tp, _mm256_andnot_si256(neg, is_t));
-                    tn = _mm256_or_si256(tn, _mm256_and_si256(neg, is_t));
+                    let sign_bit = $add(_mm256_and_si256(neg, one), one);
+                    zf = _mm256_or_si256(zf, _mm256_and_si256(is_z, sign_bit));
+                    tf = _mm256_or_si256(tf, _mm256_and_si256(is_t, sign_bit));
                     let edge = _mm256_or_si256(is_z, is_t);
                     let out_p = _mm256_or_si256(neg, edge);
                     let out_n = _mm256_or_si256(_mm256_xor_si256(neg, ones), edge);
@@ -464,6 +466,7 @@ pub(crate) mod avx2 {
                 _mm256_cmpeq_epi32,
                 _mm256_min_epu32,
                 _mm256_max_epu32,
+                _mm256_add_epi32,
                 31,
                 i32
             );
@@ -475,6 +478,7 @@ pub(crate) mod avx2 {
                 _mm256_cmpeq_epi16,
                 _mm256_min_epu16,
                 _mm256_max_epu16,
+                _mm256_add_epi16,
                 15,
                 i16
             );
@@ -494,13 +498,13 @@ pub(crate) mod avx2 {
             _ => u32::MAX,
         };
         let hi = |x: __m256i| lanes(x).into_iter().max().unwrap_or(0);
-        let any = |x: __m256i| _mm256_testz_si256(x, x) == 0;
+        let seen = |x: __m256i, bit: u32| lanes(x).iter().any(|l| l & bit != 0);
         (
             super::super::v2::SignRanges {
                 lo: [lo(pos_lo), lo(neg_lo)],
                 hi: [hi(pos_hi), hi(neg_hi)],
-                zero: [any(zp), any(zn)],
-                top: [any(tp), any(tn)],
+                zero: [seen(zf, 1), seen(zf, 2)],
+                top: [seen(tf, 1), seen(tf, 2)],
             },
             32 * runs,
         )
