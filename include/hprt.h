@@ -1249,7 +1249,7 @@ enum HprtStatus hprt_swap_forward_pre(struct HprtSwapManager *manager, size_t la
 /*
  Saves `bytes` of `storage` from `offset` (a view of `numel = bytes / dtype size` elements)
  into the current layer's group. On offload the whole storage's device bytes are released
- (resized to 0) and re-acquired on reload, as the seed does: read the tensor's new address
+ (resized to 0) and re-acquired on reload, as hyper_parallel does: read the tensor's new address
  with `hprt_swap_get` after the layer's backward pre-hook.
 
  # Safety

@@ -558,27 +558,12 @@ fn a_failed_encode_keeps_its_tensor_and_the_window_goes_on() {
 /// when backward takes it; its decode lands in a new buffer of hprt's, bit-exact.
 #[test]
 fn a_borrowed_tensor_goes_back_to_its_owner_while_compressed() {
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::Ordering;
     for jitter in [None, Some(9)] {
         let (p, s, mut m) = manager(jitter);
         let n = 65_536;
         let data = generate(DataKind::Gelu, CodecDType::BF16, n, 1);
-        let owner = produce(p.as_ref(), &s, &data);
-        let released = Arc::new(AtomicBool::new(false));
-        let (flag, keep) = (released.clone(), owner.clone());
-        // SAFETY: the release callback holds `owner`, so its memory outlives the borrow.
-        let borrowed = unsafe {
-            p.wrap_device_memory(
-                owner.device_ptr(),
-                data.len(),
-                Some(Box::new(move || {
-                    drop(keep);
-                    flag.store(true, Ordering::SeqCst);
-                })),
-            )
-        }
-        .unwrap();
-        drop(owner);
+        let (borrowed, released) = common::borrowed(p.as_ref(), &s, &data);
         m.forward_start(LayerId(0)).unwrap();
         let key = m
             .save(LayerId(0), saved(borrowed, DType::BF16, n))

@@ -3,7 +3,7 @@
 //! reads; bit-exact with and without stream jitter, with producers that trail the host,
 //! borrowed memory given back once encoded, failures and early takes costing nothing.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -70,6 +70,24 @@ fn forward(
         .collect()
 }
 
+/// Takes every saved tensor, the latest saved first (backward's order), each bit-exact.
+fn backward(
+    p: &dyn Platform,
+    s: &Stream,
+    m: &mut ActivationManager,
+    saved: &[(TensorKey, Vec<u8>)],
+    what: &str,
+) {
+    for (key, data) in saved.iter().rev() {
+        let back = m.take(*key).unwrap();
+        assert!(
+            read(p, s, &back, data.len()) == *data,
+            "{what}, tensor {}: not bit-exact",
+            key.index
+        );
+    }
+}
+
 /// Every tensor is encoded after its producer, the originals go once encoded, and backward's
 /// takes (latest saved first) find their decodes begun by the takes before: no synchronous
 /// decode, bit-exact, under jitter too.
@@ -82,14 +100,13 @@ fn saves_encode_and_takes_decode_ahead_bit_exact() {
             let saved = forward(p.as_ref(), &s, &mut m, 12, 100 * step);
             let raw: usize = saved.iter().map(|(_, d)| d.len()).sum();
             p.synchronize_device().unwrap();
-            for (key, data) in saved.iter().rev() {
-                let back = m.take(*key).unwrap();
-                assert!(
-                    read(p.as_ref(), &s, &back, data.len()) == *data,
-                    "jitter {jitter:?}, step {step}, tensor {}: not bit-exact",
-                    key.index
-                );
-            }
+            backward(
+                p.as_ref(),
+                &s,
+                &mut m,
+                &saved,
+                &format!("jitter {jitter:?}, step {step}"),
+            );
             let stats = m.layer_stats();
             let sum = |f: fn(&hprt_compress::LayerStats) -> usize| -> usize {
                 stats.iter().map(|(_, s)| f(s)).sum()
@@ -173,22 +190,7 @@ fn borrowed_memory_goes_back_once_encoded() {
         let (s, mut m) = eager(&p, 1);
         let n = 1 << 16;
         let data = generate(DataKind::Gelu, CodecDType::BF16, n, 1);
-        let owner = produce(p.as_ref(), &s, &data);
-        let released = Arc::new(AtomicBool::new(false));
-        let (flag, keep) = (released.clone(), owner.clone());
-        // SAFETY: the release callback holds `owner`, so its memory outlives the borrow.
-        let borrowed = unsafe {
-            p.wrap_device_memory(
-                owner.device_ptr(),
-                data.len(),
-                Some(Box::new(move || {
-                    drop(keep);
-                    flag.store(true, Ordering::SeqCst);
-                })),
-            )
-        }
-        .unwrap();
-        drop(owner);
+        let (borrowed, released) = common::borrowed(p.as_ref(), &s, &data);
         let key = m
             .save(LayerId(0), saved(borrowed, DType::BF16, n))
             .unwrap()
@@ -319,14 +321,7 @@ fn saves_encode_and_takes_decode_ahead_on_the_cuda_emulator() {
     for step in 0..2 {
         let saved = forward(p.as_ref(), &s, &mut m, 6, 70 + step);
         p.synchronize_device().unwrap();
-        for (key, data) in saved.iter().rev() {
-            let back = m.take(*key).unwrap();
-            assert!(
-                read(p.as_ref(), &s, &back, data.len()) == *data,
-                "step {step}, tensor {}: not bit-exact",
-                key.index
-            );
-        }
+        backward(p.as_ref(), &s, &mut m, &saved, &format!("step {step}"));
     }
     let stats = m.layer_stats();
     let total = |f: fn(&hprt_compress::LayerStats) -> usize| -> usize {

@@ -96,17 +96,18 @@ impl PyDeviceTensor {
             self.t.offset,
         )
     }
-    /// The export of its view: the keywords (`stream`, `max_version`, `dl_device`, `copy`) go
-    /// to `TensorView.__dlpack__`, which checks them.
-    #[pyo3(signature = (**kwargs))]
+    /// The export of its view, with `TensorView.__dlpack__`'s keywords and checks.
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__(
         &self,
         py: Python<'_>,
-        kwargs: Option<&Bound<'_, PyDict>>,
+        stream: Option<&Bound<'_, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(u32, i32)>,
+        copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        let view = Bound::new(py, self.view()?)?;
-        view.call_method("__dlpack__", (), kwargs)
-            .map(Bound::unbind)
+        self.view()?
+            .export(py, stream, max_version, dl_device, copy)
     }
     fn __dlpack_device__(&self) -> (u32, i32) {
         (dlpark::ffi::DLDeviceType::CPU.0, 0)

@@ -431,6 +431,9 @@ def test_ranks_need_a_context_and_errors_name_the_rank():
         ht.run_on_ranks(2, fail)
     with pytest.raises(RuntimeError, match="holds 3 ranks"):
         ht.run_on_ranks(2, lambda r: ht.init_device_mesh("cpu", (3,)))
+    # torch's device type of the rank's tensors, not a backend's name.
+    with pytest.raises(RuntimeError, match="device_type 'cuda': this rank's tensors are 'cpu'"):
+        ht.run_on_ranks(2, lambda r: ht.init_device_mesh("cuda"))
 
 
 def test_each_rank_seeding_and_building_its_model_gets_the_seeded_weights():

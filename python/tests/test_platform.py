@@ -393,3 +393,18 @@ def test_ctrl_c_interrupts_a_synchronize_behind_a_stuck_collective():
         release.set()
         t.join()
     assert time.monotonic() - t0 < 10
+
+
+def test_a_device_tensor_takes_the_dlpack_keywords_itself():
+    """``DeviceTensor.__dlpack__`` has the protocol's keywords: a wrong one is a TypeError that
+    names the method called (it named ``TensorView.__dlpack__``, which the caller never saw)."""
+    p = hprt.cpu_platform(device_memory=1 << 20)
+    buf = p.alloc_device(16)
+    p.write(buf, np.arange(4, dtype=np.float32).tobytes(), p.create_stream())
+    p.synchronize()
+    t = hprt.DeviceTensor(buf, "f32", [4])
+    assert np.from_dlpack(t).tolist() == [0.0, 1.0, 2.0, 3.0]
+    capsule = t.__dlpack__(max_version=(1, 0), dl_device=(1, 0), copy=False)  # accepted
+    del capsule
+    with pytest.raises(TypeError, match=r"DeviceTensor\.__dlpack__"):
+        t.__dlpack__(bogus=1)

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)] // each test crate uses some of these
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use hprt_compress::{CostModel, CostTable};
@@ -58,4 +59,25 @@ pub fn produce(p: &dyn Platform, s: &Stream, data: &[u8]) -> DeviceBuffer {
     )
     .unwrap();
     buf
+}
+
+/// `data` written on `s` into a buffer of hprt's, then lent back as borrowed memory (a
+/// framework's tensor): the flag turns true once the borrow is released.
+pub fn borrowed(p: &dyn Platform, s: &Stream, data: &[u8]) -> (DeviceBuffer, Arc<AtomicBool>) {
+    let owner = produce(p, s, data);
+    let released = Arc::new(AtomicBool::new(false));
+    let (flag, keep) = (released.clone(), owner.clone());
+    // SAFETY: the release callback holds `owner`, so its memory outlives the borrow.
+    let buf = unsafe {
+        p.wrap_device_memory(
+            owner.device_ptr(),
+            data.len(),
+            Some(Box::new(move || {
+                drop(keep);
+                flag.store(true, Ordering::SeqCst);
+            })),
+        )
+    }
+    .unwrap();
+    (buf, released)
 }

@@ -75,11 +75,18 @@ class StreamTrace:
 
 def init_device_mesh(device_type=None, mesh_shape=None, mesh_dim_names=None):
     """hyper_parallel's / torch's ``init_device_mesh`` for the calling rank: ``mesh_shape``
-    defaults to ``(world_size,)``; ``device_type`` (if given) must name the hprt backend."""
+    defaults to ``(world_size,)``; ``device_type`` (if given) must be torch's device type of the
+    rank's platform memory (``"cuda"`` on the cuda backend, ``"cpu"`` on the cpu backend)."""
+    # hprt.torch's one mapping from a platform to torch's device names (imported here: hprt.torch
+    # imports this package).
+    from ..torch.runtimes import _torch_device_type
+
     ctx = _context()
-    if device_type is not None and device_type != ctx.platform.backend:
+    expected = _torch_device_type(ctx.platform)
+    if device_type is not None and device_type != expected:
         raise ValueError(
-            f"device_type {device_type!r}: the hprt platform of this rank is {ctx.platform.backend!r}"
+            f"device_type {device_type!r}: this rank's tensors are {expected!r} tensors "
+            f"(hprt platform {ctx.platform!r})"
         )
     shape = tuple(mesh_shape) if mesh_shape is not None else (ctx.world_size,)
     n = 1
