@@ -304,9 +304,10 @@ impl DlpackExporter for TensorView {
     }
 }
 
+#[pymethods]
 impl TensorView {
-    /// `__dlpack__`'s work, for `DeviceTensor.__dlpack__` too (the same keywords, checked once).
-    pub(crate) fn export(
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    pub(crate) fn __dlpack__(
         &self,
         py: Python<'_>,
         stream: Option<&Bound<'_, PyAny>>,
@@ -317,21 +318,6 @@ impl TensorView {
         let stream = stream.filter(|s| !s.is_none());
         let request = ExportRequest::parse(stream, max_version, dl_device, copy)?;
         export_dlpack(self, py, request)
-    }
-}
-
-#[pymethods]
-impl TensorView {
-    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
-    fn __dlpack__(
-        &self,
-        py: Python<'_>,
-        stream: Option<&Bound<'_, PyAny>>,
-        max_version: Option<(u32, u32)>,
-        dl_device: Option<(u32, i32)>,
-        copy: Option<bool>,
-    ) -> PyResult<Py<PyAny>> {
-        self.export(py, stream, max_version, dl_device, copy)
     }
 
     fn __dlpack_device__(&self) -> (u32, i32) {

@@ -107,7 +107,7 @@ impl PyDeviceTensor {
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
         self.view()?
-            .export(py, stream, max_version, dl_device, copy)
+            .__dlpack__(py, stream, max_version, dl_device, copy)
     }
     fn __dlpack_device__(&self) -> (u32, i32) {
         (dlpark::ffi::DLDeviceType::CPU.0, 0)

@@ -41,6 +41,13 @@ const EDGES16: [u16; 14] = [
     0x03ff, 0x7c00,
 ];
 
+/// `n` two-byte elements cycling through [`EDGES16`].
+fn edges16(n: usize) -> Vec<u8> {
+    (0..n)
+        .flat_map(|i| EDGES16[i % EDGES16.len()].to_le_bytes())
+        .collect()
+}
+
 /// Random two-byte elements with runs of one value and the edge patterns mixed in.
 fn mixed16(n: usize, seed: u64) -> Vec<u8> {
     let mut r = crate::data::SplitMix64::new(seed);
@@ -126,9 +133,7 @@ fn vector_and_scalar_coders_agree_on_edge_values_and_every_tail() {
         let src = mixed16(n, 77 + n as u64);
         check::<BF16>(&src);
         check::<F16>(&src);
-        let edges: Vec<u8> = (0..n)
-            .flat_map(|i| EDGES16[i % EDGES16.len()].to_le_bytes())
-            .collect();
+        let edges = edges16(n);
         check::<BF16>(&edges);
         check::<F16>(&edges);
     }
@@ -257,9 +262,7 @@ fn vector_sign_ranges_equal_the_scalar_ones() {
         let src = mixed16(n, n as u64);
         check::<BF16>(&src);
         check::<F16>(&src);
-        let edges: Vec<u8> = (0..n)
-            .flat_map(|i| EDGES16[i % EDGES16.len()].to_le_bytes())
-            .collect();
+        let edges = edges16(n);
         check::<BF16>(&edges);
         check::<F16>(&edges);
         // One sign only, either one.
