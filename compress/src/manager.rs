@@ -390,6 +390,17 @@ impl ActivationManager {
         self.take_windowed(key)
     }
 
+    /// Removes a registered tensor's entry and hands its memory over (the end of `take`).
+    fn forget(&mut self, key: TensorKey) -> Result<DeviceBuffer> {
+        let v = self.layers.get_mut(&key.layer).ok_or_else(|| {
+            CompressError::InvalidState(format!("no tensors registered in layer {}", key.layer.0))
+        })?;
+        let pos = v.iter().position(|e| e.index == key.index).ok_or_else(|| {
+            CompressError::InvalidState(format!("tensor {key:?} is not registered"))
+        })?;
+        Ok(v.remove(pos).tensor.storage)
+    }
+
     /// Forgets a registered tensor its framework will never read (the graph that saved it was
     /// dropped: a forward without backward, a partial backward): its buffer and any compressed
     /// copy go. Unknown keys are ignored (already taken or discarded).

@@ -146,15 +146,7 @@ impl ActivationManager {
                 s.recovered_sync += 1;
             }
         }
-        let v = self
-            .layers
-            .get_mut(&key.layer)
-            .expect("the entry was found above");
-        let pos = v
-            .iter()
-            .position(|e| e.index == key.index)
-            .expect("found above");
-        Ok(v.remove(pos).tensor.storage)
+        self.forget(key)
     }
 
     /// Before an entry goes (`discard`): its queued encode or decode has run, so nothing

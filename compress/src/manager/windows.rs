@@ -341,12 +341,6 @@ impl ActivationManager {
             _ => {}
         }
         self.recover(key.layer, key.index)?;
-        let v = self.layers.get_mut(&key.layer).ok_or_else(|| {
-            CompressError::InvalidState(format!("no tensors registered in layer {}", key.layer.0))
-        })?;
-        let pos = v.iter().position(|e| e.index == key.index).ok_or_else(|| {
-            CompressError::InvalidState(format!("tensor {key:?} is not registered"))
-        })?;
-        Ok(v.remove(pos).tensor.storage)
+        self.forget(key)
     }
 }
